@@ -1,0 +1,1 @@
+"""Benchmarks: each prints JSON lines and measures its baseline in the same run."""

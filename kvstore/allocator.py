@@ -1,0 +1,195 @@
+"""Offset allocator for a DRAM arena: best-fit over free extents, coalescing on free.
+
+All offsets and lengths are multiples of ``alignment``; requests are rounded
+up. Free extents are indexed three ways, kept consistent by ``_add_free`` and
+``_remove_free`` only:
+
+- ``_free_start``: start -> length, and ``_free_end``: end -> start, so a freed
+  extent merges with both neighbours in O(1);
+- ``_by_size``: length -> insertion-ordered set of starts, plus ``_sizes``, the
+  sorted distinct lengths, so best fit is one dict probe in the common case of
+  equal-sized KV blocks and a bisect otherwise.
+
+Invariants: free extents never touch or overlap (they are always merged);
+allocated and free extents tile ``[0, capacity)`` exactly.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvstore.errors import InvalidArgument
+
+
+class Extent(NamedTuple):
+    """A reserved range ``[offset, offset + length)`` of an arena."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorStats:
+    capacity: int
+    used: int
+    free: int
+    largest_free: int
+    num_allocated: int
+    num_free_extents: int
+
+    @property
+    def utilization(self) -> float:
+        return self.used / self.capacity if self.capacity else 0.0
+
+
+class Allocator:
+    """Best-fit allocator over ``[0, capacity)``. Not thread-safe; its owner serialises calls."""
+
+    def __init__(self, capacity: int, alignment: int = 64) -> None:
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+            raise InvalidArgument(f"alignment must be a positive power of two, got {alignment!r}")
+        if type(capacity) is not int or capacity < alignment:
+            raise InvalidArgument(
+                f"capacity must be an int of at least one alignment unit ({alignment}), got {capacity!r}"
+            )
+        self.capacity = capacity - capacity % alignment
+        self.alignment = alignment
+        self._mask = alignment - 1
+        self._free_start: dict[int, int] = {}
+        self._free_end: dict[int, int] = {}
+        self._by_size: dict[int, dict[int, None]] = {}
+        self._sizes: list[int] = []
+        self._allocated: dict[int, int] = {}
+        self.used = 0
+        self._add_free(0, self.capacity)
+
+    # -- free-extent index -------------------------------------------------
+    def _add_free(self, start: int, length: int) -> None:
+        self._free_start[start] = length
+        self._free_end[start + length] = start
+        bucket = self._by_size.get(length)
+        if bucket is None:
+            self._by_size[length] = {start: None}
+            insort(self._sizes, length)
+        else:
+            bucket[start] = None
+
+    def _remove_free(self, start: int, length: int) -> None:
+        del self._free_start[start]
+        del self._free_end[start + length]
+        bucket = self._by_size[length]
+        del bucket[start]
+        if not bucket:
+            del self._by_size[length]
+            del self._sizes[bisect_left(self._sizes, length)]
+
+    # -- public API ---------------------------------------------------------
+    def round_up(self, size: int) -> int:
+        return (size + self._mask) & ~self._mask
+
+    def alloc(self, size: int) -> Extent | None:
+        """Reserve ``size`` bytes (rounded up to the alignment); None when no free extent is large enough."""
+        if type(size) is not int or size <= 0:
+            raise InvalidArgument(f"allocation size must be a positive int, got {size!r}")
+        length = (size + self._mask) & ~self._mask
+        bucket = self._by_size.get(length)
+        if bucket:
+            start = next(iter(bucket))
+            self._remove_free(start, length)
+        else:
+            i = bisect_left(self._sizes, length)
+            if i == len(self._sizes):
+                return None
+            found = self._sizes[i]
+            start = next(iter(self._by_size[found]))
+            self._remove_free(start, found)
+            self._add_free(start + length, found - length)
+        self._allocated[start] = length
+        self.used += length
+        return Extent(start, length)
+
+    @classmethod
+    def rebuild(cls, capacity: int, alignment: int, allocated: list[tuple[int, int]]) -> Allocator:
+        """An allocator whose allocated extents are exactly ``allocated`` (offset, size) pairs.
+
+        Used when re-attaching an arena. Raises :class:`InvalidArgument` naming
+        the first extent that is misaligned, out of bounds or overlapping.
+        """
+        alloc = cls(capacity, alignment)
+        alloc._remove_free(0, alloc.capacity)
+        pos = 0
+        for offset, size in sorted(allocated):
+            length = alloc.round_up(size)
+            if offset & alloc._mask or size <= 0 or offset + length > alloc.capacity:
+                raise InvalidArgument(f"extent ({offset}, {size}) is misaligned or outside [0, {alloc.capacity})")
+            if offset < pos:
+                raise InvalidArgument(f"extent ({offset}, {size}) overlaps the extent that ends at {pos}")
+            if offset > pos:
+                alloc._add_free(pos, offset - pos)
+            alloc._allocated[offset] = length
+            alloc.used += length
+            pos = offset + length
+        if pos < alloc.capacity:
+            alloc._add_free(pos, alloc.capacity - pos)
+        return alloc
+
+    def free(self, extent: Extent) -> None:
+        """Return an extent from :meth:`alloc` or :meth:`rebuild`; freeing anything else raises."""
+        start, length = extent
+        if self._allocated.get(start) != length:
+            raise InvalidArgument(f"extent ({start}, {length}) is not allocated (double free or foreign extent)")
+        del self._allocated[start]
+        self.used -= length
+        before = self._free_end.get(start)
+        if before is not None:
+            self._remove_free(before, start - before)
+            length += start - before
+            start = before
+        after = self._free_start.get(start + length)
+        if after is not None:
+            self._remove_free(start + length, after)
+            length += after
+        self._add_free(start, length)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used
+
+    @property
+    def largest_free(self) -> int:
+        return self._sizes[-1] if self._sizes else 0
+
+    def stats(self) -> AllocatorStats:
+        return AllocatorStats(
+            capacity=self.capacity,
+            used=self.used,
+            free=self.capacity - self.used,
+            largest_free=self.largest_free,
+            num_allocated=len(self._allocated),
+            num_free_extents=len(self._free_start),
+        )
+
+    def check(self) -> None:
+        """Assert every invariant in the class docstring (for tests)."""
+        spans = sorted(
+            [(s, n, "a") for s, n in self._allocated.items()] + [(s, n, "f") for s, n in self._free_start.items()]
+        )
+        pos = 0
+        prev_kind = ""
+        for start, length, kind in spans:
+            assert start == pos, f"gap or overlap at {pos}: next span starts at {start}"
+            assert length > 0 and start % self.alignment == 0 and length % self.alignment == 0
+            assert not (kind == "f" and prev_kind == "f"), f"adjacent free extents at {start}"
+            pos += length
+            prev_kind = kind
+        assert pos == self.capacity, f"spans cover {pos} of {self.capacity}"
+        assert self.used == sum(self._allocated.values())
+        assert self._sizes == sorted(self._by_size)
+        assert all(self._free_end[s + n] == s for s, n in self._free_start.items())
+        assert sum(len(b) for b in self._by_size.values()) == len(self._free_start)

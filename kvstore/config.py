@@ -1,0 +1,209 @@
+"""Typed, frozen configuration models, one per component.
+
+Sizes accept ints (bytes) or strings such as ``"256MiB"``, ``"4GiB"`` or
+``"1.5GB"``. Unknown keys are errors. :func:`load` builds a model from keyword
+overrides and ``KVSTORE_<COMPONENT>_<FIELD>`` environment variables (nested
+fields joined by ``__``, e.g. ``KVSTORE_NODE_DRAM__CAPACITY=4GiB``); explicit
+keyword arguments win over the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Self, TypeVar
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from kvstore.errors import ConfigError, InvalidArgument
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1024**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object) -> int:
+    """Bytes in ``value``: an int, or a number with a unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, K, M, G, T)."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"size must be an int or a string such as '256MiB', not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgument(f"size must not be negative, got {value}")
+        return value
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match is not None and match.group(2).lower() in _UNITS:
+            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        raise InvalidArgument(f"size {value!r} is not a number with a unit such as '256MiB' or '4GiB'")
+    raise InvalidArgument(f"size must be an int or a string such as '256MiB', not {type(value).__name__}")
+
+
+def format_size(num_bytes: float) -> str:
+    """Human form of a byte count, in binary units (``"1.5 GiB"``)."""
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class DramConfig(_Frozen):
+    """The DRAM tier: an arena in a named shared-memory file."""
+
+    capacity: ByteSize = Field(default=parse_size("256MiB"), gt=0, description="Bytes of block data the arena holds.")
+    name: str = Field(
+        default="node0",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="Arena name; the file is <shm_dir>/kvstore-<name>.arena. Reusing a name re-attaches the arena.",
+    )
+    shm_dir: Path = Field(default=Path("/dev/shm"), description="Directory of the shared-memory file (a tmpfs).")
+    alignment: int = Field(default=64, ge=8, description="Extent alignment in bytes; a power of two.")
+    max_blocks: int = Field(
+        default=0,
+        ge=0,
+        description="Index slots, i.e. most blocks held at once; 0 means one per 16 KiB of capacity (at least 1024).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.alignment & (self.alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {self.alignment}")
+        return self
+
+    @property
+    def num_slots(self) -> int:
+        return self.max_blocks or max(1024, self.capacity // (16 * 1024))
+
+
+class SsdConfig(_Frozen):
+    """The SSD tier: an LMDB environment on local disk."""
+
+    capacity: ByteSize = Field(default=0, ge=0, description="Bytes of block data; 0 (the default) disables the tier.")
+    path: Path | None = Field(
+        default=None, description="Directory of the LMDB environment; required when capacity > 0."
+    )
+    map_size: ByteSize = Field(
+        default=0,
+        ge=0,
+        description="LMDB map size; 0 means 2 x capacity + 64 MiB, which covers page rounding of values.",
+    )
+    sync: bool = Field(
+        default=False,
+        description="fsync every commit. Off, a committed block survives a process crash but not a power loss.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.capacity > 0 and self.path is None:
+            raise ValueError("ssd.path is required when ssd.capacity > 0")
+        if self.map_size and self.map_size < self.capacity:
+            raise ValueError(f"ssd.map_size ({self.map_size}) must be at least ssd.capacity ({self.capacity})")
+        return self
+
+    @property
+    def effective_map_size(self) -> int:
+        return self.map_size or 2 * self.capacity + 64 * 1024**2
+
+
+class EvictionConfig(_Frozen):
+    """When tiers evict and when SSD blocks come back to DRAM."""
+
+    high_watermark: float = Field(default=0.95, gt=0, le=1, description="Evict when a put would fill a tier past this.")
+    low_watermark: float = Field(default=0.90, gt=0, le=1, description="Evict down to this fraction of capacity.")
+    promote_after_hits: int = Field(
+        default=2, ge=0, description="Promote an SSD block to DRAM after this many reads; 0 never promotes."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"low_watermark ({self.low_watermark}) must not exceed high_watermark ({self.high_watermark})"
+            )
+        return self
+
+
+class NodeConfig(_Frozen):
+    """One node's tiered store (DRAM arena + LMDB SSD tier)."""
+
+    dram: DramConfig = Field(default_factory=DramConfig)
+    ssd: SsdConfig = Field(default_factory=SsdConfig)
+    eviction: EvictionConfig = Field(default_factory=EvictionConfig)
+    verify_reads: bool = Field(default=False, description="Verify every block's checksum when it is read.")
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def env_overrides(prefix: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Nested dict of the variables that start with ``prefix``; ``__`` separates nesting levels."""
+    out: dict[str, Any] = {}
+    for name, value in (os.environ if environ is None else environ).items():
+        if not name.startswith(prefix) or name == prefix:
+            continue
+        path = name[len(prefix) :].lower().split("__")
+        node = out
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"environment variable {name} nests under a scalar setting {part!r}")
+            node = child
+        node[path[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        elif isinstance(value, BaseModel) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value.model_dump(exclude_unset=True))
+        else:
+            out[key] = value
+    return out
+
+
+def load(model: type[ModelT], component: str, environ: Mapping[str, str] | None = None, **overrides: Any) -> ModelT:
+    """Build ``model`` from ``KVSTORE_<COMPONENT>_*`` variables, then ``overrides``.
+
+    Raises :class:`ConfigError` naming every unknown or malformed setting.
+    """
+    prefix = f"KVSTORE_{component.upper()}_"
+    merged = _merge(env_overrides(prefix, environ), overrides)
+    try:
+        return model.model_validate(merged)
+    except ValidationError as exc:
+        problems = "; ".join(f"{_setting_name(err['loc'], prefix, overrides)}: {err['msg']}" for err in exc.errors())
+        raise ConfigError(f"invalid {component} config: {problems}") from None
+
+
+def _setting_name(loc: tuple[int | str, ...], prefix: str, overrides: Mapping[str, Any]) -> str:
+    """The name a user wrote: the environment variable, or the dotted keyword path."""
+    if loc and loc[0] not in overrides:
+        return prefix + "__".join(str(p) for p in loc).upper()
+    return ".".join(str(p) for p in loc) or "config"

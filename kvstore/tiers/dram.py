@@ -1,0 +1,385 @@
+"""The DRAM tier: an arena of block bytes and its index in one shared-memory file.
+
+File layout (``<shm_dir>/kvstore-<name>.arena``, little-endian)::
+
+    [0, 4096)             header: magic, version, geometry, xxh3 of the header
+    [4096, data_offset)   slot table: num_slots x 320-byte slots
+    [data_offset, +cap)   data region, carved by :class:`kvstore.allocator.Allocator`
+
+A slot is ``state u8, flags u8, key_len u16, pad u32, offset u64, size u64,
+checksum u64, seq u64, key[256]``. A block is written in this order: slot fields
+with state WRITING, then its bytes, then the single state byte COMMITTED. The
+file is a MAP_SHARED mapping of a tmpfs file, so every store has reached the
+file when the process dies, however it dies; re-opening keeps COMMITTED slots
+and frees WRITING ones. Hence a killed daemon restarts with its DRAM blocks,
+and a same-host client can later map the same file.
+
+One process owns an arena for writing at a time (an exclusive ``flock``).
+Invariants: ``_entries`` holds exactly the COMMITTED slots; ``_pending`` the
+WRITING ones; their extents are exactly the allocator's allocated extents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from kvstore.allocator import Allocator, Extent
+from kvstore.config import DramConfig
+from kvstore.errors import (
+    BufferTooSmall,
+    ConfigError,
+    CorruptStore,
+    InvalidArgument,
+    NotFound,
+    StoreBusy,
+    StoreClosed,
+)
+from kvstore.keys import MAX_KEY_BYTES, BlockKey
+from kvstore.tiers.base import TierEntry
+
+MAGIC = b"KVSARENA"
+VERSION = 1
+HEADER_SIZE = 4096
+SLOT_SIZE = 320
+_HEADER = struct.Struct("<8sIIQQIIQ")  # magic, version, slot_size, capacity, num_slots, alignment, pad, data_offset
+_HEADER_SUM = struct.Struct("<Q")
+_SLOT = struct.Struct("<BBHIQQQQ")  # state, flags, key_len, pad, offset, size, checksum, seq
+_SEQ = struct.Struct("<Q")
+_SEQ_OFFSET = 32
+_KEY_OFFSET = _SLOT.size
+
+FREE, WRITING, COMMITTED = 0, 1, 2
+FLAG_PINNED = 1
+
+_SLOT_DTYPE = np.dtype(
+    {
+        "names": ["state", "flags", "key_len", "offset", "size", "checksum", "seq"],
+        "formats": ["u1", "u1", "<u2", "<u8", "<u8", "<u8", "<u8"],
+        "offsets": [0, 1, 2, 8, 16, 24, 32],
+        "itemsize": SLOT_SIZE,
+    }
+)
+
+
+def _page_round(n: int) -> int:
+    return (n + 4095) & ~4095
+
+
+@dataclass(slots=True)
+class _Slot:
+    index: int
+    extent: Extent
+    size: int
+    checksum: int
+    seq: int
+    pinned: bool
+
+
+def arena_path(config: DramConfig) -> Path:
+    return config.shm_dir / f"kvstore-{config.name}.arena"
+
+
+class DramArena:
+    """A capacity-bounded block store in a shared-memory file that survives its process."""
+
+    def __init__(self, config: DramConfig, *, create: bool = True) -> None:
+        self.config = config
+        self.path = arena_path(config)
+        self.capacity = config.capacity
+        self.num_slots = config.num_slots
+        self._entries: dict[str, _Slot] = {}
+        self._pending: dict[str, _Slot] = {}
+        self._closed = False
+        if not self.path.exists():
+            if not create:
+                raise CorruptStore(f"DRAM arena {self.path} does not exist")
+            self._create()
+        self._fd = self._open_locked()
+        try:
+            self._mm = self._map_and_check()
+            self._buf = memoryview(self._mm)
+            self._alloc, self._free_slots = self._recover()
+        except BaseException:
+            if hasattr(self, "_buf"):
+                self._buf.release()
+            if hasattr(self, "_mm"):
+                self._mm.close()
+            os.close(self._fd)
+            raise
+
+    # -- open / create ------------------------------------------------------
+    def _geometry(self) -> tuple[int, int]:
+        slot_offset = HEADER_SIZE
+        data_offset = _page_round(slot_offset + self.num_slots * SLOT_SIZE)
+        return data_offset, data_offset + self.capacity
+
+    def _create(self) -> None:
+        data_offset, total = self._geometry()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            header = _HEADER.pack(
+                MAGIC, VERSION, SLOT_SIZE, self.capacity, self.num_slots, self.config.alignment, 0, data_offset
+            )
+            os.pwrite(fd, header + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(header)), 0)
+        finally:
+            os.close(fd)
+        # Rename last: a crash mid-create leaves a stray temp file, never a half-made arena.
+        os.rename(tmp, self.path)
+
+    def _open_locked(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError as exc:
+            raise CorruptStore(f"cannot open DRAM arena {self.path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreBusy(f"DRAM arena {self.path} is open for writing in another process") from None
+        return fd
+
+    def _map_and_check(self) -> mmap.mmap:
+        size = os.fstat(self._fd).st_size
+        if size < HEADER_SIZE:
+            raise CorruptStore(f"DRAM arena {self.path} is truncated: {size} bytes, smaller than its header")
+        header = os.pread(self._fd, _HEADER.size + _HEADER_SUM.size, 0)
+        magic, version, slot_size, capacity, num_slots, alignment, _, data_offset = _HEADER.unpack_from(header)
+        if magic != MAGIC:
+            raise CorruptStore(f"{self.path} is not a kvstore DRAM arena (magic {magic!r})")
+        (stored_sum,) = _HEADER_SUM.unpack_from(header, _HEADER.size)
+        if stored_sum != xxhash.xxh3_64_intdigest(header[: _HEADER.size]):
+            raise CorruptStore(f"DRAM arena {self.path} has a corrupt header (checksum mismatch)")
+        if version != VERSION or slot_size != SLOT_SIZE:
+            raise CorruptStore(f"DRAM arena {self.path} has format version {version}; this kvstore reads {VERSION}")
+        if (capacity, num_slots, alignment) != (self.capacity, self.num_slots, self.config.alignment):
+            raise ConfigError(
+                f"DRAM arena {self.path} was created with capacity={capacity}, slots={num_slots}, "
+                f"alignment={alignment}; the config asks for capacity={self.capacity}, "
+                f"slots={self.num_slots}, alignment={self.config.alignment}"
+            )
+        expected_data_offset, total = self._geometry()
+        if data_offset != expected_data_offset:
+            raise CorruptStore(f"DRAM arena {self.path} has an inconsistent header (data offset {data_offset})")
+        if size != total:
+            raise CorruptStore(f"DRAM arena {self.path} is {size} bytes; its header says {total} (truncated?)")
+        self._data_offset = data_offset
+        return mmap.mmap(self._fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def _recover(self) -> tuple[Allocator, list[int]]:
+        """Rebuild the index from COMMITTED slots; free WRITING ones (puts cut short by a crash)."""
+        slots = np.frombuffer(self._mm, dtype=_SLOT_DTYPE, count=self.num_slots, offset=HEADER_SIZE)
+        states = slots["state"]
+        if int(states.max(initial=0)) > COMMITTED:
+            bad = int(np.argmax(states > COMMITTED))
+            raise CorruptStore(f"DRAM arena {self.path}: slot {bad} has invalid state {int(states[bad])}")
+        for index in np.flatnonzero(states == WRITING).tolist():
+            self._mm[HEADER_SIZE + index * SLOT_SIZE] = FREE
+        used = np.flatnonzero(states == COMMITTED)
+        extents: list[tuple[int, int]] = []
+        rows = slots[used]
+        for index, key_len, flags, offset, size, check, seq in zip(
+            used.tolist(),
+            rows["key_len"].tolist(),
+            rows["flags"].tolist(),
+            rows["offset"].tolist(),
+            rows["size"].tolist(),
+            rows["checksum"].tolist(),
+            rows["seq"].tolist(),
+            strict=True,
+        ):
+            base = HEADER_SIZE + index * SLOT_SIZE + _KEY_OFFSET
+            if not 0 < key_len <= MAX_KEY_BYTES:
+                raise CorruptStore(f"DRAM arena {self.path}: slot {index} has key length {key_len}")
+            try:
+                key = bytes(self._mm[base : base + key_len]).decode("utf-8")
+            except UnicodeDecodeError:
+                raise CorruptStore(f"DRAM arena {self.path}: slot {index} holds a key that is not UTF-8") from None
+            if key in self._entries:
+                raise CorruptStore(f"DRAM arena {self.path}: key {key!r} is in two slots")
+            extent = Extent(offset, (size + self.config.alignment - 1) & ~(self.config.alignment - 1))
+            self._entries[key] = _Slot(index, extent, size, check, seq, bool(flags & FLAG_PINNED))
+            extents.append((offset, size))
+        try:
+            alloc = Allocator.rebuild(self.capacity, self.config.alignment, extents)
+        except InvalidArgument as exc:
+            raise CorruptStore(f"DRAM arena {self.path}: {exc}") from None
+        used_set = set(used.tolist())
+        free_slots = [i for i in range(self.num_slots - 1, -1, -1) if i not in used_set]
+        return alloc, free_slots
+
+    # -- Tier interface -----------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self._alloc.used
+
+    @property
+    def allocator(self) -> Allocator:
+        return self._alloc
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _slot(self, key: str) -> _Slot:
+        slot = self._entries.get(key)
+        if slot is None:
+            self._check_open()
+            raise NotFound(f"key {key!r} is not in DRAM arena {self.config.name}")
+        return slot
+
+    def entry(self, key: BlockKey) -> TierEntry:
+        s = self._slot(key)
+        return TierEntry(key, s.size, s.checksum, s.seq, s.pinned)
+
+    def entries(self) -> Iterator[TierEntry]:
+        for key, s in list(self._entries.items()):
+            yield TierEntry(BlockKey(key), s.size, s.checksum, s.seq, s.pinned)
+
+    def extent(self, key: BlockKey) -> Extent:
+        """Where the block lives in the data region (for zero-copy transports)."""
+        return self._slot(key).extent
+
+    def begin(self, key: BlockKey, size: int) -> memoryview | None:
+        """Reserve room for ``key`` and return a writable view of it; None when there is no room.
+
+        The block stays invisible until :meth:`commit`; :meth:`abort` (or a
+        crash) releases it.
+        """
+        self._check_open()
+        if key in self._entries or key in self._pending:
+            raise InvalidArgument(f"key {key!r} is already in DRAM arena {self.config.name}")
+        if size <= 0:
+            raise InvalidArgument(f"block size must be positive, got {size}")
+        if not self._free_slots:
+            return None
+        extent = self._alloc.alloc(size)
+        if extent is None:
+            return None
+        index = self._free_slots.pop()
+        raw = key.encode("utf-8")
+        base = HEADER_SIZE + index * SLOT_SIZE
+        _SLOT.pack_into(self._mm, base, WRITING, 0, len(raw), 0, extent.offset, size, 0, 0)
+        self._mm[base + _KEY_OFFSET : base + _KEY_OFFSET + len(raw)] = raw
+        self._pending[key] = _Slot(index, extent, size, 0, 0, False)
+        start = self._data_offset + extent.offset
+        return self._buf[start : start + size]
+
+    def commit(self, key: BlockKey, checksum: int, seq: int, pinned: bool = False) -> None:
+        slot = self._pending.pop(key)
+        slot.checksum, slot.seq, slot.pinned = checksum, seq, pinned
+        base = HEADER_SIZE + slot.index * SLOT_SIZE
+        _SLOT.pack_into(
+            self._mm, base, WRITING, FLAG_PINNED if pinned else 0, len(key.encode("utf-8")), 0,
+            slot.extent.offset, slot.size, checksum, seq,
+        )  # fmt: skip
+        self._mm[base] = COMMITTED
+        self._entries[key] = slot
+
+    def abort(self, key: BlockKey) -> None:
+        slot = self._pending.pop(key)
+        self._release(slot)
+
+    def _release(self, slot: _Slot) -> None:
+        self._mm[HEADER_SIZE + slot.index * SLOT_SIZE] = FREE
+        self._alloc.free(slot.extent)
+        self._free_slots.append(slot.index)
+
+    def store(self, key: BlockKey, data: memoryview, checksum: int, seq: int, pinned: bool = False) -> bool:
+        dst = self.begin(key, data.nbytes)
+        if dst is None:
+            return False
+        try:
+            dst[:] = data
+        except BaseException:
+            dst.release()
+            self.abort(key)
+            raise
+        dst.release()
+        self.commit(key, checksum, seq, pinned)
+        return True
+
+    def store_many(self, items: Sequence[tuple[BlockKey, memoryview, int, int, bool]]) -> list[bool]:
+        return [self.store(*item) for item in items]
+
+    def view(self, key: BlockKey) -> memoryview:
+        """A read-only view of the block's bytes in the arena; release it before the block is deleted."""
+        s = self._slot(key)
+        start = self._data_offset + s.extent.offset
+        return self._buf[start : start + s.size].toreadonly()
+
+    def read_into(self, key: BlockKey, dst: memoryview) -> int:
+        s = self._slot(key)
+        if dst.nbytes < s.size:
+            raise BufferTooSmall(f"buffer of {dst.nbytes} bytes cannot hold block {key!r} of {s.size} bytes")
+        start = self._data_offset + s.extent.offset
+        dst[: s.size] = self._buf[start : start + s.size]
+        return s.size
+
+    def read(self, key: BlockKey) -> bytes:
+        s = self._slot(key)
+        start = self._data_offset + s.extent.offset
+        return self._mm[start : start + s.size]
+
+    def delete(self, key: BlockKey) -> int:
+        slot = self._slot(key)
+        del self._entries[key]
+        self._release(slot)
+        return slot.size
+
+    def delete_many(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            self.delete(key)
+
+    def touch(self, key: BlockKey, seq: int) -> None:
+        slot = self._slot(key)
+        slot.seq = seq
+        _SEQ.pack_into(self._mm, HEADER_SIZE + slot.index * SLOT_SIZE + _SEQ_OFFSET, seq)
+
+    def set_pinned(self, key: BlockKey, pinned: bool) -> None:
+        slot = self._slot(key)
+        slot.pinned = pinned
+        self._mm[HEADER_SIZE + slot.index * SLOT_SIZE + 1] = FLAG_PINNED if pinned else 0
+
+    # -- lifecycle ----------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"DRAM arena {self.config.name} is closed")
+
+    def close(self) -> None:
+        """Unmap and unlock; the file and its blocks stay for the next open. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for key in list(self._pending):
+            self.abort(BlockKey(key))
+        self._entries.clear()
+        # A caller may still hold a view(); the mapping then goes when that view does.
+        with contextlib.suppress(BufferError):
+            self._buf.release()
+            self._mm.close()
+        os.close(self._fd)
+
+    def destroy(self) -> None:
+        """Close and delete the shared-memory file and every block in it."""
+        self.close()
+        self.path.unlink(missing_ok=True)
+
+    @staticmethod
+    def remove(config: DramConfig) -> None:
+        """Delete the arena file of ``config`` if there is one (it must not be open)."""
+        arena_path(config).unlink(missing_ok=True)

@@ -1,0 +1,270 @@
+"""The SSD tier: blocks in an LMDB environment on local disk.
+
+Two named databases: ``meta`` (key -> size u64, checksum u64, seq u64, flags
+u8) and ``data`` (key -> bytes), plus ``info`` holding the format marker that
+tells our environment from a foreign one. A block's meta and data are written
+in the same transaction, so a block is either wholly there or absent after any
+crash. Reads copy straight out of LMDB's map (``buffers=True``) into the
+caller's buffer.
+
+``used`` counts block bytes, and ``capacity`` bounds it. LMDB stores a large
+value in whole pages, so the map is sized at twice the capacity by default;
+should it still fill (``MDB_MAP_FULL``), :meth:`store` reports no room.
+
+One process owns an environment at a time (an exclusive ``flock`` on
+``kvstore.lock`` beside it). The in-memory index mirrors ``meta``; ``seq``
+updates by :meth:`touch` stay in memory (persisting every read would cost a
+write transaction), so after a restart blocks are ordered by when they were
+written to this tier.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from kvstore.config import SsdConfig
+from kvstore.errors import BufferTooSmall, CorruptStore, InvalidArgument, NotFound, StoreBusy, StoreClosed
+from kvstore.keys import BlockKey
+from kvstore.tiers.base import TierEntry
+
+FORMAT = b"kvstore-ssd-v1"
+_META = struct.Struct("<QQQB")  # size, checksum, seq, flags
+FLAG_PINNED = 1
+
+
+@dataclass(slots=True)
+class _Meta:
+    size: int
+    checksum: int
+    seq: int
+    pinned: bool
+
+
+class SsdTier:
+    """A capacity-bounded block store in LMDB. Single-threaded: its owner serialises calls."""
+
+    def __init__(self, config: SsdConfig) -> None:
+        if config.path is None or config.capacity <= 0:
+            raise InvalidArgument("the SSD tier needs ssd.path and a positive ssd.capacity")
+        self.config = config
+        self.path = Path(config.path)
+        self.capacity = config.capacity
+        self._index: dict[str, _Meta] = {}
+        self._used = 0
+        self._closed = False
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.path / "kvstore.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StoreBusy(f"SSD tier {self.path} is open in another process") from None
+        try:
+            self._open()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    def _open(self) -> None:
+        data_file = self.path / "data.mdb"
+        existed = data_file.exists()
+        try:
+            self._env = lmdb.open(
+                str(self.path),
+                map_size=self.config.effective_map_size,
+                subdir=True,
+                max_dbs=4,
+                sync=self.config.sync,
+                metasync=self.config.sync,
+                readahead=False,
+                max_readers=64,
+            )
+        except lmdb.Error as exc:
+            raise CorruptStore(f"SSD tier {self.path} cannot be opened as LMDB: {exc}") from None
+        try:
+            self._check_size(data_file)
+            with self._env.begin(write=not existed) as txn:
+                info = self._env.open_db(b"info", txn=txn, create=not existed)
+                marker = txn.get(b"format", db=info)
+                if not existed:
+                    txn.put(b"format", FORMAT, db=info)
+                elif marker != FORMAT:
+                    raise CorruptStore(f"{self.path} is an LMDB environment but not a kvstore SSD tier ({marker!r})")
+            with self._env.begin(write=True) as txn:
+                self._meta = self._env.open_db(b"meta", txn=txn)
+                self._data = self._env.open_db(b"data", txn=txn)
+            with self._env.begin() as txn:
+                for raw_key, raw in txn.cursor(db=self._meta):
+                    self._load_entry(raw_key, raw)
+        except lmdb.Error as exc:
+            self._env.close()
+            raise CorruptStore(f"SSD tier {self.path} is damaged: {exc}") from None
+        except BaseException:
+            self._env.close()
+            raise
+
+    def _check_size(self, data_file: Path) -> None:
+        """A data file shorter than LMDB's last page would fault on first touch: refuse it."""
+        needed = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
+        have = data_file.stat().st_size
+        if have < needed:
+            raise CorruptStore(f"SSD tier {self.path} is truncated: data.mdb has {have} bytes, LMDB needs {needed}")
+
+    def _load_entry(self, raw_key: bytes, raw: bytes) -> None:
+        if len(raw) != _META.size:
+            raise CorruptStore(
+                f"SSD tier {self.path}: record of {raw_key[:40]!r} is {len(raw)} bytes, not {_META.size}"
+            )
+        size, check, seq, flags = _META.unpack(raw)
+        try:
+            key = raw_key.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptStore(f"SSD tier {self.path} holds a key that is not UTF-8: {raw_key[:40]!r}") from None
+        self._index[key] = _Meta(size, check, seq, bool(flags & FLAG_PINNED))
+        self._used += size
+
+    # -- Tier interface -----------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _get_meta(self, key: str) -> _Meta:
+        meta = self._index.get(key)
+        if meta is None:
+            self._check_open()
+            raise NotFound(f"key {key!r} is not in SSD tier {self.path}")
+        return meta
+
+    def entry(self, key: BlockKey) -> TierEntry:
+        m = self._get_meta(key)
+        return TierEntry(key, m.size, m.checksum, m.seq, m.pinned)
+
+    def entries(self) -> Iterator[TierEntry]:
+        for key, m in list(self._index.items()):
+            yield TierEntry(BlockKey(key), m.size, m.checksum, m.seq, m.pinned)
+
+    def store(self, key: BlockKey, data: memoryview, checksum: int, seq: int, pinned: bool = False) -> bool:
+        return self.store_many([(key, data, checksum, seq, pinned)])[0]
+
+    def store_many(self, items: Sequence[tuple[BlockKey, memoryview, int, int, bool]]) -> list[bool]:
+        """Write blocks in one transaction; a block that does not fit reports False, the others are kept."""
+        self._check_open()
+        fits: list[bool] = []
+        budget = self.capacity - self._used
+        for key, data, _, _, _ in items:
+            if key in self._index:
+                raise InvalidArgument(f"key {key!r} is already in SSD tier {self.path}")
+            ok = 0 < data.nbytes <= budget
+            budget -= data.nbytes if ok else 0
+            fits.append(ok)
+        chosen = [item for item, ok in zip(items, fits, strict=True) if ok]
+        if not chosen:
+            return fits
+        try:
+            self._write(chosen)
+        except lmdb.MapFullError:
+            if len(chosen) == 1:
+                return [False] * len(items)
+            # Fall back to one transaction a block so that whatever fits is kept.
+            for i, item in enumerate(items):
+                if fits[i]:
+                    try:
+                        self._write([item])
+                    except lmdb.MapFullError:
+                        fits[i] = False
+            return fits
+        return fits
+
+    def _write(self, items: Sequence[tuple[BlockKey, memoryview, int, int, bool]]) -> None:
+        try:
+            with self._env.begin(write=True) as txn:
+                for key, data, check, seq, pinned in items:
+                    raw_key = key.encode("utf-8")
+                    txn.put(raw_key, _META.pack(data.nbytes, check, seq, FLAG_PINNED if pinned else 0), db=self._meta)
+                    txn.put(raw_key, data, db=self._data)
+        except lmdb.MapFullError:
+            raise
+        except lmdb.Error as exc:
+            raise CorruptStore(f"SSD tier {self.path}: write failed: {exc}") from None
+        for key, data, check, seq, pinned in items:
+            self._index[key] = _Meta(data.nbytes, check, seq, pinned)
+            self._used += data.nbytes
+
+    def read_into(self, key: BlockKey, dst: memoryview) -> int:
+        meta = self._get_meta(key)
+        if dst.nbytes < meta.size:
+            raise BufferTooSmall(f"buffer of {dst.nbytes} bytes cannot hold block {key!r} of {meta.size} bytes")
+        with self._env.begin(buffers=True) as txn:
+            src = txn.get(key.encode("utf-8"), db=self._data)
+            if src is None or len(src) != meta.size:
+                raise CorruptStore(f"SSD tier {self.path}: data of {key!r} is missing or has the wrong size")
+            dst[: meta.size] = src
+        return meta.size
+
+    def read(self, key: BlockKey) -> bytes:
+        out = bytearray(self._get_meta(key).size)
+        self.read_into(key, memoryview(out))
+        return bytes(out)
+
+    def delete(self, key: BlockKey) -> int:
+        size = self._get_meta(key).size
+        self.delete_many([key])
+        return size
+
+    def delete_many(self, keys: Sequence[BlockKey]) -> None:
+        """Delete blocks in one transaction; raises :class:`NotFound` (deleting nothing) if any is absent."""
+        metas = [self._get_meta(key) for key in keys]
+        try:
+            with self._env.begin(write=True) as txn:
+                for key in keys:
+                    raw_key = key.encode("utf-8")
+                    txn.delete(raw_key, db=self._meta)
+                    txn.delete(raw_key, db=self._data)
+        except lmdb.Error as exc:
+            raise CorruptStore(f"SSD tier {self.path}: delete failed: {exc}") from None
+        for key, meta in zip(keys, metas, strict=True):
+            del self._index[key]
+            self._used -= meta.size
+
+    def touch(self, key: BlockKey, seq: int) -> None:
+        self._get_meta(key).seq = seq
+
+    def set_pinned(self, key: BlockKey, pinned: bool) -> None:
+        meta = self._get_meta(key)
+        with self._env.begin(write=True) as txn:
+            txn.put(
+                key.encode("utf-8"),
+                _META.pack(meta.size, meta.checksum, meta.seq, FLAG_PINNED if pinned else 0),
+                db=self._meta,
+            )
+        meta.pinned = pinned
+
+    # -- lifecycle ----------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"SSD tier {self.path} is closed")
+
+    def close(self) -> None:
+        """Flush and close the environment; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._index.clear()
+        try:
+            self._env.sync(True)
+        finally:
+            self._env.close()
+            os.close(self._lock_fd)

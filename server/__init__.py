@@ -1,0 +1,1 @@
+"""Server processes: master, storage daemon, conductor and the local cluster launcher (from the Cluster issue)."""

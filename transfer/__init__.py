@@ -1,0 +1,1 @@
+"""Transfer engine: moves block bytes between clients and daemons (transports arrive with the Cluster issue)."""
