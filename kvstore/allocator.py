@@ -98,18 +98,37 @@ class Allocator:
         if type(size) is not int or size <= 0:
             raise InvalidArgument(f"allocation size must be a positive int, got {size!r}")
         length = (size + self._mask) & ~self._mask
-        bucket = self._by_size.get(length)
+        # The index updates of _remove_free/_add_free, inlined: this is the hot path.
+        by_size, sizes = self._by_size, self._sizes
+        bucket = by_size.get(length)
         if bucket:
-            start = next(iter(bucket))
-            self._remove_free(start, length)
+            start = bucket.popitem()[0]
+            if not bucket:
+                del by_size[length]
+                del sizes[bisect_left(sizes, length)]
+            del self._free_start[start]
+            del self._free_end[start + length]
         else:
-            i = bisect_left(self._sizes, length)
-            if i == len(self._sizes):
+            i = bisect_left(sizes, length)
+            if i == len(sizes):
                 return None
-            found = self._sizes[i]
-            start = next(iter(self._by_size[found]))
-            self._remove_free(start, found)
-            self._add_free(start + length, found - length)
+            found = sizes[i]
+            bucket = by_size[found]
+            start = bucket.popitem()[0]
+            if not bucket:
+                del by_size[found]
+                del sizes[i]
+            # Keep the tail of the extent free: same end, new start and length.
+            rest, rest_len = start + length, found - length
+            del self._free_start[start]
+            self._free_start[rest] = rest_len
+            self._free_end[start + found] = rest
+            rest_bucket = by_size.get(rest_len)
+            if rest_bucket is None:
+                by_size[rest_len] = {rest: None}
+                insort(sizes, rest_len)
+            else:
+                rest_bucket[rest] = None
         self._allocated[start] = length
         self.used += length
         return Extent(start, length)

@@ -39,8 +39,8 @@ def validate_key(key: object) -> BlockKey:
     ``bytes`` keys must be valid UTF-8 and are decoded to ``str``.
     """
     if type(key) is str:
-        # Fast path: at most 64 code points is at most 256 bytes of UTF-8.
-        if 0 < len(key) <= MAX_KEY_BYTES // 4:
+        # Fast path: an ASCII string has one byte of UTF-8 per character.
+        if 0 < len(key) <= MAX_KEY_BYTES and key.isascii():
             return BlockKey(key)
         text = key
     elif isinstance(key, bytes | bytearray | memoryview):

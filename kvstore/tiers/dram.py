@@ -110,10 +110,11 @@ class DramArena:
             self._buf = memoryview(self._mm)
             self._alloc, self._free_slots = self._recover()
         except BaseException:
-            if hasattr(self, "_buf"):
-                self._buf.release()
-            if hasattr(self, "_mm"):
-                self._mm.close()
+            with contextlib.suppress(BufferError):
+                if hasattr(self, "_buf"):
+                    self._buf.release()
+                if hasattr(self, "_mm"):
+                    self._mm.close()
             os.close(self._fd)
             raise
 
@@ -178,18 +179,30 @@ class DramArena:
         self._data_offset = data_offset
         return mmap.mmap(self._fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
+    def _read_slot_table(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """Copies of the slot states, the COMMITTED slot numbers and their fields.
+
+        Copies, so that no numpy view of the mapping outlives this call (a live
+        view would keep the mapping from closing).
+        """
+        slots = np.frombuffer(self._mm, dtype=_SLOT_DTYPE, count=self.num_slots, offset=HEADER_SIZE)
+        try:
+            states = slots["state"].copy()
+            used = np.flatnonzero(states == COMMITTED)
+            rows = {name: slots[name][used] for name in _SLOT_DTYPE.names or ()}
+        finally:
+            del slots
+        return states, used, rows
+
     def _recover(self) -> tuple[Allocator, list[int]]:
         """Rebuild the index from COMMITTED slots; free WRITING ones (puts cut short by a crash)."""
-        slots = np.frombuffer(self._mm, dtype=_SLOT_DTYPE, count=self.num_slots, offset=HEADER_SIZE)
-        states = slots["state"]
+        states, used, rows = self._read_slot_table()
         if int(states.max(initial=0)) > COMMITTED:
             bad = int(np.argmax(states > COMMITTED))
             raise CorruptStore(f"DRAM arena {self.path}: slot {bad} has invalid state {int(states[bad])}")
         for index in np.flatnonzero(states == WRITING).tolist():
             self._mm[HEADER_SIZE + index * SLOT_SIZE] = FREE
-        used = np.flatnonzero(states == COMMITTED)
         extents: list[tuple[int, int]] = []
-        rows = slots[used]
         for index, key_len, flags, offset, size, check, seq in zip(
             used.tolist(),
             rows["key_len"].tolist(),

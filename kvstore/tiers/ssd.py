@@ -44,7 +44,10 @@ class _Meta:
     size: int
     checksum: int
     seq: int
+    """Last use, in memory only."""
     pinned: bool
+    stored_seq: int
+    """The seq on disk: when the block was written to this tier."""
 
 
 class SsdTier:
@@ -91,7 +94,10 @@ class SsdTier:
         try:
             self._check_size(data_file)
             with self._env.begin(write=not existed) as txn:
-                info = self._env.open_db(b"info", txn=txn, create=not existed)
+                try:
+                    info = self._env.open_db(b"info", txn=txn, create=not existed)
+                except lmdb.NotFoundError:
+                    raise CorruptStore(f"{self.path} is an LMDB environment but not a kvstore SSD tier") from None
                 marker = txn.get(b"format", db=info)
                 if not existed:
                     txn.put(b"format", FORMAT, db=info)
@@ -127,7 +133,7 @@ class SsdTier:
             key = raw_key.decode("utf-8")
         except UnicodeDecodeError:
             raise CorruptStore(f"SSD tier {self.path} holds a key that is not UTF-8: {raw_key[:40]!r}") from None
-        self._index[key] = _Meta(size, check, seq, bool(flags & FLAG_PINNED))
+        self._index[key] = _Meta(size, check, seq, bool(flags & FLAG_PINNED), seq)
         self._used += size
 
     # -- Tier interface -----------------------------------------------------
@@ -200,7 +206,7 @@ class SsdTier:
         except lmdb.Error as exc:
             raise CorruptStore(f"SSD tier {self.path}: write failed: {exc}") from None
         for key, data, check, seq, pinned in items:
-            self._index[key] = _Meta(data.nbytes, check, seq, pinned)
+            self._index[key] = _Meta(data.nbytes, check, seq, pinned, seq)
             self._used += data.nbytes
 
     def read_into(self, key: BlockKey, dst: memoryview) -> int:
@@ -247,7 +253,7 @@ class SsdTier:
         with self._env.begin(write=True) as txn:
             txn.put(
                 key.encode("utf-8"),
-                _META.pack(meta.size, meta.checksum, meta.seq, FLAG_PINNED if pinned else 0),
+                _META.pack(meta.size, meta.checksum, meta.stored_seq, FLAG_PINNED if pinned else 0),
                 db=self._meta,
             )
         meta.pinned = pinned

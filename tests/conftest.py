@@ -1,0 +1,48 @@
+"""Shared test helpers: plain factories, no deep fixture chains."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from kvstore.config import NodeConfig
+from kvstore.tiers.dram import DramArena
+
+settings.register_profile(
+    "default",
+    deadline=None,
+    max_examples=int(os.environ.get("KVSTORE_EXAMPLES", "60")),
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "ci", deadline=None, max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+_names = itertools.count()
+_created: list[NodeConfig] = []
+
+
+def node_config(tmp_path: Path, dram: Any = "4MiB", ssd: Any = 0, **kwargs: Any) -> NodeConfig:
+    """A NodeConfig with a fresh arena name (removed after the test) and an SSD dir under ``tmp_path``."""
+    dram_kw = {"capacity": dram} if not isinstance(dram, dict) else dram
+    ssd_kw = {"capacity": ssd} if not isinstance(ssd, dict) else ssd
+    dram_kw = {"name": f"test-{os.getpid()}-{next(_names)}", **dram_kw}
+    if ssd_kw.get("capacity"):
+        ssd_kw = {"path": tmp_path / f"ssd-{dram_kw['name']}", **ssd_kw}
+    config = NodeConfig(dram=dram_kw, ssd=ssd_kw, **kwargs)
+    _created.append(config)
+    return config
+
+
+@pytest.fixture(autouse=True)
+def _remove_arenas() -> Iterator[None]:
+    yield
+    while _created:
+        DramArena.remove(_created.pop().dram)

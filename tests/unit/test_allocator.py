@@ -1,0 +1,92 @@
+import pytest
+
+from kvstore.allocator import Allocator, Extent
+from kvstore.errors import InvalidArgument
+
+
+def test_alloc_rounds_up_to_alignment_and_tracks_use() -> None:
+    a = Allocator(4096, 64)
+    e = a.alloc(100)
+    assert e == Extent(0, 128)
+    assert a.used == 128 and a.free_bytes == 4096 - 128
+    a.check()
+
+
+def test_returns_none_when_full_and_after_free_succeeds_again() -> None:
+    a = Allocator(1024, 64)
+    extents = [a.alloc(256) for _ in range(4)]
+    assert a.alloc(64) is None
+    a.free(extents[1])
+    assert a.alloc(256) == extents[1]
+    a.check()
+
+
+def test_free_coalesces_both_neighbours() -> None:
+    a = Allocator(1024, 64)
+    x, y, z, w = (a.alloc(256) for _ in range(4))
+    assert w is not None and x is not None and y is not None and z is not None
+    a.free(x)
+    a.free(z)
+    assert a.largest_free == 256
+    a.free(y)  # merges x, y, z into one extent
+    assert a.largest_free == 768
+    assert a.stats().num_free_extents == 1
+    assert a.alloc(768) == Extent(0, 768)
+    a.check()
+
+
+def test_best_fit_takes_the_smallest_extent_that_fits() -> None:
+    a = Allocator(4096, 64)
+    big, _, small, _ = a.alloc(1024), a.alloc(64), a.alloc(256), a.alloc(64)  # 64-byte separators
+    assert big is not None and small is not None
+    a.free(big)
+    a.free(small)
+    assert a.alloc(200) == Extent(small.offset, 256)
+
+
+def test_stats_and_utilization() -> None:
+    a = Allocator(1 << 20, 4096)
+    for _ in range(128):
+        a.alloc(4096)
+    s = a.stats()
+    assert s.used == 128 * 4096 and s.num_allocated == 128
+    assert s.utilization == pytest.approx(0.5)
+    assert s.largest_free == (1 << 20) - 128 * 4096
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, "8"])
+def test_bad_sizes_are_rejected(size: object) -> None:
+    with pytest.raises(InvalidArgument):
+        Allocator(4096, 64).alloc(size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("capacity", "alignment"), [(4096, 96), (4096, 0), (32, 64), ("1", 64)])
+def test_bad_geometry_is_rejected(capacity: object, alignment: object) -> None:
+    with pytest.raises(InvalidArgument):
+        Allocator(capacity, alignment)  # type: ignore[arg-type]
+
+
+def test_double_free_and_foreign_extents_are_errors() -> None:
+    a = Allocator(4096, 64)
+    e = a.alloc(64)
+    assert e is not None
+    a.free(e)
+    with pytest.raises(InvalidArgument, match="double free"):
+        a.free(e)
+    with pytest.raises(InvalidArgument):
+        a.free(Extent(128, 64))
+
+
+def test_rebuild_restores_exactly_the_given_extents() -> None:
+    a = Allocator.rebuild(4096, 64, [(1024, 100), (0, 64), (2048, 2048)])
+    a.check()
+    assert a.used == 64 + 128 + 2048
+    assert a.alloc(2048) is None
+    assert a.alloc(896) == Extent(1152, 896)  # best fit: the exact 896-byte gap, not the 960-byte one
+    assert a.alloc(960) == Extent(64, 960)
+
+
+@pytest.mark.parametrize("extents", [[(0, 128), (64, 64)], [(10, 64)], [(4096, 64)], [(0, 0)]])
+def test_rebuild_rejects_overlapping_or_misplaced_extents(extents: list[tuple[int, int]]) -> None:
+    with pytest.raises(InvalidArgument):
+        Allocator.rebuild(4096, 64, extents)

@@ -1,0 +1,201 @@
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.config import DramConfig
+from kvstore.errors import BufferTooSmall, ConfigError, CorruptStore, InvalidArgument, NotFound, StoreBusy, StoreClosed
+from kvstore.keys import BlockKey
+from kvstore.tiers.dram import HEADER_SIZE, SLOT_SIZE, DramArena, arena_path
+
+K = BlockKey
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> DramConfig:
+    # A private directory keeps these tests' arenas apart from /dev/shm; tmpfs semantics are not needed here.
+    return DramConfig(capacity=64 * 1024, name="unit", shm_dir=tmp_path, max_blocks=16)
+
+
+def test_store_read_and_delete(config: DramConfig) -> None:
+    arena = DramArena(config)
+    assert arena.store(K("a"), memoryview(b"hello"), checksum=7, seq=1)
+    assert "a" in arena and len(arena) == 1
+    assert arena.read(K("a")) == b"hello"
+    buf = bytearray(8)
+    assert arena.read_into(K("a"), memoryview(buf)) == 5 and buf[:5] == b"hello"
+    assert arena.entry(K("a")).checksum == 7
+    assert arena.delete(K("a")) == 5
+    assert "a" not in arena and arena.used == 0
+    with pytest.raises(NotFound):
+        arena.read(K("a"))
+    arena.destroy()
+
+
+def test_reports_no_room_when_bytes_or_slots_run_out(config: DramConfig) -> None:
+    arena = DramArena(config)
+    assert arena.store(K("big"), memoryview(bytes(60 * 1024)), 0, 0)
+    assert not arena.store(K("too-big"), memoryview(bytes(8 * 1024)), 0, 0)
+    arena.delete(K("big"))
+    for i in range(16):
+        assert arena.store(K(f"k{i}"), memoryview(b"x"), 0, 0)
+    assert not arena.store(K("k16"), memoryview(b"x"), 0, 0)  # 16 slots only
+    arena.destroy()
+
+
+def test_contents_index_order_and_pins_survive_reopen(config: DramConfig) -> None:
+    arena = DramArena(config)
+    for i in range(5):
+        arena.store(K(f"k{i}"), memoryview(bytes([i]) * (100 + i)), checksum=i, seq=10 + i)
+    arena.touch(K("k0"), 99)
+    arena.set_pinned(K("k3"), True)
+    arena.delete(K("k1"))
+    arena.close()
+    again = DramArena(config)
+    entries = {e.key: e for e in again.entries()}
+    assert sorted(entries) == ["k0", "k2", "k3", "k4"]
+    assert entries["k0"].seq == 99 and entries["k3"].pinned and not entries["k4"].pinned
+    assert again.read(K("k4")) == bytes([4]) * 104
+    assert again.used == sum(again.allocator.round_up(100 + i) for i in (0, 2, 3, 4))
+    again.allocator.check()
+    again.destroy()
+
+
+def test_uncommitted_writes_are_freed_on_reopen(config: DramConfig) -> None:
+    arena = DramArena(config)
+    arena.store(K("done"), memoryview(b"1234"), 0, 1)
+    view = arena.begin(K("half"), 4096)
+    assert view is not None
+    view[:2] = b"zz"
+    view.release()
+    # Simulate a crash: drop the mapping without close(), which would abort the write.
+    arena._buf.release()
+    arena._mm.close()
+    os.close(arena._fd)
+    again = DramArena(config)
+    assert [e.key for e in again.entries()] == ["done"]
+    assert again.used == 64
+    again.destroy()
+
+
+def test_begin_commit_abort(config: DramConfig) -> None:
+    arena = DramArena(config)
+    view = arena.begin(K("a"), 3)
+    assert view is not None and "a" not in arena
+    view[:] = b"abc"
+    view.release()
+    arena.commit(K("a"), checksum=1, seq=1)
+    assert arena.read(K("a")) == b"abc"
+    with pytest.raises(InvalidArgument):
+        arena.begin(K("a"), 3)
+    view = arena.begin(K("b"), 3)
+    assert view is not None
+    view.release()
+    arena.abort(K("b"))
+    assert "b" not in arena and arena.used == 64
+    arena.destroy()
+
+
+def test_read_into_a_small_buffer_is_an_error(config: DramConfig) -> None:
+    arena = DramArena(config)
+    arena.store(K("a"), memoryview(b"0123456789"), 0, 0)
+    with pytest.raises(BufferTooSmall, match="10 bytes"):
+        arena.read_into(K("a"), memoryview(bytearray(9)))
+    arena.destroy()
+
+
+def test_second_writer_is_refused(config: DramConfig) -> None:
+    arena = DramArena(config)
+    with pytest.raises(StoreBusy, match="another process"):
+        DramArena(config)
+    arena.close()
+    DramArena(config).destroy()
+
+
+def test_operations_after_close_raise(config: DramConfig) -> None:
+    arena = DramArena(config)
+    arena.close()
+    arena.close()  # idempotent
+    with pytest.raises(StoreClosed):
+        arena.read(K("a"))
+    with pytest.raises(StoreClosed):
+        arena.begin(K("a"), 3)
+    DramArena.remove(config)
+
+
+def test_geometry_mismatch_is_a_config_error(config: DramConfig) -> None:
+    DramArena(config).close()
+    with pytest.raises(ConfigError, match="capacity=65536"):
+        DramArena(config.model_copy(update={"capacity": 128 * 1024}))
+    DramArena.remove(config)
+
+
+def _make_file(config: DramConfig) -> Path:
+    DramArena(config).close()
+    return arena_path(config)
+
+
+def test_foreign_file_is_refused(config: DramConfig) -> None:
+    path = arena_path(config)
+    path.write_bytes(b"hello, I am not an arena" * 1000)
+    with pytest.raises(CorruptStore, match="not a kvstore DRAM arena"):
+        DramArena(config)
+
+
+def test_truncated_file_is_refused(config: DramConfig) -> None:
+    path = _make_file(config)
+    os.truncate(path, path.stat().st_size - 4096)
+    with pytest.raises(CorruptStore, match="truncated"):
+        DramArena(config)
+    os.truncate(path, 100)
+    with pytest.raises(CorruptStore, match="truncated"):
+        DramArena(config)
+
+
+def test_corrupt_header_is_refused(config: DramConfig) -> None:
+    path = _make_file(config)
+    with open(path, "r+b") as f:
+        f.seek(20)
+        f.write(b"\xff\xff")
+    with pytest.raises(CorruptStore, match="header"):
+        DramArena(config)
+
+
+@pytest.mark.parametrize(
+    ("field_offset", "value", "match"),
+    [(0, b"\x09", "invalid state"), (2, b"\x00\x02", "key length"), (8, (1 << 40).to_bytes(8, "little"), "outside")],
+)
+def test_corrupt_slots_are_refused(config: DramConfig, field_offset: int, value: bytes, match: str) -> None:
+    arena = DramArena(config)
+    arena.store(K("a"), memoryview(b"abc"), 0, 0)
+    arena.close()
+    with open(arena_path(config), "r+b") as f:
+        f.seek(HEADER_SIZE + field_offset)  # slot 0 holds "a"
+        f.write(value)
+    with pytest.raises(CorruptStore, match=match):
+        DramArena(config)
+
+
+def test_overlapping_slots_are_refused(config: DramConfig) -> None:
+    arena = DramArena(config)
+    arena.store(K("a"), memoryview(b"abc"), 0, 0)
+    arena.store(K("b"), memoryview(b"abc"), 0, 0)
+    arena.close()
+    with open(arena_path(config), "r+b") as f:
+        f.seek(HEADER_SIZE + 8)
+        slot0_offset = f.read(8)
+        f.seek(HEADER_SIZE + SLOT_SIZE + 8)
+        f.write(slot0_offset)
+    with pytest.raises(CorruptStore, match="overlaps"):
+        DramArena(config)
+
+
+def test_view_is_zero_copy(config: DramConfig) -> None:
+    arena = DramArena(config)
+    data = np.arange(256, dtype=np.uint8)
+    arena.store(K("a"), memoryview(data), 0, 0)
+    view = arena.view(K("a"))
+    assert view.readonly and bytes(view) == data.tobytes()
+    view.release()
+    arena.destroy()
