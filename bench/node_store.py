@@ -113,7 +113,7 @@ def bench_ssd(size: int, total: int, workdir: Path, repeat: int) -> list[dict[st
     dst = np.ones((n, size), dtype=np.uint8)
     keys = [f"ssd-{size}-{i}" for i in range(n)]
     ssd_dir = workdir / f"ssd-{size}"
-    dram_blocks = 16
+    dram_blocks = max(2, min(16, n // 8))  # most blocks end up on SSD
     config = NodeConfig(
         dram=DramConfig(capacity=dram_blocks * size, name=f"bench-{os.getpid()}", max_blocks=1024),
         ssd=SsdConfig(capacity=(n + dram_blocks) * size * 2, path=ssd_dir),
@@ -130,6 +130,7 @@ def bench_ssd(size: int, total: int, workdir: Path, repeat: int) -> list[dict[st
                 store.put(keys[i], src[i])
             put_s = min(put_s, time.perf_counter() - t)
         on_ssd = [i for i in range(n) if store.tier_of(keys[i]) is TierName.SSD]
+        assert on_ssd, "no block reached the SSD tier"
 
         def get_all() -> None:
             for i in on_ssd:

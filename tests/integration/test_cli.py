@@ -1,0 +1,96 @@
+"""The kvstore command line, run as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.workload import chat_workload, load_trace, lru_prefix_hit_rate
+
+REPO = Path(__file__).resolve().parents[2]
+TRACE = REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+
+
+def kvstore(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore_client.cli", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def last_json(out: str) -> dict[str, float]:
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def test_demo_prints_a_json_summary() -> None:
+    result = kvstore("demo", "--json", "--verify", "--sessions", "60", "--dram", "4MiB", "--ssd", "8MiB")
+    assert result.returncode == 0, result.stderr
+    summary = last_json(result.stdout)
+    requests = chat_workload(num_sessions=60)
+    assert summary["requests"] == len(requests)
+    assert summary["blocks"] == sum(len(r.hash_ids) for r in requests)
+    assert 0 < summary["hit_rate"] < 1
+    assert summary["hit_blocks"] + summary["stored_blocks"] == summary["blocks"]
+
+
+def test_demo_prints_a_table_by_default() -> None:
+    result = kvstore("demo", "--sessions", "20", "--dram", "4MiB", "--ssd", "0")
+    assert result.returncode == 0, result.stderr
+    assert "prefix hit rate" in result.stdout and "requests" in result.stdout
+
+
+def test_replay_without_eviction_matches_an_infinite_cache(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    requests = chat_workload(num_sessions=40, seed=3)
+    fields = ("timestamp", "input_length", "output_length", "hash_ids")
+    rows = [dict(zip(fields, (r.timestamp_ms, r.input_length, r.output_length, list(r.hash_ids)), strict=True))
+            for r in requests]  # fmt: skip
+    trace.write_text("\n".join(json.dumps(row) for row in rows))
+    result = kvstore("replay", str(trace), "--json", "--block-bytes", "4KiB", "--dram", "64MiB", "--ssd", "0")
+    assert result.returncode == 0, result.stderr
+    summary = last_json(result.stdout)
+    assert summary["hit_rate"] == pytest.approx(lru_prefix_hit_rate(requests, 10**9), abs=1e-6)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="shared/traces/synthetic_trace.jsonl is not present")
+def test_replay_of_the_public_trace_with_eviction() -> None:
+    result = kvstore(
+        "replay", str(TRACE), "--json", "--limit", "800", "--block-bytes", "16KiB", "--dram", "16MiB", "--ssd", "32MiB"
+    )
+    assert result.returncode == 0, result.stderr
+    summary = last_json(result.stdout)
+    reference = lru_prefix_hit_rate(list(load_trace(TRACE, 800)), 3072)
+    assert summary["requests"] == 800
+    # Watermarks keep each tier 90-95% full, so the store may trail an exact LRU of the same size a little.
+    assert reference - 0.05 <= summary["hit_rate"] <= reference + 0.01
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["replay", "/nonexistent/trace.jsonl"], "cannot read trace"),
+        (["demo", "--dram", "12XB"], "12XB"),
+        (["demo", "--block-bytes", "8"], "block_bytes"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args: list[str], message: str) -> None:
+    result = kvstore(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_trace_line_names_its_line(tmp_path: Path) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n{"timestamp": -1}\n')
+    result = kvstore("replay", str(trace))
+    assert result.returncode == 2 and "bad.jsonl:2" in result.stderr and "timestamp" in result.stderr
