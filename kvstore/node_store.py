@@ -182,7 +182,8 @@ class NodeStore:
 
     def _reserve_dram(self, key: BlockKey, size: int) -> memoryview:
         """Make room in DRAM (evicting by policy) and reserve ``size`` bytes for ``key``."""
-        self._execute(self.policy.make_room(self._view(TierName.DRAM), self._ssd_view(), size))
+        if self.policy.over_high_watermark(self.dram.used + size, self.dram.capacity):
+            self._execute(self.policy.make_room(self._view(TierName.DRAM), self._ssd_view(), size))
         while True:
             dst = self.dram.begin(key, size)
             if dst is not None:

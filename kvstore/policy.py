@@ -66,6 +66,10 @@ class EvictionPolicy:
     low_watermark: float = 0.90
     promote_after_hits: int = 2
 
+    def over_high_watermark(self, used: int, capacity: int) -> bool:
+        """Whether a tier holding ``used`` of ``capacity`` bytes must evict."""
+        return used > self.high_watermark * capacity
+
     def make_room(
         self, dram: TierView[K], ssd: TierView[K] | None, incoming: int, force_bytes: int = 0
     ) -> list[Action[K]]:
@@ -75,7 +79,7 @@ class EvictionPolicy:
         caller then reports a capacity error.
         """
         need = force_bytes
-        if dram.used + incoming > self.high_watermark * dram.capacity:
+        if self.over_high_watermark(dram.used + incoming, dram.capacity):
             need = max(need, dram.used + incoming - math.floor(self.low_watermark * dram.capacity))
         if need <= 0:
             return []
@@ -94,7 +98,7 @@ class EvictionPolicy:
         demote_bytes = sum(size for _, size in victims if size <= ssd.capacity)
         ssd_drops: list[Action[K]] = []
         ssd_freed = 0
-        if ssd.used + demote_bytes > self.high_watermark * ssd.capacity:
+        if self.over_high_watermark(ssd.used + demote_bytes, ssd.capacity):
             ssd_need = ssd.used + demote_bytes - math.floor(self.low_watermark * ssd.capacity)
             for key, size in ssd.lru.victims():
                 if ssd_freed >= ssd_need:
