@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
+from kvstore.errors import NotFound, StoreClosed
 from kvstore.keys import BlockKey
 
 
@@ -58,3 +59,52 @@ class Tier(Protocol):
     def set_pinned(self, key: BlockKey, pinned: bool) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class BlockRecord:
+    """What every tier's in-memory index keeps of a block; tiers extend it with its location."""
+
+    size: int
+    checksum: int
+    seq: int
+    pinned: bool
+
+
+R = TypeVar("R", bound=BlockRecord)
+
+
+class IndexedTier(Generic[R]):
+    """The in-memory index half of a tier: key -> record, rebuilt from the tier's file at open.
+
+    Subclasses set ``description`` (for messages) and fill ``_index``; only they mutate it.
+    """
+
+    description: str
+    _index: dict[str, R]
+    _closed: bool
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _record(self, key: str) -> R:
+        record = self._index.get(key)
+        if record is None:
+            self._check_open()
+            raise NotFound(f"key {key!r} is not in {self.description}")
+        return record
+
+    def entry(self, key: BlockKey) -> TierEntry:
+        r = self._record(key)
+        return TierEntry(key, r.size, r.checksum, r.seq, r.pinned)
+
+    def entries(self) -> Iterator[TierEntry]:
+        for key, r in list(self._index.items()):
+            yield TierEntry(BlockKey(key), r.size, r.checksum, r.seq, r.pinned)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"{self.description} is closed")

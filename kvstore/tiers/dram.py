@@ -15,7 +15,7 @@ and frees WRITING ones. Hence a killed daemon restarts with its DRAM blocks,
 and a same-host client can later map the same file.
 
 One process owns an arena for writing at a time (an exclusive ``flock``).
-Invariants: ``_entries`` holds exactly the COMMITTED slots; ``_pending`` the
+Invariants: ``_index`` holds exactly the COMMITTED slots; ``_pending`` the
 WRITING ones; their extents are exactly the allocator's allocated extents.
 """
 
@@ -26,7 +26,7 @@ import fcntl
 import mmap
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,12 +40,10 @@ from kvstore.errors import (
     ConfigError,
     CorruptStore,
     InvalidArgument,
-    NotFound,
     StoreBusy,
-    StoreClosed,
 )
 from kvstore.keys import MAX_KEY_BYTES, BlockKey
-from kvstore.tiers.base import TierEntry
+from kvstore.tiers.base import BlockRecord, IndexedTier
 
 MAGIC = b"KVSARENA"
 VERSION = 1
@@ -76,20 +74,16 @@ def _page_round(n: int) -> int:
 
 
 @dataclass(slots=True)
-class _Slot:
+class _Slot(BlockRecord):
     index: int
     extent: Extent
-    size: int
-    checksum: int
-    seq: int
-    pinned: bool
 
 
 def arena_path(config: DramConfig) -> Path:
     return config.shm_dir / f"kvstore-{config.name}.arena"
 
 
-class DramArena:
+class DramArena(IndexedTier[_Slot]):
     """A capacity-bounded block store in a shared-memory file that survives its process."""
 
     def __init__(self, config: DramConfig, *, create: bool = True) -> None:
@@ -97,7 +91,8 @@ class DramArena:
         self.path = arena_path(config)
         self.capacity = config.capacity
         self.num_slots = config.num_slots
-        self._entries: dict[str, _Slot] = {}
+        self.description = f"DRAM arena {config.name}"
+        self._index: dict[str, _Slot] = {}
         self._pending: dict[str, _Slot] = {}
         self._closed = False
         if not self.path.exists():
@@ -220,10 +215,10 @@ class DramArena:
                 key = bytes(self._mm[base : base + key_len]).decode("utf-8")
             except UnicodeDecodeError:
                 raise CorruptStore(f"DRAM arena {self.path}: slot {index} holds a key that is not UTF-8") from None
-            if key in self._entries:
+            if key in self._index:
                 raise CorruptStore(f"DRAM arena {self.path}: key {key!r} is in two slots")
             extent = Extent(offset, (size + self.config.alignment - 1) & ~(self.config.alignment - 1))
-            self._entries[key] = _Slot(index, extent, size, check, seq, bool(flags & FLAG_PINNED))
+            self._index[key] = _Slot(size, check, seq, bool(flags & FLAG_PINNED), index, extent)
             extents.append((offset, size))
         try:
             alloc = Allocator.rebuild(self.capacity, self.config.alignment, extents)
@@ -242,30 +237,9 @@ class DramArena:
     def allocator(self) -> Allocator:
         return self._alloc
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _slot(self, key: str) -> _Slot:
-        slot = self._entries.get(key)
-        if slot is None:
-            self._check_open()
-            raise NotFound(f"key {key!r} is not in DRAM arena {self.config.name}")
-        return slot
-
-    def entry(self, key: BlockKey) -> TierEntry:
-        s = self._slot(key)
-        return TierEntry(key, s.size, s.checksum, s.seq, s.pinned)
-
-    def entries(self) -> Iterator[TierEntry]:
-        for key, s in list(self._entries.items()):
-            yield TierEntry(BlockKey(key), s.size, s.checksum, s.seq, s.pinned)
-
     def extent(self, key: BlockKey) -> Extent:
         """Where the block lives in the data region (for zero-copy transports)."""
-        return self._slot(key).extent
+        return self._record(key).extent
 
     def begin(self, key: BlockKey, size: int) -> memoryview | None:
         """Reserve room for ``key`` and return a writable view of it; None when there is no room.
@@ -274,7 +248,7 @@ class DramArena:
         crash) releases it.
         """
         self._check_open()
-        if key in self._entries or key in self._pending:
+        if key in self._index or key in self._pending:
             raise InvalidArgument(f"key {key!r} is already in DRAM arena {self.config.name}")
         if size <= 0:
             raise InvalidArgument(f"block size must be positive, got {size}")
@@ -288,7 +262,7 @@ class DramArena:
         base = HEADER_SIZE + index * SLOT_SIZE
         _SLOT.pack_into(self._mm, base, WRITING, 0, len(raw), 0, extent.offset, size, 0, 0)
         self._mm[base + _KEY_OFFSET : base + _KEY_OFFSET + len(raw)] = raw
-        self._pending[key] = _Slot(index, extent, size, 0, 0, False)
+        self._pending[key] = _Slot(size, 0, 0, False, index, extent)
         start = self._data_offset + extent.offset
         return self._buf[start : start + size]
 
@@ -301,7 +275,7 @@ class DramArena:
             slot.extent.offset, slot.size, checksum, seq,
         )  # fmt: skip
         self._mm[base] = COMMITTED
-        self._entries[key] = slot
+        self._index[key] = slot
 
     def abort(self, key: BlockKey) -> None:
         slot = self._pending.pop(key)
@@ -331,12 +305,12 @@ class DramArena:
 
     def view(self, key: BlockKey) -> memoryview:
         """A read-only view of the block's bytes in the arena; release it before the block is deleted."""
-        s = self._slot(key)
+        s = self._record(key)
         start = self._data_offset + s.extent.offset
         return self._buf[start : start + s.size].toreadonly()
 
     def read_into(self, key: BlockKey, dst: memoryview) -> int:
-        s = self._slot(key)
+        s = self._record(key)
         if dst.nbytes < s.size:
             raise BufferTooSmall(f"buffer of {dst.nbytes} bytes cannot hold block {key!r} of {s.size} bytes")
         start = self._data_offset + s.extent.offset
@@ -344,13 +318,13 @@ class DramArena:
         return s.size
 
     def read(self, key: BlockKey) -> bytes:
-        s = self._slot(key)
+        s = self._record(key)
         start = self._data_offset + s.extent.offset
         return self._mm[start : start + s.size]
 
     def delete(self, key: BlockKey) -> int:
-        slot = self._slot(key)
-        del self._entries[key]
+        slot = self._record(key)
+        del self._index[key]
         self._release(slot)
         return slot.size
 
@@ -359,20 +333,16 @@ class DramArena:
             self.delete(key)
 
     def touch(self, key: BlockKey, seq: int) -> None:
-        slot = self._slot(key)
+        slot = self._record(key)
         slot.seq = seq
         _SEQ.pack_into(self._mm, HEADER_SIZE + slot.index * SLOT_SIZE + _SEQ_OFFSET, seq)
 
     def set_pinned(self, key: BlockKey, pinned: bool) -> None:
-        slot = self._slot(key)
+        slot = self._record(key)
         slot.pinned = pinned
         self._mm[HEADER_SIZE + slot.index * SLOT_SIZE + 1] = FLAG_PINNED if pinned else 0
 
     # -- lifecycle ----------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosed(f"DRAM arena {self.config.name} is closed")
-
     def close(self) -> None:
         """Unmap and unlock; the file and its blocks stay for the next open. Idempotent."""
         if self._closed:
@@ -380,7 +350,7 @@ class DramArena:
         self._closed = True
         for key in list(self._pending):
             self.abort(BlockKey(key))
-        self._entries.clear()
+        self._index.clear()
         # A caller may still hold a view(); the mapping then goes when that view does.
         with contextlib.suppress(BufferError):
             self._buf.release()

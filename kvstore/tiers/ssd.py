@@ -23,16 +23,16 @@ from __future__ import annotations
 import fcntl
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
 
 from kvstore.config import SsdConfig
-from kvstore.errors import BufferTooSmall, CorruptStore, InvalidArgument, NotFound, StoreBusy, StoreClosed
+from kvstore.errors import BufferTooSmall, CorruptStore, InvalidArgument, StoreBusy
 from kvstore.keys import BlockKey
-from kvstore.tiers.base import TierEntry
+from kvstore.tiers.base import BlockRecord, IndexedTier
 
 FORMAT = b"kvstore-ssd-v1"
 _META = struct.Struct("<QQQB")  # size, checksum, seq, flags
@@ -40,17 +40,12 @@ FLAG_PINNED = 1
 
 
 @dataclass(slots=True)
-class _Meta:
-    size: int
-    checksum: int
-    seq: int
-    """Last use, in memory only."""
-    pinned: bool
+class _Meta(BlockRecord):
     stored_seq: int
-    """The seq on disk: when the block was written to this tier."""
+    """The seq on disk: when the block was written to this tier (``seq``, the last use, stays in memory)."""
 
 
-class SsdTier:
+class SsdTier(IndexedTier[_Meta]):
     """A capacity-bounded block store in LMDB. Single-threaded: its owner serialises calls."""
 
     def __init__(self, config: SsdConfig) -> None:
@@ -59,6 +54,7 @@ class SsdTier:
         self.config = config
         self.path = Path(config.path)
         self.capacity = config.capacity
+        self.description = f"SSD tier {self.path}"
         self._index: dict[str, _Meta] = {}
         self._used = 0
         self._closed = False
@@ -141,27 +137,6 @@ class SsdTier:
     def used(self) -> int:
         return self._used
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._index
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def _get_meta(self, key: str) -> _Meta:
-        meta = self._index.get(key)
-        if meta is None:
-            self._check_open()
-            raise NotFound(f"key {key!r} is not in SSD tier {self.path}")
-        return meta
-
-    def entry(self, key: BlockKey) -> TierEntry:
-        m = self._get_meta(key)
-        return TierEntry(key, m.size, m.checksum, m.seq, m.pinned)
-
-    def entries(self) -> Iterator[TierEntry]:
-        for key, m in list(self._index.items()):
-            yield TierEntry(BlockKey(key), m.size, m.checksum, m.seq, m.pinned)
-
     def store(self, key: BlockKey, data: memoryview, checksum: int, seq: int, pinned: bool = False) -> bool:
         return self.store_many([(key, data, checksum, seq, pinned)])[0]
 
@@ -210,7 +185,7 @@ class SsdTier:
             self._used += data.nbytes
 
     def read_into(self, key: BlockKey, dst: memoryview) -> int:
-        meta = self._get_meta(key)
+        meta = self._record(key)
         if dst.nbytes < meta.size:
             raise BufferTooSmall(f"buffer of {dst.nbytes} bytes cannot hold block {key!r} of {meta.size} bytes")
         with self._env.begin(buffers=True) as txn:
@@ -221,18 +196,18 @@ class SsdTier:
         return meta.size
 
     def read(self, key: BlockKey) -> bytes:
-        out = bytearray(self._get_meta(key).size)
+        out = bytearray(self._record(key).size)
         self.read_into(key, memoryview(out))
         return bytes(out)
 
     def delete(self, key: BlockKey) -> int:
-        size = self._get_meta(key).size
+        size = self._record(key).size
         self.delete_many([key])
         return size
 
     def delete_many(self, keys: Sequence[BlockKey]) -> None:
         """Delete blocks in one transaction; raises :class:`NotFound` (deleting nothing) if any is absent."""
-        metas = [self._get_meta(key) for key in keys]
+        metas = [self._record(key) for key in keys]
         try:
             with self._env.begin(write=True) as txn:
                 for key in keys:
@@ -246,10 +221,10 @@ class SsdTier:
             self._used -= meta.size
 
     def touch(self, key: BlockKey, seq: int) -> None:
-        self._get_meta(key).seq = seq
+        self._record(key).seq = seq
 
     def set_pinned(self, key: BlockKey, pinned: bool) -> None:
-        meta = self._get_meta(key)
+        meta = self._record(key)
         with self._env.begin(write=True) as txn:
             txn.put(
                 key.encode("utf-8"),
@@ -259,10 +234,6 @@ class SsdTier:
         meta.pinned = pinned
 
     # -- lifecycle ----------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosed(f"SSD tier {self.path} is closed")
-
     def close(self) -> None:
         """Flush and close the environment; idempotent."""
         if self._closed:
