@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Self
 
@@ -165,20 +165,30 @@ class NodeStore:
             raise CapacityError(
                 f"block {key!r} of {size} bytes is larger than the DRAM tier ({self.dram.capacity} bytes)"
             )
+
+        def copy(dst: memoryview) -> None:
+            dst[:] = view
+
+        self._write_dram(key, size, checksum(view), pin, copy)
+        self._counters.puts += 1
+        return PutStatus.STORED
+
+    def _write_dram(
+        self, key: BlockKey, size: int, check: int, pinned: bool, fill: Callable[[memoryview], object]
+    ) -> None:
+        """Reserve DRAM for ``key``, let ``fill`` write its bytes, and commit it as DRAM's newest block."""
         dst = self._reserve_dram(key, size)
         try:
-            dst[:] = view
+            fill(dst)
         except BaseException:
             dst.release()
             self.dram.abort(key)
             raise
         dst.release()
-        self.dram.commit(key, checksum(view), self._next_seq(), pin)
+        self.dram.commit(key, check, self._next_seq(), pinned)
         self._dram_lru.insert(key, size)
-        if pin:
+        if pinned:
             self._dram_lru.pin(key)
-        self._counters.puts += 1
-        return PutStatus.STORED
 
     def _reserve_dram(self, key: BlockKey, size: int) -> memoryview:
         """Make room in DRAM (evicting by policy) and reserve ``size`` bytes for ``key``."""
@@ -245,26 +255,16 @@ class NodeStore:
     def _promote(self, key: BlockKey) -> bool:
         """Move an SSD block to DRAM; False (block stays on SSD) when DRAM cannot make room."""
         assert self.ssd is not None
-        entry = self.ssd.entry(key)
+        ssd = self.ssd
+        entry = ssd.entry(key)
         self._ssd_lru.lease(key)  # keep it out of SSD victims while DRAM makes room
         try:
-            dst = self._reserve_dram(key, entry.size)
+            self._write_dram(key, entry.size, entry.checksum, entry.pinned, lambda dst: ssd.read_into(key, dst))
         except CapacityError:
             return False
         finally:
             self._ssd_lru.release(key)
-        try:
-            self.ssd.read_into(key, dst)
-        except BaseException:
-            dst.release()
-            self.dram.abort(key)
-            raise
-        dst.release()
-        self.dram.commit(key, entry.checksum, self._next_seq(), entry.pinned)
-        self._dram_lru.insert(key, entry.size)
-        if entry.pinned:
-            self._dram_lru.pin(key)
-        self.ssd.delete(key)
+        ssd.delete(key)
         self._ssd_lru.remove(key)
         self._ssd_hits.pop(key, None)
         self._counters.promotions += 1
