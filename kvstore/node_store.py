@@ -5,7 +5,8 @@ Rules (the policy in :mod:`kvstore.policy` decides, this class carries out):
 - New blocks go to DRAM. A put that would fill DRAM past the high watermark
   first demotes DRAM's least recently used blocks to SSD (or drops them when
   SSD has no room), and SSD drops its own LRU blocks to take them.
-- A get touches the block in its tier's LRU. An SSD block read
+- A get touches the block in its tier's LRU. A batch get leases its blocks
+  while it runs, so that promoting one of them never evicts another. An SSD block read
   ``promote_after_hits`` times moves back to DRAM as its most recent block.
 - A demoted block becomes SSD's most recent block; relative order among
   demoted blocks is kept.
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Self
 
@@ -345,7 +347,8 @@ class NodeStore:
         checked = [validate_key(k) for k in keys]
         with self._lock:
             self._check_open()
-            return [self._get(k, verify) for k in checked]
+            with self._leased(checked):
+                return [self._get(k, verify) for k in checked]
 
     def get_many_into(
         self, keys: Sequence[Any], buffers: Sequence[Any], *, verify: bool | None = None
@@ -356,7 +359,23 @@ class NodeStore:
         views = [as_view(b, writable=True, what="buffer") for b in buffers]
         with self._lock:
             self._check_open()
-            return [self._get_into(k, v, verify) for k, v in zip(checked, views, strict=True)]
+            with self._leased(checked):
+                return [self._get_into(k, v, verify) for k, v in zip(checked, views, strict=True)]
+
+    @contextmanager
+    def _leased(self, keys: Sequence[BlockKey]) -> Iterator[None]:
+        """Lease a batch's blocks while it is read, so that promoting one never evicts another."""
+        for k in keys:
+            if k in self._dram_lru:
+                self._dram_lru.lease(k)
+            elif k in self._ssd_lru:
+                self._ssd_lru.lease(k)
+        try:
+            yield
+        finally:
+            for k in keys:  # a promoted block lost its SSD lease with its SSD entry; release is idempotent
+                self._dram_lru.release(k)
+                self._ssd_lru.release(k)
 
     # -- queries and removal -----------------------------------------------------
     def exists(self, key: Any) -> bool:

@@ -125,6 +125,8 @@ def _run_replay(args: argparse.Namespace, requests: list[TraceRequest], title: s
     record = summary.to_dict() | {
         "lru_reference_hit_rate": round(reference, 6),
         "capacity_blocks": capacity_blocks,
+        "dram_hits": stats.dram_hits,
+        "ssd_hits": stats.ssd_hits,
         "demotions": stats.demotions,
         "promotions": stats.promotions,
         "evictions": stats.dram_drops + stats.ssd_drops,
@@ -145,6 +147,7 @@ def _print_summary(summary: ReplaySummary, record: dict[str, float | int]) -> No
         ("blocks", f"{summary.blocks:,}"),
         ("prefix hit rate", f"{summary.hit_rate:.1%}"),
         ("exact-LRU reference", f"{record['lru_reference_hit_rate']:.1%} at {record['capacity_blocks']:,} blocks"),
+        ("hits from DRAM / SSD", f"{record['dram_hits']:,} / {record['ssd_hits']:,}"),
         ("loaded", format_size(summary.bytes_loaded)),
         ("stored", format_size(summary.bytes_stored)),
         (
@@ -176,7 +179,7 @@ def _replay(args: argparse.Namespace) -> int:
 def _demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=1500, help="chat sessions (default 1500)")
     p.add_argument("--seed", type=int, default=0)
-    _store_arguments(p, dram="128MiB", ssd="256MiB")
+    _store_arguments(p, dram="16MiB", ssd="48MiB")
 
 
 @command("demo", "replay a generated multi-turn chat workload through a store with real bytes")

@@ -259,3 +259,17 @@ def test_ssd_failure_at_open_releases_the_arena(tmp_path: Path) -> None:
         NodeStore(config)
     (config.ssd.path / "data.mdb").unlink()
     NodeStore(config).destroy()  # the arena lock was released
+
+
+def test_a_batch_get_never_evicts_its_own_blocks(tmp_path: Path) -> None:
+    eviction = {"high_watermark": 1.0, "low_watermark": 1.0, "promote_after_hits": 1}
+    store = NodeStore(node_config(tmp_path, dram=2 * KB, ssd=2 * KB, eviction=eviction))
+    for i in range(4):
+        store.put(f"k{i}", block(i))
+    assert store.lru_keys(SSD) == ["k0", "k1"]
+    # Promoting k0 needs SSD room for a demoted DRAM block; without the batch's lease, k1 would be dropped for it.
+    assert store.get_many(["k0", "k1"]) == [block(0), block(1)]
+    assert store.lru_keys(DRAM) == ["k0", "k1"]
+    assert store.get_many_into(["k0", "k1"], [bytearray(KB), bytearray(KB)]) == [KB, KB]
+    assert not store._dram_lru.is_leased("k0") and not store._ssd_lru.is_leased("k1")
+    store.destroy()
