@@ -1,0 +1,484 @@
+"""The master RPC wire protocol: versioned, length-prefixed msgpack frames.
+
+A frame is a 4-byte big-endian payload length, then the payload: a msgpack
+array ``[version, kind, request_id, [field, ...]]``. ``kind`` names the message
+type; fields are positional, in the dataclass's order; nested structs travel
+as arrays the same way. Every request gets exactly one reply carrying its
+request id: the reply type of the operation, or :class:`ErrorReply` with a
+code from :mod:`kvstore.errors`.
+
+The codec is pure: :class:`FrameDecoder` is fed bytes and knows no socket.
+Anything malformed — a bad length, a payload that is not msgpack, an unknown
+version or kind, a field of the wrong type — raises
+:class:`kvstore.errors.ProtocolError` naming what was wrong, never another
+exception.
+"""
+
+from __future__ import annotations
+
+import struct
+import types
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Literal, TypeVar, Union, cast, dataclass_transform
+
+import msgpack
+
+from kvstore.errors import KVStoreError, ProtocolError, error_from_code
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+FRAME_HEADER = struct.Struct("!I")
+
+Tier = Literal["dram", "ssd"]
+
+Validator = Callable[[Any, str], Any]
+
+
+class Struct:
+    """Base of every wire struct: a frozen, slotted dataclass with a validator per field."""
+
+    _validators: ClassVar[tuple[tuple[str, Validator], ...]] = ()
+
+    def to_wire(self) -> list[Any]:
+        return [_to_wire(getattr(self, name)) for name, _ in self._validators]
+
+    @classmethod
+    def from_wire(cls, raw: Any, where: str = "") -> Any:
+        where = where or cls.__name__
+        if not isinstance(raw, list | tuple) or len(raw) != len(cls._validators):
+            raise ProtocolError(f"{where}: expected {len(cls._validators)} fields, got {_describe(raw)}")
+        values = [check(value, f"{where}.{name}") for (name, check), value in zip(cls._validators, raw, strict=True)]
+        return cls(*values)
+
+
+class Message(Struct):
+    """A top-level message; ``KIND`` is its stable number on the wire."""
+
+    KIND: ClassVar[int] = 0
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, Struct):
+        return value.to_wire()
+    if isinstance(value, list):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _validator(tp: Any) -> Validator:
+    """A function that checks (and converts nested structs of) a decoded value of type ``tp``."""
+    origin = typing.get_origin(tp)
+    if tp is int:
+
+        def check_int(v: Any, where: str) -> int:
+            if type(v) is not int:
+                raise ProtocolError(f"{where}: expected int, got {_describe(v)}")
+            return v
+
+        return check_int
+    if tp is float:
+
+        def check_float(v: Any, where: str) -> float:
+            if type(v) not in (float, int):
+                raise ProtocolError(f"{where}: expected float, got {_describe(v)}")
+            return float(v)
+
+        return check_float
+    if tp in (str, bytes, bool):
+
+        def check_plain(v: Any, where: str) -> Any:
+            if type(v) is not tp:
+                raise ProtocolError(f"{where}: expected {tp.__name__}, got {_describe(v)}")
+            return v
+
+        return check_plain
+    if isinstance(tp, type) and issubclass(tp, Struct):
+        return tp.from_wire
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+
+        def check_literal(v: Any, where: str) -> Any:
+            if v not in allowed or type(v) is not type(allowed[0]):
+                raise ProtocolError(f"{where}: expected one of {allowed}, got {_describe(v)}")
+            return v
+
+        return check_literal
+    if origin is list:
+        item = _validator(typing.get_args(tp)[0])
+        scalar = typing.get_args(tp)[0] in (int, str)
+
+        def check_list(v: Any, where: str) -> list[Any]:
+            if not isinstance(v, list):
+                raise ProtocolError(f"{where}: expected a list, got {_describe(v)}")
+            if scalar:  # the hot case: batches of keys or sizes
+                kind = typing.get_args(tp)[0]
+                if all(type(x) is kind for x in v):
+                    return v
+            return [item(x, f"{where}[{i}]") for i, x in enumerate(v)]
+
+        return check_list
+    if origin is dict:
+        key_check, value_check = (_validator(a) for a in typing.get_args(tp))
+
+        def check_dict(v: Any, where: str) -> dict[Any, Any]:
+            if not isinstance(v, dict):
+                raise ProtocolError(f"{where}: expected a map, got {_describe(v)}")
+            return {key_check(k, f"{where} key"): value_check(x, f"{where}[{k!r}]") for k, x in v.items()}
+
+        return check_dict
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(tp)
+        if type(None) in options:
+            inner = [o for o in options if o is not type(None)]
+            inner_check = _validator(inner[0] if len(inner) == 1 else Union[tuple(inner)])  # noqa: UP007
+
+            def check_optional(v: Any, where: str) -> Any:
+                return None if v is None else inner_check(v, where)
+
+            return check_optional
+        checks = [_validator(o) for o in options]
+
+        def check_union(v: Any, where: str) -> Any:
+            for check in checks:
+                try:
+                    return check(v, where)
+                except ProtocolError:
+                    continue
+            raise ProtocolError(f"{where}: expected {tp}, got {_describe(v)}")
+
+        return check_union
+    raise TypeError(f"no wire validator for {tp!r}")
+
+
+S = TypeVar("S", bound=type[Struct])
+
+KIND_TO_MESSAGE: dict[int, type[Message]] = {}
+
+
+@dataclass_transform(frozen_default=True)
+def wire(cls: S) -> S:
+    """Make ``cls`` a frozen dataclass, give it field validators and register it if it is a Message."""
+    dc = dataclass(frozen=True, slots=True)(cls)
+    hints = typing.get_type_hints(dc)
+    dc._validators = tuple((f.name, _validator(hints[f.name])) for f in fields(cast(Any, dc)))
+    if issubclass(dc, Message):
+        other = KIND_TO_MESSAGE.setdefault(dc.KIND, dc)
+        assert other is dc, f"message kind {dc.KIND} used by {other.__name__} and {dc.__name__}"
+    return cast(S, dc)
+
+
+# -- structs ---------------------------------------------------------------------
+
+
+@wire
+class Replica(Struct):
+    """Where one copy of a block lives: a node's data-plane address, its tier and DRAM extent."""
+
+    node_id: str
+    address: str
+    tier: Tier
+    offset: int
+    """Offset in the node's DRAM arena; -1 for an SSD replica (LMDB has no extents)."""
+    size: int
+
+
+@wire
+class Located(Struct):
+    """A committed block: its size, checksum and the replicas a reader may use."""
+
+    key: str
+    size: int
+    checksum: int
+    replicas: list[Replica]
+
+
+@wire
+class PutTicket(Struct):
+    """The answer to one key of a put_start: where to write, or why not."""
+
+    status: Literal["ok", "exists", "error"]
+    replicas: list[Replica]
+    error_code: int
+    error: str
+
+
+@wire
+class InventoryItem(Struct):
+    """One block a daemon holds, as it reports it when (re)registering."""
+
+    key: str
+    tier: Tier
+    offset: int
+    size: int
+    checksum: int
+
+
+# -- replies shared by many requests ----------------------------------------------
+
+
+@wire
+class ErrorReply(Message):
+    KIND = 1
+    code: int
+    message: str
+
+    def to_error(self) -> KVStoreError:
+        return error_from_code(self.code, self.message)
+
+    @classmethod
+    def from_error(cls, exc: KVStoreError) -> ErrorReply:
+        return cls(exc.code, str(exc))
+
+
+@wire
+class OkReply(Message):
+    KIND = 2
+
+
+# -- daemon -> master -------------------------------------------------------------------
+
+
+@wire
+class RegisterNode(Message):
+    KIND = 10
+    node_id: str
+    address: str
+    dram_capacity: int
+    ssd_capacity: int
+    alignment: int
+    inventory: list[InventoryItem]
+
+
+@wire
+class RegisterReply(Message):
+    KIND = 11
+    heartbeat_interval_ms: int
+    node_ttl_ms: int
+
+
+@wire
+class Heartbeat(Message):
+    KIND = 12
+    node_id: str
+
+
+@wire
+class HeartbeatReply(Message):
+    KIND = 13
+    known: bool
+    """False when the master does not know the node (it restarted): the daemon re-registers."""
+
+
+# -- client -> master -------------------------------------------------------------------
+
+
+@wire
+class PutStart(Message):
+    KIND = 20
+    keys: list[str]
+    sizes: list[int]
+    replicas: int
+    preferred_node: str | None
+    pin: bool
+
+
+@wire
+class PutStartReply(Message):
+    KIND = 21
+    tickets: list[PutTicket]
+
+
+@wire
+class PutEnd(Message):
+    KIND = 22
+    keys: list[str]
+    checksums: list[int]
+
+
+@wire
+class PutEndReply(Message):
+    KIND = 23
+    committed: list[bool]
+
+
+@wire
+class PutRevoke(Message):
+    KIND = 24
+    keys: list[str]
+
+
+@wire
+class GetReplicas(Message):
+    KIND = 30
+    keys: list[str]
+
+
+@wire
+class GetReplicasReply(Message):
+    KIND = 31
+    objects: list[Located | None]
+    lease_ms: int
+
+
+@wire
+class MatchPrefix(Message):
+    KIND = 32
+    keys: list[str]
+
+
+@wire
+class MatchPrefixReply(Message):
+    KIND = 33
+    matched: int
+
+
+@wire
+class Exists(Message):
+    KIND = 34
+    keys: list[str]
+
+
+@wire
+class ExistsReply(Message):
+    KIND = 35
+    exists: list[bool]
+
+
+@wire
+class Remove(Message):
+    KIND = 36
+    keys: list[str]
+
+
+@wire
+class RemoveReply(Message):
+    KIND = 37
+    removed: int
+
+
+@wire
+class Stats(Message):
+    KIND = 38
+
+
+@wire
+class StatsReply(Message):
+    KIND = 39
+    stats: dict[str, int | float]
+
+
+@wire
+class ReleaseLeases(Message):
+    KIND = 40
+    keys: list[str]
+
+
+# -- master -> daemon ---------------------------------------------------------------------
+
+
+@wire
+class DemoteBlocks(Message):
+    """Move blocks from the DRAM arena to the SSD tier, freeing their extents."""
+
+    KIND = 50
+    keys: list[str]
+
+
+@wire
+class DropBlocks(Message):
+    KIND = 51
+    keys: list[str]
+
+
+@wire
+class PromoteBlocks(Message):
+    """Move SSD blocks into the DRAM arena at the given offsets."""
+
+    KIND = 52
+    keys: list[str]
+    offsets: list[int]
+
+
+@wire
+class CommandReply(Message):
+    KIND = 53
+    done: list[bool]
+
+
+# -- framing ------------------------------------------------------------------------------
+
+
+def encode(message: Message, request_id: int) -> bytes:
+    """One whole frame for ``message``."""
+    payload = msgpack.packb([PROTOCOL_VERSION, message.KIND, request_id, message.to_wire()], use_bin_type=True)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"{type(message).__name__} frame of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def decode_payload(payload: bytes) -> tuple[int, Message]:
+    """(request_id, message) of one frame's payload."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"payload is not valid msgpack: {type(exc).__name__}") from None
+    if not isinstance(raw, list) or len(raw) != 4:
+        raise ProtocolError(f"payload must be [version, kind, request_id, fields], got {_describe(raw)}")
+    version, kind, request_id, body = raw
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    if type(request_id) is not int:
+        raise ProtocolError(f"request id must be an int, got {_describe(request_id)}")
+    cls = KIND_TO_MESSAGE.get(kind) if type(kind) is int else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    return request_id, cls.from_wire(body)
+
+
+def request_id_of(payload: bytes) -> int:
+    """Best-effort request id of a payload that failed to decode (0 when none can be read), for the error reply."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        return raw[2] if isinstance(raw, list) and len(raw) > 2 and type(raw[2]) is int else 0
+    except Exception:
+        return 0
+
+
+class FrameDecoder:
+    """Splits a byte stream into frame payloads. Fed bytes; knows no socket.
+
+    A length above ``max_frame`` raises :class:`ProtocolError`: the stream
+    cannot be resynchronised, so the connection must close.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME_BYTES) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """Payloads completed by ``data``, in order."""
+        self._buf += data
+        while len(self._buf) >= FRAME_HEADER.size:
+            (length,) = FRAME_HEADER.unpack_from(self._buf)
+            if length > self.max_frame:
+                raise ProtocolError(f"frame of {length} bytes exceeds the limit of {self.max_frame}")
+            end = FRAME_HEADER.size + length
+            if len(self._buf) < end:
+                return
+            payload = bytes(self._buf[FRAME_HEADER.size : end])
+            del self._buf[:end]
+            yield payload
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete frame held back."""
+        return len(self._buf)
