@@ -37,6 +37,7 @@ from kvstore.allocator import Allocator, Extent
 from kvstore.config import DramConfig
 from kvstore.errors import (
     BufferTooSmall,
+    CapacityError,
     ConfigError,
     CorruptStore,
     InvalidArgument,
@@ -86,8 +87,15 @@ def arena_path(config: DramConfig) -> Path:
 class DramArena(IndexedTier[_Slot]):
     """A capacity-bounded block store in a shared-memory file that survives its process."""
 
-    def __init__(self, config: DramConfig, *, create: bool = True) -> None:
+    def __init__(self, config: DramConfig, *, create: bool = True, managed: bool = True) -> None:
+        """Open (or create) the arena of ``config``.
+
+        ``managed``: the arena places blocks itself (:meth:`begin`). Unmanaged,
+        a master places them (:meth:`begin_at`) and the arena only checks
+        bounds, as the master holds the one allocator for the arena.
+        """
         self.config = config
+        self.managed = managed
         self.path = arena_path(config)
         self.capacity = config.capacity
         self.num_slots = config.num_slots
@@ -103,7 +111,9 @@ class DramArena(IndexedTier[_Slot]):
         try:
             self._mm = self._map_and_check()
             self._buf = memoryview(self._mm)
-            self._alloc, self._free_slots = self._recover()
+            alloc, self._free_slots = self._recover()
+            self._used = alloc.used
+            self._alloc: Allocator | None = alloc if managed else None
         except BaseException:
             with contextlib.suppress(BufferError):
                 if hasattr(self, "_buf"):
@@ -231,11 +241,17 @@ class DramArena(IndexedTier[_Slot]):
     # -- Tier interface -----------------------------------------------------
     @property
     def used(self) -> int:
-        return self._alloc.used
+        return self._used
 
     @property
     def allocator(self) -> Allocator:
+        if self._alloc is None:
+            raise InvalidArgument(f"{self.description} is unmanaged: its master allocates its extents")
         return self._alloc
+
+    @property
+    def alignment(self) -> int:
+        return self.config.alignment
 
     def extent(self, key: BlockKey) -> Extent:
         """Where the block lives in the data region (for zero-copy transports)."""
@@ -247,17 +263,36 @@ class DramArena(IndexedTier[_Slot]):
         The block stays invisible until :meth:`commit`; :meth:`abort` (or a
         crash) releases it.
         """
-        self._check_open()
-        if key in self._index or key in self._pending:
-            raise InvalidArgument(f"key {key!r} is already in DRAM arena {self.config.name}")
-        if size <= 0:
-            raise InvalidArgument(f"block size must be positive, got {size}")
+        self._check_new(key, size)
         if not self._free_slots:
             return None
-        extent = self._alloc.alloc(size)
+        extent = self.allocator.alloc(size)
         if extent is None:
             return None
+        return self._begin_slot(key, extent, size)
+
+    def begin_at(self, key: BlockKey, offset: int, size: int) -> memoryview:
+        """Like :meth:`begin`, at an extent the master chose; raises when it is out of bounds or no slot is free."""
+        self._check_new(key, size)
+        if self.managed:
+            raise InvalidArgument(f"{self.description} is managed: it chooses its own extents")
+        length = (size + self.alignment - 1) & ~(self.alignment - 1)
+        if offset < 0 or offset % self.alignment or offset + length > self.capacity:
+            raise InvalidArgument(f"extent ({offset}, {size}) is misaligned or outside {self.description}")
+        if not self._free_slots:
+            raise CapacityError(f"{self.description} has no free index slot (max_blocks={self.num_slots})")
+        return self._begin_slot(key, Extent(offset, length), size)
+
+    def _check_new(self, key: BlockKey, size: int) -> None:
+        self._check_open()
+        if key in self._index or key in self._pending:
+            raise InvalidArgument(f"key {key!r} is already in {self.description}")
+        if size <= 0:
+            raise InvalidArgument(f"block size must be positive, got {size}")
+
+    def _begin_slot(self, key: BlockKey, extent: Extent, size: int) -> memoryview:
         index = self._free_slots.pop()
+        self._used += extent.length
         raw = key.encode("utf-8")
         base = HEADER_SIZE + index * SLOT_SIZE
         _SLOT.pack_into(self._mm, base, WRITING, 0, len(raw), 0, extent.offset, size, 0, 0)
@@ -283,7 +318,9 @@ class DramArena(IndexedTier[_Slot]):
 
     def _release(self, slot: _Slot) -> None:
         self._mm[HEADER_SIZE + slot.index * SLOT_SIZE] = FREE
-        self._alloc.free(slot.extent)
+        if self._alloc is not None:
+            self._alloc.free(slot.extent)
+        self._used -= slot.extent.length
         self._free_slots.append(slot.index)
 
     def store(self, key: BlockKey, data: memoryview, checksum: int, seq: int, pinned: bool = False) -> bool:

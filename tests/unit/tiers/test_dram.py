@@ -199,3 +199,35 @@ def test_view_is_zero_copy(config: DramConfig) -> None:
     assert view.readonly and bytes(view) == data.tobytes()
     view.release()
     arena.destroy()
+
+
+def test_unmanaged_arena_writes_where_the_master_says(config: DramConfig) -> None:
+    arena = DramArena(config, managed=False)
+    view = arena.begin_at(K("a"), 4096, 100)
+    view[:] = b"a" * 100
+    view.release()
+    arena.commit(K("a"), 1, 1)
+    assert arena.extent(K("a")).offset == 4096 and arena.used == 128
+    with pytest.raises(InvalidArgument, match="managed|unmanaged"):
+        arena.begin(K("b"), 10)
+    with pytest.raises(InvalidArgument, match="misaligned"):
+        arena.begin_at(K("b"), 10, 10)
+    with pytest.raises(InvalidArgument, match="outside"):
+        arena.begin_at(K("b"), 64 * 1024 - 64, 128)
+    with pytest.raises(InvalidArgument, match="already"):
+        arena.begin_at(K("a"), 0, 10)
+    arena.close()
+    again = DramArena(config, managed=False)
+    assert again.read(K("a")) == b"a" * 100 and again.used == 128
+    with pytest.raises(InvalidArgument, match="unmanaged"):
+        _ = again.allocator
+    again.delete(K("a"))
+    assert again.used == 0
+    again.destroy()
+
+
+def test_managed_arena_refuses_outside_extents(config: DramConfig) -> None:
+    arena = DramArena(config)
+    with pytest.raises(InvalidArgument, match="managed"):
+        arena.begin_at(K("a"), 0, 10)
+    arena.destroy()
