@@ -103,6 +103,18 @@ class ConnectionFailed(KVStoreError, ConnectionError):
     code = 41
 
 
+class RetryLater(KVStoreError):
+    """The key is being moved, removed or written right now; the same call may succeed shortly."""
+
+    code = 43
+
+
+class NoNodes(KVStoreError):
+    """No storage node is up to take or serve the request."""
+
+    code = 44
+
+
 class ProtocolError(KVStoreError):
     """A frame or message that does not follow the wire protocol."""
 

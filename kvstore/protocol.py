@@ -414,6 +414,45 @@ class CommandReply(Message):
     done: list[bool]
 
 
+# -- client -> daemon (data plane: the frame is followed by the blocks' bytes) ----------------
+
+
+@wire
+class WriteBlocks(Message):
+    """Write blocks into reserved DRAM extents; their bytes follow the frame, concatenated in order."""
+
+    KIND = 60
+    keys: list[str]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[int]
+
+
+@wire
+class WriteReply(Message):
+    KIND = 61
+    codes: list[int]
+    """0 for a block stored, else the code of the error in :mod:`kvstore.errors`."""
+    errors: list[str]
+
+
+@wire
+class ReadBlocks(Message):
+    KIND = 62
+    keys: list[str]
+    tiers: list[Tier]
+    offsets: list[int]
+    sizes: list[int]
+
+
+@wire
+class ReadReply(Message):
+    """Sizes of the blocks read (-1: not held); the bytes of those held follow the frame, in order."""
+
+    KIND = 63
+    sizes: list[int]
+
+
 # -- framing ------------------------------------------------------------------------------
 
 

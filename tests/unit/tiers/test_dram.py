@@ -208,7 +208,7 @@ def test_unmanaged_arena_writes_where_the_master_says(config: DramConfig) -> Non
     view.release()
     arena.commit(K("a"), 1, 1)
     assert arena.extent(K("a")).offset == 4096 and arena.used == 128
-    with pytest.raises(InvalidArgument, match="managed|unmanaged"):
+    with pytest.raises(InvalidArgument, match="is unmanaged"):
         arena.begin(K("b"), 10)
     with pytest.raises(InvalidArgument, match="misaligned"):
         arena.begin_at(K("b"), 10, 10)

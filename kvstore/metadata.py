@@ -1,0 +1,631 @@
+"""The master's placement table: nodes, objects and their replicas, reservations,
+read leases and each node's per-tier LRU. Pure and synchronous: time comes in
+as ``now_ms``, and every change a daemon must carry out comes back as a
+:class:`NodeCommand` that the caller sends and then reports with :meth:`apply`.
+
+Rules:
+
+- ``put_start`` places each new key on ``replicas`` distinct up nodes chosen by
+  the placement strategy and reserves an extent in each node's DRAM arena
+  (the master holds the one allocator of every arena). A node that has no
+  extent for the block gets eviction commands; the key waits for them
+  (``PutPlan.waiting``) and is placed when the caller asks again. A key that
+  is already stored or being written reports ``exists``.
+- ``put_end`` commits: only then is a block visible. An uncommitted
+  reservation expires after ``reservation_ms``.
+- An extent is reused only after its daemon has confirmed that the block in it
+  is gone: a revoked, expired or removed block is ``removing`` (not readable,
+  not placeable), and an evicted or promoted replica ``moving`` (not
+  readable), until the daemon's answer is applied. So a daemon never
+  holds a block in an extent that the master gave to another key.
+- ``get_replicas`` hands out replicas on up nodes only, touches their LRU and
+  leases them for ``lease_ms``: a leased block is never evicted or moved. An
+  SSD-only block read ``promote_after_hits`` times is promoted to DRAM once
+  its leases end.
+- A daemon's (re)registration replaces everything the table knew of that node
+  by the daemon's inventory: the daemons are the source of truth, so a new
+  master rebuilds the whole table from them.
+
+Invariants: a committed, readable replica is in exactly its node's tier LRU;
+each node's allocator holds exactly the extents of that node's DRAM replicas
+(committed, pending or moving).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.allocator import Allocator, Extent
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, RetryLater
+from kvstore.keys import BlockKey, validate_key
+from kvstore.lru import LRU
+from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
+from kvstore.protocol import InventoryItem, Located, PutTicket, Replica
+
+DRAM, SSD = TierName.DRAM, TierName.SSD
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    node_id: str
+    tier: TierName
+    extent: Extent | None
+    """The DRAM extent; None on SSD (during a promotion: the extent it will land in)."""
+    moving: bool = False
+    """A demotion, drop or promotion of this replica is in flight: not readable, not in an LRU."""
+
+
+@dataclass(slots=True)
+class ObjectEntry:
+    """One key. Fields change only through the table."""
+
+    key: str
+    size: int
+    checksum: int
+    replicas: list[ReplicaState]
+    committed: bool
+    deadline_ms: int
+    """Reservation deadline while uncommitted."""
+    pinned: bool
+    removing: bool = False
+    """Removed, revoked or expired: gone once its daemons confirm; not readable, not placeable."""
+    ssd_hits: int = 0
+
+
+@dataclass(slots=True)
+class NodeState:
+    node_id: str
+    address: str
+    alloc: Allocator
+    ssd_capacity: int
+    ssd_used: int = 0
+    dram_lru: LRU[str] = field(default_factory=LRU)
+    ssd_lru: LRU[str] = field(default_factory=LRU)
+    up: bool = True
+    last_seen_ms: int = 0
+
+    def lru(self, tier: TierName) -> LRU[str]:
+        return self.dram_lru if tier is DRAM else self.ssd_lru
+
+    @property
+    def dram_free_ratio(self) -> float:
+        return self.alloc.free_bytes / self.alloc.capacity
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCommand:
+    """Work for one daemon: maps one to one onto a DemoteBlocks, DropBlocks or PromoteBlocks message."""
+
+    node_id: str
+    kind: ActionKind
+    tier: TierName
+    """The tier the blocks are in now."""
+    keys: tuple[str, ...]
+    offsets: tuple[int, ...] = ()
+    """DRAM offsets for PROMOTE."""
+    release: bool = False
+    """A DROP that only frees reservations (revoked or expired puts), not committed blocks."""
+
+
+@dataclass(slots=True)
+class PutPlan:
+    tickets: list[PutTicket | None]
+    """One per key; None for a key waiting for evictions."""
+    commands: list[NodeCommand]
+    waiting: list[int]
+    """Indexes of keys to ask again for once ``commands`` are applied."""
+
+
+Strategy = Callable[[list[NodeState], str | None, random.Random], list[NodeState]]
+
+
+def _free_ratio(nodes: list[NodeState], preferred: str | None, rng: random.Random) -> list[NodeState]:
+    return sorted(nodes, key=lambda n: -n.dram_free_ratio)
+
+
+def _local_first(nodes: list[NodeState], preferred: str | None, rng: random.Random) -> list[NodeState]:
+    return sorted(nodes, key=lambda n: (n.node_id != preferred, -n.dram_free_ratio))
+
+
+def _random(nodes: list[NodeState], preferred: str | None, rng: random.Random) -> list[NodeState]:
+    out = list(nodes)
+    rng.shuffle(out)
+    return out
+
+
+PLACEMENT_STRATEGIES: dict[str, Strategy] = {
+    "free_ratio": _free_ratio,
+    "local_first": _local_first,
+    "random": _random,
+}
+
+
+def _ticket_error(exc: KVStoreError) -> PutTicket:
+    return PutTicket("error", [], exc.code, str(exc))
+
+
+class PlacementTable:
+    def __init__(
+        self,
+        policy: EvictionPolicy | None = None,
+        *,
+        strategy: str = "local_first",
+        reservation_ms: int = 30_000,
+        lease_ms: int = 5_000,
+        node_ttl_ms: int = 10_000,
+        seed: int = 0,
+    ) -> None:
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise InvalidArgument(f"unknown placement strategy {strategy!r}; known: {sorted(PLACEMENT_STRATEGIES)}")
+        self.policy = policy or EvictionPolicy()
+        self.strategy = PLACEMENT_STRATEGIES[strategy]
+        self.reservation_ms = reservation_ms
+        self.lease_ms = lease_ms
+        self.node_ttl_ms = node_ttl_ms
+        self.nodes: dict[str, NodeState] = {}
+        self.objects: dict[str, ObjectEntry] = {}
+        self._pending: dict[str, ObjectEntry] = {}
+        self._leases: list[tuple[int, str, str, str]] = []  # heap of (expiry, key, node, tier value)
+        self._want_promote: set[str] = set()
+        self._rng = random.Random(seed)
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("puts", "put_exists", "gets", "hits", "misses", "evictions", "demotions", "promotions", "expired"), 0
+        )
+
+    # -- membership -----------------------------------------------------------------
+    def register_node(
+        self,
+        node_id: str,
+        address: str,
+        dram_capacity: int,
+        ssd_capacity: int,
+        alignment: int,
+        inventory: Sequence[InventoryItem],
+        now_ms: int,
+    ) -> list[NodeCommand]:
+        """(Re)build what the table knows of ``node_id`` from its inventory (oldest use first).
+
+        Returns drops for blocks the table cannot adopt: a key that another
+        node holds with other bytes, or an extent that overlaps another.
+        """
+        validate_key(node_id)
+        commands = self._forget_node(node_id)
+        alloc = Allocator(dram_capacity, alignment)
+        node = NodeState(node_id, address, alloc, ssd_capacity, last_seen_ms=now_ms)
+        conflicts: dict[TierName, list[str]] = {DRAM: [], SSD: []}
+        dram_items = sorted((i for i in inventory if i.tier == "dram"), key=lambda i: i.offset)
+        extents: list[tuple[int, int]] = []
+        end = 0
+        adopted: set[str] = set()
+        for item in dram_items:
+            if item.offset < end or item.offset % alignment or item.offset + item.size > alloc.capacity:
+                conflicts[DRAM].append(item.key)
+            else:
+                extents.append((item.offset, item.size))
+                end = item.offset + alloc.round_up(item.size)
+                adopted.add(item.key)
+        node.alloc = Allocator.rebuild(dram_capacity, alignment, extents)
+        self.nodes[node_id] = node
+        for item in inventory:
+            tier = DRAM if item.tier == "dram" else SSD
+            if tier is DRAM and item.key not in adopted:
+                continue
+            entry = self.objects.get(item.key) or self._pending.get(item.key)
+            if entry is not None and (
+                not entry.committed or entry.removing or entry.size != item.size or entry.checksum != item.checksum
+            ):
+                conflicts[tier].append(item.key)
+                if tier is DRAM:
+                    node.alloc.free(Extent(item.offset, node.alloc.round_up(item.size)))
+                continue
+            if entry is None:
+                entry = ObjectEntry(item.key, item.size, item.checksum, [], True, 0, False)
+                self.objects[item.key] = entry
+            extent = Extent(item.offset, node.alloc.round_up(item.size)) if tier is DRAM else None
+            entry.replicas.append(ReplicaState(node_id, tier, extent))
+            node.lru(tier).insert(item.key, item.size)
+            if tier is SSD:
+                node.ssd_used += item.size
+        return commands + [
+            NodeCommand(node_id, ActionKind.DROP, tier, tuple(keys), release=True)
+            for tier, keys in conflicts.items()
+            if keys
+        ]
+
+    def _forget_node(self, node_id: str) -> list[NodeCommand]:
+        """Drop every replica on ``node_id``; returns revocations of its puts' replicas on other nodes."""
+        if self.nodes.pop(node_id, None) is None:
+            return []
+        broken: list[ObjectEntry] = []
+        # Readable replicas and moving ones alike: the daemon's inventory now tells what it holds.
+        for store in (self.objects, self._pending):
+            for key, entry in list(store.items()):
+                kept = [r for r in entry.replicas if r.node_id != node_id]
+                if len(kept) == len(entry.replicas):
+                    continue
+                entry.replicas = kept
+                if not kept:
+                    del store[key]
+                    self._want_promote.discard(key)
+                elif not entry.committed and not entry.removing:
+                    broken.append(entry)
+        # A put that had a replica there cannot complete; its other replicas may hold bytes already.
+        return self._revoke(broken)
+
+    def heartbeat(self, node_id: str, now_ms: int) -> bool:
+        """Record that ``node_id`` is alive; False when the table does not know it (it must re-register)."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            return False
+        node.last_seen_ms = now_ms
+        node.up = True
+        return True
+
+    def up_nodes(self) -> list[NodeState]:
+        return [n for n in self.nodes.values() if n.up]
+
+    # -- time -------------------------------------------------------------------------
+    def expire(self, now_ms: int) -> list[NodeCommand]:
+        """Mark silent nodes down, end expired leases and reservations; returns the drops and promotions due."""
+        for node in self.nodes.values():
+            if node.up and now_ms - node.last_seen_ms > self.node_ttl_ms:
+                node.up = False
+        while self._leases and self._leases[0][0] <= now_ms:
+            _, key, node_id, tier = heapq.heappop(self._leases)
+            holder = self.nodes.get(node_id)
+            if holder is not None:
+                holder.lru(TierName(tier)).release(key)
+        expired = [e for e in self._pending.values() if e.deadline_ms <= now_ms]
+        self.counters["expired"] += len(expired)
+        return self._revoke(expired) + self._plan_promotions()
+
+    # -- writes -----------------------------------------------------------------------
+    def put_start(
+        self,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        replicas: int,
+        preferred_node: str | None,
+        pin: bool,
+        now_ms: int,
+    ) -> PutPlan:
+        if len(keys) != len(sizes):
+            raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
+        checked = [validate_key(k) for k in keys]
+        for key, size in zip(checked, sizes, strict=True):
+            if type(size) is not int or size <= 0:
+                raise InvalidArgument(f"size of {key!r} must be a positive int, got {size!r}")
+        if not 1 <= replicas <= 16:
+            raise InvalidArgument(f"replicas must be between 1 and 16, got {replicas}")
+        plan = PutPlan([], [], [])
+        for i, (key, size) in enumerate(zip(checked, sizes, strict=True)):
+            plan.tickets.append(self._place(key, size, replicas, preferred_node, pin, now_ms, plan, i))
+        return plan
+
+    def _place(
+        self,
+        key: BlockKey,
+        size: int,
+        replicas: int,
+        preferred: str | None,
+        pin: bool,
+        now_ms: int,
+        plan: PutPlan,
+        i: int,
+    ) -> PutTicket | None:
+        existing = self.objects.get(key) or self._pending.get(key)
+        if existing is not None:
+            if existing.removing:
+                return _ticket_error(RetryLater(f"key {key!r} is being moved or removed; retry"))
+            self.counters["put_exists"] += 1
+            if existing.committed:
+                self._touch(existing)
+            return PutTicket("exists", [], 0, "")
+        nodes = [n for n in self.strategy(self.up_nodes(), preferred, self._rng) if n.alloc.capacity >= size]
+        if not nodes:
+            if not self.up_nodes():
+                return _ticket_error(NoNodes("no storage node is up"))
+            return _ticket_error(CapacityError(f"block {key!r} of {size} bytes is larger than every node's DRAM"))
+        chosen: list[ReplicaState] = []
+        waiting = False  # some node will have room once its evictions are done
+        for node in nodes:
+            if len(chosen) == replicas:
+                break
+            extent, evicting = self._reserve(node, size, plan)
+            if extent is not None:
+                chosen.append(ReplicaState(node.node_id, DRAM, extent))
+            waiting = waiting or (extent is None and evicting)
+        if (waiting and len(chosen) < min(replicas, len(nodes))) or not chosen:
+            for r in chosen:
+                assert r.extent is not None
+                self.nodes[r.node_id].alloc.free(r.extent)
+            if waiting:
+                plan.waiting.append(i)
+                return None
+            return _ticket_error(
+                CapacityError(f"no room for block {key!r} of {size} bytes: every node's DRAM is pinned or leased")
+            )
+        entry = ObjectEntry(key, size, 0, chosen, False, now_ms + self.reservation_ms, pin)
+        self._pending[key] = entry
+        self.counters["puts"] += 1
+        return PutTicket("ok", [self._wire_replica(entry, r) for r in chosen], 0, "")
+
+    def _reserve(self, node: NodeState, size: int, plan: PutPlan) -> tuple[Extent | None, bool]:
+        """An extent on ``node`` (or None), and whether evictions were added to ``plan`` for it.
+
+        Past the high watermark the node evicts down to the low one even when
+        the extent was found, so that later puts find room without waiting.
+        """
+        over = self.policy.over_high_watermark(node.alloc.used + size, node.alloc.capacity)
+        extent = node.alloc.alloc(size)
+        if extent is not None and not over:
+            return extent, False
+        view = TierView(node.alloc.capacity, node.alloc.used, node.dram_lru)
+        ssd = TierView(node.ssd_capacity, node.ssd_used, node.ssd_lru) if node.ssd_capacity else None
+        incoming, force = (0, 0) if extent is not None else (size, size)  # a found extent is in ``used`` already
+        actions = self.policy.make_room(view, ssd, incoming, force_bytes=force)
+        plan.commands.extend(self._start_actions(node, actions))
+        return extent, bool(actions)
+
+    def _start_actions(self, node: NodeState, actions: Sequence[Action[str]]) -> list[NodeCommand]:
+        """Mark the replicas of ``actions`` moving and group them into commands, in execution order."""
+        groups: dict[tuple[ActionKind, TierName], list[str]] = {}
+        for action in actions:
+            entry = self.objects[action.key]
+            for r in entry.replicas:
+                if r.node_id == node.node_id:
+                    r.moving = True
+            node.lru(action.tier).remove(action.key)
+            groups.setdefault((action.kind, action.tier), []).append(action.key)
+        return [NodeCommand(node.node_id, kind, tier, tuple(keys)) for (kind, tier), keys in groups.items()]
+
+    def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
+        """Commit reserved keys; False for a key whose reservation is gone (expired or revoked)."""
+        if len(keys) != len(checksums):
+            raise InvalidArgument(f"put_end got {len(keys)} keys but {len(checksums)} checksums")
+        out = []
+        for key, check in zip(keys, checksums, strict=True):
+            entry = self._pending.get(key)
+            if entry is None or entry.removing:
+                out.append(False)
+                continue
+            del self._pending[key]
+            entry.committed, entry.checksum = True, check
+            self.objects[key] = entry
+            for r in entry.replicas:
+                lru = self.nodes[r.node_id].dram_lru
+                lru.insert(key, entry.size)
+                if entry.pinned:
+                    lru.pin(key)
+            out.append(True)
+        return out
+
+    def put_revoke(self, keys: Iterable[str]) -> list[NodeCommand]:
+        """Give up reservations; their daemons must drop whatever was written before the extents are reused."""
+        return self._revoke([e for k in keys if (e := self._pending.get(k)) is not None and not e.removing])
+
+    def _revoke(self, entries: Sequence[ObjectEntry]) -> list[NodeCommand]:
+        per_node: dict[str, list[str]] = {}
+        for entry in entries:
+            entry.removing = True
+            for r in entry.replicas:
+                per_node.setdefault(r.node_id, []).append(entry.key)
+        return [NodeCommand(n, ActionKind.DROP, DRAM, tuple(keys), release=True) for n, keys in per_node.items()]
+
+    # -- reads ------------------------------------------------------------------------
+    def _readable(self, entry: ObjectEntry | None) -> list[ReplicaState]:
+        if entry is None or entry.removing or not entry.committed:
+            return []
+        return [r for r in entry.replicas if not r.moving and self.nodes[r.node_id].up]
+
+    def _touch(self, entry: ObjectEntry) -> None:
+        for r in entry.replicas:
+            lru = self.nodes[r.node_id].lru(r.tier)
+            if entry.key in lru:
+                lru.touch(entry.key)
+
+    def get_replicas(self, keys: Sequence[str], now_ms: int) -> list[Located | None]:
+        """Readable replicas of each key (DRAM first), leased for ``lease_ms``; None for a miss."""
+        checked = [validate_key(k) for k in keys]
+        out: list[Located | None] = []
+        expiry = now_ms + self.lease_ms
+        for key in checked:
+            self.counters["gets"] += 1
+            entry = self.objects.get(key)
+            readable = self._readable(entry)
+            if entry is None or not readable:
+                self.counters["misses"] += 1
+                out.append(None)
+                continue
+            self.counters["hits"] += 1
+            self._touch(entry)
+            readable.sort(key=lambda r: r.tier is not DRAM)
+            for r in readable:
+                self.nodes[r.node_id].lru(r.tier).lease(key)
+                heapq.heappush(self._leases, (expiry, key, r.node_id, r.tier.value))
+            if readable[0].tier is SSD:
+                entry.ssd_hits += 1
+                if self.policy.should_promote(entry.ssd_hits):
+                    self._want_promote.add(key)
+            out.append(Located(key, entry.size, entry.checksum, [self._wire_replica(entry, r) for r in readable]))
+        return out
+
+    def release_leases(self, keys: Iterable[str]) -> list[NodeCommand]:
+        """End the reader's leases on ``keys`` early (after its reads); returns promotions now due."""
+        for key in keys:
+            entry = self.objects.get(key)
+            if entry is None:
+                continue
+            for r in entry.replicas:
+                self.nodes[r.node_id].lru(r.tier).release(key)
+        return self._plan_promotions()
+
+    def _plan_promotions(self) -> list[NodeCommand]:
+        """Promote wanted SSD blocks that no reader holds, where DRAM has room without evicting."""
+        per_node: dict[str, list[tuple[str, int]]] = {}
+        for key in list(self._want_promote):
+            entry = self.objects.get(key)
+            ssd = [r for r in self._readable(entry) if r.tier is SSD]
+            if entry is None or not ssd or any(r.tier is DRAM for r in entry.replicas):
+                self._want_promote.discard(key)
+                continue
+            node = self.nodes[ssd[0].node_id]
+            if node.ssd_lru.is_leased(key) or node.ssd_lru.is_pinned(key):
+                continue
+            self._want_promote.discard(key)
+            if self.policy.over_high_watermark(node.alloc.used + entry.size, node.alloc.capacity):
+                continue
+            extent = node.alloc.alloc(entry.size)
+            if extent is None:
+                continue
+            ssd[0].moving = True
+            node.ssd_lru.remove(key)
+            ssd[0].extent = extent  # where it will land; the tier changes when the daemon confirms
+            per_node.setdefault(node.node_id, []).append((key, extent.offset))
+        return [
+            NodeCommand(n, ActionKind.PROMOTE, SSD, tuple(k for k, _ in items), tuple(o for _, o in items))
+            for n, items in per_node.items()
+        ]
+
+    def match_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading keys are committed and readable."""
+        objects, nodes = self.objects, self.nodes
+        for i, key in enumerate(keys):
+            entry = objects.get(key)
+            if entry is None or entry.removing or not entry.committed:
+                return i
+            if not any(not r.moving and nodes[r.node_id].up for r in entry.replicas):
+                return i
+        return len(keys)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [bool(self._readable(self.objects.get(validate_key(k)))) for k in keys]
+
+    def remove(self, keys: Iterable[str]) -> tuple[int, list[NodeCommand]]:
+        """Stop serving ``keys`` at once; returns how many were stored and the drops their daemons must do."""
+        per: dict[tuple[str, TierName], list[str]] = {}
+        removed = 0
+        for key in keys:
+            entry = self.objects.get(validate_key(key))
+            if entry is None or entry.removing:
+                continue
+            removed += 1
+            entry.removing = True
+            self._want_promote.discard(key)
+            for r in entry.replicas:
+                lru = self.nodes[r.node_id].lru(r.tier)
+                if key in lru:
+                    lru.remove(key)
+                per.setdefault((r.node_id, r.tier), []).append(key)
+        return removed, [NodeCommand(n, ActionKind.DROP, t, tuple(ks)) for (n, t), ks in per.items()]
+
+    # -- command completion ---------------------------------------------------------------
+    def apply(self, command: NodeCommand, done: Sequence[bool]) -> None:
+        """Record what a daemon did. ``done[i]``: DEMOTE -> moved (else dropped);
+        DROP -> it was there; PROMOTE -> moved (else it stays on SSD)."""
+        if len(done) != len(command.keys):
+            raise InvalidArgument(f"{len(done)} results for a command of {len(command.keys)} keys")
+        node = self.nodes.get(command.node_id)
+        if node is None:
+            return  # the node re-registered or left; its inventory replaced this state
+        for key, ok in zip(command.keys, done, strict=True):
+            entry = self.objects.get(key) or self._pending.get(key)
+            replica = next((r for r in entry.replicas if r.node_id == node.node_id), None) if entry else None
+            if entry is None or replica is None:
+                continue
+            if command.kind is ActionKind.PROMOTE:
+                self._finish_promote(node, entry, replica, ok)
+            elif command.kind is ActionKind.DEMOTE and ok:
+                assert replica.extent is not None
+                node.alloc.free(replica.extent)
+                replica.tier, replica.extent = SSD, None
+                node.ssd_used += entry.size
+                if not entry.removing:
+                    node.ssd_lru.insert(key, entry.size)
+                replica.moving = False
+                self.counters["demotions"] += 1
+            else:
+                self._drop_replica(key, node.node_id, evicted=not command.release)
+
+    def _finish_promote(self, node: NodeState, entry: ObjectEntry, replica: ReplicaState, ok: bool) -> None:
+        replica.moving = False
+        assert replica.extent is not None
+        if ok:
+            replica.tier = DRAM
+            node.ssd_used -= entry.size
+            if not entry.removing:
+                node.dram_lru.insert(entry.key, entry.size)
+            entry.ssd_hits = 0
+            self.counters["promotions"] += 1
+        else:
+            node.alloc.free(replica.extent)
+            replica.extent = None
+            if not entry.removing:
+                node.ssd_lru.insert(entry.key, entry.size)
+
+    def _drop_replica(self, key: str, node_id: str, evicted: bool = False) -> None:
+        entry = self.objects.get(key) or self._pending.get(key)
+        node = self.nodes.get(node_id)
+        if entry is None:
+            return
+        for r in [r for r in entry.replicas if r.node_id == node_id]:
+            entry.replicas.remove(r)
+            if node is not None:
+                lru = node.lru(r.tier)
+                if key in lru:
+                    lru.remove(key)
+                if r.extent is not None:
+                    node.alloc.free(r.extent)
+                if r.tier is SSD:
+                    node.ssd_used -= entry.size
+        if evicted:
+            self.counters["evictions"] += 1
+        if not entry.replicas:
+            self.objects.pop(key, None)
+            self._pending.pop(key, None)
+            self._want_promote.discard(key)
+
+    # -- reporting --------------------------------------------------------------------------
+    def _wire_replica(self, entry: ObjectEntry, r: ReplicaState) -> Replica:
+        offset = r.extent.offset if r.extent is not None and r.tier is DRAM else -1
+        return Replica(r.node_id, self.nodes[r.node_id].address, r.tier.value, offset, entry.size)
+
+    def stats(self) -> dict[str, int | float]:
+        up = self.up_nodes()
+        out: dict[str, int | float] = dict(self.counters)
+        out.update(
+            nodes=len(self.nodes),
+            nodes_up=len(up),
+            objects=len(self.objects),
+            pending=len(self._pending),
+            dram_capacity=sum(n.alloc.capacity for n in self.nodes.values()),
+            dram_used=sum(n.alloc.used for n in self.nodes.values()),
+            ssd_capacity=sum(n.ssd_capacity for n in self.nodes.values()),
+            ssd_used=sum(n.ssd_used for n in self.nodes.values()),
+        )
+        return out
+
+    def check(self) -> None:
+        """Assert the invariants of the module docstring (for tests)."""
+        for node in self.nodes.values():
+            node.alloc.check()
+            extents = sorted(
+                (r.extent.offset, r.extent.length)
+                for store in (self.objects, self._pending)
+                for e in store.values()
+                for r in e.replicas
+                if r.node_id == node.node_id and r.extent is not None
+            )
+            assert extents == sorted(node.alloc._allocated.items()), f"{node.node_id}: extents drifted"
+            for tier in (DRAM, SSD):
+                for key in node.lru(tier):
+                    entry = self.objects[key]
+                    assert entry.committed and not entry.removing, f"{key} in an LRU while not readable"
+                    assert any(r.node_id == node.node_id and r.tier is tier and not r.moving for r in entry.replicas)
+            ssd_bytes = sum(
+                e.size for e in self.objects.values() for r in e.replicas if r.node_id == node.node_id and r.tier is SSD
+            )
+            assert ssd_bytes == node.ssd_used, f"{node.node_id}: ssd_used {node.ssd_used} != {ssd_bytes}"
