@@ -207,3 +207,40 @@ def _setting_name(loc: tuple[int | str, ...], prefix: str, overrides: Mapping[st
     if loc and loc[0] not in overrides:
         return prefix + "__".join(str(p) for p in loc).upper()
     return ".".join(str(p) for p in loc) or "config"
+
+
+class MasterConfig(_Frozen):
+    """The master: placement, eviction decisions, leases and membership."""
+
+    host: str = Field(default="127.0.0.1", description="Address to listen on.")
+    port: int = Field(default=50051, ge=0, le=65535, description="RPC port; 0 picks a free one.")
+    placement: str = Field(default="local_first", description="local_first, free_ratio or random.")
+    eviction: EvictionConfig = Field(default_factory=EvictionConfig)
+    reservation_ms: int = Field(default=30_000, gt=0, description="An uncommitted put is revoked after this.")
+    lease_ms: int = Field(default=5_000, gt=0, description="How long a get's replicas stay unevictable.")
+    heartbeat_interval_ms: int = Field(default=500, gt=0, description="How often daemons heartbeat.")
+    node_ttl_ms: int = Field(default=3_000, gt=0, description="A node silent this long is marked down.")
+    command_timeout_ms: int = Field(default=10_000, gt=0, description="Bound on one command to a daemon.")
+    idle_timeout_s: float = Field(default=600.0, gt=0, description="An idle client connection is closed after this.")
+    tick_ms: int = Field(default=100, gt=0, description="Period of expiry and command retries.")
+
+
+class DaemonConfig(_Frozen):
+    """A storage daemon: one node's tiers and its data-plane server."""
+
+    master: str = Field(default="127.0.0.1:50051", description="The master's host:port.")
+    name: str = Field(default="node0", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Node id.")
+    host: str = Field(default="127.0.0.1", description="Data-plane address to listen on and advertise.")
+    port: int = Field(default=0, ge=0, le=65535, description="Data-plane port; 0 picks a free one.")
+    dram: DramConfig = Field(default_factory=DramConfig)
+    ssd: SsdConfig = Field(default_factory=SsdConfig)
+    io_timeout_s: float = Field(default=30.0, gt=0, description="Bound on each network wait inside a request.")
+
+
+class ClientConfig(_Frozen):
+    """The client library."""
+
+    timeout_s: float = Field(default=10.0, gt=0, description="Bound on each network wait.")
+    connections_per_daemon: int = Field(default=4, ge=1, le=64, description="Pooled data connections per node.")
+    replicas: int = Field(default=1, ge=1, le=16, description="Default replicas of a put.")
+    put_retries: int = Field(default=20, ge=0, description="Retries of a put that the master asked to wait.")

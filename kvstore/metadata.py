@@ -86,6 +86,12 @@ class NodeState:
     ssd_lru: LRU[str] = field(default_factory=LRU)
     up: bool = True
     last_seen_ms: int = 0
+    inflight: int = 0
+    """Keys in commands sent to this node and not yet applied: room they may free is coming."""
+    dram_freeing: int = 0
+    """DRAM bytes that evictions in flight will free."""
+    ssd_delta: int = 0
+    """SSD bytes that evictions in flight will add (demotions) less those they will free (drops)."""
 
     def lru(self, tier: TierName) -> LRU[str]:
         return self.dram_lru if tier is DRAM else self.ssd_lru
@@ -108,6 +114,8 @@ class NodeCommand:
     """DRAM offsets for PROMOTE."""
     release: bool = False
     """A DROP that only frees reservations (revoked or expired puts), not committed blocks."""
+    sizes: tuple[int, ...] = ()
+    """Block sizes, for an eviction (its bytes are counted as leaving until it is applied)."""
 
 
 @dataclass(slots=True)
@@ -229,11 +237,13 @@ class PlacementTable:
             node.lru(tier).insert(item.key, item.size)
             if tier is SSD:
                 node.ssd_used += item.size
-        return commands + [
-            NodeCommand(node_id, ActionKind.DROP, tier, tuple(keys), release=True)
-            for tier, keys in conflicts.items()
-            if keys
-        ]
+        return commands + self._issue(
+            [
+                NodeCommand(node_id, ActionKind.DROP, tier, tuple(keys), release=True)
+                for tier, keys in conflicts.items()
+                if keys
+            ]
+        )
 
     def _forget_node(self, node_id: str) -> list[NodeCommand]:
         """Drop every replica on ``node_id``; returns revocations of its puts' replicas on other nodes."""
@@ -337,7 +347,7 @@ class PlacementTable:
             extent, evicting = self._reserve(node, size, plan)
             if extent is not None:
                 chosen.append(ReplicaState(node.node_id, DRAM, extent))
-            waiting = waiting or (extent is None and evicting)
+            waiting = waiting or (extent is None and (evicting or node.inflight > 0))
         if (waiting and len(chosen) < min(replicas, len(nodes))) or not chosen:
             for r in chosen:
                 assert r.extent is not None
@@ -346,7 +356,9 @@ class PlacementTable:
                 plan.waiting.append(i)
                 return None
             return _ticket_error(
-                CapacityError(f"no room for block {key!r} of {size} bytes: every node's DRAM is pinned or leased")
+                CapacityError(
+                    f"no room for block {key!r} of {size} bytes: every node's DRAM is pinned, leased or being written"
+                )
             )
         entry = ObjectEntry(key, size, 0, chosen, False, now_ms + self.reservation_ms, pin)
         self._pending[key] = entry
@@ -359,12 +371,15 @@ class PlacementTable:
         Past the high watermark the node evicts down to the low one even when
         the extent was found, so that later puts find room without waiting.
         """
-        over = self.policy.over_high_watermark(node.alloc.used + size, node.alloc.capacity)
+        # Bytes that evictions in flight will free count as free already, so nothing is evicted for them twice.
+        dram_used = node.alloc.used - node.dram_freeing
+        over = self.policy.over_high_watermark(dram_used + size, node.alloc.capacity)
         extent = node.alloc.alloc(size)
         if extent is not None and not over:
             return extent, False
-        view = TierView(node.alloc.capacity, node.alloc.used, node.dram_lru)
-        ssd = TierView(node.ssd_capacity, node.ssd_used, node.ssd_lru) if node.ssd_capacity else None
+        view = TierView(node.alloc.capacity, dram_used + (size if extent is not None else 0), node.dram_lru)
+        ssd_used = node.ssd_used + node.ssd_delta
+        ssd = TierView(node.ssd_capacity, ssd_used, node.ssd_lru) if node.ssd_capacity else None
         incoming, force = (0, 0) if extent is not None else (size, size)  # a found extent is in ``used`` already
         actions = self.policy.make_room(view, ssd, incoming, force_bytes=force)
         plan.commands.extend(self._start_actions(node, actions))
@@ -372,15 +387,30 @@ class PlacementTable:
 
     def _start_actions(self, node: NodeState, actions: Sequence[Action[str]]) -> list[NodeCommand]:
         """Mark the replicas of ``actions`` moving and group them into commands, in execution order."""
-        groups: dict[tuple[ActionKind, TierName], list[str]] = {}
+        groups: dict[tuple[ActionKind, TierName], list[tuple[str, int]]] = {}
         for action in actions:
+            self._count_eviction(node, action.kind, action.tier, action.size, +1)
             entry = self.objects[action.key]
             for r in entry.replicas:
                 if r.node_id == node.node_id:
                     r.moving = True
             node.lru(action.tier).remove(action.key)
-            groups.setdefault((action.kind, action.tier), []).append(action.key)
-        return [NodeCommand(node.node_id, kind, tier, tuple(keys)) for (kind, tier), keys in groups.items()]
+            groups.setdefault((action.kind, action.tier), []).append((action.key, action.size))
+        return self._issue(
+            [
+                NodeCommand(node.node_id, kind, tier, tuple(k for k, _ in items), sizes=tuple(n for _, n in items))
+                for (kind, tier), items in groups.items()
+            ]
+        )
+
+    @staticmethod
+    def _count_eviction(node: NodeState, kind: ActionKind, tier: TierName, size: int, sign: int) -> None:
+        if tier is DRAM:
+            node.dram_freeing += sign * size
+        if kind is ActionKind.DEMOTE:
+            node.ssd_delta += sign * size
+        elif tier is SSD:
+            node.ssd_delta -= sign * size
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
         """Commit reserved keys; False for a key whose reservation is gone (expired or revoked)."""
@@ -413,7 +443,9 @@ class PlacementTable:
             entry.removing = True
             for r in entry.replicas:
                 per_node.setdefault(r.node_id, []).append(entry.key)
-        return [NodeCommand(n, ActionKind.DROP, DRAM, tuple(keys), release=True) for n, keys in per_node.items()]
+        return self._issue(
+            [NodeCommand(n, ActionKind.DROP, DRAM, tuple(keys), release=True) for n, keys in per_node.items()]
+        )
 
     # -- reads ------------------------------------------------------------------------
     def _readable(self, entry: ObjectEntry | None) -> list[ReplicaState]:
@@ -485,10 +517,12 @@ class PlacementTable:
             node.ssd_lru.remove(key)
             ssd[0].extent = extent  # where it will land; the tier changes when the daemon confirms
             per_node.setdefault(node.node_id, []).append((key, extent.offset))
-        return [
-            NodeCommand(n, ActionKind.PROMOTE, SSD, tuple(k for k, _ in items), tuple(o for _, o in items))
-            for n, items in per_node.items()
-        ]
+        return self._issue(
+            [
+                NodeCommand(n, ActionKind.PROMOTE, SSD, tuple(k for k, _ in items), tuple(o for _, o in items))
+                for n, items in per_node.items()
+            ]
+        )
 
     def match_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are committed and readable."""
@@ -520,9 +554,17 @@ class PlacementTable:
                 if key in lru:
                     lru.remove(key)
                 per.setdefault((r.node_id, r.tier), []).append(key)
-        return removed, [NodeCommand(n, ActionKind.DROP, t, tuple(ks)) for (n, t), ks in per.items()]
+        return removed, self._issue([NodeCommand(n, ActionKind.DROP, t, tuple(ks)) for (n, t), ks in per.items()])
 
     # -- command completion ---------------------------------------------------------------
+    def _issue(self, commands: list[NodeCommand]) -> list[NodeCommand]:
+        """Count commands as in flight on their nodes until :meth:`apply` sees their answers."""
+        for c in commands:
+            node = self.nodes.get(c.node_id)
+            if node is not None:
+                node.inflight += len(c.keys)
+        return commands
+
     def apply(self, command: NodeCommand, done: Sequence[bool]) -> None:
         """Record what a daemon did. ``done[i]``: DEMOTE -> moved (else dropped);
         DROP -> it was there; PROMOTE -> moved (else it stays on SSD)."""
@@ -530,7 +572,10 @@ class PlacementTable:
             raise InvalidArgument(f"{len(done)} results for a command of {len(command.keys)} keys")
         node = self.nodes.get(command.node_id)
         if node is None:
-            return  # the node re-registered or left; its inventory replaced this state
+            return  # the node left; its inventory will replace this state
+        node.inflight = max(0, node.inflight - len(command.keys))
+        for size in command.sizes:
+            self._count_eviction(node, command.kind, command.tier, size, -1)
         for key, ok in zip(command.keys, done, strict=True):
             entry = self.objects.get(key) or self._pending.get(key)
             replica = next((r for r in entry.replicas if r.node_id == node.node_id), None) if entry else None

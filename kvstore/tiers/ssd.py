@@ -23,7 +23,8 @@ from __future__ import annotations
 import fcntl
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,6 +195,16 @@ class SsdTier(IndexedTier[_Meta]):
                 raise CorruptStore(f"SSD tier {self.path}: data of {key!r} is missing or has the wrong size")
             dst[: meta.size] = src
         return meta.size
+
+    @contextmanager
+    def view(self, key: BlockKey) -> Iterator[memoryview]:
+        """A zero-copy view of the block inside LMDB's map, valid until the ``with`` ends."""
+        meta = self._record(key)
+        with self._env.begin(buffers=True) as txn:
+            src = txn.get(key.encode("utf-8"), db=self._data)
+            if src is None or len(src) != meta.size:
+                raise CorruptStore(f"SSD tier {self.path}: data of {key!r} is missing or has the wrong size")
+            yield memoryview(src)
 
     def read(self, key: BlockKey) -> bytes:
         out = bytearray(self._record(key).size)

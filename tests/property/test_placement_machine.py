@@ -95,6 +95,9 @@ class PlacementMachine(RuleBasedStateMachine):
     @invariant()
     def invariants_hold(self) -> None:
         self.t.check()
+        for node in self.t.nodes.values():
+            if not any(c.node_id == node.node_id for c in self.commands):
+                assert (node.inflight, node.dram_freeing, node.ssd_delta) == (0, 0, 0), node
         assert self.t.match_prefix([f"k{i}" for i in range(12)]) <= 12
 
 

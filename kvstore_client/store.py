@@ -1,0 +1,345 @@
+"""The network client: :class:`Store` (blocking, thread-safe) and :class:`AsyncStore`.
+
+A put asks the master where to write (``put_start``), writes the bytes straight
+from the caller's buffers to each replica's daemon, and commits
+(``put_end``); a failed write revokes the reservation. A get asks the master
+for leased replicas and reads each block straight into the caller's buffer,
+trying the next replica when a daemon does not answer: a block on a dead node
+reads as a miss, never as an error or a hang. Every network wait is bounded by
+``ClientConfig.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+from kvstore.buffers import as_view
+from kvstore.config import ClientConfig
+from kvstore.errors import (
+    BufferTooSmall,
+    ConnectionFailed,
+    CorruptBlock,
+    InvalidArgument,
+    KVStoreError,
+    ProtocolError,
+    RetryLater,
+    StoreClosed,
+    Timeout,
+    error_from_code,
+)
+from kvstore.keys import BlockKey, checksum, validate_key
+from kvstore.node_store import PutStatus
+from kvstore.protocol import (
+    Exists,
+    ExistsReply,
+    GetReplicas,
+    GetReplicasReply,
+    Located,
+    MatchPrefix,
+    MatchPrefixReply,
+    OkReply,
+    PutEnd,
+    PutEndReply,
+    PutRevoke,
+    PutStart,
+    PutStartReply,
+    ReadBlocks,
+    ReadReply,
+    Remove,
+    RemoveReply,
+    Replica,
+    Stats,
+    StatsReply,
+    WriteBlocks,
+    WriteReply,
+)
+from transfer.rpc import ConnectionPool
+from transfer.wire import recv_into, skip
+
+
+@dataclass(frozen=True, slots=True)
+class PutOptions:
+    replicas: int | None = None
+    """Copies on distinct nodes; None takes ``ClientConfig.replicas``."""
+    pin: bool = False
+    """Never evict the block (until it is removed)."""
+    preferred_node: str | None = None
+    """Node to place the first replica on when it has room (local-first placement)."""
+
+
+class Store:
+    def __init__(self, master: str, config: ClientConfig | None = None) -> None:
+        self.master = master
+        self.config = config or ClientConfig()
+        self._master = ConnectionPool(master, self.config.timeout_s, size=4)
+        self._daemons: dict[str, ConnectionPool] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def connect(cls, master: str, config: ClientConfig | None = None) -> Self:
+        """A store connected to the master at ``host:port``; raises ConnectionFailed when it does not answer."""
+        store = cls(master, config)
+        store.stats()
+        return store
+
+    def _call(self, message: Any, expect: type[Any]) -> Any:
+        if self._closed:
+            raise StoreClosed("this Store is closed")
+        with self._master.connection() as conn:
+            return conn.call(message, expect)
+
+    def _pool(self, address: str) -> ConnectionPool:
+        with self._lock:
+            pool = self._daemons.get(address)
+            if pool is None:
+                pool = ConnectionPool(address, self.config.timeout_s, self.config.connections_per_daemon)
+                self._daemons[address] = pool
+            return pool
+
+    # -- writes ------------------------------------------------------------------------------
+    def put(self, key: Any, data: Any, options: PutOptions | None = None) -> PutStatus:
+        """Store ``data`` under ``key``; an existing key keeps its bytes and reports EXISTS."""
+        return self.put_many([(key, data)], options)[0]
+
+    put_from = put
+
+    def put_many(self, items: Iterable[tuple[Any, Any]], options: PutOptions | None = None) -> list[PutStatus]:
+        """Store several blocks in one master round trip per phase. Raises the first failure, after revoking."""
+        opts = options or PutOptions()
+        checked = [(validate_key(k), as_view(d)) for k, d in items]
+        for key, view in checked:
+            if view.nbytes == 0:
+                raise InvalidArgument(f"block {key!r} is empty; blocks must hold at least one byte")
+        statuses: list[PutStatus | None] = [None] * len(checked)
+        todo = list(range(len(checked)))
+        for attempt in range(self.config.put_retries + 1):
+            retry = self._put_round(checked, todo, opts, statuses)
+            if not retry:
+                break
+            if attempt == self.config.put_retries:
+                raise RetryLater(f"key {checked[retry[0]][0]!r} stayed busy through {attempt} retries")
+            time.sleep(min(0.01 * 2**attempt, 0.5))
+            todo = retry
+        return [s if s is not None else PutStatus.EXISTS for s in statuses]
+
+    def _put_round(
+        self, items: list[tuple[BlockKey, memoryview]], todo: list[int], opts: PutOptions, out: list[PutStatus | None]
+    ) -> list[int]:
+        """One put_start/write/put_end round over ``todo``; returns the indexes to retry."""
+        reply: PutStartReply = self._call(
+            PutStart(
+                [items[i][0] for i in todo],
+                [items[i][1].nbytes for i in todo],
+                opts.replicas or self.config.replicas,
+                opts.preferred_node,
+                opts.pin,
+            ),
+            PutStartReply,
+        )
+        retry: list[int] = []
+        failure: KVStoreError | None = None
+        writes: dict[str, list[tuple[int, Replica]]] = {}
+        for i, ticket in zip(todo, reply.tickets, strict=True):
+            if ticket.status == "exists":
+                out[i] = PutStatus.EXISTS
+            elif ticket.status == "error":
+                if ticket.error_code == RetryLater.code:
+                    retry.append(i)
+                elif failure is None:
+                    failure = error_from_code(ticket.error_code, ticket.error)
+            else:
+                for replica in ticket.replicas:
+                    writes.setdefault(replica.address, []).append((i, replica))
+        sums = {i: checksum(items[i][1]) for group in writes.values() for i, _ in group}
+        failed: set[int] = set()
+        for address, group in writes.items():
+            try:
+                codes = self._write(address, [(items[i][0], items[i][1], r.offset, sums[i]) for i, r in group])
+            except KVStoreError as exc:
+                codes = [(exc.code, str(exc))] * len(group)
+            for (i, _), (code, text) in zip(group, codes, strict=True):
+                if code:
+                    failed.add(i)
+                    failure = failure or error_from_code(code, f"writing {items[i][0]!r} to {address}: {text}")
+        done = [i for i in sums if i not in failed]
+        if failed:
+            self._call(PutRevoke([items[i][0] for i in sorted(failed)]), OkReply)
+        if done:
+            committed: PutEndReply = self._call(
+                PutEnd([items[i][0] for i in done], [sums[i] for i in done]), PutEndReply
+            )
+            for i, ok in zip(done, committed.committed, strict=True):
+                if ok:
+                    out[i] = PutStatus.STORED
+                elif failure is None:
+                    failure = Timeout(f"the reservation of {items[i][0]!r} expired before the put finished")
+        if failure is not None:
+            raise failure
+        return retry
+
+    def _write(self, address: str, blocks: list[tuple[str, memoryview, int, int]]) -> list[tuple[int, str]]:
+        message = WriteBlocks(
+            [k for k, _, _, _ in blocks], [o for _, _, o, _ in blocks], [v.nbytes for _, v, _, _ in blocks],
+            [c for _, _, _, c in blocks],
+        )  # fmt: skip
+        with self._pool(address).connection() as conn:
+            reply = conn.call(message, WriteReply, payload=[v for _, v, _, _ in blocks])
+        if len(reply.codes) != len(blocks):
+            raise ProtocolError(f"{address} answered {len(reply.codes)} results for {len(blocks)} writes")
+        return list(zip(reply.codes, reply.errors, strict=True))
+
+    # -- reads ---------------------------------------------------------------------------------
+    def get(self, key: Any, *, verify: bool = False) -> bytes | None:
+        return self.get_many([key], verify=verify)[0]
+
+    def get_many(self, keys: Sequence[Any], *, verify: bool = False) -> list[bytes | None]:
+        located = self._locate(keys)
+        buffers = [bytearray(loc.size) if loc is not None else bytearray(0) for loc in located]
+        sizes = self._read(located, [memoryview(b) for b in buffers], verify)
+        return [bytes(b) if n is not None else None for b, n in zip(buffers, sizes, strict=True)]
+
+    def get_into(self, key: Any, buffer: Any, *, verify: bool = False) -> int | None:
+        return self.get_many_into([key], [buffer], verify=verify)[0]
+
+    def get_many_into(self, keys: Sequence[Any], buffers: Sequence[Any], *, verify: bool = False) -> list[int | None]:
+        """Read blocks straight into ``buffers``; each its size, or None for a miss."""
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"get_many_into got {len(keys)} keys but {len(buffers)} buffers")
+        views = [as_view(b, writable=True, what="buffer") for b in buffers]
+        located = self._locate(keys)
+        for loc, view in zip(located, views, strict=True):
+            if loc is not None and view.nbytes < loc.size:
+                raise BufferTooSmall(f"buffer of {view.nbytes} bytes cannot hold block {loc.key!r} of {loc.size} bytes")
+        return self._read(located, views, verify)
+
+    def _locate(self, keys: Sequence[Any]) -> list[Located | None]:
+        checked: list[str] = [validate_key(k) for k in keys]
+        reply: GetReplicasReply = self._call(GetReplicas(checked), GetReplicasReply)
+        if len(reply.objects) != len(checked):
+            raise ProtocolError(f"the master answered {len(reply.objects)} objects for {len(checked)} keys")
+        return reply.objects
+
+    def _read(self, located: list[Located | None], views: list[memoryview], verify: bool) -> list[int | None]:
+        out: list[int | None] = [None] * len(located)
+        attempt = {i: 0 for i, loc in enumerate(located) if loc is not None}
+        while attempt:
+            per_address: dict[str, list[int]] = {}
+            for i, n in attempt.items():
+                loc = located[i]
+                assert loc is not None
+                per_address.setdefault(loc.replicas[n].address, []).append(i)
+            next_attempt: dict[int, int] = {}
+            for address, idx in per_address.items():
+                blocks = []
+                for i in idx:
+                    loc = located[i]
+                    assert loc is not None
+                    blocks.append((loc, loc.replicas[attempt[i]], views[i]))
+                try:
+                    got = self._read_from(address, blocks)
+                except (ConnectionFailed, Timeout):
+                    got = [None] * len(idx)
+                for i, size in zip(idx, got, strict=True):
+                    loc = located[i]
+                    assert loc is not None
+                    if size is not None:
+                        if verify and checksum(views[i][:size]) != loc.checksum:
+                            raise CorruptBlock(f"block {loc.key!r} read from {address} fails its checksum")
+                        out[i] = size
+                    elif attempt[i] + 1 < len(loc.replicas):
+                        next_attempt[i] = attempt[i] + 1
+            attempt = next_attempt
+        return out
+
+    def _read_from(self, address: str, blocks: list[tuple[Located, Replica, memoryview]]) -> list[int | None]:
+        message = ReadBlocks(
+            [loc.key for loc, _, _ in blocks], [r.tier for _, r, _ in blocks], [r.offset for _, r, _ in blocks],
+            [loc.size for loc, _, _ in blocks],
+        )  # fmt: skip
+        with self._pool(address).connection() as conn, conn.exchange(message) as (reply, sock):
+            if not isinstance(reply, ReadReply) or len(reply.sizes) != len(blocks):
+                raise ProtocolError(f"{address} sent a malformed reply to ReadBlocks")
+            got: list[int | None] = []
+            for size, (loc, _, view) in zip(reply.sizes, blocks, strict=True):
+                if size < 0:
+                    got.append(None)
+                elif size != loc.size:
+                    skip(sock, size)
+                    got.append(None)  # not the block the master described: a stale copy, so a miss
+                else:
+                    recv_into(sock, view[:size])
+                    got.append(size)
+            return got
+
+    # -- queries -----------------------------------------------------------------------------------
+    def exists(self, key: Any) -> bool:
+        return self.exists_many([key])[0]
+
+    def exists_many(self, keys: Sequence[Any]) -> list[bool]:
+        reply: ExistsReply = self._call(Exists([validate_key(k) for k in keys]), ExistsReply)
+        return reply.exists
+
+    def match_prefix(self, keys: Sequence[Any]) -> int:
+        """How many leading keys are stored: the longest stored prefix of a key list."""
+        reply: MatchPrefixReply = self._call(MatchPrefix([validate_key(k) for k in keys]), MatchPrefixReply)
+        return reply.matched
+
+    def remove(self, key: Any) -> bool:
+        return self.remove_many([key]) == 1
+
+    def remove_many(self, keys: Sequence[Any]) -> int:
+        reply: RemoveReply = self._call(Remove([validate_key(k) for k in keys]), RemoveReply)
+        return reply.removed
+
+    def stats(self) -> dict[str, int | float]:
+        reply: StatsReply = self._call(Stats(), StatsReply)
+        return reply.stats
+
+    def close(self) -> None:
+        self._closed = True
+        self._master.close()
+        with self._lock:
+            for pool in self._daemons.values():
+                pool.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncStore:
+    """The same API for asyncio code: each call runs the blocking client in a worker thread."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    @classmethod
+    async def connect(cls, master: str, config: ClientConfig | None = None) -> AsyncStore:
+        return cls(await asyncio.to_thread(Store.connect, master, config))
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+        if not callable(method) or name.startswith("_"):
+            raise AttributeError(name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return await asyncio.to_thread(method, *args, **kwargs)
+
+        return call
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._store.close)
+
+    async def __aenter__(self) -> AsyncStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,167 @@
+"""A real local cluster: one master and N daemons as separate processes on loopback.
+
+Used by ``kvstore cluster up``, the demo, the benchmarks and the tests. Each
+process is started with this Python and stopped in reverse order; the
+daemons' arenas and SSD directories live under a work directory that is
+removed afterwards unless it was given by the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Self
+
+from kvstore.config import DramConfig
+from kvstore.errors import ConnectionFailed, KVStoreError, Timeout
+from kvstore.tiers.dram import DramArena
+
+_START_TIMEOUT = 30.0
+
+
+def _read_line(stream: IO[str], timeout: float, what: str) -> str:
+    ready, _, _ = select.select([stream], [], [], timeout)
+    if not ready:
+        raise Timeout(f"{what} did not report its address within {timeout:.0f} s")
+    line = stream.readline()
+    if not line:
+        raise ConnectionFailed(f"{what} exited before reporting its address")
+    return line.strip()
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        daemons: int = 2,
+        *,
+        dram: str | int = "64MiB",
+        ssd: str | int = 0,
+        workdir: Path | None = None,
+        master_port: int = 0,
+        master_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.num_daemons = daemons
+        self.dram, self.ssd = str(dram), str(ssd)
+        self._own_workdir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="kvstore-cluster-"))
+        self.tag = f"{os.getpid()}-{int(time.time() * 1000) % 1_000_000}"
+        self.master_port = master_port
+        self.master_args = master_args
+        self.env = {**os.environ, **(env or {})}
+        self.master_address = ""
+        self.master: subprocess.Popen[str] | None = None
+        self.daemons: list[subprocess.Popen[str] | None] = [None] * daemons
+        self.daemon_addresses: list[str] = [""] * daemons
+
+    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[str]:
+        log = open(self.workdir / log_name, "a")  # noqa: SIM115 - owned by the child
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvstore_client.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=self.env,
+            start_new_session=True,
+        )
+
+    def node_name(self, i: int) -> str:
+        return f"node{i}"
+
+    def arena_name(self, i: int) -> str:
+        return f"cluster-{self.tag}-{i}"
+
+    def start(self) -> Self:
+        try:
+            self.start_master()
+            for i in range(self.num_daemons):
+                self.start_daemon(i)
+            self.wait_for_nodes(self.num_daemons)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_master(self) -> None:
+        port = self.master_port or 0
+        self.master = self._spawn(["master", "--port", str(port), *self.master_args], "master.log")
+        assert self.master.stdout is not None
+        line = _read_line(self.master.stdout, _START_TIMEOUT, "the master")
+        self.master_address = line.rsplit(" ", 1)[-1]
+        self.master_port = int(self.master_address.rsplit(":", 1)[1])
+
+    def start_daemon(self, i: int) -> None:
+        args = [
+            "daemon", "--master", self.master_address, "--name", self.node_name(i), "--arena", self.arena_name(i),
+            "--dram", self.dram, "--ssd", self.ssd, "--ssd-dir", str(self.workdir / f"ssd-{i}"),
+        ]  # fmt: skip
+        proc = self._spawn(args, f"daemon-{i}.log")
+        assert proc.stdout is not None
+        line = _read_line(proc.stdout, _START_TIMEOUT, f"daemon {i}")
+        self.daemons[i] = proc
+        self.daemon_addresses[i] = line.rsplit(" ", 1)[-1]
+
+    def wait_for_nodes(self, count: int, timeout: float = _START_TIMEOUT) -> None:
+        from kvstore_client.store import Store
+
+        deadline = time.monotonic() + timeout
+        with Store(self.master_address) as store:
+            while True:
+                try:
+                    if store.stats()["nodes_up"] >= count:
+                        return
+                except KVStoreError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise Timeout(f"{count} daemons did not register within {timeout:.0f} s")
+                time.sleep(0.05)
+
+    # -- faults, for tests ---------------------------------------------------------------
+    def kill_daemon(self, i: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.daemons[i]
+        if proc is not None:
+            proc.send_signal(sig)
+            proc.wait(timeout=10)
+            self.daemons[i] = None
+
+    def kill_master(self, sig: int = signal.SIGKILL) -> None:
+        if self.master is not None:
+            self.master.send_signal(sig)
+            self.master.wait(timeout=10)
+            self.master = None
+
+    # -- teardown --------------------------------------------------------------------------
+    @staticmethod
+    def _terminate(proc: subprocess.Popen[str] | None) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for i, proc in enumerate(self.daemons):
+            self._terminate(proc)
+            self.daemons[i] = None
+        self._terminate(self.master)
+        self.master = None
+        for i in range(self.num_daemons):
+            DramArena.remove(DramConfig(name=self.arena_name(i)))
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

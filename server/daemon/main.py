@@ -1,0 +1,43 @@
+"""``kvstore daemon``: run a storage daemon until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+
+from kvstore.config import DaemonConfig
+from server.daemon.service import DaemonServer, MasterLink
+from server.daemon.storage import DaemonStorage
+
+
+def run_daemon(config: DaemonConfig) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if os.environ.get("KVSTORE_DEBUG") else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    storage = DaemonStorage(config.dram, config.ssd)
+    server = DaemonServer(storage, config.host, config.port, io_timeout=config.io_timeout_s)
+    server.start()
+    link = MasterLink(config.master, config.name, server.address, storage, timeout=config.io_timeout_s)
+    link.start()
+    print(f"kvstore daemon {config.name} listening on {server.address}", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        link.stop()
+        server.stop()
+        storage.close()
+    return 0

@@ -1,0 +1,253 @@
+"""The daemon's network side: a threaded data-plane server and the link to the master.
+
+Each client connection gets a thread: frames arrive with a timeout, block
+bytes go straight from the socket into the arena (``recv_into``) and straight
+from the arena or LMDB's map to the socket (``sendmsg``). The master's
+commands arrive the same way. A separate thread registers with the master
+(with the full inventory), heartbeats, and re-registers when the master no
+longer knows this node (after a master restart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout
+from kvstore.keys import BlockKey, validate_key
+from kvstore.protocol import (
+    CommandReply,
+    DemoteBlocks,
+    DropBlocks,
+    ErrorReply,
+    Heartbeat,
+    HeartbeatReply,
+    Message,
+    PromoteBlocks,
+    ReadBlocks,
+    ReadReply,
+    RegisterNode,
+    RegisterReply,
+    WriteBlocks,
+    WriteReply,
+)
+from server.daemon.storage import DaemonStorage
+from transfer.rpc import Connection
+from transfer.wire import recv_into, recv_message, send_message, skip
+
+log = logging.getLogger("kvstore.daemon")
+
+Handler = Callable[[Any, socket.socket, int], None]
+
+
+class DaemonServer:
+    def __init__(
+        self,
+        storage: DaemonStorage,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        io_timeout: float = 30.0,
+        idle_timeout: float = 600.0,
+    ) -> None:
+        self.storage = storage
+        self.io_timeout = io_timeout
+        self.idle_timeout = idle_timeout
+        self._listener = socket.create_server((host, port), backlog=128)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._handlers: dict[type[Message], Handler] = {
+            WriteBlocks: self._write,
+            ReadBlocks: self._read,
+            DemoteBlocks: lambda m, s, r: self._command(s, r, self.storage.demote(self._keys(m.keys))),
+            DropBlocks: lambda m, s, r: self._command(s, r, self.storage.drop(self._keys(m.keys))),
+            PromoteBlocks: lambda m, s, r: self._command(s, r, self.storage.promote(self._keys(m.keys), m.offsets)),
+        }
+
+    def start(self) -> None:
+        t = threading.Thread(target=self._accept_loop, name="daemon-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _accept_loop(self) -> None:
+        self._listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._conns_lock:
+                self._conns.add(sock)
+            threading.Thread(target=self._serve, args=(sock,), name="daemon-conn", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                sock.settimeout(self.idle_timeout)
+                try:
+                    request_id, message = recv_message(sock)
+                except ProtocolError as exc:
+                    # The stream cannot be trusted past a bad frame: answer, then close.
+                    self._reply_error(sock, 0, exc)
+                    return
+                sock.settimeout(self.io_timeout)
+                handler = self._handlers.get(type(message))
+                if handler is None:
+                    self._reply_error(
+                        sock, request_id, ProtocolError(f"a daemon does not serve {type(message).__name__}")
+                    )
+                    continue
+                try:
+                    handler(message, sock, request_id)
+                except KVStoreError as exc:
+                    self._reply_error(sock, request_id, exc)
+        except (ConnectionFailed, Timeout, OSError) as exc:
+            # The peer went away or stalled; its next call reconnects.
+            log.debug("connection closed: %s", exc)
+        except Exception:
+            log.exception("daemon connection handler failed")
+        finally:
+            with self._conns_lock:
+                self._conns.discard(sock)
+            sock.close()
+
+    @staticmethod
+    def _keys(keys: list[str]) -> list[BlockKey]:
+        return [validate_key(k) for k in keys]
+
+    def _reply_error(self, sock: socket.socket, request_id: int, exc: KVStoreError) -> None:
+        with contextlib.suppress(OSError):
+            send_message(sock, ErrorReply.from_error(exc), request_id)
+
+    def _command(self, sock: socket.socket, request_id: int, done: list[bool]) -> None:
+        send_message(sock, CommandReply(done), request_id)
+
+    def _write(self, msg: WriteBlocks, sock: socket.socket, request_id: int) -> None:
+        n = len(msg.keys)
+        if not len(msg.offsets) == len(msg.sizes) == len(msg.checksums) == n or any(s <= 0 for s in msg.sizes):
+            # The payload length is unknowable: the stream is out of step, so the connection must go.
+            raise ConnectionFailed("WriteBlocks with mismatched or non-positive sizes")
+        codes, errors = [], []
+        for key, offset, size, check in zip(msg.keys, msg.offsets, msg.sizes, msg.checksums, strict=True):
+            try:
+                view = self.storage.begin_write(validate_key(key), offset, size)
+            except KVStoreError as exc:
+                skip(sock, size)
+                codes.append(exc.code)
+                errors.append(str(exc))
+                continue
+            try:
+                recv_into(sock, view)
+            except BaseException:
+                self.storage.abort_write(BlockKey(key), view)
+                raise
+            try:
+                self.storage.finish_write(BlockKey(key), view, check)
+            except KVStoreError as exc:
+                codes.append(exc.code)
+                errors.append(str(exc))
+                continue
+            codes.append(0)
+            errors.append("")
+        send_message(sock, WriteReply(codes, errors), request_id)
+
+    def _read(self, msg: ReadBlocks, sock: socket.socket, request_id: int) -> None:
+        keys = self._keys(msg.keys)
+        with self.storage.read_views(keys) as views:
+            sizes = [-1 if v is None else v.nbytes for v in views]
+            send_message(sock, ReadReply(sizes), request_id, [v for v in views if v is not None])
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        with self._conns_lock:
+            for sock in self._conns:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        for t in self._threads:
+            t.join(timeout=2)
+
+
+class MasterLink:
+    """Registers this node with the master, heartbeats, and re-registers whenever the master forgot it."""
+
+    def __init__(
+        self,
+        master: str,
+        node_id: str,
+        address: str,
+        storage: DaemonStorage,
+        *,
+        timeout: float = 5.0,
+        on_registered: Callable[[], None] | None = None,
+    ) -> None:
+        self.master = master
+        self.node_id = node_id
+        self.address = address
+        self.storage = storage
+        self._conn = Connection(master, timeout)
+        self._stop = threading.Event()
+        self._interval = 1.0
+        self._on_registered = on_registered
+        self.registered = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="daemon-master-link", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _register(self) -> None:
+        arena = self.storage.arena
+        ssd_capacity = self.storage.ssd.capacity if self.storage.ssd is not None else 0
+        message = RegisterNode(
+            self.node_id, self.address, arena.capacity, ssd_capacity, arena.alignment, self.storage.inventory()
+        )
+        reply = self._conn.call(message, RegisterReply)
+        self._interval = max(reply.heartbeat_interval_ms, 50) / 1000
+        if not self.registered.is_set():
+            self.registered.set()
+            if self._on_registered is not None:
+                self._on_registered()
+        log.info("registered %s at %s with master %s", self.node_id, self.address, self.master)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        known = False
+        while not self._stop.is_set():
+            try:
+                if not known:
+                    self._register()
+                    known = True
+                else:
+                    known = self._conn.call(Heartbeat(self.node_id), HeartbeatReply).known
+                backoff = 0.1
+                self._stop.wait(self._interval if known else 0)
+            except KVStoreError as exc:
+                known = False
+                log.warning("master %s unreachable (%s); retrying in %.1f s", self.master, exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._conn.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,199 @@
+"""A daemon's tiers under a readers-writer lock, with the operations the network asks for.
+
+The master places blocks (it owns the arena's allocator), so the arena runs
+unmanaged. Readers hold the shared lock while their bytes go out, so that no
+command frees an extent that is being sent; commands and the short steps of
+a write take it exclusively.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+
+from kvstore.config import DramConfig, SsdConfig
+from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError
+from kvstore.keys import BlockKey, checksum
+from kvstore.protocol import InventoryItem
+from kvstore.tiers.dram import DramArena
+from kvstore.tiers.ssd import SsdTier
+
+
+class RWLock:
+    """Many readers or one writer; writers wait for readers to finish."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writer)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writer and self._readers == 0)
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class DaemonStorage:
+    def __init__(self, dram: DramConfig, ssd: SsdConfig) -> None:
+        self.arena = DramArena(dram, managed=False)
+        try:
+            self.ssd = SsdTier(ssd) if ssd.capacity > 0 else None
+        except BaseException:
+            self.arena.close()
+            raise
+        self.lock = RWLock()
+        if self.ssd is not None:
+            # A crash between writing the new copy and deleting the old one leaves a key in both tiers.
+            twins = [e.key for e in self.ssd.entries() if e.key in self.arena]
+            if twins:
+                self.ssd.delete_many(twins)
+        entries = [*self.arena.entries(), *(self.ssd.entries() if self.ssd else [])]
+        self._seq = max((e.seq for e in entries), default=0)
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def inventory(self) -> list[InventoryItem]:
+        """Everything held, oldest use first, as the master rebuilds its table from it."""
+        with self.lock.shared():
+            dram = [
+                (e.seq, InventoryItem(e.key, "dram", self.arena.extent(e.key).offset, e.size, e.checksum))
+                for e in self.arena.entries()
+            ]
+            ssd = [
+                (e.seq, InventoryItem(e.key, "ssd", -1, e.size, e.checksum))
+                for e in (self.ssd.entries() if self.ssd else [])
+            ]
+        return [item for _, item in sorted(dram + ssd, key=lambda p: p[0])]
+
+    # -- writes ------------------------------------------------------------------
+    def begin_write(self, key: BlockKey, offset: int, size: int) -> memoryview:
+        with self.lock.exclusive():
+            return self.arena.begin_at(key, offset, size)
+
+    def finish_write(self, key: BlockKey, view: memoryview, expected: int) -> None:
+        """Commit a block whose bytes are in ``view``, if they match ``expected``; else discard it."""
+        actual = checksum(view)
+        view.release()
+        with self.lock.exclusive():
+            if actual != expected:
+                self.arena.abort(key)
+                raise CorruptBlock(f"block {key!r} arrived with checksum {actual:#x}, the writer said {expected:#x}")
+            self.arena.commit(key, expected, self._next_seq())
+
+    def abort_write(self, key: BlockKey, view: memoryview) -> None:
+        view.release()
+        with self.lock.exclusive():
+            self.arena.abort(key)
+
+    # -- reads ---------------------------------------------------------------------
+    @contextmanager
+    def read_views(self, keys: Sequence[BlockKey]) -> Iterator[list[memoryview | None]]:
+        """Zero-copy views of the blocks held (None for the others), valid inside the ``with``."""
+        with self.lock.shared(), ExitStack() as stack:
+            views: list[memoryview | None] = []
+            for key in keys:
+                if key in self.arena:
+                    view = self.arena.view(key)
+                    stack.callback(view.release)
+                    views.append(view)
+                elif self.ssd is not None and key in self.ssd:
+                    views.append(stack.enter_context(self.ssd.view(key)))
+                else:
+                    views.append(None)
+            yield views
+
+    # -- the master's commands -------------------------------------------------------------
+    def demote(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Move DRAM blocks to SSD; False for a block that SSD could not take (dropped instead) or that is absent."""
+        with self.lock.exclusive():
+            present = [k for k in dict.fromkeys(keys) if k in self.arena]
+            moved: set[str] = set()
+            if self.ssd is not None and present:
+                items = [
+                    (key, self.arena.view(key), self.arena.entry(key).checksum, self._next_seq(), False)
+                    for key in present
+                    if key not in self.ssd
+                ]
+                try:
+                    results = self.ssd.store_many(items)
+                finally:
+                    for item in items:
+                        item[1].release()
+                moved = {item[0] for item, ok in zip(items, results, strict=True) if ok}
+                moved.update(k for k in present if k in self.ssd)  # a copy left by a crash mid-demotion
+            for key in present:
+                self.arena.delete(key)
+            return [k in moved for k in keys]
+
+    def drop(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Delete blocks from whichever tier holds them; False for a block that was not held."""
+        with self.lock.exclusive():
+            out = []
+            on_ssd = []
+            for key in keys:
+                if key in self.arena:
+                    self.arena.delete(key)
+                    out.append(True)
+                elif self.ssd is not None and key in self.ssd:
+                    on_ssd.append(key)
+                    out.append(True)
+                else:
+                    out.append(False)
+            if on_ssd and self.ssd is not None:
+                self.ssd.delete_many(list(dict.fromkeys(on_ssd)))
+            return out
+
+    def promote(self, keys: Sequence[BlockKey], offsets: Sequence[int]) -> list[bool]:
+        """Move SSD blocks into the arena at the master's offsets; False where that failed (block stays on SSD)."""
+        if len(keys) != len(offsets):
+            raise InvalidArgument(f"promote got {len(keys)} keys but {len(offsets)} offsets")
+        with self.lock.exclusive():
+            out = []
+            for key, offset in zip(keys, offsets, strict=True):
+                if self.ssd is None or key not in self.ssd or key in self.arena:
+                    out.append(False)
+                    continue
+                entry = self.ssd.entry(key)
+                try:
+                    dst = self.arena.begin_at(key, offset, entry.size)
+                except KVStoreError:
+                    out.append(False)
+                    continue
+                try:
+                    self.ssd.read_into(key, dst)
+                finally:
+                    dst.release()
+                self.arena.commit(key, entry.checksum, self._next_seq())
+                self.ssd.delete(key)
+                out.append(True)
+            return out
+
+    def close(self) -> None:
+        with self.lock.exclusive():
+            try:
+                if self.ssd is not None:
+                    self.ssd.close()
+            finally:
+                self.arena.close()

@@ -1,0 +1,1 @@
+"""The master: membership, placement, eviction decisions and leases, over the placement table."""

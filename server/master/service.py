@@ -1,0 +1,294 @@
+"""The master's asyncio service: the RPC server around :class:`kvstore.metadata.PlacementTable`.
+
+Handlers are looked up by message type. The table is synchronous and only
+this event loop touches it, so every handler's table work is atomic. Daemon
+commands that a put waits for are awaited; the rest run as supervised
+background tasks, and a command a daemon did not answer is retried every
+tick until it is answered or its node re-registers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvstore.config import MasterConfig
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, ProtocolError
+from kvstore.metadata import NodeCommand, PlacementTable
+from kvstore.policy import ActionKind, EvictionPolicy
+from kvstore.protocol import (
+    CommandReply,
+    DemoteBlocks,
+    DropBlocks,
+    ErrorReply,
+    Exists,
+    ExistsReply,
+    GetReplicas,
+    GetReplicasReply,
+    Heartbeat,
+    HeartbeatReply,
+    MatchPrefix,
+    MatchPrefixReply,
+    Message,
+    OkReply,
+    PromoteBlocks,
+    PutEnd,
+    PutEndReply,
+    PutRevoke,
+    PutStart,
+    PutStartReply,
+    PutTicket,
+    RegisterNode,
+    RegisterReply,
+    ReleaseLeases,
+    Remove,
+    RemoveReply,
+    Stats,
+    StatsReply,
+    decode_payload,
+    encode,
+    request_id_of,
+)
+from transfer.aio import AsyncConnection, read_payload
+
+log = logging.getLogger("kvstore.master")
+
+Handler = Callable[[Any], Awaitable[Message]]
+
+# A put waits for at most this many rounds of evictions before its keys fail.
+_MAX_EVICTION_ROUNDS = 64
+
+
+def _now_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
+class MasterService:
+    def __init__(self, config: MasterConfig | None = None) -> None:
+        self.config = config or MasterConfig()
+        ev = self.config.eviction
+        self.table = PlacementTable(
+            EvictionPolicy(ev.high_watermark, ev.low_watermark, ev.promote_after_hits),
+            strategy=self.config.placement,
+            reservation_ms=self.config.reservation_ms,
+            lease_ms=self.config.lease_ms,
+            node_ttl_ms=self.config.node_ttl_ms,
+        )
+        self._daemons: dict[str, AsyncConnection] = {}
+        self._retry: list[NodeCommand] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.Server | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self.rpc_errors = 0
+        self._handlers: dict[type[Message], Handler] = {
+            RegisterNode: self._register,
+            Heartbeat: self._heartbeat,
+            PutStart: self._put_start,
+            PutEnd: self._put_end,
+            PutRevoke: self._put_revoke,
+            GetReplicas: self._get_replicas,
+            ReleaseLeases: self._release_leases,
+            MatchPrefix: self._match_prefix,
+            Exists: self._exists,
+            Remove: self._remove,
+            Stats: self._stats,
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, self.config.host, self.config.port, limit=1 << 20)
+        self._ticker = asyncio.create_task(self._tick_forever(), name="master-ticker")
+        port = self._server.sockets[0].getsockname()[1]
+        return f"{self.config.host}:{port}"
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._ticker is not None:
+            self._ticker.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, *(t for t in [self._ticker] if t), return_exceptions=True)
+        for conn in self._daemons.values():
+            await conn.close()
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> None:
+        """Run ``coro`` in the background; its failure is logged, never lost."""
+
+        async def supervised() -> None:
+            try:
+                await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background task %s failed", name)
+
+        task = asyncio.create_task(supervised(), name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_ms / 1000)
+            try:
+                commands = self.table.expire(_now_ms())
+                retry, self._retry = self._retry, []
+                live = [c for c in retry if c.node_id in self.table.nodes and self.table.nodes[c.node_id].up]
+                if commands or live:
+                    self._spawn(self._run_commands(commands + live), "expiry-commands")
+            except Exception:
+                log.exception("master tick failed")
+
+    # -- connections ------------------------------------------------------------------------
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    payload = await asyncio.wait_for(read_payload(reader), self.config.idle_timeout_s)
+                except ProtocolError as exc:
+                    self.rpc_errors += 1
+                    writer.write(encode(ErrorReply.from_error(exc), 0))
+                    await writer.drain()
+                    return  # an oversize frame leaves the stream out of step
+                if payload is None:
+                    return
+                reply, request_id = await self._dispatch(payload)
+                writer.write(encode(reply, request_id))
+                await writer.drain()
+        except (TimeoutError, ConnectionError, OSError, KVStoreError, asyncio.CancelledError):
+            pass  # the client went away or idled out, or the master is stopping
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    async def _dispatch(self, payload: bytes) -> tuple[Message, int]:
+        try:
+            request_id, message = decode_payload(payload)
+        except ProtocolError as exc:
+            self.rpc_errors += 1
+            return ErrorReply.from_error(exc), request_id_of(payload)
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            self.rpc_errors += 1
+            return ErrorReply.from_error(
+                ProtocolError(f"the master does not serve {type(message).__name__}")
+            ), request_id
+        try:
+            return await handler(message), request_id
+        except KVStoreError as exc:
+            self.rpc_errors += 1
+            return ErrorReply.from_error(exc), request_id
+
+    # -- daemon commands ---------------------------------------------------------------------
+    def _daemon(self, node_id: str) -> AsyncConnection:
+        address = self.table.nodes[node_id].address
+        conn = self._daemons.get(node_id)
+        if conn is None or conn.address != address:
+            conn = AsyncConnection(address, self.config.command_timeout_ms / 1000)
+            self._daemons[node_id] = conn
+        return conn
+
+    async def _run_commands(self, commands: list[NodeCommand]) -> None:
+        """Send commands (each node's in order, nodes in parallel) and apply the answers."""
+        per_node: dict[str, list[NodeCommand]] = {}
+        for c in commands:
+            per_node.setdefault(c.node_id, []).append(c)
+        await asyncio.gather(*(self._run_node_commands(cs) for cs in per_node.values()))
+
+    async def _run_node_commands(self, commands: list[NodeCommand]) -> None:
+        for i, command in enumerate(commands):
+            if command.node_id not in self.table.nodes:
+                continue
+            message: Message
+            if command.kind is ActionKind.DEMOTE:
+                message = DemoteBlocks(list(command.keys))
+            elif command.kind is ActionKind.PROMOTE:
+                message = PromoteBlocks(list(command.keys), list(command.offsets))
+            else:
+                message = DropBlocks(list(command.keys))
+            try:
+                reply = await self._daemon(command.node_id).call(message, CommandReply)
+            except KVStoreError as exc:
+                log.warning("command %s to %s failed (%s); will retry", command.kind.value, command.node_id, exc)
+                self._retry.extend(commands[i:])
+                return
+            self.table.apply(command, reply.done)
+
+    # -- handlers -------------------------------------------------------------------------------
+    async def _register(self, m: RegisterNode) -> Message:
+        commands = self.table.register_node(
+            m.node_id, m.address, m.dram_capacity, m.ssd_capacity, m.alignment, m.inventory, _now_ms()
+        )
+        self._retry = [c for c in self._retry if c.node_id != m.node_id]  # the inventory superseded them
+        if commands:
+            self._spawn(self._run_commands(commands), "register-drops")
+        log.info("node %s registered at %s with %d blocks", m.node_id, m.address, len(m.inventory))
+        return RegisterReply(self.config.heartbeat_interval_ms, self.config.node_ttl_ms)
+
+    async def _heartbeat(self, m: Heartbeat) -> Message:
+        return HeartbeatReply(self.table.heartbeat(m.node_id, _now_ms()))
+
+    async def _put_start(self, m: PutStart) -> Message:
+        keys, sizes = list(m.keys), list(m.sizes)
+        if len(keys) != len(sizes):
+            raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
+        tickets: list[PutTicket | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for _ in range(_MAX_EVICTION_ROUNDS):
+            plan = self.table.put_start(
+                [keys[i] for i in todo], [sizes[i] for i in todo], m.replicas, m.preferred_node, m.pin, _now_ms()
+            )
+            for j, ticket in zip(todo, plan.tickets, strict=True):
+                tickets[j] = ticket
+            todo = [todo[w] for w in plan.waiting]
+            if not todo:
+                if plan.commands:
+                    self._spawn(self._run_commands(plan.commands), "background-eviction")
+                break
+            if plan.commands:
+                await self._run_commands(plan.commands)
+            else:
+                await asyncio.sleep(0.005)  # room is coming from commands another request sent
+        stuck = PutTicket("error", [], CapacityError.code, "no room after repeated rounds of eviction")
+        final = [t if t is not None else stuck for t in tickets]
+        return PutStartReply(final)
+
+    async def _put_end(self, m: PutEnd) -> Message:
+        return PutEndReply(self.table.put_end(m.keys, m.checksums))
+
+    async def _put_revoke(self, m: PutRevoke) -> Message:
+        commands = self.table.put_revoke(m.keys)
+        if commands:
+            self._spawn(self._run_commands(commands), "revoke-drops")
+        return OkReply()
+
+    async def _get_replicas(self, m: GetReplicas) -> Message:
+        return GetReplicasReply(self.table.get_replicas(m.keys, _now_ms()), self.config.lease_ms)
+
+    async def _release_leases(self, m: ReleaseLeases) -> Message:
+        commands = self.table.release_leases(m.keys)
+        if commands:
+            self._spawn(self._run_commands(commands), "promotions")
+        return OkReply()
+
+    async def _match_prefix(self, m: MatchPrefix) -> Message:
+        return MatchPrefixReply(self.table.match_prefix(m.keys))
+
+    async def _exists(self, m: Exists) -> Message:
+        return ExistsReply(self.table.exists(m.keys))
+
+    async def _remove(self, m: Remove) -> Message:
+        removed, commands = self.table.remove(m.keys)
+        if commands:
+            self._spawn(self._run_commands(commands), "remove-drops")
+        return RemoveReply(removed)
+
+    async def _stats(self, m: Stats) -> Message:
+        stats = self.table.stats()
+        stats["rpc_errors"] = self.rpc_errors
+        return StatsReply(stats)

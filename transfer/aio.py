@@ -1,0 +1,92 @@
+"""Asyncio frame I/O: read whole frames from a stream, and a request/reply connection.
+
+Every wait is bounded: reads by the caller's timeout, connects and calls by
+the connection's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from typing import TypeVar
+
+from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
+from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, ErrorReply, Message, decode_payload, encode
+from transfer.wire import parse_address
+
+M = TypeVar("M", bound=Message)
+
+
+async def read_payload(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME_BYTES) -> bytes | None:
+    """The next frame's payload; None at a clean end of stream. Raises ProtocolError for an oversize frame."""
+    try:
+        header = await reader.readexactly(FRAME_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise ConnectionFailed("stream ended inside a frame header") from None
+        return None
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_frame}")
+    try:
+        return await reader.readexactly(length)
+    except asyncio.IncompleteReadError:
+        raise ConnectionFailed(f"stream ended inside a frame of {length} bytes") from None
+
+
+class AsyncConnection:
+    """One request/reply connection; calls are serialised, and a failed call closes it."""
+
+    def __init__(self, address: str, timeout: float = 5.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+
+    async def call(self, message: Message, expect: type[M]) -> M:
+        async with self._lock:
+            try:
+                return await asyncio.wait_for(self._call(message, expect), self.timeout)
+            except TimeoutError:
+                await self._close()
+                raise Timeout(f"{type(message).__name__} to {self.address}: no reply in {self.timeout} s") from None
+            except (OSError, ConnectionError) as exc:
+                await self._close()
+                raise ConnectionFailed(f"{type(message).__name__} to {self.address}: {exc}") from None
+            except BaseException:
+                await self._close()
+                raise
+
+    async def _call(self, message: Message, expect: type[M]) -> M:
+        if self._streams is None:
+            host, port = parse_address(self.address)
+            self._streams = await asyncio.open_connection(host, port)
+        reader, writer = self._streams
+        request_id = next(self._ids)
+        writer.write(encode(message, request_id))
+        await writer.drain()
+        payload = await read_payload(reader)
+        if payload is None:
+            raise ConnectionFailed(f"{self.address} closed the connection")
+        reply_id, reply = decode_payload(payload)
+        if reply_id != request_id:
+            raise ProtocolError(f"reply to request {reply_id}, expected {request_id}")
+        if isinstance(reply, ErrorReply):
+            raise reply.to_error()
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"{type(message).__name__} got {type(reply).__name__}, expected {expect.__name__}")
+        return reply
+
+    async def _close(self) -> None:
+        if self._streams is not None:
+            writer = self._streams[1]
+            self._streams = None
+            writer.close()
+            with contextlib.suppress(OSError, TimeoutError, ConnectionError):
+                await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._close()

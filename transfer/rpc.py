@@ -1,0 +1,98 @@
+"""Blocking request/reply connections over kvstore frames, and pools of them.
+
+A :class:`Connection` carries one call at a time; a call that fails in any
+way closes it (the stream may be out of step), and the next call reconnects.
+An :class:`~kvstore.protocol.ErrorReply` comes back as its typed
+:class:`~kvstore.errors.KVStoreError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import socket
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TypeVar
+
+from kvstore.errors import ProtocolError, Timeout
+from kvstore.protocol import ErrorReply, Message
+from transfer.wire import connect, io_errors, recv_message, send_message
+
+M = TypeVar("M", bound=Message)
+
+
+class Connection:
+    def __init__(self, address: str, timeout: float = 5.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+
+    @contextmanager
+    def exchange(
+        self, message: Message, payload: Sequence[memoryview | bytes] = ()
+    ) -> Iterator[tuple[Message, socket.socket]]:
+        """Send ``message`` (and its payload) and yield the reply with the socket, for a payload that follows it."""
+        with self._lock:
+            request_id = next(self._ids)
+            what = f"{type(message).__name__} to {self.address}"
+            try:
+                if self._sock is None:
+                    self._sock = connect(self.address, self.timeout)
+                sock = self._sock
+                with io_errors(what):
+                    send_message(sock, message, request_id, payload)
+                    reply_id, reply = recv_message(sock)
+                if reply_id != request_id:
+                    raise ProtocolError(f"{what}: reply to request {reply_id}, expected {request_id}")
+                if isinstance(reply, ErrorReply):
+                    raise reply.to_error()
+                with io_errors(what):
+                    yield reply, sock
+            except BaseException:
+                self._close_locked()
+                raise
+
+    def call(self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = ()) -> M:
+        with self.exchange(message, payload) as (reply, _):
+            if not isinstance(reply, expect):
+                raise ProtocolError(f"{type(message).__name__} got {type(reply).__name__}, expected {expect.__name__}")
+            return reply
+
+    def _close_locked(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+
+class ConnectionPool:
+    """Up to ``size`` connections to one peer, handed to one caller at a time."""
+
+    def __init__(self, address: str, timeout: float = 5.0, size: int = 4) -> None:
+        self.address = address
+        self._idle: queue.LifoQueue[Connection] = queue.LifoQueue()
+        for _ in range(size):
+            self._idle.put(Connection(address, timeout))
+        self.timeout = timeout
+
+    @contextmanager
+    def connection(self) -> Iterator[Connection]:
+        try:
+            conn = self._idle.get(timeout=4 * self.timeout)
+        except queue.Empty:
+            raise Timeout(f"no free connection to {self.address} within {4 * self.timeout:.0f} s") from None
+        try:
+            yield conn
+        finally:
+            self._idle.put(conn)
+
+    def close(self) -> None:
+        while not self._idle.empty():
+            self._idle.get_nowait().close()

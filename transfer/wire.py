@@ -1,0 +1,101 @@
+"""Blocking socket I/O for kvstore frames: whole frames in, frames plus zero-copy payloads out.
+
+Every wait is bounded by the socket's timeout; a timeout becomes
+:class:`kvstore.errors.Timeout`, a broken or refused connection
+:class:`kvstore.errors.ConnectionFailed`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
+from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, Message, decode_payload, encode
+
+# sendmsg takes at most IOV_MAX buffers per call.
+_IOV_MAX = 1024
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> (host, port); raises :class:`kvstore.errors.InvalidArgument` when malformed."""
+    from kvstore.errors import InvalidArgument
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+@contextmanager
+def io_errors(what: str) -> Iterator[None]:
+    """Turn socket failures into kvstore's typed errors, naming ``what`` was being done."""
+    try:
+        yield
+    except TimeoutError:
+        raise Timeout(f"{what}: timed out") from None
+    except (ConnectionError, OSError) as exc:
+        raise ConnectionFailed(f"{what}: {exc.strerror or exc}") from None
+
+
+def connect(address: str, timeout: float) -> socket.socket:
+    host, port = parse_address(address)
+    with io_errors(f"connecting to {address}"):
+        sock = socket.create_connection((host, port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def send_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
+    """Send every buffer, in order, with scatter-gather and no copies."""
+    views = [memoryview(b).cast("B") if not isinstance(b, memoryview) else b for b in buffers if len(b)]
+    while views:
+        batch = views[:_IOV_MAX]
+        sent = sock.sendmsg(batch)
+        # Drop what went out; keep the unsent tail of a partly sent buffer.
+        while sent and views:
+            head = views[0]
+            if sent >= head.nbytes:
+                sent -= head.nbytes
+                views.pop(0)
+            else:
+                views[0] = head[sent:]
+                sent = 0
+
+
+def send_message(
+    sock: socket.socket, message: Message, request_id: int, payload: Sequence[memoryview | bytes] = ()
+) -> None:
+    send_all(sock, [encode(message, request_id), *payload])
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` exactly from the socket."""
+    got, n = 0, view.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionFailed("peer closed the connection mid-message")
+        got += k
+
+
+def skip(sock: socket.socket, n: int) -> None:
+    """Read and discard ``n`` bytes (a payload nobody can take), keeping the stream in step."""
+    scratch = memoryview(bytearray(min(n, 1 << 20)))
+    while n:
+        part = scratch[: min(n, scratch.nbytes)]
+        recv_into(sock, part)
+        n -= part.nbytes
+
+
+def recv_message(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> tuple[int, Message]:
+    """The next whole frame, decoded. Raises ProtocolError for a bad frame, ConnectionFailed at EOF."""
+    header = bytearray(FRAME_HEADER.size)
+    recv_into(sock, memoryview(header))
+    (length,) = FRAME_HEADER.unpack(header)
+    if length > max_frame:
+        raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_frame}")
+    payload = bytearray(length)
+    recv_into(sock, memoryview(payload))
+    return decode_payload(bytes(payload))
