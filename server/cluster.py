@@ -98,9 +98,11 @@ class LocalCluster:
         self.master_port = int(self.master_address.rsplit(":", 1)[1])
 
     def start_daemon(self, i: int) -> None:
+        """Start daemon ``i``; a restart keeps its port, as a daemon in production keeps its address."""
+        port = self.daemon_addresses[i].rsplit(":", 1)[1] if self.daemon_addresses[i] else "0"
         args = [
             "daemon", "--master", self.master_address, "--name", self.node_name(i), "--arena", self.arena_name(i),
-            "--dram", self.dram, "--ssd", self.ssd, "--ssd-dir", str(self.workdir / f"ssd-{i}"),
+            "--dram", self.dram, "--ssd", self.ssd, "--ssd-dir", str(self.workdir / f"ssd-{i}"), "--port", port,
         ]  # fmt: skip
         proc = self._spawn(args, f"daemon-{i}.log")
         assert proc.stdout is not None
@@ -136,6 +138,16 @@ class LocalCluster:
             self.master.send_signal(sig)
             self.master.wait(timeout=10)
             self.master = None
+
+    def restart_daemon(self, i: int) -> None:
+        """Start daemon ``i`` again with the same name, arena and SSD directory, and wait for it to register."""
+        self.start_daemon(i)
+        self.wait_for_nodes(sum(p is not None for p in self.daemons))
+
+    def restart_master(self) -> None:
+        """Start a fresh master on the same port; the daemons re-register with it."""
+        self.start_master()
+        self.wait_for_nodes(sum(p is not None for p in self.daemons))
 
     # -- teardown --------------------------------------------------------------------------
     @staticmethod

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
-from kvstore.errors import ProtocolError, Timeout
+from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
 from kvstore.protocol import ErrorReply, Message
 from transfer.wire import connect, io_errors, recv_message, send_message
 
@@ -40,12 +40,7 @@ class Connection:
             request_id = next(self._ids)
             what = f"{type(message).__name__} to {self.address}"
             try:
-                if self._sock is None:
-                    self._sock = connect(self.address, self.timeout)
-                sock = self._sock
-                with io_errors(what):
-                    send_message(sock, message, request_id, payload)
-                    reply_id, reply = recv_message(sock)
+                reply_id, reply, sock = self._send(message, request_id, payload, what)
                 if reply_id != request_id:
                     raise ProtocolError(f"{what}: reply to request {reply_id}, expected {request_id}")
                 if isinstance(reply, ErrorReply):
@@ -55,6 +50,26 @@ class Connection:
             except BaseException:
                 self._close_locked()
                 raise
+
+    def _send(
+        self, message: Message, request_id: int, payload: Sequence[memoryview | bytes], what: str
+    ) -> tuple[int, Message, socket.socket]:
+        """Send and read the reply frame; a pooled socket that the peer closed meanwhile is replaced once."""
+        reused = self._sock is not None
+        for attempt in (1, 2):
+            if self._sock is None:
+                self._sock = connect(self.address, self.timeout)
+            sock = self._sock
+            try:
+                with io_errors(what):
+                    send_message(sock, message, request_id, payload)
+                    reply_id, reply = recv_message(sock)
+                return reply_id, reply, sock
+            except ConnectionFailed:
+                self._close_locked()
+                if not reused or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def call(self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = ()) -> M:
         with self.exchange(message, payload) as (reply, _):

@@ -197,14 +197,20 @@ class SsdTier(IndexedTier[_Meta]):
         return meta.size
 
     @contextmanager
-    def view(self, key: BlockKey) -> Iterator[memoryview]:
-        """A zero-copy view of the block inside LMDB's map, valid until the ``with`` ends."""
-        meta = self._record(key)
+    def views(self, keys: Sequence[BlockKey]) -> Iterator[list[memoryview]]:
+        """Zero-copy views of blocks inside LMDB's map, in one read transaction, valid until the ``with`` ends.
+
+        One transaction for the batch: LMDB allows a thread one read transaction at a time.
+        """
+        metas = [self._record(key) for key in keys]
         with self._env.begin(buffers=True) as txn:
-            src = txn.get(key.encode("utf-8"), db=self._data)
-            if src is None or len(src) != meta.size:
-                raise CorruptStore(f"SSD tier {self.path}: data of {key!r} is missing or has the wrong size")
-            yield memoryview(src)
+            out = []
+            for key, meta in zip(keys, metas, strict=True):
+                src = txn.get(key.encode("utf-8"), db=self._data)
+                if src is None or len(src) != meta.size:
+                    raise CorruptStore(f"SSD tier {self.path}: data of {key!r} is missing or has the wrong size")
+                out.append(memoryview(src))
+            yield out
 
     def read(self, key: BlockKey) -> bytes:
         out = bytearray(self._record(key).size)

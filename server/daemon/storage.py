@@ -112,16 +112,19 @@ class DaemonStorage:
     def read_views(self, keys: Sequence[BlockKey]) -> Iterator[list[memoryview | None]]:
         """Zero-copy views of the blocks held (None for the others), valid inside the ``with``."""
         with self.lock.shared(), ExitStack() as stack:
-            views: list[memoryview | None] = []
-            for key in keys:
+            views: list[memoryview | None] = [None] * len(keys)
+            on_ssd: list[int] = []
+            for i, key in enumerate(keys):
                 if key in self.arena:
                     view = self.arena.view(key)
                     stack.callback(view.release)
-                    views.append(view)
+                    views[i] = view
                 elif self.ssd is not None and key in self.ssd:
-                    views.append(stack.enter_context(self.ssd.view(key)))
-                else:
-                    views.append(None)
+                    on_ssd.append(i)
+            if on_ssd and self.ssd is not None:
+                ssd_views = stack.enter_context(self.ssd.views([keys[i] for i in on_ssd]))
+                for i, view in zip(on_ssd, ssd_views, strict=True):
+                    views[i] = view
             yield views
 
     # -- the master's commands -------------------------------------------------------------

@@ -1,0 +1,156 @@
+"""Kill clients, daemons and the master; send garbage. Committed blocks survive, nothing hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvstore.errors import ProtocolError
+from kvstore.node_store import PutStatus
+from kvstore.protocol import FRAME_HEADER, PutStart, PutStartReply, Stats, StatsReply, encode
+from kvstore_client.store import Store
+from server.cluster import LocalCluster
+from transfer.rpc import Connection
+from transfer.wire import recv_message
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ("--reservation-ms", "800", "--node-ttl-ms", "1500", "--heartbeat-ms", "100", "--lease-ms", "500")
+KB = 1024
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(2, dram="8MiB", ssd="16MiB", master_args=FAST) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def shared_cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(2, dram="8MiB", master_args=FAST) as c:
+        yield c
+
+
+def blocks(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, 32 * KB), dtype=np.uint8)
+
+
+def test_client_killed_mid_put_leaves_the_key_writable_after_the_reservation(cluster: LocalCluster) -> None:
+    script = (
+        "import os, signal; from transfer.rpc import Connection;"
+        "from kvstore.protocol import PutStart, PutStartReply;"
+        f"r = Connection('{cluster.master_address}').call(PutStart(['orphan'], [4096], 1, None, False), PutStartReply);"
+        "assert r.tickets[0].status == 'ok'; print('reserved', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    child = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert child.returncode == -signal.SIGKILL and "reserved" in child.stdout
+    with Store.connect(cluster.master_address) as store:
+        assert not store.exists("orphan")
+        deadline = time.monotonic() + 10
+        while True:  # until the reservation expires the key reads as being written
+            if store.put("orphan", b"z" * 4096) is PutStatus.STORED:
+                break
+            assert time.monotonic() < deadline, "the reservation never expired"
+            time.sleep(0.1)
+        assert store.get("orphan") == b"z" * 4096
+        assert store.stats()["expired"] >= 1
+
+
+def test_killed_daemon_reads_as_misses_then_comes_back_byte_exact(cluster: LocalCluster) -> None:
+    data = blocks(64, seed=2)
+    keys = [f"d-{i}" for i in range(len(data))]
+    with Store.connect(cluster.master_address) as store:
+        store.put_many(zip(keys, data, strict=True))
+        cluster.kill_daemon(0)
+        t = time.monotonic()
+        out = np.zeros_like(data)
+        got = store.get_many_into(keys, list(out))
+        assert time.monotonic() - t < 5, "reads of a dead node's blocks must not hang"
+        lost = [i for i, n in enumerate(got) if n is None]
+        assert 0 < len(lost) < len(keys)  # node0's share is missing, node1's is served
+        assert all(np.array_equal(out[i], data[i]) for i, n in enumerate(got) if n is not None)
+        cluster.restart_daemon(0)
+        out[:] = 0
+        assert store.get_many_into(keys, list(out), verify=True) == [32 * KB] * len(keys)
+        assert np.array_equal(out, data)
+
+
+def test_master_restarted_from_nothing_rebuilds_from_the_daemons(cluster: LocalCluster) -> None:
+    data = blocks(300, seed=3)  # ~9.4 MiB: some of it demoted to SSD
+    keys = [f"m-{i}" for i in range(len(data))]
+    with Store.connect(cluster.master_address) as store:
+        for s in range(0, len(keys), 50):
+            store.put_many(zip(keys[s : s + 50], data[s : s + 50], strict=True))
+        before = [k for k, ok in zip(keys, store.exists_many(keys), strict=True) if ok]
+        assert len(before) == len(keys)
+    cluster.kill_master()
+    cluster.restart_master()
+    with Store.connect(cluster.master_address) as store:
+        out = np.zeros_like(data)
+        assert store.get_many_into(keys, list(out), verify=True) == [32 * KB] * len(keys)
+        assert np.array_equal(out, data)
+        assert store.stats()["objects"] >= len(keys)
+
+
+def raw_exchange(address: str, frame: bytes) -> bytes:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(frame)
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        try:
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        except ConnectionResetError:
+            pass  # closed with our garbage unread: a close is an accepted answer
+        return b"".join(chunks)
+
+
+def payload(*items: object) -> bytes:
+    body = msgpack.packb(list(items), use_bin_type=True)
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+@pytest.mark.parametrize("target", ["master", "daemon"])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        pytest.param(payload(1, 38, 7, [])[:-1], id="truncated"),
+        pytest.param(payload(99, 38, 7, []), id="wrong-version"),
+        pytest.param(payload(1, 9999, 7, []), id="unknown-kind"),
+        pytest.param(payload(1, 20, 7, ["not", "a", "put"]), id="malformed-fields"),
+        pytest.param(FRAME_HEADER.pack(1 << 30) + b"x" * 100, id="oversize"),
+        pytest.param(b"\x00\x00\x00\x05\xc1\xc1\xc1\xc1\xc1", id="not-msgpack"),
+    ],
+)
+def test_bad_frames_get_an_error_or_a_close_and_service_continues(
+    cluster: LocalCluster, target: str, frame: bytes
+) -> None:
+    address = cluster.master_address if target == "master" else cluster.daemon_addresses[1]
+    answer = raw_exchange(address, frame)  # returns once the server closes or answers and we hang up
+    if answer:
+        (length,) = FRAME_HEADER.unpack_from(answer)
+        reply = msgpack.unpackb(answer[4 : 4 + length])
+        assert reply[1] == 1, reply  # ErrorReply
+        assert reply[3][0] == ProtocolError.code
+    with Store.connect(cluster.master_address) as store:
+        store.put(f"after-{target}-{len(frame)}-{frame[-1]}", b"still serving")
+        assert store.stats()["nodes_up"] == 2
+    assert Connection(cluster.master_address).call(Stats(), StatsReply).stats["nodes_up"] == 2
+
+
+def test_a_reply_always_names_its_request(shared_cluster: LocalCluster) -> None:
+    host, port = shared_cluster.master_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(encode(PutStart(["rid"], [10], 1, None, False), 4242) + encode(Stats(), 4243))
+        assert recv_message(s)[0] == 4242 and isinstance(recv_message(s)[1], StatsReply | PutStartReply)

@@ -1,0 +1,109 @@
+"""The cluster as a user sees it: a master and daemons as real processes, used through Store."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvstore.errors import BufferTooSmall, InvalidArgument, InvalidKey
+from kvstore.keys import block_keys
+from kvstore.node_store import PutStatus
+from kvstore_client.store import AsyncStore, PutOptions, Store
+from server.cluster import LocalCluster
+
+KB = 1024
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(2, dram="8MiB", ssd="16MiB") as c:
+        yield c
+
+
+@pytest.fixture
+def store(cluster: LocalCluster) -> Iterator[Store]:
+    with Store.connect(cluster.master_address) as s:
+        yield s
+
+
+def test_put_get_exists_remove(store: Store) -> None:
+    assert store.put("basic", b"hello") is PutStatus.STORED
+    assert store.get("basic") == b"hello"
+    assert store.exists("basic") and not store.exists("basic-missing")
+    assert store.get("basic-missing") is None
+    assert store.remove("basic") and not store.exists("basic")
+    assert store.get("basic") is None
+
+
+def test_an_existing_key_keeps_its_bytes(store: Store) -> None:
+    store.put("same", b"first")
+    assert store.put("same", b"other") is PutStatus.EXISTS
+    assert store.get("same") == b"first"
+
+
+def test_zero_copy_numpy_batches_and_prefix_match(store: Store) -> None:
+    keys = block_keys(list(range(64 * 16)), 64, namespace="cluster-test")
+    blocks = np.random.default_rng(0).integers(0, 256, (len(keys), 64 * KB), dtype=np.uint8)
+    assert store.put_many(zip(keys[:10], blocks[:10], strict=True)) == [PutStatus.STORED] * 10
+    assert store.match_prefix(keys) == 10
+    out = np.zeros_like(blocks[:12])
+    assert store.get_many_into(keys[:12], list(out), verify=True) == [64 * KB] * 10 + [None, None]
+    assert np.array_equal(out[:10], blocks[:10])
+    assert store.exists_many(keys[9:11]) == [True, False]
+    assert store.remove_many(keys[:10]) == 10
+
+
+def test_torch_tensors(store: Store) -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.randn(128, 64, dtype=torch.bfloat16)
+    store.put("tensor", t)
+    out = torch.empty_like(t)
+    assert store.get_into("tensor", out) == t.numel() * 2
+    assert torch.equal(t, out)
+
+
+def test_replicas_land_on_two_nodes_and_pinning(store: Store) -> None:
+    store.put("twice", b"x" * 1000, PutOptions(replicas=2, pin=True))
+    assert store.get("twice") == b"x" * 1000
+    stats = store.stats()
+    assert stats["nodes_up"] == 2
+
+
+def test_eviction_demotes_to_ssd_and_reads_stay_exact(store: Store) -> None:
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (400, 64 * KB), dtype=np.uint8)  # 25 MiB: more than both DRAMs
+    keys = [f"evict-{i}" for i in range(len(blocks))]
+    for start in range(0, len(keys), 50):
+        store.put_many(zip(keys[start : start + 50], blocks[start : start + 50], strict=True))
+    out = np.zeros_like(blocks)
+    got = store.get_many_into(keys, list(out), verify=True)
+    held = [i for i, n in enumerate(got) if n is not None]
+    assert len(held) >= 350  # 16 MiB DRAM + 32 MiB SSD hold them nearly all
+    assert all(np.array_equal(out[i], blocks[i]) for i in held)
+    assert store.stats()["demotions"] > 0
+    store.remove_many(keys)
+
+
+def test_bad_input_is_a_typed_error(store: Store) -> None:
+    with pytest.raises(InvalidKey):
+        store.put("", b"x")
+    with pytest.raises(InvalidArgument, match="empty"):
+        store.put("empty", b"")
+    store.put("small", b"0123456789")
+    with pytest.raises(BufferTooSmall):
+        store.get_into("small", bytearray(4))
+    with pytest.raises(InvalidArgument, match="2 keys but 1 buffers"):
+        store.get_many_into(["a", "b"], [bytearray(1)])
+
+
+def test_async_store(cluster: LocalCluster) -> None:
+    async def main() -> None:
+        async with await AsyncStore.connect(cluster.master_address) as s:
+            assert await s.put("async", b"value") is PutStatus.STORED
+            assert await s.get("async") == b"value"
+            assert await s.match_prefix(["async", "nope"]) == 1
+
+    asyncio.run(main())
