@@ -217,7 +217,9 @@ class MasterConfig(_Frozen):
     placement: str = Field(default="local_first", description="local_first, free_ratio or random.")
     eviction: EvictionConfig = Field(default_factory=EvictionConfig)
     reservation_ms: int = Field(default=30_000, gt=0, description="An uncommitted put is revoked after this.")
-    lease_ms: int = Field(default=5_000, gt=0, description="How long a get's replicas stay unevictable.")
+    lease_ms: int = Field(
+        default=2_000, gt=0, description="Longest a get's replicas stay unevictable; clients release them sooner."
+    )
     heartbeat_interval_ms: int = Field(default=500, gt=0, description="How often daemons heartbeat.")
     node_ttl_ms: int = Field(default=3_000, gt=0, description="A node silent this long is marked down.")
     command_timeout_ms: int = Field(default=10_000, gt=0, description="Bound on one command to a daemon.")

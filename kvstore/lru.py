@@ -92,6 +92,11 @@ class LRU(Generic[K]):
     def is_leased(self, key: K) -> bool:
         return key in self._leases
 
+    @property
+    def num_leased(self) -> int:
+        """Keys with at least one lease."""
+        return len(self._leases)
+
     def victims(self) -> Iterator[tuple[K, int]]:
         """(key, size) of evictable keys, least recently used first; skips pinned and leased keys.
 

@@ -180,7 +180,20 @@ class PlacementTable:
         self._want_promote: set[str] = set()
         self._rng = random.Random(seed)
         self.counters: dict[str, int] = dict.fromkeys(
-            ("puts", "put_exists", "gets", "hits", "misses", "evictions", "demotions", "promotions", "expired"), 0
+            (
+                "puts",
+                "put_exists",
+                "gets",
+                "hits",
+                "dram_hits",
+                "ssd_hits",
+                "misses",
+                "evictions",
+                "demotions",
+                "promotions",
+                "expired",
+            ),
+            0,
         )
 
     # -- membership -----------------------------------------------------------------
@@ -355,15 +368,24 @@ class PlacementTable:
             if waiting:
                 plan.waiting.append(i)
                 return None
-            return _ticket_error(
-                CapacityError(
-                    f"no room for block {key!r} of {size} bytes: every node's DRAM is pinned, leased or being written"
+            if any(self._busy(node) for node in nodes):
+                # Leases end and puts commit or expire: room will come without anyone's help.
+                return _ticket_error(
+                    RetryLater(f"no room for block {key!r} of {size} bytes yet: DRAM is leased or being written")
                 )
+            return _ticket_error(
+                CapacityError(f"no room for block {key!r} of {size} bytes: every node's DRAM is pinned")
             )
         entry = ObjectEntry(key, size, 0, chosen, False, now_ms + self.reservation_ms, pin)
         self._pending[key] = entry
         self.counters["puts"] += 1
         return PutTicket("ok", [self._wire_replica(entry, r) for r in chosen], 0, "")
+
+    def _busy(self, node: NodeState) -> bool:
+        """Whether some of the node's DRAM is held only for now: leased, or reserved by puts in flight."""
+        if node.dram_lru.num_leased:
+            return True
+        return any(r.node_id == node.node_id for e in self._pending.values() for r in e.replicas)
 
     def _reserve(self, node: NodeState, size: int, plan: PutPlan) -> tuple[Extent | None, bool]:
         """An extent on ``node`` (or None), and whether evictions were added to ``plan`` for it.
@@ -478,6 +500,7 @@ class PlacementTable:
             for r in readable:
                 self.nodes[r.node_id].lru(r.tier).lease(key)
                 heapq.heappush(self._leases, (expiry, key, r.node_id, r.tier.value))
+            self.counters["dram_hits" if readable[0].tier is DRAM else "ssd_hits"] += 1
             if readable[0].tier is SSD:
                 entry.ssd_hits += 1
                 if self.policy.should_promote(entry.ssd_hits):

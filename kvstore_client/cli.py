@@ -9,7 +9,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +18,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvstore.config import NodeConfig, format_size, load, parse_size
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.node_store import NodeStore
 from kvstore.workload import TraceRequest, chat_workload, load_trace, lru_prefix_hit_rate
-from kvstore_client.replay import ReplaySummary, replay
+from kvstore_client.replay import ReplaySummary, ReplayTarget, replay_concurrently
 
 
 @dataclass(frozen=True)
@@ -70,38 +70,71 @@ def _size_arg(text: str) -> int:
 
 def _store_arguments(p: argparse.ArgumentParser, dram: str, ssd: str) -> None:
     p.add_argument("--block-bytes", type=_size_arg, default=64 * 1024, help="bytes per block (default 64KiB)")
-    p.add_argument("--dram", type=_size_arg, default=parse_size(dram), help=f"DRAM tier capacity (default {dram})")
-    p.add_argument(
-        "--ssd", type=_size_arg, default=parse_size(ssd), help=f"SSD tier capacity, 0 for none (default {ssd})"
-    )
-    p.add_argument("--ssd-dir", type=Path, default=None, help="SSD tier directory (default: a temporary one)")
+    p.add_argument("--dram", type=_size_arg, default=parse_size(dram), help=f"total DRAM capacity (default {dram})")
+    p.add_argument("--ssd", type=_size_arg, default=parse_size(ssd), help=f"total SSD capacity, 0 for none ({ssd})")
+    p.add_argument("--master", default=None, help="use the running cluster at host:port instead of starting one")
+    p.add_argument("--daemons", type=int, default=2, help="daemons of the cluster started for the run (default 2)")
+    p.add_argument("--engines", type=int, default=4, help="concurrent simulated inference engines (default 4)")
+    p.add_argument("--local", action="store_true", help="run on an in-process node store, without a cluster")
+    p.add_argument("--realtime", action="store_true", help="follow the requests' timestamps")
     p.add_argument("--verify", action="store_true", help="check every loaded byte")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
 
 
+_COUNTERS = ("dram_hits", "ssd_hits", "demotions", "promotions", "evictions")
+
+
 @contextmanager
-def _scratch_store(args: argparse.Namespace) -> Iterator[NodeStore]:
-    """A NodeStore for one run, whose arena and SSD directory are removed afterwards."""
+def _local_store(args: argparse.Namespace) -> Iterator[tuple[ReplayTarget, Callable[[], dict[str, int]]]]:
+    """An in-process NodeStore for one run, whose arena and SSD directory are removed afterwards."""
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-run-"))
-    ssd_dir = args.ssd_dir or tmp / "ssd"
     config = load(
         NodeConfig,
         "node",
         dram={"capacity": args.dram, "name": f"run-{os.getpid()}"},
-        ssd={"capacity": args.ssd, "path": ssd_dir if args.ssd else None},
+        ssd={"capacity": args.ssd, "path": tmp / "ssd" if args.ssd else None},
     )
     store = NodeStore(config)
+
+    def counters() -> dict[str, int]:
+        s = store.stats()
+        return dict(zip(_COUNTERS, (s.dram_hits, s.ssd_hits, s.demotions, s.promotions, s.dram_drops + s.ssd_drops),
+                        strict=True))  # fmt: skip
+
     try:
-        yield store
+        yield store, counters
     finally:
         store.destroy()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextmanager
+def _cluster_store(args: argparse.Namespace) -> Iterator[tuple[ReplayTarget, Callable[[], dict[str, int]]]]:
+    """A client of the cluster at ``--master``, or of a local cluster started (and stopped) for the run."""
+    from kvstore_client.store import Store
+    from server.cluster import LocalCluster
+
+    with ExitStack() as stack:
+        master = args.master
+        if master is None:
+            if args.daemons < 1:
+                raise InvalidArgument(f"--daemons must be at least 1, got {args.daemons}")
+            cluster = LocalCluster(args.daemons, dram=args.dram // args.daemons, ssd=args.ssd // args.daemons)
+            master = stack.enter_context(cluster).master_address
+        store = stack.enter_context(Store.connect(master))
+
+        def counters() -> dict[str, int]:
+            stats = store.stats()
+            return {name: int(stats.get(name, 0)) for name in _COUNTERS}
+
+        yield store, counters
+
+
 def _run_replay(args: argparse.Namespace, requests: list[TraceRequest], title: str) -> int:
     total_blocks = sum(len(r.hash_ids) for r in requests)
     console = Console(stderr=True)
-    with _scratch_store(args) as store:
+    opened = _local_store(args) if args.local else _cluster_store(args)
+    with opened as (store, counters):
         with Progress(
             TextColumn(f"[bold]{title}"),
             BarColumn(),
@@ -112,24 +145,23 @@ def _run_replay(args: argparse.Namespace, requests: list[TraceRequest], title: s
             disable=args.json or not console.is_terminal,
         ) as progress:
             task = progress.add_task(title, total=total_blocks)
-            summary = replay(
+            summary = replay_concurrently(
                 store,
                 requests,
+                1 if args.local else args.engines,
                 block_bytes=args.block_bytes,
                 verify=args.verify,
+                realtime=args.realtime,
                 on_request=lambda n: progress.advance(task, n),
             )
-        stats = store.stats()
+        stats = counters()
     capacity_blocks = (args.dram + args.ssd) // args.block_bytes
     reference = lru_prefix_hit_rate(requests, capacity_blocks)
     record = summary.to_dict() | {
         "lru_reference_hit_rate": round(reference, 6),
         "capacity_blocks": capacity_blocks,
-        "dram_hits": stats.dram_hits,
-        "ssd_hits": stats.ssd_hits,
-        "demotions": stats.demotions,
-        "promotions": stats.promotions,
-        "evictions": stats.dram_drops + stats.ssd_drops,
+        "engines": 1 if args.local else args.engines,
+        **stats,
     }
     if args.json:
         print(json.dumps(record), flush=True)

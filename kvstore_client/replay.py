@@ -8,6 +8,7 @@ stamped with its key, so ``verify`` checks every loaded byte.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -25,7 +26,7 @@ _STAMP = 16
 class ReplayTarget(Protocol):
     """What a replay needs of a store: the batch forms of match, load and save."""
 
-    def match_prefix(self, keys: Iterable[Any]) -> int: ...
+    def match_prefix(self, keys: Sequence[Any]) -> int: ...
 
     def get_many_into(self, keys: Sequence[Any], buffers: Sequence[Any]) -> list[int | None]: ...
 
@@ -72,15 +73,25 @@ def replay(
     verify: bool = False,
     seed: int = 0,
     on_request: Callable[[int], None] | None = None,
+    realtime: bool = False,
 ) -> ReplaySummary:
-    """Replay ``requests`` in order through ``store``; ``on_request(n_blocks)`` after each one."""
+    """Replay ``requests`` in order through ``store``; ``on_request(n_blocks)`` after each one.
+
+    ``realtime`` waits for each request's timestamp (relative to the first); otherwise requests go back to back.
+    """
     if block_bytes < _STAMP:
         raise InvalidArgument(f"block_bytes must be at least {_STAMP}, got {block_bytes}")
     pattern = np.random.default_rng(seed).integers(0, 256, block_bytes, dtype=np.uint8)
     n_req = n_blocks = n_hit = n_stored = 0
     start = time.perf_counter()
     load_buf = np.empty((0, block_bytes), dtype=np.uint8)
+    first_ms: int | None = None
     for request in requests:
+        if realtime:
+            first_ms = request.timestamp_ms if first_ms is None else first_ms
+            delay = start + (request.timestamp_ms - first_ms) / 1000 - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
         keys = request_keys(request, namespace)
         n_req += 1
         n_blocks += len(keys)
@@ -124,3 +135,47 @@ def _verify(keys: Sequence[str], loaded: np.ndarray, pattern: np.ndarray) -> Non
         row = loaded[i]
         if not (np.array_equal(row[:_STAMP], stamps[i]) and np.array_equal(row[_STAMP:], pattern[_STAMP:])):
             raise CorruptBlock(f"replay loaded wrong bytes for block {key!r}")
+
+
+def replay_concurrently(
+    store: ReplayTarget,
+    requests: Sequence[TraceRequest],
+    engines: int,
+    **kwargs: Any,
+) -> ReplaySummary:
+    """Replay with ``engines`` threads, as that many inference engines sharing one store.
+
+    Engine ``e`` takes requests ``e, e + engines, ...`` in order. Counts add up;
+    ``seconds`` is the wall time of the whole run.
+    """
+    if engines < 1:
+        raise InvalidArgument(f"engines must be at least 1, got {engines}")
+    if engines == 1:
+        return replay(store, requests, **kwargs)
+    results: list[ReplaySummary | BaseException] = [ValueError("not run")] * engines
+
+    def engine(e: int) -> None:
+        try:
+            results[e] = replay(store, requests[e::engines], **kwargs)
+        except BaseException as exc:  # surfaced below, in the caller's thread
+            results[e] = exc
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=engine, args=(e,), name=f"engine-{e}") for e in range(engines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    parts = [r for r in results if isinstance(r, ReplaySummary)]
+    return ReplaySummary(
+        requests=sum(p.requests for p in parts),
+        blocks=sum(p.blocks for p in parts),
+        hit_blocks=sum(p.hit_blocks for p in parts),
+        stored_blocks=sum(p.stored_blocks for p in parts),
+        bytes_loaded=sum(p.bytes_loaded for p in parts),
+        bytes_stored=sum(p.bytes_stored for p in parts),
+        seconds=time.perf_counter() - start,
+    )

@@ -12,6 +12,7 @@ reads as a miss, never as an error or a hang. Every network wait is bounded by
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -50,6 +51,7 @@ from kvstore.protocol import (
     PutStartReply,
     ReadBlocks,
     ReadReply,
+    ReleaseLeases,
     Remove,
     RemoveReply,
     Replica,
@@ -80,6 +82,10 @@ class Store:
         self._daemons: dict[str, ConnectionPool] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Leases end early once reads are done, off the caller's path: a thread sends them in batches.
+        self._releases: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        self._releaser = threading.Thread(target=self._release_loop, name="kvstore-lease-release", daemon=True)
+        self._releaser.start()
 
     @classmethod
     def connect(cls, master: str, config: ClientConfig | None = None) -> Self:
@@ -255,6 +261,9 @@ class Store:
                     elif attempt[i] + 1 < len(loc.replicas):
                         next_attempt[i] = attempt[i] + 1
             attempt = next_attempt
+        read = [loc.key for loc in located if loc is not None]
+        if read:
+            self._releases.put(read)
         return out
 
     def _read_from(self, address: str, blocks: list[tuple[Located, Replica, memoryview]]) -> list[int | None]:
@@ -276,6 +285,27 @@ class Store:
                     recv_into(sock, view[:size])
                     got.append(size)
             return got
+
+    def _release_loop(self) -> None:
+        while True:
+            batch = self._releases.get()
+            if batch is None:
+                return
+            keys = list(batch)
+            while not self._releases.empty():
+                more = self._releases.get_nowait()
+                if more is None:
+                    self._send_releases(keys)
+                    return
+                keys.extend(more)
+            self._send_releases(keys)
+
+    def _send_releases(self, keys: list[str]) -> None:
+        try:
+            with self._master.connection() as conn:
+                conn.call(ReleaseLeases(keys), OkReply)
+        except KVStoreError:
+            pass  # best effort: a lease also ends by itself
 
     # -- queries -----------------------------------------------------------------------------------
     def exists(self, key: Any) -> bool:
@@ -302,7 +332,11 @@ class Store:
         return reply.stats
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
+        self._releases.put(None)
+        self._releaser.join(timeout=self.config.timeout_s)
         self._master.close()
         with self._lock:
             for pool in self._daemons.values():

@@ -43,7 +43,7 @@ def test_demo_prints_a_json_summary() -> None:
 
 
 def test_demo_prints_a_table_by_default() -> None:
-    result = kvstore("demo", "--sessions", "20", "--dram", "4MiB", "--ssd", "0")
+    result = kvstore("demo", "--sessions", "20", "--dram", "4MiB", "--ssd", "0", "--local")
     assert result.returncode == 0, result.stderr
     assert "prefix hit rate" in result.stdout and "requests" in result.stdout
 
@@ -55,17 +55,21 @@ def test_replay_without_eviction_matches_an_infinite_cache(tmp_path: Path) -> No
     rows = [dict(zip(fields, (r.timestamp_ms, r.input_length, r.output_length, list(r.hash_ids)), strict=True))
             for r in requests]  # fmt: skip
     trace.write_text("\n".join(json.dumps(row) for row in rows))
-    result = kvstore("replay", str(trace), "--json", "--block-bytes", "4KiB", "--dram", "64MiB", "--ssd", "0")
-    assert result.returncode == 0, result.stderr
-    summary = last_json(result.stdout)
-    assert summary["hit_rate"] == pytest.approx(lru_prefix_hit_rate(requests, 10**9), abs=1e-6)
+    expected = lru_prefix_hit_rate(requests, 10**9)
+    for mode in (["--local"], ["--engines", "1"]):  # in process, and through a cluster of real processes
+        result = kvstore(
+            "replay", str(trace), "--json", "--block-bytes", "4KiB", "--dram", "64MiB", "--ssd", "0", *mode
+        )
+        assert result.returncode == 0, result.stderr
+        assert last_json(result.stdout)["hit_rate"] == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="shared/traces/synthetic_trace.jsonl is not present")
 def test_replay_of_the_public_trace_with_eviction() -> None:
     result = kvstore(
-        "replay", str(TRACE), "--json", "--limit", "800", "--block-bytes", "16KiB", "--dram", "16MiB", "--ssd", "32MiB"
-    )
+        "replay", str(TRACE), "--json", "--limit", "800", "--block-bytes", "16KiB", "--dram", "16MiB", "--ssd", "32MiB",
+        "--daemons", "1", "--engines", "1",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = last_json(result.stdout)
     reference = lru_prefix_hit_rate(list(load_trace(TRACE, 800)), 3072)
