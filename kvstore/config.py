@@ -82,6 +82,10 @@ class DramConfig(_Frozen):
     )
     shm_dir: Path = Field(default=Path("/dev/shm"), description="Directory of the shared-memory file (a tmpfs).")
     alignment: int = Field(default=64, ge=8, description="Extent alignment in bytes; a power of two.")
+    prefault: bool = Field(
+        default=True,
+        description="Touch every page of a new arena so that no write pays a page fault (commits the memory up front).",
+    )
     max_blocks: int = Field(
         default=0,
         ge=0,

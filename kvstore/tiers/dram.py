@@ -103,14 +103,18 @@ class DramArena(IndexedTier[_Slot]):
         self._index: dict[str, _Slot] = {}
         self._pending: dict[str, _Slot] = {}
         self._closed = False
+        created = False
         if not self.path.exists():
             if not create:
                 raise CorruptStore(f"DRAM arena {self.path} does not exist")
             self._create()
+            created = True
         self._fd = self._open_locked()
         try:
             self._mm = self._map_and_check()
             self._buf = memoryview(self._mm)
+            if created and config.prefault:
+                self._prefault()
             alloc, self._free_slots = self._recover()
             self._used = alloc.used
             self._alloc: Allocator | None = alloc if managed else None
@@ -183,6 +187,14 @@ class DramArena(IndexedTier[_Slot]):
             raise CorruptStore(f"DRAM arena {self.path} is {size} bytes; its header says {total} (truncated?)")
         self._data_offset = data_offset
         return mmap.mmap(self._fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def _prefault(self) -> None:
+        """Write one byte in every page of the data region, so that tmpfs allocates them all now."""
+        pages = np.frombuffer(self._mm, dtype=np.uint8, count=self.capacity, offset=self._data_offset)
+        try:
+            pages[::4096] = 0
+        finally:
+            del pages
 
     def _read_slot_table(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """Copies of the slot states, the COMMITTED slot numbers and their fields.

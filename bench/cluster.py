@@ -1,0 +1,236 @@
+"""Cluster benchmark: put and get through the network client against a daemon in another process.
+
+One JSON line per (op, size, batch): ``GBps``, ``ops`` (blocks/s), ``p50_us``
+and ``p99_us`` per call, beside the same run's raw loopback-TCP baseline (a
+plain socket pair between two processes moving the same bytes with the same
+request/reply pattern) as ``baseline_GBps`` and ``ratio``. Like the peers'
+scripts, a run reuses one source and one destination buffer.
+
+Also: ``match_prefix`` on a placement table of 1M keys (the master's own cost)
+and through the master's RPC; and, where ../shared/peers/run.sh exists, the
+Redis and Mooncake Store figures of the same run, with our batch-1 ratios
+against them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.config import parse_size
+from kvstore.metadata import PlacementTable
+from kvstore.policy import EvictionPolicy
+from kvstore_client.store import Store
+from server.cluster import LocalCluster
+
+SIZES = [4 * 1024, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024]
+PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "run.sh"
+_REQ = struct.Struct("!cQ")
+
+
+def _sink(port_queue: Any, max_bytes: int) -> None:
+    """Baseline server: per request, receive or send ``n`` bytes with recv_into/sendall."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(server.getsockname()[1])
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(bytearray(max_bytes))
+    head = bytearray(_REQ.size)
+    while True:
+        if conn.recv_into(head, _REQ.size, socket.MSG_WAITALL) < _REQ.size:
+            return
+        op, n = _REQ.unpack(head)
+        if op == b"p":
+            got = 0
+            while got < n:
+                got += conn.recv_into(buf[got:n])
+            conn.sendall(b"k")
+        else:
+            conn.sendall(buf[:n])
+
+
+class RawTcp:
+    def __init__(self, max_bytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        self.proc = ctx.Process(target=_sink, args=(q, max_bytes), daemon=True)
+        self.proc.start()
+        self.sock = socket.create_connection(("127.0.0.1", q.get(timeout=30)), timeout=30)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def put(self, data: memoryview) -> None:
+        self.sock.sendall(_REQ.pack(b"p", data.nbytes))
+        self.sock.sendall(data)
+        self.sock.recv(1)
+
+    def get(self, out: memoryview) -> None:
+        self.sock.sendall(_REQ.pack(b"g", out.nbytes))
+        got = 0
+        while got < out.nbytes:
+            got += self.sock.recv_into(out[got:])
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(timeout=5)
+
+
+def _time_calls(calls: int, fn: Callable[[int], object]) -> tuple[float, list[float]]:
+    lat = []
+    start = time.perf_counter()
+    for i in range(calls):
+        t = time.perf_counter()
+        fn(i)
+        lat.append(time.perf_counter() - t)
+    return time.perf_counter() - start, lat
+
+
+def _line(op: str, size: int, batch: int, calls: int, seconds: float, lat: list[float], base: float) -> dict[str, Any]:
+    nbytes = size * batch * calls
+    gbps = nbytes / seconds / 1e9
+    base_gbps = nbytes / base / 1e9
+    lat_sorted = sorted(lat)
+    return {
+        "bench": "cluster",
+        "op": op,
+        "size": size,
+        "batch": batch,
+        "calls": calls,
+        "GBps": round(gbps, 3),
+        "ops": round(batch * calls / seconds),
+        "p50_us": round(lat_sorted[len(lat) // 2] * 1e6, 1),
+        "p99_us": round(lat_sorted[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6, 1),
+        "baseline_GBps": round(base_gbps, 3),
+        "ratio": round(gbps / base_gbps, 3),
+    }
+
+
+def bench_size(store: Store, raw: RawTcp, size: int, batch: int, total: int, tag: str) -> list[dict[str, Any]]:
+    # All of a line's blocks stay stored until its gets are done: keep them within the daemon's DRAM.
+    calls = max(2, min(total // (size * batch), 2000 // batch if batch > 1 else 2000))
+    src = np.random.default_rng(size).integers(0, 256, (batch, size), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    keys = [[f"{tag}-{size}-{batch}-{c}-{j}" for j in range(batch)] for c in range(calls)]
+    rows_src, rows_dst = list(src), list(dst)
+
+    def put(c: int) -> None:
+        store.put_many(zip(keys[c], rows_src, strict=True))
+
+    def get(c: int) -> None:
+        got = store.get_many_into(keys[c], rows_dst)
+        assert got == [size] * batch, f"get of {keys[c][0]}... returned {got[:3]}"
+
+    put_s, put_lat = _time_calls(calls, put)
+    get_s, get_lat = _time_calls(calls, get)
+    assert np.array_equal(dst, src)
+    flat_src, flat_dst = src.reshape(-1).data, dst.reshape(-1).data
+    raw_put, _ = _time_calls(calls, lambda c: raw.put(flat_src))
+    raw_get, _ = _time_calls(calls, lambda c: raw.get(flat_dst))
+    for c in range(calls):
+        store.remove_many(keys[c])
+    return [
+        _line("put", size, batch, calls, put_s, put_lat, raw_put),
+        _line("get", size, batch, calls, get_s, get_lat, raw_get),
+    ]
+
+
+def bench_match_prefix(store: Store, num_keys: int = 1_000_000, query: int = 64) -> list[dict[str, Any]]:
+    table = PlacementTable(EvictionPolicy())
+    table.register_node("n", "n:1", 1 << 40, 0, 64, [], 0)
+    keys = [f"prefix-{i:08d}" for i in range(num_keys)]
+    for s in range(0, num_keys, 10_000):
+        chunk = keys[s : s + 10_000]
+        table.put_start(chunk, [64] * len(chunk), 1, None, False, 0)
+        table.put_end(chunk, [0] * len(chunk))
+    queries = [keys[i : i + query] for i in range(0, num_keys, num_keys // 2000)][:2000]
+    t = time.perf_counter()
+    for q in queries:
+        assert table.match_prefix(q) == len(q)
+    table_s = time.perf_counter() - t
+    # Through the master's RPC: a prefix of stored keys, the way an engine asks.
+    stored = [f"rpc-prefix-{i}" for i in range(query)]
+    store.put_many((k, b"x" * 64) for k in stored)
+    t = time.perf_counter()
+    calls = 2000
+    for _ in range(calls):
+        store.match_prefix(stored)
+    rpc_s = time.perf_counter() - t
+    store.remove_many(stored)
+    return [
+        {"bench": "cluster", "op": "match_prefix", "where": "table", "table_keys": num_keys, "batch": query,
+         "keys_per_s": round(len(queries) * query / table_s)},
+        {"bench": "cluster", "op": "match_prefix", "where": "rpc", "batch": query,
+         "keys_per_s": round(calls * query / rpc_s), "p50_us": round(rpc_s / calls * 1e6, 1)},
+    ]  # fmt: skip
+
+
+def run_peers(sizes: list[int], total: int) -> list[dict[str, Any]]:
+    out = []
+    env = {**os.environ, "SIZES": ",".join(map(str, sizes)), "TOTAL": str(total)}
+    for peer in ("redis", "mooncake"):
+        try:
+            done = subprocess.run(["bash", str(PEERS), peer], env=env, capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            out.append({"bench": "cluster", "peer": peer, "error": str(exc)})
+            continue
+        for line in done.stdout.splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out.append({"bench": "cluster", "peer": row.pop("system", peer), **row})
+        if done.returncode != 0 and not any(r.get("peer") == peer for r in out):
+            out.append({"bench": "cluster", "peer": peer, "error": done.stderr.strip()[-300:]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Cluster put/get benchmark with same-run baselines.")
+    parser.add_argument("--json", action="store_true", help="JSON lines (the only output form)")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--total", default="256MiB", help="bytes per (op, size, batch)")
+    parser.add_argument("--dram", default="1536MiB", help="the daemon's DRAM")
+    parser.add_argument("--peers", choices=["auto", "no"], default="auto", help="run ../shared/peers when present")
+    parser.add_argument("--match-keys", type=int, default=1_000_000, help="placement-table size for match_prefix")
+    args = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    total = parse_size(args.total)
+    ours: list[dict[str, Any]] = []
+    with LocalCluster(1, dram=args.dram) as cluster, Store.connect(cluster.master_address) as store:
+        raw = RawTcp(max(sizes) * max(batches))
+        try:
+            for size in sizes:
+                for batch in batches:
+                    for line in bench_size(store, raw, size, batch, total, tag="b"):
+                        ours.append(line)
+                        print(json.dumps(line), flush=True)
+            for line in bench_match_prefix(store, args.match_keys):
+                print(json.dumps(line), flush=True)
+        finally:
+            raw.close()
+    if args.peers == "auto" and PEERS.exists():
+        for row in run_peers(sizes, total):
+            for op in ("put", "get"):
+                mine = next(
+                    (o for o in ours if o["op"] == op and o["size"] == row.get("size") and o["batch"] == 1), None
+                )
+                if mine and row.get(f"{op}_GBps"):
+                    row[f"kvstore_{op}_ratio"] = round(mine["GBps"] / row[f"{op}_GBps"], 3)
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""The cluster benchmark runs end to end and prints well-formed lines (figures are for bench runs, not tests)."""
+
+import json
+
+import pytest
+
+from bench import cluster
+
+
+def test_cluster_bench_prints_every_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--json", "--peers", "no", "--sizes", "4096,65536", "--batches", "1,8", "--total", "256KiB",
+            "--dram", "64MiB", "--match-keys", "20000"]  # fmt: skip
+    assert cluster.main(args) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    seen = {(r["op"], r.get("size"), r.get("batch")) for r in lines}
+    for op in ("put", "get"):
+        for size in (4096, 65536):
+            for batch in (1, 8):
+                assert (op, size, batch) in seen
+    for r in lines:
+        if r["op"] in ("put", "get"):
+            assert r["GBps"] > 0 and r["baseline_GBps"] > 0 and r["p50_us"] <= r["p99_us"]
+    assert {r["where"] for r in lines if r["op"] == "match_prefix"} == {"table", "rpc"}
