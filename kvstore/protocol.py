@@ -320,6 +320,8 @@ class PutRevoke(Message):
 class GetReplicas(Message):
     KIND = 30
     keys: list[str]
+    release: list[str]
+    """Keys whose earlier leases this client is done with (piggybacked, to save a round trip)."""
 
 
 @wire

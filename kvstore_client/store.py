@@ -12,7 +12,6 @@ reads as a miss, never as an error or a hang. Every network wait is bounded by
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -82,8 +81,11 @@ class Store:
         self._daemons: dict[str, ConnectionPool] = {}
         self._lock = threading.Lock()
         self._closed = False
-        # Leases end early once reads are done, off the caller's path: a thread sends them in batches.
-        self._releases: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        # Leases end once reads are done: the keys ride on the next GetReplicas, or, when no get
+        # follows soon, a background thread sends them.
+        self._to_release: list[str] = []
+        self._release_lock = threading.Lock()
+        self._stop_releaser = threading.Event()
         self._releaser = threading.Thread(target=self._release_loop, name="kvstore-lease-release", daemon=True)
         self._releaser.start()
 
@@ -226,7 +228,9 @@ class Store:
 
     def _locate(self, keys: Sequence[Any]) -> list[Located | None]:
         checked: list[str] = [validate_key(k) for k in keys]
-        reply: GetReplicasReply = self._call(GetReplicas(checked), GetReplicasReply)
+        with self._release_lock:
+            release, self._to_release = self._to_release, []
+        reply: GetReplicasReply = self._call(GetReplicas(checked, release), GetReplicasReply)
         if len(reply.objects) != len(checked):
             raise ProtocolError(f"the master answered {len(reply.objects)} objects for {len(checked)} keys")
         return reply.objects
@@ -263,7 +267,8 @@ class Store:
             attempt = next_attempt
         read = [loc.key for loc in located if loc is not None]
         if read:
-            self._releases.put(read)
+            with self._release_lock:
+                self._to_release.extend(read)
         return out
 
     def _read_from(self, address: str, blocks: list[tuple[Located, Replica, memoryview]]) -> list[int | None]:
@@ -286,19 +291,20 @@ class Store:
                     got.append(size)
             return got
 
-    def _release_loop(self) -> None:
-        while True:
-            batch = self._releases.get()
-            if batch is None:
-                return
-            keys = list(batch)
-            while not self._releases.empty():
-                more = self._releases.get_nowait()
-                if more is None:
-                    self._send_releases(keys)
-                    return
-                keys.extend(more)
-            self._send_releases(keys)
+    def _release_loop(self, period: float = 0.05) -> None:
+        """Send leases that no get carried within ``period`` seconds."""
+        held: list[str] = []
+        while not self._stop_releaser.wait(period):
+            with self._release_lock:
+                # Keys still here after a whole period were not carried by a get: send them now.
+                waiting = set(self._to_release)
+                due = [k for k in held if k in waiting]
+                held = list(self._to_release)
+                if due:
+                    gone = set(due)
+                    self._to_release = [k for k in self._to_release if k not in gone]
+            if due:
+                self._send_releases(due)
 
     def _send_releases(self, keys: list[str]) -> None:
         try:
@@ -335,8 +341,12 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        self._releases.put(None)
+        self._stop_releaser.set()
         self._releaser.join(timeout=self.config.timeout_s)
+        with self._release_lock:
+            release, self._to_release = self._to_release, []
+        if release:
+            self._send_releases(release)
         self._master.close()
         with self._lock:
             for pool in self._daemons.values():

@@ -268,6 +268,8 @@ class MasterService:
         return OkReply()
 
     async def _get_replicas(self, m: GetReplicas) -> Message:
+        if m.release:
+            await self._release_leases(ReleaseLeases(m.release))
         return GetReplicasReply(self.table.get_replicas(m.keys, _now_ms()), self.config.lease_ms)
 
     async def _release_leases(self, m: ReleaseLeases) -> Message:
