@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
 from kvstore.protocol import ErrorReply, Message
-from transfer.wire import connect, io_errors, recv_message, send_message
+from transfer.wire import NoRequest, connect, io_errors, recv_message, send_message
 
 M = TypeVar("M", bound=Message)
 
@@ -63,7 +63,10 @@ class Connection:
             try:
                 with io_errors(what):
                     send_message(sock, message, request_id, payload)
-                    reply_id, reply = recv_message(sock)
+                    try:
+                        reply_id, reply = recv_message(sock)
+                    except NoRequest:
+                        raise Timeout(f"{what}: no reply within {self.timeout} s") from None
                 return reply_id, reply, sock
             except ConnectionFailed:
                 self._close_locked()

@@ -8,6 +8,7 @@ Every wait is bounded by the socket's timeout; a timeout becomes
 from __future__ import annotations
 
 import socket
+import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -33,17 +34,32 @@ def io_errors(what: str) -> Iterator[None]:
     """Turn socket failures into kvstore's typed errors, naming ``what`` was being done."""
     try:
         yield
-    except TimeoutError:
+    except (TimeoutError, BlockingIOError):
         raise Timeout(f"{what}: timed out") from None
     except (ConnectionError, OSError) as exc:
         raise ConnectionFailed(f"{what}: {exc.strerror or exc}") from None
+
+
+def set_timeouts(sock: socket.socket, timeout: float) -> None:
+    """Bound every send and receive on ``sock`` by ``timeout`` seconds, in the kernel.
+
+    A Python-level timeout polls before every call; SO_RCVTIMEO/SO_SNDTIMEO
+    bound the same waits with one system call each. A wait that runs out
+    fails with EAGAIN, which :func:`io_errors` reports as a Timeout.
+    """
+    sock.settimeout(None)
+    seconds = int(timeout)
+    value = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def connect(address: str, timeout: float) -> socket.socket:
     host, port = parse_address(address)
     with io_errors(f"connecting to {address}"):
         sock = socket.create_connection((host, port), timeout=timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    set_timeouts(sock, timeout)
     return sock
 
 
@@ -89,10 +105,21 @@ def skip(sock: socket.socket, n: int) -> None:
         n -= part.nbytes
 
 
+class NoRequest(Exception):
+    """No byte of a next frame arrived within the socket's timeout (an idle peer; the stream is in step)."""
+
+
 def recv_message(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> tuple[int, Message]:
-    """The next whole frame, decoded. Raises ProtocolError for a bad frame, ConnectionFailed at EOF."""
-    header = bytearray(FRAME_HEADER.size)
-    recv_into(sock, memoryview(header))
+    """The next whole frame, decoded. Raises ProtocolError for a bad frame, ConnectionFailed at EOF,
+    NoRequest when nothing arrived in time, BlockingIOError when a frame stalled halfway."""
+    header = memoryview(bytearray(FRAME_HEADER.size))
+    try:
+        first = sock.recv_into(header)
+    except BlockingIOError:
+        raise NoRequest() from None
+    if first == 0:
+        raise ConnectionFailed("peer closed the connection")
+    recv_into(sock, header[first:])
     (length,) = FRAME_HEADER.unpack(header)
     if length > max_frame:
         raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_frame}")

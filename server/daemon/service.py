@@ -38,7 +38,7 @@ from kvstore.protocol import (
 )
 from server.daemon.storage import DaemonStorage
 from transfer.rpc import Connection
-from transfer.wire import recv_into, recv_message, send_message, skip
+from transfer.wire import NoRequest, recv_into, recv_message, send_message, set_timeouts, skip
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -86,22 +86,27 @@ class DaemonServer:
                 continue
             except OSError:
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_timeouts(sock, self.io_timeout)
             with self._conns_lock:
                 self._conns.add(sock)
             threading.Thread(target=self._serve, args=(sock,), name="daemon-conn", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
         try:
+            idle_since = time.monotonic()
             while not self._stop.is_set():
-                sock.settimeout(self.idle_timeout)
                 try:
                     request_id, message = recv_message(sock)
+                except NoRequest:
+                    # No request within io_timeout: keep an idle connection up to idle_timeout.
+                    if time.monotonic() - idle_since > self.idle_timeout:
+                        return
+                    continue
                 except ProtocolError as exc:
                     # The stream cannot be trusted past a bad frame: answer, then close.
                     self._reply_error(sock, 0, exc)
                     return
-                sock.settimeout(self.io_timeout)
+                idle_since = time.monotonic()
                 handler = self._handlers.get(type(message))
                 if handler is None:
                     self._reply_error(
