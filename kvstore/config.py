@@ -136,10 +136,10 @@ class SsdConfig(_Frozen):
 class EvictionConfig(_Frozen):
     """When tiers evict and when SSD blocks come back to DRAM."""
 
-    high_watermark: float = Field(default=0.95, gt=0, le=1, description="Evict when a put would fill a tier past this.")
-    low_watermark: float = Field(default=0.90, gt=0, le=1, description="Evict down to this fraction of capacity.")
+    high_watermark: float = Field(default=0.99, gt=0, le=1, description="Evict when a put would fill a tier past this.")
+    low_watermark: float = Field(default=0.97, gt=0, le=1, description="Evict down to this fraction of capacity.")
     promote_after_hits: int = Field(
-        default=2, ge=0, description="Promote an SSD block to DRAM after this many reads; 0 never promotes."
+        default=1, ge=0, description="Promote an SSD block to DRAM after this many reads; 0 never promotes."
     )
 
     @model_validator(mode="after")

@@ -62,9 +62,9 @@ class TierView(Generic[T]):
 
 @dataclass(frozen=True, slots=True)
 class EvictionPolicy:
-    high_watermark: float = 0.95
-    low_watermark: float = 0.90
-    promote_after_hits: int = 2
+    high_watermark: float = 0.99
+    low_watermark: float = 0.97
+    promote_after_hits: int = 1
 
     def over_high_watermark(self, used: int, capacity: int) -> bool:
         """Whether a tier holding ``used`` of ``capacity`` bytes must evict."""
