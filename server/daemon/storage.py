@@ -148,6 +148,9 @@ class DaemonStorage:
                 moved.update(k for k in present if k in self.ssd)  # a copy left by a crash mid-demotion
             for key in present:
                 self.arena.delete(key)
+            if self.ssd is not None:
+                # Already moved: a retry of a command whose answer the master never got.
+                moved.update(k for k in keys if k not in self.arena and k in self.ssd)
             return [k in moved for k in keys]
 
     def drop(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -175,6 +178,9 @@ class DaemonStorage:
         with self.lock.exclusive():
             out = []
             for key, offset in zip(keys, offsets, strict=True):
+                if key in self.arena and (self.ssd is None or key not in self.ssd):
+                    out.append(self.arena.extent(key).offset == offset)  # a retried command, already done
+                    continue
                 if self.ssd is None or key not in self.ssd or key in self.arena:
                     out.append(False)
                     continue

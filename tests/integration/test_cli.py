@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,46 @@ def test_malformed_trace_line_names_its_line(tmp_path: Path) -> None:
     trace.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n{"timestamp": -1}\n')
     result = kvstore("replay", str(trace))
     assert result.returncode == 2 and "bad.jsonl:2" in result.stderr and "timestamp" in result.stderr
+
+
+def test_cluster_up_serves_until_interrupted() -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstore_client.cli",
+            "cluster",
+            "up",
+            "--daemons",
+            "2",
+            "--dram",
+            "8MiB",
+            "--port",
+            "0",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "cluster up" in line:
+                break
+        master = next(line.split()[1] for line in lines if line.startswith("master"))
+        assert sum(line.startswith("daemon") for line in lines) == 2
+        from kvstore_client.store import Store
+
+        with Store.connect(master) as store:
+            store.put("from-cli-cluster", b"v")
+            assert store.get("from-cli-cluster") == b"v"
+            assert store.stats()["nodes_up"] == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -1,0 +1,77 @@
+"""The daemon's storage operations, without the network: commands are idempotent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import DramConfig, SsdConfig
+from kvstore.errors import CorruptBlock, InvalidArgument
+from kvstore.keys import BlockKey, checksum
+from server.daemon.storage import DaemonStorage
+
+K = BlockKey
+KB = 1024
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Iterator[DaemonStorage]:
+    s = DaemonStorage(
+        DramConfig(capacity=64 * KB, name="ds", shm_dir=tmp_path, prefault=False),
+        SsdConfig(capacity=256 * KB, path=tmp_path / "ssd"),
+    )
+    yield s
+    s.close()
+
+
+def write(s: DaemonStorage, key: str, offset: int, data: bytes) -> None:
+    view = s.begin_write(K(key), offset, len(data))
+    view[:] = data
+    s.finish_write(K(key), view, checksum(data))
+
+
+def test_write_read_and_inventory(storage: DaemonStorage) -> None:
+    write(storage, "a", 0, b"a" * KB)
+    write(storage, "b", 4 * KB, b"b" * 100)
+    with storage.read_views([K("a"), K("zz"), K("b")]) as views:
+        assert [None if v is None else bytes(v) for v in views] == [b"a" * KB, None, b"b" * 100]
+    assert [(i.key, i.tier, i.offset) for i in storage.inventory()] == [("a", "dram", 0), ("b", "dram", 4 * KB)]
+
+
+def test_a_write_whose_bytes_do_not_match_is_discarded(storage: DaemonStorage) -> None:
+    view = storage.begin_write(K("x"), 0, 10)
+    view[:] = b"0123456789"
+    with pytest.raises(CorruptBlock):
+        storage.finish_write(K("x"), view, 12345)
+    assert "x" not in storage.arena
+
+
+def test_commands_are_idempotent(storage: DaemonStorage) -> None:
+    write(storage, "a", 0, b"a" * KB)
+    write(storage, "b", KB, b"b" * KB)
+    assert storage.demote([K("a"), K("missing")]) == [True, False]
+    assert storage.demote([K("a")]) == [True]  # retried: already on SSD
+    with storage.read_views([K("a")]) as [view]:
+        assert view is not None and bytes(view) == b"a" * KB
+    assert storage.promote([K("a")], [8 * KB]) == [True]
+    assert storage.promote([K("a")], [8 * KB]) == [True]  # retried: already there
+    assert storage.arena.extent(K("a")).offset == 8 * KB
+    assert storage.drop([K("a"), K("b")]) == [True, True]
+    assert storage.drop([K("a")]) == [False]
+    with pytest.raises(InvalidArgument):
+        storage.promote([K("a")], [])
+
+
+def test_a_crash_mid_demotion_keeps_the_dram_copy(tmp_path: Path) -> None:
+    dram = DramConfig(capacity=64 * KB, name="ds2", shm_dir=tmp_path, prefault=False)
+    ssd = SsdConfig(capacity=256 * KB, path=tmp_path / "ssd2")
+    s = DaemonStorage(dram, ssd)
+    write(s, "a", 0, b"a" * KB)
+    assert s.ssd is not None
+    s.ssd.store(K("a"), memoryview(b"a" * KB), checksum(b"a" * KB), 99)
+    s.close()
+    again = DaemonStorage(dram, ssd)
+    assert [(i.key, i.tier) for i in again.inventory()] == [("a", "dram")]
+    again.close()
