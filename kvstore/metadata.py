@@ -43,7 +43,7 @@ from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes
 from kvstore.keys import BlockKey, validate_key
 from kvstore.lru import LRU
 from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
-from kvstore.protocol import InventoryItem, Located, PutTicket, Replica
+from kvstore.protocol import GetReplicasReply, InventoryItem, PutTicket, Replica
 
 DRAM, SSD = TierName.DRAM, TierName.SSD
 
@@ -481,32 +481,49 @@ class PlacementTable:
             if entry.key in lru:
                 lru.touch(entry.key)
 
-    def get_replicas(self, keys: Sequence[str], now_ms: int) -> list[Located | None]:
-        """Readable replicas of each key (DRAM first), leased for ``lease_ms``; None for a miss."""
+    def get_replicas(self, keys: Sequence[str], now_ms: int) -> GetReplicasReply:
+        """Readable replicas of each key (DRAM first), leased for ``lease_ms``; a miss has size -1.
+
+        Built straight in the flat wire form: this is the hottest call of the master.
+        """
         checked = [validate_key(k) for k in keys]
-        out: list[Located | None] = []
+        reply = GetReplicasReply([], [], [], [], [], [], [], self.lease_ms)
+        sizes, checksums, counts = reply.sizes, reply.checksums, reply.counts
         expiry = now_ms + self.lease_ms
+        counters = self.counters
         for key in checked:
-            self.counters["gets"] += 1
             entry = self.objects.get(key)
             readable = self._readable(entry)
             if entry is None or not readable:
-                self.counters["misses"] += 1
-                out.append(None)
+                counters["misses"] += 1
+                sizes.append(-1)
+                checksums.append(0)
+                counts.append(0)
                 continue
-            self.counters["hits"] += 1
+            counters["hits"] += 1
             self._touch(entry)
-            readable.sort(key=lambda r: r.tier is not DRAM)
+            if len(readable) > 1:
+                readable.sort(key=lambda r: r.tier is not DRAM)
             for r in readable:
-                self.nodes[r.node_id].lru(r.tier).lease(key)
+                node = self.nodes[r.node_id]
+                node.lru(r.tier).lease(key)
                 heapq.heappush(self._leases, (expiry, key, r.node_id, r.tier.value))
-            self.counters["dram_hits" if readable[0].tier is DRAM else "ssd_hits"] += 1
-            if readable[0].tier is SSD:
+                reply.nodes.append(r.node_id)
+                reply.addresses.append(node.address)
+                reply.tiers.append(r.tier.value)
+                reply.offsets.append(r.extent.offset if r.extent is not None and r.tier is DRAM else -1)
+            sizes.append(entry.size)
+            checksums.append(entry.checksum)
+            counts.append(len(readable))
+            if readable[0].tier is DRAM:
+                counters["dram_hits"] += 1
+            else:
+                counters["ssd_hits"] += 1
                 entry.ssd_hits += 1
                 if self.policy.should_promote(entry.ssd_hits):
                     self._want_promote.add(key)
-            out.append(Located(key, entry.size, entry.checksum, [self._wire_replica(entry, r) for r in readable]))
-        return out
+        counters["gets"] += len(checked)
+        return reply
 
     def release_leases(self, keys: Iterable[str]) -> list[NodeCommand]:
         """End the reader's leases on ``keys`` early (after its reads); returns promotions now due."""

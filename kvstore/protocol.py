@@ -19,9 +19,9 @@ from __future__ import annotations
 import struct
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Literal, TypeVar, Union, cast, dataclass_transform
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar, Union, cast, dataclass_transform
 
 import msgpack
 
@@ -192,16 +192,6 @@ class Replica(Struct):
 
 
 @wire
-class Located(Struct):
-    """A committed block: its size, checksum and the replicas a reader may use."""
-
-    key: str
-    size: int
-    checksum: int
-    replicas: list[Replica]
-
-
-@wire
 class PutTicket(Struct):
     """The answer to one key of a put_start: where to write, or why not."""
 
@@ -293,8 +283,46 @@ class PutStart(Message):
 
 @wire
 class PutStartReply(Message):
+    """One ticket per key, flattened into parallel lists so that a batch decodes in a few list checks.
+
+    Ticket ``i`` is ``statuses[i]``, ``error_codes[i]``, ``errors[i]`` and its
+    ``counts[i]`` DRAM replicas, the next entries of ``nodes``/``addresses``/``offsets``.
+    """
+
     KIND = 21
-    tickets: list[PutTicket]
+    statuses: list[str]
+    error_codes: list[int]
+    errors: list[str]
+    counts: list[int]
+    nodes: list[str]
+    addresses: list[str]
+    offsets: list[int]
+
+    @classmethod
+    def from_tickets(cls, tickets: Sequence[PutTicket]) -> PutStartReply:
+        replicas = [r for t in tickets for r in t.replicas]
+        return cls(
+            [t.status for t in tickets], [t.error_code for t in tickets], [t.error for t in tickets],
+            [len(t.replicas) for t in tickets], [r.node_id for r in replicas], [r.address for r in replicas],
+            [r.offset for r in replicas],
+        )  # fmt: skip
+
+    def tickets(self) -> list[PutTicket]:
+        """The tickets, checked for consistency (a ProtocolError names what does not add up)."""
+        n = len(self.statuses)
+        if not len(self.error_codes) == len(self.errors) == len(self.counts) == n:
+            raise ProtocolError(f"PutStartReply: {n} statuses but other per-key lists of other lengths")
+        _check_flat("PutStartReply", self.counts, self.nodes, self.addresses, self.offsets)
+        out, at = [], 0
+        for status, code, error, count in zip(self.statuses, self.error_codes, self.errors, self.counts, strict=True):
+            if status not in ("ok", "exists", "error"):
+                raise ProtocolError(f"PutStartReply: unknown status {status!r}")
+            replicas = [
+                Replica(self.nodes[j], self.addresses[j], "dram", self.offsets[j], 0) for j in range(at, at + count)
+            ]
+            at += count
+            out.append(PutTicket(status, replicas, code, error))  # type: ignore[arg-type]
+        return out
 
 
 @wire
@@ -326,9 +354,61 @@ class GetReplicas(Message):
 
 @wire
 class GetReplicasReply(Message):
+    """Per key its size (-1: a miss) and checksum, and its ``counts[i]`` replicas, the next
+    entries of ``nodes``/``addresses``/``tiers``/``offsets``: flat lists decode fast."""
+
     KIND = 31
-    objects: list[Located | None]
+    sizes: list[int]
+    checksums: list[int]
+    counts: list[int]
+    nodes: list[str]
+    addresses: list[str]
+    tiers: list[str]
+    offsets: list[int]
     lease_ms: int
+
+    def located(self, keys: Sequence[str]) -> list[LocatedRef | None]:
+        """Each key's location (None for a miss), checked for consistency with ``keys``."""
+        if not len(self.sizes) == len(self.checksums) == len(self.counts) == len(keys):
+            raise ProtocolError(f"GetReplicasReply: {len(self.sizes)} answers for {len(keys)} keys")
+        _check_flat("GetReplicasReply", self.counts, self.nodes, self.addresses, self.tiers, self.offsets)
+        if any(t != "dram" and t != "ssd" for t in self.tiers):
+            raise ProtocolError("GetReplicasReply: a tier that is neither dram nor ssd")
+        out: list[LocatedRef | None] = []
+        at = 0
+        nodes, addresses, tiers, offsets = self.nodes, self.addresses, self.tiers, self.offsets
+        for key, size, check, count in zip(keys, self.sizes, self.checksums, self.counts, strict=True):
+            if size < 0:
+                out.append(None)
+                continue
+            replicas = [ReplicaRef(nodes[j], addresses[j], tiers[j], offsets[j]) for j in range(at, at + count)]
+            at += count
+            out.append(LocatedRef(key, size, check, replicas))
+        return out
+
+
+class ReplicaRef(NamedTuple):
+    """A reader's view of one replica (light: a get builds many)."""
+
+    node_id: str
+    address: str
+    tier: str
+    offset: int
+
+
+class LocatedRef(NamedTuple):
+    """A reader's view of one committed block: its size, checksum and replicas, DRAM first."""
+
+    key: str
+    size: int
+    checksum: int
+    replicas: list[ReplicaRef]
+
+
+def _check_flat(what: str, counts: Sequence[int], *columns: Sequence[object]) -> None:
+    total = sum(counts)
+    if any(c < 0 for c in counts) or any(len(col) != total for col in columns):
+        raise ProtocolError(f"{what}: replica counts add up to {total} but the replica lists disagree")
 
 
 @wire
@@ -442,7 +522,8 @@ class WriteReply(Message):
 class ReadBlocks(Message):
     KIND = 62
     keys: list[str]
-    tiers: list[Tier]
+    tiers: list[str]
+    """Where the master last saw each block; a daemon reads by key, so these are hints."""
     offsets: list[int]
     sizes: list[int]
 

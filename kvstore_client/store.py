@@ -39,7 +39,7 @@ from kvstore.protocol import (
     ExistsReply,
     GetReplicas,
     GetReplicasReply,
-    Located,
+    LocatedRef,
     MatchPrefix,
     MatchPrefixReply,
     OkReply,
@@ -54,6 +54,7 @@ from kvstore.protocol import (
     Remove,
     RemoveReply,
     Replica,
+    ReplicaRef,
     Stats,
     StatsReply,
     WriteBlocks,
@@ -153,7 +154,10 @@ class Store:
         retry: list[int] = []
         failure: KVStoreError | None = None
         writes: dict[str, list[tuple[int, Replica]]] = {}
-        for i, ticket in zip(todo, reply.tickets, strict=True):
+        tickets = reply.tickets()
+        if len(tickets) != len(todo):
+            raise ProtocolError(f"the master answered {len(tickets)} tickets for {len(todo)} keys")
+        for i, ticket in zip(todo, tickets, strict=True):
             if ticket.status == "exists":
                 out[i] = PutStatus.EXISTS
             elif ticket.status == "error":
@@ -226,16 +230,14 @@ class Store:
                 raise BufferTooSmall(f"buffer of {view.nbytes} bytes cannot hold block {loc.key!r} of {loc.size} bytes")
         return self._read(located, views, verify)
 
-    def _locate(self, keys: Sequence[Any]) -> list[Located | None]:
+    def _locate(self, keys: Sequence[Any]) -> list[LocatedRef | None]:
         checked: list[str] = [validate_key(k) for k in keys]
         with self._release_lock:
             release, self._to_release = self._to_release, []
         reply: GetReplicasReply = self._call(GetReplicas(checked, release), GetReplicasReply)
-        if len(reply.objects) != len(checked):
-            raise ProtocolError(f"the master answered {len(reply.objects)} objects for {len(checked)} keys")
-        return reply.objects
+        return reply.located(checked)
 
-    def _read(self, located: list[Located | None], views: list[memoryview], verify: bool) -> list[int | None]:
+    def _read(self, located: list[LocatedRef | None], views: list[memoryview], verify: bool) -> list[int | None]:
         out: list[int | None] = [None] * len(located)
         attempt = {i: 0 for i, loc in enumerate(located) if loc is not None}
         while attempt:
@@ -271,7 +273,7 @@ class Store:
                 self._to_release.extend(read)
         return out
 
-    def _read_from(self, address: str, blocks: list[tuple[Located, Replica, memoryview]]) -> list[int | None]:
+    def _read_from(self, address: str, blocks: list[tuple[LocatedRef, ReplicaRef, memoryview]]) -> list[int | None]:
         message = ReadBlocks(
             [loc.key for loc, _, _ in blocks], [r.tier for _, r, _ in blocks], [r.offset for _, r, _ in blocks],
             [loc.size for loc, _, _ in blocks],

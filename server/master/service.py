@@ -28,7 +28,6 @@ from kvstore.protocol import (
     Exists,
     ExistsReply,
     GetReplicas,
-    GetReplicasReply,
     Heartbeat,
     HeartbeatReply,
     MatchPrefix,
@@ -256,7 +255,7 @@ class MasterService:
                 await asyncio.sleep(0.005)  # room is coming from commands another request sent
         stuck = PutTicket("error", [], CapacityError.code, "no room after repeated rounds of eviction")
         final = [t if t is not None else stuck for t in tickets]
-        return PutStartReply(final)
+        return PutStartReply.from_tickets(final)
 
     async def _put_end(self, m: PutEnd) -> Message:
         return PutEndReply(self.table.put_end(m.keys, m.checksums))
@@ -270,7 +269,7 @@ class MasterService:
     async def _get_replicas(self, m: GetReplicas) -> Message:
         if m.release:
             await self._release_leases(ReleaseLeases(m.release))
-        return GetReplicasReply(self.table.get_replicas(m.keys, _now_ms()), self.config.lease_ms)
+        return self.table.get_replicas(m.keys, _now_ms())
 
     async def _release_leases(self, m: ReleaseLeases) -> Message:
         commands = self.table.release_leases(m.keys)

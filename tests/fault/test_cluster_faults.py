@@ -49,7 +49,7 @@ def test_client_killed_mid_put_leaves_the_key_writable_after_the_reservation(clu
         "import os, signal; from transfer.rpc import Connection;"
         "from kvstore.protocol import PutStart, PutStartReply;"
         f"r = Connection('{cluster.master_address}').call(PutStart(['orphan'], [4096], 1, None, False), PutStartReply);"
-        "assert r.tickets[0].status == 'ok'; print('reserved', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+        "assert r.statuses[0] == 'ok'; print('reserved', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
     )
     child = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
                            env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip

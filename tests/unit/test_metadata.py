@@ -39,9 +39,9 @@ def test_put_commit_and_get() -> None:
     [ticket] = put(t, "k1", node="b")
     assert ticket is not None and ticket.status == "ok"
     assert [(r.node_id, r.tier, r.offset) for r in ticket.replicas] == [("b", "dram", 0)]
-    [loc] = t.get_replicas(["k1"], now_ms=1)
+    [loc] = t.get_replicas(["k1"], 1).located(["k1"])
     assert loc is not None and loc.size == KB and loc.checksum == 7 and loc.replicas[0].address == "b:1"
-    assert t.get_replicas(["nope"], now_ms=1) == [None]
+    assert t.get_replicas(["nope"], 1).located(["nope"]) == [None]
     assert t.exists(["k1", "nope"]) == [True, False]
 
 
@@ -63,7 +63,7 @@ def test_replicas_land_on_distinct_nodes() -> None:
     [ticket] = put(t, "k", replicas=2)
     assert ticket is not None
     assert len({r.node_id for r in ticket.replicas}) == 2
-    [loc] = t.get_replicas(["k"], 0)
+    [loc] = t.get_replicas(["k"], 0).located(["k"])
     assert loc is not None and len(loc.replicas) == 2
 
 
@@ -95,15 +95,15 @@ def test_revoke_releases_through_the_daemon() -> None:
 def test_full_node_evicts_in_lru_order_before_placing() -> None:
     t = table("a", dram=4 * KB, ssd=2 * KB)
     put(t, "k0", "k1", "k2", "k3")
-    t.get_replicas(["k0"], now_ms=0)
+    t.get_replicas(["k0"], 0).located(["k0"])
     t.release_leases(["k0"])
     plan = t.put_start(["k4"], [KB], 1, None, False, 0)
     assert plan.tickets == [None] and plan.waiting == [0]
     [cmd] = plan.commands
     assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.DEMOTE, DRAM, ("k1",))
-    assert t.get_replicas(["k1"], 0) == [None]  # moving: not handed out
+    assert t.get_replicas(["k1"], 0).located(["k1"]) == [None]  # moving: not handed out
     run(t, plan.commands)
-    [loc] = t.get_replicas(["k1"], 0)
+    [loc] = t.get_replicas(["k1"], 0).located(["k1"])
     assert loc is not None and loc.replicas[0].tier == "ssd" and loc.replicas[0].offset == -1
     put(t, "k4")
     assert list(t.nodes["a"].dram_lru) == ["k2", "k3", "k0", "k4"]
@@ -136,7 +136,7 @@ def test_failed_demotion_means_the_daemon_dropped_it() -> None:
 def test_leased_and_pinned_blocks_are_not_evicted() -> None:
     t = table("a", dram=2 * KB)
     put(t, "k0", "k1")
-    t.get_replicas(["k0"], now_ms=0)  # leased for 5 s
+    t.get_replicas(["k0"], 0).located(["k0"])  # leased for 5 s
     plan = t.put_start(["k2"], [KB], 1, None, False, now_ms=10)
     assert [c.keys for c in plan.commands] == [("k1",)]
     run(t, plan.commands)
@@ -162,7 +162,7 @@ def test_down_nodes_serve_nothing_until_they_heartbeat() -> None:
     assert t.heartbeat("b", 900)
     t.expire(1500)
     assert [n.node_id for n in t.up_nodes()] == ["b"]
-    assert t.get_replicas(["k"], 1500) == [None] and t.match_prefix(["k"]) == 0
+    assert t.get_replicas(["k"], 1500).located(["k"]) == [None] and t.match_prefix(["k"]) == 0
     [ticket] = put(t, "k2", node="a", now=1500)
     assert ticket is not None and ticket.replicas[0].node_id == "b"
     assert t.heartbeat("a", 1600)
@@ -200,7 +200,7 @@ def test_a_new_table_rebuilds_from_inventories() -> None:
     for n, items in inventory.items():
         assert fresh.register_node(n, f"{n}:1", 8 * KB, 8 * KB, 64, items, 0) == []
     assert fresh.match_prefix(["k0", "k1", "k2"]) == 3
-    [loc] = fresh.get_replicas(["k1"], 0)
+    [loc] = fresh.get_replicas(["k1"], 0).located(["k1"])
     assert loc is not None and loc.replicas[0].tier == "ssd"
     fresh.check()
 
@@ -230,7 +230,7 @@ def test_reregistration_replaces_the_nodes_state() -> None:
     # The pending put lost its replica on a: its other replica is revoked through b.
     assert [(c.node_id, c.keys) for c in commands] == [("b", ("p",))]
     run(t, commands)
-    [loc] = t.get_replicas(["k1"], 0)
+    [loc] = t.get_replicas(["k1"], 0).located(["k1"])
     assert loc is not None and loc.replicas[0].address == "a:2" and loc.replicas[0].offset == 2048
 
 
@@ -242,16 +242,16 @@ def test_ssd_block_is_promoted_after_hits_once_unleased() -> None:
     assert plan.tickets[0] is not None and plan.tickets[0].status == "ok"  # placed at once, eviction in background
     run(t, plan.commands)
     t.put_end(["k3"], [7])
-    t.get_replicas(["k0"], 0)
+    t.get_replicas(["k0"], 0).located(["k0"])
     assert t.release_leases(["k0"]) == []  # one hit
-    t.get_replicas(["k0"], 0)
+    t.get_replicas(["k0"], 0).located(["k0"])
     assert t.expire(1) == []  # second hit, but still leased by this read
     [cmd] = t.release_leases(["k0"])
     assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.PROMOTE, SSD, ("k0",)) and cmd.offsets[0] >= 0
-    assert t.get_replicas(["k0"], 0) == [None]  # moving while promoted
+    assert t.get_replicas(["k0"], 0).located(["k0"]) == [None]  # moving while promoted
     t.check()
     run(t, [cmd])
-    [loc] = t.get_replicas(["k0"], 0)
+    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
     assert loc is not None and loc.replicas[0].tier == "dram" and loc.replicas[0].offset == cmd.offsets[0]
     assert t.counters["promotions"] == 1 and t.nodes["a"].ssd_used == KB
 
@@ -260,10 +260,10 @@ def test_failed_promotion_leaves_the_block_on_ssd() -> None:
     t = table("a", dram=4 * KB, ssd=4 * KB, policy=EvictionPolicy(0.9, 0.5, promote_after_hits=1))
     put(t, "k0", "k1", "k2")
     run(t, t.put_start(["k3"], [KB], 1, None, False, 0).commands)
-    t.get_replicas(["k0"], 0)
+    t.get_replicas(["k0"], 0).located(["k0"])
     [cmd] = t.release_leases(["k0"])
     run(t, [cmd], ok=False)
-    [loc] = t.get_replicas(["k0"], 0)
+    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
     assert loc is not None and loc.replicas[0].tier == "ssd"
 
 
@@ -296,7 +296,7 @@ def test_placement_strategies() -> None:
 def test_stats() -> None:
     t = table("a", "b", dram=4 * KB, ssd=KB)
     put(t, "k")
-    t.get_replicas(["k", "x"], 0)
+    t.get_replicas(["k", "x"], 0).located(["k", "x"])
     s = t.stats()
     assert (s["nodes"], s["objects"], s["hits"], s["misses"], s["dram_used"]) == (2, 1, 1, 1, KB)
     assert s["dram_capacity"] == 8 * KB and s["ssd_capacity"] == 2 * KB
