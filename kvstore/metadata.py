@@ -324,8 +324,11 @@ class PlacementTable:
         if not 1 <= replicas <= 16:
             raise InvalidArgument(f"replicas must be between 1 and 16, got {replicas}")
         plan = PutPlan([], [], [])
+        # One ordering for the whole batch: a batch is usually one request's chain of blocks, and
+        # keeping it together on a node keeps a prefix from spanning nodes that evict independently.
+        ordered = self.strategy(self.up_nodes(), preferred_node, self._rng)
         for i, (key, size) in enumerate(zip(checked, sizes, strict=True)):
-            plan.tickets.append(self._place(key, size, replicas, preferred_node, pin, now_ms, plan, i))
+            plan.tickets.append(self._place(key, size, replicas, ordered, pin, now_ms, plan, i))
         return plan
 
     def _place(
@@ -333,7 +336,7 @@ class PlacementTable:
         key: BlockKey,
         size: int,
         replicas: int,
-        preferred: str | None,
+        ordered: list[NodeState],
         pin: bool,
         now_ms: int,
         plan: PutPlan,
@@ -347,7 +350,7 @@ class PlacementTable:
             if existing.committed:
                 self._touch(existing)
             return PutTicket("exists", [], 0, "")
-        nodes = [n for n in self.strategy(self.up_nodes(), preferred, self._rng) if n.alloc.capacity >= size]
+        nodes = [n for n in ordered if n.alloc.capacity >= size]
         if not nodes:
             if not self.up_nodes():
                 return _ticket_error(NoNodes("no storage node is up"))

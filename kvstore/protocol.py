@@ -40,9 +40,11 @@ class Struct:
     """Base of every wire struct: a frozen, slotted dataclass with a validator per field."""
 
     _validators: ClassVar[tuple[tuple[str, Validator], ...]] = ()
+    _nested: ClassVar[tuple[tuple[str, bool], ...]] = ()
+    """Per field, whether it can hold structs (only those are walked when encoding)."""
 
     def to_wire(self) -> list[Any]:
-        return [_to_wire(getattr(self, name)) for name, _ in self._validators]
+        return [_to_wire(getattr(self, name)) if nested else getattr(self, name) for name, nested in self._nested]
 
     @classmethod
     def from_wire(cls, raw: Any, where: str = "") -> Any:
@@ -159,6 +161,12 @@ def _validator(tp: Any) -> Validator:
     raise TypeError(f"no wire validator for {tp!r}")
 
 
+def _holds_struct(tp: Any) -> bool:
+    if isinstance(tp, type) and issubclass(tp, Struct):
+        return True
+    return any(_holds_struct(arg) for arg in typing.get_args(tp))
+
+
 S = TypeVar("S", bound=type[Struct])
 
 KIND_TO_MESSAGE: dict[int, type[Message]] = {}
@@ -170,6 +178,7 @@ def wire(cls: S) -> S:
     dc = dataclass(frozen=True, slots=True)(cls)
     hints = typing.get_type_hints(dc)
     dc._validators = tuple((f.name, _validator(hints[f.name])) for f in fields(cast(Any, dc)))
+    dc._nested = tuple((f.name, _holds_struct(hints[f.name])) for f in fields(cast(Any, dc)))
     if issubclass(dc, Message):
         other = KIND_TO_MESSAGE.setdefault(dc.KIND, dc)
         assert other is dc, f"message kind {dc.KIND} used by {other.__name__} and {dc.__name__}"

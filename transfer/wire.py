@@ -96,6 +96,23 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+def recv_all_into(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill every view, in order, with scatter receives (as few system calls as the kernel allows)."""
+    pending = [v for v in views if v.nbytes]
+    while pending:
+        got = sock.recvmsg_into(pending[:_IOV_MAX])[0]
+        if got == 0:
+            raise ConnectionFailed("peer closed the connection mid-message")
+        while got and pending:
+            head = pending[0]
+            if got >= head.nbytes:
+                got -= head.nbytes
+                pending.pop(0)
+            else:
+                pending[0] = head[got:]
+                got = 0
+
+
 def skip(sock: socket.socket, n: int) -> None:
     """Read and discard ``n`` bytes (a payload nobody can take), keeping the stream in step."""
     scratch = memoryview(bytearray(min(n, 1 << 20)))

@@ -38,7 +38,7 @@ from kvstore.protocol import (
 )
 from server.daemon.storage import DaemonStorage
 from transfer.rpc import Connection
-from transfer.wire import NoRequest, recv_into, recv_message, send_message, set_timeouts, skip
+from transfer.wire import NoRequest, recv_all_into, recv_message, send_message, set_timeouts
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -143,28 +143,28 @@ class DaemonServer:
         if not len(msg.offsets) == len(msg.sizes) == len(msg.checksums) == n or any(s <= 0 for s in msg.sizes):
             # The payload length is unknowable: the stream is out of step, so the connection must go.
             raise ConnectionFailed("WriteBlocks with mismatched or non-positive sizes")
+        keys = self._keys(msg.keys)
+        reserved = self.storage.begin_writes(list(zip(keys, msg.offsets, msg.sizes, strict=True)))
+        # One scatter receive for the whole batch: refused blocks land in scratch space and are dropped.
+        targets = [
+            r if isinstance(r, memoryview) else memoryview(bytearray(size))
+            for r, size in zip(reserved, msg.sizes, strict=True)
+        ]
+        writing = [(k, r) for k, r in zip(keys, reserved, strict=True) if isinstance(r, memoryview)]
+        try:
+            recv_all_into(sock, targets)
+        except BaseException:
+            self.storage.abort_writes(writing)
+            raise
+        results = self.storage.finish_writes(
+            [(k, r, c) for k, r, c in zip(keys, reserved, msg.checksums, strict=True) if isinstance(r, memoryview)]
+        )
+        outcome = iter(results)
         codes, errors = [], []
-        for key, offset, size, check in zip(msg.keys, msg.offsets, msg.sizes, msg.checksums, strict=True):
-            try:
-                view = self.storage.begin_write(validate_key(key), offset, size)
-            except KVStoreError as exc:
-                skip(sock, size)
-                codes.append(exc.code)
-                errors.append(str(exc))
-                continue
-            try:
-                recv_into(sock, view)
-            except BaseException:
-                self.storage.abort_write(BlockKey(key), view)
-                raise
-            try:
-                self.storage.finish_write(BlockKey(key), view, check)
-            except KVStoreError as exc:
-                codes.append(exc.code)
-                errors.append(str(exc))
-                continue
-            codes.append(0)
-            errors.append("")
+        for r in reserved:
+            err = r if isinstance(r, KVStoreError) else next(outcome)
+            codes.append(0 if err is None else err.code)
+            errors.append("" if err is None else str(err))
         send_message(sock, WriteReply(codes, errors), request_id)
 
     def _read(self, msg: ReadBlocks, sock: socket.socket, request_id: int) -> None:

@@ -88,24 +88,39 @@ class DaemonStorage:
         return [item for _, item in sorted(dram + ssd, key=lambda p: p[0])]
 
     # -- writes ------------------------------------------------------------------
-    def begin_write(self, key: BlockKey, offset: int, size: int) -> memoryview:
+    def begin_writes(self, blocks: Sequence[tuple[BlockKey, int, int]]) -> list[memoryview | KVStoreError]:
+        """Reserve each (key, offset, size) in the arena: a writable view, or the error that refused it."""
+        out: list[memoryview | KVStoreError] = []
         with self.lock.exclusive():
-            return self.arena.begin_at(key, offset, size)
+            for key, offset, size in blocks:
+                try:
+                    out.append(self.arena.begin_at(key, offset, size))
+                except KVStoreError as exc:
+                    out.append(exc)
+        return out
 
-    def finish_write(self, key: BlockKey, view: memoryview, expected: int) -> None:
-        """Commit a block whose bytes are in ``view``, if they match ``expected``; else discard it."""
-        actual = checksum(view)
-        view.release()
+    def finish_writes(self, blocks: Sequence[tuple[BlockKey, memoryview, int]]) -> list[KVStoreError | None]:
+        """Commit blocks whose bytes are in their views and match their checksums; discard the others."""
+        sums = [checksum(view) for _, view, _ in blocks]  # outside the lock: readers go on meanwhile
+        out: list[KVStoreError | None] = []
         with self.lock.exclusive():
-            if actual != expected:
+            for (key, view, expected), actual in zip(blocks, sums, strict=True):
+                view.release()
+                if actual != expected:
+                    self.arena.abort(key)
+                    out.append(
+                        CorruptBlock(f"block {key!r} arrived with checksum {actual:#x}, the writer said {expected:#x}")
+                    )
+                else:
+                    self.arena.commit(key, expected, self._next_seq())
+                    out.append(None)
+        return out
+
+    def abort_writes(self, blocks: Sequence[tuple[BlockKey, memoryview]]) -> None:
+        with self.lock.exclusive():
+            for key, view in blocks:
+                view.release()
                 self.arena.abort(key)
-                raise CorruptBlock(f"block {key!r} arrived with checksum {actual:#x}, the writer said {expected:#x}")
-            self.arena.commit(key, expected, self._next_seq())
-
-    def abort_write(self, key: BlockKey, view: memoryview) -> None:
-        view.release()
-        with self.lock.exclusive():
-            self.arena.abort(key)
 
     # -- reads ---------------------------------------------------------------------
     @contextmanager

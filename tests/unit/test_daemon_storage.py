@@ -27,9 +27,10 @@ def storage(tmp_path: Path) -> Iterator[DaemonStorage]:
 
 
 def write(s: DaemonStorage, key: str, offset: int, data: bytes) -> None:
-    view = s.begin_write(K(key), offset, len(data))
+    [view] = s.begin_writes([(K(key), offset, len(data))])
+    assert isinstance(view, memoryview)
     view[:] = data
-    s.finish_write(K(key), view, checksum(data))
+    assert s.finish_writes([(K(key), view, checksum(data))]) == [None]
 
 
 def test_write_read_and_inventory(storage: DaemonStorage) -> None:
@@ -41,10 +42,11 @@ def test_write_read_and_inventory(storage: DaemonStorage) -> None:
 
 
 def test_a_write_whose_bytes_do_not_match_is_discarded(storage: DaemonStorage) -> None:
-    view = storage.begin_write(K("x"), 0, 10)
+    view, refused = storage.begin_writes([(K("x"), 0, 10), (K("y"), 3, 10)])
+    assert isinstance(view, memoryview) and isinstance(refused, InvalidArgument)  # misaligned
     view[:] = b"0123456789"
-    with pytest.raises(CorruptBlock):
-        storage.finish_write(K("x"), view, 12345)
+    [err] = storage.finish_writes([(K("x"), view, 12345)])
+    assert isinstance(err, CorruptBlock)
     assert "x" not in storage.arena
 
 
