@@ -52,7 +52,8 @@ def set_timeouts(sock: socket.socket, timeout: float) -> None:
     value = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def connect(address: str, timeout: float) -> socket.socket:
@@ -63,21 +64,25 @@ def connect(address: str, timeout: float) -> socket.socket:
     return sock
 
 
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of a list of buffers: whole ones, then the head of a partly done one."""
+    done = 0
+    while n and done < len(views):
+        head = views[done]
+        if n >= head.nbytes:
+            n -= head.nbytes
+            done += 1
+        else:
+            views[done] = head[n:]
+            n = 0
+    del views[:done]
+
+
 def send_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
     """Send every buffer, in order, with scatter-gather and no copies."""
     views = [memoryview(b).cast("B") if not isinstance(b, memoryview) else b for b in buffers if len(b)]
     while views:
-        batch = views[:_IOV_MAX]
-        sent = sock.sendmsg(batch)
-        # Drop what went out; keep the unsent tail of a partly sent buffer.
-        while sent and views:
-            head = views[0]
-            if sent >= head.nbytes:
-                sent -= head.nbytes
-                views.pop(0)
-            else:
-                views[0] = head[sent:]
-                sent = 0
+        _advance(views, sock.sendmsg(views[:_IOV_MAX]))
 
 
 def send_message(
@@ -103,14 +108,7 @@ def recv_all_into(sock: socket.socket, views: Sequence[memoryview]) -> None:
         got = sock.recvmsg_into(pending[:_IOV_MAX])[0]
         if got == 0:
             raise ConnectionFailed("peer closed the connection mid-message")
-        while got and pending:
-            head = pending[0]
-            if got >= head.nbytes:
-                got -= head.nbytes
-                pending.pop(0)
-            else:
-                pending[0] = head[got:]
-                got = 0
+        _advance(pending, got)
 
 
 def skip(sock: socket.socket, n: int) -> None:

@@ -1,0 +1,62 @@
+"""Blocking frame I/O over a real socket pair: scatter-gather both ways, timeouts, bad frames."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from kvstore.errors import ConnectionFailed, InvalidArgument, ProtocolError
+from kvstore.protocol import FRAME_HEADER, Stats
+from transfer.wire import NoRequest, parse_address, recv_all_into, recv_message, send_all, send_message, set_timeouts
+
+
+def test_scatter_send_and_receive_of_many_uneven_buffers() -> None:
+    a, b = socket.socketpair()
+    set_timeouts(a, 5)
+    set_timeouts(b, 5)
+    rng = np.random.default_rng(0)
+    # More buffers than IOV_MAX, and more bytes than a socket buffer holds.
+    sizes = [int(s) for s in rng.integers(1, 70_000, 1500)]
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    dst = [np.zeros(n, dtype=np.uint8) for n in sizes]
+    sender = threading.Thread(target=send_all, args=(a, [memoryview(s) for s in src]))
+    sender.start()
+    recv_all_into(b, [memoryview(d) for d in dst])
+    sender.join()
+    assert all(np.array_equal(s, d) for s, d in zip(src, dst, strict=True))
+    a.close()
+    b.close()
+
+
+def test_frames_round_trip_and_idle_and_eof_are_told_apart() -> None:
+    a, b = socket.socketpair()
+    set_timeouts(b, 0.05)
+    send_message(a, Stats(), 7)
+    assert recv_message(b) == (7, Stats())
+    with pytest.raises(NoRequest):
+        recv_message(b)  # nothing sent: an idle peer, not an error
+    a.sendall(FRAME_HEADER.pack(100) + b"x" * 10)
+    with pytest.raises(BlockingIOError):
+        recv_message(b)  # a frame stalled halfway
+    a.close()
+    with pytest.raises(ConnectionFailed):
+        recv_message(b)
+    b.close()
+
+
+def test_oversize_frame_is_refused_before_reading_it() -> None:
+    a, b = socket.socketpair()
+    a.sendall(FRAME_HEADER.pack(1 << 30))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        recv_message(b, max_frame=1 << 20)
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("address", ["nohost", "host:", ":80", "host:99999", "host:x"])
+def test_bad_addresses(address: str) -> None:
+    with pytest.raises(InvalidArgument):
+        parse_address(address)
