@@ -186,6 +186,8 @@ class Store:
             committed: PutEndReply = self._call(
                 PutEnd([items[i][0] for i in done], [sums[i] for i in done]), PutEndReply
             )
+            if len(committed.committed) != len(done):
+                raise ProtocolError(f"the master answered {len(committed.committed)} commits for {len(done)} keys")
             for i, ok in zip(done, committed.committed, strict=True):
                 if ok:
                     out[i] = PutStatus.STORED

@@ -151,13 +151,14 @@ class MasterService:
                 except ProtocolError as exc:
                     self.rpc_errors += 1
                     writer.write(encode(ErrorReply.from_error(exc), 0))
-                    await writer.drain()
+                    await asyncio.wait_for(writer.drain(), self.config.command_timeout_ms / 1000)
                     return  # an oversize frame leaves the stream out of step
                 if payload is None:
                     return
                 reply, request_id = await self._dispatch(payload)
                 writer.write(encode(reply, request_id))
-                await writer.drain()
+                # A client that stops reading its replies must not hold this task forever.
+                await asyncio.wait_for(writer.drain(), self.config.command_timeout_ms / 1000)
         except (TimeoutError, ConnectionError, OSError, KVStoreError, asyncio.CancelledError):
             pass  # the client went away or idled out, or the master is stopping
         finally:
