@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import random
 import socket
 import threading
 from collections.abc import Iterator, Sequence
@@ -29,7 +30,8 @@ class Connection:
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
+        # Ids unique across clients (with overwhelming odds), so the master can tell a retry from a new request.
+        self._ids = itertools.count(random.getrandbits(62) + 1)
 
     @contextmanager
     def exchange(

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -58,6 +59,11 @@ log = logging.getLogger("kvstore.master")
 
 Handler = Callable[[Any], Awaitable[Message]]
 
+# Requests whose repetition would change the outcome: their answers are kept for retries.
+_NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset({PutStart, PutEnd, PutRevoke, Remove})
+_ANSWER_TTL_S = 120.0
+_MAX_ANSWERS = 1 << 16
+
 # A put waits for at most this many rounds of evictions before its keys fail.
 _MAX_EVICTION_ROUNDS = 64
 
@@ -83,6 +89,7 @@ class MasterService:
         self._server: asyncio.Server | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.rpc_errors = 0
+        self._answers: OrderedDict[int, tuple[float, asyncio.Future[Message]]] = OrderedDict()
         self._handlers: dict[type[Message], Handler] = {
             RegisterNode: self._register,
             Heartbeat: self._heartbeat,
@@ -178,11 +185,43 @@ class MasterService:
             return ErrorReply.from_error(
                 ProtocolError(f"the master does not serve {type(message).__name__}")
             ), request_id
+        if type(message) in _NOT_IDEMPOTENT and request_id:
+            return await self._once(request_id, handler, message), request_id
+        return await self._handle(handler, message), request_id
+
+    async def _handle(self, handler: Handler, message: Message) -> Message:
         try:
-            return await handler(message), request_id
+            return await handler(message)
         except KVStoreError as exc:
             self.rpc_errors += 1
-            return ErrorReply.from_error(exc), request_id
+            return ErrorReply.from_error(exc)
+
+    async def _once(self, request_id: int, handler: Handler, message: Message) -> Message:
+        """Run a request that must not happen twice; a retry with its id gets the first answer.
+
+        A client whose connection broke after sending resends the same request id on a new
+        connection; without this, a retried put_start would find its own reservation and
+        answer "exists" for a block nobody will write.
+        """
+        now = time.monotonic()
+        while self._answers and next(iter(self._answers.values()))[0] < now - _ANSWER_TTL_S:
+            self._answers.popitem(last=False)
+        known = self._answers.get(request_id)
+        if known is not None:
+            return await asyncio.wait_for(asyncio.shield(known[1]), self.config.command_timeout_ms / 1000 * 2)
+        answer: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._answers[request_id] = (now, answer)
+        if len(self._answers) > _MAX_ANSWERS:
+            self._answers.popitem(last=False)
+        try:
+            reply = await self._handle(handler, message)
+        except BaseException:
+            # Not answered: a retry must run it afresh, and anyone waiting gives up.
+            self._answers.pop(request_id, None)
+            answer.cancel()
+            raise
+        answer.set_result(reply)
+        return reply
 
     # -- daemon commands ---------------------------------------------------------------------
     def _daemon(self, node_id: str) -> AsyncConnection:

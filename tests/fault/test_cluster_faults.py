@@ -155,3 +155,19 @@ def test_a_reply_always_names_its_request(shared_cluster: LocalCluster) -> None:
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(encode(PutStart(["rid"], [10], 1, None, False), 4242) + encode(Stats(), 4243))
         assert recv_message(s)[0] == 4242 and isinstance(recv_message(s)[1], StatsReply | PutStartReply)
+
+
+def test_a_retried_put_start_gets_the_first_answer(shared_cluster: LocalCluster) -> None:
+    """A client whose connection broke after sending resends the same request id on a new one."""
+    frame = encode(PutStart(["retried"], [4096], 1, None, False), 987654321)
+    host, port = shared_cluster.master_address.rsplit(":", 1)
+    answers = []
+    for _ in range(2):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(frame)
+            answers.append(recv_message(s))
+    assert answers[0] == answers[1]
+    reply = answers[0][1]
+    assert isinstance(reply, PutStartReply) and reply.statuses == ["ok"]
+    fresh = Connection(shared_cluster.master_address).call(PutStart(["retried"], [4096], 1, None, False), PutStartReply)
+    assert fresh.statuses == ["exists"]  # a new request (new id) does see the reservation
