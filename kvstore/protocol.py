@@ -115,16 +115,15 @@ def _validator(tp: Any) -> Validator:
 
         return check_literal
     if origin is list:
-        item = _validator(typing.get_args(tp)[0])
-        scalar = typing.get_args(tp)[0] in (int, str)
+        item_type = typing.get_args(tp)[0]
+        item = _validator(item_type)
+        scalar = item_type in (int, str)
 
         def check_list(v: Any, where: str) -> list[Any]:
             if not isinstance(v, list):
                 raise ProtocolError(f"{where}: expected a list, got {_describe(v)}")
-            if scalar:  # the hot case: batches of keys or sizes
-                kind = typing.get_args(tp)[0]
-                if all(type(x) is kind for x in v):
-                    return v
+            if scalar and all(type(x) is item_type for x in v):  # the hot case: batches of keys or sizes
+                return v
             return [item(x, f"{where}[{i}]") for i, x in enumerate(v)]
 
         return check_list

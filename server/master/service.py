@@ -154,24 +154,30 @@ class MasterService:
         try:
             while True:
                 try:
-                    payload = await asyncio.wait_for(read_payload(reader), self.config.idle_timeout_s)
+                    async with asyncio.timeout(self.config.idle_timeout_s):
+                        payload = await read_payload(reader)
                 except ProtocolError as exc:
                     self.rpc_errors += 1
                     writer.write(encode(ErrorReply.from_error(exc), 0))
-                    await asyncio.wait_for(writer.drain(), self.config.command_timeout_ms / 1000)
+                    await self._drain(writer)
                     return  # an oversize frame leaves the stream out of step
                 if payload is None:
                     return
                 reply, request_id = await self._dispatch(payload)
                 writer.write(encode(reply, request_id))
-                # A client that stops reading its replies must not hold this task forever.
-                await asyncio.wait_for(writer.drain(), self.config.command_timeout_ms / 1000)
+                await self._drain(writer)
         except (TimeoutError, ConnectionError, OSError, KVStoreError, asyncio.CancelledError):
             pass  # the client went away or idled out, or the master is stopping
         finally:
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
+
+    async def _drain(self, writer: asyncio.StreamWriter) -> None:
+        """Wait for a backed-up reply to go out; a client that stops reading must not hold this task forever."""
+        if writer.transport.get_write_buffer_size():
+            async with asyncio.timeout(self.config.command_timeout_ms / 1000):
+                await writer.drain()
 
     async def _dispatch(self, payload: bytes) -> tuple[Message, int]:
         try:
