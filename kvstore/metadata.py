@@ -243,11 +243,13 @@ class PlacementTable:
                     node.alloc.free(Extent(item.offset, node.alloc.round_up(item.size)))
                 continue
             if entry is None:
-                entry = ObjectEntry(item.key, item.size, item.checksum, [], True, 0, False)
+                entry = ObjectEntry(item.key, item.size, item.checksum, [], True, 0, item.pinned)
                 self.objects[item.key] = entry
             extent = Extent(item.offset, node.alloc.round_up(item.size)) if tier is DRAM else None
             entry.replicas.append(ReplicaState(node_id, tier, extent))
             node.lru(tier).insert(item.key, item.size)
+            if entry.pinned:
+                node.lru(tier).pin(item.key)
             if tier is SSD:
                 node.ssd_used += item.size
         return commands + self._issue(

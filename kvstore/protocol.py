@@ -218,6 +218,8 @@ class InventoryItem(Struct):
     offset: int
     size: int
     checksum: int
+    pinned: bool = False
+    """Written with pin=True: never evicted, including by a master that rebuilt its table."""
 
 
 # -- replies shared by many requests ----------------------------------------------
@@ -516,6 +518,8 @@ class WriteBlocks(Message):
     offsets: list[int]
     sizes: list[int]
     checksums: list[int]
+    pinned: bool
+    """The batch was put with pin=True; the daemon records it so that pins survive a master restart."""
 
 
 @wire

@@ -172,7 +172,9 @@ class Store:
         failed: set[int] = set()
         for address, group in writes.items():
             try:
-                codes = self._write(address, [(items[i][0], items[i][1], r.offset, sums[i]) for i, r in group])
+                codes = self._write(
+                    address, [(items[i][0], items[i][1], r.offset, sums[i]) for i, r in group], opts.pin
+                )
             except KVStoreError as exc:
                 codes = [(exc.code, str(exc))] * len(group)
             for (i, _), (code, text) in zip(group, codes, strict=True):
@@ -197,10 +199,12 @@ class Store:
             raise failure
         return retry
 
-    def _write(self, address: str, blocks: list[tuple[str, memoryview, int, int]]) -> list[tuple[int, str]]:
+    def _write(
+        self, address: str, blocks: list[tuple[str, memoryview, int, int]], pinned: bool = False
+    ) -> list[tuple[int, str]]:
         message = WriteBlocks(
             [k for k, _, _, _ in blocks], [o for _, _, o, _ in blocks], [v.nbytes for _, v, _, _ in blocks],
-            [c for _, _, _, c in blocks],
+            [c for _, _, _, c in blocks], pinned,
         )  # fmt: skip
         with self._pool(address).connection() as conn:
             reply = conn.call(message, WriteReply, payload=[v for _, v, _, _ in blocks])

@@ -157,7 +157,8 @@ class DaemonServer:
             self.storage.abort_writes(writing)
             raise
         results = self.storage.finish_writes(
-            [(k, r, c) for k, r, c in zip(keys, reserved, msg.checksums, strict=True) if isinstance(r, memoryview)]
+            [(k, r, c) for k, r, c in zip(keys, reserved, msg.checksums, strict=True) if isinstance(r, memoryview)],
+            msg.pinned,
         )
         outcome = iter(results)
         codes, errors = [], []

@@ -78,11 +78,11 @@ class DaemonStorage:
         """Everything held, oldest use first, as the master rebuilds its table from it."""
         with self.lock.shared():
             dram = [
-                (e.seq, InventoryItem(e.key, "dram", self.arena.extent(e.key).offset, e.size, e.checksum))
+                (e.seq, InventoryItem(e.key, "dram", self.arena.extent(e.key).offset, e.size, e.checksum, e.pinned))
                 for e in self.arena.entries()
             ]
             ssd = [
-                (e.seq, InventoryItem(e.key, "ssd", -1, e.size, e.checksum))
+                (e.seq, InventoryItem(e.key, "ssd", -1, e.size, e.checksum, e.pinned))
                 for e in (self.ssd.entries() if self.ssd else [])
             ]
         return [item for _, item in sorted(dram + ssd, key=lambda p: p[0])]
@@ -99,7 +99,9 @@ class DaemonStorage:
                     out.append(exc)
         return out
 
-    def finish_writes(self, blocks: Sequence[tuple[BlockKey, memoryview, int]]) -> list[KVStoreError | None]:
+    def finish_writes(
+        self, blocks: Sequence[tuple[BlockKey, memoryview, int]], pinned: bool = False
+    ) -> list[KVStoreError | None]:
         """Commit blocks whose bytes are in their views and match their checksums; discard the others."""
         sums = [checksum(view) for _, view, _ in blocks]  # outside the lock: readers go on meanwhile
         out: list[KVStoreError | None] = []
@@ -112,7 +114,7 @@ class DaemonStorage:
                         CorruptBlock(f"block {key!r} arrived with checksum {actual:#x}, the writer said {expected:#x}")
                     )
                 else:
-                    self.arena.commit(key, expected, self._next_seq())
+                    self.arena.commit(key, expected, self._next_seq(), pinned)
                     out.append(None)
         return out
 
@@ -149,8 +151,9 @@ class DaemonStorage:
             present = [k for k in dict.fromkeys(keys) if k in self.arena]
             moved: set[str] = set()
             if self.ssd is not None and present:
+                entries = {key: self.arena.entry(key) for key in present}
                 items = [
-                    (key, self.arena.view(key), self.arena.entry(key).checksum, self._next_seq(), False)
+                    (key, self.arena.view(key), entries[key].checksum, self._next_seq(), entries[key].pinned)
                     for key in present
                     if key not in self.ssd
                 ]
@@ -209,7 +212,7 @@ class DaemonStorage:
                     self.ssd.read_into(key, dst)
                 finally:
                     dst.release()
-                self.arena.commit(key, entry.checksum, self._next_seq())
+                self.arena.commit(key, entry.checksum, self._next_seq(), entry.pinned)
                 self.ssd.delete(key)
                 out.append(True)
             return out

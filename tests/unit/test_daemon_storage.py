@@ -77,3 +77,12 @@ def test_a_crash_mid_demotion_keeps_the_dram_copy(tmp_path: Path) -> None:
     again = DaemonStorage(dram, ssd)
     assert [(i.key, i.tier) for i in again.inventory()] == [("a", "dram")]
     again.close()
+
+
+def test_pins_are_recorded_for_the_next_master(storage: DaemonStorage) -> None:
+    [view] = storage.begin_writes([(K("p"), 0, 10)])
+    assert isinstance(view, memoryview)
+    view[:] = b"p" * 10
+    assert storage.finish_writes([(K("p"), view, checksum(b"p" * 10))], pinned=True) == [None]
+    write(storage, "q", KB, b"q" * 10)
+    assert [(i.key, i.pinned) for i in storage.inventory()] == [("p", True), ("q", False)]

@@ -300,3 +300,12 @@ def test_stats() -> None:
     s = t.stats()
     assert (s["nodes"], s["objects"], s["hits"], s["misses"], s["dram_used"]) == (2, 1, 1, 1, KB)
     assert s["dram_capacity"] == 8 * KB and s["ssd_capacity"] == 2 * KB
+
+
+def test_pins_come_back_with_the_inventory() -> None:
+    fresh = PlacementTable(EXACT)
+    items = [InventoryItem("p", "dram", 0, KB, 1, pinned=True), InventoryItem("q", "dram", KB, KB, 1)]
+    fresh.register_node("a", "a:1", 2 * KB, 0, 64, items, 0)
+    assert fresh.nodes["a"].dram_lru.is_pinned("p") and not fresh.nodes["a"].dram_lru.is_pinned("q")
+    plan = fresh.put_start(["r"], [KB], 1, None, False, 0)
+    assert [c.keys for c in plan.commands] == [("q",)]  # the pinned block is not a victim

@@ -114,7 +114,7 @@ def raw(*items: Any) -> bytes:
         (raw(1, P.Exists.KIND, 1, [["a"], "extra"]), "expected 1 fields"),
         (raw(1, P.PutStart.KIND, 1, [["a"], [True], 1, None, False]), "expected int"),
         (raw(1, P.PutStart.KIND, 1, [["a"], [1], 1, 5, False]), "preferred_node: expected str"),
-        (raw(1, P.RegisterNode.KIND, 1, ["n", "a", 1, 1, 64, [["k", "tape", 0, 1, 2]]]), "expected one of"),
+        (raw(1, P.RegisterNode.KIND, 1, ["n", "a", 1, 1, 64, [["k", "tape", 0, 1, 2, False]]]), "expected one of"),
         (raw(1, P.StatsReply.KIND, 1, [{"a": "b"}]), "StatsReply.stats"),
     ],
 )
