@@ -144,8 +144,7 @@ class MasterService:
                 commands = self.table.expire(_now_ms())
                 retry, self._retry = self._retry, []
                 live = [c for c in retry if c.node_id in self.table.nodes and self.table.nodes[c.node_id].up]
-                if commands or live:
-                    self._spawn(self._run_commands(commands + live), "expiry-commands")
+                self._run_later(commands + live, "expiry-commands")
             except Exception:
                 log.exception("master tick failed")
 
@@ -238,6 +237,11 @@ class MasterService:
             self._daemons[node_id] = conn
         return conn
 
+    def _run_later(self, commands: list[NodeCommand], name: str) -> None:
+        """Carry ``commands`` out in the background (nothing waits for them)."""
+        if commands:
+            self._spawn(self._run_commands(commands), name)
+
     async def _run_commands(self, commands: list[NodeCommand]) -> None:
         """Send commands (each node's in order, nodes in parallel) and apply the answers."""
         per_node: dict[str, list[NodeCommand]] = {}
@@ -270,8 +274,7 @@ class MasterService:
             m.node_id, m.address, m.dram_capacity, m.ssd_capacity, m.alignment, m.inventory, _now_ms()
         )
         self._retry = [c for c in self._retry if c.node_id != m.node_id]  # the inventory superseded them
-        if commands:
-            self._spawn(self._run_commands(commands), "register-drops")
+        self._run_later(commands, "register-drops")
         log.info("node %s registered at %s with %d blocks", m.node_id, m.address, len(m.inventory))
         return RegisterReply(self.config.heartbeat_interval_ms, self.config.node_ttl_ms)
 
@@ -292,8 +295,7 @@ class MasterService:
                 tickets[j] = ticket
             todo = [todo[w] for w in plan.waiting]
             if not todo:
-                if plan.commands:
-                    self._spawn(self._run_commands(plan.commands), "background-eviction")
+                self._run_later(plan.commands, "background-eviction")
                 break
             if plan.commands:
                 await self._run_commands(plan.commands)
@@ -308,8 +310,7 @@ class MasterService:
 
     async def _put_revoke(self, m: PutRevoke) -> Message:
         commands = self.table.put_revoke(m.keys)
-        if commands:
-            self._spawn(self._run_commands(commands), "revoke-drops")
+        self._run_later(commands, "revoke-drops")
         return OkReply()
 
     async def _get_replicas(self, m: GetReplicas) -> Message:
@@ -319,8 +320,7 @@ class MasterService:
 
     async def _release_leases(self, m: ReleaseLeases) -> Message:
         commands = self.table.release_leases(m.keys)
-        if commands:
-            self._spawn(self._run_commands(commands), "promotions")
+        self._run_later(commands, "promotions")
         return OkReply()
 
     async def _match_prefix(self, m: MatchPrefix) -> Message:
@@ -331,8 +331,7 @@ class MasterService:
 
     async def _remove(self, m: Remove) -> Message:
         removed, commands = self.table.remove(m.keys)
-        if commands:
-            self._spawn(self._run_commands(commands), "remove-drops")
+        self._run_later(commands, "remove-drops")
         return RemoveReply(removed)
 
     async def _stats(self, m: Stats) -> Message:
