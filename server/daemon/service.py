@@ -248,12 +248,3 @@ class MasterLink:
         self._stop.set()
         self._thread.join(timeout=5)
         self._conn.close()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
