@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Self
+from functools import partial
+from typing import Any, Self, TypeVar
 
 from kvstore.buffers import as_view
 from kvstore.config import ClientConfig
@@ -63,6 +65,8 @@ from kvstore.protocol import (
 from transfer.rpc import ConnectionPool
 from transfer.wire import recv_into, skip
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True, slots=True)
 class PutOptions:
@@ -81,6 +85,7 @@ class Store:
         self._master = ConnectionPool(master, self.config.timeout_s, size=4)
         self._daemons: dict[str, ConnectionPool] = {}
         self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None  # for batches that span several daemons
         self._closed = False
         # Leases end once reads are done: the keys ride on the next GetReplicas, or, when no get
         # follows soon, a background thread sends them.
@@ -170,13 +175,21 @@ class Store:
                     writes.setdefault(replica.address, []).append((i, replica))
         sums = {i: checksum(items[i][1]) for group in writes.values() for i, _ in group}
         failed: set[int] = set()
-        for address, group in writes.items():
-            try:
-                codes = self._write(
-                    address, [(items[i][0], items[i][1], r.offset, sums[i]) for i, r in group], opts.pin
+        outcomes = self._fan_out(
+            [
+                partial(
+                    self._write, address, [(items[i][0], items[i][1], r.offset, sums[i]) for i, r in group], opts.pin
                 )
-            except KVStoreError as exc:
-                codes = [(exc.code, str(exc))] * len(group)
+                for address, group in writes.items()
+            ]
+        )
+        for (address, group), outcome in zip(writes.items(), outcomes, strict=True):
+            if isinstance(outcome, KVStoreError):
+                codes = [(outcome.code, str(outcome))] * len(group)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                codes = outcome
             for (i, _), (code, text) in zip(group, codes, strict=True):
                 if code:
                     failed.add(i)
@@ -253,16 +266,21 @@ class Store:
                 assert loc is not None
                 per_address.setdefault(loc.replicas[n].address, []).append(i)
             next_attempt: dict[int, int] = {}
+            jobs: list[Callable[[], list[int | None]]] = []
             for address, idx in per_address.items():
                 blocks = []
                 for i in idx:
                     loc = located[i]
                     assert loc is not None
                     blocks.append((loc, loc.replicas[attempt[i]], views[i]))
-                try:
-                    got = self._read_from(address, blocks)
-                except (ConnectionFailed, Timeout):
-                    got = [None] * len(idx)
+                jobs.append(partial(self._read_from, address, blocks))
+            for (address, idx), outcome in zip(per_address.items(), self._fan_out(jobs), strict=True):
+                if isinstance(outcome, ConnectionFailed | Timeout):
+                    got: list[int | None] = [None] * len(idx)  # the node is gone or stalled: a miss
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                else:
+                    got = outcome
                 for i, size in zip(idx, got, strict=True):
                     loc = located[i]
                     assert loc is not None
@@ -277,6 +295,23 @@ class Store:
         if read:
             with self._release_lock:
                 self._to_release.extend(read)
+        return out
+
+    def _fan_out(self, jobs: Sequence[Callable[[], T]]) -> list[T | BaseException]:
+        """Run one job per daemon, in parallel when there are several; each outcome or its exception."""
+        if len(jobs) == 1:
+            try:
+                return [jobs[0]()]
+            except Exception as exc:
+                return [exc]
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvstore-io")
+        futures = [self._executor.submit(job) for job in jobs]
+        out: list[T | BaseException] = []
+        for future in futures:
+            failure = future.exception()
+            out.append(failure if failure is not None else future.result())
         return out
 
     def _read_from(self, address: str, blocks: list[tuple[LocatedRef, ReplicaRef, memoryview]]) -> list[int | None]:
@@ -357,6 +392,8 @@ class Store:
             self._send_releases(release)
         self._master.close()
         with self._lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
             for pool in self._daemons.values():
                 pool.close()
 
