@@ -1,1 +1,5 @@
-"""kvstore client side: the CLI and workload replay (the network client arrives with the Cluster issue)."""
+"""kvstore's client side: the network client (Store, AsyncStore), workload replay and the CLI."""
+
+from kvstore_client.store import AsyncStore, PutOptions, Store
+
+__all__ = ["AsyncStore", "PutOptions", "Store"]

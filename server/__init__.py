@@ -1,1 +1,1 @@
-"""Server processes: master, storage daemon, conductor and the local cluster launcher (from the Cluster issue)."""
+"""Server processes: the master, the storage daemon and the local cluster launcher."""

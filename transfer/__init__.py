@@ -1,1 +1,6 @@
-"""Transfer engine: moves block bytes between clients and daemons (transports arrive with the Cluster issue)."""
+"""Transfer engine: moves frames and block bytes between clients, daemons and the master.
+
+Blocking and asyncio frame I/O over TCP, zero-copy in both directions; the
+UCX and shared-memory transports and multi-NIC slicing come with the
+Transfer engine issue behind the same calls.
+"""
