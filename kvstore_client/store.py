@@ -99,14 +99,20 @@ class Store:
     def connect(cls, master: str, config: ClientConfig | None = None) -> Self:
         """A store connected to the master at ``host:port``; raises ConnectionFailed when it does not answer."""
         store = cls(master, config)
-        store.stats()
+        try:
+            with store._master.connection() as conn:
+                conn.call(Stats(), StatsReply)  # fail fast: nobody is there yet to wait for
+        except BaseException:
+            store.close()
+            raise
         return store
 
     def _call(self, message: Any, expect: type[Any]) -> Any:
         if self._closed:
             raise StoreClosed("this Store is closed")
         with self._master.connection() as conn:
-            return conn.call(message, expect)
+            # Ride out a master restart or failover: the same request, with backoff, up to the timeout.
+            return conn.call(message, expect, retry_for=self.config.timeout_s)
 
     def _pool(self, address: str) -> ConnectionPool:
         with self._lock:

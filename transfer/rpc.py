@@ -13,6 +13,7 @@ import queue
 import random
 import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
@@ -35,14 +36,19 @@ class Connection:
 
     @contextmanager
     def exchange(
-        self, message: Message, payload: Sequence[memoryview | bytes] = ()
+        self, message: Message, payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0
     ) -> Iterator[tuple[Message, socket.socket]]:
-        """Send ``message`` (and its payload) and yield the reply with the socket, for a payload that follows it."""
+        """Send ``message`` (and its payload) and yield the reply with the socket, for a payload that follows it.
+
+        ``retry_for``: keep reconnecting and resending, with backoff, for up to this many seconds
+        while the peer cannot be reached (a master restarting). The request keeps its id, so a
+        peer that already ran it answers as the first time.
+        """
         with self._lock:
             request_id = next(self._ids)
             what = f"{type(message).__name__} to {self.address}"
             try:
-                reply_id, reply, sock = self._send(message, request_id, payload, what)
+                reply_id, reply, sock = self._send(message, request_id, payload, what, retry_for)
                 if reply_id != request_id:
                     raise ProtocolError(f"{what}: reply to request {reply_id}, expected {request_id}")
                 if isinstance(reply, ErrorReply):
@@ -54,15 +60,18 @@ class Connection:
                 raise
 
     def _send(
-        self, message: Message, request_id: int, payload: Sequence[memoryview | bytes], what: str
+        self, message: Message, request_id: int, payload: Sequence[memoryview | bytes], what: str, retry_for: float
     ) -> tuple[int, Message, socket.socket]:
-        """Send and read the reply frame; a pooled socket that the peer closed meanwhile is replaced once."""
-        reused = self._sock is not None
-        for attempt in (1, 2):
-            if self._sock is None:
-                self._sock = connect(self.address, self.timeout)
-            sock = self._sock
+        """Send and read the reply frame. A pooled socket that the peer closed meanwhile is replaced
+        at once; beyond that, attempts go on with backoff until ``retry_for`` runs out."""
+        deadline = time.monotonic() + retry_for
+        backoff = 0.01
+        stale = self._sock is not None
+        while True:
             try:
+                if self._sock is None:
+                    self._sock = connect(self.address, self.timeout)
+                sock = self._sock
                 with io_errors(what):
                     send_message(sock, message, request_id, payload)
                     try:
@@ -72,12 +81,18 @@ class Connection:
                 return reply_id, reply, sock
             except ConnectionFailed:
                 self._close_locked()
-                if not reused or attempt == 2:
+                if stale:
+                    stale = False
+                    continue
+                if time.monotonic() + backoff > deadline:
                     raise
-        raise AssertionError("unreachable")
+                time.sleep(backoff)
+                backoff = min(2 * backoff, 0.5)
 
-    def call(self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = ()) -> M:
-        with self.exchange(message, payload) as (reply, _):
+    def call(
+        self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0
+    ) -> M:
+        with self.exchange(message, payload, retry_for=retry_for) as (reply, _):
             if not isinstance(reply, expect):
                 raise ProtocolError(f"{type(message).__name__} got {type(reply).__name__}, expected {expect.__name__}")
             return reply
