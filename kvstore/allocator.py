@@ -23,6 +23,11 @@ from typing import NamedTuple
 from kvstore.errors import InvalidArgument
 
 
+def align_up(size: int, alignment: int) -> int:
+    """``size`` rounded up to a multiple of ``alignment`` (a power of two)."""
+    return (size + alignment - 1) & ~(alignment - 1)
+
+
 class Extent(NamedTuple):
     """A reserved range ``[offset, offset + length)`` of an arena."""
 
@@ -91,7 +96,7 @@ class Allocator:
 
     # -- public API ---------------------------------------------------------
     def round_up(self, size: int) -> int:
-        return (size + self._mask) & ~self._mask
+        return align_up(size, self.alignment)
 
     def alloc(self, size: int) -> Extent | None:
         """Reserve ``size`` bytes (rounded up to the alignment); None when no free extent is large enough."""

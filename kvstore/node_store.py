@@ -37,7 +37,7 @@ from kvstore.errors import CapacityError, CorruptBlock, InvalidArgument, NotFoun
 from kvstore.keys import BlockKey, checksum, validate_key
 from kvstore.lru import LRU
 from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
-from kvstore.tiers.base import Tier
+from kvstore.tiers.base import Tier, drop_ssd_twins
 from kvstore.tiers.dram import DramArena
 from kvstore.tiers.ssd import SsdTier
 
@@ -116,13 +116,8 @@ class NodeStore:
     # -- recovery ------------------------------------------------------------
     def _recover(self) -> int:
         dram_entries = sorted(self.dram.entries(), key=lambda e: e.seq)
+        drop_ssd_twins(self.dram, self.ssd)
         ssd_entries = sorted(self.ssd.entries(), key=lambda e: e.seq) if self.ssd is not None else []
-        # A crash between writing the new copy and deleting the old one leaves a key in both tiers.
-        twins = [e.key for e in ssd_entries if e.key in self.dram]
-        if twins and self.ssd is not None:
-            self.ssd.delete_many(twins)
-            twin_set = set(twins)
-            ssd_entries = [e for e in ssd_entries if e.key not in twin_set]
         for lru, entries in ((self._dram_lru, dram_entries), (self._ssd_lru, ssd_entries)):
             for e in entries:
                 lru.insert(e.key, e.size)

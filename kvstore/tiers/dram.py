@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvstore.allocator import Allocator, Extent
+from kvstore.allocator import Allocator, Extent, align_up
 from kvstore.config import DramConfig
 from kvstore.errors import (
     BufferTooSmall,
@@ -239,7 +239,7 @@ class DramArena(IndexedTier[_Slot]):
                 raise CorruptStore(f"DRAM arena {self.path}: slot {index} holds a key that is not UTF-8") from None
             if key in self._index:
                 raise CorruptStore(f"DRAM arena {self.path}: key {key!r} is in two slots")
-            extent = Extent(offset, (size + self.config.alignment - 1) & ~(self.config.alignment - 1))
+            extent = Extent(offset, align_up(size, self.config.alignment))
             self._index[key] = _Slot(size, check, seq, bool(flags & FLAG_PINNED), index, extent)
             extents.append((offset, size))
         try:
@@ -288,7 +288,7 @@ class DramArena(IndexedTier[_Slot]):
         self._check_new(key, size)
         if self.managed:
             raise InvalidArgument(f"{self.description} is managed: it chooses its own extents")
-        length = (size + self.alignment - 1) & ~(self.alignment - 1)
+        length = align_up(size, self.alignment)
         if offset < 0 or offset % self.alignment or offset + length > self.capacity:
             raise InvalidArgument(f"extent ({offset}, {size}) is misaligned or outside {self.description}")
         if not self._free_slots:

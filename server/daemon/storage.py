@@ -16,6 +16,7 @@ from kvstore.config import DramConfig, SsdConfig
 from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import InventoryItem
+from kvstore.tiers.base import drop_ssd_twins
 from kvstore.tiers.dram import DramArena
 from kvstore.tiers.ssd import SsdTier
 
@@ -62,11 +63,7 @@ class DaemonStorage:
             self.arena.close()
             raise
         self.lock = RWLock()
-        if self.ssd is not None:
-            # A crash between writing the new copy and deleting the old one leaves a key in both tiers.
-            twins = [e.key for e in self.ssd.entries() if e.key in self.arena]
-            if twins:
-                self.ssd.delete_many(twins)
+        drop_ssd_twins(self.arena, self.ssd)
         entries = [*self.arena.entries(), *(self.ssd.entries() if self.ssd else [])]
         self._seq = max((e.seq for e in entries), default=0)
 
