@@ -152,7 +152,7 @@ def bench_match_prefix(store: Store, num_keys: int = 1_000_000, query: int = 64)
         chunk = keys[s : s + 10_000]
         table.put_start(chunk, [64] * len(chunk), 1, None, False, 0)
         table.put_end(chunk, [0] * len(chunk))
-    queries = [keys[i : i + query] for i in range(0, num_keys, num_keys // 2000)][:2000]
+    queries = [keys[i : i + query] for i in range(0, num_keys, max(1, num_keys // 2000))][:2000]
     t = time.perf_counter()
     for q in queries:
         assert table.match_prefix(q) == len(q)

@@ -250,3 +250,9 @@ class ClientConfig(_Frozen):
     connections_per_daemon: int = Field(default=4, ge=1, le=64, description="Pooled data connections per node.")
     replicas: int = Field(default=1, ge=1, le=16, description="Default replicas of a put.")
     put_retries: int = Field(default=20, ge=0, description="Retries of a put that the master asked to wait.")
+    location_hints: int = Field(
+        default=65536,
+        ge=0,
+        description="Keys whose last known node the client remembers, to read from it while the master answers"
+        " (the bytes are kept only if the master confirms); 0 turns speculative reads off.",
+    )

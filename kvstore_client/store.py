@@ -5,7 +5,10 @@ from the caller's buffers to each replica's daemon, and commits
 (``put_end``); a failed write revokes the reservation. A get asks the master
 for leased replicas and reads each block straight into the caller's buffer,
 trying the next replica when a daemon does not answer: a block on a dead node
-reads as a miss, never as an error or a hang. Every network wait is bounded by
+reads as a miss, never as an error or a hang. A key whose node the client
+remembers (from its own put or an earlier get) is asked of that daemon before
+the master is, so the two round trips overlap; its bytes are taken only where
+the master's answer confirms them. Every network wait is bounded by
 ``ClientConfig.timeout_s``.
 """
 
@@ -16,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Self, TypeVar
@@ -62,7 +66,7 @@ from kvstore.protocol import (
     WriteBlocks,
     WriteReply,
 )
-from transfer.rpc import ConnectionPool
+from transfer.rpc import ConnectionPool, PendingReply
 from transfer.wire import recv_into, skip
 
 T = TypeVar("T")
@@ -86,6 +90,8 @@ class Store:
         self._daemons: dict[str, ConnectionPool] = {}
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None  # for batches that span several daemons
+        self._hints: dict[str, str] = {}  # key -> the daemon address it was last seen at
+        self._hints_lock = threading.Lock()
         self._closed = False
         # Leases end once reads are done: the keys ride on the next GetReplicas, or, when no get
         # follows soon, a background thread sends them.
@@ -165,6 +171,7 @@ class Store:
         retry: list[int] = []
         failure: KVStoreError | None = None
         writes: dict[str, list[tuple[int, Replica]]] = {}
+        placed: dict[int, str] = {}
         tickets = reply.tickets()
         if len(tickets) != len(todo):
             raise ProtocolError(f"the master answered {len(tickets)} tickets for {len(todo)} keys")
@@ -179,6 +186,8 @@ class Store:
             else:
                 for replica in ticket.replicas:
                     writes.setdefault(replica.address, []).append((i, replica))
+                if ticket.replicas:
+                    placed[i] = ticket.replicas[0].address
         sums = {i: checksum(items[i][1]) for group in writes.values() for i, _ in group}
         failed: set[int] = set()
         outcomes = self._fan_out(
@@ -209,11 +218,14 @@ class Store:
             )
             if len(committed.committed) != len(done):
                 raise ProtocolError(f"the master answered {len(committed.committed)} commits for {len(done)} keys")
+            stored = []
             for i, ok in zip(done, committed.committed, strict=True):
                 if ok:
                     out[i] = PutStatus.STORED
+                    stored.append(i)
                 elif failure is None:
                     failure = Timeout(f"the reservation of {items[i][0]!r} expired before the put finished")
+            self._hint([(items[i][0], placed[i]) for i in stored if i in placed])
         if failure is not None:
             raise failure
         return retry
@@ -236,9 +248,8 @@ class Store:
         return self.get_many([key], verify=verify)[0]
 
     def get_many(self, keys: Sequence[Any], *, verify: bool = False) -> list[bytes | None]:
-        located = self._locate(keys)
-        buffers = [bytearray(loc.size) if loc is not None else bytearray(0) for loc in located]
-        sizes = self._read(located, [memoryview(b) for b in buffers], verify)
+        buffers: list[bytearray] = []
+        sizes = self._get(keys, None, verify, buffers)
         return [bytes(b) if n is not None else None for b, n in zip(buffers, sizes, strict=True)]
 
     def get_into(self, key: Any, buffer: Any, *, verify: bool = False) -> int | None:
@@ -248,15 +259,113 @@ class Store:
         """Read blocks straight into ``buffers``; each its size, or None for a miss."""
         if len(keys) != len(buffers):
             raise InvalidArgument(f"get_many_into got {len(keys)} keys but {len(buffers)} buffers")
-        views = [as_view(b, writable=True, what="buffer") for b in buffers]
-        located = self._locate(keys)
-        for loc, view in zip(located, views, strict=True):
-            if loc is not None and view.nbytes < loc.size:
-                raise BufferTooSmall(f"buffer of {view.nbytes} bytes cannot hold block {loc.key!r} of {loc.size} bytes")
-        return self._read(located, views, verify)
+        return self._get(keys, [as_view(b, writable=True, what="buffer") for b in buffers], verify, None)
 
-    def _locate(self, keys: Sequence[Any]) -> list[LocatedRef | None]:
+    def _get(
+        self, keys: Sequence[Any], views: list[memoryview] | None, verify: bool, allocated: list[bytearray] | None
+    ) -> list[int | None]:
+        """Locate ``keys`` and read them into ``views`` (or into new buffers appended to ``allocated``).
+
+        Keys whose node the client remembers are asked of that daemon before the master is:
+        its bytes wait in the socket while the master answers, and are taken only where the
+        master confirms the block (same node, same size); a lease-less read is never kept.
+        """
         checked: list[str] = [validate_key(k) for k in keys]
+        out: list[int | None] = [None] * len(checked)
+        with ExitStack() as stack:
+            speculative = self._speculate(stack, checked)
+            located = self._locate(checked)
+            if views is None:
+                assert allocated is not None
+                allocated.extend(bytearray(loc.size) if loc is not None else bytearray(0) for loc in located)
+                views = [memoryview(b) for b in allocated]
+            for loc, view in zip(located, views, strict=True):
+                if loc is not None and view.nbytes < loc.size:
+                    raise BufferTooSmall(
+                        f"buffer of {view.nbytes} bytes cannot hold block {loc.key!r} of {loc.size} bytes"
+                    )
+            for address, idx, pending in speculative:
+                self._take_speculative(address, idx, pending, located, views, verify, out)
+        rest = [loc if out[i] is None else None for i, loc in enumerate(located)]
+        for i, size in enumerate(self._read(rest, views, verify)):
+            if size is not None:
+                out[i] = size
+        leased = [loc.key for loc in located if loc is not None]
+        if leased:
+            with self._release_lock:
+                self._to_release.extend(leased)
+        self._remember(checked, located)
+        return out
+
+    def _speculate(self, stack: ExitStack, keys: list[str]) -> list[tuple[str, list[int], PendingReply]]:
+        """Send a read to each remembered node of ``keys``; the replies are read after the master's."""
+        if not self.config.location_hints:
+            return []
+        per_address: dict[str, list[int]] = {}
+        hints = self._hints
+        for i, key in enumerate(keys):
+            address = hints.get(key)
+            if address is not None:
+                per_address.setdefault(address, []).append(i)
+        out = []
+        for address, idx in per_address.items():
+            message = ReadBlocks([keys[i] for i in idx], ["dram"] * len(idx), [0] * len(idx), [0] * len(idx))
+            try:
+                conn = stack.enter_context(self._pool(address).connection())
+                out.append((address, idx, stack.enter_context(conn.pipelined(message))))
+            except KVStoreError:
+                continue  # the node is gone or busy: the master's answer decides
+        return out
+
+    def _take_speculative(
+        self,
+        address: str,
+        idx: list[int],
+        pending: PendingReply,
+        located: list[LocatedRef | None],
+        views: list[memoryview],
+        verify: bool,
+        out: list[int | None],
+    ) -> None:
+        """Read a speculative reply: keep each block the master placed at ``address`` with this size."""
+        try:
+            reply, sock = pending.receive()
+            if not isinstance(reply, ReadReply) or len(reply.sizes) != len(idx):
+                raise ProtocolError(f"{address} sent a malformed reply to ReadBlocks")
+            for i, size in zip(idx, reply.sizes, strict=True):
+                if size < 0:
+                    continue
+                loc = located[i]
+                if loc is None or size != loc.size or all(r.address != address for r in loc.replicas):
+                    skip(sock, size)  # removed, replaced or moved meanwhile: the master's word wins
+                    continue
+                recv_into(sock, views[i][:size])
+                if verify and checksum(views[i][:size]) != loc.checksum:
+                    raise CorruptBlock(f"block {loc.key!r} read from {address} fails its checksum")
+                out[i] = size
+        except (ConnectionFailed, Timeout, ProtocolError):
+            pending.abandon()  # whatever was not read yet goes the usual way
+
+    def _remember(self, keys: Sequence[str], located: Sequence[LocatedRef | None]) -> None:
+        """Note where each key was found, and forget the misses."""
+        self._hint((k, loc.replicas[0].address if loc is not None and loc.replicas else None)
+                   for k, loc in zip(keys, located, strict=True))  # fmt: skip
+
+    def _hint(self, places: Iterable[tuple[str, str | None]]) -> None:
+        """Remember each key's node (None: forget the key), within ``location_hints`` entries, oldest out first."""
+        cap = self.config.location_hints
+        if not cap:
+            return
+        hints = self._hints
+        with self._hints_lock:
+            for key, address in places:
+                hints.pop(key, None)  # re-inserted last: the dict's order is the order of last use
+                if address is not None:
+                    hints[key] = address
+            while len(hints) > cap:
+                del hints[next(iter(hints))]
+
+    def _locate(self, checked: list[str]) -> list[LocatedRef | None]:
         with self._release_lock:
             release, self._to_release = self._to_release, []
         reply: GetReplicasReply = self._call(GetReplicas(checked, release), GetReplicasReply)
@@ -297,10 +406,6 @@ class Store:
                     elif attempt[i] + 1 < len(loc.replicas):
                         next_attempt[i] = attempt[i] + 1
             attempt = next_attempt
-        read = [loc.key for loc in located if loc is not None]
-        if read:
-            with self._release_lock:
-                self._to_release.extend(read)
         return out
 
     def _fan_out(self, jobs: Sequence[Callable[[], T]]) -> list[T | BaseException]:
@@ -379,7 +484,9 @@ class Store:
         return self.remove_many([key]) == 1
 
     def remove_many(self, keys: Sequence[Any]) -> int:
-        reply: RemoveReply = self._call(Remove([validate_key(k) for k in keys]), RemoveReply)
+        checked: list[str] = [validate_key(k) for k in keys]
+        reply: RemoveReply = self._call(Remove(checked), RemoveReply)
+        self._hint((k, None) for k in checked)
         return reply.removed
 
     def stats(self) -> dict[str, int | float]:

@@ -89,6 +89,31 @@ class Connection:
                 time.sleep(backoff)
                 backoff = min(2 * backoff, 0.5)
 
+    @contextmanager
+    def pipelined(self, message: Message) -> Iterator[PendingReply]:
+        """Send ``message`` now and read its reply later, doing other work meanwhile.
+
+        Inside the ``with``, :meth:`PendingReply.receive` reads the reply frame; the caller
+        then reads any payload behind it to the end, or calls :meth:`PendingReply.abandon`.
+        A reply left unread when the ``with`` ends closes the connection (the stream would be
+        out of step). No retries: a speculative request is worth less than waiting.
+        """
+        with self._lock:
+            request_id = next(self._ids)
+            what = f"{type(message).__name__} to {self.address}"
+            try:
+                if self._sock is None:
+                    self._sock = connect(self.address, self.timeout)
+                with io_errors(what):
+                    send_message(self._sock, message, request_id)
+                pending = PendingReply(self, self._sock, request_id, what)
+                yield pending
+                if not pending.received:
+                    self._close_locked()
+            except BaseException:
+                self._close_locked()
+                raise
+
     def call(
         self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0
     ) -> M:
@@ -105,6 +130,40 @@ class Connection:
     def close(self) -> None:
         with self._lock:
             self._close_locked()
+
+
+class PendingReply:
+    """The reply still to come to a request sent by :meth:`Connection.pipelined`."""
+
+    def __init__(self, conn: Connection, sock: socket.socket, request_id: int, what: str) -> None:
+        self._conn = conn
+        self._sock = sock
+        self._request_id = request_id
+        self._what = what
+        self.received = False
+
+    def receive(self) -> tuple[Message, socket.socket]:
+        """The reply frame and the socket its payload follows on; a failure closes the connection."""
+        try:
+            with io_errors(self._what):
+                try:
+                    reply_id, reply = recv_message(self._sock)
+                except NoRequest:
+                    raise Timeout(f"{self._what}: no reply within {self._conn.timeout} s") from None
+            if reply_id != self._request_id:
+                raise ProtocolError(f"{self._what}: reply to request {reply_id}, expected {self._request_id}")
+            if isinstance(reply, ErrorReply):
+                raise reply.to_error()
+        except BaseException:
+            self.abandon()
+            raise
+        self.received = True
+        return reply, self._sock
+
+    def abandon(self) -> None:
+        """Give the connection up: its stream is no longer in step."""
+        self.received = False
+        self._conn._close_locked()
 
 
 class ConnectionPool:

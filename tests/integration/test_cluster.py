@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,3 +108,45 @@ def test_async_store(cluster: LocalCluster) -> None:
             assert await s.match_prefix(["async", "nope"]) == 1
 
     asyncio.run(main())
+
+
+def test_remembered_keys_are_read_while_the_master_answers(
+    store: Store, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocks = [bytes([i]) * (3 * KB + i) for i in range(8)]
+    keys = [f"hinted-{i}" for i in range(len(blocks))]
+    store.put_many(zip(keys, blocks, strict=True))
+    read = Store._read
+
+    def only_leftovers(self: Store, located: list[Any], views: list[memoryview], verify: bool) -> list[int | None]:
+        # Every block comes from the speculative reads: the usual read path gets nothing to do.
+        assert all(loc is None for loc in located), "a remembered block was not read speculatively"
+        return read(self, located, views, verify)
+
+    monkeypatch.setattr(Store, "_read", only_leftovers)
+    assert store.get_many(keys, verify=True) == blocks
+    out = bytearray(8 * KB)
+    assert store.get_into(keys[3], out) == len(blocks[3]) and out[: len(blocks[3])] == blocks[3]
+
+
+def test_stale_or_dead_hints_never_change_an_answer(store: Store, cluster: LocalCluster) -> None:
+    store.put("moved", b"m" * 5000)
+    store.put("gone", b"g" * 5000)
+    with Store.connect(cluster.master_address) as other:
+        other.remove("gone")
+        assert other.put("gone", b"G" * 6000) is PutStatus.STORED  # same key, other bytes and size
+    address = store._hints["moved"]
+    other_daemon = next(a for a in cluster.daemon_addresses if a != address)
+    store._hints["moved"] = other_daemon  # a node that does not hold it
+    store._hints["absent"] = address  # a key nobody stored
+    store._hints["gone-too"] = "127.0.0.1:1"  # a node that is not there
+    assert store.get_many(["moved", "gone", "absent", "gone-too"]) == [b"m" * 5000, b"G" * 6000, None, None]
+    assert store._hints["moved"] == address and "absent" not in store._hints
+    store.remove("moved")
+    assert "moved" not in store._hints
+    with Store.connect(cluster.master_address) as other:
+        other.put("dropped", b"d" * 100)
+        hint = other._hints["dropped"]
+        other.remove("dropped")  # removed by someone else: the daemon may still hold it for a moment
+    store._hints["dropped"] = hint
+    assert store.get("dropped") is None

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvstore.errors import ConnectionFailed, InvalidArgument, ProtocolError
-from kvstore.protocol import FRAME_HEADER, Stats
+from kvstore.protocol import FRAME_HEADER, Stats, StatsReply
+from transfer.rpc import Connection
 from transfer.wire import NoRequest, parse_address, recv_all_into, recv_message, send_all, send_message, set_timeouts
 
 
@@ -60,3 +61,52 @@ def test_oversize_frame_is_refused_before_reading_it() -> None:
 def test_bad_addresses(address: str) -> None:
     with pytest.raises(InvalidArgument):
         parse_address(address)
+
+
+def _echo_server() -> tuple[socket.socket, threading.Thread]:
+    """A peer that answers each frame with Stats' reply carrying the request id, over TCP on loopback."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)  # closing a listener does not wake accept(): poll
+
+    def serve() -> None:
+        while listener.fileno() != -1:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                set_timeouts(conn, 5)
+                try:
+                    while True:
+                        request_id, _ = recv_message(conn)
+                        send_message(conn, StatsReply({"n": request_id}), request_id)
+                except (ConnectionFailed, NoRequest, OSError):
+                    continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_a_pipelined_reply_read_later_keeps_the_connection_and_an_unread_one_closes_it() -> None:
+    listener, thread = _echo_server()
+    conn = Connection(f"127.0.0.1:{listener.getsockname()[1]}", timeout=5)
+    try:
+        with conn.pipelined(Stats()) as pending:
+            first = conn._sock
+            reply, _ = pending.receive()
+            assert isinstance(reply, StatsReply)
+        assert conn._sock is first  # read to the end: still in step, kept
+        with conn.pipelined(Stats()):
+            pass  # never read: the stream is out of step
+        assert conn._sock is None
+        assert isinstance(conn.call(Stats(), StatsReply), StatsReply)  # and the next call reconnects
+        with conn.pipelined(Stats()) as pending:
+            pending.abandon()
+        assert conn._sock is None
+    finally:
+        conn.close()
+        listener.close()
+        thread.join(timeout=5)
