@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Self, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
@@ -238,6 +238,10 @@ class DaemonConfig(_Frozen):
     name: str = Field(default="node0", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Node id.")
     host: str = Field(default="127.0.0.1", description="Data-plane address to listen on and advertise.")
     port: int = Field(default=0, ge=0, le=65535, description="Data-plane port; 0 picks a free one.")
+    rails: list[str] = Field(
+        default_factory=list,
+        description="More hosts to serve the data plane on, one per further NIC (multi-NIC); each gets a free port.",
+    )
     dram: DramConfig = Field(default_factory=DramConfig)
     ssd: SsdConfig = Field(default_factory=SsdConfig)
     io_timeout_s: float = Field(default=30.0, gt=0, description="Bound on each network wait inside a request.")
@@ -250,6 +254,10 @@ class ClientConfig(_Frozen):
     connections_per_daemon: int = Field(default=4, ge=1, le=64, description="Pooled data connections per node.")
     replicas: int = Field(default=1, ge=1, le=16, description="Default replicas of a put.")
     put_retries: int = Field(default=20, ge=0, description="Retries of a put that the master asked to wait.")
+    transport: Literal["auto", "tcp"] = Field(
+        default="auto",
+        description="auto: shared memory with daemons on this host, tcp otherwise; tcp: always the network.",
+    )
     location_hints: int = Field(
         default=65536,
         ge=0,

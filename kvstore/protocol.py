@@ -27,7 +27,7 @@ import msgpack
 
 from kvstore.errors import KVStoreError, ProtocolError, error_from_code
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 FRAME_HEADER = struct.Struct("!I")
 
@@ -248,6 +248,37 @@ class OkReply(Message):
 
 
 @wire
+class Nic(Struct):
+    """One network interface of a host, as :mod:`transfer.topology` reads it."""
+
+    name: str
+    address: str
+    speed_mbps: int
+    """-1: the link reports no speed (loopback, veth)."""
+    numa_node: int
+    """-1: unknown or not a NUMA machine."""
+
+
+@wire
+class NodeInfo(Struct):
+    """How clients reach a node's data: its rails, and whether they share its host (and its arena)."""
+
+    node_id: str
+    address: str
+    rails: list[str]
+    """Data-plane addresses, one per NIC the daemon serves on; ``address`` is the first."""
+    host_id: str
+    arena_path: str
+    """The DRAM arena's shared-memory file: a client on the same host maps it."""
+    arena_inode: int
+    """Tells the same file from one of the same name elsewhere (another container's /dev/shm)."""
+    nics: list[Nic]
+    rdma: bool
+    """The node has an RDMA device (UCX can use verbs rather than TCP)."""
+    up: bool
+
+
+@wire
 class RegisterNode(Message):
     KIND = 10
     node_id: str
@@ -256,6 +287,12 @@ class RegisterNode(Message):
     ssd_capacity: int
     alignment: int
     inventory: list[InventoryItem]
+    rails: list[str]
+    host_id: str
+    arena_path: str
+    arena_inode: int
+    nics: list[Nic]
+    rdma: bool
 
 
 @wire
@@ -474,6 +511,17 @@ class ReleaseLeases(Message):
     keys: list[str]
 
 
+@wire
+class ListNodes(Message):
+    KIND = 41
+
+
+@wire
+class NodesReply(Message):
+    KIND = 42
+    nodes: list[NodeInfo]
+
+
 # -- master -> daemon ---------------------------------------------------------------------
 
 
@@ -520,6 +568,20 @@ class WriteBlocks(Message):
     checksums: list[int]
     pinned: bool
     """The batch was put with pin=True; the daemon records it so that pins survive a master restart."""
+
+
+@wire
+class CommitBlocks(Message):
+    """Commit blocks whose bytes a same-host client already copied into their reserved DRAM extents.
+
+    Nothing follows the frame; the daemon checks each block's checksum in place."""
+
+    KIND = 64
+    keys: list[str]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    pinned: bool
 
 
 @wire

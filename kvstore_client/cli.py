@@ -260,6 +260,9 @@ def _daemon_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-dir", type=Path, default=None, help="SSD tier directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="data-plane port (0: any free port)")
+    p.add_argument(
+        "--rail", action="append", default=[], metavar="HOST", help="also serve on this host's address (one per NIC)"
+    )
 
 
 @command("daemon", "run a storage daemon serving one node's DRAM and SSD")
@@ -274,6 +277,7 @@ def _daemon(args: argparse.Namespace) -> int:
         name=args.name,
         host=args.host,
         port=args.port,
+        rails=args.rail,
         dram={"capacity": args.dram, "name": args.arena or args.name},
         ssd={"capacity": args.ssd, "path": args.ssd_dir if args.ssd else None},
     )

@@ -41,13 +41,17 @@ from kvstore.errors import (
 from kvstore.keys import BlockKey, checksum, validate_key
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
+    CommitBlocks,
     Exists,
     ExistsReply,
     GetReplicas,
     GetReplicasReply,
+    ListNodes,
     LocatedRef,
     MatchPrefix,
     MatchPrefixReply,
+    NodeInfo,
+    NodesReply,
     OkReply,
     PutEnd,
     PutEndReply,
@@ -66,7 +70,9 @@ from kvstore.protocol import (
     WriteBlocks,
     WriteReply,
 )
+from kvstore.tiers.dram import ArenaMapping
 from transfer.rpc import ConnectionPool, PendingReply
+from transfer.transports.shm import ShmTransport
 from transfer.wire import recv_into, skip
 
 T = TypeVar("T")
@@ -92,6 +98,10 @@ class Store:
         self._executor: ThreadPoolExecutor | None = None  # for batches that span several daemons
         self._hints: dict[str, str] = {}  # key -> the daemon address it was last seen at
         self._hints_lock = threading.Lock()
+        self._shm = ShmTransport() if self.config.transport == "auto" else None
+        self._nodes: dict[str, NodeInfo] = {}
+        self._nodes_checked = 0.0
+        self._local_addresses: set[str] = set()  # daemons whose arena this client maps
         self._closed = False
         # Leases end once reads are done: the keys ride on the next GetReplicas, or, when no get
         # follows soon, a background thread sends them.
@@ -127,6 +137,36 @@ class Store:
                 pool = ConnectionPool(address, self.config.timeout_s, self.config.connections_per_daemon)
                 self._daemons[address] = pool
             return pool
+
+    # -- nodes and transports ------------------------------------------------------------------
+    def nodes(self) -> list[NodeInfo]:
+        """Every registered node: its rails, host, arena and NICs, and whether it is up."""
+        reply: NodesReply = self._call(ListNodes(), NodesReply)
+        with self._lock:
+            self._nodes = {n.node_id: n for n in reply.nodes}
+            self._nodes_checked = time.monotonic()
+        return reply.nodes
+
+    def _node(self, node_id: str) -> NodeInfo | None:
+        """What the master said of ``node_id``, asking again (at most twice a second) for a node not yet seen."""
+        node = self._nodes.get(node_id)
+        if node is None and time.monotonic() - self._nodes_checked > 0.5:
+            try:
+                self.nodes()
+            except KVStoreError:
+                return None
+            node = self._nodes.get(node_id)
+        return node
+
+    def _local_arena(self, node_id: str) -> ArenaMapping | None:
+        """The node's DRAM arena, mapped, when it shares this host (and the transport allows it)."""
+        if self._shm is None:
+            return None
+        node = self._node(node_id)
+        arena = self._shm.arena(node) if node is not None else None
+        if arena is not None and node is not None:
+            self._local_addresses.update(node.rails)
+        return arena
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, key: Any, data: Any, options: PutOptions | None = None) -> PutStatus:
@@ -193,7 +233,11 @@ class Store:
         outcomes = self._fan_out(
             [
                 partial(
-                    self._write, address, [(items[i][0], items[i][1], r.offset, sums[i]) for i, r in group], opts.pin
+                    self._write,
+                    address,
+                    group[0][1].node_id,
+                    [(items[i][0], items[i][1], r.offset, sums[i]) for i, r in group],
+                    opts.pin,
                 )
                 for address, group in writes.items()
             ]
@@ -231,14 +275,22 @@ class Store:
         return retry
 
     def _write(
-        self, address: str, blocks: list[tuple[str, memoryview, int, int]], pinned: bool = False
+        self, address: str, node_id: str, blocks: list[tuple[str, memoryview, int, int]], pinned: bool = False
     ) -> list[tuple[int, str]]:
-        message = WriteBlocks(
-            [k for k, _, _, _ in blocks], [o for _, _, o, _ in blocks], [v.nbytes for _, v, _, _ in blocks],
-            [c for _, _, _, c in blocks], pinned,
-        )  # fmt: skip
+        """Write blocks to one daemon: through its arena when it shares this host, else over the network."""
+        keys, offsets = [k for k, _, _, _ in blocks], [o for _, _, o, _ in blocks]
+        sizes, sums = [v.nbytes for _, v, _, _ in blocks], [c for _, _, _, c in blocks]
+        arena = self._local_arena(node_id)
+        if arena is not None:
+            for _, view, offset, _ in blocks:
+                ShmTransport.write(arena, offset, view)
+            message: WriteBlocks | CommitBlocks = CommitBlocks(keys, offsets, sizes, sums, pinned)
+            payload: list[memoryview] = []
+        else:
+            message = WriteBlocks(keys, offsets, sizes, sums, pinned)
+            payload = [v for _, v, _, _ in blocks]
         with self._pool(address).connection() as conn:
-            reply = conn.call(message, WriteReply, payload=[v for _, v, _, _ in blocks])
+            reply = conn.call(message, WriteReply, payload=payload)
         if len(reply.codes) != len(blocks):
             raise ProtocolError(f"{address} answered {len(reply.codes)} results for {len(blocks)} writes")
         return list(zip(reply.codes, reply.errors, strict=True))
@@ -286,6 +338,7 @@ class Store:
                     )
             for address, idx, pending in speculative:
                 self._take_speculative(address, idx, pending, located, views, verify, out)
+        self._read_local(located, views, verify, out)
         rest = [loc if out[i] is None else None for i, loc in enumerate(located)]
         for i, size in enumerate(self._read(rest, views, verify)):
             if size is not None:
@@ -305,7 +358,7 @@ class Store:
         hints = self._hints
         for i, key in enumerate(keys):
             address = hints.get(key)
-            if address is not None:
+            if address is not None and address not in self._local_addresses:
                 per_address.setdefault(address, []).append(i)
         out = []
         for address, idx in per_address.items():
@@ -345,6 +398,27 @@ class Store:
                 out[i] = size
         except (ConnectionFailed, Timeout, ProtocolError):
             pending.abandon()  # whatever was not read yet goes the usual way
+
+    def _read_local(
+        self, located: list[LocatedRef | None], views: list[memoryview], verify: bool, out: list[int | None]
+    ) -> None:
+        """Copy blocks held in the DRAM of daemons on this host straight from their arenas (under the leases)."""
+        if self._shm is None:
+            return
+        for i, loc in enumerate(located):
+            if loc is None or out[i] is not None:
+                continue
+            for replica in loc.replicas:
+                if replica.tier != "dram":
+                    continue
+                arena = self._local_arena(replica.node_id)
+                if arena is None:
+                    continue
+                ShmTransport.read(arena, replica.offset, loc.size, views[i])
+                if verify and checksum(views[i][: loc.size]) != loc.checksum:
+                    raise CorruptBlock(f"block {loc.key!r} copied from {replica.node_id}'s arena fails its checksum")
+                out[i] = loc.size
+                break
 
     def _remember(self, keys: Sequence[str], located: Sequence[LocatedRef | None]) -> None:
         """Note where each key was found, and forget the misses."""
@@ -504,6 +578,8 @@ class Store:
         if release:
             self._send_releases(release)
         self._master.close()
+        if self._shm is not None:
+            self._shm.close()
         with self._lock:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)

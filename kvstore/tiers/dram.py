@@ -84,6 +84,63 @@ def arena_path(config: DramConfig) -> Path:
     return config.shm_dir / f"kvstore-{config.name}.arena"
 
 
+def _check_header(path: Path | str, fd: int) -> tuple[int, int, int, int, int]:
+    """Capacity, slots, alignment, data offset and total size of the arena open at ``fd``, all checked."""
+    size = os.fstat(fd).st_size
+    if size < HEADER_SIZE:
+        raise CorruptStore(f"DRAM arena {path} is truncated: {size} bytes, smaller than its header")
+    header = os.pread(fd, _HEADER.size + _HEADER_SUM.size, 0)
+    magic, version, slot_size, capacity, num_slots, alignment, _, data_offset = _HEADER.unpack_from(header)
+    if magic != MAGIC:
+        raise CorruptStore(f"{path} is not a kvstore DRAM arena (magic {magic!r})")
+    (stored_sum,) = _HEADER_SUM.unpack_from(header, _HEADER.size)
+    if stored_sum != xxhash.xxh3_64_intdigest(header[: _HEADER.size]):
+        raise CorruptStore(f"DRAM arena {path} has a corrupt header (checksum mismatch)")
+    if version != VERSION or slot_size != SLOT_SIZE:
+        raise CorruptStore(f"DRAM arena {path} has format version {version}; this kvstore reads {VERSION}")
+    expected_data_offset = _page_round(HEADER_SIZE + num_slots * SLOT_SIZE)
+    if data_offset != expected_data_offset:
+        raise CorruptStore(f"DRAM arena {path} has an inconsistent header (data offset {data_offset})")
+    total = data_offset + capacity
+    if size != total:
+        raise CorruptStore(f"DRAM arena {path} is {size} bytes; its header says {total} (truncated?)")
+    return capacity, num_slots, alignment, data_offset, total
+
+
+class ArenaMapping:
+    """Another process's arena, mapped for same-host transfers: the data region only, no index, no lock.
+
+    Whoever maps it must be told where blocks are (the master's extents) and
+    when they are safe to touch (leases for reads, reservations for writes).
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = str(path)
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError as exc:
+            raise CorruptStore(f"cannot open DRAM arena {self.path}: {exc.strerror}") from None
+        try:
+            self.capacity, _, self.alignment, self.data_offset, total = _check_header(self.path, fd)
+            self.inode = os.fstat(fd).st_ino
+            self._mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._buf = memoryview(self._mm)
+
+    def extent(self, offset: int, size: int) -> memoryview:
+        """A view of ``size`` bytes at ``offset`` in the data region; raises when that is out of bounds."""
+        if offset < 0 or size < 0 or offset + size > self.capacity:
+            raise InvalidArgument(f"extent ({offset}, {size}) is outside DRAM arena {self.path}")
+        start = self.data_offset + offset
+        return self._buf[start : start + size]
+
+    def close(self) -> None:
+        """Unmap; raises BufferError while a view from :meth:`extent` is still alive."""
+        self._buf.release()
+        self._mm.close()
+
+
 class DramArena(IndexedTier[_Slot]):
     """A capacity-bounded block store in a shared-memory file that survives its process."""
 
@@ -162,29 +219,13 @@ class DramArena(IndexedTier[_Slot]):
         return fd
 
     def _map_and_check(self) -> mmap.mmap:
-        size = os.fstat(self._fd).st_size
-        if size < HEADER_SIZE:
-            raise CorruptStore(f"DRAM arena {self.path} is truncated: {size} bytes, smaller than its header")
-        header = os.pread(self._fd, _HEADER.size + _HEADER_SUM.size, 0)
-        magic, version, slot_size, capacity, num_slots, alignment, _, data_offset = _HEADER.unpack_from(header)
-        if magic != MAGIC:
-            raise CorruptStore(f"{self.path} is not a kvstore DRAM arena (magic {magic!r})")
-        (stored_sum,) = _HEADER_SUM.unpack_from(header, _HEADER.size)
-        if stored_sum != xxhash.xxh3_64_intdigest(header[: _HEADER.size]):
-            raise CorruptStore(f"DRAM arena {self.path} has a corrupt header (checksum mismatch)")
-        if version != VERSION or slot_size != SLOT_SIZE:
-            raise CorruptStore(f"DRAM arena {self.path} has format version {version}; this kvstore reads {VERSION}")
+        capacity, num_slots, alignment, data_offset, total = _check_header(self.path, self._fd)
         if (capacity, num_slots, alignment) != (self.capacity, self.num_slots, self.config.alignment):
             raise ConfigError(
                 f"DRAM arena {self.path} was created with capacity={capacity}, slots={num_slots}, "
                 f"alignment={alignment}; the config asks for capacity={self.capacity}, "
                 f"slots={self.num_slots}, alignment={self.config.alignment}"
             )
-        expected_data_offset, total = self._geometry()
-        if data_offset != expected_data_offset:
-            raise CorruptStore(f"DRAM arena {self.path} has an inconsistent header (data offset {data_offset})")
-        if size != total:
-            raise CorruptStore(f"DRAM arena {self.path} is {size} bytes; its header says {total} (truncated?)")
         self._data_offset = data_offset
         return mmap.mmap(self._fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 

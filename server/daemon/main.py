@@ -28,9 +28,15 @@ def run_daemon(config: DaemonConfig) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     storage = DaemonStorage(config.dram, config.ssd)
-    server = DaemonServer(storage, config.host, config.port, io_timeout=config.io_timeout_s)
+    try:
+        server = DaemonServer(storage, config.host, config.port, rails=config.rails, io_timeout=config.io_timeout_s)
+    except BaseException:
+        storage.close()
+        raise
     server.start()
-    link = MasterLink(config.master, config.name, server.address, storage, timeout=config.io_timeout_s)
+    link = MasterLink(
+        config.master, config.name, server.address, storage, timeout=config.io_timeout_s, rails=server.rails
+    )
     link.start()
     print(f"kvstore daemon {config.name} listening on {server.address}", flush=True)
     try:

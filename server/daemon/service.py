@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout
+from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, ProtocolError, Timeout
 from kvstore.keys import BlockKey, validate_key
 from kvstore.protocol import (
     CommandReply,
+    CommitBlocks,
     DemoteBlocks,
     DropBlocks,
     ErrorReply,
@@ -37,6 +39,7 @@ from kvstore.protocol import (
     WriteReply,
 )
 from server.daemon.storage import DaemonStorage
+from transfer import topology
 from transfer.rpc import Connection
 from transfer.wire import NoRequest, recv_all_into, recv_message, send_message, set_timeouts
 
@@ -52,20 +55,31 @@ class DaemonServer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
+        rails: Sequence[str] = (),
         io_timeout: float = 30.0,
         idle_timeout: float = 600.0,
     ) -> None:
+        """Serve on ``host:port`` and on each further rail host (one per NIC; free ports)."""
         self.storage = storage
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
-        self._listener = socket.create_server((host, port), backlog=128)
-        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._listeners: list[socket.socket] = []
+        try:
+            for i, h in enumerate([host, *rails]):
+                self._listeners.append(socket.create_server((h, port if i == 0 else 0), backlog=128))
+        except OSError as exc:
+            for listener in self._listeners:
+                listener.close()
+            raise InvalidArgument(f"cannot listen on {h}: {exc.strerror or exc}") from None
+        self.rails = [f"{h}:{lst.getsockname()[1]}" for h, lst in zip([host, *rails], self._listeners, strict=True)]
+        self.address = self.rails[0]
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._handlers: dict[type[Message], Handler] = {
             WriteBlocks: self._write,
+            CommitBlocks: self._commit,
             ReadBlocks: self._read,
             DemoteBlocks: lambda m, s, r: self._command(s, r, self.storage.demote(self._keys(m.keys))),
             DropBlocks: lambda m, s, r: self._command(s, r, self.storage.drop(self._keys(m.keys))),
@@ -73,15 +87,16 @@ class DaemonServer:
         }
 
     def start(self) -> None:
-        t = threading.Thread(target=self._accept_loop, name="daemon-accept", daemon=True)
-        t.start()
-        self._threads.append(t)
+        for listener in self._listeners:
+            t = threading.Thread(target=self._accept_loop, args=(listener,), name="daemon-accept", daemon=True)
+            t.start()
+            self._threads.append(t)
 
-    def _accept_loop(self) -> None:
-        self._listener.settimeout(0.2)
+    def _accept_loop(self, listener: socket.socket) -> None:
+        listener.settimeout(0.2)
         while not self._stop.is_set():
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -161,11 +176,26 @@ class DaemonServer:
             msg.pinned,
         )
         outcome = iter(results)
-        codes, errors = [], []
-        for r in reserved:
-            err = r if isinstance(r, KVStoreError) else next(outcome)
-            codes.append(0 if err is None else err.code)
-            errors.append("" if err is None else str(err))
+        self._write_reply(sock, request_id, [r if isinstance(r, KVStoreError) else next(outcome) for r in reserved])
+
+    def _commit(self, msg: CommitBlocks, sock: socket.socket, request_id: int) -> None:
+        """Blocks a same-host client copied into their extents: reserve, check in place, commit."""
+        n = len(msg.keys)
+        if not len(msg.offsets) == len(msg.sizes) == len(msg.checksums) == n or any(s <= 0 for s in msg.sizes):
+            raise InvalidArgument("CommitBlocks with mismatched or non-positive sizes")
+        keys = self._keys(msg.keys)
+        reserved = self.storage.begin_writes(list(zip(keys, msg.offsets, msg.sizes, strict=True)))
+        results = iter(
+            self.storage.finish_writes(
+                [(k, r, c) for k, r, c in zip(keys, reserved, msg.checksums, strict=True) if isinstance(r, memoryview)],
+                msg.pinned,
+            )
+        )
+        self._write_reply(sock, request_id, [r if isinstance(r, KVStoreError) else next(results) for r in reserved])
+
+    def _write_reply(self, sock: socket.socket, request_id: int, outcome: list[KVStoreError | None]) -> None:
+        codes = [0 if err is None else err.code for err in outcome]
+        errors = ["" if err is None else str(err) for err in outcome]
         send_message(sock, WriteReply(codes, errors), request_id)
 
     def _read(self, msg: ReadBlocks, sock: socket.socket, request_id: int) -> None:
@@ -176,7 +206,8 @@ class DaemonServer:
 
     def stop(self) -> None:
         self._stop.set()
-        self._listener.close()
+        for listener in self._listeners:
+            listener.close()
         with self._conns_lock:
             for sock in self._conns:
                 with contextlib.suppress(OSError):
@@ -196,9 +227,11 @@ class MasterLink:
         storage: DaemonStorage,
         *,
         timeout: float = 5.0,
+        rails: Sequence[str] = (),
         on_registered: Callable[[], None] | None = None,
     ) -> None:
         self.master = master
+        self.rails = list(rails)
         self.node_id = node_id
         self.address = address
         self.storage = storage
@@ -216,8 +249,10 @@ class MasterLink:
         arena = self.storage.arena
         ssd_capacity = self.storage.ssd.capacity if self.storage.ssd is not None else 0
         message = RegisterNode(
-            self.node_id, self.address, arena.capacity, ssd_capacity, arena.alignment, self.storage.inventory()
-        )
+            self.node_id, self.address, arena.capacity, ssd_capacity, arena.alignment, self.storage.inventory(),
+            list(self.rails or [self.address]), topology.host_id(), str(arena.path), os.stat(arena.path).st_ino,
+            topology.local_nics(), topology.has_rdma(),
+        )  # fmt: skip
         reply = self._conn.call(message, RegisterReply)
         self._interval = max(reply.heartbeat_interval_ms, 50) / 1000
         if not self.registered.is_set():

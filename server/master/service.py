@@ -15,6 +15,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from kvstore.config import MasterConfig
@@ -31,9 +32,12 @@ from kvstore.protocol import (
     GetReplicas,
     Heartbeat,
     HeartbeatReply,
+    ListNodes,
     MatchPrefix,
     MatchPrefixReply,
     Message,
+    NodeInfo,
+    NodesReply,
     OkReply,
     PromoteBlocks,
     PutEnd,
@@ -84,6 +88,7 @@ class MasterService:
             node_ttl_ms=self.config.node_ttl_ms,
         )
         self._daemons: dict[str, AsyncConnection] = {}
+        self._node_info: dict[str, NodeInfo] = {}
         self._retry: list[NodeCommand] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -102,6 +107,7 @@ class MasterService:
             Exists: self._exists,
             Remove: self._remove,
             Stats: self._stats,
+            ListNodes: self._list_nodes,
         }
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -273,6 +279,9 @@ class MasterService:
         commands = self.table.register_node(
             m.node_id, m.address, m.dram_capacity, m.ssd_capacity, m.alignment, m.inventory, _now_ms()
         )
+        self._node_info[m.node_id] = NodeInfo(
+            m.node_id, m.address, m.rails or [m.address], m.host_id, m.arena_path, m.arena_inode, m.nics, m.rdma, True
+        )
         self._retry = [c for c in self._retry if c.node_id != m.node_id]  # the inventory superseded them
         self._run_later(commands, "register-drops")
         log.info("node %s registered at %s with %d blocks", m.node_id, m.address, len(m.inventory))
@@ -333,6 +342,11 @@ class MasterService:
         removed, commands = self.table.remove(m.keys)
         self._run_later(commands, "remove-drops")
         return RemoveReply(removed)
+
+    async def _list_nodes(self, m: ListNodes) -> Message:
+        """Every registered node with how to reach it, up or down."""
+        nodes = self.table.nodes
+        return NodesReply([replace(info, up=nodes[n].up) for n, info in sorted(self._node_info.items()) if n in nodes])
 
     async def _stats(self, m: Stats) -> Message:
         stats = self.table.stats()

@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from kvstore.config import ClientConfig
 from kvstore.errors import ProtocolError
 from kvstore.node_store import PutStatus
 from kvstore.protocol import FRAME_HEADER, PutStart, PutStartReply, Stats, StatsReply, encode
@@ -70,7 +71,8 @@ def test_client_killed_mid_put_leaves_the_key_writable_after_the_reservation(clu
 def test_killed_daemon_reads_as_misses_then_comes_back_byte_exact(cluster: LocalCluster) -> None:
     data = blocks(64, seed=2)
     keys = [f"d-{i}" for i in range(len(data))]
-    with Store.connect(cluster.master_address) as store:
+    # Over the network: a same-host client would go on copying the dead daemon's blocks from its arena.
+    with Store.connect(cluster.master_address, ClientConfig(transport="tcp")) as store:
         for s in range(0, len(keys), 8):  # a batch stays on one node: several batches spread over both
             store.put_many(zip(keys[s : s + 8], data[s : s + 8], strict=True))
         cluster.kill_daemon(0)

@@ -104,18 +104,26 @@ def raw(*items: Any) -> bytes:
     [
         (b"\xc1", "not valid msgpack"),
         (b"", "not valid msgpack"),
-        (raw(1, 2), "version, kind"),
+        (raw(P.PROTOCOL_VERSION, 2), "version, kind"),
         (raw(99, P.Stats.KIND, 1, []), "version 99"),
-        (raw(1, 9999, 1, []), "unknown message kind"),
-        (raw(1, "20", 1, []), "unknown message kind"),
-        (raw(1, P.Stats.KIND, "x", []), "request id"),
-        (raw(1, P.Exists.KIND, 1, [["a", 2]]), r"Exists.keys\[1\]: expected str"),
-        (raw(1, P.Exists.KIND, 1, ["a"]), "expected a list"),
-        (raw(1, P.Exists.KIND, 1, [["a"], "extra"]), "expected 1 fields"),
-        (raw(1, P.PutStart.KIND, 1, [["a"], [True], 1, None, False]), "expected int"),
-        (raw(1, P.PutStart.KIND, 1, [["a"], [1], 1, 5, False]), "preferred_node: expected str"),
-        (raw(1, P.RegisterNode.KIND, 1, ["n", "a", 1, 1, 64, [["k", "tape", 0, 1, 2, False]]]), "expected one of"),
-        (raw(1, P.StatsReply.KIND, 1, [{"a": "b"}]), "StatsReply.stats"),
+        (raw(P.PROTOCOL_VERSION, 9999, 1, []), "unknown message kind"),
+        (raw(P.PROTOCOL_VERSION, "20", 1, []), "unknown message kind"),
+        (raw(P.PROTOCOL_VERSION, P.Stats.KIND, "x", []), "request id"),
+        (raw(P.PROTOCOL_VERSION, P.Exists.KIND, 1, [["a", 2]]), r"Exists.keys\[1\]: expected str"),
+        (raw(P.PROTOCOL_VERSION, P.Exists.KIND, 1, ["a"]), "expected a list"),
+        (raw(P.PROTOCOL_VERSION, P.Exists.KIND, 1, [["a"], "extra"]), "expected 1 fields"),
+        (raw(P.PROTOCOL_VERSION, P.PutStart.KIND, 1, [["a"], [True], 1, None, False]), "expected int"),
+        (raw(P.PROTOCOL_VERSION, P.PutStart.KIND, 1, [["a"], [1], 1, 5, False]), "preferred_node: expected str"),
+        (
+            raw(
+                P.PROTOCOL_VERSION,
+                P.RegisterNode.KIND,
+                1,
+                ["n", "a", 1, 1, 64, [["k", "tape", 0, 1, 2, False]], ["a"], "h", "p", 1, [], False],
+            ),
+            "expected one of",
+        ),
+        (raw(P.PROTOCOL_VERSION, P.StatsReply.KIND, 1, [{"a": "b"}]), "StatsReply.stats"),
     ],
 )
 def test_malformed_payloads_are_protocol_errors(payload: bytes, match: str) -> None:
@@ -133,9 +141,9 @@ def test_random_bytes_never_raise_anything_but_protocol_error(payload: bytes) ->
 def test_random_msgpack_bodies_never_raise_anything_but_protocol_error(body: Any) -> None:
     for kind in P.KIND_TO_MESSAGE:
         with contextlib.suppress(ProtocolError):
-            P.decode_payload(raw(1, kind, 1, body))
+            P.decode_payload(raw(P.PROTOCOL_VERSION, kind, 1, body))
 
 
 def test_request_id_of_a_bad_payload() -> None:
-    assert P.request_id_of(raw(1, 9999, 42, [])) == 42
+    assert P.request_id_of(raw(P.PROTOCOL_VERSION, 9999, 42, [])) == 42
     assert P.request_id_of(b"\xc1") == 0
