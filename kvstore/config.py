@@ -242,6 +242,9 @@ class DaemonConfig(_Frozen):
         default_factory=list,
         description="More hosts to serve the data plane on, one per further NIC (multi-NIC); each gets a free port.",
     )
+    ucx_port: int | None = Field(
+        default=None, ge=0, le=65535, description="Also serve the data plane over UCX on this port (0: any free one)."
+    )
     dram: DramConfig = Field(default_factory=DramConfig)
     ssd: SsdConfig = Field(default_factory=SsdConfig)
     io_timeout_s: float = Field(default=30.0, gt=0, description="Bound on each network wait inside a request.")
@@ -254,9 +257,10 @@ class ClientConfig(_Frozen):
     connections_per_daemon: int = Field(default=4, ge=1, le=64, description="Pooled data connections per node.")
     replicas: int = Field(default=1, ge=1, le=16, description="Default replicas of a put.")
     put_retries: int = Field(default=20, ge=0, description="Retries of a put that the master asked to wait.")
-    transport: Literal["auto", "tcp"] = Field(
+    transport: Literal["auto", "tcp", "ucx"] = Field(
         default="auto",
-        description="auto: shared memory with daemons on this host, tcp otherwise; tcp: always the network.",
+        description="auto: shared memory with daemons on this host, UCX where both ends have RDMA, tcp otherwise;"
+        " tcp: always tcp; ucx: UCX with every daemon that serves it (same-host ones too), tcp with the others.",
     )
     location_hints: int = Field(
         default=65536,

@@ -275,6 +275,8 @@ class NodeInfo(Struct):
     nics: list[Nic]
     rdma: bool
     """The node has an RDMA device (UCX can use verbs rather than TCP)."""
+    ucx_address: str
+    """host:port of the node's UCX data plane; empty when it serves none."""
     up: bool
 
 
@@ -293,6 +295,7 @@ class RegisterNode(Message):
     arena_inode: int
     nics: list[Nic]
     rdma: bool
+    ucx_address: str
 
 
 @wire
@@ -590,6 +593,11 @@ class WriteReply(Message):
     codes: list[int]
     """0 for a block stored, else the code of the error in :mod:`kvstore.errors`."""
     errors: list[str]
+
+    @classmethod
+    def from_outcomes(cls, outcomes: Sequence[KVStoreError | None]) -> WriteReply:
+        """Per block None (stored) or the error that refused it."""
+        return cls([0 if e is None else e.code for e in outcomes], ["" if e is None else str(e) for e in outcomes])
 
 
 @wire

@@ -263,6 +263,7 @@ def _daemon_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rail", action="append", default=[], metavar="HOST", help="also serve on this host's address (one per NIC)"
     )
+    p.add_argument("--ucx-port", type=int, default=None, help="also serve over UCX on this port (0: any free port)")
 
 
 @command("daemon", "run a storage daemon serving one node's DRAM and SSD")
@@ -278,6 +279,7 @@ def _daemon(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         rails=args.rail,
+        ucx_port=args.ucx_port,
         dram={"capacity": args.dram, "name": args.arena or args.name},
         ssd={"capacity": args.ssd, "path": args.ssd_dir if args.ssd else None},
     )

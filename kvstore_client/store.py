@@ -71,8 +71,11 @@ from kvstore.protocol import (
     WriteReply,
 )
 from kvstore.tiers.dram import ArenaMapping
+from transfer import topology
 from transfer.rpc import ConnectionPool, PendingReply
+from transfer.transports import ucx
 from transfer.transports.shm import ShmTransport
+from transfer.transports.ucx import UcxClient
 from transfer.wire import recv_into, skip
 
 T = TypeVar("T")
@@ -101,7 +104,8 @@ class Store:
         self._shm = ShmTransport() if self.config.transport == "auto" else None
         self._nodes: dict[str, NodeInfo] = {}
         self._nodes_checked = 0.0
-        self._local_addresses: set[str] = set()  # daemons whose arena this client maps
+        self._not_tcp: set[str] = set()  # daemon addresses this client reaches by shm or UCX: no speculation
+        self._ucx: UcxClient | None = None
         self._closed = False
         # Leases end once reads are done: the keys ride on the next GetReplicas, or, when no get
         # follows soon, a background thread sends them.
@@ -165,8 +169,26 @@ class Store:
         node = self._node(node_id)
         arena = self._shm.arena(node) if node is not None else None
         if arena is not None and node is not None:
-            self._local_addresses.update(node.rails)
+            self._not_tcp.update(node.rails)
         return arena
+
+    def _ucx_address(self, node_id: str) -> str | None:
+        """The node's UCX address when this client should use it: asked for, or RDMA at both ends."""
+        if self.config.transport == "tcp":
+            return None
+        node = self._node(node_id)
+        if node is None or not node.ucx_address:
+            return None
+        if self.config.transport == "auto" and not (node.rdma and topology.has_rdma() and ucx.available()):
+            return None
+        self._not_tcp.update(node.rails)
+        return node.ucx_address
+
+    def _ucx_client(self) -> UcxClient:
+        with self._lock:
+            if self._ucx is None:
+                self._ucx = UcxClient(self.config.timeout_s)
+            return self._ucx
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, key: Any, data: Any, options: PutOptions | None = None) -> PutStatus:
@@ -281,6 +303,7 @@ class Store:
         keys, offsets = [k for k, _, _, _ in blocks], [o for _, _, o, _ in blocks]
         sizes, sums = [v.nbytes for _, v, _, _ in blocks], [c for _, _, _, c in blocks]
         arena = self._local_arena(node_id)
+        ucx_address = self._ucx_address(node_id) if arena is None else None
         if arena is not None:
             for _, view, offset, _ in blocks:
                 ShmTransport.write(arena, offset, view)
@@ -289,8 +312,12 @@ class Store:
         else:
             message = WriteBlocks(keys, offsets, sizes, sums, pinned)
             payload = [v for _, v, _, _ in blocks]
-        with self._pool(address).connection() as conn:
-            reply = conn.call(message, WriteReply, payload=payload)
+        if ucx_address is not None:
+            assert isinstance(message, WriteBlocks)
+            reply = self._ucx_client().write(message, ucx_address, payload)
+        else:
+            with self._pool(address).connection() as conn:
+                reply = conn.call(message, WriteReply, payload=payload)
         if len(reply.codes) != len(blocks):
             raise ProtocolError(f"{address} answered {len(reply.codes)} results for {len(blocks)} writes")
         return list(zip(reply.codes, reply.errors, strict=True))
@@ -358,7 +385,7 @@ class Store:
         hints = self._hints
         for i, key in enumerate(keys):
             address = hints.get(key)
-            if address is not None and address not in self._local_addresses:
+            if address is not None and address not in self._not_tcp:
                 per_address.setdefault(address, []).append(i)
         out = []
         for address, idx in per_address.items():
@@ -500,6 +527,12 @@ class Store:
         return out
 
     def _read_from(self, address: str, blocks: list[tuple[LocatedRef, ReplicaRef, memoryview]]) -> list[int | None]:
+        ucx_address = self._ucx_address(blocks[0][1].node_id)
+        if ucx_address is not None:
+            return self._ucx_client().read(
+                ucx_address, [loc.key for loc, _, _ in blocks], [loc.size for loc, _, _ in blocks],
+                [view for _, _, view in blocks],
+            )  # fmt: skip
         message = ReadBlocks(
             [loc.key for loc, _, _ in blocks], [r.tier for _, r, _ in blocks], [r.offset for _, r, _ in blocks],
             [loc.size for loc, _, _ in blocks],
@@ -580,6 +613,8 @@ class Store:
         self._master.close()
         if self._shm is not None:
             self._shm.close()
+        if self._ucx is not None:
+            self._ucx.close()
         with self._lock:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)

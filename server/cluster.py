@@ -46,6 +46,7 @@ class LocalCluster:
         workdir: Path | None = None,
         master_port: int = 0,
         master_args: tuple[str, ...] = (),
+        daemon_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
     ) -> None:
         self.num_daemons = daemons
@@ -55,6 +56,7 @@ class LocalCluster:
         self.tag = f"{os.getpid()}-{int(time.time() * 1000) % 1_000_000}"
         self.master_port = master_port
         self.master_args = master_args
+        self.daemon_args = daemon_args
         self.env = {**os.environ, **(env or {})}
         self.master_address = ""
         self.master: subprocess.Popen[str] | None = None
@@ -103,6 +105,7 @@ class LocalCluster:
         args = [
             "daemon", "--master", self.master_address, "--name", self.node_name(i), "--arena", self.arena_name(i),
             "--dram", self.dram, "--ssd", self.ssd, "--ssd-dir", str(self.workdir / f"ssd-{i}"), "--port", port,
+            *self.daemon_args,
         ]  # fmt: skip
         proc = self._spawn(args, f"daemon-{i}.log")
         assert proc.stdout is not None

@@ -12,6 +12,9 @@ from types import FrameType
 from kvstore.config import DaemonConfig
 from server.daemon.service import DaemonServer, MasterLink
 from server.daemon.storage import DaemonStorage
+from transfer.transports.ucx import UcxServer, tune_environment
+
+log = logging.getLogger("kvstore.daemon")
 
 
 def run_daemon(config: DaemonConfig) -> int:
@@ -34,16 +37,35 @@ def run_daemon(config: DaemonConfig) -> int:
         storage.close()
         raise
     server.start()
+    ucx: UcxServer | None = None
+    if config.ucx_port is not None:
+        try:
+            ucx = UcxServer(storage, config.ucx_port)
+        except BaseException:
+            server.stop()
+            storage.close()
+            raise
+    ucx_address = f"{config.host}:{ucx.port}" if ucx is not None else ""
     link = MasterLink(
-        config.master, config.name, server.address, storage, timeout=config.io_timeout_s, rails=server.rails
+        config.master,
+        config.name,
+        server.address,
+        storage,
+        timeout=config.io_timeout_s,
+        rails=server.rails,
+        ucx_address=ucx_address,
     )
     link.start()
+    if ucx is not None:
+        log.info("UCX data plane on %s (%s)", ucx_address, tune_environment())
     print(f"kvstore daemon {config.name} listening on {server.address}", flush=True)
     try:
         while not stop.wait(0.5):
             pass
     finally:
         link.stop()
+        if ucx is not None:
+            ucx.stop()
         server.stop()
         storage.close()
     return 0

@@ -194,9 +194,7 @@ class DaemonServer:
         self._write_reply(sock, request_id, [r if isinstance(r, KVStoreError) else next(results) for r in reserved])
 
     def _write_reply(self, sock: socket.socket, request_id: int, outcome: list[KVStoreError | None]) -> None:
-        codes = [0 if err is None else err.code for err in outcome]
-        errors = ["" if err is None else str(err) for err in outcome]
-        send_message(sock, WriteReply(codes, errors), request_id)
+        send_message(sock, WriteReply.from_outcomes(outcome), request_id)
 
     def _read(self, msg: ReadBlocks, sock: socket.socket, request_id: int) -> None:
         keys = self._keys(msg.keys)
@@ -228,10 +226,12 @@ class MasterLink:
         *,
         timeout: float = 5.0,
         rails: Sequence[str] = (),
+        ucx_address: str = "",
         on_registered: Callable[[], None] | None = None,
     ) -> None:
         self.master = master
         self.rails = list(rails)
+        self.ucx_address = ucx_address
         self.node_id = node_id
         self.address = address
         self.storage = storage
@@ -251,7 +251,7 @@ class MasterLink:
         message = RegisterNode(
             self.node_id, self.address, arena.capacity, ssd_capacity, arena.alignment, self.storage.inventory(),
             list(self.rails or [self.address]), topology.host_id(), str(arena.path), os.stat(arena.path).st_ino,
-            topology.local_nics(), topology.has_rdma(),
+            topology.local_nics(), topology.has_rdma(), self.ucx_address,
         )  # fmt: skip
         reply = self._conn.call(message, RegisterReply)
         self._interval = max(reply.heartbeat_interval_ms, 50) / 1000

@@ -280,7 +280,16 @@ class MasterService:
             m.node_id, m.address, m.dram_capacity, m.ssd_capacity, m.alignment, m.inventory, _now_ms()
         )
         self._node_info[m.node_id] = NodeInfo(
-            m.node_id, m.address, m.rails or [m.address], m.host_id, m.arena_path, m.arena_inode, m.nics, m.rdma, True
+            m.node_id,
+            m.address,
+            m.rails or [m.address],
+            m.host_id,
+            m.arena_path,
+            m.arena_inode,
+            m.nics,
+            m.rdma,
+            m.ucx_address,
+            True,
         )
         self._retry = [c for c in self._retry if c.node_id != m.node_id]  # the inventory superseded them
         self._run_later(commands, "register-drops")
