@@ -262,6 +262,18 @@ class ClientConfig(_Frozen):
         description="auto: shared memory with daemons on this host, UCX where both ends have RDMA, tcp otherwise;"
         " tcp: always tcp; ucx: UCX with every daemon that serves it (same-host ones too), tcp with the others.",
     )
+    slice_bytes: ByteSize = Field(
+        default=parse_size("1MiB"),
+        gt=0,
+        description="With several rails to a daemon, transfers are cut into slices of this size and sprayed over them.",
+    )
+    max_slices_in_flight: int = Field(default=8, ge=1, le=256, description="Bound on slices in flight per daemon.")
+    rail_timeout_s: float = Field(
+        default=2.0, gt=0, description="A slice silent this long fails its rail and moves to another rail."
+    )
+    rail_cooldown_s: float = Field(
+        default=5.0, gt=0, description="A rail that keeps failing rests this long before it is tried again."
+    )
     location_hints: int = Field(
         default=65536,
         ge=0,

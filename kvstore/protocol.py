@@ -611,6 +611,19 @@ class ReadBlocks(Message):
 
 
 @wire
+class ReadSlices(Message):
+    """Read byte ranges of blocks (one slice of a large block per entry, for spraying over several rails).
+
+    Answered by a ReadReply: per slice the bytes sent, -1 when the block is not held or the
+    range does not lie inside it."""
+
+    KIND = 65
+    keys: list[str]
+    starts: list[int]
+    lengths: list[int]
+
+
+@wire
 class ReadReply(Message):
     """Sizes of the blocks read (-1: not held); the bytes of those held follow the frame, in order."""
 

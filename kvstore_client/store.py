@@ -72,6 +72,7 @@ from kvstore.protocol import (
 )
 from kvstore.tiers.dram import ArenaMapping
 from transfer import topology
+from transfer.rails import RailSet
 from transfer.rpc import ConnectionPool, PendingReply
 from transfer.transports import ucx
 from transfer.transports.shm import ShmTransport
@@ -106,6 +107,7 @@ class Store:
         self._nodes_checked = 0.0
         self._not_tcp: set[str] = set()  # daemon addresses this client reaches by shm or UCX: no speculation
         self._ucx: UcxClient | None = None
+        self._railsets: dict[str, RailSet] = {}
         self._closed = False
         # Leases end once reads are done: the keys ride on the next GetReplicas, or, when no get
         # follows soon, a background thread sends them.
@@ -183,6 +185,25 @@ class Store:
             return None
         self._not_tcp.update(node.rails)
         return node.ucx_address
+
+    def _railset(self, node_id: str) -> RailSet | None:
+        """Slicing and failover over the node's rails when it serves on more than one."""
+        node = self._node(node_id)
+        if node is None or len(node.rails) < 2:
+            return None
+        with self._lock:
+            railset = self._railsets.get(node_id)
+            if railset is None or [r.address for r in railset.rails] != node.rails:
+                if railset is not None:
+                    railset.close()
+                cfg = self.config
+                railset = RailSet(
+                    node.rails, timeout=cfg.rail_timeout_s, slice_bytes=cfg.slice_bytes,
+                    max_inflight=cfg.max_slices_in_flight, cooldown_s=cfg.rail_cooldown_s,
+                )  # fmt: skip
+                self._railsets[node_id] = railset
+            self._not_tcp.update(node.rails)
+            return railset
 
     def _ucx_client(self) -> UcxClient:
         with self._lock:
@@ -312,9 +333,22 @@ class Store:
         else:
             message = WriteBlocks(keys, offsets, sizes, sums, pinned)
             payload = [v for _, v, _, _ in blocks]
+        railset = self._railset(node_id) if arena is None and ucx_address is None else None
         if ucx_address is not None:
             assert isinstance(message, WriteBlocks)
             reply = self._ucx_client().write(message, ucx_address, payload)
+        elif railset is not None:
+
+            def send(pool: ConnectionPool, idx: list[int]) -> list[tuple[int, str]]:
+                part = WriteBlocks([keys[i] for i in idx], [offsets[i] for i in idx], [sizes[i] for i in idx],
+                                   [sums[i] for i in idx], pinned)  # fmt: skip
+                with pool.connection() as conn:
+                    answer = conn.call(part, WriteReply, payload=[payload[i] for i in idx])
+                if len(answer.codes) != len(idx):
+                    raise ProtocolError(f"{pool.address} answered {len(answer.codes)} results for {len(idx)} writes")
+                return list(zip(answer.codes, answer.errors, strict=True))
+
+            return railset.write(len(blocks), sizes, send)
         else:
             with self._pool(address).connection() as conn:
                 reply = conn.call(message, WriteReply, payload=payload)
@@ -527,7 +561,14 @@ class Store:
         return out
 
     def _read_from(self, address: str, blocks: list[tuple[LocatedRef, ReplicaRef, memoryview]]) -> list[int | None]:
-        ucx_address = self._ucx_address(blocks[0][1].node_id)
+        node_id = blocks[0][1].node_id
+        railset = self._railset(node_id)
+        if railset is not None:
+            return railset.read(
+                [loc.key for loc, _, _ in blocks], [loc.size for loc, _, _ in blocks],
+                [loc.checksum for loc, _, _ in blocks], [view for _, _, view in blocks],
+            )  # fmt: skip
+        ucx_address = self._ucx_address(node_id)
         if ucx_address is not None:
             return self._ucx_client().read(
                 ucx_address, [loc.key for loc, _, _ in blocks], [loc.size for loc, _, _ in blocks],
@@ -615,6 +656,8 @@ class Store:
             self._shm.close()
         if self._ucx is not None:
             self._ucx.close()
+        for railset in self._railsets.values():
+            railset.close()
         with self._lock:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)

@@ -33,6 +33,7 @@ from kvstore.protocol import (
     PromoteBlocks,
     ReadBlocks,
     ReadReply,
+    ReadSlices,
     RegisterNode,
     RegisterReply,
     WriteBlocks,
@@ -81,6 +82,7 @@ class DaemonServer:
             WriteBlocks: self._write,
             CommitBlocks: self._commit,
             ReadBlocks: self._read,
+            ReadSlices: self._read_slices,
             DemoteBlocks: lambda m, s, r: self._command(s, r, self.storage.demote(self._keys(m.keys))),
             DropBlocks: lambda m, s, r: self._command(s, r, self.storage.drop(self._keys(m.keys))),
             PromoteBlocks: lambda m, s, r: self._command(s, r, self.storage.promote(self._keys(m.keys), m.offsets)),
@@ -154,44 +156,23 @@ class DaemonServer:
         send_message(sock, CommandReply(done), request_id)
 
     def _write(self, msg: WriteBlocks, sock: socket.socket, request_id: int) -> None:
-        n = len(msg.keys)
-        if not len(msg.offsets) == len(msg.sizes) == len(msg.checksums) == n or any(s <= 0 for s in msg.sizes):
-            # The payload length is unknowable: the stream is out of step, so the connection must go.
-            raise ConnectionFailed("WriteBlocks with mismatched or non-positive sizes")
         keys = self._keys(msg.keys)
-        reserved = self.storage.begin_writes(list(zip(keys, msg.offsets, msg.sizes, strict=True)))
-        # One scatter receive for the whole batch: refused blocks land in scratch space and are dropped.
-        targets = [
-            r if isinstance(r, memoryview) else memoryview(bytearray(size))
-            for r, size in zip(reserved, msg.sizes, strict=True)
-        ]
-        writing = [(k, r) for k, r in zip(keys, reserved, strict=True) if isinstance(r, memoryview)]
         try:
-            recv_all_into(sock, targets)
+            batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned)
+        except InvalidArgument as exc:
+            # The payload length is unknowable: the stream is out of step, so the connection must go.
+            raise ConnectionFailed(f"WriteBlocks: {exc}") from None
+        try:
+            recv_all_into(sock, batch.targets)  # one scatter receive for the whole batch
         except BaseException:
-            self.storage.abort_writes(writing)
+            batch.abort()
             raise
-        results = self.storage.finish_writes(
-            [(k, r, c) for k, r, c in zip(keys, reserved, msg.checksums, strict=True) if isinstance(r, memoryview)],
-            msg.pinned,
-        )
-        outcome = iter(results)
-        self._write_reply(sock, request_id, [r if isinstance(r, KVStoreError) else next(outcome) for r in reserved])
+        self._write_reply(sock, request_id, batch.finish())
 
     def _commit(self, msg: CommitBlocks, sock: socket.socket, request_id: int) -> None:
         """Blocks a same-host client copied into their extents: reserve, check in place, commit."""
-        n = len(msg.keys)
-        if not len(msg.offsets) == len(msg.sizes) == len(msg.checksums) == n or any(s <= 0 for s in msg.sizes):
-            raise InvalidArgument("CommitBlocks with mismatched or non-positive sizes")
-        keys = self._keys(msg.keys)
-        reserved = self.storage.begin_writes(list(zip(keys, msg.offsets, msg.sizes, strict=True)))
-        results = iter(
-            self.storage.finish_writes(
-                [(k, r, c) for k, r, c in zip(keys, reserved, msg.checksums, strict=True) if isinstance(r, memoryview)],
-                msg.pinned,
-            )
-        )
-        self._write_reply(sock, request_id, [r if isinstance(r, KVStoreError) else next(results) for r in reserved])
+        batch = self.storage.write_batch(self._keys(msg.keys), msg.offsets, msg.sizes, msg.checksums, msg.pinned)
+        self._write_reply(sock, request_id, batch.finish())
 
     def _write_reply(self, sock: socket.socket, request_id: int, outcome: list[KVStoreError | None]) -> None:
         send_message(sock, WriteReply.from_outcomes(outcome), request_id)
@@ -201,6 +182,23 @@ class DaemonServer:
         with self.storage.read_views(keys) as views:
             sizes = [-1 if v is None else v.nbytes for v in views]
             send_message(sock, ReadReply(sizes), request_id, [v for v in views if v is not None])
+
+    def _read_slices(self, msg: ReadSlices, sock: socket.socket, request_id: int) -> None:
+        if not len(msg.keys) == len(msg.starts) == len(msg.lengths):
+            raise InvalidArgument("ReadSlices with mismatched keys, starts and lengths")
+        keys = self._keys(msg.keys)
+        with self.storage.read_views(keys) as views:
+            parts = [
+                v[start : start + length] if v is not None and start >= 0 and 0 < length <= v.nbytes - start else None
+                for v, start, length in zip(views, msg.starts, msg.lengths, strict=True)
+            ]
+            try:
+                sizes = [-1 if p is None else p.nbytes for p in parts]
+                send_message(sock, ReadReply(sizes), request_id, [p for p in parts if p is not None])
+            finally:
+                for part in parts:
+                    if part is not None:
+                        part.release()
 
     def stop(self) -> None:
         self._stop.set()

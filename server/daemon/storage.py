@@ -54,6 +54,57 @@ class RWLock:
                 self._cond.notify_all()
 
 
+class WriteBatch:
+    """A batch of block writes in flight: reserved extents to fill, then checked and committed together.
+
+    ``targets`` has one buffer per block, in order: its reserved extent, or scratch space for a
+    block refused (its error is reported) or already stored exactly so (a retried write: success).
+    """
+
+    def __init__(
+        self,
+        storage: DaemonStorage,
+        keys: Sequence[BlockKey],
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        checksums: Sequence[int],
+        pinned: bool,
+    ) -> None:
+        if not len(offsets) == len(sizes) == len(checksums) == len(keys) or any(s <= 0 for s in sizes):
+            raise InvalidArgument("a write batch with mismatched or non-positive sizes")
+        self._storage = storage
+        self._keys, self._checksums, self._pinned = list(keys), list(checksums), pinned
+        self._reserved = storage.begin_writes(list(zip(keys, offsets, sizes, strict=True)), checksums)
+        self.targets = [
+            r if isinstance(r, memoryview) else memoryview(bytearray(size))
+            for r, size in zip(self._reserved, sizes, strict=True)
+        ]
+        self._open = True
+
+    def abort(self) -> None:
+        """Give every reserved extent back (the bytes never all arrived)."""
+        if self._open:
+            self._open = False
+            self._storage.abort_writes(
+                [(k, r) for k, r in zip(self._keys, self._reserved, strict=True) if isinstance(r, memoryview)]
+            )
+
+    def finish(self) -> list[KVStoreError | None]:
+        """Commit the blocks whose bytes match their checksums; per block None or the error that refused it."""
+        self._open = False
+        done = iter(
+            self._storage.finish_writes(
+                [
+                    (k, r, c)
+                    for k, r, c in zip(self._keys, self._reserved, self._checksums, strict=True)
+                    if isinstance(r, memoryview)
+                ],
+                self._pinned,
+            )
+        )
+        return [next(done) if isinstance(r, memoryview) else r for r in self._reserved]
+
+
 class DaemonStorage:
     def __init__(self, dram: DramConfig, ssd: SsdConfig) -> None:
         self.arena = DramArena(dram, managed=False)
@@ -85,11 +136,31 @@ class DaemonStorage:
         return [item for _, item in sorted(dram + ssd, key=lambda p: p[0])]
 
     # -- writes ------------------------------------------------------------------
-    def begin_writes(self, blocks: Sequence[tuple[BlockKey, int, int]]) -> list[memoryview | KVStoreError]:
-        """Reserve each (key, offset, size) in the arena: a writable view, or the error that refused it."""
-        out: list[memoryview | KVStoreError] = []
+    def write_batch(
+        self,
+        keys: Sequence[BlockKey],
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        checksums: Sequence[int],
+        pinned: bool = False,
+    ) -> WriteBatch:
+        return WriteBatch(self, keys, offsets, sizes, checksums, pinned)
+
+    def begin_writes(
+        self, blocks: Sequence[tuple[BlockKey, int, int]], checksums: Sequence[int] | None = None
+    ) -> list[memoryview | KVStoreError | None]:
+        """Reserve each (key, offset, size) in the arena: a writable view, or the error that refused it.
+
+        With ``checksums``: None for a block already stored exactly so (a retried write whose
+        first answer was lost), which needs no bytes."""
+        out: list[memoryview | KVStoreError | None] = []
         with self.lock.exclusive():
-            for key, offset, size in blocks:
+            for i, (key, offset, size) in enumerate(blocks):
+                if checksums is not None and key in self.arena:
+                    entry = self.arena.entry(key)
+                    if (self.arena.extent(key).offset, entry.size, entry.checksum) == (offset, size, checksums[i]):
+                        out.append(None)
+                        continue
                 try:
                     out.append(self.arena.begin_at(key, offset, size))
                 except KVStoreError as exc:

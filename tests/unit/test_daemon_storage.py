@@ -86,3 +86,22 @@ def test_pins_are_recorded_for_the_next_master(storage: DaemonStorage) -> None:
     assert storage.finish_writes([(K("p"), view, checksum(b"p" * 10))], pinned=True) == [None]
     write(storage, "q", KB, b"q" * 10)
     assert [(i.key, i.pinned) for i in storage.inventory()] == [("p", True), ("q", False)]
+
+
+def test_a_retried_write_batch_succeeds_without_its_bytes_and_an_aborted_one_frees_its_extents(
+    storage: DaemonStorage,
+) -> None:
+    data = b"r" * KB
+    batch = storage.write_batch([K("r")], [0], [KB], [checksum(data)])
+    batch.targets[0][:] = data
+    assert batch.finish() == [None]
+    # The same write again (its first answer was lost): nothing to receive, reported stored.
+    again = storage.write_batch([K("r"), K("s")], [0, 2 * KB], [KB, KB], [checksum(data), checksum(data)])
+    assert again.targets[0].obj is not storage.arena._mm  # scratch, not the stored extent
+    again.abort()
+    assert "s" not in storage.arena and "r" in storage.arena
+    other = storage.write_batch([K("r")], [0], [KB], [checksum(b"x" * KB)])  # other bytes: refused
+    [err] = other.finish()
+    assert isinstance(err, InvalidArgument) and "already" in str(err)
+    with pytest.raises(InvalidArgument, match="mismatched"):
+        storage.write_batch([K("t")], [0, 1], [KB], [0])

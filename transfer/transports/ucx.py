@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, ProtocolError, Timeout
+from kvstore.keys import validate_key
 from kvstore.protocol import (
     MAX_FRAME_BYTES,
     ErrorReply,
@@ -155,8 +156,6 @@ class UcxServer:
                 ep.abort()
 
     async def _read(self, ep: Any, msg: ReadBlocks, request_id: int) -> None:
-        from kvstore.keys import validate_key
-
         keys = [validate_key(k) for k in msg.keys]
         with self.storage.read_views(keys) as views:
             await _send_frame(ep, ReadReply([-1 if v is None else v.nbytes for v in views]), request_id)
@@ -165,31 +164,18 @@ class UcxServer:
                     await ep.send(view)
 
     async def _write(self, ep: Any, msg: WriteBlocks, request_id: int) -> None:
-        from kvstore.keys import validate_key
-
-        n = len(msg.keys)
-        if not len(msg.offsets) == len(msg.sizes) == len(msg.checksums) == n or any(s <= 0 for s in msg.sizes):
-            raise ConnectionFailed("WriteBlocks with mismatched or non-positive sizes")  # payload unknowable
         keys = [validate_key(k) for k in msg.keys]
-        reserved = self.storage.begin_writes(list(zip(keys, msg.offsets, msg.sizes, strict=True)))
-        writing = [(k, r) for k, r in zip(keys, reserved, strict=True) if isinstance(r, memoryview)]
         try:
-            for r, size in zip(reserved, msg.sizes, strict=True):
-                await ep.recv(r if isinstance(r, memoryview) else np.empty(size, dtype=np.uint8))
+            batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned)
+        except InvalidArgument as exc:
+            raise ConnectionFailed(f"WriteBlocks: {exc}") from None  # the payload is unknowable
+        try:
+            for target in batch.targets:
+                await ep.recv(target)
         except BaseException:
-            self.storage.abort_writes(writing)
+            batch.abort()
             raise
-        done = iter(
-            self.storage.finish_writes(
-                [(k, r, c) for k, r, c in zip(keys, reserved, msg.checksums, strict=True) if isinstance(r, memoryview)],
-                msg.pinned,
-            )
-        )
-        outcome = [r if isinstance(r, KVStoreError) else next(done) for r in reserved]
-        reply = WriteReply(
-            [0 if e is None else e.code for e in outcome], ["" if e is None else str(e) for e in outcome]
-        )
-        await _send_frame(ep, reply, request_id)
+        await _send_frame(ep, WriteReply.from_outcomes(batch.finish()), request_id)
 
     def stop(self) -> None:
         async def close() -> None:

@@ -1,0 +1,224 @@
+"""Several rails to one daemon: slices sprayed by measured bandwidth, and failover between rails.
+
+A rail is one data-plane address of a daemon (one per NIC it serves on); the
+kernel routes each to the local NIC on its link. A read is cut into slices
+of at most ``slice_bytes`` (small blocks share a slice); a pool of at most
+``max_inflight`` workers pulls slices from one queue, each worker bound to a
+rail, with each rail given workers in proportion to its bandwidth (an EWMA of
+what its slices achieved). A faster rail also pulls more slices. Writes go
+the same way at block granularity (a block is committed whole or not at all).
+
+A slice whose rail fails (refused, reset, or silent past ``timeout``) goes
+back to the queue for another rail; a rail that failed ``pause_after`` times
+in a row rests for ``cooldown_s`` and is then tried again (a probe: one more
+failure rests it again, a success restores it). A transfer fails with a
+typed error only when no rail is left to carry it. Every block read over
+slices is checked against its checksum, so a block is returned whole and
+exact, or as a miss.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
+from kvstore.keys import checksum
+from kvstore.protocol import ReadReply, ReadSlices
+from transfer.rpc import ConnectionPool
+from transfer.wire import recv_into, skip
+
+T = TypeVar("T")
+
+# A rail nobody measured yet is assumed to be as fast as this, until its first slice says otherwise.
+_UNMEASURED_BPS = 1e9
+
+
+@dataclass
+class Rail:
+    address: str
+    pool: ConnectionPool
+    bandwidth: float = 0.0
+    """EWMA of bytes/s over this rail's slices; 0 until measured."""
+    failures: int = 0
+    """Consecutive failures."""
+    paused_until: float = 0.0
+    bytes_moved: int = 0
+
+
+@dataclass
+class _Job:
+    parts: list[tuple[int, int, int]]
+    """(block index, start, length) slices, together at most one slice's bytes."""
+    nbytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(length for _, _, length in self.parts)
+
+
+class RailSet:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        timeout: float,
+        slice_bytes: int,
+        max_inflight: int,
+        cooldown_s: float,
+        pause_after: int = 2,
+        alpha: float = 0.3,
+    ) -> None:
+        self.rails = [Rail(a, ConnectionPool(a, timeout, size=max_inflight)) for a in addresses]
+        self.slice_bytes = slice_bytes
+        self.max_inflight = max_inflight
+        self.cooldown_s = cooldown_s
+        self.pause_after = pause_after
+        self.alpha = alpha
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=max_inflight + len(self.rails), thread_name_prefix="rail")
+
+    # -- rail state -----------------------------------------------------------------------
+    def usable(self) -> list[Rail]:
+        """Rails not resting (a rail whose cooldown is over is tried again)."""
+        now = time.monotonic()
+        return [r for r in self.rails if r.paused_until <= now]
+
+    def _succeeded(self, rail: Rail, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            rate = nbytes / max(seconds, 1e-6)
+            rail.bandwidth = rate if rail.bandwidth == 0 else (1 - self.alpha) * rail.bandwidth + self.alpha * rate
+            rail.failures = 0
+            rail.paused_until = 0.0
+            rail.bytes_moved += nbytes
+
+    def _failed(self, rail: Rail) -> None:
+        with self._lock:
+            rail.failures += 1
+            if rail.failures >= self.pause_after:
+                rail.paused_until = time.monotonic() + self.cooldown_s
+
+    def _workers(self, rails: list[Rail], jobs: int) -> list[Rail]:
+        """One entry per worker: each rail's share of ``max_inflight`` by bandwidth, at least one each."""
+        measured = [r.bandwidth for r in rails if r.bandwidth > 0]
+        default = sum(measured) / len(measured) if measured else _UNMEASURED_BPS
+        rates = [r.bandwidth or default for r in rails]
+        total = sum(rates)
+        budget = max(len(rails), min(self.max_inflight, jobs))
+        out: list[Rail] = []
+        for rail, rate in zip(rails, rates, strict=True):
+            out.extend([rail] * max(1, round(budget * rate / total)))
+        return out
+
+    # -- transfers ------------------------------------------------------------------------------
+    def _run(self, jobs: list[_Job], do: Callable[[Rail, _Job], None], what: str) -> None:
+        """Carry every job over the usable rails; raises ConnectionFailed when no rail is left for some."""
+        queue = deque(jobs)
+        lock = threading.Lock()
+        errors: list[BaseException] = []
+        failed: set[str] = set()  # rails that failed during this transfer: they carry no more of it
+
+        def worker(rail: Rail) -> None:
+            while True:
+                with lock:
+                    if errors or not queue or rail.address in failed:
+                        return
+                    job = queue.popleft()
+                start = time.perf_counter()
+                try:
+                    do(rail, job)
+                except (ConnectionFailed, Timeout):
+                    self._failed(rail)
+                    with lock:
+                        failed.add(rail.address)
+                        queue.appendleft(job)  # for another rail
+                    return
+                except BaseException as exc:
+                    with lock:
+                        errors.append(exc)
+                    return
+                self._succeeded(rail, job.nbytes, time.perf_counter() - start)
+
+        while queue and not errors:
+            rails = [r for r in self.usable() if r.address not in failed]
+            if not rails:
+                raise ConnectionFailed(f"{what}: no rail left of {[r.address for r in self.rails]}")
+            futures: list[Future[None]] = [self._executor.submit(worker, r) for r in self._workers(rails, len(queue))]
+            for f in futures:
+                f.result()
+        if errors:
+            raise errors[0]
+
+    def read(
+        self, keys: Sequence[str], sizes: Sequence[int], checksums: Sequence[int], views: Sequence[memoryview]
+    ) -> list[int | None]:
+        """Read whole blocks into ``views`` over every rail; per block its size, or None (a miss)."""
+        jobs: list[_Job] = []
+        small: list[tuple[int, int, int]] = []
+        small_bytes = 0
+        for i, size in enumerate(sizes):
+            if size > self.slice_bytes:
+                jobs.extend(_Job([(i, s, min(self.slice_bytes, size - s))]) for s in range(0, size, self.slice_bytes))
+            else:
+                if small_bytes + size > self.slice_bytes and small:
+                    jobs.append(_Job(small))
+                    small, small_bytes = [], 0
+                small.append((i, 0, size))
+                small_bytes += size
+        if small:
+            jobs.append(_Job(small))
+        missing: set[int] = set()
+
+        def fetch(rail: Rail, job: _Job) -> None:
+            message = ReadSlices([keys[i] for i, _, _ in job.parts], [s for _, s, _ in job.parts],
+                                 [n for _, _, n in job.parts])  # fmt: skip
+            with rail.pool.connection() as conn, conn.exchange(message) as (reply, sock):
+                if not isinstance(reply, ReadReply) or len(reply.sizes) != len(job.parts):
+                    raise ProtocolError(f"{rail.address} sent a malformed reply to ReadSlices")
+                for got, (i, start, length) in zip(reply.sizes, job.parts, strict=True):
+                    if got < 0:
+                        missing.add(i)
+                    elif got != length:
+                        skip(sock, got)
+                        missing.add(i)
+                    else:
+                        recv_into(sock, views[i][start : start + length])
+
+        self._run(jobs, fetch, f"reading {len(keys)} blocks")
+        out: list[int | None] = []
+        for i, size in enumerate(sizes):
+            ok = i not in missing and checksum(views[i][:size]) == checksums[i]
+            out.append(size if ok else None)
+        return out
+
+    def write(self, count: int, nbytes: Sequence[int], send: Callable[[ConnectionPool, list[int]], list[T]]) -> list[T]:
+        """Send ``count`` blocks as whole-block groups over the rails (``send(pool, indexes)`` writes one group)."""
+        jobs: list[_Job] = []
+        group: list[tuple[int, int, int]] = []
+        group_bytes = 0
+        for i in range(count):
+            if group and group_bytes + nbytes[i] > self.slice_bytes:
+                jobs.append(_Job(group))
+                group, group_bytes = [], 0
+            group.append((i, 0, nbytes[i]))
+            group_bytes += nbytes[i]
+        if group:
+            jobs.append(_Job(group))
+        results: dict[int, T] = {}
+
+        def put(rail: Rail, job: _Job) -> None:
+            idx = [i for i, _, _ in job.parts]
+            for i, outcome in zip(idx, send(rail.pool, idx), strict=True):
+                results[i] = outcome
+
+        self._run(jobs, put, f"writing {count} blocks")
+        return [results[i] for i in range(count)]
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        for rail in self.rails:
+            rail.pool.close()
