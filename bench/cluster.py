@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.config import parse_size
+from kvstore.config import ClientConfig, parse_size
 from kvstore.metadata import PlacementTable
 from kvstore.policy import EvictionPolicy
 from kvstore_client.store import Store
@@ -208,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     total = parse_size(args.total)
     ours: list[dict[str, Any]] = []
-    with LocalCluster(1, dram=args.dram) as cluster, Store.connect(cluster.master_address) as store:
+    # transport=tcp: these figures are the network data plane against raw TCP (same-host clients would use shm).
+    config = ClientConfig(transport="tcp")
+    with LocalCluster(1, dram=args.dram) as cluster, Store.connect(cluster.master_address, config) as store:
         raw = RawTcp(max(sizes) * max(batches))
         try:
             for size in sizes:

@@ -123,7 +123,10 @@ class ArenaMapping:
         try:
             self.capacity, _, self.alignment, self.data_offset, total = _check_header(self.path, fd)
             self.inode = os.fstat(fd).st_ino
-            self._mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: map every page now, or each first touch of a page costs a fault (measured:
+            # same-host puts of fresh extents ran at 2 GB/s with faults, against memcpy's 15-25 GB/s).
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(fd, total, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self._buf = memoryview(self._mm)
