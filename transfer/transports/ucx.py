@@ -12,8 +12,13 @@ raw Python sockets ~3-5 GB/s on the same machine):
 - ``UCX_TCP_TX_SEG_SIZE``/``UCX_TCP_RX_SEG_SIZE`` = 1M: UCX's 8 KiB default
   segments cost a progress round per segment: 0.56 -> 1.43 GB/s.
 - ``UCXPY_PROGRESS_MODE=blocking``: progress on the event loop, woken by the
-  worker's event fd, instead of a progress thread: 1.43 -> 2.98 GB/s, and no
-  CPU when idle ("polling" reached 4.8 GB/s but spins a core forever).
+  worker's event fd, instead of a progress thread: 1.43 -> 2.98 GB/s ("thread"
+  mode made the store's 1 MiB gets 4x slower than tcp; "polling" reached
+  4.8 GB/s but spins a core forever). UCXX 0.52 never re-arms the worker in
+  this mode, so a client spun a core after its first transfer: see
+  :func:`_rearm_blocking_progress`. A daemon still spins one core while a UCX
+  client is connected (its posted receive keeps the worker busy), which is why
+  the daemon serves UCX only when asked (``--ucx-port``).
 - ``UCX_TLS=tcp,self`` on hosts without an RDMA device (UCX's own choice on
   loopback was slower: 0.45 GB/s).
 
@@ -23,6 +28,7 @@ Each is only a default: a variable already set in the environment wins.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import os
@@ -79,7 +85,30 @@ def _import_ucxx() -> Any:
     tune_environment()
     import ucxx
 
+    _rearm_blocking_progress()
     return ucxx
+
+
+def _rearm_blocking_progress() -> None:
+    """Make UCXX's blocking progress mode sleep when idle.
+
+    UCXX 0.52's ``BlockingMode`` progresses the worker when its epoll fd fires
+    but never arms the worker again, so the fd stays readable and the event
+    loop spins a core for good after the first transfer (measured: a daemon
+    and a client each at 99% CPU while idle). ucx-py re-armed there; so do we.
+    """
+    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
+
+    if getattr(BlockingMode, "_kvstore_rearms", False):
+        return
+
+    def fd_reader_callback(self: Any) -> None:
+        self.worker.progress()
+        if self.arm_task is None or self.arm_task.done():
+            self.arm_task = self.event_loop.create_task(self._arm_worker())
+
+    BlockingMode._fd_reader_callback = fd_reader_callback
+    BlockingMode._kvstore_rearms = True
 
 
 class _LoopThread:
@@ -99,6 +128,16 @@ class _LoopThread:
             raise Timeout(f"UCX operation took more than {timeout} s") from None
 
     def stop(self) -> None:
+        """Cancel what still runs on the loop (UCXX's progress tasks too), then stop it."""
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(KVStoreError):  # a task that would not end: stop the loop anyway
+            self.run(cancel_all(), 5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
 
