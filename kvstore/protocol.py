@@ -574,8 +574,25 @@ class WriteBlocks(Message):
 
 
 @wire
+class WriteSlices(Message):
+    """Write byte ranges of blocks into their reserved extents (the slices of large blocks, sprayed over rails).
+
+    Each block is reserved by its first slice to arrive, on whichever rail; its bytes follow the
+    frame, slice after slice. Answered by a WriteReply per slice; the blocks stay invisible until a
+    CommitBlocks names them."""
+
+    KIND = 66
+    keys: list[str]
+    offsets: list[int]
+    sizes: list[int]
+    starts: list[int]
+    lengths: list[int]
+
+
+@wire
 class CommitBlocks(Message):
-    """Commit blocks whose bytes a same-host client already copied into their reserved DRAM extents.
+    """Commit blocks whose bytes are already in their reserved DRAM extents: copied there by a
+    same-host client, or written by WriteSlices.
 
     Nothing follows the frame; the daemon checks each block's checksum in place."""
 

@@ -338,17 +338,7 @@ class Store:
             assert isinstance(message, WriteBlocks)
             reply = self._ucx_client().write(message, ucx_address, payload)
         elif railset is not None:
-
-            def send(pool: ConnectionPool, idx: list[int]) -> list[tuple[int, str]]:
-                part = WriteBlocks([keys[i] for i in idx], [offsets[i] for i in idx], [sizes[i] for i in idx],
-                                   [sums[i] for i in idx], pinned)  # fmt: skip
-                with pool.connection() as conn:
-                    answer = conn.call(part, WriteReply, payload=[payload[i] for i in idx])
-                if len(answer.codes) != len(idx):
-                    raise ProtocolError(f"{pool.address} answered {len(answer.codes)} results for {len(idx)} writes")
-                return list(zip(answer.codes, answer.errors, strict=True))
-
-            return railset.write(len(blocks), sizes, send)
+            return railset.write(keys, offsets, sums, [v for _, v, _, _ in blocks], pinned)
         else:
             with self._pool(address).connection() as conn:
                 reply = conn.call(message, WriteReply, payload=payload)

@@ -6,7 +6,8 @@ of at most ``slice_bytes`` (small blocks share a slice); a pool of at most
 ``max_inflight`` workers pulls slices from one queue, each worker bound to a
 rail, with each rail given workers in proportion to its bandwidth (an EWMA of
 what its slices achieved). A faster rail also pulls more slices. Writes go
-the same way at block granularity (a block is committed whole or not at all).
+the same way: small blocks whole, large ones in slices that the daemon
+commits together once all have landed (a block is stored whole or not at all).
 
 A slice whose rail fails (refused, reset, or silent past ``timeout``) goes
 back to the queue for another rail; a rail that failed ``pause_after`` times
@@ -25,15 +26,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
 from kvstore.keys import checksum
-from kvstore.protocol import ReadReply, ReadSlices
+from kvstore.protocol import CommitBlocks, ReadReply, ReadSlices, WriteBlocks, WriteReply, WriteSlices
 from transfer.rpc import ConnectionPool
 from transfer.wire import recv_into, skip
-
-T = TypeVar("T")
 
 # A rail nobody measured yet is assumed to be as fast as this, until its first slice says otherwise.
 _UNMEASURED_BPS = 1e9
@@ -195,28 +193,78 @@ class RailSet:
             out.append(size if ok else None)
         return out
 
-    def write(self, count: int, nbytes: Sequence[int], send: Callable[[ConnectionPool, list[int]], list[T]]) -> list[T]:
-        """Send ``count`` blocks as whole-block groups over the rails (``send(pool, indexes)`` writes one group)."""
+    def write(
+        self,
+        keys: Sequence[str],
+        offsets: Sequence[int],
+        checksums: Sequence[int],
+        views: Sequence[memoryview],
+        pinned: bool,
+    ) -> list[tuple[int, str]]:
+        """Write blocks into their reserved extents over every rail; per block (error code or 0, message).
+
+        Blocks up to ``slice_bytes`` travel whole, several to a WriteBlocks; larger ones in
+        slices (WriteSlices, any rail each), then one CommitBlocks makes the daemon check and
+        commit them, so a block is stored whole or not at all."""
         jobs: list[_Job] = []
         group: list[tuple[int, int, int]] = []
         group_bytes = 0
-        for i in range(count):
-            if group and group_bytes + nbytes[i] > self.slice_bytes:
+        sliced: list[int] = []
+        for i, view in enumerate(views):
+            size = view.nbytes
+            if size > self.slice_bytes:
+                sliced.append(i)
+                jobs.extend(_Job([(i, s, min(self.slice_bytes, size - s))]) for s in range(0, size, self.slice_bytes))
+                continue
+            if group and group_bytes + size > self.slice_bytes:
                 jobs.append(_Job(group))
                 group, group_bytes = [], 0
-            group.append((i, 0, nbytes[i]))
-            group_bytes += nbytes[i]
+            group.append((i, 0, size))
+            group_bytes += size
         if group:
             jobs.append(_Job(group))
-        results: dict[int, T] = {}
+        sliced_set = set(sliced)
+        results: dict[int, tuple[int, str]] = {}
+        lock = threading.Lock()
 
         def put(rail: Rail, job: _Job) -> None:
             idx = [i for i, _, _ in job.parts]
-            for i, outcome in zip(idx, send(rail.pool, idx), strict=True):
-                results[i] = outcome
+            message: WriteBlocks | WriteSlices
+            if idx[0] not in sliced_set:
+                message = WriteBlocks([keys[i] for i in idx], [offsets[i] for i in idx],
+                                      [views[i].nbytes for i in idx], [checksums[i] for i in idx], pinned)  # fmt: skip
+                payload = [views[i] for i in idx]
+            else:
+                i, start, length = job.parts[0]
+                message = WriteSlices([keys[i]], [offsets[i]], [views[i].nbytes], [start], [length])
+                payload = [views[i][start : start + length]]
+            with rail.pool.connection() as conn:
+                reply = conn.call(message, WriteReply, payload=payload)
+            if len(reply.codes) != len(idx):
+                raise ProtocolError(f"{rail.address} answered {len(reply.codes)} results for {len(idx)} writes")
+            with lock:
+                for i, code, text in zip(idx, reply.codes, reply.errors, strict=True):
+                    if code or i not in results:  # a block's first failing slice names its failure
+                        results[i] = (code, text)
 
-        self._run(jobs, put, f"writing {count} blocks")
-        return [results[i] for i in range(count)]
+        self._run(jobs, put, f"writing {len(keys)} blocks")
+        ready = [i for i in sliced if not results[i][0]]
+        if ready:
+
+            def commit(rail: Rail, job: _Job) -> None:
+                sizes = [views[i].nbytes for i in ready]
+                message = CommitBlocks(
+                    [keys[i] for i in ready], [offsets[i] for i in ready], sizes, [checksums[i] for i in ready], pinned
+                )
+                with rail.pool.connection() as conn:
+                    reply = conn.call(message, WriteReply)
+                if len(reply.codes) != len(ready):
+                    raise ProtocolError(f"{rail.address} answered {len(reply.codes)} commits for {len(ready)}")
+                for i, code, text in zip(ready, reply.codes, reply.errors, strict=True):
+                    results[i] = (code, text)
+
+            self._run([_Job([(ready[0], 0, 0)])], commit, f"committing {len(ready)} sliced blocks")
+        return [results[i] for i in range(len(keys))]
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

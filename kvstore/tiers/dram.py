@@ -357,6 +357,18 @@ class DramArena(IndexedTier[_Slot]):
         start = self._data_offset + extent.offset
         return self._buf[start : start + size]
 
+    def is_pending(self, key: BlockKey) -> bool:
+        """Whether ``key`` is being written (begun, not yet committed or aborted)."""
+        return key in self._pending
+
+    def pending_view(self, key: BlockKey, offset: int, size: int) -> memoryview | None:
+        """A writable view of ``key`` while it is being written at exactly (offset, size); None otherwise."""
+        slot = self._pending.get(key)
+        if slot is None or slot.extent.offset != offset or slot.size != size:
+            return None
+        start = self._data_offset + offset
+        return self._buf[start : start + size]
+
     def commit(self, key: BlockKey, checksum: int, seq: int, pinned: bool = False) -> None:
         slot = self._pending.pop(key)
         slot.checksum, slot.seq, slot.pinned = checksum, seq, pinned

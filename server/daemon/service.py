@@ -38,6 +38,7 @@ from kvstore.protocol import (
     RegisterReply,
     WriteBlocks,
     WriteReply,
+    WriteSlices,
 )
 from server.daemon.storage import DaemonStorage
 from transfer import topology
@@ -78,13 +79,17 @@ class DaemonServer:
         self._threads: list[threading.Thread] = []
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        # Connections receiving slices into a block's extent, by key: once the block is committed or
+        # dropped they are cut, so that a stalled one (its rail died) never writes into a reused extent.
+        self._slice_receivers: dict[str, set[socket.socket]] = {}
         self._handlers: dict[type[Message], Handler] = {
             WriteBlocks: self._write,
             CommitBlocks: self._commit,
             ReadBlocks: self._read,
             ReadSlices: self._read_slices,
+            WriteSlices: self._write_slices,
             DemoteBlocks: lambda m, s, r: self._command(s, r, self.storage.demote(self._keys(m.keys))),
-            DropBlocks: lambda m, s, r: self._command(s, r, self.storage.drop(self._keys(m.keys))),
+            DropBlocks: lambda m, s, r: self._command(s, r, self._drop(self._keys(m.keys))),
             PromoteBlocks: lambda m, s, r: self._command(s, r, self.storage.promote(self._keys(m.keys), m.offsets)),
         }
 
@@ -169,10 +174,54 @@ class DaemonServer:
             raise
         self._write_reply(sock, request_id, batch.finish())
 
+    def _write_slices(self, msg: WriteSlices, sock: socket.socket, request_id: int) -> None:
+        n = len(msg.keys)
+        if not len(msg.offsets) == len(msg.sizes) == len(msg.starts) == len(msg.lengths) == n or any(
+            length <= 0 for length in msg.lengths
+        ):
+            raise ConnectionFailed("WriteSlices with mismatched or non-positive lengths")  # payload unknowable
+        keys = self._keys(msg.keys)
+        views = self.storage.slice_views(list(zip(keys, msg.offsets, msg.sizes, msg.starts, msg.lengths, strict=True)))
+        targets = [
+            v if isinstance(v, memoryview) else memoryview(bytearray(n))
+            for v, n in zip(views, msg.lengths, strict=True)
+        ]
+        with self._conns_lock:
+            for key in keys:
+                self._slice_receivers.setdefault(key, set()).add(sock)
+        try:
+            # A failure here leaves the blocks being written: the master's revoke or expiry drops them.
+            recv_all_into(sock, targets)
+        finally:
+            with self._conns_lock:
+                for key in keys:
+                    receivers = self._slice_receivers.get(key)
+                    if receivers is not None:
+                        receivers.discard(sock)
+                        if not receivers:
+                            del self._slice_receivers[key]
+        self._write_reply(sock, request_id, [v if isinstance(v, KVStoreError) else None for v in views])
+
     def _commit(self, msg: CommitBlocks, sock: socket.socket, request_id: int) -> None:
-        """Blocks a same-host client copied into their extents: reserve, check in place, commit."""
-        batch = self.storage.write_batch(self._keys(msg.keys), msg.offsets, msg.sizes, msg.checksums, msg.pinned)
-        self._write_reply(sock, request_id, batch.finish())
+        """Blocks whose bytes are in their extents already (copied by a same-host client, or written in
+        slices): reserve where needed, check in place, commit."""
+        keys = self._keys(msg.keys)
+        batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned, join=True)
+        outcome = batch.finish()
+        self._cut_slice_receivers(keys)
+        self._write_reply(sock, request_id, outcome)
+
+    def _drop(self, keys: list[BlockKey]) -> list[bool]:
+        done = self.storage.drop(keys)
+        self._cut_slice_receivers(keys)
+        return done
+
+    def _cut_slice_receivers(self, keys: list[BlockKey]) -> None:
+        with self._conns_lock:
+            stale = {sock for key in keys for sock in self._slice_receivers.pop(key, ())}
+        for sock in stale:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _write_reply(self, sock: socket.socket, request_id: int, outcome: list[KVStoreError | None]) -> None:
         send_message(sock, WriteReply.from_outcomes(outcome), request_id)

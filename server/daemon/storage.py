@@ -69,12 +69,13 @@ class WriteBatch:
         sizes: Sequence[int],
         checksums: Sequence[int],
         pinned: bool,
+        join: bool = False,
     ) -> None:
         if not len(offsets) == len(sizes) == len(checksums) == len(keys) or any(s <= 0 for s in sizes):
             raise InvalidArgument("a write batch with mismatched or non-positive sizes")
         self._storage = storage
         self._keys, self._checksums, self._pinned = list(keys), list(checksums), pinned
-        self._reserved = storage.begin_writes(list(zip(keys, offsets, sizes, strict=True)), checksums)
+        self._reserved = storage.begin_writes(list(zip(keys, offsets, sizes, strict=True)), checksums, join=join)
         self.targets = [
             r if isinstance(r, memoryview) else memoryview(bytearray(size))
             for r, size in zip(self._reserved, sizes, strict=True)
@@ -136,6 +137,20 @@ class DaemonStorage:
         return [item for _, item in sorted(dram + ssd, key=lambda p: p[0])]
 
     # -- writes ------------------------------------------------------------------
+    def slice_views(self, slices: Sequence[tuple[BlockKey, int, int, int, int]]) -> list[memoryview | KVStoreError]:
+        """For each (key, offset, size, start, length): a writable view of that range of the block,
+        reserving the block at its first slice; or the error that refused it."""
+        out: list[memoryview | KVStoreError] = []
+        views = self.begin_writes([(k, o, s) for k, o, s, _, _ in slices], join=True)
+        for (key, _, size, start, length), view in zip(slices, views, strict=True):
+            if isinstance(view, KVStoreError):
+                out.append(view)
+            elif view is None or not (start >= 0 and 0 < length <= size - start):
+                out.append(InvalidArgument(f"slice ({start}, {length}) of block {key!r} of {size} bytes"))
+            else:
+                out.append(view[start : start + length])
+        return out
+
     def write_batch(
         self,
         keys: Sequence[BlockKey],
@@ -143,19 +158,27 @@ class DaemonStorage:
         sizes: Sequence[int],
         checksums: Sequence[int],
         pinned: bool = False,
+        join: bool = False,
     ) -> WriteBatch:
-        return WriteBatch(self, keys, offsets, sizes, checksums, pinned)
+        """``join``: a block already being written at the same extent (by WriteSlices) is committed as it is."""
+        return WriteBatch(self, keys, offsets, sizes, checksums, pinned, join)
 
     def begin_writes(
-        self, blocks: Sequence[tuple[BlockKey, int, int]], checksums: Sequence[int] | None = None
+        self, blocks: Sequence[tuple[BlockKey, int, int]], checksums: Sequence[int] | None = None, join: bool = False
     ) -> list[memoryview | KVStoreError | None]:
         """Reserve each (key, offset, size) in the arena: a writable view, or the error that refused it.
 
         With ``checksums``: None for a block already stored exactly so (a retried write whose
-        first answer was lost), which needs no bytes."""
+        first answer was lost), which needs no bytes. With ``join``: a block already being
+        written at the same extent gives its view again (the slices of one block)."""
         out: list[memoryview | KVStoreError | None] = []
         with self.lock.exclusive():
             for i, (key, offset, size) in enumerate(blocks):
+                if join and self.arena.is_pending(key):
+                    view = self.arena.pending_view(key, offset, size)
+                    out.append(view if view is not None else InvalidArgument(
+                        f"block {key!r} is being written at another extent"))  # fmt: skip
+                    continue
                 if checksums is not None and key in self.arena:
                     entry = self.arena.entry(key)
                     if (self.arena.extent(key).offset, entry.size, entry.checksum) == (offset, size, checksums[i]):
@@ -176,7 +199,11 @@ class DaemonStorage:
         with self.lock.exclusive():
             for (key, view, expected), actual in zip(blocks, sums, strict=True):
                 view.release()
-                if actual != expected:
+                if not self.arena.is_pending(key):
+                    # Committed or dropped meanwhile (the slices of one block commit once).
+                    stored = key in self.arena and self.arena.entry(key).checksum == expected
+                    out.append(None if stored else InvalidArgument(f"block {key!r} is no longer being written"))
+                elif actual != expected:
                     self.arena.abort(key)
                     out.append(
                         CorruptBlock(f"block {key!r} arrived with checksum {actual:#x}, the writer said {expected:#x}")
@@ -190,7 +217,8 @@ class DaemonStorage:
         with self.lock.exclusive():
             for key, view in blocks:
                 view.release()
-                self.arena.abort(key)
+                if self.arena.is_pending(key):
+                    self.arena.abort(key)
 
     # -- reads ---------------------------------------------------------------------
     @contextmanager
@@ -247,6 +275,9 @@ class DaemonStorage:
             for key in keys:
                 if key in self.arena:
                     self.arena.delete(key)
+                    out.append(True)
+                elif self.arena.is_pending(key):
+                    self.arena.abort(key)  # a reservation given up (revoked or expired) with slices written
                     out.append(True)
                 elif self.ssd is not None and key in self.ssd:
                     on_ssd.append(key)

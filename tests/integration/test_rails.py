@@ -46,6 +46,20 @@ def test_blocks_are_sliced_over_both_rails_and_come_back_exact(store: Store) -> 
     assert railset is not None and all(r.bytes_moved > 0 and r.bandwidth > 0 for r in railset.rails)
 
 
+def test_a_large_put_is_sliced_over_both_rails_and_committed_whole(store: Store) -> None:
+    [node] = store.nodes()
+    railset = store._railset(node.node_id)
+    assert railset is not None
+    before = [r.bytes_moved for r in railset.rails]
+    block = np.random.default_rng(5).integers(0, 256, 5 * MB + 3, dtype=np.uint8)
+    assert store.put("sliced-put", block).value == "stored"
+    moved = [r.bytes_moved - b for r, b in zip(railset.rails, before, strict=True)]
+    assert all(n > 0 for n in moved) and sum(moved) == block.nbytes  # 21 slices, both rails
+    out = np.zeros_like(block)
+    assert store.get_into("sliced-put", out, verify=True) == block.nbytes
+    assert np.array_equal(out, block)
+
+
 def test_a_dead_rail_is_skipped_paused_and_probed_again(store: Store) -> None:
     [node] = store.nodes()
     data = np.random.default_rng(4).integers(0, 256, (4, 2 * MB), dtype=np.uint8)

@@ -105,3 +105,29 @@ def test_a_retried_write_batch_succeeds_without_its_bytes_and_an_aborted_one_fre
     assert isinstance(err, InvalidArgument) and "already" in str(err)
     with pytest.raises(InvalidArgument, match="mismatched"):
         storage.write_batch([K("t")], [0, 1], [KB], [0])
+
+
+def test_slices_of_a_block_land_in_any_order_and_commit_once(storage: DaemonStorage) -> None:
+    data = bytes(range(256)) * 16  # 4 KiB in four slices
+    parts = [(K("big"), 0, len(data), s, KB) for s in (3 * KB, 0, 2 * KB, KB)]
+    for part, view in zip(parts, storage.slice_views(parts), strict=True):
+        assert isinstance(view, memoryview)
+        view[:] = data[part[3] : part[3] + KB]
+    assert "big" not in storage.arena  # invisible until committed
+    [bad] = storage.slice_views([(K("big"), 0, len(data), 3 * KB, 2 * KB)])
+    assert isinstance(bad, InvalidArgument)  # past the block's end
+    batch = storage.write_batch([K("big")], [0], [len(data)], [checksum(data)], join=True)
+    assert batch.finish() == [None]
+    with storage.read_views([K("big")]) as [view]:
+        assert view is not None and bytes(view) == data
+    # A commit retried after its answer was lost: already stored, reported stored.
+    assert storage.write_batch([K("big")], [0], [len(data)], [checksum(data)], join=True).finish() == [None]
+
+
+def test_a_dropped_reservation_frees_a_half_written_block(storage: DaemonStorage) -> None:
+    [view] = storage.slice_views([(K("half"), 0, 2 * KB, 0, KB)])
+    assert isinstance(view, memoryview)
+    view.release()
+    assert storage.drop([K("half")]) == [True]
+    assert not storage.arena.is_pending(K("half"))
+    write(storage, "reuse", 0, b"u" * KB)  # the extent is free again
