@@ -229,6 +229,15 @@ class MasterConfig(_Frozen):
     command_timeout_ms: int = Field(default=10_000, gt=0, description="Bound on one command to a daemon.")
     idle_timeout_s: float = Field(default=600.0, gt=0, description="An idle client connection is closed after this.")
     tick_ms: int = Field(default=100, gt=0, description="Period of expiry and command retries.")
+    admin_port: int | None = Field(
+        default=None, ge=0, le=65535, description="Port of the REST admin API, /metrics and the dashboard (0: any)."
+    )
+    admin_host: str | None = Field(default=None, description="Address of the admin API; None: the RPC host.")
+    admin_token: str | None = Field(
+        default=None,
+        description="When set, every admin route but health, the dashboard page and its files needs"
+        " 'Authorization: Bearer <token>' (also read from KVSTORE_ADMIN_TOKEN).",
+    )
 
 
 class DaemonConfig(_Frozen):

@@ -33,13 +33,14 @@ each node's allocator holds exactly the extents of that node's DRAM replicas
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.allocator import Allocator, Extent
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, RetryLater
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, NotFound, RetryLater
 from kvstore.keys import BlockKey, validate_key
 from kvstore.lru import LRU
 from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
@@ -99,6 +100,19 @@ class NodeState:
     @property
     def dram_free_ratio(self) -> float:
         return self.alloc.free_bytes / self.alloc.capacity
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A block of a draining node to be copied into ``extent`` of the DRAM of ``target``."""
+
+    key: str
+    size: int
+    checksum: int
+    tier: TierName
+    """Where the block is on the draining node."""
+    target: str
+    extent: Extent
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +192,8 @@ class PlacementTable:
         self._pending: dict[str, ObjectEntry] = {}
         self._leases: list[tuple[int, str, str, str]] = []  # heap of (expiry, key, node, tier value)
         self._want_promote: set[str] = set()
+        self.draining: set[str] = set()
+        """Nodes out of placement, their blocks being moved elsewhere (an operator's drain)."""
         self._rng = random.Random(seed)
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -192,6 +208,8 @@ class PlacementTable:
                 "demotions",
                 "promotions",
                 "expired",
+                "bytes_read",
+                "bytes_written",
             ),
             0,
         )
@@ -328,7 +346,8 @@ class PlacementTable:
         plan = PutPlan([], [], [])
         # One ordering for the whole batch: a batch is usually one request's chain of blocks, and
         # keeping it together on a node keeps a prefix from spanning nodes that evict independently.
-        ordered = self.strategy(self.up_nodes(), preferred_node, self._rng)
+        placeable = [n for n in self.up_nodes() if n.node_id not in self.draining]
+        ordered = self.strategy(placeable, preferred_node, self._rng)
         for i, (key, size) in enumerate(zip(checked, sizes, strict=True)):
             plan.tickets.append(self._place(key, size, replicas, ordered, pin, now_ms, plan, i))
         return plan
@@ -405,12 +424,18 @@ class PlacementTable:
         if extent is not None and not over:
             return extent, False
         view = TierView(node.alloc.capacity, dram_used + (size if extent is not None else 0), node.dram_lru)
-        ssd_used = node.ssd_used + node.ssd_delta
-        ssd = TierView(node.ssd_capacity, ssd_used, node.ssd_lru) if node.ssd_capacity else None
+        ssd = self._ssd_view(node)
         incoming, force = (0, 0) if extent is not None else (size, size)  # a found extent is in ``used`` already
         actions = self.policy.make_room(view, ssd, incoming, force_bytes=force)
         plan.commands.extend(self._start_actions(node, actions))
         return extent, bool(actions)
+
+    @staticmethod
+    def _ssd_view(node: NodeState) -> TierView[str] | None:
+        """The node's SSD tier as the policy sees it, counting evictions in flight; None without SSD."""
+        if not node.ssd_capacity:
+            return None
+        return TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, node.ssd_lru)
 
     def _start_actions(self, node: NodeState, actions: Sequence[Action[str]]) -> list[NodeCommand]:
         """Mark the replicas of ``actions`` moving and group them into commands, in execution order."""
@@ -457,6 +482,7 @@ class PlacementTable:
                 lru.insert(key, entry.size)
                 if entry.pinned:
                     lru.pin(key)
+            self.counters["bytes_written"] += entry.size
             out.append(True)
         return out
 
@@ -520,6 +546,7 @@ class PlacementTable:
             sizes.append(entry.size)
             checksums.append(entry.checksum)
             counts.append(len(readable))
+            counters["bytes_read"] += entry.size
             if readable[0].tier is DRAM:
                 counters["dram_hits"] += 1
             else:
@@ -677,6 +704,141 @@ class PlacementTable:
             self.objects.pop(key, None)
             self._pending.pop(key, None)
             self._want_promote.discard(key)
+
+    # -- operators: inspection and eviction ---------------------------------------------------
+    def tier_usage(self, node: NodeState) -> dict[str, dict[str, int]]:
+        """Per tier: capacity and used bytes, readable blocks, pinned and leased ones among them."""
+        out: dict[str, dict[str, int]] = {}
+        for tier, capacity, used in ((DRAM, node.alloc.capacity, node.alloc.used), (SSD, node.ssd_capacity,
+                                                                                    node.ssd_used)):  # fmt: skip
+            lru = node.lru(tier)
+            out[tier.value] = {
+                "capacity": capacity,
+                "used": used,
+                "blocks": len(lru),
+                "pinned": sum(1 for k in lru if lru.is_pinned(k)),
+                "leased": lru.num_leased,
+            }
+        return out
+
+    def describe(self, key: str) -> dict[str, object] | None:
+        """What the table knows of one key (stored or being written); None when it knows nothing."""
+        entry = self.objects.get(validate_key(key)) or self._pending.get(key)
+        if entry is None:
+            return None
+        replicas = []
+        for r in entry.replicas:
+            node = self.nodes.get(r.node_id)
+            lru = node.lru(r.tier) if node is not None else None
+            replicas.append({
+                "node_id": r.node_id,
+                "tier": r.tier.value,
+                "offset": r.extent.offset if r.extent is not None and r.tier is DRAM else -1,
+                "moving": r.moving,
+                "leased": bool(lru is not None and key in lru and lru.is_leased(key)),
+                "node_up": bool(node is not None and node.up),
+            })  # fmt: skip
+        state = "removing" if entry.removing else "committed" if entry.committed else "writing"
+        return {"key": entry.key, "size": entry.size, "checksum": entry.checksum, "pinned": entry.pinned,
+                "state": state, "replicas": replicas}  # fmt: skip
+
+    def keys_page(self, prefix: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
+        """Stored keys starting with ``prefix``, in order, after ``after``: one page and the next page's cursor."""
+        matching = sorted(k for k, e in self.objects.items() if k.startswith(prefix) and not e.removing)
+        start = bisect.bisect_right(matching, after) if after is not None else 0
+        page = matching[start : start + limit]
+        return page, (page[-1] if start + limit < len(matching) else None)
+
+    def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str], list[NodeCommand]]:
+        """Drop stored blocks from every tier (an operator's eviction); pinned ones stay.
+        Returns how many were evicted, the pinned ones skipped, and the daemons' drops."""
+        victims: list[str] = []
+        pinned: list[str] = []
+        for key in keys:
+            entry = self.objects.get(validate_key(key))
+            if entry is None or entry.removing:
+                continue
+            (pinned if entry.pinned else victims).append(key)
+        evicted, commands = self.remove(victims)
+        self.counters["evictions"] += evicted
+        return evicted, pinned, commands
+
+    def evict_tier(self, node_id: str, tier: TierName) -> tuple[int, list[NodeCommand]]:
+        """Empty one tier of a node of what may go (neither pinned nor leased): DRAM blocks are
+        demoted to SSD where it has room (making room there by LRU), SSD blocks dropped."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"node {node_id!r} is not registered")
+        if tier is DRAM:
+            view = TierView(node.alloc.capacity, node.alloc.used, node.dram_lru)
+            ssd = (
+                TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, node.ssd_lru) if node.ssd_capacity else None
+            )
+            actions = self.policy.make_room(view, ssd, 0, force_bytes=node.alloc.used)
+        else:
+            actions = [Action(ActionKind.DROP, key, SSD, size) for key, size in node.ssd_lru.victims()]
+        return len(actions), self._start_actions(node, actions)
+
+    def plan_moves(self, node_id: str, limit: int, skip: Collection[str] = ()) -> tuple[list[Move], list[NodeCommand]]:
+        """Up to ``limit`` blocks of a draining node: copies to make on other nodes (extents reserved
+        there), and drops of replicas that have copies elsewhere already."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"node {node_id!r} is not registered")
+        targets = [n for n in self.up_nodes() if n.node_id != node_id and n.node_id not in self.draining]
+        moves: list[Move] = []
+        drops: dict[TierName, list[str]] = {}
+        for tier in (DRAM, SSD):
+            for key in list(node.lru(tier)):
+                if len(moves) + sum(map(len, drops.values())) >= limit:
+                    break
+                if key in skip:
+                    continue
+                entry = self.objects[key]
+                here = next(r for r in entry.replicas if r.node_id == node_id)
+                if any(r.node_id != node_id and not r.moving for r in entry.replicas):
+                    here.moving = True
+                    node.lru(tier).remove(key)
+                    drops.setdefault(tier, []).append(key)
+                    continue
+                for target in sorted(targets, key=lambda n: -n.alloc.free_bytes):
+                    extent = target.alloc.alloc(entry.size)
+                    if extent is not None:
+                        here.moving = True
+                        node.lru(tier).remove(key)
+                        moves.append(Move(key, entry.size, entry.checksum, tier, target.node_id, extent))
+                        break
+        commands = [NodeCommand(node_id, ActionKind.DROP, t, tuple(ks)) for t, ks in drops.items()]
+        return moves, self._issue(commands)
+
+    def finish_moves(self, source: str, moves: Sequence[Move], done: Sequence[bool]) -> list[NodeCommand]:
+        """Record the copies a target made: a copied block gains its new replica and the source's is
+        dropped; a failed one frees the reserved extent and stays where it was."""
+        drops: dict[TierName, list[str]] = {}
+        for move, ok in zip(moves, done, strict=True):
+            entry = self.objects.get(move.key)
+            target = self.nodes.get(move.target)
+            here = next((r for r in entry.replicas if r.node_id == source), None) if entry else None
+            if entry is None or here is None or entry.removing or target is None or not ok:
+                if target is not None:
+                    target.alloc.free(move.extent)
+                if entry is not None and here is not None and not entry.removing and source in self.nodes:
+                    here.moving = False
+                    self.nodes[source].lru(here.tier).insert(move.key, entry.size)
+                continue
+            entry.replicas.append(ReplicaState(move.target, DRAM, move.extent))
+            target.dram_lru.insert(move.key, entry.size)
+            if entry.pinned:
+                target.dram_lru.pin(move.key)
+            drops.setdefault(here.tier, []).append(move.key)
+        return self._issue([NodeCommand(source, ActionKind.DROP, t, tuple(ks)) for t, ks in drops.items()])
+
+    def blocks_on(self, node_id: str) -> int:
+        """Blocks (stored or being written) with a replica on ``node_id``."""
+        return sum(
+            1 for store in (self.objects, self._pending) for e in store.values()
+            if any(r.node_id == node_id for r in e.replicas)
+        )  # fmt: skip
 
     # -- reporting --------------------------------------------------------------------------
     def _wire_replica(self, entry: ObjectEntry, r: ReplicaState) -> Replica:

@@ -309,6 +309,8 @@ class RegisterReply(Message):
 class Heartbeat(Message):
     KIND = 12
     node_id: str
+    transfer_bytes: dict[str, int]
+    """Bytes the daemon moved since it started, by "transport|rail|direction" (for /metrics)."""
 
 
 @wire
@@ -549,6 +551,19 @@ class PromoteBlocks(Message):
     KIND = 52
     keys: list[str]
     offsets: list[int]
+
+
+@wire
+class FetchBlocks(Message):
+    """Copy blocks from another daemon (a drain): read them by key from ``source`` into the given
+    reserved DRAM extents here, check their checksums and commit them. Answered by a CommandReply."""
+
+    KIND = 54
+    source: str
+    keys: list[str]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[int]
 
 
 @wire

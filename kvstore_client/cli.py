@@ -232,6 +232,7 @@ def _master_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ms", type=int, default=None, help="read lease length")
     p.add_argument("--node-ttl-ms", type=int, default=None, help="mark a silent node down after this")
     p.add_argument("--heartbeat-ms", type=int, default=None, help="daemon heartbeat interval")
+    p.add_argument("--admin-port", type=int, default=None, help="REST admin API, /metrics and dashboard port")
 
 
 @command("master", "run the master (placement, eviction, leases, membership)")
@@ -245,7 +246,10 @@ def _master(args: argparse.Namespace) -> int:
         "lease_ms": args.lease_ms,
         "node_ttl_ms": args.node_ttl_ms,
         "heartbeat_interval_ms": args.heartbeat_ms,
+        "admin_port": args.admin_port,
     }
+    if os.environ.get("KVSTORE_ADMIN_TOKEN"):
+        fields["admin_token"] = os.environ["KVSTORE_ADMIN_TOKEN"]
     overrides = {k: v for k, v in fields.items() if v is not None}
     return run_master(load(MasterConfig, "master", host=args.host, port=args.port, **overrides))
 

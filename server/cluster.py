@@ -47,6 +47,7 @@ class LocalCluster:
         master_port: int = 0,
         master_args: tuple[str, ...] = (),
         daemon_args: tuple[str, ...] = (),
+        admin: bool = False,
         env: dict[str, str] | None = None,
     ) -> None:
         self.num_daemons = daemons
@@ -57,6 +58,9 @@ class LocalCluster:
         self.master_port = master_port
         self.master_args = master_args
         self.daemon_args = daemon_args
+        self.admin = admin
+        self.admin_address = ""
+        """host:port of the master's REST admin API and dashboard (with ``admin=True``)."""
         self.env = {**os.environ, **(env or {})}
         self.master_address = ""
         self.master: subprocess.Popen[str] | None = None
@@ -93,10 +97,15 @@ class LocalCluster:
 
     def start_master(self) -> None:
         port = self.master_port or 0
-        self.master = self._spawn(["master", "--port", str(port), *self.master_args], "master.log")
+        admin = ["--admin-port", self.admin_address.rsplit(":", 1)[1] if self.admin_address else "0"]
+        args = ["master", "--port", str(port), *(admin if self.admin else []), *self.master_args]
+        self.master = self._spawn(args, "master.log")
         assert self.master.stdout is not None
         line = _read_line(self.master.stdout, _START_TIMEOUT, "the master")
         self.master_address = line.rsplit(" ", 1)[-1]
+        if self.admin:
+            line = _read_line(self.master.stdout, _START_TIMEOUT, "the master's admin API")
+            self.admin_address = line.rsplit("//", 1)[-1]
         self.master_port = int(self.master_address.rsplit(":", 1)[1])
 
     def start_daemon(self, i: int) -> None:

@@ -40,7 +40,7 @@ def run_daemon(config: DaemonConfig) -> int:
     ucx: UcxServer | None = None
     if config.ucx_port is not None:
         try:
-            ucx = UcxServer(storage, config.ucx_port)
+            ucx = UcxServer(storage, config.ucx_port, count=server.count)
         except BaseException:
             server.stop()
             storage.close()
@@ -54,6 +54,7 @@ def run_daemon(config: DaemonConfig) -> int:
         timeout=config.io_timeout_s,
         rails=server.rails,
         ucx_address=ucx_address,
+        transfer_stats=server.transfer_bytes,
     )
     link.start()
     if ucx is not None:

@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from kvstore.protocol import (
     DemoteBlocks,
     DropBlocks,
     ErrorReply,
+    FetchBlocks,
     Heartbeat,
     HeartbeatReply,
     Message,
@@ -43,7 +45,7 @@ from kvstore.protocol import (
 from server.daemon.storage import DaemonStorage
 from transfer import topology
 from transfer.rpc import Connection
-from transfer.wire import NoRequest, recv_all_into, recv_message, send_message, set_timeouts
+from transfer.wire import NoRequest, recv_all_into, recv_into, recv_message, send_message, set_timeouts, skip
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -82,6 +84,8 @@ class DaemonServer:
         # Connections receiving slices into a block's extent, by key: once the block is committed or
         # dropped they are cut, so that a stalled one (its rail died) never writes into a reused extent.
         self._slice_receivers: dict[str, set[socket.socket]] = {}
+        self._transfer: Counter[str] = Counter()
+        self._transfer_lock = threading.Lock()
         self._handlers: dict[type[Message], Handler] = {
             WriteBlocks: self._write,
             CommitBlocks: self._commit,
@@ -91,6 +95,7 @@ class DaemonServer:
             DemoteBlocks: lambda m, s, r: self._command(s, r, self.storage.demote(self._keys(m.keys))),
             DropBlocks: lambda m, s, r: self._command(s, r, self._drop(self._keys(m.keys))),
             PromoteBlocks: lambda m, s, r: self._command(s, r, self.storage.promote(self._keys(m.keys), m.offsets)),
+            FetchBlocks: lambda m, s, r: self._command(s, r, self._fetch(m)),
         }
 
     def start(self) -> None:
@@ -157,6 +162,47 @@ class DaemonServer:
         with contextlib.suppress(OSError):
             send_message(sock, ErrorReply.from_error(exc), request_id)
 
+    def count(self, transport: str, rail: str, direction: str, nbytes: int) -> None:
+        """Add to the bytes moved by ``transport`` on ``rail`` in ``direction`` ("in" or "out")."""
+        if nbytes:
+            with self._transfer_lock:
+                self._transfer[f"{transport}|{rail}|{direction}"] += nbytes
+
+    def transfer_bytes(self) -> dict[str, int]:
+        with self._transfer_lock:
+            return dict(self._transfer)
+
+    @staticmethod
+    def _rail(sock: socket.socket) -> str:
+        host, port = sock.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def _fetch(self, msg: FetchBlocks) -> list[bool]:
+        """Copy blocks from the daemon at ``msg.source`` into reserved extents here (a drain)."""
+        keys = self._keys(msg.keys)
+        batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums)
+        got = [False] * len(keys)
+        try:
+            conn = Connection(msg.source, self.io_timeout)
+            try:
+                request = ReadBlocks(list(keys), ["dram"] * len(keys), [0] * len(keys), list(msg.sizes))
+                with conn.exchange(request) as (reply, sock):
+                    if not isinstance(reply, ReadReply) or len(reply.sizes) != len(keys):
+                        raise ProtocolError(f"{msg.source} sent a malformed reply to ReadBlocks")
+                    for i, (size, target) in enumerate(zip(reply.sizes, batch.targets, strict=True)):
+                        if size == target.nbytes:
+                            recv_into(sock, target)
+                            got[i] = True
+                        elif size > 0:
+                            skip(sock, size)
+            finally:
+                conn.close()
+        except BaseException:
+            batch.abort()
+            raise
+        self.count("tcp", msg.source, "in", sum(n for n, ok in zip(msg.sizes, got, strict=True) if ok))
+        return [ok and err is None for ok, err in zip(got, batch.finish(), strict=True)]
+
     def _command(self, sock: socket.socket, request_id: int, done: list[bool]) -> None:
         send_message(sock, CommandReply(done), request_id)
 
@@ -172,6 +218,7 @@ class DaemonServer:
         except BaseException:
             batch.abort()
             raise
+        self.count("tcp", self._rail(sock), "in", sum(msg.sizes))
         self._write_reply(sock, request_id, batch.finish())
 
     def _write_slices(self, msg: WriteSlices, sock: socket.socket, request_id: int) -> None:
@@ -200,6 +247,7 @@ class DaemonServer:
                         receivers.discard(sock)
                         if not receivers:
                             del self._slice_receivers[key]
+        self.count("tcp", self._rail(sock), "in", sum(msg.lengths))
         self._write_reply(sock, request_id, [v if isinstance(v, KVStoreError) else None for v in views])
 
     def _commit(self, msg: CommitBlocks, sock: socket.socket, request_id: int) -> None:
@@ -208,6 +256,7 @@ class DaemonServer:
         keys = self._keys(msg.keys)
         batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned, join=True)
         outcome = batch.finish()
+        self.count("shm", self.address, "in", sum(n for n, err in zip(msg.sizes, outcome, strict=True) if err is None))
         self._cut_slice_receivers(keys)
         self._write_reply(sock, request_id, outcome)
 
@@ -231,6 +280,7 @@ class DaemonServer:
         with self.storage.read_views(keys) as views:
             sizes = [-1 if v is None else v.nbytes for v in views]
             send_message(sock, ReadReply(sizes), request_id, [v for v in views if v is not None])
+        self.count("tcp", self._rail(sock), "out", sum(n for n in sizes if n > 0))
 
     def _read_slices(self, msg: ReadSlices, sock: socket.socket, request_id: int) -> None:
         if not len(msg.keys) == len(msg.starts) == len(msg.lengths):
@@ -244,6 +294,7 @@ class DaemonServer:
             try:
                 sizes = [-1 if p is None else p.nbytes for p in parts]
                 send_message(sock, ReadReply(sizes), request_id, [p for p in parts if p is not None])
+                self.count("tcp", self._rail(sock), "out", sum(n for n in sizes if n > 0))
             finally:
                 for part in parts:
                     if part is not None:
@@ -274,8 +325,10 @@ class MasterLink:
         timeout: float = 5.0,
         rails: Sequence[str] = (),
         ucx_address: str = "",
+        transfer_stats: Callable[[], dict[str, int]] | None = None,
         on_registered: Callable[[], None] | None = None,
     ) -> None:
+        self._transfer_stats = transfer_stats
         self.master = master
         self.rails = list(rails)
         self.ucx_address = ucx_address
@@ -317,7 +370,8 @@ class MasterLink:
                     self._register()
                     known = True
                 else:
-                    known = self._conn.call(Heartbeat(self.node_id), HeartbeatReply).known
+                    stats = self._transfer_stats() if self._transfer_stats is not None else {}
+                    known = self._conn.call(Heartbeat(self.node_id, stats), HeartbeatReply).known
                 backoff = 0.1
                 self._stop.wait(self._interval if known else 0)
             except KVStoreError as exc:

@@ -16,6 +16,9 @@ async def serve(config: MasterConfig) -> None:
     service = MasterService(config)
     address = await service.start()
     print(f"kvstore master listening on {address}", flush=True)
+    if config.admin_port is not None:
+        admin = await service.start_admin()
+        print(f"kvstore admin on http://{admin}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -19,8 +19,8 @@ from dataclasses import replace
 from typing import Any
 
 from kvstore.config import MasterConfig
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, ProtocolError
-from kvstore.metadata import NodeCommand, PlacementTable
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NotFound, ProtocolError
+from kvstore.metadata import Move, NodeCommand, PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
 from kvstore.protocol import (
     CommandReply,
@@ -29,6 +29,7 @@ from kvstore.protocol import (
     ErrorReply,
     Exists,
     ExistsReply,
+    FetchBlocks,
     GetReplicas,
     Heartbeat,
     HeartbeatReply,
@@ -57,6 +58,7 @@ from kvstore.protocol import (
     encode,
     request_id_of,
 )
+from server.master.admin import AdminApi, LatencyHistogram, Sampler
 from transfer.aio import AsyncConnection, read_payload
 
 log = logging.getLogger("kvstore.master")
@@ -67,6 +69,11 @@ Handler = Callable[[Any], Awaitable[Message]]
 _NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset({PutStart, PutEnd, PutRevoke, Remove})
 _ANSWER_TTL_S = 120.0
 _MAX_ANSWERS = 1 << 16
+
+# Requests whose master-side latency is kept as a histogram (served at /metrics).
+_TIMED: dict[type[Message], str] = {
+    PutStart: "put_start", PutEnd: "put_end", GetReplicas: "get_replicas", MatchPrefix: "match_prefix",
+}  # fmt: skip
 
 # A put waits for at most this many rounds of evictions before its keys fail.
 _MAX_EVICTION_ROUNDS = 64
@@ -89,6 +96,11 @@ class MasterService:
         )
         self._daemons: dict[str, AsyncConnection] = {}
         self._node_info: dict[str, NodeInfo] = {}
+        self.daemon_stats: dict[str, dict[str, int]] = {}
+        """Per node, bytes its daemon moved by "transport|rail|direction" (from its heartbeats)."""
+        self.latency: dict[str, LatencyHistogram] = {}
+        self.sampler = Sampler()
+        self.admin: AdminApi | None = None
         self._retry: list[NodeCommand] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -111,6 +123,55 @@ class MasterService:
         }
 
     # -- lifecycle ------------------------------------------------------------------------
+    @staticmethod
+    def now_ms() -> int:
+        return _now_ms()
+
+    def run_commands_later(self, commands: list[NodeCommand], name: str) -> None:
+        self._run_later(commands, name)
+
+    async def start_admin(self) -> str:
+        """Serve the REST admin API, /metrics and the dashboard on ``admin_port``; returns host:port."""
+        assert self.config.admin_port is not None
+        self.admin = AdminApi(self, self.config.admin_token)
+        return await self.admin.start(self.config.admin_host or self.config.host, self.config.admin_port)
+
+    async def drain(self, node_id: str, batch: int = 256) -> int:
+        """Take ``node_id`` out of placement and move its blocks to other nodes; returns the blocks left on it.
+
+        A block with a copy elsewhere loses this one; another is copied by a node with room
+        (the target reads it from this node's daemon), then dropped here. Blocks nobody has
+        room for stay (and are counted in the answer); a later drain tries again."""
+        table = self.table
+        if node_id not in table.nodes:
+            raise NotFound(f"node {node_id!r} is not registered")
+        table.draining.add(node_id)
+        source = table.nodes[node_id].address
+        failed: set[str] = set()
+        while True:
+            moves, drops = table.plan_moves(node_id, batch, skip=failed)
+            if not moves and not drops:
+                break
+            await self._run_commands(drops)
+            per_target: dict[str, list[Move]] = {}
+            for move in moves:
+                per_target.setdefault(move.target, []).append(move)
+            for target, group in per_target.items():
+                message = FetchBlocks(
+                    source, [m.key for m in group], [m.extent.offset for m in group], [m.size for m in group],
+                    [m.checksum for m in group],
+                )  # fmt: skip
+                try:
+                    done = (await self._daemon(target).call(message, CommandReply)).done
+                except KVStoreError as exc:
+                    log.warning("drain: %s could not copy from %s: %s", target, node_id, exc)
+                    done = [False] * len(group)
+                if len(done) != len(group):
+                    done = [False] * len(group)
+                failed.update(m.key for m, ok in zip(group, done, strict=True) if not ok)
+                await self._run_commands(table.finish_moves(node_id, group, done))
+        return table.blocks_on(node_id)
+
     async def start(self) -> str:
         self._server = await asyncio.start_server(self._serve, self.config.host, self.config.port, limit=1 << 20)
         self._ticker = asyncio.create_task(self._tick_forever(), name="master-ticker")
@@ -118,6 +179,8 @@ class MasterService:
         return f"{self.config.host}:{port}"
 
     async def stop(self) -> None:
+        if self.admin is not None:
+            await self.admin.stop()
         if self._server is not None:
             self._server.close()
         if self._ticker is not None:
@@ -151,6 +214,8 @@ class MasterService:
                 retry, self._retry = self._retry, []
                 live = [c for c in retry if c.node_id in self.table.nodes and self.table.nodes[c.node_id].up]
                 self._run_later(commands + live, "expiry-commands")
+                stats = self.table.stats()
+                self.sampler.sample(self.table.counters, int(stats["dram_used"]), int(stats["ssd_used"]))
             except Exception:
                 log.exception("master tick failed")
 
@@ -196,9 +261,15 @@ class MasterService:
             return ErrorReply.from_error(
                 ProtocolError(f"the master does not serve {type(message).__name__}")
             ), request_id
+        start = time.perf_counter()
         if type(message) in _NOT_IDEMPOTENT and request_id:
-            return await self._once(request_id, handler, message), request_id
-        return await self._handle(handler, message), request_id
+            reply = await self._once(request_id, handler, message)
+        else:
+            reply = await self._handle(handler, message)
+        op = _TIMED.get(type(message))
+        if op is not None:
+            self.latency.setdefault(op, LatencyHistogram()).observe(time.perf_counter() - start)
+        return reply, request_id
 
     async def _handle(self, handler: Handler, message: Message) -> Message:
         try:
@@ -297,7 +368,10 @@ class MasterService:
         return RegisterReply(self.config.heartbeat_interval_ms, self.config.node_ttl_ms)
 
     async def _heartbeat(self, m: Heartbeat) -> Message:
-        return HeartbeatReply(self.table.heartbeat(m.node_id, _now_ms()))
+        known = self.table.heartbeat(m.node_id, _now_ms())
+        if known:
+            self.daemon_stats[m.node_id] = m.transfer_bytes
+        return HeartbeatReply(known)
 
     async def _put_start(self, m: PutStart) -> Message:
         keys, sizes = list(m.keys), list(m.sizes)

@@ -33,7 +33,7 @@ import importlib.util
 import logging
 import os
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -162,9 +162,10 @@ async def _recv_frame(ep: Any) -> tuple[int, Message]:
 class UcxServer:
     """A daemon's UCX listener: ReadBlocks and WriteBlocks against its storage."""
 
-    def __init__(self, storage: Any, port: int = 0) -> None:
+    def __init__(self, storage: Any, port: int = 0, count: Callable[[str, str, str, int], None] | None = None) -> None:
         self._ucxx = _import_ucxx()
         self.storage = storage
+        self._count = count or (lambda transport, rail, direction, nbytes: None)
         self._thread = _LoopThread("daemon-ucx")
         self._listener: Any = None
         self.port = self._thread.run(self._start(port), 30)
@@ -201,6 +202,7 @@ class UcxServer:
             for view in views:
                 if view is not None:
                     await ep.send(view)
+            self._count("ucx", f":{self.port}", "out", sum(v.nbytes for v in views if v is not None))
 
     async def _write(self, ep: Any, msg: WriteBlocks, request_id: int) -> None:
         keys = [validate_key(k) for k in msg.keys]
@@ -214,6 +216,7 @@ class UcxServer:
         except BaseException:
             batch.abort()
             raise
+        self._count("ucx", f":{self.port}", "in", sum(msg.sizes))
         await _send_frame(ep, WriteReply.from_outcomes(batch.finish()), request_id)
 
     def stop(self) -> None:

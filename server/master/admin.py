@@ -1,0 +1,587 @@
+"""The master's REST admin API (aiohttp, pydantic models), Prometheus metrics and dashboard.
+
+Everything under ``/api/v1`` answers JSON; an error is ``{"code", "error",
+"message"}`` with a 4xx status for a bad request or an unknown thing. Every
+route is declared once with its models, and the OpenAPI 3 document at
+``/api/v1/openapi.json`` is generated from those declarations. With a token
+configured, every route but health, the dashboard page and its static files
+needs ``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hmac
+import itertools
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from pydantic import BaseModel, Field, ValidationError
+from pydantic.json_schema import models_json_schema
+
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound
+from kvstore.keys import validate_key
+from kvstore.policy import TierName
+
+if TYPE_CHECKING:
+    from server.master.service import MasterService
+
+STATIC = Path(__file__).parent / "static"
+HISTORY_SECONDS = 300
+
+
+# -- models ------------------------------------------------------------------------------------------
+class ErrorBody(BaseModel):
+    code: int = Field(description="Stable error code of kvstore.errors (0 for HTTP-level errors).")
+    error: str = Field(description="Error type.")
+    message: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    uptime_s: float
+
+
+class Ready(BaseModel):
+    ready: bool
+    nodes_up: int
+    reason: str
+
+
+class TierUsage(BaseModel):
+    capacity: int
+    used: int
+    blocks: int
+    pinned: int
+    leased: int
+
+
+class Rates(BaseModel):
+    gets_per_s: float
+    puts_per_s: float
+    hits_per_s: float
+    read_bytes_per_s: float
+    written_bytes_per_s: float
+
+
+class ClusterSummary(BaseModel):
+    nodes: int
+    nodes_up: int
+    nodes_down: int
+    objects: int
+    pending: int
+    dram: TierUsage
+    ssd: TierUsage
+    hit_rate: float = Field(description="Hits over lookups since the master started (0 before any).")
+    rates: Rates
+    counters: dict[str, int]
+
+
+class NicModel(BaseModel):
+    name: str
+    address: str
+    speed_mbps: int
+    numa_node: int
+
+
+class NodeModel(BaseModel):
+    node_id: str
+    address: str
+    rails: list[str]
+    up: bool
+    draining: bool
+    last_heartbeat_ms_ago: int
+    host_id: str
+    ucx_address: str
+    nics: list[NicModel]
+    tiers: dict[str, TierUsage]
+    commands_in_flight: int
+    transfer_bytes: dict[str, int] = Field(description="Bytes the daemon moved, by transport:rail:direction.")
+
+
+class NodeList(BaseModel):
+    nodes: list[NodeModel]
+
+
+class ReplicaModel(BaseModel):
+    node_id: str
+    tier: Literal["dram", "ssd"]
+    offset: int
+    moving: bool
+    leased: bool
+    node_up: bool
+
+
+class KeyModel(BaseModel):
+    key: str
+    size: int
+    checksum: int
+    pinned: bool
+    state: Literal["committed", "writing", "removing"]
+    replicas: list[ReplicaModel]
+
+
+class KeyPage(BaseModel):
+    keys: list[str]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
+
+
+class EvictRequest(BaseModel):
+    key: str | None = None
+    prefix: str | None = None
+    node_id: str | None = None
+    tier: Literal["dram", "ssd"] | None = None
+
+
+class EvictResult(BaseModel):
+    evicted: int = Field(description="Blocks evicted (or, for a node's tier, demoted or dropped).")
+    skipped_pinned: list[str]
+
+
+class DrainResult(BaseModel):
+    node_id: str
+    draining: bool
+    blocks_left: int = Field(description="Blocks still on the node; it is out of placement from now on.")
+
+
+class HistoryPoint(BaseModel):
+    t: float = Field(description="Seconds since the epoch.")
+    hit_rate: float
+    gets_per_s: float
+    puts_per_s: float
+    read_bytes_per_s: float
+    written_bytes_per_s: float
+    dram_used: int
+    ssd_used: int
+
+
+class History(BaseModel):
+    points: list[HistoryPoint]
+
+
+# -- routes ------------------------------------------------------------------------------------------
+Handler = Callable[["AdminApi", web.Request], Awaitable[BaseModel]]
+_Next = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    response: type[BaseModel]
+    summary: str
+    body: type[BaseModel] | None = None
+    query: tuple[tuple[str, str, bool], ...] = ()
+    """(name, JSON type, required) of each query parameter."""
+    errors: tuple[int, ...] = (400,)
+    public: bool = False
+
+
+ROUTES: list[Route] = []
+
+
+def route(method: str, path: str, response: type[BaseModel], summary: str, **kw: Any) -> Callable[[Handler], Handler]:
+    def register(fn: Handler) -> Handler:
+        ROUTES.append(Route(method, path, fn, response, summary, **kw))
+        return fn
+
+    return register
+
+
+class LatencyHistogram:
+    """Seconds per request in fixed buckets, the form Prometheus wants."""
+
+    BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, float("inf"))
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(self.BOUNDS)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.BOUNDS, seconds)] += 1
+        self.total += seconds
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative counts per upper bound."""
+        out, running = [], 0
+        for bound, count in zip(self.BOUNDS, self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+        return out
+
+
+_Point = tuple[float, dict[str, int], int, int]
+"""(time, counters, DRAM bytes used, SSD bytes used)."""
+
+
+class Sampler:
+    """Counters sampled once a second: rates and the dashboard's history."""
+
+    def __init__(self) -> None:
+        self.points: deque[_Point] = deque(maxlen=HISTORY_SECONDS + 1)
+
+    def sample(self, counters: dict[str, int], dram_used: int, ssd_used: int) -> None:
+        now = time.time()
+        if not self.points or now - self.points[-1][0] >= 1.0:
+            self.points.append((now, dict(counters), dram_used, ssd_used))
+
+    @staticmethod
+    def _rates(
+        a: tuple[float, dict[str, int], int, int], b: tuple[float, dict[str, int], int, int]
+    ) -> dict[str, float]:
+        dt = max(b[0] - a[0], 1e-6)
+
+        def d(name: str) -> float:
+            return (b[1].get(name, 0) - a[1].get(name, 0)) / dt
+
+        lookups = d("hits") + d("misses")
+        return {
+            "hit_rate": d("hits") / lookups if lookups else 0.0,
+            "gets_per_s": d("gets"),
+            "puts_per_s": d("puts"),
+            "hits_per_s": d("hits"),
+            "read_bytes_per_s": d("bytes_read"),
+            "written_bytes_per_s": d("bytes_written"),
+        }
+
+    def rates(self, window: int = 5) -> dict[str, float]:
+        if len(self.points) < 2:
+            return dict.fromkeys(("hit_rate", "gets_per_s", "puts_per_s", "hits_per_s", "read_bytes_per_s",
+                                  "written_bytes_per_s"), 0.0)  # fmt: skip
+        return self._rates(self.points[max(0, len(self.points) - 1 - window)], self.points[-1])
+
+    def history(self) -> list[HistoryPoint]:
+        pts = list(self.points)
+        out = []
+        for a, b in itertools.pairwise(pts):
+            r = self._rates(a, b)
+            del r["hits_per_s"]
+            out.append(HistoryPoint(t=b[0], dram_used=b[2], ssd_used=b[3], **r))
+        return out
+
+
+class AdminApi:
+    def __init__(self, service: MasterService, token: str | None) -> None:
+        self.service = service
+        self.token = token
+        self.started = time.monotonic()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(service))
+        self.app = web.Application(middlewares=[self._errors, self._auth], client_max_size=1 << 20)
+        for r in ROUTES:
+            self.app.router.add_route(r.method, r.path, self._wrap(r))
+        self.app.router.add_get("/api/v1/openapi.json", self._openapi)
+        self.app.router.add_get("/metrics", self._metrics)
+        self.app.router.add_get("/", self._index)
+        self.app.router.add_static("/static/", STATIC, show_index=False)
+        self._runner: web.AppRunner | None = None
+        self.address = ""
+
+    async def start(self, host: str, port: int) -> str:
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.address = f"{host}:{self._runner.addresses[0][1]}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # -- middleware ----------------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except NotFound as exc:
+            return _error(404, exc.code, type(exc).__name__, str(exc))
+        except KVStoreError as exc:
+            return _error(400, exc.code, type(exc).__name__, str(exc))
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+            return _error(400, InvalidArgument.code, "InvalidArgument", problems)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error(exc.status, 0, type(exc).__name__, exc.reason)
+
+    @web.middleware
+    async def _auth(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if self.token is None or _is_public(request):
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            return _error(401, 0, "Unauthorized", "this route needs 'Authorization: Bearer <token>'")
+        return await handler(request)
+
+    def _wrap(self, r: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(request: web.Request) -> web.Response:
+            model = await r.handler(self, request)
+            return web.json_response(text=model.model_dump_json())
+
+        return handle
+
+    # -- documents and pages ---------------------------------------------------------------------------
+    async def _openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _index(self, request: web.Request) -> web.FileResponse:
+        return web.FileResponse(STATIC / "index.html")
+
+    # -- helpers used by the handlers --------------------------------------------------------------
+    def node_model(self, node_id: str) -> NodeModel:
+        service = self.service
+        node = service.table.nodes.get(node_id)
+        info = service._node_info.get(node_id)
+        if node is None or info is None:
+            raise NotFound(f"node {node_id!r} is not registered")
+        now_ms = service.now_ms()
+        return NodeModel(
+            node_id=node_id, address=node.address, rails=info.rails, up=node.up,
+            draining=node_id in service.table.draining, last_heartbeat_ms_ago=max(0, now_ms - node.last_seen_ms),
+            host_id=info.host_id, ucx_address=info.ucx_address,
+            nics=[NicModel(name=n.name, address=n.address, speed_mbps=n.speed_mbps, numa_node=n.numa_node)
+                  for n in info.nics],
+            tiers={t: TierUsage(**u) for t, u in service.table.tier_usage(node).items()},
+            commands_in_flight=node.inflight, transfer_bytes=dict(service.daemon_stats.get(node_id, {})),
+        )  # fmt: skip
+
+
+def _is_public(request: web.Request) -> bool:
+    path = request.path
+    return path in ("/", "/api/v1/health") or path.startswith("/static/")
+
+
+def _error(status: int, code: int, error: str, message: str) -> web.Response:
+    return web.json_response(ErrorBody(code=code, error=error, message=message).model_dump(), status=status)
+
+
+def _int_query(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidArgument(f"query parameter {name!r} must be an integer, got {raw!r}") from None
+    if not low <= value <= high:
+        raise InvalidArgument(f"query parameter {name!r} must be in [{low}, {high}], got {value}")
+    return value
+
+
+async def _json_body(request: web.Request, model: type[BaseModel]) -> Any:
+    try:
+        raw = await request.json()
+    except ValueError:
+        raise InvalidArgument("the request body must be JSON") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    return model.model_validate(raw)
+
+
+# -- handlers ------------------------------------------------------------------------------------------
+@route("GET", "/api/v1/health", Health, "Liveness: the master's event loop answers.", public=True, errors=())
+async def health(api: AdminApi, request: web.Request) -> Health:
+    return Health(status="ok", uptime_s=round(time.monotonic() - api.started, 3))
+
+
+@route("GET", "/api/v1/ready", Ready, "Readiness: at least one storage node is up.", errors=(401,))
+async def ready(api: AdminApi, request: web.Request) -> Ready:
+    up = len(api.service.table.up_nodes())
+    return Ready(ready=up > 0, nodes_up=up, reason="" if up else "no storage node is up")
+
+
+@route("GET", "/api/v1/cluster", ClusterSummary, "Nodes, tier capacity and use, objects, hit rate, rates.",
+       errors=(401,))  # fmt: skip
+async def cluster(api: AdminApi, request: web.Request) -> ClusterSummary:
+    table = api.service.table
+    usage = [table.tier_usage(n) for n in table.nodes.values()]
+    tiers = {
+        t: TierUsage(**{f: sum(u[t][f] for u in usage) for f in ("capacity", "used", "blocks", "pinned", "leased")})
+        for t in ("dram", "ssd")
+    }
+    counters = dict(table.counters)
+    lookups = counters["hits"] + counters["misses"]
+    up = len(table.up_nodes())
+    rates = api.service.sampler.rates()
+    return ClusterSummary(
+        nodes=len(table.nodes), nodes_up=up, nodes_down=len(table.nodes) - up, objects=len(table.objects),
+        pending=int(table.stats()["pending"]), dram=tiers["dram"], ssd=tiers["ssd"],
+        hit_rate=counters["hits"] / lookups if lookups else 0.0,
+        rates=Rates(**{k: v for k, v in rates.items() if k != "hit_rate"}), counters=counters,
+    )  # fmt: skip
+
+
+@route("GET", "/api/v1/nodes", NodeList, "Every registered node.", errors=(401,))
+async def nodes(api: AdminApi, request: web.Request) -> NodeList:
+    return NodeList(nodes=[api.node_model(n) for n in sorted(api.service.table.nodes)])
+
+
+@route("GET", "/api/v1/nodes/{node_id}", NodeModel, "One node: tiers, NICs, inventory counts, last heartbeat.",
+       errors=(401, 404))  # fmt: skip
+async def node(api: AdminApi, request: web.Request) -> NodeModel:
+    return api.node_model(request.match_info["node_id"])
+
+
+@route("GET", "/api/v1/keys", KeyPage, "Stored keys starting with a prefix, in order, a page at a time.",
+       query=(("prefix", "string", False), ("limit", "integer", False), ("cursor", "string", False)),
+       errors=(400, 401))  # fmt: skip
+async def keys(api: AdminApi, request: web.Request) -> KeyPage:
+    limit = _int_query(request, "limit", 100, 1, 10_000)
+    page, cursor = api.service.table.keys_page(request.query.get("prefix", ""), request.query.get("cursor"), limit)
+    return KeyPage(keys=page, next_cursor=cursor)
+
+
+@route("GET", "/api/v1/keys/{key}", KeyModel, "One key's metadata: replicas, tiers, size, lease, pin, checksum.",
+       errors=(400, 401, 404))  # fmt: skip
+async def key(api: AdminApi, request: web.Request) -> KeyModel:
+    name = validate_key(request.match_info["key"])
+    described = api.service.table.describe(name)
+    if described is None:
+        raise NotFound(f"key {name!r} is not stored")
+    return KeyModel.model_validate(described)
+
+
+@route("POST", "/api/v1/evict", EvictResult, "Evict a key, every key with a prefix, or a node's tier.",
+       body=EvictRequest, errors=(400, 401, 404))  # fmt: skip
+async def evict(api: AdminApi, request: web.Request) -> EvictResult:
+    req = await _json_body(request, EvictRequest)
+    chosen = [x is not None for x in (req.key, req.prefix, req.node_id)]
+    if sum(chosen) != 1 or (req.node_id is None) != (req.tier is None):
+        raise InvalidArgument("evict takes exactly one of: key; prefix; node_id with tier")
+    service = api.service
+    if req.node_id is not None:
+        assert req.tier is not None
+        count, commands = service.table.evict_tier(req.node_id, TierName(req.tier))
+        service.run_commands_later(commands, "admin-evict-tier")
+        return EvictResult(evicted=count, skipped_pinned=[])
+    if req.key is not None:
+        targets = [validate_key(req.key)]
+    else:
+        assert req.prefix is not None
+        targets = [validate_key(k) for k in service.table.objects if k.startswith(req.prefix)]
+    evicted, pinned, commands = service.table.evict_keys(targets)
+    service.run_commands_later(commands, "admin-evict")
+    return EvictResult(evicted=evicted, skipped_pinned=pinned[:1000])
+
+
+@route("POST", "/api/v1/nodes/{node_id}/drain", DrainResult,
+       "Take a node out of placement and move its blocks to other nodes.", errors=(400, 401, 404))  # fmt: skip
+async def drain(api: AdminApi, request: web.Request) -> DrainResult:
+    node_id = request.match_info["node_id"]
+    left = await api.service.drain(node_id)
+    return DrainResult(node_id=node_id, draining=True, blocks_left=left)
+
+
+@route("GET", "/api/v1/history", History, "Hit rate, throughput and tier use, one point a second (5 minutes).",
+       errors=(401,))  # fmt: skip
+async def history(api: AdminApi, request: web.Request) -> History:
+    return History(points=api.service.sampler.history())
+
+
+# -- OpenAPI ----------------------------------------------------------------------------------------------
+def openapi_document() -> dict[str, Any]:
+    models = {ErrorBody} | {r.response for r in ROUTES} | {r.body for r in ROUTES if r.body is not None}
+    _, defs = models_json_schema([(m, "serialization") for m in sorted(models, key=lambda m: m.__name__)],
+                                 ref_template="#/components/schemas/{model}")  # fmt: skip
+    paths: dict[str, dict[str, Any]] = {}
+    for r in ROUTES:
+        params = [
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+            for name in _path_params(r.path)
+        ] + [{"name": n, "in": "query", "required": req, "schema": {"type": t}} for n, t, req in r.query]
+        op: dict[str, Any] = {
+            "summary": r.summary,
+            "operationId": r.handler.__name__,
+            "parameters": params,
+            "responses": {
+                "200": {"description": "OK", "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{r.response.__name__}"}}}},
+                **{str(code): {"description": "Error", "content": {"application/json": {
+                    "schema": {"$ref": "#/components/schemas/ErrorBody"}}}} for code in r.errors},
+            },
+        }  # fmt: skip
+        if r.body is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {
+                "schema": {"$ref": f"#/components/schemas/{r.body.__name__}"}}}}  # fmt: skip
+        if not r.public:
+            op["security"] = [{"bearer": []}]
+        paths.setdefault(r.path, {})[r.method.lower()] = op
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "kvstore admin API", "version": "1"},
+        "paths": paths,
+        "components": {
+            "schemas": defs.get("$defs", {}),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def _path_params(path: str) -> list[str]:
+    return [part[1:-1] for part in path.split("/") if part.startswith("{") and part.endswith("}")]
+
+
+# -- Prometheus -----------------------------------------------------------------------------------------
+class _Collector:
+    """Reads the master's state at each scrape: nothing to keep in step."""
+
+    def __init__(self, service: MasterService) -> None:
+        self.service = service
+
+    def collect(self) -> Any:
+        service = self.service
+        table = service.table
+        used = GaugeMetricFamily("kvstore_tier_bytes_used", "Bytes in use per node and tier.", labels=["node", "tier"])
+        cap = GaugeMetricFamily("kvstore_tier_bytes_capacity", "Capacity per node and tier.", labels=["node", "tier"])
+        blocks = GaugeMetricFamily("kvstore_tier_blocks", "Readable blocks per node and tier.", labels=["node", "tier"])
+        leases = GaugeMetricFamily("kvstore_active_leases", "Blocks under a read lease, per node and tier.",
+                                   labels=["node", "tier"])  # fmt: skip
+        up = GaugeMetricFamily("kvstore_node_up", "1 while the node heartbeats.", labels=["node"])
+        for node_id, node in sorted(table.nodes.items()):
+            for tier, u in table.tier_usage(node).items():
+                used.add_metric([node_id, tier], u["used"])
+                cap.add_metric([node_id, tier], u["capacity"])
+                blocks.add_metric([node_id, tier], u["blocks"])
+                leases.add_metric([node_id, tier], u["leased"])
+            up.add_metric([node_id], 1 if node.up else 0)
+        yield from (used, cap, blocks, leases, up)
+        yield GaugeMetricFamily("kvstore_objects", "Stored keys.", value=len(table.objects))
+        c = table.counters
+        for name, help_text in (("hits", "Lookups that found the block."), ("misses", "Lookups that did not."),
+                                ("evictions", "Blocks evicted."), ("demotions", "Blocks moved DRAM to SSD."),
+                                ("promotions", "Blocks moved SSD to DRAM."), ("puts", "Blocks put."),
+                                ("gets", "Blocks looked up."), ("expired", "Reservations expired."),
+                                ("bytes_read", "Bytes of blocks handed to readers."),
+                                ("bytes_written", "Bytes of blocks committed.")):  # fmt: skip
+            yield CounterMetricFamily(f"kvstore_{name}", help_text, value=c[name])
+        yield CounterMetricFamily("kvstore_rpc_errors", "RPC requests answered with an error.",
+                                  value=service.rpc_errors)  # fmt: skip
+        transfer = CounterMetricFamily("kvstore_transfer_bytes", "Bytes moved by daemons, by transport and rail.",
+                                       labels=["node", "transport", "rail", "direction"])  # fmt: skip
+        for node_id, stats in sorted(service.daemon_stats.items()):
+            for name, value in sorted(stats.items()):
+                transport, rail, direction = name.split("|", 2)
+                transfer.add_metric([node_id, transport, rail, direction], value)
+        yield transfer
+        for op, hist in sorted(service.latency.items()):
+            family = HistogramMetricFamily(f"kvstore_{op}_latency_seconds", f"Master time per {op} request.",
+                                           labels=[])  # fmt: skip
+            family.add_metric([], hist.buckets(), hist.total)
+            yield family
