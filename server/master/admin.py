@@ -18,12 +18,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from server.master.service import MasterService
 
 STATIC = Path(__file__).parent / "static"
+M = TypeVar("M", bound=BaseModel)
 HISTORY_SECONDS = 300
 
 
@@ -133,11 +134,27 @@ class KeyPage(BaseModel):
     next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
 
 
-class EvictRequest(BaseModel):
-    key: str | None = None
-    prefix: str | None = None
-    node_id: str | None = None
-    tier: Literal["dram", "ssd"] | None = None
+_KEY = Field(min_length=1, max_length=256, description="A block key: 1 to 256 bytes of UTF-8.")
+
+
+class EvictKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    key: str = _KEY
+
+
+class EvictPrefix(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prefix: str = Field(description="Every stored key that starts with this ('' is every key).")
+
+
+class EvictTier(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    node_id: str
+    tier: Literal["dram", "ssd"] = Field(description="dram: demote to SSD where it has room, else drop; ssd: drop.")
+
+
+class EvictRequest(RootModel[EvictKey | EvictPrefix | EvictTier]):
+    """Exactly one of: a key; a prefix; a node's tier."""
 
 
 class EvictResult(BaseModel):
@@ -179,8 +196,8 @@ class Route:
     response: type[BaseModel]
     summary: str
     body: type[BaseModel] | None = None
-    query: tuple[tuple[str, str, bool], ...] = ()
-    """(name, JSON type, required) of each query parameter."""
+    query: tuple[tuple[str, dict[str, Any], bool], ...] = ()
+    """(name, JSON schema, required) of each query parameter."""
     errors: tuple[int, ...] = (400,)
     public: bool = False
 
@@ -309,12 +326,15 @@ class AdminApi:
         except KVStoreError as exc:
             return _error(400, exc.code, type(exc).__name__, str(exc))
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors()[:5])
             return _error(400, InvalidArgument.code, "InvalidArgument", problems)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return _error(exc.status, 0, type(exc).__name__, exc.reason)
+            response = _error(exc.status, 0, type(exc).__name__, exc.reason)
+            if "Allow" in exc.headers:  # a 405 names the methods there are (RFC 9110)
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
 
     @web.middleware
     async def _auth(
@@ -328,7 +348,14 @@ class AdminApi:
         return await handler(request)
 
     def _wrap(self, r: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
+        allowed = {name for name, _, _ in r.query}
+
         async def handle(request: web.Request) -> web.Response:
+            for name in request.query:
+                if name not in allowed:
+                    raise InvalidArgument(f"unknown query parameter {name!r}; {r.path} takes {sorted(allowed)}")
+                if len(request.query.getall(name)) > 1:
+                    raise InvalidArgument(f"query parameter {name!r} given more than once")
             model = await r.handler(self, request)
             return web.json_response(text=model.model_dump_json())
 
@@ -385,7 +412,7 @@ def _int_query(request: web.Request, name: str, default: int, low: int, high: in
     return value
 
 
-async def _json_body(request: web.Request, model: type[BaseModel]) -> Any:
+async def _json_body(request: web.Request, model: type[M]) -> M:
     try:
         raw = await request.json()
     except ValueError:
@@ -440,7 +467,8 @@ async def node(api: AdminApi, request: web.Request) -> NodeModel:
 
 
 @route("GET", "/api/v1/keys", KeyPage, "Stored keys starting with a prefix, in order, a page at a time.",
-       query=(("prefix", "string", False), ("limit", "integer", False), ("cursor", "string", False)),
+       query=(("prefix", {"type": "string"}, False), ("cursor", {"type": "string"}, False),
+              ("limit", {"type": "integer", "minimum": 1, "maximum": 10_000}, False)),
        errors=(400, 401))  # fmt: skip
 async def keys(api: AdminApi, request: web.Request) -> KeyPage:
     limit = _int_query(request, "limit", 100, 1, 10_000)
@@ -461,20 +489,15 @@ async def key(api: AdminApi, request: web.Request) -> KeyModel:
 @route("POST", "/api/v1/evict", EvictResult, "Evict a key, every key with a prefix, or a node's tier.",
        body=EvictRequest, errors=(400, 401, 404))  # fmt: skip
 async def evict(api: AdminApi, request: web.Request) -> EvictResult:
-    req = await _json_body(request, EvictRequest)
-    chosen = [x is not None for x in (req.key, req.prefix, req.node_id)]
-    if sum(chosen) != 1 or (req.node_id is None) != (req.tier is None):
-        raise InvalidArgument("evict takes exactly one of: key; prefix; node_id with tier")
+    req = (await _json_body(request, EvictRequest)).root
     service = api.service
-    if req.node_id is not None:
-        assert req.tier is not None
+    if isinstance(req, EvictTier):
         count, commands = service.table.evict_tier(req.node_id, TierName(req.tier))
         service.run_commands_later(commands, "admin-evict-tier")
         return EvictResult(evicted=count, skipped_pinned=[])
-    if req.key is not None:
+    if isinstance(req, EvictKey):
         targets = [validate_key(req.key)]
     else:
-        assert req.prefix is not None
         targets = [validate_key(k) for k in service.table.objects if k.startswith(req.prefix)]
     evicted, pinned, commands = service.table.evict_keys(targets)
     service.run_commands_later(commands, "admin-evict")
@@ -503,9 +526,14 @@ def openapi_document() -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for r in ROUTES:
         params = [
-            {"name": name, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+            {
+                "name": name,
+                "in": "path",
+                "required": True,
+                "schema": {"type": "string", "minLength": 1, "maxLength": 256 if name == "key" else 64},
+            }
             for name in _path_params(r.path)
-        ] + [{"name": n, "in": "query", "required": req, "schema": {"type": t}} for n, t, req in r.query]
+        ] + [{"name": n, "in": "query", "required": req, "schema": schema} for n, schema, req in r.query]
         op: dict[str, Any] = {
             "summary": r.summary,
             "operationId": r.handler.__name__,
