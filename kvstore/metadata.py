@@ -127,7 +127,8 @@ class NodeCommand:
     offsets: tuple[int, ...] = ()
     """DRAM offsets for PROMOTE."""
     release: bool = False
-    """A DROP that only frees reservations (revoked or expired puts), not committed blocks."""
+    """A DROP that evicts nothing: it frees reservations (revoked or expired puts), removed keys,
+    conflicting inventory, or the replicas a drain copied elsewhere; not counted as evictions."""
     sizes: tuple[int, ...] = ()
     """Block sizes, for an eviction (its bytes are counted as leaving until it is applied)."""
 
@@ -626,7 +627,9 @@ class PlacementTable:
                 if key in lru:
                     lru.remove(key)
                 per.setdefault((r.node_id, r.tier), []).append(key)
-        return removed, self._issue([NodeCommand(n, ActionKind.DROP, t, tuple(ks)) for (n, t), ks in per.items()])
+        return removed, self._issue(
+            [NodeCommand(n, ActionKind.DROP, t, tuple(ks), release=True) for (n, t), ks in per.items()]
+        )
 
     # -- command completion ---------------------------------------------------------------
     def _issue(self, commands: list[NodeCommand]) -> list[NodeCommand]:
@@ -808,7 +811,7 @@ class PlacementTable:
                         node.lru(tier).remove(key)
                         moves.append(Move(key, entry.size, entry.checksum, tier, target.node_id, extent))
                         break
-        commands = [NodeCommand(node_id, ActionKind.DROP, t, tuple(ks)) for t, ks in drops.items()]
+        commands = [NodeCommand(node_id, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()]
         return moves, self._issue(commands)
 
     def finish_moves(self, source: str, moves: Sequence[Move], done: Sequence[bool]) -> list[NodeCommand]:
@@ -831,7 +834,9 @@ class PlacementTable:
             if entry.pinned:
                 target.dram_lru.pin(move.key)
             drops.setdefault(here.tier, []).append(move.key)
-        return self._issue([NodeCommand(source, ActionKind.DROP, t, tuple(ks)) for t, ks in drops.items()])
+        return self._issue(
+            [NodeCommand(source, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()]
+        )
 
     def blocks_on(self, node_id: str) -> int:
         """Blocks (stored or being written) with a replica on ``node_id``."""

@@ -522,6 +522,20 @@ class ListNodes(Message):
 
 
 @wire
+class AdminInfo(Message):
+    """Where the master's REST admin API is (for tools given only the RPC address)."""
+
+    KIND = 43
+
+
+@wire
+class AdminInfoReply(Message):
+    KIND = 44
+    address: str
+    """host:port of the admin API; empty when the master serves none."""
+
+
+@wire
 class NodesReply(Message):
     KIND = 42
     nodes: list[NodeInfo]

@@ -297,6 +297,7 @@ def _cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dram", default="256MiB", help="DRAM per daemon")
     p.add_argument("--ssd", default="0", help="SSD per daemon")
     p.add_argument("--port", type=int, default=50051, help="master port (0: any free port)")
+    p.add_argument("--admin-port", type=int, default=50052, help="admin API and dashboard port (0: any free port)")
 
 
 @command("cluster", "start a local cluster: a master and daemons as processes on loopback")
@@ -305,8 +306,11 @@ def _cluster(args: argparse.Namespace) -> int:
 
     from server.cluster import LocalCluster
 
-    with LocalCluster(args.daemons, dram=args.dram, ssd=args.ssd, master_port=args.port) as cluster:
+    with LocalCluster(
+        args.daemons, dram=args.dram, ssd=args.ssd, master_port=args.port, admin=True, admin_port=args.admin_port
+    ) as cluster:
         print(f"master  {cluster.master_address}", flush=True)
+        print(f"admin   http://{cluster.admin_address}  (REST API, /metrics, dashboard)", flush=True)
         for i, address in enumerate(cluster.daemon_addresses):
             print(f"daemon  {cluster.node_name(i)}  {address}", flush=True)
         print("cluster up; Ctrl-C stops it", flush=True)
@@ -343,5 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+from kvstore_client import ops  # noqa: E402, F401 - registers the operator commands (status, nodes, ...)
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as ``python -m``: use the imported module, in whose registry the operator commands live.
+    from kvstore_client.cli import main as imported_main
+
+    sys.exit(imported_main())

@@ -48,6 +48,7 @@ class LocalCluster:
         master_args: tuple[str, ...] = (),
         daemon_args: tuple[str, ...] = (),
         admin: bool = False,
+        admin_port: int = 0,
         env: dict[str, str] | None = None,
     ) -> None:
         self.num_daemons = daemons
@@ -59,6 +60,7 @@ class LocalCluster:
         self.master_args = master_args
         self.daemon_args = daemon_args
         self.admin = admin
+        self.admin_port = admin_port
         self.admin_address = ""
         """host:port of the master's REST admin API and dashboard (with ``admin=True``)."""
         self.env = {**os.environ, **(env or {})}
@@ -97,7 +99,7 @@ class LocalCluster:
 
     def start_master(self) -> None:
         port = self.master_port or 0
-        admin = ["--admin-port", self.admin_address.rsplit(":", 1)[1] if self.admin_address else "0"]
+        admin = ["--admin-port", self.admin_address.rsplit(":", 1)[1] if self.admin_address else str(self.admin_port)]
         args = ["master", "--port", str(port), *(admin if self.admin else []), *self.master_args]
         self.master = self._spawn(args, "master.log")
         assert self.master.stdout is not None

@@ -23,6 +23,8 @@ from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NotFoun
 from kvstore.metadata import Move, NodeCommand, PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
 from kvstore.protocol import (
+    AdminInfo,
+    AdminInfoReply,
     CommandReply,
     DemoteBlocks,
     DropBlocks,
@@ -120,6 +122,7 @@ class MasterService:
             Remove: self._remove,
             Stats: self._stats,
             ListNodes: self._list_nodes,
+            AdminInfo: self._admin_info,
         }
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -430,6 +433,9 @@ class MasterService:
         """Every registered node with how to reach it, up or down."""
         nodes = self.table.nodes
         return NodesReply([replace(info, up=nodes[n].up) for n, info in sorted(self._node_info.items()) if n in nodes])
+
+    async def _admin_info(self, m: AdminInfo) -> Message:
+        return AdminInfoReply(self.admin.address if self.admin is not None else "")
 
     async def _stats(self, m: Stats) -> Message:
         stats = self.table.stats()

@@ -115,6 +115,8 @@ def test_cluster_up_serves_until_interrupted() -> None:
             "8MiB",
             "--port",
             "0",
+            "--admin-port",
+            "0",
         ],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},

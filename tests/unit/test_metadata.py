@@ -271,11 +271,12 @@ def test_remove_hides_at_once_and_frees_after_the_daemon() -> None:
     t = table("a", dram=4 * KB, ssd=4 * KB)
     put(t, "k0", "k1")
     removed, [cmd] = t.remove(["k0", "k0", "missing"])
-    assert removed == 1 and cmd.keys == ("k0",) and not cmd.release
+    assert removed == 1 and cmd.keys == ("k0",) and cmd.release  # a removal is not an eviction
     assert t.exists(["k0"]) == [False]
     busy = t.put_start(["k0"], [KB], 1, None, False, 0).tickets[0]
     assert busy is not None and busy.error_code == RetryLater.code
     run(t, [cmd])
+    assert t.counters["evictions"] == 0
     put(t, "k0")
 
 
