@@ -170,7 +170,7 @@ class DrainResult(BaseModel):
 
 class HistoryPoint(BaseModel):
     t: float = Field(description="Seconds since the epoch.")
-    hit_rate: float
+    hit_rate: float | None = Field(description="Hits over lookups in this second; null when there were none.")
     gets_per_s: float
     puts_per_s: float
     read_bytes_per_s: float
@@ -251,9 +251,7 @@ class Sampler:
             self.points.append((now, dict(counters), dram_used, ssd_used))
 
     @staticmethod
-    def _rates(
-        a: tuple[float, dict[str, int], int, int], b: tuple[float, dict[str, int], int, int]
-    ) -> dict[str, float]:
+    def _rates(a: _Point, b: _Point) -> dict[str, Any]:
         dt = max(b[0] - a[0], 1e-6)
 
         def d(name: str) -> float:
@@ -261,7 +259,7 @@ class Sampler:
 
         lookups = d("hits") + d("misses")
         return {
-            "hit_rate": d("hits") / lookups if lookups else 0.0,
+            "hit_rate": d("hits") / lookups if lookups else None,
             "gets_per_s": d("gets"),
             "puts_per_s": d("puts"),
             "hits_per_s": d("hits"),
@@ -269,7 +267,7 @@ class Sampler:
             "written_bytes_per_s": d("bytes_written"),
         }
 
-    def rates(self, window: int = 5) -> dict[str, float]:
+    def rates(self, window: int = 5) -> dict[str, Any]:
         if len(self.points) < 2:
             return dict.fromkeys(("hit_rate", "gets_per_s", "puts_per_s", "hits_per_s", "read_bytes_per_s",
                                   "written_bytes_per_s"), 0.0)  # fmt: skip

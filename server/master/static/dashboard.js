@@ -34,15 +34,18 @@ function drawSeries(canvas, series, colors, maxValue) {
   ctx.clearRect(0, 0, w, h);
   ctx.strokeStyle = "#21262d";
   for (let y = 0; y <= 4; y++) { ctx.beginPath(); ctx.moveTo(0, (h * y) / 4); ctx.lineTo(w, (h * y) / 4); ctx.stroke(); }
-  const top = maxValue || Math.max(1, ...series.flat());
+  const top = maxValue || Math.max(1, ...series.flat().filter((v) => v !== null));
   series.forEach((values, k) => {
     if (values.length < 2) return;
     ctx.strokeStyle = colors[k];
     ctx.lineWidth = 2;
     ctx.beginPath();
+    let drawing = false;  // a null (no lookups that second) leaves a gap
     values.forEach((v, i) => {
+      if (v === null) { drawing = false; return; }
       const x = (w * i) / (values.length - 1), y = h - (h * v) / top;
-      if (i === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+      if (drawing) ctx.lineTo(x, y); else ctx.moveTo(x, y);
+      drawing = true;
     });
     ctx.stroke();
   });
