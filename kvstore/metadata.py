@@ -33,7 +33,6 @@ each node's allocator holds exactly the extents of that node's DRAM replicas
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import random
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -747,10 +746,13 @@ class PlacementTable:
 
     def keys_page(self, prefix: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
         """Stored keys starting with ``prefix``, in order, after ``after``: one page and the next page's cursor."""
-        matching = sorted(k for k, e in self.objects.items() if k.startswith(prefix) and not e.removing)
-        start = bisect.bisect_right(matching, after) if after is not None else 0
-        page = matching[start : start + limit]
-        return page, (page[-1] if start + limit < len(matching) else None)
+        # One pass, keeping the smallest limit + 1 (no sort of every key: the event loop is shared).
+        floor = after if after is not None else ""
+        candidates = (
+            k for k, e in self.objects.items() if k > floor and k.startswith(prefix) and not e.removing
+        )
+        page = heapq.nsmallest(limit + 1, candidates)
+        return page[:limit], (page[limit - 1] if len(page) > limit else None)
 
     def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str], list[NodeCommand]]:
         """Drop stored blocks from every tier (an operator's eviction); pinned ones stay.
