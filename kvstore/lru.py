@@ -93,6 +93,10 @@ class LRU(Generic[K]):
         return key in self._leases
 
     @property
+    def num_pinned(self) -> int:
+        return len(self._pinned)
+
+    @property
     def num_leased(self) -> int:
         """Keys with at least one lease."""
         return len(self._leases)

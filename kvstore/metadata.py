@@ -718,7 +718,7 @@ class PlacementTable:
                 "capacity": capacity,
                 "used": used,
                 "blocks": len(lru),
-                "pinned": sum(1 for k in lru if lru.is_pinned(k)),
+                "pinned": lru.num_pinned,
                 "leased": lru.num_leased,
             }
         return out
@@ -748,9 +748,7 @@ class PlacementTable:
         """Stored keys starting with ``prefix``, in order, after ``after``: one page and the next page's cursor."""
         # One pass, keeping the smallest limit + 1 (no sort of every key: the event loop is shared).
         floor = after if after is not None else ""
-        candidates = (
-            k for k, e in self.objects.items() if k > floor and k.startswith(prefix) and not e.removing
-        )
+        candidates = (k for k, e in self.objects.items() if k > floor and k.startswith(prefix) and not e.removing)
         page = heapq.nsmallest(limit + 1, candidates)
         return page[:limit], (page[limit - 1] if len(page) > limit else None)
 
