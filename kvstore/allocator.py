@@ -182,6 +182,11 @@ class Allocator:
         self._add_free(start, length)
 
     @property
+    def num_extents(self) -> int:
+        """Extents handed out and not yet freed."""
+        return len(self._allocated)
+
+    @property
     def free_bytes(self) -> int:
         return self.capacity - self.used
 

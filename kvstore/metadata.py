@@ -92,6 +92,8 @@ class NodeState:
     """DRAM bytes that evictions in flight will free."""
     ssd_delta: int = 0
     """SSD bytes that evictions in flight will add (demotions) less those they will free (drops)."""
+    max_blocks: int = 0
+    """Blocks the node's arena can index (its slots); 0: bytes are the only limit."""
 
     def lru(self, tier: TierName) -> LRU[str]:
         return self.dram_lru if tier is DRAM else self.ssd_lru
@@ -224,6 +226,7 @@ class PlacementTable:
         alignment: int,
         inventory: Sequence[InventoryItem],
         now_ms: int,
+        max_blocks: int = 0,
     ) -> list[NodeCommand]:
         """(Re)build what the table knows of ``node_id`` from its inventory (oldest use first).
 
@@ -233,7 +236,7 @@ class PlacementTable:
         validate_key(node_id)
         commands = self._forget_node(node_id)
         alloc = Allocator(dram_capacity, alignment)
-        node = NodeState(node_id, address, alloc, ssd_capacity, last_seen_ms=now_ms)
+        node = NodeState(node_id, address, alloc, ssd_capacity, last_seen_ms=now_ms, max_blocks=max_blocks)
         conflicts: dict[TierName, list[str]] = {DRAM: [], SSD: []}
         dram_items = sorted((i for i in inventory if i.tier == "dram"), key=lambda i: i.offset)
         extents: list[tuple[int, int]] = []
@@ -420,6 +423,14 @@ class PlacementTable:
         # Bytes that evictions in flight will free count as free already, so nothing is evicted for them twice.
         dram_used = node.alloc.used - node.dram_freeing
         over = self.policy.over_high_watermark(dram_used + size, node.alloc.capacity)
+        if node.max_blocks and node.alloc.num_extents >= node.max_blocks:
+            # Every slot of the arena's index is taken: room comes only from evicting blocks.
+            if node.inflight:
+                return None, False  # evictions in flight will free slots; the put waits for them
+            view = TierView(node.alloc.capacity, dram_used, node.dram_lru)
+            actions = self.policy.make_room(view, self._ssd_view(node), 0, force_bytes=1)
+            plan.commands.extend(self._start_actions(node, actions))
+            return None, bool(actions)
         extent = node.alloc.alloc(size)
         if extent is not None and not over:
             return extent, False

@@ -296,6 +296,8 @@ class RegisterNode(Message):
     nics: list[Nic]
     rdma: bool
     ucx_address: str
+    max_blocks: int
+    """Blocks the DRAM arena can index (its slot table); 0: no limit but capacity."""
 
 
 @wire

@@ -351,7 +351,7 @@ class MasterService:
     # -- handlers -------------------------------------------------------------------------------
     async def _register(self, m: RegisterNode) -> Message:
         commands = self.table.register_node(
-            m.node_id, m.address, m.dram_capacity, m.ssd_capacity, m.alignment, m.inventory, _now_ms()
+            m.node_id, m.address, m.dram_capacity, m.ssd_capacity, m.alignment, m.inventory, _now_ms(), m.max_blocks
         )
         self._node_info[m.node_id] = NodeInfo(
             m.node_id,

@@ -150,3 +150,15 @@ def test_stale_or_dead_hints_never_change_an_answer(store: Store, cluster: Local
         other.remove("dropped")  # removed by someone else: the daemon may still hold it for a moment
     store._hints["dropped"] = hint
     assert store.get("dropped") is None
+
+
+def test_a_daemon_out_of_index_slots_evicts_instead_of_refusing() -> None:
+    # 8 MiB of DRAM but only 64 slots in its index: small blocks run out of slots long before bytes.
+    slots = {"KVSTORE_DAEMON_DRAM__MAX_BLOCKS": "64"}
+    with LocalCluster(1, dram="8MiB", env=slots) as c, Store.connect(c.master_address) as store:
+        for i in range(300):
+            assert store.put(f"slot-{i}", bytes([i % 256]) * 1000) is PutStatus.STORED
+        assert store.stats()["evictions"] >= 300 - 64
+        assert store.get_many([f"slot-{i}" for i in range(290, 300)]) == [
+            bytes([i % 256]) * 1000 for i in range(290, 300)
+        ]

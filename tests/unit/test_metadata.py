@@ -310,3 +310,19 @@ def test_pins_come_back_with_the_inventory() -> None:
     assert fresh.nodes["a"].dram_lru.is_pinned("p") and not fresh.nodes["a"].dram_lru.is_pinned("q")
     plan = fresh.put_start(["r"], [KB], 1, None, False, 0)
     assert [c.keys for c in plan.commands] == [("q",)]  # the pinned block is not a victim
+
+
+def test_a_node_out_of_index_slots_evicts_to_make_one() -> None:
+    t = PlacementTable(EXACT)
+    assert t.register_node("a", "a:1", 64 * KB, 0, 64, [], 0, max_blocks=3) == []
+    put(t, "k0", "k1", "k2", size=100)  # bytes to spare, but every slot taken
+    plan = t.put_start(["k3"], [100], 1, None, False, 0)
+    assert plan.tickets == [None] and plan.waiting == [0]  # waits for an eviction
+    [drop] = plan.commands
+    assert drop.kind is ActionKind.DROP and drop.keys == ("k0",)  # the least recently used
+    assert t.put_start(["k4"], [100], 1, None, False, 0).tickets == [None]  # in flight: no second eviction
+    run(t, [drop])
+    [ticket] = put(t, "k3", size=100)
+    assert ticket is not None and ticket.status == "ok"
+    assert t.exists(["k0", "k1", "k2", "k3"]) == [False, True, True, True]
+    t.check()

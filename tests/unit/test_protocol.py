@@ -119,7 +119,7 @@ def raw(*items: Any) -> bytes:
                 P.PROTOCOL_VERSION,
                 P.RegisterNode.KIND,
                 1,
-                ["n", "a", 1, 1, 64, [["k", "tape", 0, 1, 2, False]], ["a"], "h", "p", 1, [], False, ""],
+                ["n", "a", 1, 1, 64, [["k", "tape", 0, 1, 2, False]], ["a"], "h", "p", 1, [], False, "", 0],
             ),
             "expected one of",
         ),
