@@ -428,7 +428,7 @@ class PlacementTable:
             if node.inflight:
                 return None, False  # evictions in flight will free slots; the put waits for them
             view = TierView(node.alloc.capacity, dram_used, node.dram_lru)
-            actions = self.policy.make_room(view, self._ssd_view(node), 0, force_bytes=1)
+            actions = self.policy.make_slots(view, self._ssd_view(node), node.alloc.num_extents, node.max_blocks)
             plan.commands.extend(self._start_actions(node, actions))
             return None, bool(actions)
         extent = node.alloc.alloc(size)

@@ -19,6 +19,7 @@ tiers. Rules:
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -90,6 +91,13 @@ class EvictionPolicy:
                 break
             victims.append((key, size))
             freed += size
+        return self._place_victims(victims, ssd)
+
+    def make_slots(self, dram: TierView[K], ssd: TierView[K] | None, used: int, capacity: int) -> list[Action[K]]:
+        """Actions that free index slots in DRAM when ``used`` of ``capacity`` slots are taken:
+        down to the low watermark (at least one), least recently used first."""
+        need = max(1, used + 1 - math.floor(self.low_watermark * capacity))
+        victims = list(itertools.islice(dram.lru.victims(), need))
         return self._place_victims(victims, ssd)
 
     def _place_victims(self, victims: list[tuple[K, int]], ssd: TierView[K] | None) -> list[Action[K]]:
