@@ -82,3 +82,13 @@ def test_promotion_after_n_hits() -> None:
     assert not policy.should_promote(1) and policy.should_promote(2)
     assert not EvictionPolicy(promote_after_hits=0).should_promote(100)
     assert policy.promote("k", 5) == Action(PROMOTE, "k", SSD, 5)
+
+
+def test_out_of_slots_evicts_down_to_the_low_watermark_of_slots() -> None:
+    policy = EvictionPolicy(high_watermark=0.9, low_watermark=0.5)
+    dram = tier(10_000, *(f"k{i}" for i in range(10)))  # bytes to spare: only slots are short
+    actions = policy.make_slots(dram, None, used=10, capacity=10)
+    assert [(a.kind, a.key) for a in actions] == [(ActionKind.DROP, f"k{i}") for i in range(6)]  # 11 - 5
+    ssd = tier(1_000)
+    assert {a.kind for a in policy.make_slots(dram, ssd, used=10, capacity=10)} == {ActionKind.DEMOTE}
+    assert len(policy.make_slots(dram, None, used=3, capacity=10)) == 1  # at least one
