@@ -151,24 +151,32 @@ class RailSet:
         if errors:
             raise errors[0]
 
+    def _plan(self, sizes: Sequence[int]) -> tuple[list[_Job], list[int]]:
+        """Jobs of at most ``slice_bytes``: a large block's slices one a job, small blocks several to
+        a job; and the indexes of the sliced blocks."""
+        jobs: list[_Job] = []
+        sliced: list[int] = []
+        group: list[tuple[int, int, int]] = []
+        group_bytes = 0
+        for i, size in enumerate(sizes):
+            if size > self.slice_bytes:
+                sliced.append(i)
+                jobs.extend(_Job([(i, s, min(self.slice_bytes, size - s))]) for s in range(0, size, self.slice_bytes))
+                continue
+            if group and group_bytes + size > self.slice_bytes:
+                jobs.append(_Job(group))
+                group, group_bytes = [], 0
+            group.append((i, 0, size))
+            group_bytes += size
+        if group:
+            jobs.append(_Job(group))
+        return jobs, sliced
+
     def read(
         self, keys: Sequence[str], sizes: Sequence[int], checksums: Sequence[int], views: Sequence[memoryview]
     ) -> list[int | None]:
         """Read whole blocks into ``views`` over every rail; per block its size, or None (a miss)."""
-        jobs: list[_Job] = []
-        small: list[tuple[int, int, int]] = []
-        small_bytes = 0
-        for i, size in enumerate(sizes):
-            if size > self.slice_bytes:
-                jobs.extend(_Job([(i, s, min(self.slice_bytes, size - s))]) for s in range(0, size, self.slice_bytes))
-            else:
-                if small_bytes + size > self.slice_bytes and small:
-                    jobs.append(_Job(small))
-                    small, small_bytes = [], 0
-                small.append((i, 0, size))
-                small_bytes += size
-        if small:
-            jobs.append(_Job(small))
+        jobs, _ = self._plan(sizes)
         missing: set[int] = set()
 
         def fetch(rail: Rail, job: _Job) -> None:
@@ -206,23 +214,7 @@ class RailSet:
         Blocks up to ``slice_bytes`` travel whole, several to a WriteBlocks; larger ones in
         slices (WriteSlices, any rail each), then one CommitBlocks makes the daemon check and
         commit them, so a block is stored whole or not at all."""
-        jobs: list[_Job] = []
-        group: list[tuple[int, int, int]] = []
-        group_bytes = 0
-        sliced: list[int] = []
-        for i, view in enumerate(views):
-            size = view.nbytes
-            if size > self.slice_bytes:
-                sliced.append(i)
-                jobs.extend(_Job([(i, s, min(self.slice_bytes, size - s))]) for s in range(0, size, self.slice_bytes))
-                continue
-            if group and group_bytes + size > self.slice_bytes:
-                jobs.append(_Job(group))
-                group, group_bytes = [], 0
-            group.append((i, 0, size))
-            group_bytes += size
-        if group:
-            jobs.append(_Job(group))
+        jobs, sliced = self._plan([v.nbytes for v in views])
         sliced_set = set(sliced)
         results: dict[int, tuple[int, str]] = {}
         lock = threading.Lock()
