@@ -302,10 +302,18 @@ def _cluster_arguments(p: argparse.ArgumentParser) -> None:
 
 @command("cluster", "start a local cluster: a master and daemons as processes on loopback")
 def _cluster(args: argparse.Namespace) -> int:
+    import signal
     import time
 
     from server.cluster import LocalCluster
 
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # unwinds through the ``with``: children stopped, arenas removed
+
+    # Ctrl-C, kill (SIGTERM) and a closed terminal all stop the cluster cleanly; SIGINT too when
+    # a non-interactive shell started us in the background with it ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
     with LocalCluster(
         args.daemons, dram=args.dram, ssd=args.ssd, master_port=args.port, admin=True, admin_port=args.admin_port
     ) as cluster:

@@ -144,3 +144,33 @@ def test_cluster_up_serves_until_interrupted() -> None:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_cluster_up_stops_its_processes_and_arenas_on_sigterm() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore_client.cli", "cluster", "up", "--daemons", "1", "--dram", "8MiB",
+         "--port", "0", "--admin-port", "0"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "cluster up" in line:
+                break
+        master = next(line.split()[1] for line in lines if line.startswith("master"))
+        arenas = sorted(Path("/dev/shm").glob(f"kvstore-cluster-{proc.pid}-*.arena"))
+        assert len(arenas) == 1
+        proc.send_signal(signal.SIGTERM)  # what `kill` sends: the cluster must not outlive it
+        assert proc.wait(timeout=30) == 0
+        assert not any(a.exists() for a in arenas)
+        from kvstore.errors import ConnectionFailed
+        from kvstore_client.store import Store
+
+        with pytest.raises(ConnectionFailed):
+            Store.connect(master).close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
