@@ -77,7 +77,7 @@ from transfer.rpc import ConnectionPool, PendingReply
 from transfer.transports import ucx
 from transfer.transports.shm import ShmTransport
 from transfer.transports.ucx import UcxClient
-from transfer.wire import recv_into, skip
+from transfer.wire import recv_into, recv_read_reply, skip
 
 T = TypeVar("T")
 
@@ -568,20 +568,11 @@ class Store:
             [loc.key for loc, _, _ in blocks], [r.tier for _, r, _ in blocks], [r.offset for _, r, _ in blocks],
             [loc.size for loc, _, _ in blocks],
         )  # fmt: skip
+        targets = [view[: loc.size] for loc, _, view in blocks]
         with self._pool(address).connection() as conn, conn.exchange(message) as (reply, sock):
-            if not isinstance(reply, ReadReply) or len(reply.sizes) != len(blocks):
-                raise ProtocolError(f"{address} sent a malformed reply to ReadBlocks")
-            got: list[int | None] = []
-            for size, (loc, _, view) in zip(reply.sizes, blocks, strict=True):
-                if size < 0:
-                    got.append(None)
-                elif size != loc.size:
-                    skip(sock, size)
-                    got.append(None)  # not the block the master described: a stale copy, so a miss
-                else:
-                    recv_into(sock, view[:size])
-                    got.append(size)
-            return got
+            # A block of another size than the master described is a stale copy: a miss.
+            got = recv_read_reply(reply, sock, targets, f"ReadBlocks from {address}")
+        return [loc.size if ok else None for ok, (loc, _, _) in zip(got, blocks, strict=True)]
 
     def _release_loop(self, period: float = 0.05) -> None:
         """Send leases that no get carried within ``period`` seconds."""

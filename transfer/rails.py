@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
 from kvstore.keys import checksum
-from kvstore.protocol import CommitBlocks, ReadReply, ReadSlices, WriteBlocks, WriteReply, WriteSlices
+from kvstore.protocol import CommitBlocks, ReadSlices, WriteBlocks, WriteReply, WriteSlices
 from transfer.rpc import ConnectionPool
-from transfer.wire import recv_into, skip
+from transfer.wire import recv_read_reply
 
 # A rail nobody measured yet is assumed to be as fast as this, until its first slice says otherwise.
 _UNMEASURED_BPS = 1e9
@@ -182,17 +182,10 @@ class RailSet:
         def fetch(rail: Rail, job: _Job) -> None:
             message = ReadSlices([keys[i] for i, _, _ in job.parts], [s for _, s, _ in job.parts],
                                  [n for _, _, n in job.parts])  # fmt: skip
+            targets = [views[i][start : start + length] for i, start, length in job.parts]
             with rail.pool.connection() as conn, conn.exchange(message) as (reply, sock):
-                if not isinstance(reply, ReadReply) or len(reply.sizes) != len(job.parts):
-                    raise ProtocolError(f"{rail.address} sent a malformed reply to ReadSlices")
-                for got, (i, start, length) in zip(reply.sizes, job.parts, strict=True):
-                    if got < 0:
-                        missing.add(i)
-                    elif got != length:
-                        skip(sock, got)
-                        missing.add(i)
-                    else:
-                        recv_into(sock, views[i][start : start + length])
+                got = recv_read_reply(reply, sock, targets, f"ReadSlices from {rail.address}")
+            missing.update(i for ok, (i, _, _) in zip(got, job.parts, strict=True) if not ok)
 
         self._run(jobs, fetch, f"reading {len(keys)} blocks")
         out: list[int | None] = []

@@ -120,6 +120,24 @@ def skip(sock: socket.socket, n: int) -> None:
         n -= part.nbytes
 
 
+def recv_read_reply(reply: Message, sock: socket.socket, targets: Sequence[memoryview], what: str) -> list[bool]:
+    """Take a ReadReply's payloads off ``sock``: each into its target when it has exactly the target's
+    size (True); one of another size is read and dropped (False: not the block asked for); a
+    negative size sent nothing (False). Raises ProtocolError for a reply of another shape."""
+    from kvstore.protocol import ReadReply
+
+    if not isinstance(reply, ReadReply) or len(reply.sizes) != len(targets):
+        raise ProtocolError(f"{what}: a malformed reply")
+    got = []
+    for size, target in zip(reply.sizes, targets, strict=True):
+        if size == target.nbytes:
+            recv_into(sock, target)
+        elif size > 0:
+            skip(sock, size)
+        got.append(size == target.nbytes)
+    return got
+
+
 class NoRequest(Exception):
     """No byte of a next frame arrived within the socket's timeout (an idle peer; the stream is in step)."""
 

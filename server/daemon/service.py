@@ -45,7 +45,7 @@ from kvstore.protocol import (
 from server.daemon.storage import DaemonStorage
 from transfer import topology
 from transfer.rpc import Connection
-from transfer.wire import NoRequest, recv_all_into, recv_into, recv_message, send_message, set_timeouts, skip
+from transfer.wire import NoRequest, recv_all_into, recv_message, recv_read_reply, send_message, set_timeouts
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -181,20 +181,12 @@ class DaemonServer:
         """Copy blocks from the daemon at ``msg.source`` into reserved extents here (a drain)."""
         keys = self._keys(msg.keys)
         batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums)
-        got = [False] * len(keys)
         try:
             conn = Connection(msg.source, self.io_timeout)
             try:
                 request = ReadBlocks(list(keys), ["dram"] * len(keys), [0] * len(keys), list(msg.sizes))
                 with conn.exchange(request) as (reply, sock):
-                    if not isinstance(reply, ReadReply) or len(reply.sizes) != len(keys):
-                        raise ProtocolError(f"{msg.source} sent a malformed reply to ReadBlocks")
-                    for i, (size, target) in enumerate(zip(reply.sizes, batch.targets, strict=True)):
-                        if size == target.nbytes:
-                            recv_into(sock, target)
-                            got[i] = True
-                        elif size > 0:
-                            skip(sock, size)
+                    got = recv_read_reply(reply, sock, batch.targets, f"ReadBlocks from {msg.source}")
             finally:
                 conn.close()
         except BaseException:
