@@ -79,7 +79,8 @@ class DaemonServer:
         self.address = self.rails[0]
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, str] = {}
+        """Open connections and the rail (listening address) each came in on."""
         self._conns_lock = threading.Lock()
         # Connections receiving slices into a block's extent, by key: once the block is committed or
         # dropped they are cut, so that a stalled one (its rail died) never writes into a reused extent.
@@ -99,12 +100,12 @@ class DaemonServer:
         }
 
     def start(self) -> None:
-        for listener in self._listeners:
-            t = threading.Thread(target=self._accept_loop, args=(listener,), name="daemon-accept", daemon=True)
+        for listener, rail in zip(self._listeners, self.rails, strict=True):
+            t = threading.Thread(target=self._accept_loop, args=(listener, rail), name="daemon-accept", daemon=True)
             t.start()
             self._threads.append(t)
 
-    def _accept_loop(self, listener: socket.socket) -> None:
+    def _accept_loop(self, listener: socket.socket, rail: str) -> None:
         listener.settimeout(0.2)
         while not self._stop.is_set():
             try:
@@ -115,7 +116,7 @@ class DaemonServer:
                 return
             set_timeouts(sock, self.io_timeout)
             with self._conns_lock:
-                self._conns.add(sock)
+                self._conns[sock] = rail
             threading.Thread(target=self._serve, args=(sock,), name="daemon-conn", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
@@ -151,7 +152,7 @@ class DaemonServer:
             log.exception("daemon connection handler failed")
         finally:
             with self._conns_lock:
-                self._conns.discard(sock)
+                self._conns.pop(sock, None)
             sock.close()
 
     @staticmethod
@@ -172,10 +173,9 @@ class DaemonServer:
         with self._transfer_lock:
             return dict(self._transfer)
 
-    @staticmethod
-    def _rail(sock: socket.socket) -> str:
-        host, port = sock.getsockname()[:2]
-        return f"{host}:{port}"
+    def _rail(self, sock: socket.socket) -> str:
+        """The rail ``sock`` came in on (known since accept: no system call per request)."""
+        return self._conns.get(sock, "?")
 
     def _fetch(self, msg: FetchBlocks) -> list[bool]:
         """Copy blocks from the daemon at ``msg.source`` into reserved extents here (a drain)."""
