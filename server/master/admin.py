@@ -245,10 +245,12 @@ class Sampler:
     def __init__(self) -> None:
         self.points: deque[_Point] = deque(maxlen=HISTORY_SECONDS + 1)
 
+    def due(self) -> bool:
+        """Whether a second has passed since the last sample."""
+        return not self.points or time.time() - self.points[-1][0] >= 1.0
+
     def sample(self, counters: dict[str, int], dram_used: int, ssd_used: int) -> None:
-        now = time.time()
-        if not self.points or now - self.points[-1][0] >= 1.0:
-            self.points.append((now, dict(counters), dram_used, ssd_used))
+        self.points.append((time.time(), dict(counters), dram_used, ssd_used))
 
     @staticmethod
     def _rates(a: _Point, b: _Point) -> dict[str, Any]:

@@ -217,8 +217,9 @@ class MasterService:
                 retry, self._retry = self._retry, []
                 live = [c for c in retry if c.node_id in self.table.nodes and self.table.nodes[c.node_id].up]
                 self._run_later(commands + live, "expiry-commands")
-                stats = self.table.stats()
-                self.sampler.sample(self.table.counters, int(stats["dram_used"]), int(stats["ssd_used"]))
+                if self.sampler.due():
+                    stats = self.table.stats()
+                    self.sampler.sample(self.table.counters, int(stats["dram_used"]), int(stats["ssd_used"]))
             except Exception:
                 log.exception("master tick failed")
 
