@@ -101,38 +101,27 @@ def test_malformed_trace_line_names_its_line(tmp_path: Path) -> None:
     assert result.returncode == 2 and "bad.jsonl:2" in result.stderr and "timestamp" in result.stderr
 
 
-def test_cluster_up_serves_until_interrupted() -> None:
+def cluster_up(daemons: int) -> tuple[subprocess.Popen[str], str]:
+    """``kvstore cluster up`` as a process, read up to its "cluster up" line; the process and the master's address."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvstore_client.cli",
-            "cluster",
-            "up",
-            "--daemons",
-            "2",
-            "--dram",
-            "8MiB",
-            "--port",
-            "0",
-            "--admin-port",
-            "0",
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        [sys.executable, "-m", "kvstore_client.cli", "cluster", "up", "--daemons", str(daemons), "--dram", "8MiB",
+         "--port", "0", "--admin-port", "0"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
-    )
+    )  # fmt: skip
     assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "cluster up" in line:
+            break
+    assert sum(line.startswith("daemon") for line in lines) == daemons
+    return proc, next(line.split()[1] for line in lines if line.startswith("master"))
+
+
+def test_cluster_up_serves_until_interrupted() -> None:
+    proc, master = cluster_up(2)
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "cluster up" in line:
-                break
-        master = next(line.split()[1] for line in lines if line.startswith("master"))
-        assert sum(line.startswith("daemon") for line in lines) == 2
         from kvstore_client.store import Store
 
         with Store.connect(master) as store:
@@ -147,20 +136,8 @@ def test_cluster_up_serves_until_interrupted() -> None:
 
 
 def test_cluster_up_stops_its_processes_and_arenas_on_sigterm() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore_client.cli", "cluster", "up", "--daemons", "1", "--dram", "8MiB",
-         "--port", "0", "--admin-port", "0"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
+    proc, master = cluster_up(1)
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "cluster up" in line:
-                break
-        master = next(line.split()[1] for line in lines if line.startswith("master"))
         arenas = sorted(Path("/dev/shm").glob(f"kvstore-cluster-{proc.pid}-*.arena"))
         assert len(arenas) == 1
         proc.send_signal(signal.SIGTERM)  # what `kill` sends: the cluster must not outlive it
