@@ -31,6 +31,7 @@ BlockKey = NewType("BlockKey", str)
 
 _INT32_MAX = 2**31 - 1
 _SEED_TAG = b"kvstore-prefix-v1"
+_TAIL_TAG = b"kvstore-tail-v1"
 
 
 def validate_key(key: object) -> BlockKey:
@@ -123,6 +124,28 @@ def block_keys(token_ids: Any, block_size: int, namespace: str = "") -> list[Blo
         prev = xxhash.xxh3_128_digest(prev + row.tobytes())
         keys.append(BlockKey(prev.hex()))
     return keys
+
+
+def tail_key(token_ids: Any, block_size: int, namespace: str = "") -> BlockKey | None:
+    """The key of the trailing partial block of ``token_ids``, or None when the last block is full.
+
+    It chains on the key of the last full block (the seed when there is none) under a
+    tag of its own, so it never equals a full block's key, and it covers the tail's
+    length and tokens: equal token sequences give equal tail keys, any other sequence
+    another one. The KV of a partial block is what a prefill hands a decode beside the
+    full blocks; it is never a prefix of another request's blocks.
+    """
+    seed = prefix_seed(block_size, namespace)
+    arr = _tokens_to_array(token_ids)
+    num_full = arr.size // block_size
+    tail = arr[num_full * block_size :]
+    if tail.size == 0:
+        return None
+    keys = block_keys(arr[: num_full * block_size], block_size, namespace)
+    prev = bytes.fromhex(keys[-1]) if keys else seed
+    width = "<i4" if int(tail.max()) <= _INT32_MAX else "<i8"
+    body = _TAIL_TAG + tail.size.to_bytes(4, "little") + tail.astype(width).tobytes()
+    return BlockKey(xxhash.xxh3_128_digest(prev + body).hex())
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:

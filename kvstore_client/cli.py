@@ -170,10 +170,17 @@ def _run_replay(args: argparse.Namespace, requests: list[TraceRequest], title: s
     return 0
 
 
-def _print_summary(summary: ReplaySummary, record: dict[str, float | int]) -> None:
-    table = Table(title="replay summary", show_header=False)
+def print_metrics(title: str, rows: Sequence[tuple[str, str]]) -> None:
+    """A two-column table of named figures on standard output."""
+    table = Table(title=title, show_header=False)
     table.add_column("metric", style="bold")
     table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def _print_summary(summary: ReplaySummary, record: dict[str, float | int]) -> None:
     rows = [
         ("requests", f"{summary.requests:,}"),
         ("blocks", f"{summary.blocks:,}"),
@@ -189,9 +196,7 @@ def _print_summary(summary: ReplaySummary, record: dict[str, float | int]) -> No
         ("elapsed", f"{summary.seconds:.2f} s"),
         ("throughput", f"{record['requests_per_s']} req/s, {record['GBps']} GB/s"),
     ]
-    for name, value in rows:
-        table.add_row(name, value)
-    Console().print(table)
+    print_metrics("replay summary", rows)
 
 
 @arguments("replay")
@@ -355,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-from kvstore_client import ops  # noqa: E402, F401 - registers the operator commands (status, nodes, ...)
+from kvstore_client import engine_cli, ops  # noqa: E402, F401 - register the operator and engine commands
 
 if __name__ == "__main__":
     # Run as ``python -m``: use the imported module, in whose registry the operator commands live.

@@ -358,14 +358,28 @@ class Store:
     def get_into(self, key: Any, buffer: Any, *, verify: bool = False) -> int | None:
         return self.get_many_into([key], [buffer], verify=verify)[0]
 
-    def get_many_into(self, keys: Sequence[Any], buffers: Sequence[Any], *, verify: bool = False) -> list[int | None]:
-        """Read blocks straight into ``buffers``; each its size, or None for a miss."""
+    def get_many_into(
+        self, keys: Sequence[Any], buffers: Sequence[Any], *, verify: bool = False, exact_size: bool = False
+    ) -> list[int | None]:
+        """Read blocks straight into ``buffers``; each its size, or None for a miss.
+
+        A block larger than its buffer raises :class:`BufferTooSmall`; with ``exact_size`` a block
+        whose size is not exactly its buffer's is a miss instead (a reader that knows what size
+        every block must have, such as a KV layout, never takes a foreign object for one).
+        """
         if len(keys) != len(buffers):
             raise InvalidArgument(f"get_many_into got {len(keys)} keys but {len(buffers)} buffers")
-        return self._get(keys, [as_view(b, writable=True, what="buffer") for b in buffers], verify, None)
+        views = [as_view(b, writable=True, what="buffer") for b in buffers]
+        return self._get(keys, views, verify, None, exact_size=exact_size)
 
     def _get(
-        self, keys: Sequence[Any], views: list[memoryview] | None, verify: bool, allocated: list[bytearray] | None
+        self,
+        keys: Sequence[Any],
+        views: list[memoryview] | None,
+        verify: bool,
+        allocated: list[bytearray] | None,
+        *,
+        exact_size: bool = False,
     ) -> list[int | None]:
         """Locate ``keys`` and read them into ``views`` (or into new buffers appended to ``allocated``).
 
@@ -377,11 +391,14 @@ class Store:
         out: list[int | None] = [None] * len(checked)
         with ExitStack() as stack:
             speculative = self._speculate(stack, checked)
-            located = self._locate(checked)
+            leased_located = self._locate(checked)
+            located = leased_located
             if views is None:
                 assert allocated is not None
                 allocated.extend(bytearray(loc.size) if loc is not None else bytearray(0) for loc in located)
                 views = [memoryview(b) for b in allocated]
+            elif exact_size:
+                located = [r if r is None or r.size == v.nbytes else None for r, v in zip(located, views, strict=True)]
             for loc, view in zip(located, views, strict=True):
                 if loc is not None and view.nbytes < loc.size:
                     raise BufferTooSmall(
@@ -394,11 +411,11 @@ class Store:
         for i, size in enumerate(self._read(rest, views, verify)):
             if size is not None:
                 out[i] = size
-        leased = [loc.key for loc in located if loc is not None]
+        leased = [loc.key for loc in leased_located if loc is not None]
         if leased:
             with self._release_lock:
                 self._to_release.extend(leased)
-        self._remember(checked, located)
+        self._remember(checked, leased_located)
         return out
 
     def _speculate(self, stack: ExitStack, keys: list[str]) -> list[tuple[str, list[int], PendingReply]]:

@@ -100,6 +100,15 @@ def test_bad_input_is_a_typed_error(store: Store) -> None:
         store.get_many_into(["a", "b"], [bytearray(1)])
 
 
+def test_exact_size_reads_a_block_of_another_size_as_a_miss(store: Store) -> None:
+    store.put_many([("exact-a", b"a" * 100), ("exact-b", b"b" * 50), ("exact-c", b"c" * 200)])
+    bufs = [bytearray(100) for _ in range(4)]
+    got = store.get_many_into(["exact-a", "exact-b", "exact-c", "exact-none"], bufs, exact_size=True)
+    assert got == [100, None, None, None]
+    assert bufs[0] == b"a" * 100 and bufs[1] == bytearray(100) and bufs[2] == bytearray(100)
+    assert store.get_many_into(["exact-b"], [bytearray(100)]) == [50]  # without it, a smaller block is read
+
+
 def test_async_store(cluster: LocalCluster) -> None:
     async def main() -> None:
         async with await AsyncStore.connect(cluster.master_address) as s:

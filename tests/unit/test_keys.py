@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidArgument, InvalidKey
-from kvstore.keys import MAX_KEY_BYTES, block_keys, checksum, validate_key
+from kvstore.keys import MAX_KEY_BYTES, block_keys, checksum, tail_key, validate_key
 
 
 def test_one_key_per_full_block_and_none_for_the_tail() -> None:
@@ -110,3 +110,18 @@ def test_checksum_accepts_any_buffer() -> None:
     data = bytes(range(256))
     assert checksum(data) == checksum(memoryview(data)) == checksum(np.frombuffer(data, dtype=np.uint8))  # type: ignore[arg-type]
     assert checksum(data) != checksum(data[:-1])
+
+
+def test_tail_key_covers_the_partial_block_only() -> None:
+    tokens = list(range(10))
+    tail = tail_key(tokens, 4, "ns")
+    assert tail is not None and len(tail) == 32
+    assert tail == tail_key(np.array(tokens, dtype=np.int64), 4, "ns")
+    assert tail not in block_keys([*tokens, 99, 98], 4, "ns")  # never a full block's key
+    assert tail_key(tokens[:8], 4, "ns") is None  # no partial block
+    assert tail_key([*tokens[:9], 77], 4, "ns") != tail  # other tail tokens
+    assert tail_key([1, *tokens[1:]], 4, "ns") != tail  # other prefix
+    assert tail_key(tokens, 4, "other") != tail
+    assert tail_key(tokens[:3], 4, "ns") is not None  # a prompt shorter than one block has a tail too
+    with pytest.raises(InvalidArgument):
+        tail_key(tokens, 0)

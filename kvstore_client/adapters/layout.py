@@ -1,0 +1,336 @@
+"""KV layouts: how one rank's KV cache becomes store objects, and back.
+
+A :class:`KVLayout` describes the KV cache of one model on one tensor-parallel rank
+(layers, KV heads, head dim, dtype, tokens per block). An object holds one prefix
+block of ``block_tokens`` tokens for every layer, layer-major::
+
+    object  = layer 0 | layer 1 | ... | layer L-1      (layer_bytes each)
+    layer l = K[tokens, kv_heads, head_dim] | V[tokens, kv_heads, head_dim]
+
+so layer ``l`` is the byte range :meth:`KVLayout.layer_range` and can be read or
+written on its own. Token-major order inside a layer is vLLM's paged order; an
+engine whose tensors differ (Hugging Face's head-major cache) transposes on the
+way, in one tensor copy per layer for all blocks of a request, never per block.
+
+Blocks travel through a *staging* tensor ``[blocks, layers, 2, tokens, kv_heads,
+head_dim]``: the store reads into and writes from ``staging[i]`` (a contiguous
+view, handed to ``get_many_into`` / ``put_many`` without a copy). Keys come from
+:func:`block_keys` under :attr:`KVLayout.namespace`, which spells out the model,
+dtype, shape, tensor-parallel rank and layout version, so two layouts never share
+a key; the trailing partial block of a prompt has its own key (:func:`tail_key`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from kvstore.errors import InvalidArgument
+from kvstore.keys import BlockKey, block_keys, tail_key
+
+LAYOUT_VERSION = 1
+"""Bumped whenever the byte order of an object changes: old objects then never match."""
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+CANONICAL_ORDER = "N2BHD"
+"""Dimensions of one layer's slice of the staging tensor: block, K/V, token, head, head dim."""
+
+
+class BlockStore(Protocol):
+    """What the adapters need of a store (``kvstore_client.Store`` is one)."""
+
+    def match_prefix(self, keys: Sequence[Any]) -> int: ...
+
+    def exists_many(self, keys: Sequence[Any]) -> list[bool]: ...
+
+    def get_many_into(
+        self, keys: Sequence[Any], buffers: Sequence[Any], *, verify: bool = False, exact_size: bool = False
+    ) -> list[int | None]: ...
+
+    def put_many(self, items: Iterable[tuple[Any, Any]]) -> Any: ...
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise InvalidArgument(f"dtype {dtype} has no KV layout; use one of {', '.join(DTYPES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """One rank's KV cache and the byte form of its blocks. Immutable; checked at construction."""
+
+    model: str
+    """Identity of the weights (a name, or a fingerprint of config and seed): KV of other weights differs."""
+    num_layers: int
+    num_kv_heads: int
+    """KV heads held by this rank."""
+    head_dim: int
+    dtype: str
+    """One of :data:`DTYPES`."""
+    block_tokens: int
+    """Tokens per stored block."""
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidArgument(f"model must be a non-empty str, got {self.model!r}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+        if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    # -- identity --------------------------------------------------------------------------
+    @property
+    def namespace(self) -> str:
+        """The key namespace: every field that changes an object's bytes, and the layout version."""
+        fields = [
+            "kvstore-kv", LAYOUT_VERSION, self.model, self.dtype, self.num_layers, self.num_kv_heads,
+            self.head_dim, self.tp_rank, self.tp_size,
+        ]  # fmt: skip
+        return json.dumps(fields, separators=(",", ":"))  # a list, so no two field lists spell the same string
+
+    def keys(self, token_ids: Any) -> list[BlockKey]:
+        """One key per full block of ``token_ids``, chained by prefix."""
+        return block_keys(token_ids, self.block_tokens, self.namespace)
+
+    def tail_key(self, token_ids: Any) -> BlockKey | None:
+        """The key of the trailing partial block (None when the last block is full)."""
+        return tail_key(token_ids, self.block_tokens, self.namespace)
+
+    # -- sizes -----------------------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def layer_bytes(self, tokens: int | None = None) -> int:
+        """Bytes of one layer (K and V) of a block of ``tokens`` tokens (a full block by default)."""
+        n = self.block_tokens if tokens is None else tokens
+        return 2 * n * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def block_bytes(self, tokens: int | None = None) -> int:
+        """Bytes of one object: every layer of a block of ``tokens`` tokens (a full block by default)."""
+        return self.num_layers * self.layer_bytes(tokens)
+
+    def layer_range(self, layer: int, tokens: int | None = None) -> tuple[int, int]:
+        """(start, length) in bytes of ``layer`` inside an object."""
+        if not 0 <= layer < self.num_layers:
+            raise InvalidArgument(f"layer must be in [0, {self.num_layers}), got {layer}")
+        size = self.layer_bytes(tokens)
+        return layer * size, size
+
+    def staging(self, num_blocks: int, tokens: int | None = None, *, pin: bool = False) -> torch.Tensor:
+        """An uninitialised ``[blocks, layers, 2, tokens, kv_heads, head_dim]`` tensor to move blocks through."""
+        n = self.block_tokens if tokens is None else tokens
+        shape = (num_blocks, self.num_layers, 2, n, self.num_kv_heads, self.head_dim)
+        return torch.empty(shape, dtype=self.torch_dtype, pin_memory=pin)
+
+
+# -- moving blocks between staging and the store ----------------------------------------------
+
+
+def save_blocks(store: BlockStore, keys: Sequence[str], staging: torch.Tensor) -> int:
+    """Put ``staging[i]`` under ``keys[i]`` in one batch; returns the number of blocks handed to the store."""
+    if len(keys) > staging.shape[0]:
+        raise InvalidArgument(f"{len(keys)} keys but staging holds {staging.shape[0]} blocks")
+    if keys:
+        store.put_many(zip(keys, staging[: len(keys)].unbind(0), strict=True))
+    return len(keys)
+
+
+def load_blocks(store: BlockStore, keys: Sequence[str], staging: torch.Tensor) -> int:
+    """Read ``keys`` into ``staging[i]`` in one batch; returns how many *leading* blocks arrived whole.
+
+    A block that is missing, or whose stored size is not the layout's, ends the prefix:
+    what follows it is of no use to a causal model.
+    """
+    if len(keys) > staging.shape[0]:
+        raise InvalidArgument(f"{len(keys)} keys but staging holds {staging.shape[0]} blocks")
+    if not keys:
+        return 0
+    sizes = store.get_many_into(keys, staging[: len(keys)].unbind(0), exact_size=True)
+    loaded = 0
+    for size in sizes:
+        if size is None:
+            break
+        loaded += 1
+    return loaded
+
+
+# -- Hugging Face DynamicCache: per layer [batch, kv_heads, tokens, head_dim] ---------------------
+
+
+def gather_hf(
+    layers_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout, start: int, out: torch.Tensor
+) -> None:
+    """Copy tokens ``start ..`` of a batch-1 head-major cache into ``out`` (a staging tensor).
+
+    ``out`` is ``[n, layers, 2, t, heads, dim]``: n blocks of t tokens from ``start`` on.
+    One copy per layer and K/V, covering all n blocks.
+    """
+    n, _, _, t = out.shape[:4]
+    _check_layers(layers_kv, layout)
+    for layer, (k, v) in enumerate(layers_kv):
+        if k.shape[0] != 1:
+            raise InvalidArgument(f"only batch 1 caches map to blocks, got batch {k.shape[0]}")
+        if start + n * t > k.shape[2]:
+            raise InvalidArgument(f"cache holds {k.shape[2]} tokens; blocks need {start + n * t}")
+        for part, src in enumerate((k, v)):
+            # [heads, n*t, dim] -> [n, t, heads, dim]
+            block = src[0, :, start : start + n * t].reshape(layout.num_kv_heads, n, t, layout.head_dim)
+            out[:, layer, part].copy_(block.permute(1, 2, 0, 3))
+
+
+def hf_layers_from(
+    parts: Sequence[torch.Tensor], layout: KVLayout, tokens: int | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) ``[1, heads, tokens, dim]`` from staging tensors laid end to end in token order.
+
+    ``tokens`` (default: all) keeps the first tokens only. One copy per layer, K/V and part.
+    """
+    total = sum(p.shape[0] * p.shape[3] for p in parts)
+    n = total if tokens is None else tokens
+    if not 0 <= n <= total:
+        raise InvalidArgument(f"{n} tokens asked of blocks holding {total}")
+    shape = (1, layout.num_kv_heads, n, layout.head_dim)
+    out = []
+    for layer in range(layout.num_layers):
+        kv = (torch.empty(shape, dtype=layout.torch_dtype), torch.empty(shape, dtype=layout.torch_dtype))
+        at = 0
+        for p in parts:
+            blocks, t = p.shape[0], p.shape[3]
+            take = min(blocks * t, n - at)
+            if take <= 0:
+                break
+            whole, rest = divmod(take, t)
+            for part in range(2):
+                src = p[:, layer, part]  # [blocks, t, heads, dim]
+                dst = kv[part][0, :, at : at + whole * t].view(layout.num_kv_heads, whole, t, layout.head_dim)
+                dst.copy_(src[:whole].permute(2, 0, 1, 3))
+                if rest:
+                    kv[part][0, :, at + whole * t : at + take].copy_(src[whole, :rest].transpose(0, 1))
+            at += take
+        out.append(kv)
+    return out
+
+
+def _check_layers(layers_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout) -> None:
+    if len(layers_kv) != layout.num_layers:
+        raise InvalidArgument(f"cache has {len(layers_kv)} layers, layout {layout.num_layers}")
+    k = layers_kv[0][0]
+    if k.dtype != layout.torch_dtype or k.shape[1] != layout.num_kv_heads or k.shape[3] != layout.head_dim:
+        raise InvalidArgument(
+            f"cache layer is {tuple(k.shape)} {k.dtype}; layout wants [1, {layout.num_kv_heads}, tokens,"
+            f" {layout.head_dim}] {layout.dtype}"
+        )
+
+
+# -- paged caches (vLLM): per layer a tensor over [2, num_blocks, block_size, heads, dim] in some order ---
+
+
+@dataclass(frozen=True, slots=True)
+class PagedFormat:
+    """The dimension order of an engine's per-layer paged KV tensor, in the letters of :data:`CANONICAL_ORDER`.
+
+    ``"2NBHD"`` is vLLM's FlashAttention and CPU layout ``[2, num_blocks, block_size, kv_heads, head_dim]``;
+    ``"N2BHD"`` FlashInfer's ``[num_blocks, 2, block_size, kv_heads, head_dim]``; ``"2NHBD"`` head-major pages.
+    """
+
+    order: str = "2NBHD"
+    block_size: int = 16
+    """Tokens per engine page; a stored block spans ``block_tokens // block_size`` pages."""
+
+    def __post_init__(self) -> None:
+        if sorted(self.order) != sorted(CANONICAL_ORDER):
+            raise InvalidArgument(f"paged order must be a permutation of {CANONICAL_ORDER!r}, got {self.order!r}")
+        if type(self.block_size) is not int or self.block_size <= 0:
+            raise InvalidArgument(f"block_size must be a positive int, got {self.block_size!r}")
+
+    def canonical(self, kv: torch.Tensor) -> torch.Tensor:
+        """A ``[pages, 2, page_tokens, heads, dim]`` view of one layer's tensor (no copy)."""
+        if kv.dim() != 5:
+            raise InvalidArgument(f"a paged KV tensor has 5 dimensions ({self.order}), got shape {tuple(kv.shape)}")
+        return kv.permute([self.order.index(c) for c in CANONICAL_ORDER])
+
+    def pages_per_block(self, layout: KVLayout) -> int:
+        if layout.block_tokens % self.block_size:
+            raise InvalidArgument(
+                f"a stored block of {layout.block_tokens} tokens is not a whole number of {self.block_size}-token pages"
+            )
+        return layout.block_tokens // self.block_size
+
+
+def _paged_views(
+    kv_caches: Sequence[torch.Tensor], layout: KVLayout, fmt: PagedFormat, page_ids: Sequence[int]
+) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    if len(kv_caches) != layout.num_layers:
+        raise InvalidArgument(f"{len(kv_caches)} KV tensors for a layout of {layout.num_layers} layers")
+    k = fmt.pages_per_block(layout)
+    if len(page_ids) % k:
+        raise InvalidArgument(f"{len(page_ids)} pages is not a whole number of {k}-page blocks")
+    views = [fmt.canonical(kv) for kv in kv_caches]
+    want = (2, fmt.block_size, layout.num_kv_heads, layout.head_dim)
+    if tuple(views[0].shape[1:]) != want or views[0].dtype != layout.torch_dtype:
+        raise InvalidArgument(
+            f"paged KV tensor is {tuple(kv_caches[0].shape)} {kv_caches[0].dtype} in order {fmt.order};"
+            f" the layout wants pages of {want} {layout.dtype}"
+        )
+    ids = torch.as_tensor(list(page_ids), dtype=torch.long, device=kv_caches[0].device)
+    return views, ids, k
+
+
+def gather_paged(
+    kv_caches: Sequence[torch.Tensor], layout: KVLayout, fmt: PagedFormat, page_ids: Sequence[int], out: torch.Tensor
+) -> int:
+    """Copy the pages ``page_ids`` (``pages_per_block`` per stored block, in token order) into ``out``.
+
+    Returns the number of blocks written: ``len(page_ids) // pages_per_block``. One gather per layer.
+    """
+    views, ids, k = _paged_views(kv_caches, layout, fmt, page_ids)
+    n = len(page_ids) // k
+    if n > out.shape[0]:
+        raise InvalidArgument(f"{n} blocks but staging holds {out.shape[0]}")
+    for layer, view in enumerate(views):
+        pages = view.index_select(0, ids).to(out.device)  # [n*k, 2, page, heads, dim]
+        dst = out[:n, layer].view(n, 2, k, fmt.block_size, layout.num_kv_heads, layout.head_dim)
+        dst.copy_(pages.view(n, k, 2, fmt.block_size, layout.num_kv_heads, layout.head_dim).transpose(1, 2))
+    return n
+
+
+def scatter_paged(
+    staging: torch.Tensor,
+    kv_caches: Sequence[torch.Tensor],
+    layout: KVLayout,
+    fmt: PagedFormat,
+    page_ids: Sequence[int],
+) -> int:
+    """Copy blocks of ``staging`` into the engine's pages ``page_ids``, in place. Returns the blocks written."""
+    views, ids, k = _paged_views(kv_caches, layout, fmt, page_ids)
+    n = len(page_ids) // k
+    if n > staging.shape[0]:
+        raise InvalidArgument(f"{n} blocks but staging holds {staging.shape[0]}")
+    for layer, view in enumerate(views):
+        src = staging[:n, layer].view(n, 2, k, fmt.block_size, layout.num_kv_heads, layout.head_dim)
+        pages = src.transpose(1, 2).reshape(n * k, 2, fmt.block_size, layout.num_kv_heads, layout.head_dim)
+        view.index_copy_(0, ids, pages.to(view.device))
+    return n

@@ -1,0 +1,114 @@
+"""Engine commands: ``kvstore pd-demo`` runs prefill and decode workers of a real model on a cluster.
+
+torch and transformers are imported only when such a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from kvstore.errors import InvalidArgument
+from kvstore_client.cli import arguments, command, print_metrics
+
+
+def engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The model every engine command and benchmark takes."""
+    p.add_argument("--model-config", type=Path, default=None, help="a transformers config.json (default: small Llama)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--block-tokens", type=int, default=256, help="tokens per stored KV block")
+
+
+@arguments("pd-demo")
+def _pd_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
+    p.add_argument("--decode", type=int, default=1, help="decode worker processes")
+    p.add_argument("--sessions", type=int, default=4, help="chat sessions")
+    p.add_argument("--turns", type=int, default=3, help="turns per session")
+    p.add_argument("--system-tokens", type=int, default=512, help="tokens of each shared system prompt")
+    p.add_argument("--message-tokens", type=int, nargs=2, default=(64, 384), metavar=("MIN", "MAX"))
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per turn")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--tail", choices=["transfer", "recompute"], default="transfer", help="the prompt's last block")
+    p.add_argument("--master", default=None, help="use the running cluster at host:port instead of starting one")
+    p.add_argument("--daemons", type=int, default=2, help="daemons of the cluster started for the run")
+    p.add_argument("--dram", default="512MiB", help="DRAM per daemon of the cluster started for the run")
+    p.add_argument("--json", action="store_true", help="one JSON line per request, then a summary line")
+    engine_arguments(p)
+
+
+@command("pd-demo", "prefill and decode worker processes of a real model, loading KV through a local cluster")
+def _pd_demo(args: argparse.Namespace) -> int:
+    if args.prefill < 1 or args.decode < 1:
+        raise InvalidArgument(f"--prefill and --decode must be at least 1, got {args.prefill} and {args.decode}")
+
+    from kvstore_client.adapters.hf import layout_for, load_model_config
+    from kvstore_client.adapters.pd import EngineSpec, WorkerPool, chat_sessions, default_threads, run_chat, summarize
+    from server.cluster import LocalCluster
+
+    config = load_model_config(args.model_config)
+    layout = layout_for(config, seed=args.seed, dtype=args.dtype, block_tokens=args.block_tokens)
+    spec = EngineSpec(
+        model_config=str(args.model_config) if args.model_config else None, seed=args.seed, dtype=args.dtype,
+        block_tokens=args.block_tokens, threads=args.threads or default_threads(args.prefill + args.decode),
+        tail=args.tail,
+    )  # fmt: skip
+    sessions = chat_sessions(
+        args.sessions, args.turns, vocab_size=config.get_text_config().vocab_size, system_tokens=args.system_tokens,
+        message_tokens=tuple(args.message_tokens), max_new_tokens=args.max_new_tokens, seed=args.seed,
+    )  # fmt: skip
+    console = Console(stderr=True)
+    with ExitStack() as stack:
+        master = args.master
+        if master is None:
+            cluster = stack.enter_context(LocalCluster(args.daemons, dram=args.dram))
+            master = cluster.master_address
+        if not args.json:
+            console.print(f"starting {args.prefill} prefill and {args.decode} decode workers ({layout.model}) ...")
+        pool = stack.enter_context(WorkerPool(master, spec, prefill=args.prefill, decode=args.decode))
+        records = run_chat(pool, sessions, layout, on_result=lambda r: _print_request(r, args.json))
+    summary = summarize(records) | {"model": layout.model, "prefill": args.prefill, "decode": args.decode}
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        _print_summary(summary)
+    return 0
+
+
+def _print_request(rec: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(rec), flush=True)
+        return
+    n = rec["prompt_tokens"]
+    print(
+        f"session {rec['session']} turn {rec['turn']}: prompt {n:5d}  hit {rec['prefill_matched_tokens']:5d}"
+        f" ({rec['prefill_matched_tokens'] / n:6.1%}, earlier turns stored {rec['expected_hit_tokens'] / n:6.1%})"
+        f"  loaded {rec['prefill_loaded_tokens']:5d}  TTFT {rec['prefill_ttft_s'] * 1e3:7.1f} ms"
+        f"  TBT {rec['tbt_s'] * 1e3:6.1f} ms  tail {rec['decode_tail']}  [{rec['prefill_decision']}]",
+        flush=True,
+    )
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    rows = [
+        ("requests (later turns)", f"{s['requests']} ({s['later_turns']})"),
+        ("later turns: prefix hit", f"{s['later_hit_share']:.1%}"),
+        ("later turns: stored by earlier turns", f"{s['later_expected_share']:.1%}"),
+        ("later turns: loaded", f"{s['later_loaded_share']:.1%}"),
+        (
+            "TTFT first turns / later turns",
+            f"{s['ttft_first_turn_s'] * 1e3:.0f} / {s['ttft_later_turns_s'] * 1e3:.0f} ms",
+        ),
+        ("TTFT p90", f"{s['ttft_p90_s'] * 1e3:.0f} ms"),
+        ("time between tokens", f"{s['tbt_s'] * 1e3:.1f} ms"),
+        ("tokens generated", str(s["tokens_generated"])),
+        ("decisions", ", ".join(f"{k}: {v}" for k, v in sorted(s["decisions"].items()))),
+        ("elapsed", f"{s['elapsed_s']:.1f} s"),
+    ]
+    print_metrics("pd-demo summary", rows)
