@@ -60,6 +60,7 @@ from kvstore.protocol import (
     PutStartReply,
     ReadBlocks,
     ReadReply,
+    ReadSlices,
     ReleaseLeases,
     Remove,
     RemoveReply,
@@ -371,6 +372,59 @@ class Store:
             raise InvalidArgument(f"get_many_into got {len(keys)} keys but {len(buffers)} buffers")
         views = [as_view(b, writable=True, what="buffer") for b in buffers]
         return self._get(keys, views, verify, None, exact_size=exact_size)
+
+    def get_range_many_into(
+        self, keys: Sequence[Any], start: int, length: int, buffers: Sequence[Any]
+    ) -> list[int | None]:
+        """Read bytes ``[start, start + length)`` of each block into its buffer: ``length`` each, or None.
+
+        One layer of a KV block, say, without the rest of it. A block that is missing or
+        shorter than ``start + length`` is a miss. The block checksum covers whole blocks
+        only, so a range is not verified.
+        """
+        if type(start) is not int or type(length) is not int or start < 0 or length <= 0:
+            raise InvalidArgument(f"a range needs start >= 0 and length > 0, got ({start!r}, {length!r})")
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"get_range_many_into got {len(keys)} keys but {len(buffers)} buffers")
+        views = [as_view(b, writable=True, what="buffer") for b in buffers]
+        for view in views:
+            if view.nbytes < length:
+                raise BufferTooSmall(f"buffer of {view.nbytes} bytes cannot hold a range of {length} bytes")
+        checked: list[str] = [validate_key(k) for k in keys]
+        located = self._locate(checked)
+        out: list[int | None] = [None] * len(checked)
+        wanted = [loc if loc is not None and loc.size >= start + length else None for loc in located]
+        per_address: dict[str, list[int]] = {}
+        for i, loc in enumerate(wanted):
+            if loc is None:
+                continue
+            for replica in loc.replicas:  # a local DRAM copy first, else the first replica's daemon
+                arena = self._local_arena(replica.node_id) if replica.tier == "dram" else None
+                if arena is not None:
+                    ShmTransport.read(arena, replica.offset + start, length, views[i])
+                    out[i] = length
+                    break
+            else:
+                per_address.setdefault(loc.replicas[0].address, []).append(i)
+        jobs = [partial(self._read_ranges, address, [checked[i] for i in idx], start, length,
+                        [views[i][:length] for i in idx]) for address, idx in per_address.items()]  # fmt: skip
+        for idx, outcome in zip(per_address.values(), self._fan_out(jobs), strict=True):
+            if isinstance(outcome, ConnectionFailed | Timeout):
+                continue  # the node is gone or stalled: misses
+            if isinstance(outcome, BaseException):
+                raise outcome
+            for i, ok in zip(idx, outcome, strict=True):
+                out[i] = length if ok else None
+        with self._release_lock:
+            self._to_release.extend(loc.key for loc in located if loc is not None)
+        return out
+
+    def _read_ranges(
+        self, address: str, keys: list[str], start: int, length: int, targets: list[memoryview]
+    ) -> list[bool]:
+        message = ReadSlices(keys, [start] * len(keys), [length] * len(keys))
+        with self._pool(address).connection() as conn, conn.exchange(message) as (reply, sock):
+            return recv_read_reply(reply, sock, targets, f"ReadSlices from {address}")
 
     def _get(
         self,

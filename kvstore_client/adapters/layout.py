@@ -57,6 +57,10 @@ class BlockStore(Protocol):
         self, keys: Sequence[Any], buffers: Sequence[Any], *, verify: bool = False, exact_size: bool = False
     ) -> list[int | None]: ...
 
+    def get_range_many_into(
+        self, keys: Sequence[Any], start: int, length: int, buffers: Sequence[Any]
+    ) -> list[int | None]: ...
+
     def put_many(self, items: Iterable[tuple[Any, Any]]) -> Any: ...
 
 
@@ -169,6 +173,26 @@ def load_blocks(store: BlockStore, keys: Sequence[str], staging: torch.Tensor) -
     if not keys:
         return 0
     sizes = store.get_many_into(keys, staging[: len(keys)].unbind(0), exact_size=True)
+    loaded = 0
+    for size in sizes:
+        if size is None:
+            break
+        loaded += 1
+    return loaded
+
+
+def load_layer(store: BlockStore, keys: Sequence[str], layout: KVLayout, layer: int, staging: torch.Tensor) -> int:
+    """Read one layer of ``keys`` into ``staging[i, layer]`` (each a contiguous view), the rest untouched.
+
+    Returns how many leading blocks gave their layer. A reader can so pull layer by layer and
+    start computing on the first layers while the later ones are on the way.
+    """
+    if len(keys) > staging.shape[0]:
+        raise InvalidArgument(f"{len(keys)} keys but staging holds {staging.shape[0]} blocks")
+    if not keys:
+        return 0
+    start, length = layout.layer_range(layer, tokens=staging.shape[3])
+    sizes = store.get_range_many_into(keys, start, length, [staging[i, layer] for i in range(len(keys))])
     loaded = 0
     for size in sizes:
         if size is None:

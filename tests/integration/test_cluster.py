@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstore.config import ClientConfig
 from kvstore.errors import BufferTooSmall, InvalidArgument, InvalidKey
 from kvstore.keys import block_keys
 from kvstore.node_store import PutStatus
@@ -107,6 +108,24 @@ def test_exact_size_reads_a_block_of_another_size_as_a_miss(store: Store) -> Non
     assert got == [100, None, None, None]
     assert bufs[0] == b"a" * 100 and bufs[1] == bytearray(100) and bufs[2] == bytearray(100)
     assert store.get_many_into(["exact-b"], [bytearray(100)]) == [50]  # without it, a smaller block is read
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_a_byte_range_of_each_block_reads_alone(cluster: LocalCluster, transport: str) -> None:
+    blocks = np.random.default_rng(3).integers(0, 256, (6, 4 * KB), dtype=np.uint8)
+    keys = [f"range-{transport}-{i}" for i in range(6)]
+    with Store.connect(cluster.master_address, ClientConfig(transport=transport)) as s:  # auto: shm on this host
+        s.put_many(zip(keys, blocks, strict=True))
+        s.put(f"range-{transport}-short", b"z" * 100)
+        out = np.zeros((7, 1000), dtype=np.uint8)
+        got = s.get_range_many_into([*keys, f"range-{transport}-short"], 1500, 1000, list(out))
+        assert got == [1000] * 6 + [None]
+        assert np.array_equal(out[:6], blocks[:, 1500:2500]) and not out[6].any()
+        assert s.get_range_many_into(["range-missing"], 0, 10, [bytearray(10)]) == [None]
+        with pytest.raises(InvalidArgument, match="start >= 0"):
+            s.get_range_many_into(keys[:1], -1, 10, [bytearray(10)])
+        with pytest.raises(BufferTooSmall):
+            s.get_range_many_into(keys[:1], 0, 10, [bytearray(5)])
 
 
 def test_async_store(cluster: LocalCluster) -> None:

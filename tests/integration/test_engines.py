@@ -23,7 +23,8 @@ pytest.importorskip("transformers")
 from kvstore.config import ClientConfig  # noqa: E402
 from kvstore.errors import ConnectionFailed, NotFound  # noqa: E402
 from kvstore_client.adapters.costs import LoadCostModel, PrefillCostModel  # noqa: E402
-from kvstore_client.adapters.hf import build_model, layout_for, load_model_config  # noqa: E402
+from kvstore_client.adapters.hf import blocks_from_cache, build_model, layout_for, load_model_config  # noqa: E402
+from kvstore_client.adapters.layout import load_layer  # noqa: E402
 from kvstore_client.adapters.pd import EngineSpec, WorkerPool  # noqa: E402
 from kvstore_client.adapters.workers import DecodeWorker, PrefillWorker  # noqa: E402
 from kvstore_client.store import Store  # noqa: E402
@@ -104,6 +105,20 @@ def test_a_full_hit_still_computes_the_last_token(tmp_path: Path, store: Store) 
     again = prefill.prefill(prompt, keep_logits=True)
     assert (again.matched_tokens, again.loaded_tokens, again.computed_tokens) == (64, 63, 1)
     assert again.first_token == generate(model, prompt, 1)[0]
+
+
+def test_one_layer_of_stored_blocks_reads_alone(tmp_path: Path, store: Store) -> None:
+    model, layout = engine(config_file(tmp_path, num_hidden_layers=3))
+    prompt = prompt_of(48, seed=37)
+    worker = PrefillWorker(model, layout, store)
+    worker.prefill(prompt)
+    _, cache = worker.forward(prompt, None)
+    expected = layout.staging(3)
+    blocks_from_cache(cache, layout, 0, expected)
+    staging = layout.staging(3).zero_()
+    assert load_layer(store, layout.keys(prompt), layout, 1, staging) == 3
+    assert torch.equal(staging[:, 1], expected[:, 1])
+    assert not staging[:, 0].any() and not staging[:, 2].any()  # the other layers never moved
 
 
 def test_keys_of_another_model_dtype_or_layout_are_never_loaded(tmp_path: Path, store: Store) -> None:
