@@ -42,8 +42,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
-CANONICAL_ORDER = "N2BHD"
-"""Dimensions of one layer's slice of the staging tensor: block, K/V, token, head, head dim."""
+CANONICAL_ORDER = "B2NHD"
+"""Dimensions of one layer's slice of the staging tensor, in vLLM's letters: block, K/V, token, head, head dim."""
 
 
 class BlockStore(Protocol):
@@ -269,32 +269,44 @@ def _check_layers(layers_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], layout
         )
 
 
-# -- paged caches (vLLM): per layer a tensor over [2, num_blocks, block_size, heads, dim] in some order ---
+# -- paged caches (vLLM): per layer a tensor over pages, tokens, heads and K/V in some order ----------------
 
 
 @dataclass(frozen=True, slots=True)
 class PagedFormat:
-    """The dimension order of an engine's per-layer paged KV tensor, in the letters of :data:`CANONICAL_ORDER`.
+    """The dimension order of an engine's per-layer paged KV tensor.
 
-    ``"2NBHD"`` is vLLM's FlashAttention and CPU layout ``[2, num_blocks, block_size, kv_heads, head_dim]``;
-    ``"N2BHD"`` FlashInfer's ``[num_blocks, 2, block_size, kv_heads, head_dim]``; ``"2NHBD"`` head-major pages.
+    Letters as vLLM's: ``B`` page (block), ``N`` token in the page, ``H`` KV head, ``D`` head
+    dim, ``2`` K or V, and ``C`` a fused K|V dimension of ``2 * head_dim`` (K first).
+    ``"BHNC"`` is vLLM's standardized per-layer view ``[B, H, N, C]`` (v0.2x on);
+    ``"2BNHD"`` older vLLM FlashAttention ``[2, num_blocks, block_size, kv_heads, head_dim]``;
+    ``"B2NHD"`` FlashInfer's ``[num_blocks, 2, block_size, kv_heads, head_dim]``.
     """
 
-    order: str = "2NBHD"
+    order: str = "BHNC"
     block_size: int = 16
     """Tokens per engine page; a stored block spans ``block_tokens // block_size`` pages."""
 
     def __post_init__(self) -> None:
-        if sorted(self.order) != sorted(CANONICAL_ORDER):
-            raise InvalidArgument(f"paged order must be a permutation of {CANONICAL_ORDER!r}, got {self.order!r}")
+        if sorted(self.order.replace("C", "2D")) != sorted(CANONICAL_ORDER) or self.order.count("C") > 1:
+            raise InvalidArgument(
+                f"paged order must name B, N, H and D, and K/V as 2 or fused into C; got {self.order!r}"
+            )
         if type(self.block_size) is not int or self.block_size <= 0:
             raise InvalidArgument(f"block_size must be a positive int, got {self.block_size!r}")
 
     def canonical(self, kv: torch.Tensor) -> torch.Tensor:
         """A ``[pages, 2, page_tokens, heads, dim]`` view of one layer's tensor (no copy)."""
-        if kv.dim() != 5:
-            raise InvalidArgument(f"a paged KV tensor has 5 dimensions ({self.order}), got shape {tuple(kv.shape)}")
-        return kv.permute([self.order.index(c) for c in CANONICAL_ORDER])
+        order = self.order
+        if kv.dim() != len(order):
+            raise InvalidArgument(f"a paged KV tensor in order {order} has {len(order)} dims, got {tuple(kv.shape)}")
+        if "C" in order:
+            at = order.index("C")
+            if kv.shape[at] % 2:
+                raise InvalidArgument(f"a fused K|V dimension must be even, got {kv.shape[at]}")
+            kv = kv.unflatten(at, (2, kv.shape[at] // 2))
+            order = order[:at] + "2D" + order[at + 1 :]
+        return kv.permute([order.index(c) for c in CANONICAL_ORDER])
 
     def pages_per_block(self, layout: KVLayout) -> int:
         if layout.block_tokens % self.block_size:
@@ -320,6 +332,8 @@ def _paged_views(
             f" the layout wants pages of {want} {layout.dtype}"
         )
     ids = torch.as_tensor(list(page_ids), dtype=torch.long, device=kv_caches[0].device)
+    if ids.numel() and int(ids.max()) >= views[0].shape[0]:
+        raise InvalidArgument(f"page {int(ids.max())} is past the {views[0].shape[0]} pages of the KV tensor")
     return views, ids, k
 
 
@@ -348,13 +362,21 @@ def scatter_paged(
     fmt: PagedFormat,
     page_ids: Sequence[int],
 ) -> int:
-    """Copy blocks of ``staging`` into the engine's pages ``page_ids``, in place. Returns the blocks written."""
+    """Copy blocks of ``staging`` into the engine's pages ``page_ids``, in place. Returns the blocks written.
+
+    A page id of -1 skips that page (one the engine holds already, shared with other requests).
+    """
     views, ids, k = _paged_views(kv_caches, layout, fmt, page_ids)
     n = len(page_ids) // k
     if n > staging.shape[0]:
         raise InvalidArgument(f"{n} blocks but staging holds {staging.shape[0]}")
+    keep = ids >= 0
+    every = bool(keep.all())
     for layer, view in enumerate(views):
         src = staging[:n, layer].view(n, 2, k, fmt.block_size, layout.num_kv_heads, layout.head_dim)
         pages = src.transpose(1, 2).reshape(n * k, 2, fmt.block_size, layout.num_kv_heads, layout.head_dim)
-        view.index_copy_(0, ids, pages.to(view.device))
+        if every:
+            view.index_copy_(0, ids, pages.to(view.device))
+        else:
+            view.index_copy_(0, ids[keep], pages[keep.to(pages.device)].to(view.device))
     return n

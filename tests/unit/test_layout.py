@@ -106,13 +106,21 @@ def test_hf_gather_rejects_a_cache_of_another_shape() -> None:
         gather_hf(_hf_cache(layout(num_kv_heads=1), 8), lay, 0, lay.staging(1))
 
 
-@pytest.mark.parametrize("order", ["2NBHD", "N2BHD", "2NHBD"])
+@pytest.mark.parametrize("order", ["BHNC", "2BNHD", "B2NHD", "BNHC", "2BHND"])
 def test_paged_pages_round_trip_in_any_order(order: str) -> None:
     lay = layout(block_tokens=8)
     fmt = PagedFormat(order, block_size=4)  # two pages per stored block
-    canonical = (2, 10, 4, lay.num_kv_heads, lay.head_dim)  # 2NBHD: 10 pages
-    perm = ["2NBHD".index(c) for c in order]
-    caches = [torch.randn(canonical).permute(perm).contiguous() for _ in range(lay.num_layers)]
+    canonical = (10, 2, 4, lay.num_kv_heads, lay.head_dim)  # B2NHD: 10 pages
+
+    def engine_tensor() -> torch.Tensor:
+        base = torch.randn(canonical)
+        if "C" not in order:
+            return base.permute(["B2NHD".index(c) for c in order]).contiguous()
+        # Fused K|V: [B, N, H, 2, D] -> the order's dims with 2D merged into C (K first).
+        spelled = order.replace("C", "2D")
+        return base.permute(["B2NHD".index(c) for c in spelled]).contiguous().flatten(spelled.index("2"), -1)
+
+    caches = [engine_tensor() for _ in range(lay.num_layers)]
     pages = [7, 2, 5, 9]  # two blocks, out of order in the pool
     staging = lay.staging(2)
     assert gather_paged(caches, lay, fmt, pages, staging) == 2
@@ -129,15 +137,17 @@ def test_paged_pages_round_trip_in_any_order(order: str) -> None:
 
 def test_paged_rejects_partial_blocks_and_foreign_shapes() -> None:
     lay = layout(block_tokens=8)
-    caches = [torch.zeros(2, 4, 4, 2, 4) for _ in range(3)]
+    caches = [torch.zeros(4, 2, 4, 8) for _ in range(3)]  # BHNC: 4 pages of 4 tokens, 2 heads, 2 x 4 dims
     with pytest.raises(InvalidArgument, match="whole number"):
         gather_paged(caches, lay, PagedFormat(block_size=4), [0, 1, 2], lay.staging(2))
     with pytest.raises(InvalidArgument, match="pages"):
         gather_paged(caches, lay, PagedFormat(block_size=3), [0], lay.staging(2))
     with pytest.raises(InvalidArgument, match="layout wants"):
         gather_paged(caches, layout(head_dim=8), PagedFormat(block_size=4), [0, 1], lay.staging(2))
-    with pytest.raises(InvalidArgument, match="permutation"):
-        PagedFormat("2NBHX")
+    with pytest.raises(InvalidArgument, match="paged order"):
+        PagedFormat("2BNHX")
+    with pytest.raises(InvalidArgument, match="dims"):
+        PagedFormat("BHNC").canonical(torch.zeros(2, 2, 2, 2, 2))
 
 
 @dataclasses.dataclass

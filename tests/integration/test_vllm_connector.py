@@ -1,0 +1,275 @@
+"""The vLLM connector against vLLM's own classes: a real v1 Scheduler, real Requests and KV cache
+configs, the worker side on CPU tensors in vLLM's paged layout, and a real cluster behind it.
+
+vLLM's engine needs a GPU; its scheduler and connector classes load on CPU. As in vLLM's own
+connector unit tests, a step's forward pass is stood in for: the test writes each scheduled
+token's K and V into its page slots (values derived from the token and its position), calls
+the connector's layer hooks, and hands the scheduler a ModelRunnerOutput. Runs only where
+vLLM imports (see the README for the install); skips with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm", reason="vLLM is not installed (see the README: vLLM and SGLang)")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvstore_client.adapters.vllm import KVStoreConnector, KVStoreConnectorMetadata  # noqa: E402
+from kvstore_client.store import Store  # noqa: E402
+from server.cluster import LocalCluster  # noqa: E402
+
+PAGE = 16
+BLOCK = 32  # two vLLM pages per stored block
+HEADS, DIM, LAYERS, PAGES = 2, 16, 2, 64
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+EOS = 2
+
+
+init_none_hash(sha256)  # vLLM's prefix-cache hashing, as its engine sets it up
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(1, dram="64MiB") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": HEADS * 2 * DIM,
+        "intermediate_size": 128, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+        "num_key_value_heads": HEADS, "head_dim": DIM, "vocab_size": 512, "max_position_embeddings": 4096,
+        "torch_dtype": "float32",
+    }))  # fmt: skip
+    return path
+
+
+class Engine:
+    """A real vLLM Scheduler and a worker-side connector over CPU paged KV tensors."""
+
+    def __init__(self, model_dir: Path, master: str, *, role: str = "kv_both", load_async: bool = False) -> None:
+        model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0)
+        extra = {"master": master, "block_tokens": BLOCK, "load_async": load_async}
+        self.config = VllmConfig(
+            model_config=model,
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=2048,
+                                             enable_chunked_prefill=True, is_encoder_decoder=False),
+            cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVStoreConnector", kv_connector_module_path="kvstore_client.adapters.vllm",
+                kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy="recompute",
+            ),
+            device_config=DeviceConfig("cpu"),
+        )  # fmt: skip
+        spec = FullAttentionSpec(block_size=PAGE, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32)
+        kv_config = KVCacheConfig(num_blocks=PAGES, kv_cache_tensors=[],
+                                  kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)])  # fmt: skip
+        self.config.cache_config.num_gpu_blocks = PAGES
+        self.scheduler = Scheduler(
+            vllm_config=self.config, kv_cache_config=kv_config, log_stats=True,
+            structured_output_manager=StructuredOutputManager(self.config), block_size=PAGE,
+        )  # fmt: skip
+        assert isinstance(self.scheduler.connector, KVStoreConnector)  # vLLM's factory loaded ours
+        self.worker = KVStoreConnector(self.config, KVConnectorRole.WORKER, kv_config)
+        # vLLM's standardized per-layer view [B, H, N, C]: pages, heads, tokens, K|V.
+        self.kv = {name: torch.zeros(PAGES, HEADS, PAGE, 2 * DIM) for name in LAYER_NAMES}
+        self.worker.register_kv_caches(self.kv)
+
+    def add(self, request_id: str, tokens: list[int], max_tokens: int = 4) -> Request:
+        params = SamplingParams(max_tokens=max_tokens)
+        params.update_from_generation_config({}, EOS)
+        request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
+                          pooling_params=None, block_hasher=get_request_block_hasher(PAGE, sha256))  # fmt: skip
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self, *, before_load: Any = None) -> tuple[Any, set[int]]:
+        """One scheduler step and a stand-in forward pass; returns the output and the load errors reported."""
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        if before_load is not None:
+            before_load(meta)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        for layer, name in enumerate(LAYER_NAMES):
+            self.worker.wait_for_layer_load(name)
+            self._write_scheduled(out, layer)
+            self.worker.save_kv_layer(name, self.kv[name], None)
+        self.worker.wait_for_save()
+        errors = self.worker.get_block_ids_with_load_errors()
+        _, recving = self.worker.get_finished(set())
+        self.worker.clear_connector_metadata()
+        reqs = [*(r.req_id for r in out.scheduled_new_reqs), *out.scheduled_cached_reqs.req_ids]
+        kv_out = KVConnectorOutput(finished_recving=recving, invalid_block_ids=errors) if errors or recving else None
+        runner = ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                                   sampled_token_ids=[[7] for _ in reqs], kv_connector_output=kv_out)  # fmt: skip
+        self.scheduler.update_from_output(out, runner)
+        return out, errors
+
+    def _write_scheduled(self, out: Any, layer: int) -> None:
+        """Write the K|V of every token this step computes: a pure function of (token, position, layer)."""
+        for req_id, count in out.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            start = request.num_computed_tokens - count  # schedule() has already counted this step's tokens
+            pages = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            for pos in range(start, min(start + count, len(request.prompt_token_ids))):
+                page, slot = pages[pos // PAGE], pos % PAGE
+                self.kv[LAYER_NAMES[layer]][page, :, slot] = kv_value(request.prompt_token_ids[pos], pos, layer)
+
+    def prompt_kv(self, request: Request, tokens: int, layer: int) -> torch.Tensor:
+        pages = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+        return torch.stack([self.kv[LAYER_NAMES[layer]][pages[p // PAGE], :, p % PAGE] for p in range(tokens)])
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.connector.shutdown()
+
+
+def kv_value(token: int, pos: int, layer: int) -> torch.Tensor:
+    base = torch.arange(HEADS * 2 * DIM, dtype=torch.float32).reshape(HEADS, 2 * DIM)
+    return base * 0.001 + token + pos * 1000 + layer * 1e6
+
+
+def run_until_prefilled(engine: Engine, request: Request, limit: int = 20) -> None:
+    for _ in range(limit):
+        if request.num_computed_tokens >= len(request.prompt_token_ids):
+            return
+        engine.step()
+    raise AssertionError(f"request not prefilled in {limit} steps")
+
+
+@pytest.fixture
+def engines(model_dir: Path, cluster: LocalCluster) -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def test_a_second_engine_loads_what_the_first_computed(
+    engines: list[Engine], model_dir: Path, cluster: LocalCluster
+) -> None:
+    tokens = [(i * 37) % 500 + 3 for i in range(150)]  # 4 full stored blocks of 32, and 22 tokens more
+    producer = Engine(model_dir, cluster.master_address)
+    engines.append(producer)
+    first = producer.add("a", tokens)
+    run_until_prefilled(producer, first)  # chunked: 64 tokens a step, blocks saved as they complete
+    with Store.connect(cluster.master_address) as store:
+        keys = producer.worker.layout.keys(tokens)
+        assert store.match_prefix(keys) == 4
+
+    consumer = Engine(model_dir, cluster.master_address)  # another instance: nothing cached locally
+    engines.append(consumer)
+    second = consumer.add("b", [*tokens, 99, 98])
+    out, errors = consumer.step()
+    assert not errors and second.num_computed_tokens >= 128
+    assert out.num_scheduled_tokens["b"] == min(64, 152 - 128)  # only the rest is computed
+    assert consumer.scheduler.connector.get_num_new_matched_tokens(second, 0) == (128, False)  # no side effect
+    for layer in range(LAYERS):
+        assert torch.equal(consumer.prompt_kv(second, 128, layer), producer.prompt_kv(first, 128, layer))
+
+
+def test_a_full_hit_leaves_the_last_token_to_compute(
+    engines: list[Engine], model_dir: Path, cluster: LocalCluster
+) -> None:
+    tokens = [(i * 11) % 500 + 5 for i in range(64)]
+    producer = Engine(model_dir, cluster.master_address)
+    engines.append(producer)
+    run_until_prefilled(producer, producer.add("full-a", tokens))
+    consumer = Engine(model_dir, cluster.master_address)
+    engines.append(consumer)
+    request = consumer.add("full-b", tokens)
+    out, _ = consumer.step()
+    assert out.num_scheduled_tokens["full-b"] == 1 and request.num_computed_tokens == 64
+
+
+def test_a_block_lost_before_the_load_is_recomputed(
+    engines: list[Engine], model_dir: Path, cluster: LocalCluster
+) -> None:
+    tokens = [(i * 53) % 500 + 7 for i in range(96)]
+    producer = Engine(model_dir, cluster.master_address)
+    engines.append(producer)
+    run_until_prefilled(producer, producer.add("lost-a", tokens))
+    consumer = Engine(model_dir, cluster.master_address)
+    engines.append(consumer)
+    request = consumer.add("lost-b", tokens)
+    keys = producer.worker.layout.keys(tokens)
+
+    def lose_block_one(meta: KVStoreConnectorMetadata) -> None:
+        assert [spec.req_id for spec in meta.loads] == ["lost-b"]
+        with Store.connect(cluster.master_address) as store:
+            assert store.remove(keys[1])
+
+    _, errors = consumer.step(before_load=lose_block_one)
+    pages = consumer.scheduler.kv_cache_manager.get_block_ids("lost-b")[0]
+    assert errors == set(pages[2:6])  # blocks 1 and 2 (pages 2..5): everything after the hole
+    assert request.num_computed_tokens == 32  # vLLM rewound to the end of block 0 and computes the rest
+    run_until_prefilled(consumer, request)
+    for layer in range(LAYERS):
+        expected = torch.stack([kv_value(t, p, layer) for p, t in enumerate(tokens)])
+        assert torch.equal(consumer.prompt_kv(request, 96, layer), expected)
+
+
+def test_async_loads_finish_between_steps(engines: list[Engine], model_dir: Path, cluster: LocalCluster) -> None:
+    tokens = [(i * 29) % 500 + 9 for i in range(80)]
+    producer = Engine(model_dir, cluster.master_address)
+    engines.append(producer)
+    run_until_prefilled(producer, producer.add("async-a", tokens))
+    consumer = Engine(model_dir, cluster.master_address, load_async=True)
+    engines.append(consumer)
+    request = consumer.add("async-b", tokens)
+    assert consumer.scheduler.connector.get_num_new_matched_tokens(request, 0) == (64, True)
+    consumer.step()
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # parked while the load runs
+    deadline = time.monotonic() + 30
+    while request.status != RequestStatus.RUNNING or request.num_computed_tokens < 80:
+        assert time.monotonic() < deadline, "the async load never finished"
+        time.sleep(0.02)
+        consumer.step()
+    for layer in range(LAYERS):
+        expected = torch.stack([kv_value(t, p, layer) for p, t in enumerate(tokens)])
+        assert torch.equal(consumer.prompt_kv(request, 80, layer), expected)
+
+
+def test_a_consumer_saves_nothing_and_keys_follow_the_model(
+    engines: list[Engine], model_dir: Path, cluster: LocalCluster
+) -> None:
+    tokens = [(i * 17) % 500 + 11 for i in range(70)]
+    consumer = Engine(model_dir, cluster.master_address, role="kv_consumer")
+    engines.append(consumer)
+    run_until_prefilled(consumer, consumer.add("c", tokens))
+    with Store.connect(cluster.master_address) as store:
+        assert store.match_prefix(consumer.worker.layout.keys(tokens)) == 0
+    assert (
+        consumer.worker.layout.namespace
+        != consumer.worker.layouts[0].__class__("other-model", LAYERS, HEADS, DIM, "float32", BLOCK).namespace
+    )
