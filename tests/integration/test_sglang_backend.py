@@ -14,8 +14,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not installed (see the README)")
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from kvstore.errors import InvalidArgument  # noqa: E402
@@ -41,11 +42,27 @@ def host_pool(layout: str) -> Any:
     )  # fmt: skip
 
 
+def mla_pool(layout: str) -> Any:
+    device = MLATokenToKVPool(256, PAGE, torch.float32, 32, 8, LAYERS, "cpu", False, start_layer=0,
+                              end_layer=LAYERS - 1)  # fmt: skip
+    return MLATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout, pin_memory=False, device="cpu",
+        device_capacity_tokens=device.size, start_layer=0, end_layer=LAYERS - 1, target_layer_num=LAYERS,
+    )  # fmt: skip
+
+
 def backend(
-    master: str, pool: Any, *, v1: bool, tp_rank: int = 0, model: str = "tiny", timeout_s: float = 10.0
+    master: str,
+    pool: Any,
+    *,
+    v1: bool,
+    tp_rank: int = 0,
+    model: str = "tiny",
+    timeout_s: float = 10.0,
+    mla: bool = False,
 ) -> KVStoreHiCache:
     config = HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
         enable_storage_metrics=False, is_page_first_layout=pool.layout != "layer_first", model_name=model,
         extra_config={"backend_name": "kvstore", "module_path": "kvstore_client.adapters.sglang",
                       "class_name": "KVStoreHiCache", "master": master, "interface_v1": int(v1),
@@ -88,6 +105,24 @@ def test_zero_copy_pages_round_trip_through_the_store(cluster: LocalCluster, lay
     assert store.batch_exists(keys) == 3
     assert store.batch_get_v1(keys, pool.alloc(5 * PAGE)) == [True, True, True, False, True]
     store.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_mla_pages_are_one_object_shared_by_every_rank(cluster: LocalCluster, layout: str) -> None:
+    pool = mla_pool(layout)
+    writer = backend(cluster.master_address, pool, v1=True, mla=True)
+    keys = [f"mla-{layout}-{i}" for i in range(3)]
+    src = pool.alloc(3 * PAGE)
+    pages = fill(pool, src, seed=4)
+    assert writer.batch_set_v1(keys, src) == [True] * 3
+    reader = backend(cluster.master_address, pool, v1=True, mla=True, tp_rank=1)  # MLA KV is rank-replicated
+    assert reader.batch_exists(keys) == 3
+    dst = pool.alloc(3 * PAGE)
+    assert reader.batch_get_v1(keys, dst) == [True] * 3
+    for i, start in enumerate(dst[::PAGE].tolist()):
+        assert torch.equal(pool.get_data_page(start), pages[i])
+    writer.close()
+    reader.close()
 
 
 def test_generic_pages_round_trip_in_any_layout(cluster: LocalCluster) -> None:
