@@ -327,8 +327,8 @@ class Store:
         arena = self._local_arena(node_id)
         ucx_address = self._ucx_address(node_id) if arena is None else None
         if arena is not None:
-            for _, view, offset, _ in blocks:
-                ShmTransport.write(arena, offset, view)
+            assert self._shm is not None
+            self._shm.write_many(arena, [(offset, view) for _, view, offset, _ in blocks])
             message: WriteBlocks | CommitBlocks = CommitBlocks(keys, offsets, sizes, sums, pinned)
             payload: list[memoryview] = []
         else:
@@ -527,20 +527,24 @@ class Store:
         """Copy blocks held in the DRAM of daemons on this host straight from their arenas (under the leases)."""
         if self._shm is None:
             return
+        reads: list[tuple[ArenaMapping, int, int, memoryview]] = []
+        done: list[tuple[int, LocatedRef, str]] = []
         for i, loc in enumerate(located):
             if loc is None or out[i] is not None:
                 continue
             for replica in loc.replicas:
-                if replica.tier != "dram":
-                    continue
-                arena = self._local_arena(replica.node_id)
-                if arena is None:
-                    continue
-                ShmTransport.read(arena, replica.offset, loc.size, views[i])
-                if verify and checksum(views[i][: loc.size]) != loc.checksum:
-                    raise CorruptBlock(f"block {loc.key!r} copied from {replica.node_id}'s arena fails its checksum")
-                out[i] = loc.size
-                break
+                arena = self._local_arena(replica.node_id) if replica.tier == "dram" else None
+                if arena is not None:
+                    reads.append((arena, replica.offset, loc.size, views[i]))
+                    done.append((i, loc, replica.node_id))
+                    break
+        if not reads:
+            return
+        self._shm.read_many(reads)
+        for i, loc, node_id in done:
+            if verify and checksum(views[i][: loc.size]) != loc.checksum:
+                raise CorruptBlock(f"block {loc.key!r} copied from {node_id}'s arena fails its checksum")
+            out[i] = loc.size
 
     def _remember(self, keys: Sequence[str], located: Sequence[LocatedRef | None]) -> None:
         """Note where each key was found, and forget the misses."""

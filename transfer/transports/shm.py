@@ -10,7 +10,12 @@ in place, on a ``CommitBlocks`` message). Anything else uses the network.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 from kvstore.errors import KVStoreError
 from kvstore.protocol import NodeInfo
@@ -18,6 +23,55 @@ from kvstore.tiers.dram import ArenaMapping
 from transfer import topology
 
 log = logging.getLogger("kvstore.transfer.shm")
+
+PARALLEL_BYTES = 8 << 20
+"""A batch of copies of at least this many bytes is cut into pieces that several threads copy."""
+PIECE_BYTES = 4 << 20
+MAX_COPY_THREADS = 8
+
+
+def _copy_pieces(pieces: Sequence[tuple[memoryview, memoryview]]) -> None:
+    for dst, src in pieces:
+        # numpy's copy releases the GIL (a memoryview assignment does not), so threads copy at once.
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+class Copier:
+    """Copies batches of byte ranges; a large batch on several threads, since one core's copy falls
+    well short of the memory bandwidth (the arena -> pinned buffer leg of a GPU load, say)."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = max(1, threads if threads is not None else min(MAX_COPY_THREADS, os.cpu_count() or 1))
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def copy(self, pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
+        """Copy each ``src`` into the start of its ``dst``."""
+        total = sum(src.nbytes for _, src in pairs)
+        if self.threads == 1 or total < PARALLEL_BYTES:
+            for dst, src in pairs:
+                dst[: src.nbytes] = src
+            return
+        pieces = [
+            (dst[at : at + PIECE_BYTES], src[at : min(at + PIECE_BYTES, src.nbytes)])
+            for dst, src in pairs
+            for at in range(0, src.nbytes, PIECE_BYTES)
+        ]
+        pieces = [(d[: s.nbytes], s) for d, s in pieces]
+        workers = min(self.threads, len(pieces))
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kvstore-copy")
+            pool = self._pool
+        futures = [pool.submit(_copy_pieces, pieces[i::workers]) for i in range(workers)]
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
 
 class ShmTransport:
@@ -27,6 +81,7 @@ class ShmTransport:
         self.host_id = topology.host_id()
         self._maps: dict[tuple[str, int], ArenaMapping | None] = {}
         self._lock = threading.Lock()
+        self.copier = Copier()
 
     def arena(self, node: NodeInfo) -> ArenaMapping | None:
         """The node's mapped arena when it shares this host; None when it does not, or cannot be mapped."""
@@ -66,7 +121,26 @@ class ShmTransport:
         finally:
             dst.release()
 
+    def read_many(self, reads: Sequence[tuple[ArenaMapping, int, int, memoryview]]) -> None:
+        """For each (arena, offset, size, dst): copy a leased block into ``dst``, the batch on several threads."""
+        extents = [arena.extent(offset, size) for arena, offset, size, _ in reads]
+        try:
+            self.copier.copy([(dst, src) for (_, _, _, dst), src in zip(reads, extents, strict=True)])
+        finally:
+            for extent in extents:
+                extent.release()
+
+    def write_many(self, arena: ArenaMapping, writes: Sequence[tuple[int, memoryview]]) -> None:
+        """For each (offset, src): copy ``src`` into its reserved extent, the batch on several threads."""
+        extents = [arena.extent(offset, src.nbytes) for offset, src in writes]
+        try:
+            self.copier.copy([(dst, src) for dst, (_, src) in zip(extents, writes, strict=True)])
+        finally:
+            for extent in extents:
+                extent.release()
+
     def close(self) -> None:
+        self.copier.close()
         with self._lock:
             for mapping in self._maps.values():
                 if mapping is not None:
