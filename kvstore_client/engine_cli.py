@@ -23,6 +23,7 @@ def engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per stored KV block")
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, or cuda where a GPU is present")
 
 
 @arguments("pd-demo")
@@ -53,11 +54,11 @@ def _pd_demo(args: argparse.Namespace) -> int:
     from server.cluster import LocalCluster
 
     config = load_model_config(args.model_config)
-    layout = layout_for(config, seed=args.seed, dtype=args.dtype, block_tokens=args.block_tokens)
+    layout = layout_for(config, seed=args.seed, dtype=args.dtype, block_tokens=args.block_tokens, device=args.device)
     spec = EngineSpec(
         model_config=str(args.model_config) if args.model_config else None, seed=args.seed, dtype=args.dtype,
         block_tokens=args.block_tokens, threads=args.threads or default_threads(args.prefill + args.decode),
-        tail=args.tail,
+        tail=args.tail, device=args.device,
     )  # fmt: skip
     sessions = chat_sessions(
         args.sessions, args.turns, vocab_size=config.get_text_config().vocab_size, system_tokens=args.system_tokens,

@@ -67,24 +67,34 @@ def load_model_config(path: str | Path | None = None) -> Any:
         raise InvalidArgument(f"transformers cannot build a {model_type!r} config: {exc}") from None
 
 
-def fingerprint(config: Any, seed: int) -> str:
-    """``<model_type>-<16 hex>``: equal for equal configs and seeds, so equal weights."""
+def _init_device(device: str) -> str:
+    """Where random weights are drawn: a GPU draws other numbers than the CPU from the same seed."""
+    return torch.device(device).type
+
+
+def fingerprint(config: Any, seed: int, device: str = "cpu") -> str:
+    """``<model_type>-<16 hex>``: equal for equal configs, seeds and initialising devices, so equal weights."""
     text = json.dumps(config.to_dict(), sort_keys=True, default=str)
     for volatile in ("transformers_version", "_attn_implementation_autoset"):
         text = text.replace(volatile, "")
-    digest = hashlib.sha256(f"{text}|seed={seed}".encode()).hexdigest()[:16]
-    return f"{config.model_type}-{digest}"
+    init = _init_device(device)
+    digest = hashlib.sha256(f"{text}|seed={seed}{'' if init == 'cpu' else f'|init={init}'}".encode()).hexdigest()
+    return f"{config.model_type}-{digest[:16]}"
 
 
-def build_model(config: Any, *, seed: int = 0, dtype: str = "float32", attn: str = "sdpa") -> Any:
-    """A causal LM with random weights drawn from ``seed``, in eval mode, on CPU."""
+def build_model(config: Any, *, seed: int = 0, dtype: str = "float32", attn: str = "sdpa", device: str = "cpu") -> Any:
+    """A causal LM with random weights drawn from ``seed`` on ``device`` (fast for large models), in eval mode.
+
+    Every process that builds it on the same kind of device gets the same weights.
+    """
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    model.to(DTYPES[dtype])
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    model.to(dtype=DTYPES[dtype])
     model.eval()
     # Greedy generation that stops only at max_new_tokens or EOS, the same in every worker.
     model.generation_config.do_sample = False
@@ -99,8 +109,9 @@ def layout_for(
     dtype: str = "float32",
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     name: str | None = None,
+    device: str = "cpu",
 ) -> KVLayout:
-    """The KV layout of a model built by :func:`build_model` from ``config`` and ``seed``."""
+    """The KV layout of a model built by :func:`build_model` from ``config``, ``seed`` and ``device``."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -108,7 +119,7 @@ def layout_for(
     if any(t != "full_attention" for t in getattr(text, "layer_types", None) or []):
         raise InvalidArgument("only models whose every layer is full attention map to prefix blocks")
     return KVLayout(
-        model=name or fingerprint(config, seed),
+        model=name or fingerprint(config, seed, device),
         num_layers=text.num_hidden_layers,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -122,12 +133,17 @@ def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def cache_from_blocks(parts: Sequence[torch.Tensor], layout: KVLayout, config: Any, tokens: int) -> Any:
-    """A ``DynamicCache`` holding the first ``tokens`` tokens of staging tensors laid end to end (None if 0)."""
+def cache_from_blocks(
+    parts: Sequence[torch.Tensor], layout: KVLayout, config: Any, tokens: int, device: torch.device | str = "cpu"
+) -> Any:
+    """A ``DynamicCache`` on ``device`` holding the first ``tokens`` tokens of staging tensors laid end to end."""
     from transformers import DynamicCache
 
     if tokens == 0:
         return DynamicCache(config=config)
+    if torch.device(device).type != "cpu":
+        # The staged blocks travel as they are (pinned: at the link's speed); the device transposes them.
+        parts = [p.to(device, non_blocking=True) for p in parts]
     return DynamicCache(ddp_cache_data=hf_layers_from(parts, layout, tokens), config=config)
 
 

@@ -230,16 +230,21 @@ def hf_layers_from(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (K, V) ``[1, heads, tokens, dim]`` from staging tensors laid end to end in token order.
 
-    ``tokens`` (default: all) keeps the first tokens only. One copy per layer, K/V and part.
+    ``tokens`` (default: all) keeps the first tokens only. One copy per layer, K/V and part, on the
+    parts' device (so a GPU does the transposes once the staged bytes are there).
     """
     total = sum(p.shape[0] * p.shape[3] for p in parts)
     n = total if tokens is None else tokens
     if not 0 <= n <= total:
         raise InvalidArgument(f"{n} tokens asked of blocks holding {total}")
     shape = (1, layout.num_kv_heads, n, layout.head_dim)
+    device = parts[0].device if parts else torch.device("cpu")
     out = []
     for layer in range(layout.num_layers):
-        kv = (torch.empty(shape, dtype=layout.torch_dtype), torch.empty(shape, dtype=layout.torch_dtype))
+        kv = (
+            torch.empty(shape, dtype=layout.torch_dtype, device=device),
+            torch.empty(shape, dtype=layout.torch_dtype, device=device),
+        )
         at = 0
         for p in parts:
             blocks, t = p.shape[0], p.shape[3]

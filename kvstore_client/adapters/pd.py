@@ -53,14 +53,19 @@ class EngineSpec:
     calibrate_tokens: int = 512
     timeout_s: float = 10.0
     """The store client's bound on each network wait."""
+    device: str = "cpu"
+    """Where the model runs (``cuda`` on a GPU); blocks are staged in host memory either way."""
 
     def build(self) -> tuple[Any, Any]:
         """(model, layout) — the same in every process for the same spec."""
         from kvstore_client.adapters.hf import build_model, layout_for, load_model_config
 
         config = load_model_config(self.model_config)
-        model = build_model(config, seed=self.seed, dtype=self.dtype)
-        return model, layout_for(config, seed=self.seed, dtype=self.dtype, block_tokens=self.block_tokens)
+        model = build_model(config, seed=self.seed, dtype=self.dtype, device=self.device)
+        layout = layout_for(
+            config, seed=self.seed, dtype=self.dtype, block_tokens=self.block_tokens, device=self.device
+        )
+        return model, layout
 
 
 def _worker_main(role: Role, index: int, master: str, spec: EngineSpec, inbox: Any, outbox: Any) -> None:

@@ -68,3 +68,32 @@ def test_an_uncalibrated_worker_recomputes() -> None:
     assert plan_load(2048, 8, 256, 1 << 20, PrefillCostModel(), LoadCostModel()).blocks == 0
     with pytest.raises(InvalidArgument):
         plan_load(0, 0, 256, 1, PrefillCostModel(), LoadCostModel())
+
+
+def test_first_call_outliers_do_not_bend_the_prefill_fit() -> None:
+    # A GPU's first call at each shape picks its kernels and takes far longer; later calls are fast.
+    model = PrefillCostModel()
+    truth = fitted()
+    for new, past in [(256, 0), (512, 0), (1024, 0), (256, 512), (2048, 0), (512, 1536)]:
+        model.observe(new, past, 10 * truth.predict(new, past) + 1.0)  # cold
+        for _ in range(3):
+            model.observe(new, past, truth.predict(new, past))
+    assert model.samples == 6
+    for new, past in [(2048, 0), (512, 1536), (1024, 1024)]:
+        assert model.predict(new, past) == pytest.approx(truth.predict(new, past), rel=1e-6)
+
+
+def test_the_fit_keeps_the_most_recent_shapes() -> None:
+    model = PrefillCostModel(window=3)
+    for new in (10, 20, 30, 40):
+        model.observe(new, 0, new * 1e-3)
+    assert model.samples == 3
+
+
+def test_a_shape_seen_only_cold_is_left_out_of_the_fit() -> None:
+    model = PrefillCostModel()
+    truth = fitted()
+    for new, past in [(256, 0), (512, 0), (1024, 0), (256, 512), (2048, 0)]:
+        model.observe(new, past, truth.predict(new, past))
+    model.observe(1536, 0, 50 * truth.predict(1536, 0))  # once, on its first call
+    assert model.predict(2048, 0) == pytest.approx(truth.predict(2048, 0), rel=1e-6)
