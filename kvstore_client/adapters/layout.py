@@ -162,6 +162,14 @@ def save_blocks(store: BlockStore, keys: Sequence[str], staging: torch.Tensor) -
     return len(keys)
 
 
+def _leading(sizes: Sequence[int | None]) -> int:
+    """How many results arrived before the first miss."""
+    for i, size in enumerate(sizes):
+        if size is None:
+            return i
+    return len(sizes)
+
+
 def load_blocks(store: BlockStore, keys: Sequence[str], staging: torch.Tensor) -> int:
     """Read ``keys`` into ``staging[i]`` in one batch; returns how many *leading* blocks arrived whole.
 
@@ -173,12 +181,7 @@ def load_blocks(store: BlockStore, keys: Sequence[str], staging: torch.Tensor) -
     if not keys:
         return 0
     sizes = store.get_many_into(keys, staging[: len(keys)].unbind(0), exact_size=True)
-    loaded = 0
-    for size in sizes:
-        if size is None:
-            break
-        loaded += 1
-    return loaded
+    return _leading(sizes)
 
 
 def load_layer(store: BlockStore, keys: Sequence[str], layout: KVLayout, layer: int, staging: torch.Tensor) -> int:
@@ -193,12 +196,7 @@ def load_layer(store: BlockStore, keys: Sequence[str], layout: KVLayout, layer: 
         return 0
     start, length = layout.layer_range(layer, tokens=staging.shape[3])
     sizes = store.get_range_many_into(keys, start, length, [staging[i, layer] for i in range(len(keys))])
-    loaded = 0
-    for size in sizes:
-        if size is None:
-            break
-        loaded += 1
-    return loaded
+    return _leading(sizes)
 
 
 # -- Hugging Face DynamicCache: per layer [batch, kv_heads, tokens, head_dim] ---------------------

@@ -175,20 +175,26 @@ def engines(model_dir: Path, cluster: LocalCluster) -> Iterator[list[Engine]]:
         engine.close()
 
 
+def computed_elsewhere(
+    engines: list[Engine], model_dir: Path, master: str, tokens: list[int], **consumer: Any
+) -> tuple[Engine, Request, Engine]:
+    """A producer engine that prefilled ``tokens`` (its blocks now stored), and a fresh consumer engine."""
+    producer = Engine(model_dir, master)
+    engines.append(producer)
+    request = producer.add(f"producer-{len(engines)}", tokens)
+    run_until_prefilled(producer, request)
+    engines.append(Engine(model_dir, master, **consumer))
+    return producer, request, engines[-1]
+
+
 def test_a_second_engine_loads_what_the_first_computed(
     engines: list[Engine], model_dir: Path, cluster: LocalCluster
 ) -> None:
     tokens = [(i * 37) % 500 + 3 for i in range(150)]  # 4 full stored blocks of 32, and 22 tokens more
-    producer = Engine(model_dir, cluster.master_address)
-    engines.append(producer)
-    first = producer.add("a", tokens)
-    run_until_prefilled(producer, first)  # chunked: 64 tokens a step, blocks saved as they complete
+    # Chunked prefill: 64 tokens a step, blocks saved as they complete; the consumer caches nothing locally.
+    producer, first, consumer = computed_elsewhere(engines, model_dir, cluster.master_address, tokens)
     with Store.connect(cluster.master_address) as store:
-        keys = producer.worker.layout.keys(tokens)
-        assert store.match_prefix(keys) == 4
-
-    consumer = Engine(model_dir, cluster.master_address)  # another instance: nothing cached locally
-    engines.append(consumer)
+        assert store.match_prefix(producer.worker.layout.keys(tokens)) == 4
     second = consumer.add("b", [*tokens, 99, 98])
     out, errors = consumer.step()
     assert not errors and second.num_computed_tokens >= 128
@@ -202,11 +208,7 @@ def test_a_full_hit_leaves_the_last_token_to_compute(
     engines: list[Engine], model_dir: Path, cluster: LocalCluster
 ) -> None:
     tokens = [(i * 11) % 500 + 5 for i in range(64)]
-    producer = Engine(model_dir, cluster.master_address)
-    engines.append(producer)
-    run_until_prefilled(producer, producer.add("full-a", tokens))
-    consumer = Engine(model_dir, cluster.master_address)
-    engines.append(consumer)
+    _, _, consumer = computed_elsewhere(engines, model_dir, cluster.master_address, tokens)
     request = consumer.add("full-b", tokens)
     out, _ = consumer.step()
     assert out.num_scheduled_tokens["full-b"] == 1 and request.num_computed_tokens == 64
@@ -216,11 +218,7 @@ def test_a_block_lost_before_the_load_is_recomputed(
     engines: list[Engine], model_dir: Path, cluster: LocalCluster
 ) -> None:
     tokens = [(i * 53) % 500 + 7 for i in range(96)]
-    producer = Engine(model_dir, cluster.master_address)
-    engines.append(producer)
-    run_until_prefilled(producer, producer.add("lost-a", tokens))
-    consumer = Engine(model_dir, cluster.master_address)
-    engines.append(consumer)
+    producer, _, consumer = computed_elsewhere(engines, model_dir, cluster.master_address, tokens)
     request = consumer.add("lost-b", tokens)
     keys = producer.worker.layout.keys(tokens)
 
@@ -241,11 +239,7 @@ def test_a_block_lost_before_the_load_is_recomputed(
 
 def test_async_loads_finish_between_steps(engines: list[Engine], model_dir: Path, cluster: LocalCluster) -> None:
     tokens = [(i * 29) % 500 + 9 for i in range(80)]
-    producer = Engine(model_dir, cluster.master_address)
-    engines.append(producer)
-    run_until_prefilled(producer, producer.add("async-a", tokens))
-    consumer = Engine(model_dir, cluster.master_address, load_async=True)
-    engines.append(consumer)
+    _, _, consumer = computed_elsewhere(engines, model_dir, cluster.master_address, tokens, load_async=True)
     request = consumer.add("async-b", tokens)
     assert consumer.scheduler.connector.get_num_new_matched_tokens(request, 0) == (64, True)
     consumer.step()
