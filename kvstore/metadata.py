@@ -22,13 +22,18 @@ Rules:
   leases them for ``lease_ms``: a leased block is never evicted or moved. An
   SSD-only block read ``promote_after_hits`` times is promoted to DRAM once
   its leases end.
+- ``plan_replicas`` reserves DRAM on a node for copies of stored blocks whose
+  other replicas stay (hot blocks near their readers). A copy's replica is
+  ``copying`` (not readable, in no LRU, sent no drop) until ``finish_replicas``
+  applies the target's answer; a block removed meanwhile loses it by a drop.
+  A node holds at most one replica of a block.
 - A daemon's (re)registration replaces everything the table knew of that node
   by the daemon's inventory: the daemons are the source of truth, so a new
   master rebuilds the whole table from them.
 
 Invariants: a committed, readable replica is in exactly its node's tier LRU;
 each node's allocator holds exactly the extents of that node's DRAM replicas
-(committed, pending or moving).
+(committed, pending, moving or copying); no node holds two replicas of a block.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes
 from kvstore.keys import BlockKey, validate_key
 from kvstore.lru import LRU
 from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
-from kvstore.protocol import GetReplicasReply, InventoryItem, PutTicket, Replica
+from kvstore.protocol import GetReplicasReply, InventoryItem, NodePrefix, PrefixMatch, PutTicket, Replica
 
 DRAM, SSD = TierName.DRAM, TierName.SSD
 
@@ -56,6 +61,9 @@ class ReplicaState:
     """The DRAM extent; None on SSD (during a promotion: the extent it will land in)."""
     moving: bool = False
     """A demotion, drop or promotion of this replica is in flight: not readable, not in an LRU."""
+    copying: bool = False
+    """Being copied in from another node (a replicate; also ``moving``): its daemon is told nothing
+    about it until the copy is answered, so that no drop overtakes the copy."""
 
 
 @dataclass(slots=True)
@@ -105,15 +113,17 @@ class NodeState:
 
 @dataclass(frozen=True, slots=True)
 class Move:
-    """A block of a draining node to be copied into ``extent`` of the DRAM of ``target``."""
+    """A block to be copied from ``source`` (a draining node, or a replica's node) into ``extent`` of
+    the DRAM of ``target``: the target's daemon reads it by key from the source's."""
 
     key: str
     size: int
     checksum: int
     tier: TierName
-    """Where the block is on the draining node."""
+    """Where the block is on the source."""
     target: str
     extent: Extent
+    source: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -618,6 +628,38 @@ class PlacementTable:
                 return i
         return len(keys)
 
+    def match_prefix_nodes(self, keys: Sequence[str]) -> PrefixMatch:
+        """The longest readable prefix of ``keys`` (as :meth:`match_prefix`) and, per node holding
+        the first key, how many leading keys it holds readable: in any tier, and in DRAM.
+
+        One pass, O(keys x replicas): a node's count grows only while it equals the index of the
+        key at hand, so a node that missed a key stops; the pass ends at the first key no node
+        can serve, where every count has stopped too.
+        """
+        objects, nodes = self.objects, self.nodes
+        total: dict[str, int] = {}
+        dram: dict[str, int] = {}
+        longest = len(keys)
+        for i, key in enumerate(keys):
+            entry = objects.get(key)
+            if entry is None or entry.removing or not entry.committed:
+                longest = i
+                break
+            readable = False
+            for r in entry.replicas:
+                if r.moving or not nodes[r.node_id].up:
+                    continue
+                readable = True
+                node_id = r.node_id
+                if total.get(node_id, 0) == i:
+                    total[node_id] = i + 1
+                    if r.tier is DRAM and dram.get(node_id, 0) == i:
+                        dram[node_id] = i + 1
+            if not readable:
+                longest = i
+                break
+        return PrefixMatch(longest, {n: NodePrefix(dram.get(n, 0), t) for n, t in total.items()})
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [bool(self._readable(self.objects.get(validate_key(k)))) for k in keys]
 
@@ -633,6 +675,8 @@ class PlacementTable:
             entry.removing = True
             self._want_promote.discard(key)
             for r in entry.replicas:
+                if r.copying:
+                    continue  # the daemon may not hold it yet: finish_replicas drops it once answered
                 lru = self.nodes[r.node_id].lru(r.tier)
                 if key in lru:
                     lru.remove(key)
@@ -816,11 +860,13 @@ class PlacementTable:
                     drops.setdefault(tier, []).append(key)
                     continue
                 for target in sorted(targets, key=lambda n: -n.alloc.free_bytes):
+                    if any(r.node_id == target.node_id for r in entry.replicas):
+                        continue  # one replica per node: a copy is coming in there already
                     extent = target.alloc.alloc(entry.size)
                     if extent is not None:
                         here.moving = True
                         node.lru(tier).remove(key)
-                        moves.append(Move(key, entry.size, entry.checksum, tier, target.node_id, extent))
+                        moves.append(Move(key, entry.size, entry.checksum, tier, target.node_id, extent, node_id))
                         break
         commands = [NodeCommand(node_id, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()]
         return moves, self._issue(commands)
@@ -847,6 +893,86 @@ class PlacementTable:
             drops.setdefault(here.tier, []).append(move.key)
         return self._issue(
             [NodeCommand(source, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()]
+        )
+
+    def plan_replicas(self, keys: Sequence[str], target_node_id: str, max_bytes: int) -> list[Move]:
+        """Copies of stored blocks to add in the DRAM of ``target_node_id``, other replicas kept.
+
+        Keys are taken in order; one that is not readable, or has a replica (or a copy coming) on
+        the target, is skipped. Each copy reserves an extent on the target without evicting
+        anything and without filling it past the high watermark; planning stops at the first key
+        that does not fit, or that would take the copied bytes past ``max_bytes``. A down or
+        draining target gets nothing. The reserved replica is ``copying`` (not readable, in no
+        LRU) until :meth:`finish_replicas`; each move's source is a readable replica, DRAM first.
+        """
+        target = self.nodes.get(target_node_id)
+        if target is None:
+            raise NotFound(f"node {target_node_id!r} is not registered")
+        if type(max_bytes) is not int or max_bytes < 0:
+            raise InvalidArgument(f"max_bytes must be a non-negative int, got {max_bytes!r}")
+        checked = [validate_key(k) for k in keys]
+        if not target.up or target_node_id in self.draining:
+            return []
+        moves: list[Move] = []
+        budget = max_bytes
+        alloc = target.alloc
+        for key in checked:
+            entry = self.objects.get(key)
+            sources = self._readable(entry)
+            if entry is None or not sources or any(r.node_id == target_node_id for r in entry.replicas):
+                continue
+            if entry.size > budget or (target.max_blocks and alloc.num_extents >= target.max_blocks):
+                break
+            if self.policy.over_high_watermark(alloc.used + entry.size, alloc.capacity):
+                break
+            extent = alloc.alloc(entry.size)
+            if extent is None:
+                break
+            budget -= entry.size
+            source = min(sources, key=lambda r: r.tier is not DRAM)
+            entry.replicas.append(ReplicaState(target_node_id, DRAM, extent, moving=True, copying=True))
+            moves.append(Move(key, entry.size, entry.checksum, source.tier, target_node_id, extent, source.node_id))
+        return moves
+
+    def finish_replicas(
+        self, moves: Sequence[Move], done: Sequence[bool], *, answered: bool = True
+    ) -> tuple[list[Move], list[NodeCommand]]:
+        """Record the copies a target made (``done[i]``: the block is committed there).
+
+        A copied block gains its replica: readable, in the target's DRAM LRU (pinned if the block
+        is). A copy that failed frees its extent at once; with ``answered=False`` (the target never
+        answered, and may yet hold the block) the target is told to drop it instead, and the
+        extent is freed when it confirms. A block removed meanwhile gains nothing: a copy that was
+        made is dropped the same way. Returns the copies that became replicas, and the drops to send.
+        """
+        if len(done) != len(moves):
+            raise InvalidArgument(f"{len(done)} results for {len(moves)} copies")
+        copied: list[Move] = []
+        drops: dict[str, list[str]] = {}
+        for move, ok in zip(moves, done, strict=True):
+            entry = self.objects.get(move.key)
+            target = self.nodes.get(move.target)
+            replica = None
+            if entry is not None:
+                replica = next(
+                    (r for r in entry.replicas if r.node_id == move.target and r.copying and r.extent == move.extent),
+                    None,
+                )
+            if entry is None or target is None or replica is None:
+                continue  # the target left or re-registered: its inventory replaced this copy
+            replica.copying = False
+            if ok and not entry.removing:
+                replica.moving = False
+                target.dram_lru.insert(move.key, entry.size)
+                if entry.pinned:
+                    target.dram_lru.pin(move.key)
+                copied.append(move)
+            elif ok or not answered:
+                drops.setdefault(move.target, []).append(move.key)  # the extent is freed once the drop is applied
+            else:
+                self._drop_replica(move.key, move.target)
+        return copied, self._issue(
+            [NodeCommand(n, ActionKind.DROP, DRAM, tuple(ks), release=True) for n, ks in drops.items()]
         )
 
     def blocks_on(self, node_id: str) -> int:
@@ -878,6 +1004,10 @@ class PlacementTable:
 
     def check(self) -> None:
         """Assert the invariants of the module docstring (for tests)."""
+        for store in (self.objects, self._pending):
+            for e in store.values():
+                assert len({r.node_id for r in e.replicas}) == len(e.replicas), f"{e.key}: two replicas on a node"
+                assert all(r.moving for r in e.replicas if r.copying), f"{e.key}: a copy in flight is readable"
         for node in self.nodes.values():
             node.alloc.check()
             extents = sorted(

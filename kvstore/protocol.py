@@ -477,6 +477,71 @@ class MatchPrefixReply(Message):
     matched: int
 
 
+class NodePrefix(NamedTuple):
+    """How much of a key list one node holds, counted from its first key."""
+
+    dram: int
+    """Leading keys with a readable replica on this node in DRAM."""
+    total: int
+    """Leading keys with a readable replica on this node in any tier (at least ``dram``)."""
+
+
+class PrefixMatch(NamedTuple):
+    """Where the stored prefix of a key list lies: across the cluster, and node by node."""
+
+    longest: int
+    """The cluster-wide longest stored prefix, as ``match_prefix`` answers it: its blocks may be
+    spread over several nodes, so it can exceed every node's ``total``."""
+    nodes: dict[str, NodePrefix]
+    """Each node that holds at least the first key readable; a node absent from it holds 0."""
+
+
+@wire
+class MatchPrefixNodes(Message):
+    """The longest stored prefix of ``keys``, and how much of it each node holds (a scheduler's question)."""
+
+    KIND = 45
+    keys: list[str]
+
+
+@wire
+class MatchPrefixNodesReply(Message):
+    """A :class:`PrefixMatch` in parallel columns: node ``i`` is ``node_ids[i]``, ``dram[i]``, ``total[i]``."""
+
+    KIND = 46
+    longest: int
+    node_ids: list[str]
+    dram: list[int]
+    total: list[int]
+
+    @classmethod
+    def from_match(cls, match: PrefixMatch) -> MatchPrefixNodesReply:
+        nodes = match.nodes
+        return cls(match.longest, list(nodes), [p.dram for p in nodes.values()], [p.total for p in nodes.values()])
+
+    def prefix_match(self, num_keys: int) -> PrefixMatch:
+        """The match, checked for consistency with a query of ``num_keys`` keys (a ProtocolError names
+        what does not add up)."""
+        n = len(self.node_ids)
+        if not len(self.dram) == len(self.total) == n:
+            raise ProtocolError(
+                f"MatchPrefixNodesReply: {n} node ids but {len(self.dram)} dram and {len(self.total)} total counts"
+            )
+        if not 0 <= self.longest <= num_keys:
+            raise ProtocolError(f"MatchPrefixNodesReply: a prefix of {self.longest} keys for {num_keys} keys asked")
+        nodes: dict[str, NodePrefix] = {}
+        for node_id, dram, total in zip(self.node_ids, self.dram, self.total, strict=True):
+            if not 0 <= dram <= total <= self.longest or total == 0:
+                raise ProtocolError(
+                    f"MatchPrefixNodesReply: node {node_id!r} holds {dram} in DRAM and {total} in all of a "
+                    f"prefix of {self.longest}"
+                )
+            if node_id in nodes:
+                raise ProtocolError(f"MatchPrefixNodesReply: node {node_id!r} is listed twice")
+            nodes[node_id] = NodePrefix(dram, total)
+        return PrefixMatch(self.longest, nodes)
+
+
 @wire
 class Exists(Message):
     KIND = 34
@@ -541,6 +606,34 @@ class AdminInfoReply(Message):
 class NodesReply(Message):
     KIND = 42
     nodes: list[NodeInfo]
+
+
+@wire
+class Replicate(Message):
+    """Copy stored blocks into the DRAM of ``node_id`` and keep their other replicas (hot blocks near
+    their readers). Keys are taken in order while they fit the node's free DRAM (nothing is evicted
+    for them) and ``max_bytes``; keys not stored or already on the node are skipped."""
+
+    KIND = 47
+    keys: list[str]
+    node_id: str
+    max_bytes: int
+
+
+@wire
+class ReplicateReply(Message):
+    KIND = 48
+    copied: int
+    """Blocks that gained a replica on the node."""
+    bytes: int
+    """Their bytes."""
+
+
+class Replicated(NamedTuple):
+    """What a replicate did: blocks that gained a replica on the node, and their bytes."""
+
+    copied: int
+    bytes: int
 
 
 # -- master -> daemon ---------------------------------------------------------------------

@@ -49,10 +49,13 @@ from kvstore.protocol import (
     ListNodes,
     LocatedRef,
     MatchPrefix,
+    MatchPrefixNodes,
+    MatchPrefixNodesReply,
     MatchPrefixReply,
     NodeInfo,
     NodesReply,
     OkReply,
+    PrefixMatch,
     PutEnd,
     PutEndReply,
     PutRevoke,
@@ -66,6 +69,9 @@ from kvstore.protocol import (
     RemoveReply,
     Replica,
     ReplicaRef,
+    Replicate,
+    Replicated,
+    ReplicateReply,
     Stats,
     StatsReply,
     WriteBlocks,
@@ -683,6 +689,27 @@ class Store:
         """How many leading keys are stored: the longest stored prefix of a key list."""
         reply: MatchPrefixReply = self._call(MatchPrefix([validate_key(k) for k in keys]), MatchPrefixReply)
         return reply.matched
+
+    def match_prefix_nodes(self, keys: Sequence[Any]) -> PrefixMatch:
+        """The longest stored prefix of a key list (as :meth:`match_prefix`), and per node how many
+        leading keys it holds readable, in any tier (``total``) and in DRAM (``dram``)."""
+        checked: list[str] = [validate_key(k) for k in keys]
+        reply: MatchPrefixNodesReply = self._call(MatchPrefixNodes(checked), MatchPrefixNodesReply)
+        return reply.prefix_match(len(checked))
+
+    def replicate(self, keys: Sequence[Any], node_id: str, *, max_bytes: int) -> Replicated:
+        """Copy stored blocks into the DRAM of ``node_id``, keeping their other replicas (hot blocks near
+        their readers). Keys are taken in order while they fit the node's free DRAM (nothing is
+        evicted for them) and ``max_bytes`` in all; keys not stored or already there are skipped.
+        Raises NotFound for a node the master does not know."""
+        if type(max_bytes) is not int or max_bytes < 0:
+            raise InvalidArgument(f"max_bytes must be a non-negative int, got {max_bytes!r}")
+        if not isinstance(node_id, str):
+            raise InvalidArgument(f"node_id must be a str, got {type(node_id).__name__}")
+        checked: list[str] = [validate_key(k) for k in keys]
+        message = Replicate(checked, node_id, max_bytes)
+        reply: ReplicateReply = self._call(message, ReplicateReply)
+        return Replicated(reply.copied, reply.bytes)
 
     def remove(self, key: Any) -> bool:
         return self.remove_many([key]) == 1

@@ -37,6 +37,8 @@ from kvstore.protocol import (
     HeartbeatReply,
     ListNodes,
     MatchPrefix,
+    MatchPrefixNodes,
+    MatchPrefixNodesReply,
     MatchPrefixReply,
     Message,
     NodeInfo,
@@ -54,6 +56,9 @@ from kvstore.protocol import (
     ReleaseLeases,
     Remove,
     RemoveReply,
+    Replicate,
+    Replicated,
+    ReplicateReply,
     Stats,
     StatsReply,
     decode_payload,
@@ -68,13 +73,14 @@ log = logging.getLogger("kvstore.master")
 Handler = Callable[[Any], Awaitable[Message]]
 
 # Requests whose repetition would change the outcome: their answers are kept for retries.
-_NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset({PutStart, PutEnd, PutRevoke, Remove})
+_NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset({PutStart, PutEnd, PutRevoke, Remove, Replicate})
 _ANSWER_TTL_S = 120.0
 _MAX_ANSWERS = 1 << 16
 
 # Requests whose master-side latency is kept as a histogram (served at /metrics).
 _TIMED: dict[type[Message], str] = {
     PutStart: "put_start", PutEnd: "put_end", GetReplicas: "get_replicas", MatchPrefix: "match_prefix",
+    MatchPrefixNodes: "match_prefix_nodes",
 }  # fmt: skip
 
 # A put waits for at most this many rounds of evictions before its keys fail.
@@ -118,6 +124,8 @@ class MasterService:
             GetReplicas: self._get_replicas,
             ReleaseLeases: self._release_leases,
             MatchPrefix: self._match_prefix,
+            MatchPrefixNodes: self._match_prefix_nodes,
+            Replicate: self._replicate,
             Exists: self._exists,
             Remove: self._remove,
             Stats: self._stats,
@@ -160,20 +168,52 @@ class MasterService:
             for move in moves:
                 per_target.setdefault(move.target, []).append(move)
             for target, group in per_target.items():
-                message = FetchBlocks(
-                    source, [m.key for m in group], [m.extent.offset for m in group], [m.size for m in group],
-                    [m.checksum for m in group],
-                )  # fmt: skip
-                try:
-                    done = (await self._daemon(target).call(message, CommandReply)).done
-                except KVStoreError as exc:
-                    log.warning("drain: %s could not copy from %s: %s", target, node_id, exc)
-                    done = [False] * len(group)
-                if len(done) != len(group):
-                    done = [False] * len(group)
+                done = await self._fetch(target, source, group, "drain") or [False] * len(group)
                 failed.update(m.key for m, ok in zip(group, done, strict=True) if not ok)
                 await self._run_commands(table.finish_moves(node_id, group, done))
         return table.blocks_on(node_id)
+
+    async def _fetch(self, target: str, source_address: str, group: list[Move], why: str) -> list[bool] | None:
+        """Have ``target``'s daemon copy ``group`` from the daemon at ``source_address`` into the extents
+        reserved for it; per block whether it is committed there, None when the target did not answer."""
+        message = FetchBlocks(
+            source_address, [m.key for m in group], [m.extent.offset for m in group], [m.size for m in group],
+            [m.checksum for m in group],
+        )  # fmt: skip
+        try:
+            done = (await self._daemon(target).call(message, CommandReply)).done
+        except KVStoreError as exc:
+            log.warning("%s: %s could not copy from %s: %s", why, target, source_address, exc)
+            return None
+        return done if len(done) == len(group) else [False] * len(group)
+
+    async def replicate(self, keys: list[str], node_id: str, max_bytes: int) -> Replicated:
+        """Copy stored blocks into the DRAM of ``node_id``, keeping their other replicas; returns the
+        blocks and bytes copied. See :meth:`PlacementTable.plan_replicas` for which are taken."""
+        table = self.table
+        moves = table.plan_replicas(keys, node_id, max_bytes)
+        per_source: dict[str, list[Move]] = {}
+        for move in moves:
+            per_source.setdefault(move.source, []).append(move)
+        # Addresses now, before any await: a source that leaves meanwhile fails its copies in its daemon.
+        todo = [(table.nodes[source].address, group) for source, group in per_source.items()]
+        copied: list[Move] = []
+
+        def finish(group: list[Move], done: list[bool] | None) -> None:
+            made, drops = table.finish_replicas(group, done or [False] * len(group), answered=done is not None)
+            copied.extend(made)
+            self._run_later(drops, "replicate-drops")
+
+        try:
+            while todo:  # one source after another: the target's connection serialises them anyway
+                address, group = todo[0]
+                done = await self._fetch(node_id, address, group, "replicate")
+                todo.pop(0)
+                finish(group, done)
+        finally:
+            for _, group in todo:  # cancelled: the target may hold what it was copying
+                finish(group, None)
+        return Replicated(len(copied), sum(m.size for m in copied))
 
     async def start(self) -> str:
         self._server = await asyncio.start_server(self._serve, self.config.host, self.config.port, limit=1 << 20)
@@ -421,6 +461,12 @@ class MasterService:
 
     async def _match_prefix(self, m: MatchPrefix) -> Message:
         return MatchPrefixReply(self.table.match_prefix(m.keys))
+
+    async def _match_prefix_nodes(self, m: MatchPrefixNodes) -> Message:
+        return MatchPrefixNodesReply.from_match(self.table.match_prefix_nodes(m.keys))
+
+    async def _replicate(self, m: Replicate) -> Message:
+        return ReplicateReply(*await self.replicate(m.keys, m.node_id, m.max_bytes))
 
     async def _exists(self, m: Exists) -> Message:
         return ExistsReply(self.table.exists(m.keys))

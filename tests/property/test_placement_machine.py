@@ -1,8 +1,11 @@
 """The placement table under random operations, with daemons answering its commands in any order.
 
 After every step the table's invariants hold: extents match allocators, LRUs
-hold exactly the readable replicas, SSD bytes add up. A node may also restart
+hold exactly the readable replicas, SSD bytes add up, and the per-node prefix
+match agrees with a plain count over the replicas. A node may also restart
 and re-register with what it holds; its commands in flight are then lost.
+Blocks are also copied to nodes (replicate), the copies answered in any
+order, before or after the blocks are removed or their target restarts.
 """
 
 from __future__ import annotations
@@ -10,9 +13,9 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.metadata import NodeCommand, PlacementTable
+from kvstore.metadata import Move, NodeCommand, PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy, TierName
-from kvstore.protocol import InventoryItem
+from kvstore.protocol import InventoryItem, NodePrefix, PrefixMatch
 
 KEYS = st.sampled_from([f"k{i}" for i in range(12)])
 SIZES = st.sampled_from([512, 1024, 1500, 2048])
@@ -28,6 +31,7 @@ class PlacementMachine(RuleBasedStateMachine):
         self.now = 0
         self.commands: list[NodeCommand] = []
         self.pending: set[str] = set()
+        self.copies: list[list[Move]] = []
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=3, unique=True), size=SIZES, replicas=st.integers(1, 2))
     def put_start(self, keys: list[str], size: int, replicas: int) -> None:
@@ -79,6 +83,62 @@ class PlacementMachine(RuleBasedStateMachine):
         done = [data.draw(st.booleans()) if command.kind is not ActionKind.DROP else True for _ in command.keys]
         self.t.apply(command, done)
 
+    @precondition(lambda self: bool(self.t.objects))
+    @rule(data=st.data(), node=st.sampled_from(NODES), budget=st.integers(0, 6000))
+    def replicate(self, data: st.DataObject, node: str, budget: int) -> None:
+        stored = st.sampled_from(sorted(self.t.objects))
+        keys = data.draw(st.lists(stored | KEYS, min_size=1, max_size=4))
+        moves = self.t.plan_replicas(keys, node, budget)
+        assert sum(m.size for m in moves) <= budget
+        assert all(m.target == node and m.source != node for m in moves)
+        if moves:
+            self.copies.append(moves)
+
+    @precondition(lambda self: bool(self.copies))
+    @rule(data=st.data())
+    def copy_answered(self, data: st.DataObject) -> None:
+        moves = self.copies.pop(data.draw(st.integers(0, len(self.copies) - 1)))
+        done = [data.draw(st.booleans()) for _ in moves]
+        copied, commands = self.t.finish_replicas(moves, done, answered=data.draw(st.booleans()))
+        assert all(ok for m, ok in zip(moves, done, strict=True) if m in copied)
+        for move in copied:
+            assert self.t.exists([move.key]) == [True]
+        self.commands += commands
+
+    @precondition(lambda self: bool(self.copies))
+    @rule(data=st.data())
+    def remove_while_copying(self, data: st.DataObject) -> None:
+        moves = data.draw(st.sampled_from(self.copies))
+        key = data.draw(st.sampled_from([m.key for m in moves]))
+        entry = self.t.objects.get(key)
+        copying = {r.node_id for r in entry.replicas if r.copying} if entry is not None else set()
+        _, commands = self.t.remove([key])
+        self.commands += commands
+        assert all(key not in c.keys for c in commands if c.node_id in copying)  # told once the copy is answered
+
+    @rule(keys=st.lists(KEYS, max_size=6))
+    def match(self, keys: list[str]) -> None:
+        self.check_match(keys)
+
+    def check_match(self, keys: list[str]) -> None:
+        t = self.t
+
+        def held(key: str, node: str, dram_only: bool) -> bool:
+            e = t.objects.get(key)
+            return (
+                e is not None and e.committed and not e.removing and t.nodes[node].up
+                and any(r.node_id == node and not r.moving and (r.tier is TierName.DRAM or not dram_only)
+                        for r in e.replicas)
+            )  # fmt: skip
+
+        expected = {}
+        for n in t.nodes:
+            total = next((i for i, k in enumerate(keys) if not held(k, n, False)), len(keys))
+            dram = next((i for i, k in enumerate(keys) if not held(k, n, True)), len(keys))
+            if total:
+                expected[n] = NodePrefix(dram, total)
+        assert t.match_prefix_nodes(keys) == PrefixMatch(t.match_prefix(keys), expected)
+
     @rule(node=st.sampled_from(NODES))
     def reregister(self, node: str) -> None:
         held = [
@@ -98,7 +158,7 @@ class PlacementMachine(RuleBasedStateMachine):
         for node in self.t.nodes.values():
             if not any(c.node_id == node.node_id for c in self.commands):
                 assert (node.inflight, node.dram_freeing, node.ssd_delta) == (0, 0, 0), node
-        assert self.t.match_prefix([f"k{i}" for i in range(12)]) <= 12
+        self.check_match([f"k{i}" for i in range(12)])
 
 
 TestPlacementTable = PlacementMachine.TestCase

@@ -124,6 +124,8 @@ def raw(*items: Any) -> bytes:
             "expected one of",
         ),
         (raw(P.PROTOCOL_VERSION, P.StatsReply.KIND, 1, [{"a": "b"}]), "StatsReply.stats"),
+        (raw(P.PROTOCOL_VERSION, P.Replicate.KIND, 1, [["a"], "n", "1"]), "Replicate.max_bytes: expected int"),
+        (raw(P.PROTOCOL_VERSION, P.MatchPrefixNodesReply.KIND, 1, [1, "n", [1], [1]]), "node_ids: expected a list"),
     ],
 )
 def test_malformed_payloads_are_protocol_errors(payload: bytes, match: str) -> None:
@@ -147,3 +149,33 @@ def test_random_msgpack_bodies_never_raise_anything_but_protocol_error(body: Any
 def test_request_id_of_a_bad_payload() -> None:
     assert P.request_id_of(raw(P.PROTOCOL_VERSION, 9999, 42, [])) == 42
     assert P.request_id_of(b"\xc1") == 0
+
+
+def test_prefix_match_travels_as_parallel_columns() -> None:
+    match = P.PrefixMatch(5, {"a": P.NodePrefix(dram=2, total=4), "b": P.NodePrefix(dram=0, total=5)})
+    reply = P.MatchPrefixNodesReply.from_match(match)
+    assert (reply.node_ids, reply.dram, reply.total) == (["a", "b"], [2, 0], [4, 5])
+    _, decoded = P.decode_payload(P.encode(reply, 1)[4:])
+    assert isinstance(decoded, P.MatchPrefixNodesReply) and decoded.prefix_match(7) == match
+    assert P.MatchPrefixNodesReply.from_match(P.PrefixMatch(0, {})).prefix_match(0) == P.PrefixMatch(0, {})
+
+
+@pytest.mark.parametrize(
+    ("reply", "num_keys", "match"),
+    [
+        (P.MatchPrefixNodesReply(3, ["a", "b"], [1], [1, 2]), 3, "2 node ids but 1 dram and 2 total"),
+        (P.MatchPrefixNodesReply(3, ["a"], [1], [1, 2]), 3, "1 node ids but 1 dram and 2 total"),
+        (P.MatchPrefixNodesReply(4, [], [], []), 3, "a prefix of 4 keys for 3 keys"),
+        (P.MatchPrefixNodesReply(-1, [], [], []), 3, "a prefix of -1 keys"),
+        (P.MatchPrefixNodesReply(3, ["a"], [2], [1]), 3, "node 'a' holds 2 in DRAM and 1"),
+        (P.MatchPrefixNodesReply(2, ["a"], [0], [3]), 3, "node 'a' holds 0 in DRAM and 3 in all of a prefix of 2"),
+        (P.MatchPrefixNodesReply(2, ["a"], [0], [0]), 3, "node 'a' holds 0 in DRAM and 0"),
+        (P.MatchPrefixNodesReply(2, ["a"], [-1], [1]), 3, "node 'a' holds -1"),
+        (P.MatchPrefixNodesReply(2, ["a", "a"], [1, 1], [1, 1]), 3, "node 'a' is listed twice"),
+    ],
+)
+def test_inconsistent_prefix_match_replies_are_protocol_errors(
+    reply: P.MatchPrefixNodesReply, num_keys: int, match: str
+) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        reply.prefix_match(num_keys)
