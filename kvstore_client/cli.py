@@ -360,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-from kvstore_client import engine_cli, ops  # noqa: E402, F401 - register the operator and engine commands
+from kvstore_client import engine_cli, ops, sim_cli  # noqa: E402, F401 - register the operator, engine and simulator commands
 
 if __name__ == "__main__":
     # Run as ``python -m``: use the imported module, in whose registry the operator commands live.

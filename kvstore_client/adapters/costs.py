@@ -3,13 +3,9 @@
 Pure and synchronous: they take measurements as arguments and hold no tensors,
 sockets or clocks, so every decision can be replayed in a test.
 
-- :class:`PrefillCostModel`: seconds to compute ``new`` tokens after ``past``
-  cached ones, ``a + b*new + c*new*(past + new)`` (a fixed cost per forward, the
-  per-token matmuls, attention over the whole context), fitted by non-negative
-  least squares on the worker's own recent prefills: the fastest time seen for
-  each shape, and a second fit without shapes over twice the first's prediction,
-  so that first calls (a GPU picking its kernels) and a noisy neighbour do not
-  bend it.
+- :class:`~kvstore.costs.PrefillCostModel` (in the core, shared with the
+  conductor): seconds to compute ``new`` tokens after ``past`` cached ones,
+  fitted on the worker's own recent prefills.
 - :class:`LoadCostModel`: seconds to load ``n`` bytes from the store,
   ``latency + n / bandwidth``, fitted on the worker's own recent loads.
 - :func:`plan_load`: how many of the stored leading blocks to load so that load
@@ -20,79 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
+from kvstore.costs import PrefillCostModel
 from kvstore.errors import InvalidArgument
 
-
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0, exactly: the best of the fits on each subset of columns
-    whose coefficients all come out non-negative (a handful of columns: 2^n small solves)."""
-    n = a.shape[1]
-    best, best_err = np.zeros(n), float(np.sum(b**2))
-    for mask in range(1, 1 << n):
-        cols = [c for c in range(n) if mask >> c & 1]
-        sol, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
-        if (sol < 0).any():
-            continue
-        x = np.zeros(n)
-        x[cols] = sol
-        err = float(np.sum((a @ x - b) ** 2))
-        if err < best_err:
-            best, best_err = x, err
-    return best
-
-
-class PrefillCostModel:
-    """Predicted prefill seconds from observed ones: the fastest time of each of the last ``window`` shapes.
-
-    Refits on each observation.
-    """
-
-    def __init__(self, window: int = 64) -> None:
-        self.window = window
-        self._fastest: dict[tuple[int, int], float] = {}  # (new, past) -> fastest seconds; insertion = recency
-        self._coef = np.zeros(3)
-
-    @staticmethod
-    def _features(new: int, past: int) -> list[float]:
-        return [1.0, float(new), float(new) * float(past + new)]
-
-    def observe(self, new: int, past: int, seconds: float) -> None:
-        if new <= 0 or past < 0 or seconds < 0:
-            raise InvalidArgument(
-                f"a prefill sample needs new > 0, past >= 0 and seconds >= 0: {new}, {past}, {seconds}"
-            )
-        shape = (new, past)
-        fastest = min(seconds, self._fastest.pop(shape, seconds))
-        self._fastest[shape] = fastest  # re-inserted last: the most recent shapes stay
-        while len(self._fastest) > self.window:
-            del self._fastest[next(iter(self._fastest))]
-        a = np.array([self._features(n, p) for n, p in self._fastest])
-        b = np.array(list(self._fastest.values()))
-        coef = _nnls(a, b)
-        # A shape seen once may carry its first call's cost (a GPU picking kernels for a new length):
-        # shapes over twice the fit's prediction are left out of a second fit.
-        keep = b <= 2 * (a @ coef) + 1e-4
-        if 3 <= keep.sum() < len(b):
-            coef = _nnls(a[keep], b[keep])
-        self._coef = coef
-
-    @property
-    def samples(self) -> int:
-        """Shapes the fit rests on."""
-        return len(self._fastest)
-
-    @property
-    def coefficients(self) -> tuple[float, float, float]:
-        a, b, c = (float(x) for x in self._coef)
-        return a, b, c
-
-    def predict(self, new: int, past: int) -> float:
-        """Seconds to compute ``new`` tokens after ``past`` cached ones (0 for no tokens)."""
-        if new <= 0:
-            return 0.0
-        return float(np.dot(self._coef, self._features(new, past)))
+__all__ = ["LoadCostModel", "LoadPlan", "PrefillCostModel", "plan_load"]
 
 
 @dataclass(slots=True)

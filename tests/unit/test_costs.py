@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.costs import PrefillCostModel
 from kvstore.errors import InvalidArgument
-from kvstore_client.adapters.costs import LoadCostModel, PrefillCostModel, plan_load
+from kvstore_client.adapters.costs import LoadCostModel, plan_load
 
 
 def fitted(a: float = 0.01, b: float = 1e-3, c: float = 1e-7) -> PrefillCostModel:
-    """A prefill model fitted on exact samples of ``a + b*new + c*new*(past+new)``."""
+    """A prefill model fitted on exact samples of ``a + b*new + c*new*(new + 2*past)``."""
     model = PrefillCostModel()
     for new, past in [(64, 0), (128, 0), (256, 0), (512, 0), (128, 256), (64, 1024)]:
-        model.observe(new, past, a + b * new + c * new * (past + new))
+        model.observe(new, past, a + b * new + c * new * (new + 2 * past))
     return model
 
 
@@ -20,7 +21,7 @@ def test_prefill_model_recovers_its_coefficients() -> None:
     model = fitted()
     a, b, c = model.coefficients
     assert a == pytest.approx(0.01, rel=1e-6) and b == pytest.approx(1e-3, rel=1e-6) and c == pytest.approx(1e-7)
-    assert model.predict(1000, 1000) == pytest.approx(0.01 + 1.0 + 0.2, rel=1e-6)
+    assert model.predict(1000, 1000) == pytest.approx(0.01 + 1.0 + 0.3, rel=1e-6)
     assert model.predict(0, 500) == 0.0
 
 
@@ -97,3 +98,17 @@ def test_a_shape_seen_only_cold_is_left_out_of_the_fit() -> None:
         model.observe(new, past, truth.predict(new, past))
     model.observe(1536, 0, 50 * truth.predict(1536, 0))  # once, on its first call
     assert model.predict(2048, 0) == pytest.approx(truth.predict(2048, 0), rel=1e-6)
+
+
+def test_latest_tracking_follows_a_slower_machine() -> None:
+    fastest, latest = PrefillCostModel(), PrefillCostModel(track="latest")
+    shapes = [(256, 0), (512, 0), (1024, 0), (256, 512)]
+    truth = fitted()
+    for scale in (1.0, 2.0):  # a neighbour starts and every prefill takes twice as long
+        for new, past in shapes:
+            for model in (fastest, latest):
+                model.observe(new, past, scale * truth.predict(new, past))
+    assert fastest.predict(1024, 0) == pytest.approx(truth.predict(1024, 0), rel=1e-6)
+    assert latest.predict(1024, 0) == pytest.approx(2 * truth.predict(1024, 0), rel=1e-6)
+    with pytest.raises(InvalidArgument):
+        PrefillCostModel(track="slowest")  # type: ignore[arg-type]
