@@ -289,3 +289,25 @@ class ClientConfig(_Frozen):
         description="Keys whose last known node the client remembers, to read from it while the master answers"
         " (the bytes are kept only if the master confirms); 0 turns speculative reads off.",
     )
+
+
+class ConductorConfig(_Frozen):
+    """The conductor: KVCache-aware scheduling of requests over prefill and decode workers."""
+
+    host: str = Field(default="127.0.0.1", description="Address of the HTTP front door.")
+    port: int = Field(default=8600, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
+    master: str | None = Field(default=None, description="The store master's host:port; None: load-only routing.")
+    prefill: list[str] = Field(min_length=1, description="Base URLs of the prefill workers.")
+    decode: list[str] = Field(min_length=1, description="Base URLs of the decode workers.")
+    policy: str = Field(default="global", description="random, load, local or global.")
+    early_rejection: bool = Field(default=True, description="Reject at arrival on predicted TTFT and decode load.")
+    decode_load: str = Field(default="predicted", description="none, current or predicted (with early rejection).")
+    ttft_slo_s: float = Field(default=30.0, gt=0, description="Time-to-first-token objective.")
+    tbt_slo_s: float = Field(default=1.0, gt=0, description="Time-between-tokens objective.")
+    balancing_threshold: float = Field(default=1.0, ge=1.0, description="Fetch when pool prefix > local x this.")
+    replicate_tokens: int = Field(default=0, ge=0, description="Fetched tokens copied to the prefill node per request.")
+    health_period_s: float = Field(default=1.0, gt=0, description="How often workers are health-checked.")
+    master_timeout_s: float = Field(default=0.5, gt=0, description="Bound on one prefix lookup at the master.")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="Bound on one call to a worker.")
+    start_timeout_s: float = Field(default=600.0, gt=0, description="How long to wait for the workers at start.")
+    tokenizer: str | None = Field(default=None, description="A local tokenizer directory for text prompts.")

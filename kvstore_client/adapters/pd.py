@@ -7,12 +7,13 @@ A worker that dies fails its pending requests with :class:`ConnectionFailed`;
 every wait is bounded.
 
 :func:`run_chat` drives a chat workload whose turns resend the whole conversation
-(system prompt, earlier messages and answers, the new message): each turn is
-prefilled on one worker, its KV handed to a decode worker through the store, and
-the next turn of the session starts when the answer is back. Requests go to
-workers round-robin (the conductor schedules by cache location instead). For each
-request it records what the store held of its prefix against what earlier turns
-stored (``expected_hit_tokens``), TTFT and the time between tokens.
+(system prompt, earlier messages and answers, the new message) through a
+conductor (``kvstore conductor``), which picks the prefill and decode workers by
+where the prefix is stored; the prefill hands its KV to the decode worker through
+the store, and the next turn of the session starts when the answer is back. For
+each request it records what the store held of its prefix against what earlier
+turns stored (``expected_hit_tokens``), TTFT measured and predicted, and the time
+between tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -303,84 +304,72 @@ def _leading(keys: list[str], stored: set[str]) -> int:
     return n
 
 
+Submit = Callable[[list[int], int], dict[str, Any]]
+"""Run one request to completion: (prompt token ids, tokens to generate) -> the conductor's answer."""
+
+
 def run_chat(
-    pool: WorkerPool,
+    submit: Submit,
     sessions: list[ChatSession],
     layout: Any,
     *,
     on_result: Callable[[dict[str, Any]], None] | None = None,
-    request_timeout_s: float = 600.0,
 ) -> list[dict[str, Any]]:
-    """Run every turn of every session through the pool; one record per request, in completion order."""
+    """Run every turn of every session through ``submit`` (sessions side by side, each turn after the
+    previous one's answer); one record per request, in completion order, then one with ``elapsed_s``."""
     stored: set[str] = set()  # keys that completed requests put into the store
     records: list[dict[str, Any]] = []
-    rr_prefill = itertools.cycle(range(pool.num_prefill))
-    rr_decode = itertools.cycle(range(pool.num_decode))
-    # Each in-flight request: (future, stage, session, record under construction)
-    inflight: list[tuple[Future[dict[str, Any]], str, ChatSession, dict[str, Any]]] = []
+    lock = threading.Lock()
     started = time.perf_counter()
 
-    def dispatch(session: ChatSession) -> None:
-        prompt = session.context + session.messages[session.turn]
-        keys = layout.keys(prompt)
-        worker = next(rr_prefill)
-        rec = {
-            "session": session.session, "turn": session.turn, "prompt_tokens": len(prompt),
-            "expected_hit_tokens": _leading(keys, stored) * layout.block_tokens, "prefill_worker": worker,
-            "submitted": time.perf_counter(), "prompt": prompt,
-        }  # fmt: skip
-        inflight.append((pool.submit("prefill", worker, tokens=prompt), "prefill", session, rec))
+    def converse(session: ChatSession) -> None:
+        while session.turn < len(session.messages):
+            prompt = session.context + session.messages[session.turn]
+            keys = layout.keys(prompt)
+            with lock:
+                expected = _leading(keys, stored) * layout.block_tokens
+            sent = time.perf_counter()
+            out = submit(prompt, session.max_new_tokens)
+            rec = {"session": session.session, "turn": session.turn, "prompt_tokens": len(prompt),
+                   "expected_hit_tokens": expected} | _record(out)  # fmt: skip
+            rec["latency_s"] = round(time.perf_counter() - sent, 6)
+            answer = out["choices"][0]["tokens"] if "choices" in out else []
+            with lock:
+                if answer:
+                    stored.update(layout.keys(prompt + answer[:-1]))
+                records.append(rec)
+                if on_result is not None:
+                    on_result(rec)
+            session.context = prompt + answer
+            session.turn += 1
 
-    for session in sessions:
-        dispatch(session)
-    while inflight:
-        done = next((item for item in inflight if item[0].done()), None)
-        if done is None:
-            oldest = min(item[3]["submitted"] for item in inflight)
-            if time.perf_counter() - oldest > request_timeout_s:
-                raise Timeout(f"a request took more than {request_timeout_s:.0f} s")
-            time.sleep(0.002)
-            continue
-        inflight.remove(done)
-        future, stage, session, rec = done
-        result = future.result()
-        prompt = rec["prompt"]
-        if stage == "prefill":
-            stored.update(layout.keys(prompt))
-            rec.update({f"prefill_{k}": v for k, v in result.items()})
-            rec["ttft_s"] = time.perf_counter() - rec["submitted"]
-            worker = next(rr_decode)
-            rec["decode_worker"] = worker
-            fut = pool.submit(
-                "decode",
-                worker,
-                tokens=prompt,
-                first_token=result["first_token"],
-                max_new_tokens=session.max_new_tokens,
-            )
-            inflight.append((fut, "decode", session, rec))
-            continue
-        answer = result["tokens"]
-        stored.update(layout.keys(prompt + answer[:-1]))
-        rec.update({f"decode_{k}": v for k, v in result.items() if k not in ("tokens", "step_s")})
-        rec["answer_tokens"] = len(answer)
-        rec["tbt_s"] = result["tbt_s"]
-        rec["latency_s"] = time.perf_counter() - rec.pop("submitted")
-        rec.pop("prompt")
-        records.append(rec)
-        if on_result is not None:
-            on_result(rec)
-        session.context = prompt + answer
-        session.turn += 1
-        if session.turn < len(session.messages):
-            dispatch(session)
+    with ThreadPoolExecutor(max_workers=max(1, len(sessions)), thread_name_prefix="kvstore-chat") as pool:
+        for future in [pool.submit(converse, s) for s in sessions]:
+            future.result()
     records.append({"elapsed_s": time.perf_counter() - started})
     return records
 
 
+def _record(out: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a request record from a conductor's completion answer (or its rejection)."""
+    if "error" in out:
+        return {"rejected": out["error"].get("reason") or out["error"].get("message", "")}
+    k = out["kvstore"]
+    pre, dec = k["prefill_result"], k["decode_result"]
+    return {
+        "prefill_worker": k["prefill"], "decode_worker": k["decode"], "retried": k["retried"],
+        "prefill_matched_tokens": pre["matched_tokens"], "prefill_loaded_tokens": pre["loaded_tokens"],
+        "prefill_decision": pre["decision"], "prefill_ttft_s": k["ttft_s"], "predicted_ttft_s": k["predicted_ttft_s"],
+        "predicted_queue_s": k["predicted_queue_s"], "prefill_engine_s": pre.get("engine_s"),
+        "stored_prefix_tokens": k["stored_prefix_tokens"], "local_prefix_tokens": k["local_prefix_tokens"],
+        "decode_tail": dec["tail"], "tbt_s": dec["tbt_s"], "answer_tokens": len(out["choices"][0]["tokens"]),
+    }  # fmt: skip
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Totals of a chat run: hit share of later turns against what earlier turns stored, TTFT and TBT."""
-    reqs = [r for r in records if "session" in r]
+    reqs = [r for r in records if "session" in r and "rejected" not in r]
+    rejected = sum(1 for r in records if "rejected" in r)
     elapsed = next((r["elapsed_s"] for r in records if "elapsed_s" in r), 0.0)
     later = [r for r in reqs if r["turn"] > 0]
     first = [r for r in reqs if r["turn"] == 0]
@@ -393,9 +382,12 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         return statistics.fmean(r[field_name] for r in rows) if rows else 0.0
 
     ttfts = sorted(r["prefill_ttft_s"] for r in reqs)
+    errors = [abs(r["predicted_ttft_s"] - r["prefill_ttft_s"]) / r["prefill_ttft_s"] for r in reqs
+              if r.get("predicted_ttft_s") is not None and r["prefill_ttft_s"] > 0]  # fmt: skip
     return {
         "summary": True,
         "requests": len(reqs),
+        "rejected": rejected,
         "later_turns": len(later),
         "later_hit_share": round(share(later, "prefill_matched_tokens"), 4),
         "later_expected_share": round(share(later, "expected_hit_tokens"), 4),
@@ -409,6 +401,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "tbt_s": round(mean(reqs, "tbt_s"), 5),
         "tokens_generated": sum(r["answer_tokens"] for r in reqs),
         "decisions": dict(Counter(r["prefill_decision"] for r in reqs)),
+        "ttft_prediction_error_median": round(statistics.median(errors), 4) if errors else None,
+        "ttft_prediction_error_p90": round(sorted(errors)[int(0.9 * (len(errors) - 1))], 4) if errors else None,
+        "prefill_workers": dict(Counter(r["prefill_worker"] for r in reqs)),
         "elapsed_s": round(elapsed, 3),
     }  # fmt: skip
 

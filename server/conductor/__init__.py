@@ -1,0 +1,1 @@
+"""The conductor: KVCache-aware request scheduling over prefill and decode workers."""

@@ -1,0 +1,448 @@
+"""The conductor service (``kvstore conductor``): an HTTP front door that schedules by where KV lives.
+
+For each completion request it hashes the prompt into the workers' block keys,
+asks the master which node holds how much of the prefix
+(:class:`~kvstore.protocol.MatchPrefixNodes`), lets :class:`kvstore.scheduling.Scheduler`
+choose a prefill and a decode worker (or reject with 429 and the reason), has
+hot fetched blocks copied to the chosen prefill node, calls the prefill worker,
+then the decode worker, and answers in the shape of OpenAI's completions API
+with what it predicted and what it measured.
+
+Its predictions learn from the workers: the prefill model starts from the
+coefficients a prefill worker fitted at start (``/info``) and follows the time
+to first token of every prefill since, less its wait for the engine and its load
+(``track="latest"``: a busy machine is predicted busy); the load bandwidth and the decode step time follow each
+response. A decode worker serves one request at a time, so its "TBT" under
+load is ``step x requests``: the share of its token rate a request gets.
+
+Failures: a worker that fails a call or a health check is marked down at once
+(and up again when its health check passes); the request is retried once on
+another worker. A master that cannot be reached turns routing to load-only
+(``kvstore_conductor_master_reachable 0``) instead of failing requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvstore.config import ConductorConfig
+from kvstore.costs import PrefillCostModel
+from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, NoNodes
+from kvstore.keys import block_keys
+from kvstore.protocol import MatchPrefixNodes, MatchPrefixNodesReply, Replicate, ReplicateReply
+from kvstore.scheduling import NO_LOCALITY, DecodeModel, Locality, Request, Scheduler, Slo, TransferModel
+from transfer.rpc import Connection
+
+log = logging.getLogger(__name__)
+
+
+class WorkerError(KVStoreError):
+    """A worker answered with an error of its own (``status``) or could not be reached (``status`` 0)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(slots=True)
+class Worker:
+    name: str
+    url: str
+    role: str
+    info: dict[str, Any]
+
+    @property
+    def node(self) -> str | None:
+        return self.info.get("node")
+
+
+class Conductor:
+    """Who changes what: request handlers schedule and report to the scheduler; the health loop marks
+    workers up and down; nothing else touches the scheduler."""
+
+    def __init__(self, config: ConductorConfig) -> None:
+        self.config = config
+        self.workers: dict[str, Worker] = {}
+        self.scheduler: Scheduler | None = None
+        self.namespace = ""
+        self.block_tokens = 0
+        self.vocab = 0
+        self.model = ""
+        self._session: aiohttp.ClientSession | None = None
+        self._master = Connection(config.master, timeout=config.master_timeout_s) if config.master else None
+        self._master_down_until = 0.0
+        self.master_reachable = config.master is not None
+        self._ids = itertools.count(1)
+        self._health_task: asyncio.Task[None] | None = None
+        self._tokenizer: Any = None
+        self._step_s = 0.05
+        self._metrics()
+
+    # -- metrics -----------------------------------------------------------------------------
+    def _metrics(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "kvstore_conductor_"
+        self.m_requests = Counter(p + "requests", "Completion requests by outcome", ["outcome"], registry=r)
+        self.m_rejections = Counter(p + "rejections", "Requests rejected at arrival, by reason", ["reason"], registry=r)
+        self.m_routed = Counter(p + "routed", "Requests sent to each worker", ["instance", "role"], registry=r)
+        self.m_retries = Counter(p + "retries", "Calls retried on another worker", ["role"], registry=r)
+        self.m_fallback = Counter(p + "load_only_routing", "Requests routed without locality (master unreachable)",
+                                  registry=r)  # fmt: skip
+        self.m_up = Gauge(p + "instance_up", "Whether a worker is up", ["instance", "role"], registry=r)
+        self.m_queue = Gauge(p + "instance_queue_seconds", "Predicted seconds queued on a worker", ["instance"],
+                             registry=r)  # fmt: skip
+        self.m_master = Gauge(p + "master_reachable", "Whether the last prefix lookup reached the master",
+                              registry=r)  # fmt: skip
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.m_ttft = Histogram(p + "ttft_seconds", "Time to first token", ["kind"], buckets=buckets, registry=r)
+        self.m_error = Histogram(p + "ttft_prediction_error_ratio", "|predicted - measured| / measured TTFT",
+                                 buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5), registry=r)  # fmt: skip
+        self.m_prompt = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.m_hit = Counter(p + "prefix_hit_tokens", "Prompt tokens the store held when scheduled", registry=r)
+        self.m_loaded = Counter(p + "loaded_tokens", "Prompt tokens prefill workers loaded from the store", registry=r)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s))
+        deadline = time.monotonic() + self.config.start_timeout_s
+        for role, urls in (("prefill", self.config.prefill), ("decode", self.config.decode)):
+            for i, url in enumerate(urls):
+                info = await self._wait_info(url.rstrip("/"), deadline)
+                if info.get("role") != role:
+                    raise InvalidArgument(f"{url} is a {info.get('role')} worker, given as {role}")
+                self.workers[f"{role}-{i}"] = Worker(f"{role}-{i}", url.rstrip("/"), role, info)
+        prefill = [w for w in self.workers.values() if w.role == "prefill"]
+        first = prefill[0].info
+        for w in self.workers.values():
+            if (w.info["namespace"], w.info["block_tokens"]) != (first["namespace"], first["block_tokens"]):
+                raise InvalidArgument(f"{w.url} serves another model or layout than {prefill[0].url}")
+        self.namespace, self.block_tokens = first["namespace"], int(first["block_tokens"])
+        self.vocab, self.model = int(first["vocab_size"]), str(first["model"])
+        self.scheduler = self._build_scheduler(prefill)
+        if self.config.tokenizer:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer, local_files_only=True)
+        self._health_task = asyncio.create_task(self._health_loop(), name="kvstore-conductor-health")
+        self._health_task.add_done_callback(_log_death)
+
+    def _build_scheduler(self, prefill: list[Worker]) -> Scheduler:
+        info = prefill[0].info
+        model = PrefillCostModel(track="latest")
+        a, b, c = info["prefill_coefficients"]
+        top = max(4 * self.block_tokens, int(info.get("max_tokens") or 4096))
+        for new in (self.block_tokens // 2, self.block_tokens, top // 4, top // 2, top):
+            for past in (0, top // 2):
+                model.observe(max(1, new), past, a + b * new + c * new * (new + 2 * past))
+        per_token = max(1, int(info["block_bytes"]) // self.block_tokens)
+        bandwidth = float(info.get("load_bytes_per_s") or 1e9)
+        sched = Scheduler(
+            prefill_model=model,
+            transfer=TransferModel(per_token, bandwidth, bandwidth, float(info.get("load_latency_s") or 0.0)),
+            decode_model=DecodeModel(base_s=0.0, per_request_s=self._step_s),
+            policy=self.config.policy, slo=Slo(self.config.ttft_slo_s, self.config.tbt_slo_s),
+            early_rejection=self.config.early_rejection, decode_load=self.config.decode_load,  # type: ignore[arg-type]
+            balancing_threshold=self.config.balancing_threshold, replicate_max_tokens=self.config.replicate_tokens,
+            decode_time_s=1.0,
+        )  # fmt: skip
+        for w in self.workers.values():
+            if w.role == "prefill":
+                sched.add_prefill(w.name, node=w.node, max_tokens=w.info.get("max_tokens"))
+            else:
+                sched.add_decode(w.name)
+            self.m_up.labels(w.name, w.role).set(1)
+        return sched
+
+    async def _wait_info(self, url: str, deadline: float) -> dict[str, Any]:
+        assert self._session is not None
+        while True:
+            try:
+                async with self._session.get(url + "/info", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    if resp.status == 200:
+                        info: dict[str, Any] = await resp.json()
+                        return info
+            except (TimeoutError, aiohttp.ClientError):
+                pass
+            if time.monotonic() > deadline:
+                raise ConnectionFailed(f"worker {url} did not answer /info within {self.config.start_timeout_s} s")
+            await asyncio.sleep(0.2)
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+        if self._master is not None:
+            self._master.close()
+
+    async def _health_loop(self) -> None:
+        assert self._session is not None and self.scheduler is not None
+        period = self.config.health_period_s
+        while True:
+            await asyncio.sleep(period)
+            checks = [self._healthy(w, period) for w in self.workers.values()]
+            for w, ok in zip(self.workers.values(), await asyncio.gather(*checks), strict=True):
+                self._set_up(w, ok)
+
+    async def _healthy(self, w: Worker, timeout: float) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(w.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                return resp.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    def _set_up(self, w: Worker, up: bool) -> None:
+        assert self.scheduler is not None
+        inst = self.scheduler.prefill.get(w.name) or self.scheduler.decode[w.name]
+        if inst.up != up:
+            log.warning("%s worker %s (%s) is %s", w.role, w.name, w.url, "up" if up else "down")
+            self.scheduler.set_up(w.name, up)
+        self.m_up.labels(w.name, w.role).set(1 if up else 0)
+
+    # -- locality ----------------------------------------------------------------------------
+    async def locality(self, keys: list[str]) -> Locality | None:
+        """Where the prefix is, in tokens; None when the master cannot be asked (load-only routing)."""
+        if self._master is None or not keys:
+            return NO_LOCALITY if self._master is not None else None
+        if time.monotonic() < self._master_down_until:
+            return None
+        try:
+            reply = await asyncio.wait_for(asyncio.to_thread(self._match, keys), self.config.master_timeout_s * 2)
+        except (TimeoutError, KVStoreError, OSError) as exc:
+            if self.master_reachable:
+                log.warning("master %s unreachable, routing by load only: %s", self.config.master, exc)
+            self.master_reachable = False
+            self.m_master.set(0)
+            self._master_down_until = time.monotonic() + self.config.health_period_s
+            return None
+        self.master_reachable = True
+        self.m_master.set(1)
+        bt = self.block_tokens
+        match = reply.prefix_match(len(keys))
+        return Locality(match.longest * bt, {node: p.total * bt for node, p in match.nodes.items()})
+
+    def _match(self, keys: list[str]) -> MatchPrefixNodesReply:
+        assert self._master is not None
+        return self._master.call(MatchPrefixNodes(keys), MatchPrefixNodesReply)
+
+    def _replicate(self, keys: list[str], node: str) -> None:
+        assert self._master is not None
+        try:
+            self._master.call(Replicate(keys, node, len(keys) * (1 << 40)), ReplicateReply)
+        except (KVStoreError, OSError) as exc:
+            log.info("replicating %d blocks to %s failed: %s", len(keys), node, exc)
+
+    # -- requests ----------------------------------------------------------------------------
+    def parse(self, body: Any) -> tuple[list[int], int]:
+        """(prompt token ids, tokens to generate) of a completions body; InvalidArgument names the fault."""
+        if not isinstance(body, dict):
+            raise InvalidArgument("the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise LookupError(f"model {model!r} is not served here (this conductor serves {self.model!r})")
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            if self._tokenizer is None:
+                raise InvalidArgument("text prompts need a conductor started with --tokenizer; send token ids")
+            prompt = list(self._tokenizer.encode(prompt))
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidArgument("'prompt' must be a non-empty list of token ids (or text, with a tokenizer)")
+        if not all(type(t) is int and 0 <= t < self.vocab for t in prompt):
+            raise InvalidArgument(f"'prompt' must hold token ids in [0, {self.vocab})")
+        new = body.get("max_tokens", 16)
+        if type(new) is not int or not 1 <= new <= 1 << 16:
+            raise InvalidArgument("'max_tokens' must be an integer in [1, 65536]")
+        return prompt, new
+
+    async def complete(self, prompt: list[int], max_new: int) -> tuple[int, dict[str, Any]]:
+        """Schedule and run one request; (HTTP status, body)."""
+        sched = self.scheduler
+        assert sched is not None
+        received = time.perf_counter()
+        keys = [str(k) for k in block_keys(prompt, self.block_tokens, self.namespace)]
+        loc = await self.locality(keys)
+        policy = None
+        if loc is None:
+            loc, policy = NO_LOCALITY, "load"
+            self.m_fallback.inc()
+        rid = next(self._ids)
+        request = Request(rid, len(prompt), max_new)
+        tried: list[str] = []
+        while True:
+            decision = sched.schedule(request, loc, time.perf_counter(), exclude=tried, policy=policy)
+            if not decision.accepted:
+                self.m_rejections.labels(decision.reason).inc()
+                self.m_requests.labels("rejected").inc()
+                return 429, {"error": {
+                    "type": "rejected", "message": f"predicted to miss its SLO: {decision.reason}",
+                    "reason": decision.reason, "predicted_ttft_s": round(decision.ttft_s, 4),
+                    "predicted_tbt_s": round(decision.tbt_s, 4), "decode_load": round(decision.decode_load, 3),
+                }}  # fmt: skip
+            assert decision.prefill is not None and decision.decode is not None
+            worker = self.workers[decision.prefill]
+            if decision.replicate_tokens and worker.node and self._master is not None:
+                first = decision.local_tokens // self.block_tokens
+                blocks = keys[first : first + decision.replicate_tokens // self.block_tokens]
+                asyncio.get_running_loop().run_in_executor(None, self._replicate, blocks, worker.node)
+            self.m_routed.labels(worker.name, "prefill").inc()
+            try:
+                pre = await self._call(worker, "/prefill", {"tokens": prompt})
+                break
+            except WorkerError as exc:
+                sched.forget(rid, time.perf_counter())
+                if 400 <= exc.status < 500:
+                    raise InvalidArgument(str(exc)) from None
+                self._set_up(worker, False)
+                if tried:
+                    raise
+                tried.append(worker.name)
+                self.m_retries.labels("prefill").inc()
+        ttft = time.perf_counter() - received
+        self._learn_prefill(pre, ttft)
+        self.m_ttft.labels("predicted").observe(decision.ttft_s)
+        self.m_ttft.labels("measured").observe(ttft)
+        self.m_error.observe(abs(decision.ttft_s - ttft) / ttft if ttft > 0 else 0.0)
+        self.m_prompt.inc(len(prompt))
+        self.m_hit.inc(min(loc.longest, len(prompt)))
+        self.m_loaded.inc(pre.get("loaded_tokens", 0))
+        decode_name = sched.prefill_done(rid, time.perf_counter())
+        try:
+            dec, decode_name = await self._decode(decode_name, prompt, pre["first_token"], max_new)
+        finally:
+            sched.decode_done(rid, time.perf_counter())
+        self._step_s += 0.2 * (float(dec.get("tbt_s") or self._step_s) - self._step_s)
+        sched.decode_model = replace(sched.decode_model, per_request_s=self._step_s)
+        self.m_requests.labels("ok").inc()
+        tokens = dec["tokens"]
+        text = self._tokenizer.decode(tokens) if self._tokenizer is not None else ""
+        return 200, {
+            "id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": self.model,
+            "choices": [{"index": 0, "text": text, "tokens": tokens, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+                      "total_tokens": len(prompt) + len(tokens)},
+            "kvstore": {
+                "prefill": worker.name, "decode": decode_name,
+                "retried": bool(tried), "routing": policy or sched.policy_name,
+                "ttft_s": round(ttft, 6), "predicted_ttft_s": round(decision.ttft_s, 6),
+                "predicted_queue_s": round(decision.queue_s, 6), "stored_prefix_tokens": loc.longest,
+                "local_prefix_tokens": decision.local_tokens, "tbt_s": dec.get("tbt_s"),
+                "prefill_result": pre, "decode_result": {k: v for k, v in dec.items() if k != "tokens"},
+            },
+        }  # fmt: skip
+
+    async def _decode(self, name: str, prompt: list[int], first: int, max_new: int) -> tuple[dict[str, Any], str]:
+        """Run the decode on ``name``; on a failure there, once more on another decode worker."""
+        assert self.scheduler is not None
+        body = {"tokens": prompt, "first_token": first, "max_new_tokens": max_new}
+        worker = self.workers[name]
+        self.m_routed.labels(name, "decode").inc()
+        try:
+            return await self._call(worker, "/decode", body), name
+        except WorkerError as exc:
+            if 400 <= exc.status < 500:
+                raise InvalidArgument(str(exc)) from None
+            self._set_up(worker, False)
+        others = [d for d in self.scheduler.decode.values() if d.up and d.name != name]
+        if not others:
+            raise NoNodes("no other decode worker is up to retry on")
+        other = min(others, key=lambda d: d.active_count).name
+        self.m_retries.labels("decode").inc()
+        self.m_routed.labels(other, "decode").inc()
+        return await self._call(self.workers[other], "/decode", body), other
+
+    async def _call(self, worker: Worker, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert self._session is not None
+        try:
+            async with self._session.post(worker.url + path, json=body) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status != 200:
+                    message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
+                    raise WorkerError(f"{worker.name}{path}: {message or resp.reason}", resp.status)
+                result: dict[str, Any] = data
+                return result
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            raise WorkerError(f"{worker.name}{path} failed: {type(exc).__name__}: {exc}") from None
+
+    def _learn_prefill(self, pre: dict[str, Any], ttft: float) -> None:
+        """Follow the worker: the time to first token of the tokens it computed, without its queue wait and
+        its load (the lookup, the calls and the save are in: they are part of what a caller waits for), and
+        its load bandwidth."""
+        sched = self.scheduler
+        assert sched is not None
+        computed, loaded = int(pre.get("computed_tokens", 0)), int(pre.get("loaded_tokens", 0))
+        load_s = float(pre.get("load_s", 0.0))
+        waited = float(pre.get("service_s", 0.0)) - float(pre.get("engine_s", 0.0))
+        busy = ttft - waited - load_s
+        if computed > 0 and busy > 0:
+            sched.prefill_model.observe(computed, loaded, busy)
+        t = sched.transfer
+        if loaded > 0 and load_s > 0:
+            rate = loaded * t.bytes_per_token / load_s
+            bandwidth = t.remote_bytes_per_s + 0.3 * (rate - t.remote_bytes_per_s)
+            sched.transfer = replace(t, remote_bytes_per_s=bandwidth, local_bytes_per_s=bandwidth)
+
+    # -- HTTP --------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.add_routes([
+            web.post("/v1/completions", self._completions), web.get("/metrics", self._metrics_route),
+            web.get("/health", self._health), web.get("/v1/models", self._models),
+        ])  # fmt: skip
+        return app
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            self.m_requests.labels("bad_request").inc()
+            return _error(400, "the body is not JSON")
+        try:
+            prompt, new = self.parse(body)
+            status, out = await self.complete(prompt, new)
+        except LookupError as exc:
+            self.m_requests.labels("bad_request").inc()
+            return _error(404, str(exc.args[0]))
+        except InvalidArgument as exc:
+            self.m_requests.labels("bad_request").inc()
+            return _error(400, str(exc))
+        except (NoNodes, WorkerError, KVStoreError) as exc:
+            self.m_requests.labels("failed").inc()
+            return _error(503, f"{type(exc).__name__}: {exc}")
+        return web.json_response(out, status=status)
+
+    async def _metrics_route(self, _: web.Request) -> web.Response:
+        sched = self.scheduler
+        if sched is not None:
+            now = time.perf_counter()
+            for p in sched.prefill.values():
+                self.m_queue.labels(p.name).set(p.queue_s(now))
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _health(self, _: web.Request) -> web.Response:
+        sched = self.scheduler
+        up = {} if sched is None else {n: sched.prefill[n].up if n in sched.prefill else sched.decode[n].up
+                                        for n in self.workers}  # fmt: skip
+        return web.json_response({"ok": True, "master_reachable": self.master_reachable, "workers": up})
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "status": status}}, status=status)
+
+
+def _log_death(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("conductor task %s died: %r", task.get_name(), task.exception())
