@@ -159,6 +159,28 @@ def test_an_unreachable_master_means_load_only_routing(
         proc.wait(timeout=10)
 
 
+def test_text_prompts_go_through_a_configured_tokenizer(
+    served: tuple[LocalCluster, ServedEngines], tmp_path: Path
+) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["hello", "world", "the", "store", "loads", "prefix", "blocks"]
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0} | {w: i + 1 for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    cluster, engines = served
+    proc, url = conductor(engines, tmp_path, "--master", cluster.master_address, "--tokenizer", str(tmp_path / "tok"))
+    try:
+        status, out = post(url, {"prompt": "hello world the store loads", "max_tokens": 3})
+        assert status == 200, out
+        assert out["usage"]["prompt_tokens"] == 5 and isinstance(out["choices"][0]["text"], str)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+# Last: it kills a worker of the shared fixture.
 def test_a_dead_prefill_worker_is_routed_around(served: tuple[LocalCluster, ServedEngines]) -> None:
     _, engines = served
     url = engines.conductor_url
@@ -170,3 +192,8 @@ def test_a_dead_prefill_worker_is_routed_around(served: tuple[LocalCluster, Serv
     health = json.loads(get(url + "/health"))
     assert health["workers"]["prefill-0"] is False and health["workers"]["prefill-1"] is True
     assert 'kvstore_conductor_instance_up{instance="prefill-0",role="prefill"} 0.0' in get(url + "/metrics")
+    engines.kill("decode-0")
+    outs = [post(url, {"prompt": [8, 9, i], "max_tokens": 2}) for i in range(4)]
+    assert all(status == 200 and out["kvstore"]["decode"] == "decode-1" for status, out in outs), outs
+    time.sleep(1.5)
+    assert json.loads(get(url + "/health"))["workers"]["decode-0"] is False
