@@ -299,9 +299,11 @@ class ConductorConfig(_Frozen):
     master: str | None = Field(default=None, description="The store master's host:port; None: load-only routing.")
     prefill: list[str] = Field(min_length=1, description="Base URLs of the prefill workers.")
     decode: list[str] = Field(min_length=1, description="Base URLs of the decode workers.")
-    policy: str = Field(default="global", description="random, load, local or global.")
+    policy: Literal["random", "load", "local", "global"] = Field(default="global", description="Scheduling policy.")
     early_rejection: bool = Field(default=True, description="Reject at arrival on predicted TTFT and decode load.")
-    decode_load: str = Field(default="predicted", description="none, current or predicted (with early rejection).")
+    decode_load: Literal["none", "current", "predicted"] = Field(
+        default="predicted", description="The decode load early rejection checks."
+    )
     ttft_slo_s: float = Field(default=30.0, gt=0, description="Time-to-first-token objective.")
     tbt_slo_s: float = Field(default=1.0, gt=0, description="Time-between-tokens objective.")
     balancing_threshold: float = Field(default=1.0, ge=1.0, description="Fetch when pool prefix > local x this.")

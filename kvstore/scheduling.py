@@ -117,6 +117,12 @@ class DecodeModel:
     per_token_s: float = 0.0
     capacity_tokens: int | None = None
 
+    def __post_init__(self) -> None:
+        if min(self.base_s, self.per_request_s, self.per_token_s) < 0:
+            raise InvalidArgument("decode step costs must be >= 0")
+        if self.capacity_tokens is not None and self.capacity_tokens < 1:
+            raise InvalidArgument(f"a decode KV capacity is None or >= 1 token, got {self.capacity_tokens}")
+
     def step_s(self, count: int, tokens: int) -> float:
         return self.base_s + self.per_request_s * count + self.per_token_s * tokens
 
@@ -127,7 +133,7 @@ class Decision(NamedTuple):
     request_id: int
     accepted: bool
     reason: str
-    """Empty when accepted; otherwise why (``ttft``, ``tbt``, ``kv``, ``no prefill``...)."""
+    """Empty when accepted; otherwise why: ``ttft``, ``tbt`` or ``kv`` (the decode's KV room)."""
     prefill: str | None
     decode: str | None
     ttft_s: float
@@ -275,7 +281,7 @@ class Scheduler:
             raise InvalidArgument(f"unknown scheduling policy {policy!r}; known: {', '.join(POLICIES)}")
         if decode_load not in ("none", "current", "predicted"):
             raise InvalidArgument(f"decode_load must be none, current or predicted, got {decode_load!r}")
-        if balancing_threshold < 1.0 or replicate_max_tokens < 0 or decode_time_s <= 0:
+        if not balancing_threshold >= 1.0 or replicate_max_tokens < 0 or not decode_time_s > 0:
             raise InvalidArgument(
                 "need balancing_threshold >= 1, replicate_max_tokens >= 0 and decode_time_s > 0, got "
                 f"{balancing_threshold}, {replicate_max_tokens}, {decode_time_s}"
@@ -425,8 +431,11 @@ class Scheduler:
         kv = request.prompt_tokens + request.output_tokens
         ttft = plan.queue_s + plan.transfer_s + plan.prefill_s
         at = now + ttft
-        d = self.rng.choice(up) if pick_random else self._least_loaded(up, kv, at)
-        load, tbt, reason = self._decode_load(d, kv, at)
+        if pick_random:
+            d = self.rng.choice(up)
+            load, tbt, reason = self._decode_load(d, kv, at)
+        else:
+            d, load, tbt, reason = self._least_loaded(up, kv, at)
         accepted = True
         if self.early_rejection:
             if ttft > self.slo.ttft_s:
@@ -441,9 +450,9 @@ class Scheduler:
             min(fetched, self.replicate_max_tokens), load,
         )  # fmt: skip
 
-    def _least_loaded(self, up: list[DecodeInstance], kv: int, at: float) -> DecodeInstance:
-        """The decode instance of lowest load with the request added (:meth:`_decode_load`, unrolled:
-        this loop is most of a decision's time)."""
+    def _least_loaded(self, up: list[DecodeInstance], kv: int, at: float) -> tuple[DecodeInstance, float, float, str]:
+        """(instance, load, TBT, what bounds it) of the decode instance of lowest load with the request
+        added (:meth:`_decode_load`, unrolled: this loop is a large part of a decision's time)."""
         m = self.decode_model
         base, per_request, per_token = m.base_s, m.per_request_s, m.per_token_s
         inv_slo = 1.0 / self.slo.tbt_s
@@ -451,7 +460,7 @@ class Scheduler:
         predicted = self.decode_load_mode == "predicted"
         since = at - self.decode_time_s
         right = bisect.bisect_right
-        best, lowest = up[0], float("inf")
+        best, lowest, best_tbt, best_reason = up[0], float("inf"), 0.0, "tbt"
         fixed = base + per_request + per_token * kv  # the request itself
         for inst in up:
             if predicted:
@@ -461,13 +470,14 @@ class Scheduler:
                 count, tokens = hi - lo, sum(inst.kv[lo:hi])
             else:
                 count, tokens = inst.active_count, inst.active_tokens
-            load = (fixed + per_request * count + per_token * tokens) * inv_slo
+            tbt = fixed + per_request * count + per_token * tokens
+            load, reason = tbt * inv_slo, "tbt"
             room = (tokens + kv) * inv_cap
             if room > load:
-                load = room
+                load, reason = room, "kv"
             if load < lowest:
-                best, lowest = inst, load
-        return best
+                best, lowest, best_tbt, best_reason = inst, load, tbt, reason
+        return best, lowest, best_tbt, best_reason
 
     def _decode_load(self, d: DecodeInstance, kv: int, at: float) -> tuple[float, float, str]:
         """(load, TBT, what bounds it) on ``d`` with a request of ``kv`` tokens added."""
@@ -506,6 +516,20 @@ class Scheduler:
             d.active_count += 1
             d.active_tokens += a.kv_tokens
         return a.decode
+
+    def move_decode(self, request_id: int, decode: str, now: float) -> None:
+        """The request decodes on ``decode`` from ``now`` instead (its first decode instance failed)."""
+        a = self._assigned[request_id]
+        old = self.decode[a.decode]
+        old._drop(request_id, a.decode_start)
+        if a.decoding:
+            old.active_count -= 1
+            old.active_tokens -= a.kv_tokens
+        new = self.decode[decode]
+        a.decode, a.decode_start, a.decoding = decode, now, True
+        new._insert(request_id, now, a.kv_tokens)
+        new.active_count += 1
+        new.active_tokens += a.kv_tokens
 
     def decode_done(self, request_id: int, now: float) -> None:
         """The request's decode ended at ``now`` (its duration updates ``t_d``)."""

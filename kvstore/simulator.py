@@ -75,8 +75,16 @@ class ClusterCost:
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "gqa", "bytes_per_value", "gpu_flops", "mfu", "h2d_bytes_per_s",
                      "nic_bytes_per_s", "hbm_bytes_per_s", "mbu", "hbm_bytes", "params"):  # fmt: skip
-            if not getattr(self, name) > 0:
-                raise InvalidArgument(f"cluster cost {name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidArgument(f"cluster cost {name} must be positive and finite, got {value}")
+        if (
+            not (math.isfinite(self.attn_coef) and math.isfinite(self.linear_coef))
+            or min(self.attn_coef, self.linear_coef) < 0
+        ):
+            raise InvalidArgument(f"cost coefficients must be >= 0, got {self.attn_coef} and {self.linear_coef}")
+        if self.gqa > self.hidden:
+            raise InvalidArgument(f"gqa ({self.gqa}) cannot exceed hidden ({self.hidden})")
         if self.kv_capacity_tokens < 1:
             raise InvalidArgument("the model's weights leave no HBM for KV")
 
@@ -143,8 +151,10 @@ class SimConfig:
             raise InvalidArgument(f"unknown scheduler {self.scheduler!r}; known: {', '.join(POLICIES)}")
         if self.prefill < 1 or self.decode < 1:
             raise InvalidArgument(f"need >= 1 prefill and decode instance, got {self.prefill} and {self.decode}")
-        if self.cache_tokens < 0 or self.block_tokens < 1 or not self.speed > 0:
-            raise InvalidArgument("need cache_tokens >= 0, block_tokens >= 1 and speed > 0")
+        if self.cache_tokens < 0 or self.block_tokens < 1 or not (math.isfinite(self.speed) and self.speed > 0):
+            raise InvalidArgument("need cache_tokens >= 0, block_tokens >= 1 and a finite speed > 0")
+        if not (math.isfinite(self.balancing_threshold) and self.balancing_threshold >= 1):
+            raise InvalidArgument(f"balancing_threshold must be a finite number >= 1, got {self.balancing_threshold}")
 
 
 class _NodeCache:
@@ -192,6 +202,7 @@ class _Req:
     fetch: bool = False
     replicate_blocks: int = 0
     predicted_ttft: float = 0.0
+    prefill_started: float = 0.0
     local_blocks: int = 0
     prefix_blocks: int = 0
     prefix_tokens: int = 0
@@ -314,9 +325,10 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig) -> dict[str, A
         nonlocal hit_tokens, prefilled_tokens
         r = reqs[rid]
         running[p] = rid
+        r.prefill_started = now
         local = caches[p].leading(r.blocks)
         prefix = max(local, longest(r.blocks)) if r.fetch else local
-        caches[p].use(r.blocks[:local])
+        caches[p].use(reversed(r.blocks[:local]))  # the head of a chain last: it is evicted last
         n = r.trace.input_length
         tokens, local_tokens = cap(prefix, r), cap(local, r)
         seconds = (
@@ -335,7 +347,7 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig) -> dict[str, A
         name = sched.prefill_done(rid, now)
         out = r.trace.output_length - 1  # the prefill gave the first token
         if out <= 0:
-            sched.decode_done(rid, now)
+            sched.forget(rid, now)  # nothing to decode: not a decode time for t_d
             r.tbt, r.outcome = 0.0, "done"
             return
         d = decoders[dindex[name]]
@@ -372,15 +384,17 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig) -> dict[str, A
                 waiting[p].append(a)
         elif kind == prefill_end:
             r, p = reqs[a], b
-            caches[p].use(r.blocks[: r.local_blocks + r.replicate_blocks])  # reused, and fetched ones it keeps
-            caches[p].use(r.blocks[r.prefix_blocks :])  # the blocks it computed
+            # The blocks it computed, then those it reused or fetched and keeps, each chain's head last:
+            # an LRU then evicts chains from their tails, and what stays is still a prefix.
+            caches[p].use(reversed(r.blocks[r.prefix_blocks :]))
+            caches[p].use(reversed(r.blocks[: r.local_blocks + r.replicate_blocks]))
             r.ttft = now - r.arrival
             if sched.decode_admits(a):
                 decode_join(a, now)
             else:
                 sched.forget(a, now)
                 r.outcome = "rejected: at decode"
-                wasted += now - r.arrival
+                wasted += now - r.prefill_started
             running[p] = None
             if waiting[p]:
                 start_prefill(p, waiting[p].popleft(), now)
@@ -389,7 +403,10 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig) -> dict[str, A
             if b != d.version:
                 continue
             d.advance(now, d.step_s())
-            for rid in [rid for rid, x in d.active.items() if x.remaining <= 1e-6]:
+            ended = [rid for rid, x in d.active.items() if x.remaining <= 1e-6]
+            if not ended:  # the step left less than float resolution at this time: the least remaining ends
+                ended = [min(d.active, key=lambda rid: d.active[rid].remaining)]
+            for rid in ended:
                 x = d.active.pop(rid)
                 d.kv -= x.kv
                 reqs[rid].tbt, reqs[rid].outcome = _slowest_tenth(x.segments), "done"

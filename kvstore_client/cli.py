@@ -322,12 +322,12 @@ def _cluster(args: argparse.Namespace) -> int:
     with LocalCluster(
         args.daemons, dram=args.dram, ssd=args.ssd, master_port=args.port, admin=True, admin_port=args.admin_port
     ) as cluster:
-        print(f"master  {cluster.master_address}", flush=True)
-        print(f"admin   http://{cluster.admin_address}  (REST API, /metrics, dashboard)", flush=True)
-        for i, address in enumerate(cluster.daemon_addresses):
-            print(f"daemon  {cluster.node_name(i)}  {address}", flush=True)
-        print("cluster up; Ctrl-C stops it", flush=True)
-        try:
+        try:  # from the first line printed: a signal may come as soon as a reader sees the master
+            print(f"master  {cluster.master_address}", flush=True)
+            print(f"admin   http://{cluster.admin_address}  (REST API, /metrics, dashboard)", flush=True)
+            for i, address in enumerate(cluster.daemon_addresses):
+                print(f"daemon  {cluster.node_name(i)}  {address}", flush=True)
+            print("cluster up; Ctrl-C stops it", flush=True)
             while all(p is not None and p.poll() is None for p in [cluster.master, *cluster.daemons]):
                 time.sleep(0.5)
             print("a cluster process exited; stopping", file=sys.stderr)

@@ -79,6 +79,9 @@ class Conductor:
         self.model = ""
         self._session: aiohttp.ClientSession | None = None
         self._master = Connection(config.master, timeout=config.master_timeout_s) if config.master else None
+        # Copies wait for daemons: a connection of their own, so lookups never queue behind them.
+        self._copier = Connection(config.master, timeout=30.0) if config.master else None
+        self._copying = False
         self._master_down_until = 0.0
         self.master_reachable = config.master is not None
         self._ids = itertools.count(1)
@@ -109,6 +112,7 @@ class Conductor:
         self.m_prompt = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests", registry=r)
         self.m_hit = Counter(p + "prefix_hit_tokens", "Prompt tokens the store held when scheduled", registry=r)
         self.m_loaded = Counter(p + "loaded_tokens", "Prompt tokens prefill workers loaded from the store", registry=r)
+        self.m_replicated = Counter(p + "replicated_blocks", "Fetched blocks copied to a prefill node", registry=r)
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -132,6 +136,7 @@ class Conductor:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer, local_files_only=True)
+        self.m_master.set(1 if self._master is not None else 0)
         self._health_task = asyncio.create_task(self._health_loop(), name="kvstore-conductor-health")
         self._health_task.add_done_callback(_log_death)
 
@@ -150,7 +155,7 @@ class Conductor:
             transfer=TransferModel(per_token, bandwidth, bandwidth, float(info.get("load_latency_s") or 0.0)),
             decode_model=DecodeModel(base_s=0.0, per_request_s=self._step_s),
             policy=self.config.policy, slo=Slo(self.config.ttft_slo_s, self.config.tbt_slo_s),
-            early_rejection=self.config.early_rejection, decode_load=self.config.decode_load,  # type: ignore[arg-type]
+            early_rejection=self.config.early_rejection, decode_load=self.config.decode_load,
             balancing_threshold=self.config.balancing_threshold, replicate_max_tokens=self.config.replicate_tokens,
             decode_time_s=1.0,
         )  # fmt: skip
@@ -182,8 +187,9 @@ class Conductor:
             await asyncio.gather(self._health_task, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
-        if self._master is not None:
-            self._master.close()
+        for conn in (self._master, self._copier):
+            if conn is not None:
+                conn.close()
 
     async def _health_loop(self) -> None:
         assert self._session is not None and self.scheduler is not None
@@ -219,7 +225,8 @@ class Conductor:
             return None
         try:
             reply = await asyncio.wait_for(asyncio.to_thread(self._match, keys), self.config.master_timeout_s * 2)
-        except (TimeoutError, KVStoreError, OSError) as exc:
+            match = reply.prefix_match(len(keys))
+        except (KVStoreError, OSError, TimeoutError) as exc:
             if self.master_reachable:
                 log.warning("master %s unreachable, routing by load only: %s", self.config.master, exc)
             self.master_reachable = False
@@ -229,19 +236,30 @@ class Conductor:
         self.master_reachable = True
         self.m_master.set(1)
         bt = self.block_tokens
-        match = reply.prefix_match(len(keys))
         return Locality(match.longest * bt, {node: p.total * bt for node, p in match.nodes.items()})
 
     def _match(self, keys: list[str]) -> MatchPrefixNodesReply:
         assert self._master is not None
         return self._master.call(MatchPrefixNodes(keys), MatchPrefixNodesReply)
 
-    def _replicate(self, keys: list[str], node: str) -> None:
-        assert self._master is not None
+    def _replicate_later(self, keys: list[str], first: int, tokens: int, worker: Worker) -> None:
+        """Copy the fetched blocks ``keys[first:]`` (``tokens`` of them at most) to the worker's node, in the
+        background; one copy at a time (a copy under way makes the next request skip its own)."""
+        blocks = keys[first : first + tokens // self.block_tokens]
+        if not blocks or worker.node is None or self._copier is None or self._copying:
+            return
+        self._copying = True
+        budget = len(blocks) * int(worker.info["block_bytes"])
+        future = asyncio.get_running_loop().run_in_executor(None, self._replicate, blocks, worker.node, budget)
+        future.add_done_callback(lambda _: setattr(self, "_copying", False))
+
+    def _replicate(self, keys: list[str], node: str, max_bytes: int) -> None:
+        assert self._copier is not None
         try:
-            self._master.call(Replicate(keys, node, len(keys) * (1 << 40)), ReplicateReply)
+            reply = self._copier.call(Replicate(keys, node, max_bytes), ReplicateReply)
+            self.m_replicated.inc(reply.copied)
         except (KVStoreError, OSError) as exc:
-            log.info("replicating %d blocks to %s failed: %s", len(keys), node, exc)
+            log.info("copying %d blocks to %s failed: %s", len(keys), node, exc)
 
     # -- requests ----------------------------------------------------------------------------
     def parse(self, body: Any) -> tuple[list[int], int]:
@@ -263,6 +281,9 @@ class Conductor:
         new = body.get("max_tokens", 16)
         if type(new) is not int or not 1 <= new <= 1 << 16:
             raise InvalidArgument("'max_tokens' must be an integer in [1, 65536]")
+        limit = min((int(w.info["max_tokens"]) for w in self.workers.values() if w.info.get("max_tokens")), default=0)
+        if limit and len(prompt) + new > limit:
+            raise InvalidArgument(f"{len(prompt)} prompt tokens + {new} to generate exceed the model's {limit}")
         return prompt, new
 
     async def complete(self, prompt: list[int], max_new: int) -> tuple[int, dict[str, Any]]:
@@ -279,48 +300,51 @@ class Conductor:
         rid = next(self._ids)
         request = Request(rid, len(prompt), max_new)
         tried: list[str] = []
-        while True:
-            decision = sched.schedule(request, loc, time.perf_counter(), exclude=tried, policy=policy)
-            if not decision.accepted:
-                self.m_rejections.labels(decision.reason).inc()
-                self.m_requests.labels("rejected").inc()
-                return 429, {"error": {
-                    "type": "rejected", "message": f"predicted to miss its SLO: {decision.reason}",
-                    "reason": decision.reason, "predicted_ttft_s": round(decision.ttft_s, 4),
-                    "predicted_tbt_s": round(decision.tbt_s, 4), "decode_load": round(decision.decode_load, 3),
-                }}  # fmt: skip
-            assert decision.prefill is not None and decision.decode is not None
-            worker = self.workers[decision.prefill]
-            if decision.replicate_tokens and worker.node and self._master is not None:
-                first = decision.local_tokens // self.block_tokens
-                blocks = keys[first : first + decision.replicate_tokens // self.block_tokens]
-                asyncio.get_running_loop().run_in_executor(None, self._replicate, blocks, worker.node)
-            self.m_routed.labels(worker.name, "prefill").inc()
-            try:
-                pre = await self._call(worker, "/prefill", {"tokens": prompt})
-                break
-            except WorkerError as exc:
-                sched.forget(rid, time.perf_counter())
-                if 400 <= exc.status < 500:
-                    raise InvalidArgument(str(exc)) from None
-                self._set_up(worker, False)
-                if tried:
-                    raise
-                tried.append(worker.name)
-                self.m_retries.labels("prefill").inc()
-        ttft = time.perf_counter() - received
-        self._learn_prefill(pre, ttft)
-        self.m_ttft.labels("predicted").observe(decision.ttft_s)
-        self.m_ttft.labels("measured").observe(ttft)
-        self.m_error.observe(abs(decision.ttft_s - ttft) / ttft if ttft > 0 else 0.0)
-        self.m_prompt.inc(len(prompt))
-        self.m_hit.inc(min(loc.longest, len(prompt)))
-        self.m_loaded.inc(pre.get("loaded_tokens", 0))
-        decode_name = sched.prefill_done(rid, time.perf_counter())
         try:
-            dec, decode_name = await self._decode(decode_name, prompt, pre["first_token"], max_new)
-        finally:
+            while True:
+                decision = sched.schedule(request, loc, time.perf_counter(), exclude=tried, policy=policy)
+                if not decision.accepted:
+                    self.m_rejections.labels(decision.reason).inc()
+                    self.m_requests.labels("rejected").inc()
+                    return 429, {"error": {
+                        "type": "rejected", "message": f"predicted to miss its SLO: {decision.reason}",
+                        "reason": decision.reason, "predicted_ttft_s": round(decision.ttft_s, 4),
+                        "predicted_tbt_s": round(decision.tbt_s, 4), "decode_load": round(decision.decode_load, 3),
+                    }}  # fmt: skip
+                assert decision.prefill is not None and decision.decode is not None
+                worker = self.workers[decision.prefill]
+                if decision.replicate_tokens:
+                    self._replicate_later(keys, decision.local_tokens // self.block_tokens,
+                                          decision.replicate_tokens, worker)  # fmt: skip
+                self.m_routed.labels(worker.name, "prefill").inc()
+                attempt = time.perf_counter()
+                try:
+                    pre = _fields(await self._call(worker, "/prefill", {"tokens": prompt}), _PREFILL_FIELDS)
+                    break
+                except WorkerError as exc:
+                    sched.forget(rid, time.perf_counter())
+                    if 400 <= exc.status < 500:
+                        raise InvalidArgument(str(exc)) from None
+                    self._set_up(worker, False)
+                    if tried:
+                        raise
+                    tried.append(worker.name)
+                    self.m_retries.labels("prefill").inc()
+            done = time.perf_counter()
+            ttft = done - received
+            self._learn_prefill(pre, done - attempt)  # this attempt only: a failed one is not the model's
+            self.m_ttft.labels("predicted").observe(decision.ttft_s)
+            self.m_ttft.labels("measured").observe(ttft)
+            self.m_error.observe(abs(decision.ttft_s - ttft) / ttft if ttft > 0 else 0.0)
+            self.m_prompt.inc(len(prompt))
+            self.m_hit.inc(min(loc.longest, len(prompt)))
+            self.m_loaded.inc(pre["loaded_tokens"])
+            decode_name = sched.prefill_done(rid, time.perf_counter())
+            dec, decode_name = await self._decode(rid, decode_name, prompt, pre["first_token"], max_new)
             sched.decode_done(rid, time.perf_counter())
+        except BaseException:
+            sched.forget(rid, time.perf_counter())  # whatever went wrong, the request holds no queue
+            raise
         self._step_s += 0.2 * (float(dec.get("tbt_s") or self._step_s) - self._step_s)
         sched.decode_model = replace(sched.decode_model, per_request_s=self._step_s)
         self.m_requests.labels("ok").inc()
@@ -341,25 +365,29 @@ class Conductor:
             },
         }  # fmt: skip
 
-    async def _decode(self, name: str, prompt: list[int], first: int, max_new: int) -> tuple[dict[str, Any], str]:
-        """Run the decode on ``name``; on a failure there, once more on another decode worker."""
-        assert self.scheduler is not None
+    async def _decode(
+        self, rid: int, name: str, prompt: list[int], first: int, max_new: int
+    ) -> tuple[dict[str, Any], str]:
+        """Run the decode on ``name``; on a failure there, once more on the least busy other decode worker."""
+        sched = self.scheduler
+        assert sched is not None
         body = {"tokens": prompt, "first_token": first, "max_new_tokens": max_new}
-        worker = self.workers[name]
-        self.m_routed.labels(name, "decode").inc()
-        try:
-            return await self._call(worker, "/decode", body), name
-        except WorkerError as exc:
-            if 400 <= exc.status < 500:
-                raise InvalidArgument(str(exc)) from None
-            self._set_up(worker, False)
-        others = [d for d in self.scheduler.decode.values() if d.up and d.name != name]
-        if not others:
-            raise NoNodes("no other decode worker is up to retry on")
-        other = min(others, key=lambda d: d.active_count).name
-        self.m_retries.labels("decode").inc()
-        self.m_routed.labels(other, "decode").inc()
-        return await self._call(self.workers[other], "/decode", body), other
+        for attempt in range(2):
+            worker = self.workers[name]
+            self.m_routed.labels(name, "decode").inc()
+            try:
+                return _fields(await self._call(worker, "/decode", body), _DECODE_FIELDS), name
+            except WorkerError as exc:
+                if 400 <= exc.status < 500:
+                    raise InvalidArgument(str(exc)) from None
+                self._set_up(worker, False)
+                others = [d for d in sched.decode.values() if d.up and d.name != name]
+                if attempt or not others:
+                    raise
+            name = min(others, key=lambda d: d.active_count).name
+            sched.move_decode(rid, name, time.perf_counter())
+            self.m_retries.labels("decode").inc()
+        raise AssertionError("unreachable")
 
     async def _call(self, worker: Worker, path: str, body: dict[str, Any]) -> dict[str, Any]:
         assert self._session is not None
@@ -367,10 +395,12 @@ class Conductor:
             async with self._session.post(worker.url + path, json=body) as resp:
                 data = await resp.json(content_type=None)
                 if resp.status != 200:
-                    message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
+                    error = data.get("error") if isinstance(data, dict) else None
+                    message = error.get("message") if isinstance(error, dict) else error
                     raise WorkerError(f"{worker.name}{path}: {message or resp.reason}", resp.status)
-                result: dict[str, Any] = data
-                return result
+                if not isinstance(data, dict):
+                    raise WorkerError(f"{worker.name}{path} answered {type(data).__name__}, not an object")
+                return data
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             raise WorkerError(f"{worker.name}{path} failed: {type(exc).__name__}: {exc}") from None
 
@@ -380,12 +410,11 @@ class Conductor:
         its load bandwidth."""
         sched = self.scheduler
         assert sched is not None
-        computed, loaded = int(pre.get("computed_tokens", 0)), int(pre.get("loaded_tokens", 0))
-        load_s = float(pre.get("load_s", 0.0))
-        waited = float(pre.get("service_s", 0.0)) - float(pre.get("engine_s", 0.0))
+        computed, loaded, load_s = pre["computed_tokens"], pre["loaded_tokens"], pre["load_s"]
+        waited = pre["service_s"] - pre["engine_s"]
         busy = ttft - waited - load_s
         if computed > 0 and busy > 0:
-            sched.prefill_model.observe(computed, loaded, busy)
+            sched.prefill_model.observe(computed, loaded, busy)  # checked fields: cannot raise
         t = sched.transfer
         if loaded > 0 and load_s > 0:
             rate = loaded * t.bytes_per_token / load_s
@@ -437,6 +466,21 @@ class Conductor:
 
     async def _models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+
+_PREFILL_FIELDS = {"first_token": int, "computed_tokens": int, "loaded_tokens": int, "matched_tokens": int,
+                   "load_s": float, "engine_s": float, "service_s": float, "decision": str}  # fmt: skip
+_DECODE_FIELDS = {"tokens": list, "tbt_s": float, "tail": str}
+
+
+def _fields(data: dict[str, Any], fields: dict[str, type]) -> dict[str, Any]:
+    """``data`` with each of ``fields`` present and of its type (an int passes for a float), else WorkerError."""
+    for name, kind in fields.items():
+        value: Any = data.get(name)
+        ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
+        if not ok or isinstance(value, bool) or (kind in (int, float) and value < 0):
+            raise WorkerError(f"a worker's answer has {name}={value!r}, expected a non-negative {kind.__name__}")
+    return data
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -119,13 +120,14 @@ def raw_exchange(address: str, frame: bytes) -> bytes:
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(frame)
-        s.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):  # the server may have closed already: that is an answer too
+            s.shutdown(socket.SHUT_WR)
         chunks = []
         try:
             while chunk := s.recv(65536):
                 chunks.append(chunk)
-        except ConnectionResetError:
-            pass  # closed with our garbage unread: a close is an accepted answer
+        except OSError:
+            pass  # closed with our garbage unread (reset, or not connected): a close is an accepted answer
         return b"".join(chunks)
 
 

@@ -118,7 +118,8 @@ def test_bad_requests_get_a_reason_and_the_conductor_keeps_serving(
         ({"prompt": [1, 100_000]}, 400, "token ids"),
         ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": [1, 2], "model": "gpt-9"}, 404, "not served"),
-        ({"prompt": list(range(500)) + list(range(100))}, 400, "longer"),
+        ({"prompt": list(range(500)) + list(range(100))}, 400, "exceed the model's 512"),
+        ({"prompt": list(range(500)), "max_tokens": 20}, 400, "exceed the model's 512"),
         ([1, 2, 3], 400, "JSON object"),
     ]
     for body, status, words in cases:

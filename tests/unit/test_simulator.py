@@ -96,3 +96,26 @@ def test_the_papers_ordering_on_the_shared_trace() -> None:
     ttft = {name: simulate(reqs, SimConfig(scheduler=name))["mean_ttft_s"] for name in ("global", "local", "load")}
     ttft["random"] = simulate(reqs, SimConfig(scheduler="random"))["mean_ttft_s"]
     assert ttft["global"] < ttft["local"] < ttft["load"] < ttft["random"]
+
+
+def test_extreme_times_and_costs_end_instead_of_spinning() -> None:
+    # Epoch-millisecond stamps next to relative ones, and a decode step below float resolution at that time.
+    reqs = [TraceRequest(0, 1000, 50, (1,)), TraceRequest(1_700_000_000_000, 1000, 50, (1,))]
+    assert simulate(reqs, SimConfig(prefill=1, decode=1))["requests"] == 2
+    fast = SimConfig(prefill=1, decode=1, cost=ClusterCost(hbm_bytes_per_s=1e22))
+    assert simulate([TraceRequest(0, 1000, 50, (1,)), TraceRequest(10, 1000, 50, (1,))], fast)["rejected"] == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [{"gqa": 100_000}, {"layers": float("nan")}, {"hbm_bytes": float("inf")}, {"attn_coef": -1.0}]
+)
+def test_bad_cost_constants_are_a_typed_error(bad: dict[str, float]) -> None:
+    with pytest.raises(InvalidArgument):
+        ClusterCost(**bad)  # type: ignore[arg-type]
+
+
+def test_lru_keeps_the_head_of_a_chain() -> None:
+    # One node caching 3 blocks: a 4-block prompt keeps its first 3, so its repeat hits them.
+    reqs = [TraceRequest(0, 4 * 512 + 1, 2, (1, 2, 3, 4, 5)), TraceRequest(60_000, 4 * 512 + 1, 2, (1, 2, 3, 4, 5))]
+    row = simulate(reqs, SimConfig(prefill=1, decode=1, cache_tokens=3 * 512))
+    assert row["hit_rate"] == pytest.approx(3 * 512 / (2 * (4 * 512 + 1)), abs=1e-4)
