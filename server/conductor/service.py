@@ -9,9 +9,10 @@ then the decode worker, and answers in the shape of OpenAI's completions API
 with what it predicted and what it measured.
 
 Its predictions learn from the workers: the prefill model starts from the
-coefficients a prefill worker fitted at start (``/info``) and follows the time
-to first token of every prefill since, less its wait for the engine and its load
-(``track="latest"``: a busy machine is predicted busy); the load bandwidth and the decode step time follow each
+coefficients a prefill worker fitted at start (``/info``); once four prompt
+shapes have been measured it is a fit of its own on the time to first token of
+every prefill, less its wait for the engine and its load (``track="latest"``: a
+busy machine is predicted busy); the load bandwidth and the decode step time follow each
 response. A decode worker serves one request at a time, so its "TBT" under
 load is ``step x requests``: the share of its token rate a request gets.
 
@@ -88,6 +89,8 @@ class Conductor:
         self._health_task: asyncio.Task[None] | None = None
         self._tokenizer: Any = None
         self._step_s = 0.05
+        self._measured = PrefillCostModel(track="latest")
+        """Prefill times as this conductor measures them (calls, lookup and save included)."""
         self._metrics()
 
     # -- metrics -----------------------------------------------------------------------------
@@ -142,7 +145,7 @@ class Conductor:
 
     def _build_scheduler(self, prefill: list[Worker]) -> Scheduler:
         info = prefill[0].info
-        model = PrefillCostModel(track="latest")
+        model = PrefillCostModel()  # the worker's own fit, until the conductor has measured enough shapes
         a, b, c = info["prefill_coefficients"]
         top = max(4 * self.block_tokens, int(info.get("max_tokens") or 4096))
         for new in (self.block_tokens // 2, self.block_tokens, top // 4, top // 2, top):
@@ -414,7 +417,9 @@ class Conductor:
         waited = pre["service_s"] - pre["engine_s"]
         busy = ttft - waited - load_s
         if computed > 0 and busy > 0:
-            sched.prefill_model.observe(computed, loaded, busy)  # checked fields: cannot raise
+            self._measured.observe(computed, loaded, busy)  # checked fields: cannot raise
+            if self._measured.samples >= 4:  # enough shapes for a fit of its own: stop leaning on the seed
+                sched.prefill_model = self._measured
         t = sched.transfer
         if loaded > 0 and load_s > 0:
             rate = loaded * t.bytes_per_token / load_s
