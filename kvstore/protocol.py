@@ -404,6 +404,9 @@ class GetReplicas(Message):
     keys: list[str]
     release: list[str]
     """Keys whose earlier leases this client is done with (piggybacked, to save a round trip)."""
+    lease: bool = True
+    """Lease the replicas: needed by readers that touch memory without the daemon (shared memory,
+    RDMA). A reader that reads through the daemon, which copies under its own lock, asks for none."""
 
 
 @wire
@@ -609,6 +612,73 @@ class NodesReply(Message):
 
 
 @wire
+class GrantSpace(Message):
+    """Ask for DRAM space to write into without a master round trip per put: ``length`` bytes of one
+    node's arena (``preferred_node`` when it has room), held for this client until the grant's
+    ``ttl_ms`` passes or it is returned. Answered by a GrantReply."""
+
+    KIND = 70
+    length: int
+    preferred_node: str | None
+
+
+@wire
+class GrantReply(Message):
+    KIND = 71
+    grant_id: int
+    node_id: str
+    address: str
+    offset: int
+    length: int
+    ttl_ms: int
+    """The grant ends this long after it was answered (the client stops using it a little before)."""
+
+
+@wire
+class ReturnGrants(Message):
+    """Give granted space back early (its unused part returns to the pool)."""
+
+    KIND = 72
+    grant_ids: list[int]
+
+
+@wire
+class AccessReport(Message):
+    """Blocks a daemon served by key since its last report (reads that asked the master nothing):
+    the master counts the hits and keeps its LRU order."""
+
+    KIND = 73
+    node_id: str
+    keys: list[str]
+
+
+@wire
+class CommitGranted(Message):
+    """A daemon asks the master to commit blocks written into a grant: each key becomes a block at
+    its extent, or is refused (it exists, or its extent is not free in the grant). Answered by a
+    PutReply."""
+
+    KIND = 74
+    node_id: str
+    grant_id: int
+    keys: list[str]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    pinned: bool
+
+
+@wire
+class PutReply(Message):
+    """Per block of a one-trip put: 0 stored, 1 it existed (the stored bytes are kept), else the
+    code of the error in :mod:`kvstore.errors` that refused it."""
+
+    KIND = 75
+    codes: list[int]
+    errors: list[str]
+
+
+@wire
 class Replicate(Message):
     """Copy stored blocks into the DRAM of ``node_id`` and keep their other replicas (hot blocks near
     their readers). Keys are taken in order while they fit the node's free DRAM (nothing is evicted
@@ -676,6 +746,26 @@ class FetchBlocks(Message):
 
 
 @wire
+class OpenGrant(Message):
+    """Space of this daemon's arena the master granted a client: writes into it (WriteGranted) are
+    taken until the grant ends, at the latest ``ttl_ms`` after this command arrived."""
+
+    KIND = 55
+    grant_id: int
+    offset: int
+    length: int
+    ttl_ms: int
+
+
+@wire
+class EndGrants(Message):
+    """Take no more writes into these grants and cut those in flight; answered once none can land."""
+
+    KIND = 56
+    grant_ids: list[int]
+
+
+@wire
 class CommandReply(Message):
     KIND = 53
     done: list[bool]
@@ -695,6 +785,20 @@ class WriteBlocks(Message):
     checksums: list[int]
     pinned: bool
     """The batch was put with pin=True; the daemon records it so that pins survive a master restart."""
+
+
+@wire
+class WriteGranted(Message):
+    """A put in one trip: write blocks into extents of a grant; the daemon checks them, has the
+    master commit them, commits them here and answers with a PutReply. Bytes follow as in WriteBlocks."""
+
+    KIND = 67
+    grant_id: int
+    keys: list[str]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    pinned: bool
 
 
 @wire
@@ -766,10 +870,12 @@ class ReadSlices(Message):
 
 @wire
 class ReadReply(Message):
-    """Sizes of the blocks read (-1: not held); the bytes of those held follow the frame, in order."""
+    """Sizes of the blocks read (-1: not held) and their checksums (0 for those not held); the bytes
+    of those held follow the frame, in order."""
 
     KIND = 63
     sizes: list[int]
+    checksums: list[int]
 
 
 # -- framing ------------------------------------------------------------------------------

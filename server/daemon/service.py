@@ -269,9 +269,10 @@ class DaemonServer:
 
     def _read(self, msg: ReadBlocks, sock: socket.socket, request_id: int) -> None:
         keys = self._keys(msg.keys)
-        with self.storage.read_views(keys) as views:
+        sums: list[int] = []
+        with self.storage.read_views(keys, sums) as views:
             sizes = [-1 if v is None else v.nbytes for v in views]
-            send_message(sock, ReadReply(sizes), request_id, [v for v in views if v is not None])
+            send_message(sock, ReadReply(sizes, sums), request_id, [v for v in views if v is not None])
         self.count("tcp", self._rail(sock), "out", sum(n for n in sizes if n > 0))
 
     def _read_slices(self, msg: ReadSlices, sock: socket.socket, request_id: int) -> None:
@@ -285,7 +286,7 @@ class DaemonServer:
             ]
             try:
                 sizes = [-1 if p is None else p.nbytes for p in parts]
-                send_message(sock, ReadReply(sizes), request_id, [p for p in parts if p is not None])
+                send_message(sock, ReadReply(sizes, [0] * len(sizes)), request_id, [p for p in parts if p is not None])
                 self.count("tcp", self._rail(sock), "out", sum(n for n in sizes if n > 0))
             finally:
                 for part in parts:

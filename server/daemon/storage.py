@@ -222,8 +222,11 @@ class DaemonStorage:
 
     # -- reads ---------------------------------------------------------------------
     @contextmanager
-    def read_views(self, keys: Sequence[BlockKey]) -> Iterator[list[memoryview | None]]:
-        """Zero-copy views of the blocks held (None for the others), valid inside the ``with``."""
+    def read_views(
+        self, keys: Sequence[BlockKey], checksums: list[int] | None = None
+    ) -> Iterator[list[memoryview | None]]:
+        """Zero-copy views of the blocks held (None for the others), valid inside the ``with``.
+        ``checksums``, when given, is filled with each block's checksum (0 for those not held)."""
         with self.lock.shared(), ExitStack() as stack:
             views: list[memoryview | None] = [None] * len(keys)
             on_ssd: list[int] = []
@@ -234,6 +237,13 @@ class DaemonStorage:
                     views[i] = view
                 elif self.ssd is not None and key in self.ssd:
                     on_ssd.append(i)
+            if checksums is not None:
+                checksums[:] = [
+                    self.arena.entry(k).checksum if v is not None else 0 for k, v in zip(keys, views, strict=True)
+                ]
+                for i in on_ssd:
+                    assert self.ssd is not None
+                    checksums[i] = self.ssd.entry(keys[i]).checksum
             if on_ssd and self.ssd is not None:
                 ssd_views = stack.enter_context(self.ssd.views([keys[i] for i in on_ssd]))
                 for i, view in zip(on_ssd, ssd_views, strict=True):

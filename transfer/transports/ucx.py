@@ -197,8 +197,10 @@ class UcxServer:
 
     async def _read(self, ep: Any, msg: ReadBlocks, request_id: int) -> None:
         keys = [validate_key(k) for k in msg.keys]
-        with self.storage.read_views(keys) as views:
-            await _send_frame(ep, ReadReply([-1 if v is None else v.nbytes for v in views]), request_id)
+        sums: list[int] = []
+        with self.storage.read_views(keys, sums) as views:
+            sizes = [-1 if v is None else v.nbytes for v in views]
+            await _send_frame(ep, ReadReply(sizes, sums), request_id)
             for view in views:
                 if view is not None:
                     await ep.send(view)
