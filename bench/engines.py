@@ -41,11 +41,11 @@ from typing import Any
 import torch
 
 from kvstore.config import ClientConfig
+from kvstore_cli.cluster import LocalCluster
+from kvstore_cli.engines import engine_arguments
 from kvstore_client.adapters.pd import EngineSpec, WorkerPool
 from kvstore_client.adapters.workers import PrefillWorker
-from kvstore_client.engine_cli import engine_arguments
 from kvstore_client.store import Store
-from server.cluster import LocalCluster
 
 
 def logit_tolerance(dtype: torch.dtype, reference: torch.Tensor) -> float:

@@ -104,7 +104,7 @@ class TwoHosts:
         procs: list[subprocess.Popen[str]] = []
         try:
             master = subprocess.Popen(
-                self.exec_args("b", [sys.executable, "-m", "kvstore_client.cli", "master",
+                self.exec_args("b", [sys.executable, "-m", "kvstore_cli", "master",
                                      "--host", self.address("b", 1), "--port", "0"]),
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )  # fmt: skip
@@ -115,7 +115,7 @@ class TwoHosts:
                 raise NetnsUnavailable("the master in the namespace did not start")
             rails = [arg for i in range(2, self.links + 1) for arg in ("--rail", self.address("b", i))]
             daemon = subprocess.Popen(
-                self.exec_args("b", [sys.executable, "-m", "kvstore_client.cli", "daemon", "--master", address,
+                self.exec_args("b", [sys.executable, "-m", "kvstore_cli", "daemon", "--master", address,
                                      "--name", f"netns{self.tag}", "--dram", dram, "--host", self.address("b", 1),
                                      *rails]),
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

@@ -25,8 +25,8 @@ import numpy as np
 from bench.cluster import RawTcp
 from bench.netns import NetnsUnavailable, TwoHosts, stop
 from kvstore.config import ClientConfig, parse_size
+from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import Store
-from server.cluster import LocalCluster
 from transfer.transports import ucx
 
 SIZES = [64 * 1024, 1 << 20, 4 << 20]

@@ -1,1 +1,1 @@
-"""Server processes: the master, the storage daemon and the local cluster launcher."""
+"""Server processes: the master, the storage daemon and the conductor."""

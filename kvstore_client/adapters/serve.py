@@ -265,7 +265,7 @@ class ServedEngines:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log_file = open(self.workdir / f"{name}.log", "w")  # noqa: SIM115 - the child owns it
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "kvstore_client.cli", *args], stdout=log_file, stderr=subprocess.STDOUT, text=True
+            [sys.executable, "-m", "kvstore_cli", *args], stdout=log_file, stderr=subprocess.STDOUT, text=True
         )
         log_file.close()
 

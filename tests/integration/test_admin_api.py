@@ -14,8 +14,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
 
+from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import PutOptions, Store
-from server.cluster import LocalCluster
 from server.master.admin import ROUTES, openapi_document
 
 TOKEN = "s3cret-token"

@@ -19,7 +19,7 @@ TRACE = REPO.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 
 def kvstore(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvstore_client.cli", *args],
+        [sys.executable, "-m", "kvstore_cli", *args],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
@@ -104,7 +104,7 @@ def test_malformed_trace_line_names_its_line(tmp_path: Path) -> None:
 def cluster_up(daemons: int) -> tuple[subprocess.Popen[str], str]:
     """``kvstore cluster up`` as a process, read up to its "cluster up" line; the process and the master's address."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore_client.cli", "cluster", "up", "--daemons", str(daemons), "--dram", "8MiB",
+        [sys.executable, "-m", "kvstore_cli", "cluster", "up", "--daemons", str(daemons), "--dram", "8MiB",
          "--port", "0", "--admin-port", "0"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,

@@ -24,9 +24,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from kvstore_cli.cluster import LocalCluster
 from kvstore_client.adapters.pd import EngineSpec
 from kvstore_client.adapters.serve import ServedEngines
-from server.cluster import LocalCluster
 
 TINY = {
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -72,7 +72,7 @@ def conductor(engines: ServedEngines, tmp: Path, *args: str) -> tuple[subprocess
     decode = [engines.urls[f"decode-{i}"] for i in range(engines.num_decode)]
     log = tmp / f"conductor-{time.monotonic_ns()}.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore_client.cli", "conductor", "--port", "0", "--prefill", *prefill,
+        [sys.executable, "-m", "kvstore_cli", "conductor", "--port", "0", "--prefill", *prefill,
          "--decode", *decode, *args], stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 60

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import Store
-from server.cluster import LocalCluster
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOT = Path(__file__).resolve().parents[2] / "build" / "test-artifacts" / "dashboard.png"

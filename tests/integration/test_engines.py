@@ -22,13 +22,13 @@ pytest.importorskip("transformers")
 
 from kvstore.config import ClientConfig  # noqa: E402
 from kvstore.errors import ConnectionFailed, NotFound  # noqa: E402
+from kvstore_cli.cluster import LocalCluster  # noqa: E402
 from kvstore_client.adapters.costs import LoadCostModel, PrefillCostModel  # noqa: E402
 from kvstore_client.adapters.hf import blocks_from_cache, build_model, layout_for, load_model_config  # noqa: E402
 from kvstore_client.adapters.layout import load_layer  # noqa: E402
 from kvstore_client.adapters.pd import EngineSpec, WorkerPool  # noqa: E402
 from kvstore_client.adapters.workers import DecodeWorker, PrefillWorker  # noqa: E402
 from kvstore_client.store import Store  # noqa: E402
-from server.cluster import LocalCluster  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {
@@ -254,7 +254,7 @@ def test_worker_processes_hand_kv_from_prefill_to_decode(tmp_path: Path, cluster
 def test_pd_demo_later_turns_hit_what_earlier_turns_stored(tmp_path: Path) -> None:
     path = config_file(tmp_path)
     out = subprocess.run(
-        [sys.executable, "-m", "kvstore_client.cli", "pd-demo", "--json", "--model-config", str(path),
+        [sys.executable, "-m", "kvstore_cli", "pd-demo", "--json", "--model-config", str(path),
          "--block-tokens", "16", "--sessions", "3", "--turns", "3", "--system-tokens", "40",
          "--message-tokens", "10", "30", "--max-new-tokens", "6", "--dram", "32MiB"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
@@ -275,6 +275,6 @@ def test_pd_demo_rejects_bad_arguments(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     for args in (["--prefill", "0"], ["--model-config", str(bad)], ["--model-config", str(tmp_path / "none.json")]):
-        out = subprocess.run([sys.executable, "-m", "kvstore_client.cli", "pd-demo", *args],
+        out = subprocess.run([sys.executable, "-m", "kvstore_cli", "pd-demo", *args],
                              capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
         assert out.returncode == 2 and "error:" in out.stderr, (args, out.stderr)

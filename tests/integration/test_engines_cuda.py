@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from kvstore_cli.cluster import LocalCluster  # noqa: E402
 from kvstore_client.adapters.hf import build_model, layout_for, load_model_config  # noqa: E402
 from kvstore_client.adapters.layout import (  # noqa: E402
     KVLayout,
@@ -24,7 +25,6 @@ from kvstore_client.adapters.layout import (  # noqa: E402
 )
 from kvstore_client.adapters.workers import DecodeWorker, PrefillWorker  # noqa: E402
 from kvstore_client.store import Store  # noqa: E402
-from server.cluster import LocalCluster  # noqa: E402
 from tests.integration.test_engines import config_file, prompt_of  # noqa: E402
 
 

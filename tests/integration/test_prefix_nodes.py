@@ -12,8 +12,8 @@ import pytest
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import block_keys
 from kvstore.protocol import NodePrefix, PrefixMatch, Replicated
+from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import PutOptions, Store
-from server.cluster import LocalCluster
 
 KB = 1024
 BLOCK = 64 * KB

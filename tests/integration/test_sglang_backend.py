@@ -20,8 +20,8 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from kvstore.errors import InvalidArgument  # noqa: E402
+from kvstore_cli.cluster import LocalCluster  # noqa: E402
 from kvstore_client.adapters.sglang import KVStoreHiCache  # noqa: E402
-from server.cluster import LocalCluster  # noqa: E402
 
 LAYERS, HEADS, DIM, PAGE = 3, 2, 16, 4
 

@@ -26,7 +26,7 @@ def trace_file(tmp_path: Path) -> Path:
 
 
 def kvstore(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore_client.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvstore_cli", *args], capture_output=True, text=True,
                           timeout=120, cwd=REPO)  # fmt: skip
 
 

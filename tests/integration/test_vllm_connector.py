@@ -40,9 +40,9 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from kvstore_cli.cluster import LocalCluster  # noqa: E402
 from kvstore_client.adapters.vllm import KVStoreConnector, KVStoreConnectorMetadata  # noqa: E402
 from kvstore_client.store import Store  # noqa: E402
-from server.cluster import LocalCluster  # noqa: E402
 
 PAGE = 16
 BLOCK = 32  # two vLLM pages per stored block

@@ -23,7 +23,7 @@ from rich.table import Table
 from kvstore.config import format_size
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, error_from_code
 from kvstore.protocol import AdminInfo, AdminInfoReply
-from kvstore_client.cli import arguments, command
+from kvstore_cli.registry import arguments, command
 from transfer.rpc import Connection
 
 

@@ -20,7 +20,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.scheduling import POLICIES, Slo
 from kvstore.simulator import ClusterCost, SimConfig, simulate, sweep
 from kvstore.workload import load_trace
-from kvstore_client.cli import arguments, command
+from kvstore_cli.registry import arguments, command
 
 _COST_FLAGS = {f.name: f for f in dataclasses.fields(ClusterCost)}
 

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from kvstore.config import load
 from kvstore.errors import InvalidArgument
-from kvstore_client.cli import arguments, command, print_metrics
+from kvstore_cli.registry import arguments, command, print_metrics
 
 
 def engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,10 +112,10 @@ def _pd_demo(args: argparse.Namespace) -> int:
     if args.prefill < 1 or args.decode < 1:
         raise InvalidArgument(f"--prefill and --decode must be at least 1, got {args.prefill} and {args.decode}")
 
+    from kvstore_cli.cluster import LocalCluster
     from kvstore_client.adapters.hf import layout_for, load_model_config
     from kvstore_client.adapters.pd import EngineSpec, chat_sessions, default_threads, run_chat, summarize
     from kvstore_client.adapters.serve import ServedEngines, conductor_client
-    from server.cluster import LocalCluster
 
     config = load_model_config(args.model_config)
     layout = layout_for(config, seed=args.seed, dtype=args.dtype, block_tokens=args.block_tokens, device=args.device)

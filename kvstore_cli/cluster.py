@@ -1,9 +1,12 @@
 """A real local cluster: one master and N daemons as separate processes on loopback.
 
 Used by ``kvstore cluster up``, the demo, the benchmarks and the tests. Each
-process is started with this Python and stopped in reverse order; the
-daemons' arenas and SSD directories live under a work directory that is
-removed afterwards unless it was given by the caller.
+process is this command line's ``master`` or ``daemon`` command, started with
+this Python and stopped in reverse order; the daemons' arenas and SSD
+directories live under a work directory that is removed afterwards unless it
+was given by the caller. It lives with the command line, not in ``server``:
+it spawns the command line's own commands, and it imports neither the server
+nor the client (readiness is one protocol call to the master).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import IO, Self
 
 from kvstore.config import DramConfig
 from kvstore.errors import ConnectionFailed, KVStoreError, Timeout
+from kvstore.protocol import Stats, StatsReply
 from kvstore.tiers.dram import DramArena
+from transfer.rpc import Connection
 
 _START_TIMEOUT = 30.0
 
@@ -72,7 +77,7 @@ class LocalCluster:
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[str]:
         log = open(self.workdir / log_name, "a")  # noqa: SIM115 - owned by the child
         return subprocess.Popen(
-            [sys.executable, "-m", "kvstore_client.cli", *args],
+            [sys.executable, "-m", "kvstore_cli", *args],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -125,19 +130,21 @@ class LocalCluster:
         self.daemon_addresses[i] = line.rsplit(" ", 1)[-1]
 
     def wait_for_nodes(self, count: int, timeout: float = _START_TIMEOUT) -> None:
-        from kvstore_client.store import Store
-
+        """Wait until the master counts ``count`` nodes up; an unreachable master is asked again until ``timeout``."""
         deadline = time.monotonic() + timeout
-        with Store(self.master_address) as store:
+        conn = Connection(self.master_address, timeout=min(timeout, 5.0))
+        try:
             while True:
                 try:
-                    if store.stats()["nodes_up"] >= count:
+                    if conn.call(Stats(), StatsReply).stats.get("nodes_up", 0) >= count:
                         return
                 except KVStoreError:
                     pass
                 if time.monotonic() > deadline:
                     raise Timeout(f"{count} daemons did not register within {timeout:.0f} s")
                 time.sleep(0.05)
+        finally:
+            conn.close()
 
     # -- faults, for tests ---------------------------------------------------------------
     def kill_daemon(self, i: int, sig: int = signal.SIGKILL) -> None:

@@ -1,0 +1,123 @@
+"""Process commands: ``kvstore master``, ``kvstore daemon`` and ``kvstore cluster up``.
+
+Flags become the component's config (``KVSTORE_<COMPONENT>_*`` variables fill the rest); the server
+modules are imported only when their command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from kvstore.config import load, parse_size
+from kvstore_cli.registry import arguments, command, size_arg
+
+
+@arguments("master")
+def _master_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="RPC port (0: any free port)")
+    p.add_argument("--placement", default=None, help="local_first, free_ratio or random")
+    p.add_argument("--reservation-ms", type=int, default=None, help="revoke an uncommitted put after this")
+    p.add_argument("--lease-ms", type=int, default=None, help="read lease length")
+    p.add_argument("--node-ttl-ms", type=int, default=None, help="mark a silent node down after this")
+    p.add_argument("--heartbeat-ms", type=int, default=None, help="daemon heartbeat interval")
+    p.add_argument("--admin-port", type=int, default=None, help="REST admin API, /metrics and dashboard port")
+
+
+@command("master", "run the master (placement, eviction, leases, membership)")
+def _master(args: argparse.Namespace) -> int:
+    from kvstore.config import MasterConfig
+    from server.master.main import run_master
+
+    fields = {
+        "placement": args.placement,
+        "reservation_ms": args.reservation_ms,
+        "lease_ms": args.lease_ms,
+        "node_ttl_ms": args.node_ttl_ms,
+        "heartbeat_interval_ms": args.heartbeat_ms,
+        "admin_port": args.admin_port,
+    }
+    if os.environ.get("KVSTORE_ADMIN_TOKEN"):
+        fields["admin_token"] = os.environ["KVSTORE_ADMIN_TOKEN"]
+    overrides = {k: v for k, v in fields.items() if v is not None}
+    return run_master(load(MasterConfig, "master", host=args.host, port=args.port, **overrides))
+
+
+@arguments("daemon")
+def _daemon_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--master", required=True, help="the master's host:port")
+    p.add_argument("--name", required=True, help="node id, unique in the cluster")
+    p.add_argument("--arena", default=None, help="shared-memory arena name (default: the node id)")
+    p.add_argument("--dram", type=size_arg, default=parse_size("1GiB"), help="DRAM tier capacity")
+    p.add_argument("--ssd", type=size_arg, default=0, help="SSD tier capacity (0: none)")
+    p.add_argument("--ssd-dir", type=Path, default=None, help="SSD tier directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="data-plane port (0: any free port)")
+    p.add_argument(
+        "--rail", action="append", default=[], metavar="HOST", help="also serve on this host's address (one per NIC)"
+    )
+    p.add_argument("--ucx-port", type=int, default=None, help="also serve over UCX on this port (0: any free port)")
+
+
+@command("daemon", "run a storage daemon serving one node's DRAM and SSD")
+def _daemon(args: argparse.Namespace) -> int:
+    from kvstore.config import DaemonConfig
+    from server.daemon.main import run_daemon
+
+    config = load(
+        DaemonConfig,
+        "daemon",
+        master=args.master,
+        name=args.name,
+        host=args.host,
+        port=args.port,
+        rails=args.rail,
+        ucx_port=args.ucx_port,
+        dram={"capacity": args.dram, "name": args.arena or args.name},
+        ssd={"capacity": args.ssd, "path": args.ssd_dir if args.ssd else None},
+    )
+    return run_daemon(config)
+
+
+@arguments("cluster")
+def _cluster_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["up"], help="up: start a local cluster and keep it running until Ctrl-C")
+    p.add_argument("--daemons", type=int, default=2)
+    p.add_argument("--dram", default="256MiB", help="DRAM per daemon")
+    p.add_argument("--ssd", default="0", help="SSD per daemon")
+    p.add_argument("--port", type=int, default=50051, help="master port (0: any free port)")
+    p.add_argument("--admin-port", type=int, default=50052, help="admin API and dashboard port (0: any free port)")
+
+
+@command("cluster", "start a local cluster: a master and daemons as processes on loopback")
+def _cluster(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from kvstore_cli.cluster import LocalCluster
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # unwinds through the ``with``: children stopped, arenas removed
+
+    # Ctrl-C, kill (SIGTERM) and a closed terminal all stop the cluster cleanly; SIGINT too when
+    # a non-interactive shell started us in the background with it ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    with LocalCluster(
+        args.daemons, dram=args.dram, ssd=args.ssd, master_port=args.port, admin=True, admin_port=args.admin_port
+    ) as cluster:
+        try:  # from the first line printed: a signal may come as soon as a reader sees the master
+            print(f"master  {cluster.master_address}", flush=True)
+            print(f"admin   http://{cluster.admin_address}  (REST API, /metrics, dashboard)", flush=True)
+            for i, address in enumerate(cluster.daemon_addresses):
+                print(f"daemon  {cluster.node_name(i)}  {address}", flush=True)
+            print("cluster up; Ctrl-C stops it", flush=True)
+            while all(p is not None and p.poll() is None for p in [cluster.master, *cluster.daemons]):
+                time.sleep(0.5)
+            print("a cluster process exited; stopping", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 0
