@@ -1,194 +1,67 @@
-"""The master RPC wire protocol: versioned, length-prefixed msgpack frames.
+"""The master RPC wire protocol: versioned, length-prefixed msgpack frames, typed by msgspec.
 
 A frame is a 4-byte big-endian payload length, then the payload: a msgpack
-array ``[version, kind, request_id, [field, ...]]``. ``kind`` names the message
-type; fields are positional, in the dataclass's order; nested structs travel
-as arrays the same way. Every request gets exactly one reply carrying its
-request id: the reply type of the operation, or :class:`ErrorReply` with a
-code from :mod:`kvstore.errors`.
+array ``[version, request_id, [kind, field, ...]]``. ``kind`` names the message
+type (its msgspec union tag); fields are positional, in the struct's order;
+nested structs travel as arrays the same way. Every request gets exactly one
+reply carrying its request id: the reply type of the operation, or
+:class:`ErrorReply` with a code from :mod:`kvstore.errors`.
 
 The codec is pure: :class:`FrameDecoder` is fed bytes and knows no socket.
-Anything malformed — a bad length, a payload that is not msgpack, an unknown
-version or kind, a field of the wrong type — raises
-:class:`kvstore.errors.ProtocolError` naming what was wrong, never another
-exception.
+msgspec checks every field's type in C while it decodes (strictly: a bool or a
+float is not an int). Anything malformed — a bad length, a payload that is not
+msgpack, an unknown version or kind, a field of the wrong type, too many or too
+few fields — raises :class:`kvstore.errors.ProtocolError` naming what was
+wrong (``Exists.keys[1]: expected `str`, got `int```), never another exception.
+The one leniency is msgspec's: a trailing field that has a default
+(``GetReplicas.lease``, ``InventoryItem.pinned``) may be left out.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 import types
 import typing
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Literal, NamedTuple, TypeVar, Union, cast, dataclass_transform
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar, Literal, NamedTuple, Union
 
-import msgpack
+import msgspec
 
 from kvstore.errors import KVStoreError, ProtocolError, error_from_code
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 FRAME_HEADER = struct.Struct("!I")
 
 Tier = Literal["dram", "ssd"]
 
-Validator = Callable[[Any, str], Any]
+
+class Struct(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """Base of every wire struct: frozen, and sent as the array of its fields in declaration order.
+
+    ``forbid_unknown_fields`` makes an array with more items than fields an
+    error (msgspec would otherwise drop the extras). Lists inside a struct are
+    plain lists: its builder may fill them before sending it, nobody changes
+    them after. Subclasses repeat ``frozen=True``: mypy's reading of
+    ``dataclass_transform`` does not inherit it.
+    """
 
 
-class Struct:
-    """Base of every wire struct: a frozen, slotted dataclass with a validator per field."""
+class Message(Struct, frozen=True):
+    """A top-level message; ``KIND`` is its stable number on the wire, declared as its ``tag``.
 
-    _validators: ClassVar[tuple[tuple[str, Validator], ...]] = ()
-    _nested: ClassVar[tuple[tuple[str, bool], ...]] = ()
-    """Per field, whether it can hold structs (only those are walked when encoding)."""
-
-    def to_wire(self) -> list[Any]:
-        return [_to_wire(getattr(self, name)) if nested else getattr(self, name) for name, nested in self._nested]
-
-    @classmethod
-    def from_wire(cls, raw: Any, where: str = "") -> Any:
-        where = where or cls.__name__
-        if not isinstance(raw, list | tuple) or len(raw) != len(cls._validators):
-            raise ProtocolError(f"{where}: expected {len(cls._validators)} fields, got {_describe(raw)}")
-        values = [check(value, f"{where}.{name}") for (name, check), value in zip(cls._validators, raw, strict=True)]
-        return cls(*values)
-
-
-class Message(Struct):
-    """A top-level message; ``KIND`` is its stable number on the wire."""
+    Every subclass names its kind in its class line (``class Exists(Message, tag=34, frozen=True)``);
+    its array on the wire starts with it, and :data:`KIND_TO_MESSAGE` refuses a kind used twice.
+    """
 
     KIND: ClassVar[int] = 0
-
-
-def _to_wire(value: Any) -> Any:
-    if isinstance(value, Struct):
-        return value.to_wire()
-    if isinstance(value, list):
-        return [_to_wire(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
-    return value
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
-
-
-def _validator(tp: Any) -> Validator:
-    """A function that checks (and converts nested structs of) a decoded value of type ``tp``."""
-    origin = typing.get_origin(tp)
-    if tp is int:
-
-        def check_int(v: Any, where: str) -> int:
-            if type(v) is not int:
-                raise ProtocolError(f"{where}: expected int, got {_describe(v)}")
-            return v
-
-        return check_int
-    if tp is float:
-
-        def check_float(v: Any, where: str) -> float:
-            if type(v) not in (float, int):
-                raise ProtocolError(f"{where}: expected float, got {_describe(v)}")
-            return float(v)
-
-        return check_float
-    if tp in (str, bytes, bool):
-
-        def check_plain(v: Any, where: str) -> Any:
-            if type(v) is not tp:
-                raise ProtocolError(f"{where}: expected {tp.__name__}, got {_describe(v)}")
-            return v
-
-        return check_plain
-    if isinstance(tp, type) and issubclass(tp, Struct):
-        return tp.from_wire
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-
-        def check_literal(v: Any, where: str) -> Any:
-            if v not in allowed or type(v) is not type(allowed[0]):
-                raise ProtocolError(f"{where}: expected one of {allowed}, got {_describe(v)}")
-            return v
-
-        return check_literal
-    if origin is list:
-        item_type = typing.get_args(tp)[0]
-        item = _validator(item_type)
-        scalar = item_type in (int, str)
-
-        def check_list(v: Any, where: str) -> list[Any]:
-            if not isinstance(v, list):
-                raise ProtocolError(f"{where}: expected a list, got {_describe(v)}")
-            if scalar and all(type(x) is item_type for x in v):  # the hot case: batches of keys or sizes
-                return v
-            return [item(x, f"{where}[{i}]") for i, x in enumerate(v)]
-
-        return check_list
-    if origin is dict:
-        key_check, value_check = (_validator(a) for a in typing.get_args(tp))
-
-        def check_dict(v: Any, where: str) -> dict[Any, Any]:
-            if not isinstance(v, dict):
-                raise ProtocolError(f"{where}: expected a map, got {_describe(v)}")
-            return {key_check(k, f"{where} key"): value_check(x, f"{where}[{k!r}]") for k, x in v.items()}
-
-        return check_dict
-    if origin in (Union, types.UnionType):
-        options = typing.get_args(tp)
-        if type(None) in options:
-            inner = [o for o in options if o is not type(None)]
-            inner_check = _validator(inner[0] if len(inner) == 1 else Union[tuple(inner)])  # noqa: UP007
-
-            def check_optional(v: Any, where: str) -> Any:
-                return None if v is None else inner_check(v, where)
-
-            return check_optional
-        checks = [_validator(o) for o in options]
-
-        def check_union(v: Any, where: str) -> Any:
-            for check in checks:
-                try:
-                    return check(v, where)
-                except ProtocolError:
-                    continue
-            raise ProtocolError(f"{where}: expected {tp}, got {_describe(v)}")
-
-        return check_union
-    raise TypeError(f"no wire validator for {tp!r}")
-
-
-def _holds_struct(tp: Any) -> bool:
-    if isinstance(tp, type) and issubclass(tp, Struct):
-        return True
-    return any(_holds_struct(arg) for arg in typing.get_args(tp))
-
-
-S = TypeVar("S", bound=type[Struct])
-
-KIND_TO_MESSAGE: dict[int, type[Message]] = {}
-
-
-@dataclass_transform(frozen_default=True)
-def wire(cls: S) -> S:
-    """Make ``cls`` a frozen dataclass, give it field validators and register it if it is a Message."""
-    dc = dataclass(frozen=True, slots=True)(cls)
-    hints = typing.get_type_hints(dc)
-    dc._validators = tuple((f.name, _validator(hints[f.name])) for f in fields(cast(Any, dc)))
-    dc._nested = tuple((f.name, _holds_struct(hints[f.name])) for f in fields(cast(Any, dc)))
-    if issubclass(dc, Message):
-        other = KIND_TO_MESSAGE.setdefault(dc.KIND, dc)
-        assert other is dc, f"message kind {dc.KIND} used by {other.__name__} and {dc.__name__}"
-    return cast(S, dc)
 
 
 # -- structs ---------------------------------------------------------------------
 
 
-@wire
-class Replica(Struct):
+class Replica(Struct, frozen=True):
     """Where one copy of a block lives: a node's data-plane address, its tier and DRAM extent."""
 
     node_id: str
@@ -199,8 +72,7 @@ class Replica(Struct):
     size: int
 
 
-@wire
-class PutTicket(Struct):
+class PutTicket(Struct, frozen=True):
     """The answer to one key of a put_start: where to write, or why not."""
 
     status: Literal["ok", "exists", "error"]
@@ -209,8 +81,7 @@ class PutTicket(Struct):
     error: str
 
 
-@wire
-class InventoryItem(Struct):
+class InventoryItem(Struct, frozen=True):
     """One block a daemon holds, as it reports it when (re)registering."""
 
     key: str
@@ -225,9 +96,7 @@ class InventoryItem(Struct):
 # -- replies shared by many requests ----------------------------------------------
 
 
-@wire
-class ErrorReply(Message):
-    KIND = 1
+class ErrorReply(Message, tag=1, frozen=True):
     code: int
     message: str
 
@@ -239,16 +108,14 @@ class ErrorReply(Message):
         return cls(exc.code, str(exc))
 
 
-@wire
-class OkReply(Message):
-    KIND = 2
+class OkReply(Message, tag=2, frozen=True):
+    """The success reply of a request that returns nothing else."""
 
 
 # -- daemon -> master -------------------------------------------------------------------
 
 
-@wire
-class Nic(Struct):
+class Nic(Struct, frozen=True):
     """One network interface of a host, as :mod:`transfer.topology` reads it."""
 
     name: str
@@ -259,8 +126,7 @@ class Nic(Struct):
     """-1: unknown or not a NUMA machine."""
 
 
-@wire
-class NodeInfo(Struct):
+class NodeInfo(Struct, frozen=True):
     """How clients reach a node's data: its rails, and whether they share its host (and its arena)."""
 
     node_id: str
@@ -280,9 +146,7 @@ class NodeInfo(Struct):
     up: bool
 
 
-@wire
-class RegisterNode(Message):
-    KIND = 10
+class RegisterNode(Message, tag=10, frozen=True):
     node_id: str
     address: str
     dram_capacity: int
@@ -300,24 +164,18 @@ class RegisterNode(Message):
     """Blocks the DRAM arena can index (its slot table); 0: no limit but capacity."""
 
 
-@wire
-class RegisterReply(Message):
-    KIND = 11
+class RegisterReply(Message, tag=11, frozen=True):
     heartbeat_interval_ms: int
     node_ttl_ms: int
 
 
-@wire
-class Heartbeat(Message):
-    KIND = 12
+class Heartbeat(Message, tag=12, frozen=True):
     node_id: str
     transfer_bytes: dict[str, int]
     """Bytes the daemon moved since it started, by "transport|rail|direction" (for /metrics)."""
 
 
-@wire
-class HeartbeatReply(Message):
-    KIND = 13
+class HeartbeatReply(Message, tag=13, frozen=True):
     known: bool
     """False when the master does not know the node (it restarted): the daemon re-registers."""
 
@@ -325,9 +183,7 @@ class HeartbeatReply(Message):
 # -- client -> master -------------------------------------------------------------------
 
 
-@wire
-class PutStart(Message):
-    KIND = 20
+class PutStart(Message, tag=20, frozen=True):
     keys: list[str]
     sizes: list[int]
     replicas: int
@@ -335,15 +191,13 @@ class PutStart(Message):
     pin: bool
 
 
-@wire
-class PutStartReply(Message):
+class PutStartReply(Message, tag=21, frozen=True):
     """One ticket per key, flattened into parallel lists so that a batch decodes in a few list checks.
 
     Ticket ``i`` is ``statuses[i]``, ``error_codes[i]``, ``errors[i]`` and its
     ``counts[i]`` DRAM replicas, the next entries of ``nodes``/``addresses``/``offsets``.
     """
 
-    KIND = 21
     statuses: list[str]
     error_codes: list[int]
     errors: list[str]
@@ -379,28 +233,20 @@ class PutStartReply(Message):
         return out
 
 
-@wire
-class PutEnd(Message):
-    KIND = 22
+class PutEnd(Message, tag=22, frozen=True):
     keys: list[str]
     checksums: list[int]
 
 
-@wire
-class PutEndReply(Message):
-    KIND = 23
+class PutEndReply(Message, tag=23, frozen=True):
     committed: list[bool]
 
 
-@wire
-class PutRevoke(Message):
-    KIND = 24
+class PutRevoke(Message, tag=24, frozen=True):
     keys: list[str]
 
 
-@wire
-class GetReplicas(Message):
-    KIND = 30
+class GetReplicas(Message, tag=30, frozen=True):
     keys: list[str]
     release: list[str]
     """Keys whose earlier leases this client is done with (piggybacked, to save a round trip)."""
@@ -409,12 +255,10 @@ class GetReplicas(Message):
     RDMA). A reader that reads through the daemon, which copies under its own lock, asks for none."""
 
 
-@wire
-class GetReplicasReply(Message):
+class GetReplicasReply(Message, tag=31, frozen=True):
     """Per key its size (-1: a miss) and checksum, and its ``counts[i]`` replicas, the next
     entries of ``nodes``/``addresses``/``tiers``/``offsets``: flat lists decode fast."""
 
-    KIND = 31
     sizes: list[int]
     checksums: list[int]
     counts: list[int]
@@ -468,15 +312,11 @@ def _check_flat(what: str, counts: Sequence[int], *columns: Sequence[object]) ->
         raise ProtocolError(f"{what}: replica counts add up to {total} but the replica lists disagree")
 
 
-@wire
-class MatchPrefix(Message):
-    KIND = 32
+class MatchPrefix(Message, tag=32, frozen=True):
     keys: list[str]
 
 
-@wire
-class MatchPrefixReply(Message):
-    KIND = 33
+class MatchPrefixReply(Message, tag=33, frozen=True):
     matched: int
 
 
@@ -499,19 +339,15 @@ class PrefixMatch(NamedTuple):
     """Each node that holds at least the first key readable; a node absent from it holds 0."""
 
 
-@wire
-class MatchPrefixNodes(Message):
+class MatchPrefixNodes(Message, tag=45, frozen=True):
     """The longest stored prefix of ``keys``, and how much of it each node holds (a scheduler's question)."""
 
-    KIND = 45
     keys: list[str]
 
 
-@wire
-class MatchPrefixNodesReply(Message):
+class MatchPrefixNodesReply(Message, tag=46, frozen=True):
     """A :class:`PrefixMatch` in parallel columns: node ``i`` is ``node_ids[i]``, ``dram[i]``, ``total[i]``."""
 
-    KIND = 46
     longest: int
     node_ids: list[str]
     dram: list[int]
@@ -545,86 +381,61 @@ class MatchPrefixNodesReply(Message):
         return PrefixMatch(self.longest, nodes)
 
 
-@wire
-class Exists(Message):
-    KIND = 34
+class Exists(Message, tag=34, frozen=True):
     keys: list[str]
 
 
-@wire
-class ExistsReply(Message):
-    KIND = 35
+class ExistsReply(Message, tag=35, frozen=True):
     exists: list[bool]
 
 
-@wire
-class Remove(Message):
-    KIND = 36
+class Remove(Message, tag=36, frozen=True):
     keys: list[str]
 
 
-@wire
-class RemoveReply(Message):
-    KIND = 37
+class RemoveReply(Message, tag=37, frozen=True):
     removed: int
 
 
-@wire
-class Stats(Message):
-    KIND = 38
+class Stats(Message, tag=38, frozen=True):
+    """Ask the master for its counters; answered by a StatsReply."""
 
 
-@wire
-class StatsReply(Message):
-    KIND = 39
+class StatsReply(Message, tag=39, frozen=True):
     stats: dict[str, int | float]
 
 
-@wire
-class ReleaseLeases(Message):
-    KIND = 40
+class ReleaseLeases(Message, tag=40, frozen=True):
     keys: list[str]
 
 
-@wire
-class ListNodes(Message):
-    KIND = 41
+class ListNodes(Message, tag=41, frozen=True):
+    """Ask the master for every node it knows; answered by a NodesReply."""
 
 
-@wire
-class AdminInfo(Message):
+class AdminInfo(Message, tag=43, frozen=True):
     """Where the master's REST admin API is (for tools given only the RPC address)."""
 
-    KIND = 43
 
-
-@wire
-class AdminInfoReply(Message):
-    KIND = 44
+class AdminInfoReply(Message, tag=44, frozen=True):
     address: str
     """host:port of the admin API; empty when the master serves none."""
 
 
-@wire
-class NodesReply(Message):
-    KIND = 42
+class NodesReply(Message, tag=42, frozen=True):
     nodes: list[NodeInfo]
 
 
-@wire
-class GrantSpace(Message):
+class GrantSpace(Message, tag=70, frozen=True):
     """Ask for DRAM space to write into without a master round trip per put: ``length`` bytes of one
     node's arena (``preferred_node`` when it has room), held for this client until the grant's
     ``ttl_ms`` passes or it is returned. Answered by a GrantReply."""
 
-    KIND = 70
     length: int
     preferred_node: str | None
 
 
-@wire
-class GrantReply(Message):
-    KIND = 71
+class GrantReply(Message, tag=71, frozen=True):
     grant_id: int
     node_id: str
     address: str
@@ -634,31 +445,25 @@ class GrantReply(Message):
     """The grant ends this long after it was answered (the client stops using it a little before)."""
 
 
-@wire
-class ReturnGrants(Message):
+class ReturnGrants(Message, tag=72, frozen=True):
     """Give granted space back early (its unused part returns to the pool)."""
 
-    KIND = 72
     grant_ids: list[int]
 
 
-@wire
-class AccessReport(Message):
+class AccessReport(Message, tag=73, frozen=True):
     """Blocks a daemon served by key since its last report (reads that asked the master nothing):
     the master counts the hits and keeps its LRU order."""
 
-    KIND = 73
     node_id: str
     keys: list[str]
 
 
-@wire
-class CommitGranted(Message):
+class CommitGranted(Message, tag=74, frozen=True):
     """A daemon asks the master to commit blocks written into a grant: each key becomes a block at
     its extent, or is refused (it exists, or its extent is not free in the grant). Answered by a
     PutReply."""
 
-    KIND = 74
     node_id: str
     grant_id: int
     keys: list[str]
@@ -668,31 +473,25 @@ class CommitGranted(Message):
     pinned: bool
 
 
-@wire
-class PutReply(Message):
+class PutReply(Message, tag=75, frozen=True):
     """Per block of a one-trip put: 0 stored, 1 it existed (the stored bytes are kept), else the
     code of the error in :mod:`kvstore.errors` that refused it."""
 
-    KIND = 75
     codes: list[int]
     errors: list[str]
 
 
-@wire
-class Replicate(Message):
+class Replicate(Message, tag=47, frozen=True):
     """Copy stored blocks into the DRAM of ``node_id`` and keep their other replicas (hot blocks near
     their readers). Keys are taken in order while they fit the node's free DRAM (nothing is evicted
     for them) and ``max_bytes``; keys not stored or already on the node are skipped."""
 
-    KIND = 47
     keys: list[str]
     node_id: str
     max_bytes: int
 
 
-@wire
-class ReplicateReply(Message):
-    KIND = 48
+class ReplicateReply(Message, tag=48, frozen=True):
     copied: int
     """Blocks that gained a replica on the node."""
     bytes: int
@@ -709,35 +508,27 @@ class Replicated(NamedTuple):
 # -- master -> daemon ---------------------------------------------------------------------
 
 
-@wire
-class DemoteBlocks(Message):
+class DemoteBlocks(Message, tag=50, frozen=True):
     """Move blocks from the DRAM arena to the SSD tier, freeing their extents."""
 
-    KIND = 50
     keys: list[str]
 
 
-@wire
-class DropBlocks(Message):
-    KIND = 51
+class DropBlocks(Message, tag=51, frozen=True):
     keys: list[str]
 
 
-@wire
-class PromoteBlocks(Message):
+class PromoteBlocks(Message, tag=52, frozen=True):
     """Move SSD blocks into the DRAM arena at the given offsets."""
 
-    KIND = 52
     keys: list[str]
     offsets: list[int]
 
 
-@wire
-class FetchBlocks(Message):
+class FetchBlocks(Message, tag=54, frozen=True):
     """Copy blocks from another daemon (a drain): read them by key from ``source`` into the given
     reserved DRAM extents here, check their checksums and commit them. Answered by a CommandReply."""
 
-    KIND = 54
     source: str
     keys: list[str]
     offsets: list[int]
@@ -745,40 +536,32 @@ class FetchBlocks(Message):
     checksums: list[int]
 
 
-@wire
-class OpenGrant(Message):
+class OpenGrant(Message, tag=55, frozen=True):
     """Space of this daemon's arena the master granted a client: writes into it (WriteGranted) are
     taken until the grant ends, at the latest ``ttl_ms`` after this command arrived."""
 
-    KIND = 55
     grant_id: int
     offset: int
     length: int
     ttl_ms: int
 
 
-@wire
-class EndGrants(Message):
+class EndGrants(Message, tag=56, frozen=True):
     """Take no more writes into these grants and cut those in flight; answered once none can land."""
 
-    KIND = 56
     grant_ids: list[int]
 
 
-@wire
-class CommandReply(Message):
-    KIND = 53
+class CommandReply(Message, tag=53, frozen=True):
     done: list[bool]
 
 
 # -- client -> daemon (data plane: the frame is followed by the blocks' bytes) ----------------
 
 
-@wire
-class WriteBlocks(Message):
+class WriteBlocks(Message, tag=60, frozen=True):
     """Write blocks into reserved DRAM extents; their bytes follow the frame, concatenated in order."""
 
-    KIND = 60
     keys: list[str]
     offsets: list[int]
     sizes: list[int]
@@ -787,12 +570,10 @@ class WriteBlocks(Message):
     """The batch was put with pin=True; the daemon records it so that pins survive a master restart."""
 
 
-@wire
-class WriteGranted(Message):
+class WriteGranted(Message, tag=67, frozen=True):
     """A put in one trip: write blocks into extents of a grant; the daemon checks them, has the
     master commit them, commits them here and answers with a PutReply. Bytes follow as in WriteBlocks."""
 
-    KIND = 67
     grant_id: int
     keys: list[str]
     offsets: list[int]
@@ -801,15 +582,13 @@ class WriteGranted(Message):
     pinned: bool
 
 
-@wire
-class WriteSlices(Message):
+class WriteSlices(Message, tag=66, frozen=True):
     """Write byte ranges of blocks into their reserved extents (the slices of large blocks, sprayed over rails).
 
     Each block is reserved by its first slice to arrive, on whichever rail; its bytes follow the
     frame, slice after slice. Answered by a WriteReply per slice; the blocks stay invisible until a
     CommitBlocks names them."""
 
-    KIND = 66
     keys: list[str]
     offsets: list[int]
     sizes: list[int]
@@ -817,14 +596,12 @@ class WriteSlices(Message):
     lengths: list[int]
 
 
-@wire
-class CommitBlocks(Message):
+class CommitBlocks(Message, tag=64, frozen=True):
     """Commit blocks whose bytes are already in their reserved DRAM extents: copied there by a
     same-host client, or written by WriteSlices.
 
     Nothing follows the frame; the daemon checks each block's checksum in place."""
 
-    KIND = 64
     keys: list[str]
     offsets: list[int]
     sizes: list[int]
@@ -832,9 +609,7 @@ class CommitBlocks(Message):
     pinned: bool
 
 
-@wire
-class WriteReply(Message):
-    KIND = 61
+class WriteReply(Message, tag=61, frozen=True):
     codes: list[int]
     """0 for a block stored, else the code of the error in :mod:`kvstore.errors`."""
     errors: list[str]
@@ -845,9 +620,7 @@ class WriteReply(Message):
         return cls([0 if e is None else e.code for e in outcomes], ["" if e is None else str(e) for e in outcomes])
 
 
-@wire
-class ReadBlocks(Message):
-    KIND = 62
+class ReadBlocks(Message, tag=62, frozen=True):
     keys: list[str]
     tiers: list[str]
     """Where the master last saw each block; a daemon reads by key, so these are hints."""
@@ -855,25 +628,21 @@ class ReadBlocks(Message):
     sizes: list[int]
 
 
-@wire
-class ReadSlices(Message):
+class ReadSlices(Message, tag=65, frozen=True):
     """Read byte ranges of blocks (one slice of a large block per entry, for spraying over several rails).
 
     Answered by a ReadReply: per slice the bytes sent, -1 when the block is not held or the
     range does not lie inside it."""
 
-    KIND = 65
     keys: list[str]
     starts: list[int]
     lengths: list[int]
 
 
-@wire
-class ReadReply(Message):
+class ReadReply(Message, tag=63, frozen=True):
     """Sizes of the blocks read (-1: not held) and their checksums (0 for those not held); the bytes
     of those held follow the frame, in order."""
 
-    KIND = 63
     sizes: list[int]
     checksums: list[int]
 
@@ -881,9 +650,33 @@ class ReadReply(Message):
 # -- framing ------------------------------------------------------------------------------
 
 
+def _register() -> dict[int, type[Message]]:
+    kinds: dict[int, type[Message]] = {}
+    for cls in Message.__subclasses__():
+        kind = cls.__struct_config__.tag
+        assert type(kind) is int, f"{cls.__name__} declares no int tag (its kind)"
+        other = kinds.setdefault(kind, cls)
+        assert other is cls, f"message kind {kind} used by {other.__name__} and {cls.__name__}"
+        cls.KIND = kind
+    return kinds
+
+
+KIND_TO_MESSAGE: dict[int, type[Message]] = _register()
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER: msgspec.msgpack.Decoder[tuple[int, int, Message]] = msgspec.msgpack.Decoder(
+    tuple[int, int, Union[tuple(KIND_TO_MESSAGE.values())]]  # type: ignore[misc]  # noqa: UP007
+)
+_UNTYPED = msgspec.msgpack.Decoder()
+"""Only for a payload the typed decoder refused: to say in the protocol's terms what is wrong."""
+_UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+"""What msgspec raises for bad input: DecodeError (ValidationError is one), UnicodeDecodeError for a
+string that is not UTF-8, RecursionError for arrays nested past its limit (untyped decoding only)."""
+
+
 def encode(message: Message, request_id: int) -> bytes:
     """One whole frame for ``message``."""
-    payload = msgpack.packb([PROTOCOL_VERSION, message.KIND, request_id, message.to_wire()], use_bin_type=True)
+    payload = _ENCODER.encode((PROTOCOL_VERSION, request_id, message))
     if len(payload) > MAX_FRAME_BYTES:
         raise ProtocolError(f"{type(message).__name__} frame of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
     return FRAME_HEADER.pack(len(payload)) + payload
@@ -892,29 +685,103 @@ def encode(message: Message, request_id: int) -> bytes:
 def decode_payload(payload: bytes) -> tuple[int, Message]:
     """(request_id, message) of one frame's payload."""
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise ProtocolError(f"payload is not valid msgpack: {type(exc).__name__}") from None
-    if not isinstance(raw, list) or len(raw) != 4:
-        raise ProtocolError(f"payload must be [version, kind, request_id, fields], got {_describe(raw)}")
-    version, kind, request_id, body = raw
+        version, request_id, message = _DECODER.decode(payload)
+    except _UNREADABLE as exc:
+        raise ProtocolError(_diagnose(payload, exc)) from None
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})")
-    if type(request_id) is not int:
-        raise ProtocolError(f"request id must be an int, got {_describe(request_id)}")
-    cls = KIND_TO_MESSAGE.get(kind) if type(kind) is int else None
-    if cls is None:
-        raise ProtocolError(f"unknown message kind {kind!r}")
-    return request_id, cls.from_wire(body)
+        raise ProtocolError(_unsupported(version))
+    return request_id, message
 
 
 def request_id_of(payload: bytes) -> int:
-    """Best-effort request id of a payload that failed to decode (0 when none can be read), for the error reply."""
+    """Best-effort request id of a payload that failed to decode, for the error reply: 0 when none can be
+    read, or when the payload is of another version (whose framing may put something else there)."""
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-        return raw[2] if isinstance(raw, list) and len(raw) > 2 and type(raw[2]) is int else 0
-    except Exception:
+        raw = _UNTYPED.decode(payload)
+    except _UNREADABLE:
         return 0
+    if not isinstance(raw, list) or len(raw) < 2 or type(raw[0]) is not int or raw[0] != PROTOCOL_VERSION:
+        return 0
+    return raw[1] if type(raw[1]) is int else 0
+
+
+def _unsupported(version: object) -> str:
+    return f"protocol version {version!r:.60} is not supported (this side speaks {PROTOCOL_VERSION})"
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+_ERROR_AT = re.compile(r"(?s)(.*) - at (`key` in )?`\$((?:\[(?:\d+|\.\.\.)\])*)`")
+_STEP = re.compile(r"\[(\d+|\.\.\.)\]")
+
+
+def _diagnose(payload: bytes, error: Exception) -> str:
+    """What is wrong with a payload the typed decoder refused, in the protocol's terms.
+
+    The frame's envelope is checked here in the order a reader needs it (version
+    first: a peer of another version may frame differently); a fault inside a
+    message has msgspec's path of indices turned into field names.
+    """
+    if not isinstance(error, msgspec.ValidationError):
+        return f"payload is not valid msgpack: {error}"
+    try:
+        raw = _UNTYPED.decode(payload)
+    except RecursionError:
+        return "payload is nested too deeply to read"
+    except _UNREADABLE as exc:  # a map key that is itself a map, say
+        return f"payload cannot be read: {exc}"
+    if isinstance(raw, list) and raw and (type(raw[0]) is not int or raw[0] != PROTOCOL_VERSION):
+        return _unsupported(raw[0])
+    if not isinstance(raw, list) or len(raw) != 3:
+        return f"payload must be [version, request_id, [kind, field, ...]], got {_describe(raw)}"
+    if type(raw[1]) is not int:
+        return f"request id must be an int, got {_describe(raw[1])}"
+    body = raw[2]
+    if not isinstance(body, list) or not body:
+        return f"message must be [kind, field, ...], got {_describe(body)}"
+    kind = body[0]
+    cls = KIND_TO_MESSAGE.get(kind) if type(kind) is int else None
+    if cls is None:
+        return f"unknown message kind {_describe(kind)}"
+    text = str(error)
+    located = _ERROR_AT.fullmatch(text)
+    if located is None or not located.group(3).startswith("[2]"):
+        return f"{cls.__name__}: {text}"
+    what, in_key, path = located.groups()
+    steps = _STEP.findall(path)[1:]
+    if not steps and what.startswith("Expected `array` of"):  # msgspec counts the kind in some of these
+        fields = msgspec.structs.fields(cls)
+        required = sum(f.required for f in fields)
+        expected = f"{required} to {len(fields)}" if required < len(fields) else f"{len(fields)}"
+        return f"{cls.__name__}: expected {expected} fields, got {len(body) - 1}"
+    where, tp = _field_path(cls, steps)
+    if in_key:
+        where, tp = f"{where} key", (typing.get_args(tp) or (Any,))[0]
+    if typing.get_origin(tp) is Literal:
+        what += f" (expected one of {typing.get_args(tp)})"
+    return f"{where}: {what[:1].lower()}{what[1:]}"
+
+
+def _field_path(cls: type[Message], steps: list[str]) -> tuple[str, Any]:
+    """msgspec's indices into a message's array as field names (``Exists.keys[1]``), and the type found there."""
+    where: str = cls.__name__
+    tp: Any = cls
+    skip = 1  # a message's array starts with its kind
+    for step in steps:
+        fields = msgspec.structs.fields(tp) if isinstance(tp, type) and issubclass(tp, Struct) else ()
+        if step.isdigit() and 0 <= int(step) - skip < len(fields):
+            field = fields[int(step) - skip]
+            where, tp = f"{where}.{field.name}", field.type
+        else:  # an item of a list, or a value of a map ("...")
+            where, tp = f"{where}[{step}]", (typing.get_args(tp) or (Any,))[-1]
+        skip = 0
+        if typing.get_origin(tp) in (Union, types.UnionType):  # X | None -> X
+            options = [o for o in typing.get_args(tp) if o is not type(None)]
+            tp = options[0] if len(options) == 1 else tp
+    return where, tp
 
 
 class FrameDecoder:

@@ -8,8 +8,9 @@ import typing
 from typing import Any, Literal, Union
 
 import msgpack
+import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvstore import protocol as P
@@ -40,9 +41,17 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
     if origin in (Union, types.UnionType):
         return st.one_of(*(st.none() if o is type(None) else strategy_for(o) for o in typing.get_args(tp)))
     if isinstance(tp, type) and issubclass(tp, P.Struct):
-        hints = typing.get_type_hints(tp)
-        return st.builds(tp, *(strategy_for(hints[name]) for name, _ in tp._validators))
+        return st.builds(tp, *(strategy_for(f.type) for f in msgspec.structs.fields(tp)))
     raise TypeError(tp)
+
+
+def raw(*items: Any) -> bytes:
+    return bytes(msgpack.packb(list(items), use_bin_type=True))
+
+
+def body(kind: int, *fields: Any) -> bytes:
+    """A payload of this version for ``kind`` with the given (possibly wrong) fields."""
+    return raw(P.PROTOCOL_VERSION, 1, [kind, *fields])
 
 
 ALL_MESSAGES = sorted(P.KIND_TO_MESSAGE.values(), key=lambda c: c.KIND)
@@ -61,6 +70,32 @@ def test_every_message_round_trips(cls: type[P.Message], data: st.DataObject, re
 
 def test_every_operation_has_its_own_kind() -> None:
     assert len({c.KIND for c in ALL_MESSAGES}) == len(ALL_MESSAGES) >= 25
+    assert all(c.__struct_config__.tag == c.KIND and P.KIND_TO_MESSAGE[c.KIND] is c for c in ALL_MESSAGES)
+
+
+def test_the_frame_layout_is_version_request_id_then_kind_and_fields() -> None:
+    frame = P.encode(P.GetReplicas(["a", "b"], ["c"]), 7)
+    assert P.FRAME_HEADER.unpack_from(frame) == (len(frame) - 4,)
+    assert msgpack.unpackb(frame[4:]) == [P.PROTOCOL_VERSION, 7, [P.GetReplicas.KIND, ["a", "b"], ["c"], True]]
+
+
+def test_defaults_positional_construction_and_frozen_fields() -> None:
+    assert P.GetReplicas(["a"], []).lease is True
+    assert P.InventoryItem("k", "dram", 0, 1, 2).pinned is False
+    info = P.Nic("eth0", "10.0.0.1", -1, -1)
+    with pytest.raises(AttributeError):
+        info.speed_mbps = 10  # type: ignore[misc]
+    assert msgspec.structs.replace(info, speed_mbps=10) == P.Nic("eth0", "10.0.0.1", 10, -1)
+    assert hash(info) == hash(P.Nic("eth0", "10.0.0.1", -1, -1))
+
+
+def test_a_trailing_field_with_a_default_may_be_left_out_and_no_other() -> None:
+    """msgspec's one leniency: the defaulted trailing fields of GetReplicas and InventoryItem."""
+    assert P.decode_payload(raw(P.PROTOCOL_VERSION, 1, [P.GetReplicas.KIND, ["a"], []]))[1] == P.GetReplicas(
+        ["a"], [], True
+    )
+    with pytest.raises(ProtocolError, match="GetReplicas: expected 2 to 3 fields, got 1"):
+        P.decode_payload(raw(P.PROTOCOL_VERSION, 1, [P.GetReplicas.KIND, ["a"]]))
 
 
 def test_error_reply_carries_the_typed_error() -> None:
@@ -95,8 +130,11 @@ def test_truncated_frames_wait_for_more_bytes() -> None:
     assert len(list(decoder.feed(frame[-1:]))) == 1
 
 
-def raw(*items: Any) -> bytes:
-    return bytes(msgpack.packb(list(items), use_bin_type=True))
+INVENTORY_ITEM = ["k", "dram", 0, 1, 2, False]
+
+
+def register_node(inventory: list[Any], nics: list[Any]) -> bytes:
+    return body(P.RegisterNode.KIND, "n", "a", 1, 1, 64, inventory, ["a"], "h", "p", 1, nics, False, "", 0)
 
 
 @pytest.mark.parametrize(
@@ -104,28 +142,56 @@ def raw(*items: Any) -> bytes:
     [
         (b"\xc1", "not valid msgpack"),
         (b"", "not valid msgpack"),
-        (raw(P.PROTOCOL_VERSION, 2), "version, kind"),
-        (raw(99, P.Stats.KIND, 1, []), "version 99"),
-        (raw(P.PROTOCOL_VERSION, 9999, 1, []), "unknown message kind"),
-        (raw(P.PROTOCOL_VERSION, "20", 1, []), "unknown message kind"),
-        (raw(P.PROTOCOL_VERSION, P.Stats.KIND, "x", []), "request id"),
-        (raw(P.PROTOCOL_VERSION, P.Exists.KIND, 1, [["a", 2]]), r"Exists.keys\[1\]: expected str"),
-        (raw(P.PROTOCOL_VERSION, P.Exists.KIND, 1, ["a"]), "expected a list"),
-        (raw(P.PROTOCOL_VERSION, P.Exists.KIND, 1, [["a"], "extra"]), "expected 1 fields"),
-        (raw(P.PROTOCOL_VERSION, P.PutStart.KIND, 1, [["a"], [True], 1, None, False]), "expected int"),
-        (raw(P.PROTOCOL_VERSION, P.PutStart.KIND, 1, [["a"], [1], 1, 5, False]), "preferred_node: expected str"),
+        (body(P.Stats.KIND) + b"\x00", "not valid msgpack: .*trailing"),
+        (raw(P.PROTOCOL_VERSION, 2), r"must be \[version, request_id, \[kind"),
+        (raw(99, 1, [P.Stats.KIND]), "version 99 is not supported"),
+        (raw(2, P.Stats.KIND, 1, []), "version 2 is not supported"),  # a frame of the previous version
+        (raw(3.0, 1, [P.Stats.KIND]), "version 3.0 is not supported"),
+        (raw(P.PROTOCOL_VERSION, 1, [9999]), "unknown message kind"),
+        (raw(P.PROTOCOL_VERSION, 1, ["20"]), "unknown message kind"),
+        (raw(P.PROTOCOL_VERSION, 1, [True]), "unknown message kind"),
+        (raw(P.PROTOCOL_VERSION, 1, []), r"message must be \[kind"),
+        (raw(P.PROTOCOL_VERSION, 1, P.Stats.KIND), r"message must be \[kind"),
+        (raw(P.PROTOCOL_VERSION, "x", [P.Stats.KIND]), "request id must be an int"),
+        (raw(P.PROTOCOL_VERSION, True, [P.Stats.KIND]), "request id must be an int, got bool"),
+        (raw(P.PROTOCOL_VERSION, 1.0, [P.Stats.KIND]), "request id must be an int, got float"),
+        (body(P.Exists.KIND, ["a", 2]), r"^Exists.keys\[1\]: expected `str`, got `int`"),
+        (body(P.Exists.KIND, "a"), r"^Exists.keys: expected `array`, got `str`"),
+        (body(P.Exists.KIND, ["a"], "extra"), "^Exists: expected 1 fields, got 2"),
+        (body(P.Exists.KIND), "^Exists: expected 1 fields, got 0"),
+        (body(P.Stats.KIND, 1), "^Stats: expected 0 fields, got 1"),
+        (body(P.PutStart.KIND, ["a"], [True], 1, None, False), r"^PutStart.sizes\[0\]: expected `int`, got `bool`"),
+        (body(P.PutStart.KIND, ["a"], [1], 1.0, None, False), "^PutStart.replicas: expected `int`, got `float`"),
         (
-            raw(
-                P.PROTOCOL_VERSION,
-                P.RegisterNode.KIND,
-                1,
-                ["n", "a", 1, 1, 64, [["k", "tape", 0, 1, 2, False]], ["a"], "h", "p", 1, [], False, "", 0],
-            ),
-            "expected one of",
+            body(P.PutStart.KIND, ["a"], [1], 1, 5, False),
+            r"^PutStart.preferred_node: expected `str \| null`, got `int`",
         ),
-        (raw(P.PROTOCOL_VERSION, P.StatsReply.KIND, 1, [{"a": "b"}]), "StatsReply.stats"),
-        (raw(P.PROTOCOL_VERSION, P.Replicate.KIND, 1, [["a"], "n", "1"]), "Replicate.max_bytes: expected int"),
-        (raw(P.PROTOCOL_VERSION, P.MatchPrefixNodesReply.KIND, 1, [1, "n", [1], [1]]), "node_ids: expected a list"),
+        (body(P.GetReplicas.KIND, ["a"], [], 1), "^GetReplicas.lease: expected `bool`, got `int`"),
+        (
+            register_node([["k", "tape", 0, 1, 2, False]], []),
+            r"^RegisterNode.inventory\[0\].tier: invalid enum value 'tape' \(expected one of \('dram', 'ssd'\)\)",
+        ),
+        (
+            register_node([[*INVENTORY_ITEM, 7]], []),
+            r"^RegisterNode.inventory\[0\]: expected `array` of at most length 6",
+        ),
+        (
+            register_node([INVENTORY_ITEM], [["eth0", "a", 1.5, 0]]),
+            r"^RegisterNode.nics\[0\].speed_mbps: expected `int`",
+        ),
+        (
+            body(P.NodesReply.KIND, [["n", "a", ["r"], "h", "p", 1, [["e", "a", 1, "x"]], False, "", True]]),
+            r"^NodesReply.nodes\[0\].nics\[0\].numa_node: expected `int`, got `str`",
+        ),
+        (body(P.StatsReply.KIND, {"a": "b"}), r"^StatsReply.stats\[...\]: expected `int \| float`, got `str`"),
+        (body(P.StatsReply.KIND, {"a": True}), r"^StatsReply.stats\[...\]: expected `int \| float`, got `bool`"),
+        (body(P.StatsReply.KIND, {1: 2}), "^StatsReply.stats key: expected `str`, got `int`"),
+        (body(P.Replicate.KIND, ["a"], "n", "1"), "^Replicate.max_bytes: expected `int`, got `str`"),
+        (body(P.MatchPrefixNodesReply.KIND, 1, "n", [1], [1]), "^MatchPrefixNodesReply.node_ids: expected `array`"),
+        (body(P.Exists.KIND, ["\x7f"]).replace(b"\xa1\x7f", b"\xa1\x80"), "not valid msgpack: 'utf-8' codec"),
+        (b"\x91" * 100_000 + b"\x01", "nested too deeply"),
+        # StatsReply's map swapped for {{1: 2}: 3}: valid msgpack, but no Python dict can hold it
+        (body(P.StatsReply.KIND, {})[:-1] + b"\x81\x81\x01\x02\x03", "map keys must be hashable"),
     ],
 )
 def test_malformed_payloads_are_protocol_errors(payload: bytes, match: str) -> None:
@@ -139,16 +205,52 @@ def test_random_bytes_never_raise_anything_but_protocol_error(payload: bytes) ->
         P.decode_payload(payload)
 
 
-@given(st.recursive(st.none() | st.booleans() | INT | st.text(max_size=5), lambda c: st.lists(c, max_size=4)))
-def test_random_msgpack_bodies_never_raise_anything_but_protocol_error(body: Any) -> None:
+ANY_VALUE = st.recursive(
+    st.none() | st.booleans() | INT | st.floats() | st.text(max_size=5) | st.binary(max_size=5),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=3), c, max_size=3),
+)
+
+
+@given(ANY_VALUE)
+def test_random_msgpack_bodies_never_raise_anything_but_protocol_error(fields: Any) -> None:
     for kind in P.KIND_TO_MESSAGE:
-        with contextlib.suppress(ProtocolError):
-            P.decode_payload(raw(P.PROTOCOL_VERSION, kind, 1, body))
+        for message in ([kind, *fields] if isinstance(fields, list) else [kind, fields], fields):
+            with contextlib.suppress(ProtocolError):
+                P.decode_payload(raw(P.PROTOCOL_VERSION, 1, message))
+
+
+@pytest.mark.parametrize("cls", ALL_MESSAGES, ids=lambda c: c.__name__)
+@given(data=st.data())
+def test_every_truncated_payload_is_a_protocol_error(cls: type[P.Message], data: st.DataObject) -> None:
+    payload = P.encode(data.draw(strategy_for(cls)), 5)[4:]
+    cut = data.draw(st.integers(0, len(payload) - 1))
+    with pytest.raises(ProtocolError):
+        P.decode_payload(payload[:cut])
+
+
+@pytest.mark.parametrize("cls", [c for c in ALL_MESSAGES if msgspec.structs.fields(c)], ids=lambda c: c.__name__)
+@given(data=st.data(), wrong=ANY_VALUE)
+def test_a_wrong_typed_field_is_a_protocol_error_naming_it(
+    cls: type[P.Message], data: st.DataObject, wrong: Any
+) -> None:
+    fields = msgspec.structs.fields(cls)
+    index = data.draw(st.integers(0, len(fields) - 1))
+    with contextlib.suppress(msgspec.ValidationError):
+        msgspec.msgpack.Decoder(fields[index].type).decode(msgpack.packb(wrong))
+        assume(False)  # a value that fits the field is no test of a wrong one
+    message = msgspec.to_builtins(data.draw(strategy_for(cls)))
+    message[1 + index] = wrong
+    with pytest.raises(ProtocolError, match=rf"^{cls.__name__}\.{fields[index].name}(\[|:| key)"):
+        P.decode_payload(raw(P.PROTOCOL_VERSION, 1, message))
 
 
 def test_request_id_of_a_bad_payload() -> None:
-    assert P.request_id_of(raw(P.PROTOCOL_VERSION, 9999, 42, [])) == 42
+    assert P.request_id_of(raw(P.PROTOCOL_VERSION, 42, [9999])) == 42
+    assert P.request_id_of(raw(P.PROTOCOL_VERSION, True, [9999])) == 0
+    assert P.request_id_of(raw(2, 38, 42, [])) == 0  # another version's frame: its id may sit elsewhere
     assert P.request_id_of(b"\xc1") == 0
+    assert P.request_id_of(b"\xa1\x80") == 0  # not UTF-8
+    assert P.request_id_of(b"\x91" * 100_000 + b"\x01") == 0
 
 
 def test_prefix_match_travels_as_parallel_columns() -> None:
