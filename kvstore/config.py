@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar
 
@@ -67,8 +68,84 @@ def format_size(num_bytes: float) -> str:
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
 
 
+Loc = tuple[int | str, ...]
+"""Where a setting sits in a config: field names, outermost first (pydantic's ``loc``)."""
+
+
+def _dotted(loc: Loc) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_REASONS = {"extra_forbidden": "unknown setting", "missing": "missing; this setting is required"}
+
+
+def _config_error(subject: str, exc: ValidationError, name_of: Callable[[Loc], str]) -> ConfigError:
+    """One :class:`ConfigError` naming every bad setting, the value given, and what is wrong with it."""
+    problems = []
+    for err in exc.errors():
+        where = name_of(err["loc"]) if err["loc"] else ""
+        # A whole section (a missing field, a cross-field rule) has no single value worth showing.
+        if where and not isinstance(err["input"], Mapping | BaseModel):
+            where += f"={_shown(err['input'])}"
+        cause = err.get("ctx", {}).get("error")  # a validator's own exception, without pydantic's "Value error, "
+        reason = str(cause) if isinstance(cause, Exception) else _REASONS.get(err["type"], err["msg"])
+        problems.append(f"{where}: {reason}" if where else reason)
+    return ConfigError(f"invalid {subject}: " + "; ".join(problems))
+
+
+@contextmanager
+def _config_errors(subject: str, name_of: Callable[[Loc], str] = _dotted) -> Iterator[None]:
+    try:
+        yield
+    except ValidationError as exc:
+        raise _config_error(subject, exc, name_of) from None
+
+
 class _Frozen(BaseModel):
+    """Base of every config model: frozen, unknown keys refused, defaults validated.
+
+    Every way of building one (``Model(...)``, ``model_validate``, ``model_validate_json``,
+    ``model_validate_strings``, :func:`load`) raises :class:`ConfigError` naming each bad setting
+    and its value, never pydantic's ``ValidationError``. Validators inside the models may raise
+    ``ValueError``: pydantic collects those with the rest and they come out here.
+    """
+
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    def __init__(self, /, **data: Any) -> None:
+        with _config_errors(type(self).__name__):
+            super().__init__(**data)
+
+    # Pydantic calls a model's own __init__ to validate it as a field of another model, which would
+    # turn a nested error into an opaque one at the outer field. This __init__ only translates errors,
+    # so pydantic may validate nested models as its own and keep the full path of a nested error.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Self:
+        with _config_errors(cls.__name__):
+            return super().model_validate(obj, *args, **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, *args: Any, **kwargs: Any) -> Self:
+        with _config_errors(cls.__name__):
+            return super().model_validate_json(json_data, *args, **kwargs)
+
+    @classmethod
+    def model_validate_strings(cls, obj: Any, *args: Any, **kwargs: Any) -> Self:
+        with _config_errors(cls.__name__):
+            return super().model_validate_strings(obj, *args, **kwargs)
+
+    @classmethod
+    def _validate_named(cls, obj: Mapping[str, Any], subject: str, name_of: Callable[[Loc], str]) -> Self:
+        """``model_validate``, with settings named by ``name_of`` in the error (e.g. as environment variables)."""
+        with _config_errors(subject, name_of):
+            return super().model_validate(obj)
 
 
 class DramConfig(_Frozen):
@@ -160,7 +237,7 @@ class NodeConfig(_Frozen):
     verify_reads: bool = Field(default=False, description="Verify every block's checksum when it is read.")
 
 
-ModelT = TypeVar("ModelT", bound=BaseModel)
+ConfigT = TypeVar("ConfigT", bound=_Frozen)
 
 
 def env_overrides(prefix: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -192,25 +269,22 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load(model: type[ModelT], component: str, environ: Mapping[str, str] | None = None, **overrides: Any) -> ModelT:
+def load(model: type[ConfigT], component: str, environ: Mapping[str, str] | None = None, **overrides: Any) -> ConfigT:
     """Build ``model`` from ``KVSTORE_<COMPONENT>_*`` variables, then ``overrides``.
 
-    Raises :class:`ConfigError` naming every unknown or malformed setting.
+    Raises :class:`ConfigError` naming every unknown or malformed setting, as the
+    environment variable or keyword path that set it, and its value.
     """
     prefix = f"KVSTORE_{component.upper()}_"
     merged = _merge(env_overrides(prefix, environ), overrides)
-    try:
-        return model.model_validate(merged)
-    except ValidationError as exc:
-        problems = "; ".join(f"{_setting_name(err['loc'], prefix, overrides)}: {err['msg']}" for err in exc.errors())
-        raise ConfigError(f"invalid {component} config: {problems}") from None
+    return model._validate_named(merged, f"{component} config", lambda loc: _setting_name(loc, prefix, overrides))
 
 
-def _setting_name(loc: tuple[int | str, ...], prefix: str, overrides: Mapping[str, Any]) -> str:
+def _setting_name(loc: Loc, prefix: str, overrides: Mapping[str, Any]) -> str:
     """The name a user wrote: the environment variable, or the dotted keyword path."""
     if loc and loc[0] not in overrides:
         return prefix + "__".join(str(p) for p in loc).upper()
-    return ".".join(str(p) for p in loc) or "config"
+    return _dotted(loc) or "config"
 
 
 class MasterConfig(_Frozen):
@@ -229,6 +303,12 @@ class MasterConfig(_Frozen):
     command_timeout_ms: int = Field(default=10_000, gt=0, description="Bound on one command to a daemon.")
     idle_timeout_s: float = Field(default=600.0, gt=0, description="An idle client connection is closed after this.")
     tick_ms: int = Field(default=100, gt=0, description="Period of expiry and command retries.")
+    grant_ttl_ms: int = Field(
+        default=10_000, gt=0, description="Granted write space (one-trip puts) returns to the pool after this."
+    )
+    grant_fraction: float = Field(
+        default=1 / 64, gt=0, le=0.5, description="Largest grant, as a fraction of a node's DRAM."
+    )
     admin_port: int | None = Field(
         default=None, ge=0, le=65535, description="Port of the REST admin API, /metrics and the dashboard (0: any)."
     )
@@ -286,8 +366,14 @@ class ClientConfig(_Frozen):
     location_hints: int = Field(
         default=65536,
         ge=0,
-        description="Keys whose last known node the client remembers, to read from it while the master answers"
-        " (the bytes are kept only if the master confirms); 0 turns speculative reads off.",
+        description="Keys whose last known node the client remembers: a get reads them from that node in one"
+        " round trip (a miss there asks the master); 0 asks the master first for every get.",
+    )
+    grant_bytes: ByteSize = Field(
+        default=parse_size("16MiB"),
+        ge=0,
+        description="Write space the client asks the master for ahead of its puts, so that a put is one round trip"
+        " to a daemon (the master caps a grant at a fraction of a node's DRAM); 0: every put asks the master.",
     )
 
 

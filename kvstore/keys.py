@@ -4,6 +4,15 @@ Prefix hashing chains xxh3-128 over full blocks of tokens::
 
     h_{-1} = xxh3_128("kvstore-prefix-v1" || u32 block_size || namespace)
     h_i    = xxh3_128(h_{i-1} || tokens of block i)
+    key_i  = namespace + "/" + hex(h_i)        (hex(h_i) alone when the namespace is "")
+
+The namespace is spelled out in front of each key so that operators can list
+and evict one namespace by prefix (``kvstore keys --prefix llama-3-8b/fp16/``);
+it is also hashed into the seed, so the hex part alone already differs between
+namespaces. Namespaces nest by ``/``: the prefix ``llama-3-8b/`` covers
+``llama-3-8b/fp16`` and ``llama-3-8b/bf16``. A namespace is at most
+:data:`MAX_NAMESPACE_BYTES` bytes of UTF-8, holds no control character and
+does not end with ``/`` (see :func:`validate_namespace`).
 
 Tokens of a block are hashed as little-endian int32 when every token of that
 block fits in int32, else as int64. The width depends on the values only, never
@@ -15,6 +24,7 @@ block size into the seed keeps keys of different block sizes apart.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, NewType
 
@@ -28,6 +38,11 @@ MAX_KEY_BYTES = 256
 
 BlockKey = NewType("BlockKey", str)
 """A validated key: a non-empty str of at most MAX_KEY_BYTES bytes of UTF-8."""
+
+_HEX_DIGITS = 32
+MAX_NAMESPACE_BYTES = MAX_KEY_BYTES - _HEX_DIGITS - 1
+"""Longest namespace, in bytes of UTF-8: ``<namespace>/`` and 32 hex digits make one key."""
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 _INT32_MAX = 2**31 - 1
 _SEED_TAG = b"kvstore-prefix-v1"
@@ -95,35 +110,82 @@ def _tokens_to_array(token_ids: Any) -> np.ndarray:
     return arr
 
 
+def validate_namespace(namespace: object) -> str:
+    """Return ``namespace``, or raise :class:`InvalidKey` if the keys it prefixes could not be valid keys.
+
+    ``""`` is no namespace (bare hex keys). Otherwise it must fit :data:`MAX_NAMESPACE_BYTES`
+    bytes of UTF-8, hold no control character (keys are listed one a line, and a newline
+    would split one) and not end with ``/`` (the separator is added to it).
+    """
+    if not isinstance(namespace, str):
+        raise InvalidKey(f"namespace must be str, not {type(namespace).__name__}")
+    try:
+        size = len(namespace.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidKey(f"namespace {namespace[:40]!r} cannot be encoded as UTF-8: {exc.reason}") from None
+    if size > MAX_NAMESPACE_BYTES:
+        raise InvalidKey(
+            f"namespace is {size} bytes of UTF-8, more than the limit of {MAX_NAMESPACE_BYTES} (a key is"
+            f" '<namespace>/' and {_HEX_DIGITS} hex digits, at most {MAX_KEY_BYTES} bytes): {namespace[:40]!r}..."
+        )
+    control = _CONTROL.search(namespace)
+    if control is not None:
+        raise InvalidKey(f"namespace {namespace[:40]!r} holds the control character {control.group()!r}")
+    if namespace.endswith("/"):
+        raise InvalidKey(f"namespace {namespace!r} ends with '/'; keys are '<namespace>/<hex>', so leave it out")
+    return namespace
+
+
+def key_digest(key: str) -> bytes:
+    """The 16-byte chain hash ``h_i`` a key of :func:`block_keys` or :func:`tail_key` ends with."""
+    try:
+        digest = bytes.fromhex(key.rpartition("/")[2])
+    except ValueError:
+        digest = b""
+    if len(digest) != _HEX_DIGITS // 2:  # fromhex also skips spaces: count what it made
+        raise InvalidKey(f"key {key[:80]!r} does not end with {_HEX_DIGITS} hex digits")
+    return digest
+
+
 def prefix_seed(block_size: int, namespace: str = "") -> bytes:
     """The 16-byte chain seed ``h_{-1}`` for a namespace and block size."""
     if type(block_size) is not int or block_size <= 0:
         raise InvalidArgument(f"block_size must be a positive int, got {block_size!r}")
-    if not isinstance(namespace, str):
-        raise InvalidArgument(f"namespace must be str, not {type(namespace).__name__}")
+    validate_namespace(namespace)
     return xxhash.xxh3_128_digest(_SEED_TAG + block_size.to_bytes(4, "little") + namespace.encode("utf-8"))
 
 
-def block_keys(token_ids: Any, block_size: int, namespace: str = "") -> list[BlockKey]:
-    """One 32-hex-digit key per full block of ``token_ids``, chained by prefix.
+def _key(namespace: str, digest: bytes) -> BlockKey:
+    return BlockKey(f"{namespace}/{digest.hex()}" if namespace else digest.hex())
 
-    Keys of a token sequence start with the keys of each of its prefixes, so the
-    longest stored prefix of a request is a prefix of its key list.
-    """
-    prev = prefix_seed(block_size, namespace)
-    arr = _tokens_to_array(token_ids)
+
+def _chain(arr: np.ndarray, block_size: int, seed: bytes) -> list[bytes]:
+    """The digests ``h_0 .. h_{n-1}`` of the full blocks of ``arr``."""
     num_blocks = arr.size // block_size
     if num_blocks == 0:
         return []
     blocks = arr[: num_blocks * block_size].reshape(num_blocks, block_size)
     narrow = blocks.max(axis=1) <= _INT32_MAX
     as32 = blocks.astype("<i4") if bool(narrow.all()) else None
-    keys: list[BlockKey] = []
+    digests: list[bytes] = []
+    prev = seed
     for i in range(num_blocks):
         row = as32[i] if as32 is not None else (blocks[i].astype("<i4") if narrow[i] else blocks[i].astype("<i8"))
         prev = xxhash.xxh3_128_digest(prev + row.tobytes())
-        keys.append(BlockKey(prev.hex()))
-    return keys
+        digests.append(prev)
+    return digests
+
+
+def block_keys(token_ids: Any, block_size: int, namespace: str = "") -> list[BlockKey]:
+    """One key per full block of ``token_ids``, chained by prefix: ``<namespace>/<32 hex digits>``.
+
+    Without a namespace a key is the 32 hex digits alone. Keys of a token sequence
+    start with the keys of each of its prefixes, so the longest stored prefix of a
+    request is a prefix of its key list. Raises :class:`InvalidKey` for a namespace
+    that :func:`validate_namespace` refuses, :class:`InvalidArgument` for bad tokens.
+    """
+    seed = prefix_seed(block_size, namespace)
+    return [_key(namespace, digest) for digest in _chain(_tokens_to_array(token_ids), block_size, seed)]
 
 
 def tail_key(token_ids: Any, block_size: int, namespace: str = "") -> BlockKey | None:
@@ -141,11 +203,11 @@ def tail_key(token_ids: Any, block_size: int, namespace: str = "") -> BlockKey |
     tail = arr[num_full * block_size :]
     if tail.size == 0:
         return None
-    keys = block_keys(arr[: num_full * block_size], block_size, namespace)
-    prev = bytes.fromhex(keys[-1]) if keys else seed
+    digests = _chain(arr[: num_full * block_size], block_size, seed)
+    prev = digests[-1] if digests else seed
     width = "<i4" if int(tail.max()) <= _INT32_MAX else "<i8"
     body = _TAIL_TAG + tail.size.to_bytes(4, "little") + tail.astype(width).tobytes()
-    return BlockKey(xxhash.xxh3_128_digest(prev + body).hex())
+    return _key(namespace, xxhash.xxh3_128_digest(prev + body))
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import CorruptBlock, InvalidArgument
-from kvstore.keys import block_keys
+from kvstore.keys import block_keys, key_digest
 from kvstore.workload import TraceRequest
 
 _STAMP = 16
@@ -127,7 +127,7 @@ def replay(
 
 
 def _stamps(keys: Sequence[str]) -> np.ndarray:
-    return np.frombuffer(b"".join(bytes.fromhex(k)[:_STAMP] for k in keys), dtype=np.uint8).reshape(-1, _STAMP)
+    return np.frombuffer(b"".join(key_digest(k)[:_STAMP] for k in keys), dtype=np.uint8).reshape(-1, _STAMP)
 
 
 def _verify(keys: Sequence[str], loaded: np.ndarray, pattern: np.ndarray) -> None:

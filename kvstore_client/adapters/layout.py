@@ -22,7 +22,6 @@ a key; the trailing partial block of a prompt has its own key (:func:`tail_key`)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -30,7 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import BlockKey, block_keys, tail_key
+from kvstore.keys import BlockKey, block_keys, tail_key, validate_namespace
 
 LAYOUT_VERSION = 1
 """Bumped whenever the byte order of an object changes: old objects then never match."""
@@ -99,16 +98,24 @@ class KVLayout:
             raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        try:
+            validate_namespace(self.namespace)
+        except InvalidArgument as exc:  # a model name too long for keys, or with a control character
+            raise InvalidArgument(f"model {self.model[:60]!r} cannot be part of a key namespace: {exc}") from None
 
     # -- identity --------------------------------------------------------------------------
     @property
     def namespace(self) -> str:
-        """The key namespace: every field that changes an object's bytes, and the layout version."""
-        fields = [
-            "kvstore-kv", LAYOUT_VERSION, self.model, self.dtype, self.num_layers, self.num_kv_heads,
-            self.head_dim, self.tp_rank, self.tp_size,
-        ]  # fmt: skip
-        return json.dumps(fields, separators=(",", ":"))  # a list, so no two field lists spell the same string
+        """The key namespace, in front of every key: every field that changes an object's bytes, and the
+        layout version, as ``kv<version>/<model>/<dtype>/<layers>L-<kv heads>H-<head dim>D/tp<rank>of<size>``.
+
+        So ``kvstore keys --prefix kv1/<model>/`` lists one model's blocks. Only the model is free text
+        (it may hold ``/``), and the segments after it never do, so no two field lists spell the same string.
+        """
+        return (
+            f"kv{LAYOUT_VERSION}/{self.model}/{self.dtype}/"
+            f"{self.num_layers}L-{self.num_kv_heads}H-{self.head_dim}D/tp{self.tp_rank}of{self.tp_size}"
+        )
 
     def keys(self, token_ids: Any) -> list[BlockKey]:
         """One key per full block of ``token_ids``, chained by prefix."""

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.keys import block_keys
+from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import PutOptions, Store
-from server.cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "ops-token"
@@ -33,7 +34,7 @@ def kvstore(*args: str, token: str | None = TOKEN) -> subprocess.CompletedProces
     env = {k: v for k, v in os.environ.items() if k != "KVSTORE_ADMIN_TOKEN"}
     if token is not None:
         env["KVSTORE_ADMIN_TOKEN"] = token
-    return subprocess.run([sys.executable, "-m", "kvstore_client.cli", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvstore_cli", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=60, env={**env, "PYTHONPATH": str(REPO)})  # fmt: skip
 
 
@@ -93,3 +94,20 @@ def test_errors_are_clear(cluster: LocalCluster) -> None:
     assert nobody.returncode == 2 and "admin API at http://127.0.0.1:1" in nobody.stderr
     bad = kvstore("evict", "--node", "node0", "--master", cluster.master_address)
     assert bad.returncode == 2 and "--node and --tier go together" in bad.stderr
+
+
+def test_keys_and_evict_by_prefix_select_exactly_one_namespace(cluster: LocalCluster) -> None:
+    tokens = list(range(64))
+    fp16, bf16 = block_keys(tokens, 16, "ops-llama/fp16"), block_keys(tokens, 16, "ops-llama/bf16")
+    with Store.connect(cluster.master_address) as store:
+        store.put_many([(k, b"x" * 100) for k in [*fp16, *bf16, *block_keys(tokens, 16)]])
+    listed = kvstore("keys", "--prefix", "ops-llama/fp16/", "--limit", "100", "--master", cluster.master_address,
+                     "--json")  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)["keys"] == sorted(fp16)
+    described = kvstore("key", fp16[0], "--master", cluster.master_address, "--json")  # a "/" inside the key
+    assert described.returncode == 0 and json.loads(described.stdout)["size"] == 100, described.stderr
+    evicted = kvstore("evict", "--prefix", "ops-llama/fp16/", "--master", cluster.master_address, "--json")
+    assert evicted.returncode == 0 and json.loads(evicted.stdout)["evicted"] == len(fp16), evicted.stderr
+    left = kvstore("keys", "--prefix", "ops-llama/", "--limit", "100", "--master", cluster.master_address, "--json")
+    assert json.loads(left.stdout)["keys"] == sorted(bf16)

@@ -3,7 +3,19 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from kvstore.config import DramConfig, NodeConfig, SsdConfig, format_size, load, parse_size
+from kvstore.config import (
+    ClientConfig,
+    ConductorConfig,
+    DaemonConfig,
+    DramConfig,
+    EvictionConfig,
+    MasterConfig,
+    NodeConfig,
+    SsdConfig,
+    format_size,
+    load,
+    parse_size,
+)
 from kvstore.errors import ConfigError, InvalidArgument
 
 
@@ -40,21 +52,58 @@ def test_format_size() -> None:
 def test_models_are_frozen_and_reject_unknown_keys() -> None:
     config = NodeConfig(dram={"capacity": "8MiB"})
     assert config.dram.capacity == 8 * 2**20
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValidationError):  # assigning is a bug in the caller, not a bad setting
         config.dram.capacity = 1  # type: ignore[misc]
-    with pytest.raises(ValidationError, match="capacty"):
+    with pytest.raises(ConfigError, match="capacty=5: unknown setting"):
         DramConfig(capacty=5)  # type: ignore[call-arg]
 
 
 def test_cross_field_rules() -> None:
-    with pytest.raises(ValidationError, match="path is required"):
+    with pytest.raises(ConfigError, match="path is required"):
         SsdConfig(capacity="1GiB")
-    with pytest.raises(ValidationError, match="low_watermark"):
+    with pytest.raises(ConfigError, match=r"eviction: low_watermark \(0.6\) must not exceed"):
         NodeConfig(eviction={"high_watermark": 0.5, "low_watermark": 0.6})
-    with pytest.raises(ValidationError, match="power of two"):
+    with pytest.raises(ConfigError, match="power of two, got 96"):
         DramConfig(alignment=96)
-    with pytest.raises(ValidationError, match="pattern"):
+    with pytest.raises(ConfigError, match=r"name='\.\./etc': String should match pattern"):
         DramConfig(name="../etc")
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: ClientConfig(timeout_s=-1), r"invalid ClientConfig: timeout_s=-1: .*greater than 0"),
+        (lambda: ClientConfig(replicas=0), "replicas=0"),
+        (lambda: ClientConfig(transport="carrier-pigeon"), "transport='carrier-pigeon'"),
+        (lambda: ClientConfig(slice_bytes="12XB"), r"slice_bytes='12XB': size '12XB' is not a number"),
+        (lambda: MasterConfig(port=70000), "port=70000"),
+        (lambda: DaemonConfig(dram={"capacity": 0}), r"invalid DaemonConfig: dram.capacity=0"),
+        (lambda: EvictionConfig(high_watermark=2), "high_watermark=2"),
+        (lambda: NodeConfig(ssd={"capacity": -1}), r"ssd.capacity=-1: size must not be negative"),
+        (lambda: ConductorConfig(decode=["http://d"]), "prefill: missing"),
+        (lambda: ConductorConfig(prefill=[], decode=["http://d"]), r"prefill=\[\]"),
+        (lambda: ClientConfig.model_validate({"timeout_s": "soon"}), "timeout_s='soon'"),
+        (lambda: ClientConfig.model_validate_json('{"timeout_s": -1}'), "timeout_s=-1"),
+        (lambda: ClientConfig.model_validate_strings({"replicas": "0"}), "replicas='0'"),
+    ],
+)
+def test_every_model_and_every_way_of_building_one_raises_config_error(build: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as caught:
+        build()  # type: ignore[operator]
+    assert isinstance(caught.value, InvalidArgument) and not isinstance(caught.value, ValidationError)
+
+
+def test_a_config_error_names_every_bad_setting() -> None:
+    with pytest.raises(ConfigError) as caught:
+        ClientConfig(timeout_s=0, replicas=99, bogus=1)  # type: ignore[call-arg]
+    message = str(caught.value)
+    assert "timeout_s=0" in message and "replicas=99" in message and "bogus=1: unknown setting" in message
+
+
+def test_valid_nested_models_pass_through() -> None:
+    dram = DramConfig(capacity="8MiB")
+    assert NodeConfig(dram=dram).dram == dram
+    assert NodeConfig.model_validate({"dram": {"capacity": "8MiB"}}).dram == dram
 
 
 def test_environment_overrides_nest_with_double_underscores(tmp_path: Path) -> None:
@@ -85,3 +134,10 @@ def test_unknown_or_malformed_environment_settings_are_named() -> None:
         load(NodeConfig, "node", environ={"KVSTORE_NODE_DRAM__CAPACITY": "12XB"})
     with pytest.raises(ConfigError, match="scalar"):
         load(NodeConfig, "node", environ={"KVSTORE_NODE_VERIFY_READS": "1", "KVSTORE_NODE_VERIFY_READS__X": "2"})
+
+
+def test_load_names_keyword_settings_by_their_path_and_value() -> None:
+    with pytest.raises(ConfigError, match=r"invalid client config: timeout_s=-1"):
+        load(ClientConfig, "client", environ={}, timeout_s=-1)
+    with pytest.raises(ConfigError, match=r"KVSTORE_MASTER_PORT='x'"):
+        load(MasterConfig, "master", environ={"KVSTORE_MASTER_PORT": "x"})
