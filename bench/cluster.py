@@ -15,6 +15,7 @@ against them.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing as mp
 import os
@@ -31,8 +32,9 @@ import numpy as np
 from kvstore.config import ClientConfig, parse_size
 from kvstore.metadata import PlacementTable
 from kvstore.policy import EvictionPolicy
+from kvstore_cli.cluster import LocalCluster
+from kvstore_client.aio import AsyncStore
 from kvstore_client.store import Store
-from server.cluster import LocalCluster
 
 SIZES = [4 * 1024, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024]
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "run.sh"
@@ -115,7 +117,32 @@ def _line(op: str, size: int, batch: int, calls: int, seconds: float, lat: list[
     }
 
 
-def bench_size(store: Store, raw: RawTcp, size: int, batch: int, total: int, tag: str) -> list[dict[str, Any]]:
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class MasterCpu:
+    """The master's CPU time over a row, per operation (``master_cpu_us``)."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid
+        self._start = 0.0
+
+    def start(self) -> None:
+        if self.pid is not None:
+            self._start = cpu_seconds(self.pid)
+
+    def per_op_us(self, ops: int) -> float | None:
+        if self.pid is None or not ops:
+            return None
+        return round((cpu_seconds(self.pid) - self._start) / ops * 1e6, 1)
+
+
+def bench_size(
+    store: Store, raw: RawTcp, size: int, batch: int, total: int, tag: str, cpu: MasterCpu | None = None
+) -> list[dict[str, Any]]:
     # All of a line's blocks stay stored until its gets are done: keep them within the daemon's DRAM.
     calls = max(2, min(total // (size * batch), 2000 // batch if batch > 1 else 2000))
     src = np.random.default_rng(size).integers(0, 256, (batch, size), dtype=np.uint8)
@@ -130,8 +157,13 @@ def bench_size(store: Store, raw: RawTcp, size: int, batch: int, total: int, tag
         got = store.get_many_into(keys[c], rows_dst)
         assert got == [size] * batch, f"get of {keys[c][0]}... returned {got[:3]}"
 
+    cpu = cpu or MasterCpu(None)
+    cpu.start()
     put_s, put_lat = _time_calls(calls, put)
+    put_cpu = cpu.per_op_us(calls * batch)
+    cpu.start()
     get_s, get_lat = _time_calls(calls, get)
+    get_cpu = cpu.per_op_us(calls * batch)
     assert np.array_equal(dst, src)
     flat_src, flat_dst = src.reshape(-1).data, dst.reshape(-1).data
     raw_put, _ = _time_calls(calls, lambda c: raw.put(flat_src))
@@ -139,9 +171,62 @@ def bench_size(store: Store, raw: RawTcp, size: int, batch: int, total: int, tag
     for c in range(calls):
         store.remove_many(keys[c])
     return [
-        _line("put", size, batch, calls, put_s, put_lat, raw_put),
-        _line("get", size, batch, calls, get_s, get_lat, raw_get),
+        {**_line("put", size, batch, calls, put_s, put_lat, raw_put), "master_cpu_us": put_cpu},
+        {**_line("get", size, batch, calls, get_s, get_lat, raw_get), "master_cpu_us": get_cpu},
     ]
+
+
+def bench_exists(store: Store, raw: RawTcp, cpu: MasterCpu, calls: int = 2000) -> dict[str, Any]:
+    """A master-only call: ``exists`` of one stored key, against a bare socket ping-pong (``baseline``)."""
+    store.put("exists-probe", b"x")
+    cpu.start()
+    seconds, lat = _time_calls(calls, lambda c: store.exists("exists-probe"))
+    per_op = cpu.per_op_us(calls)
+    store.remove("exists-probe")
+    one = memoryview(bytearray(1))
+    _, base = _time_calls(calls, lambda c: raw.get(one))
+    lat.sort()
+    base.sort()
+    return {"bench": "cluster", "op": "exists", "batch": 1, "calls": calls, "ops": round(calls / seconds),
+            "p50_us": round(lat[len(lat) // 2] * 1e6, 1), "baseline_p50_us": round(base[len(base) // 2] * 1e6, 1),
+            "master_cpu_us": per_op}  # fmt: skip
+
+
+def bench_async_gets(master: str, config: ClientConfig, cpu: MasterCpu, size: int = 4096, concurrency: int = 64,
+                     rounds: int = 200) -> dict[str, Any]:  # fmt: skip
+    """``concurrency`` gets at once from one event loop (AsyncStore), ``rounds`` times."""
+
+    async def run() -> dict[str, Any]:
+        async with await AsyncStore.connect(master, config) as astore:
+            keys = [f"async-{size}-{i}" for i in range(concurrency)]
+            data = np.random.default_rng(7).integers(0, 256, (concurrency, size), dtype=np.uint8)
+            await astore.put_many(zip(keys, list(data), strict=True))
+            out = np.zeros_like(data)
+            rows = list(out)
+
+            async def one_round() -> None:
+                got = await asyncio.gather(*(astore.get_into(k, r) for k, r in zip(keys, rows, strict=True)))
+                assert got == [size] * concurrency, got[:3]
+
+            await one_round()
+            lat = []
+            cpu.start()
+            start = time.perf_counter()
+            for _ in range(rounds):
+                t = time.perf_counter()
+                await one_round()
+                lat.append(time.perf_counter() - t)
+            seconds = time.perf_counter() - start
+            per_op = cpu.per_op_us(rounds * concurrency)
+            assert np.array_equal(out, data)
+            await astore.remove_many(keys)
+            lat.sort()
+            return {"bench": "cluster", "op": "get", "client": "async", "size": size, "concurrency": concurrency,
+                    "calls": rounds * concurrency, "ops": round(rounds * concurrency / seconds),
+                    "GBps": round(rounds * concurrency * size / seconds / 1e9, 3),
+                    "p50_us": round(lat[len(lat) // 2] * 1e6, 1), "master_cpu_us": per_op}  # fmt: skip
+
+    return asyncio.run(run())
 
 
 def bench_match_prefix(store: Store, num_keys: int = 1_000_000, query: int = 64) -> list[dict[str, Any]]:
@@ -212,12 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     config = ClientConfig(transport="tcp")
     with LocalCluster(1, dram=args.dram) as cluster, Store.connect(cluster.master_address, config) as store:
         raw = RawTcp(max(sizes) * max(batches))
+        cpu = MasterCpu(cluster.master.pid if cluster.master is not None else None)
         try:
             for size in sizes:
                 for batch in batches:
-                    for line in bench_size(store, raw, size, batch, total, tag="b"):
+                    for line in bench_size(store, raw, size, batch, total, tag="b", cpu=cpu):
                         ours.append(line)
                         print(json.dumps(line), flush=True)
+            print(json.dumps(bench_exists(store, raw, cpu)), flush=True)
+            print(json.dumps(bench_async_gets(cluster.master_address, config, cpu)), flush=True)
             for line in bench_match_prefix(store, args.match_keys):
                 print(json.dumps(line), flush=True)
         finally:

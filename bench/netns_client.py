@@ -21,8 +21,16 @@ import numpy as np
 
 from kvstore.config import ClientConfig, parse_size
 from kvstore.errors import KVStoreError
+from kvstore.protocol import NodeInfo
+from kvstore_client.dataplane import RailPath
 from kvstore_client.store import Store
 from transfer.rails import RailSet
+
+
+def _railset(store: Store, node: NodeInfo) -> RailSet | None:
+    """The rails this client sprays the node's transfers over (None when it reaches it otherwise)."""
+    path = store._path(node.node_id, node.address)
+    return path.railset if isinstance(path, RailPath) else None
 
 
 def _wait_for_node(master: str, config: ClientConfig, timeout: float = 60.0) -> Store:
@@ -62,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         out = np.zeros_like(blocks)
         if args.mode == "get":
             sys.stdin.readline()
-            railset = store._railset(node.node_id)
+            railset = _railset(store, node)
             assert railset is not None, f"node {node.node_id} has one rail: {node.rails}"
             before = {r.address: r.bytes_moved for r in railset.rails}
             start = time.perf_counter()

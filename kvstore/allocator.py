@@ -181,6 +181,33 @@ class Allocator:
             length += after
         self._add_free(start, length)
 
+    def carve(self, extent: Extent, part: Extent) -> list[Extent]:
+        """Cut the allocated ``extent`` so that ``part`` (aligned, inside it) is an allocated extent of
+        its own; returns the allocated rest (zero, one or two extents), left then right. Nothing is freed."""
+        start, length = extent
+        if self._allocated.get(start) != length:
+            raise InvalidArgument(f"extent ({start}, {length}) is not allocated")
+        p_start, p_len = part
+        if (
+            p_len <= 0
+            or p_start & self._mask
+            or p_len & self._mask
+            or p_start < start
+            or p_start + p_len > start + length
+        ):
+            raise InvalidArgument(f"({p_start}, {p_len}) is not an aligned part of extent ({start}, {length})")
+        rest = []
+        del self._allocated[start]
+        if p_start > start:
+            self._allocated[start] = p_start - start
+            rest.append(Extent(start, p_start - start))
+        self._allocated[p_start] = p_len
+        end, p_end = start + length, p_start + p_len
+        if p_end < end:
+            self._allocated[p_end] = end - p_end
+            rest.append(Extent(p_end, end - p_end))
+        return rest
+
     @property
     def num_extents(self) -> int:
         """Extents handed out and not yet freed."""

@@ -115,6 +115,12 @@ class NoNodes(KVStoreError):
     code = 44
 
 
+class GrantExpired(KVStoreError):
+    """Granted write space that has ended (expired, returned, or unknown to a restarted master)."""
+
+    code = 45
+
+
 class ProtocolError(KVStoreError):
     """A frame or message that does not follow the wire protocol."""
 

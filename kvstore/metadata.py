@@ -30,10 +30,19 @@ Rules:
 - A daemon's (re)registration replaces everything the table knew of that node
   by the daemon's inventory: the daemons are the source of truth, so a new
   master rebuilds the whole table from them.
+- ``grant_space`` reserves DRAM on one node for a client to write into without
+  asking per put (a **grant**: allocated pieces of the arena, bounded and
+  expiring). ``commit_granted`` turns an extent of a grant into a committed
+  block (or answers ``exists``); a grant's unused pieces return to the pool only
+  after its daemon confirmed the grant ended (``end_grants`` then
+  ``finish_end_grants``), so no write into it can land in reused space.
+- ``record_access`` counts reads a daemon served by key without the master
+  (the one-trip read path) and touches the LRU as ``get_replicas`` does.
 
 Invariants: a committed, readable replica is in exactly its node's tier LRU;
 each node's allocator holds exactly the extents of that node's DRAM replicas
-(committed, pending, moving or copying); no node holds two replicas of a block.
+(committed, pending, moving or copying) and the pieces of its grants; no node
+holds two replicas of a block.
 """
 
 from __future__ import annotations
@@ -44,7 +53,15 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.allocator import Allocator, Extent
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, NotFound, RetryLater
+from kvstore.errors import (
+    CapacityError,
+    GrantExpired,
+    InvalidArgument,
+    KVStoreError,
+    NoNodes,
+    NotFound,
+    RetryLater,
+)
 from kvstore.keys import BlockKey, validate_key
 from kvstore.lru import LRU
 from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
@@ -153,6 +170,32 @@ class PutPlan:
     """Indexes of keys to ask again for once ``commands`` are applied."""
 
 
+@dataclass(slots=True)
+class Grant:
+    """DRAM of one node reserved for one client's puts: the pieces not yet committed as blocks."""
+
+    grant_id: int
+    node_id: str
+    pieces: list[Extent]
+    """Allocated extents, sorted by offset; a commit carves its block out of one."""
+    deadline_ms: int
+    ending: bool = False
+    """The daemon is being told to take no more writes: commits are refused; pieces freed once it answers."""
+
+
+@dataclass(slots=True)
+class GrantPlan:
+    grant: Grant | None
+    commands: list[NodeCommand]
+    waiting: bool
+    """No room yet, but evictions in ``commands`` (or in flight) will make some: ask again."""
+    error: KVStoreError | None = None
+
+
+PUT_STORED, PUT_EXISTS = 0, 1
+"""Per-block codes of a one-trip put (else an error code of :mod:`kvstore.errors`)."""
+
+
 Strategy = Callable[[list[NodeState], str | None, random.Random], list[NodeState]]
 
 
@@ -204,6 +247,8 @@ class PlacementTable:
         self._pending: dict[str, ObjectEntry] = {}
         self._leases: list[tuple[int, str, str, str]] = []  # heap of (expiry, key, node, tier value)
         self._want_promote: set[str] = set()
+        self.grants: dict[int, Grant] = {}
+        self._next_grant = 1
         self.draining: set[str] = set()
         """Nodes out of placement, their blocks being moved elsewhere (an operator's drain)."""
         self._rng = random.Random(seed)
@@ -222,6 +267,8 @@ class PlacementTable:
                 "expired",
                 "bytes_read",
                 "bytes_written",
+                "grants",
+                "grants_expired",
             ),
             0,
         )
@@ -295,6 +342,9 @@ class PlacementTable:
         """Drop every replica on ``node_id``; returns revocations of its puts' replicas on other nodes."""
         if self.nodes.pop(node_id, None) is None:
             return []
+        # Its grants go with it: the daemon forgets them when it registers, and the allocator is rebuilt.
+        for grant_id in [g.grant_id for g in self.grants.values() if g.node_id == node_id]:
+            del self.grants[grant_id]
         broken: list[ObjectEntry] = []
         # Readable replicas and moving ones alike: the daemon's inventory now tells what it holds.
         for store in (self.objects, self._pending):
@@ -337,6 +387,159 @@ class PlacementTable:
         expired = [e for e in self._pending.values() if e.deadline_ms <= now_ms]
         self.counters["expired"] += len(expired)
         return self._revoke(expired) + self._plan_promotions()
+
+    def expired_grants(self, now_ms: int) -> dict[str, list[int]]:
+        """Grants past their deadline, now ending, by node: their daemons must be told (then
+        :meth:`finish_end_grants`)."""
+        due = [g.grant_id for g in self.grants.values() if not g.ending and g.deadline_ms <= now_ms]
+        self.counters["grants_expired"] += len(due)
+        return self.end_grants(due)
+
+    # -- grants: space written into without a master round trip per put -------------------------
+    def grant_space(self, length: int, preferred_node: str | None, ttl_ms: int, now_ms: int) -> GrantPlan:
+        """Reserve ``length`` bytes of one node's DRAM (placement as for a put, evicting by LRU first
+        when the node is above its high watermark) for ``ttl_ms``."""
+        if type(length) is not int or length <= 0:
+            raise InvalidArgument(f"grant length must be a positive int, got {length!r}")
+        if type(ttl_ms) is not int or ttl_ms <= 0:
+            raise InvalidArgument(f"grant ttl must be a positive int of milliseconds, got {ttl_ms!r}")
+        placeable = [n for n in self.up_nodes() if n.node_id not in self.draining]
+        if not placeable:
+            return GrantPlan(None, [], False, NoNodes("no storage node is up"))
+        plan = PutPlan([], [], [])
+        waiting = False
+        for node in self.strategy(placeable, preferred_node, self._rng):
+            if node.alloc.capacity < length:
+                continue
+            extent, evicting = self._reserve(node, length, plan)
+            if extent is not None:
+                grant = Grant(self._next_grant, node.node_id, [extent], now_ms + ttl_ms)
+                self._next_grant += 1
+                self.grants[grant.grant_id] = grant
+                self.counters["grants"] += 1
+                return GrantPlan(grant, plan.commands, False)
+            waiting = waiting or evicting or node.inflight > 0
+            if plan.commands:
+                break  # room is being made on this node: ask again once it is
+        if waiting:
+            return GrantPlan(None, plan.commands, True)
+        if not any(n.alloc.capacity >= length for n in placeable):
+            return GrantPlan(
+                None, [], False, CapacityError(f"a grant of {length} bytes is larger than every node's DRAM")
+            )
+        if any(self._busy(n) for n in placeable):
+            return GrantPlan(None, [], False, RetryLater(f"no room for a grant of {length} bytes yet"))
+        return GrantPlan(None, [], False, CapacityError(f"no room for a grant of {length} bytes: DRAM is pinned"))
+
+    def confirm_grant(self, grant_id: int, deadline_ms: int) -> None:
+        """Set the grant's deadline once its daemon took it (the daemon's own deadline ends earlier)."""
+        grant = self.grants.get(grant_id)
+        if grant is not None:
+            grant.deadline_ms = deadline_ms
+
+    def end_grants(self, grant_ids: Iterable[int]) -> dict[str, list[int]]:
+        """Stop committing into these grants; by node, the grants its daemon must close."""
+        out: dict[str, list[int]] = {}
+        for grant_id in grant_ids:
+            grant = self.grants.get(grant_id)
+            if grant is None or grant.ending:
+                continue
+            grant.ending = True
+            out.setdefault(grant.node_id, []).append(grant_id)
+        return out
+
+    def finish_end_grants(self, node_id: str, grant_ids: Iterable[int]) -> None:
+        """The daemon closed these grants: their unused pieces return to the pool."""
+        node = self.nodes.get(node_id)
+        for grant_id in grant_ids:
+            grant = self.grants.get(grant_id)
+            if grant is None or grant.node_id != node_id:
+                continue
+            del self.grants[grant_id]
+            if node is not None:
+                for piece in grant.pieces:
+                    node.alloc.free(piece)
+
+    def commit_granted(
+        self,
+        node_id: str,
+        grant_id: int,
+        keys: Sequence[str],
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        checksums: Sequence[int],
+        pinned: bool,
+    ) -> list[tuple[int, str]]:
+        """Commit blocks a daemon holds written into a grant, each at its extent; per block
+        (PUT_STORED, "") or (PUT_EXISTS, "") or an error's (code, text). Idempotent: a block
+        already committed at that extent with that checksum answers PUT_STORED again."""
+        if not len(keys) == len(offsets) == len(sizes) == len(checksums):
+            raise InvalidArgument("commit_granted got lists of different lengths")
+        grant = self.grants.get(grant_id)
+        node = self.nodes.get(node_id)
+        out: list[tuple[int, str]] = []
+        for key, offset, size, check in zip(keys, offsets, sizes, checksums, strict=True):
+            key = validate_key(key)
+            entry = self.objects.get(key) or self._pending.get(key)
+            if entry is not None:
+                same = entry.committed and any(
+                    r.node_id == node_id and r.extent is not None and r.extent.offset == offset for r in entry.replicas
+                )
+                if same and entry.checksum == check and entry.size == size:
+                    out.append((PUT_STORED, ""))
+                elif entry.removing:
+                    out.append((RetryLater.code, f"key {key!r} is being moved or removed; retry"))
+                else:
+                    self.counters["put_exists"] += 1
+                    if entry.committed:
+                        self._touch(entry)
+                    out.append((PUT_EXISTS, ""))
+                continue
+            if grant is None or grant.ending or grant.node_id != node_id or node is None:
+                out.append((GrantExpired.code, f"grant {grant_id} on {node_id} has ended"))
+                continue
+            if type(size) is not int or size <= 0 or type(offset) is not int:
+                out.append((InvalidArgument.code, f"block {key!r}: bad extent ({offset!r}, {size!r})"))
+                continue
+            extent = Extent(offset, node.alloc.round_up(size))
+            at = next((i for i, p in enumerate(grant.pieces) if p.offset <= offset and extent.end <= p.end), None)
+            if at is None or offset % node.alloc.alignment:
+                out.append(
+                    (InvalidArgument.code, f"block {key!r}: extent {extent} is not free space of grant {grant_id}")
+                )
+                continue
+            grant.pieces[at : at + 1] = node.alloc.carve(grant.pieces[at], extent)
+            entry = ObjectEntry(key, size, check, [ReplicaState(node_id, DRAM, extent)], True, 0, pinned)
+            self.objects[key] = entry
+            node.dram_lru.insert(key, size)
+            if pinned:
+                node.dram_lru.pin(key)
+            self.counters["puts"] += 1
+            self.counters["bytes_written"] += size
+            out.append((PUT_STORED, ""))
+        return out
+
+    def record_access(self, node_id: str, keys: Iterable[str]) -> None:
+        """Count reads ``node_id``'s daemon served by key (no master round trip) and touch their LRU."""
+        counters = self.counters
+        for key in keys:
+            entry = self.objects.get(key)
+            if entry is None or entry.removing or not entry.committed:
+                continue
+            replica = next((r for r in entry.replicas if r.node_id == node_id and not r.moving), None)
+            if replica is None:
+                continue
+            counters["gets"] += 1
+            counters["hits"] += 1
+            counters["bytes_read"] += entry.size
+            self._touch(entry)
+            if replica.tier is DRAM:
+                counters["dram_hits"] += 1
+            else:
+                counters["ssd_hits"] += 1
+                entry.ssd_hits += 1
+                if self.policy.should_promote(entry.ssd_hits) and not any(r.tier is DRAM for r in entry.replicas):
+                    self._want_promote.add(key)
 
     # -- writes -----------------------------------------------------------------------
     def put_start(
@@ -389,6 +592,11 @@ class PlacementTable:
             if not self.up_nodes():
                 return _ticket_error(NoNodes("no storage node is up"))
             return _ticket_error(CapacityError(f"block {key!r} of {size} bytes is larger than every node's DRAM"))
+        if len(nodes) < replicas:
+            # Fewer copies than asked would be a silent loss of redundancy: say so instead.
+            return _ticket_error(
+                NoNodes(f"{replicas} replicas of {key!r} asked for, but only {len(nodes)} nodes can hold it")
+            )
         chosen: list[ReplicaState] = []
         waiting = False  # some node will have room once its evictions are done
         for node in nodes:
@@ -420,7 +628,7 @@ class PlacementTable:
 
     def _busy(self, node: NodeState) -> bool:
         """Whether some of the node's DRAM is held only for now: leased, or reserved by puts in flight."""
-        if node.dram_lru.num_leased:
+        if node.dram_lru.num_leased or any(g.node_id == node.node_id for g in self.grants.values()):
             return True
         return any(r.node_id == node.node_id for e in self._pending.values() for r in e.replicas)
 
@@ -533,8 +741,9 @@ class PlacementTable:
             if entry.key in lru:
                 lru.touch(entry.key)
 
-    def get_replicas(self, keys: Sequence[str], now_ms: int) -> GetReplicasReply:
-        """Readable replicas of each key (DRAM first), leased for ``lease_ms``; a miss has size -1.
+    def get_replicas(self, keys: Sequence[str], now_ms: int, lease: bool = True) -> GetReplicasReply:
+        """Readable replicas of each key (DRAM first), leased for ``lease_ms`` when ``lease``; a miss
+        has size -1. (A reader through the daemon needs no lease: the daemon copies under its lock.)
 
         Built straight in the flat wire form: this is the hottest call of the master.
         """
@@ -558,8 +767,9 @@ class PlacementTable:
                 readable.sort(key=lambda r: r.tier is not DRAM)
             for r in readable:
                 node = self.nodes[r.node_id]
-                node.lru(r.tier).lease(key)
-                heapq.heappush(self._leases, (expiry, key, r.node_id, r.tier.value))
+                if lease:
+                    node.lru(r.tier).lease(key)
+                    heapq.heappush(self._leases, (expiry, key, r.node_id, r.tier.value))
                 reply.nodes.append(r.node_id)
                 reply.addresses.append(node.address)
                 reply.tiers.append(r.tier.value)
@@ -1011,11 +1221,14 @@ class PlacementTable:
         for node in self.nodes.values():
             node.alloc.check()
             extents = sorted(
-                (r.extent.offset, r.extent.length)
-                for store in (self.objects, self._pending)
-                for e in store.values()
-                for r in e.replicas
-                if r.node_id == node.node_id and r.extent is not None
+                [
+                    (r.extent.offset, r.extent.length)
+                    for store in (self.objects, self._pending)
+                    for e in store.values()
+                    for r in e.replicas
+                    if r.node_id == node.node_id and r.extent is not None
+                ]
+                + [(p.offset, p.length) for g in self.grants.values() if g.node_id == node.node_id for p in g.pieces]
             )
             assert extents == sorted(node.alloc._allocated.items()), f"{node.node_id}: extents drifted"
             for tier in (DRAM, SSD):

@@ -55,7 +55,9 @@ def run_daemon(config: DaemonConfig) -> int:
         rails=server.rails,
         ucx_address=ucx_address,
         transfer_stats=server.transfer_bytes,
+        before_register=server.reset_grants,
     )
+    server.master = link
     link.start()
     if ucx is not None:
         log.info("UCX data plane on %s (%s)", ucx_address, tune_environment())

@@ -16,40 +16,87 @@ import os
 import socket
 import threading
 import time
-from collections import Counter
+from bisect import bisect_left
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, ProtocolError, Timeout
+from kvstore.allocator import align_up
+from kvstore.errors import (
+    ConnectionFailed,
+    CorruptBlock,
+    GrantExpired,
+    InvalidArgument,
+    KVStoreError,
+    ProtocolError,
+    Timeout,
+)
 from kvstore.keys import BlockKey, validate_key
+from kvstore.metadata import PUT_EXISTS, PUT_STORED
 from kvstore.protocol import (
+    AccessReport,
     CommandReply,
     CommitBlocks,
+    CommitGranted,
     DemoteBlocks,
     DropBlocks,
+    EndGrants,
     ErrorReply,
     FetchBlocks,
     Heartbeat,
     HeartbeatReply,
     Message,
+    OkReply,
+    OpenGrant,
     PromoteBlocks,
+    PutReply,
     ReadBlocks,
     ReadReply,
     ReadSlices,
     RegisterNode,
     RegisterReply,
     WriteBlocks,
+    WriteGranted,
     WriteReply,
     WriteSlices,
 )
 from server.daemon.storage import DaemonStorage
 from transfer import topology
-from transfer.rpc import Connection
+from transfer.rpc import Connection, ConnectionPool
 from transfer.wire import NoRequest, recv_all_into, recv_message, recv_read_reply, send_message, set_timeouts
 
 log = logging.getLogger("kvstore.daemon")
 
 Handler = Callable[[Any, socket.socket, int], None]
+
+
+@dataclass(slots=True)
+class _Grant:
+    """Arena space the master granted a client: writes land only inside it, never twice in one place."""
+
+    offset: int
+    end: int
+    deadline: float
+    """time.monotonic() after which no write is taken."""
+    claimed: list[tuple[int, int]] = field(default_factory=list)
+    """Extents written into, sorted (start, end)."""
+    receivers: set[socket.socket] = field(default_factory=set)
+    active: int = 0
+    """Writes in flight into it."""
+    closed: bool = False
+
+    def claim(self, start: int, end: int) -> bool:
+        """Take ``[start, end)`` if it lies inside the grant and touches no extent taken before."""
+        if start < self.offset or end > self.end:
+            return False
+        i = bisect_left(self.claimed, (start, end))
+        if i > 0 and self.claimed[i - 1][1] > start:
+            return False
+        if i < len(self.claimed) and self.claimed[i][0] < end:
+            return False
+        self.claimed.insert(i, (start, end))
+        return True
 
 
 class DaemonServer:
@@ -87,8 +134,15 @@ class DaemonServer:
         self._slice_receivers: dict[str, set[socket.socket]] = {}
         self._transfer: Counter[str] = Counter()
         self._transfer_lock = threading.Lock()
+        self._grants: dict[int, _Grant] = {}
+        self._grants_cond = threading.Condition()
+        self.master: MasterLink | None = None
+        """Set once the link exists: one-trip puts commit through it, one-trip reads are reported to it."""
         self._handlers: dict[type[Message], Handler] = {
             WriteBlocks: self._write,
+            WriteGranted: self._write_granted,
+            OpenGrant: self._open_grant,
+            EndGrants: lambda m, s, r: self._command(s, r, self.end_grants(m.grant_ids)),
             CommitBlocks: self._commit,
             ReadBlocks: self._read,
             ReadSlices: self._read_slices,
@@ -213,6 +267,135 @@ class DaemonServer:
         self.count("tcp", self._rail(sock), "in", sum(msg.sizes))
         self._write_reply(sock, request_id, batch.finish())
 
+    # -- one-trip puts: writes into space the master granted -----------------------------------
+    def _open_grant(self, msg: OpenGrant, sock: socket.socket, request_id: int) -> None:
+        alignment = self.storage.arena.alignment
+        if (
+            msg.offset < 0
+            or msg.offset % alignment
+            or msg.length <= 0
+            or msg.offset + msg.length > self.storage.arena.capacity
+        ):
+            raise InvalidArgument(f"grant ({msg.offset}, {msg.length}) is outside the arena or misaligned")
+        with self._grants_cond:
+            if msg.grant_id not in self._grants:
+                deadline = time.monotonic() + msg.ttl_ms / 1000
+                self._grants[msg.grant_id] = _Grant(msg.offset, msg.offset + msg.length, deadline)
+        self._command(sock, request_id, [True])
+
+    def end_grants(self, grant_ids: Sequence[int], wait_s: float | None = None) -> list[bool]:
+        """Take no more writes into ``grant_ids``; cut those receiving and wait until none is in flight."""
+        with self._grants_cond:
+            grants = [g for i in grant_ids if (g := self._grants.get(i)) is not None]
+            for grant in grants:
+                grant.closed = True
+                for sock in grant.receivers:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+            done = self._grants_cond.wait_for(
+                lambda: all(g.active == 0 for g in grants), self.io_timeout if wait_s is None else wait_s
+            )
+            if not done:
+                raise Timeout("writes into ending grants did not stop in time")
+            for grant_id in grant_ids:
+                self._grants.pop(grant_id, None)
+        return [True] * len(grant_ids)
+
+    def reset_grants(self) -> None:
+        """Forget every grant (a master that registers this node anew knows none of them)."""
+        with self._grants_cond:
+            ids = list(self._grants)
+        with contextlib.suppress(Timeout):
+            self.end_grants(ids)
+
+    def _write_granted(self, msg: WriteGranted, sock: socket.socket, request_id: int) -> None:
+        n = len(msg.keys)
+        if not len(msg.offsets) == len(msg.sizes) == len(msg.checksums) == n or any(s <= 0 for s in msg.sizes):
+            raise ConnectionFailed("WriteGranted with mismatched or non-positive sizes")  # payload unknowable
+        keys = self._keys(msg.keys)
+        alignment = self.storage.arena.alignment
+        refused: list[KVStoreError | None] = [None] * n
+        with self._grants_cond:
+            grant = self._grants.get(msg.grant_id)
+            if grant is None or grant.closed or time.monotonic() > grant.deadline:
+                refused = [GrantExpired(f"grant {msg.grant_id} has ended")] * n
+                grant = None
+            else:
+                for i, (offset, size) in enumerate(zip(msg.offsets, msg.sizes, strict=True)):
+                    if offset % alignment or not grant.claim(offset, offset + align_up(size, alignment)):
+                        refused[i] = InvalidArgument(
+                            f"block {keys[i]!r}: extent ({offset}, {size}) is not free space of grant {msg.grant_id}"
+                        )
+                grant.active += 1
+                grant.receivers.add(sock)
+        try:
+            self._write_into_grant(msg, keys, refused, sock, request_id)
+        finally:
+            if grant is not None:
+                with self._grants_cond:
+                    grant.active -= 1
+                    grant.receivers.discard(sock)
+                    self._grants_cond.notify_all()
+
+    def _write_into_grant(
+        self, msg: WriteGranted, keys: list[BlockKey], refused: list[KVStoreError | None], sock: socket.socket,
+        request_id: int,
+    ) -> None:  # fmt: skip
+        codes = [0] * len(keys)
+        texts = [""] * len(keys)
+        todo = [i for i, r in enumerate(refused) if r is None and not self.storage.holds(keys[i])]
+        for i, r in enumerate(refused):
+            if r is not None:
+                codes[i], texts[i] = r.code, str(r)
+            elif i not in todo:
+                codes[i] = PUT_EXISTS  # stored here already
+        batch = self.storage.write_batch(
+            [keys[i] for i in todo], [msg.offsets[i] for i in todo], [msg.sizes[i] for i in todo],
+            [msg.checksums[i] for i in todo], msg.pinned,
+        )  # fmt: skip
+        targets: list[memoryview] = []
+        at = iter(batch.targets)
+        wanted = set(todo)
+        for i, size in enumerate(msg.sizes):
+            targets.append(next(at) if i in wanted else memoryview(bytearray(size)))
+        try:
+            recv_all_into(sock, targets)
+        except BaseException:
+            batch.abort()
+            raise
+        self.count("tcp", self._rail(sock), "in", sum(msg.sizes))
+        verified = batch.verify()
+        ask = [j for j, ok in enumerate(verified) if ok]
+        answers: list[tuple[int, str]] = []
+        if ask:
+            try:
+                if self.master is None:
+                    raise ConnectionFailed("this daemon has no link to a master yet")
+                answers = self.master.commit_granted(
+                    msg.grant_id, [keys[todo[j]] for j in ask], [msg.offsets[todo[j]] for j in ask],
+                    [msg.sizes[todo[j]] for j in ask], [msg.checksums[todo[j]] for j in ask], msg.pinned,
+                )  # fmt: skip
+            except BaseException:
+                batch.finish([False] * len(todo))
+                raise
+        told = dict(zip(ask, answers, strict=True))
+        accept = [told.get(j, (-1, ""))[0] == PUT_STORED for j in range(len(todo))]
+        outcome = batch.finish(accept)
+        for j, i in enumerate(todo):
+            code, text = told.get(j, (-1, ""))
+            if outcome[j] is not None:
+                err = outcome[j]
+                assert err is not None
+                codes[i], texts[i] = err.code, str(err)
+            elif j not in told:
+                codes[i], texts[i] = (
+                    CorruptBlock.code,
+                    f"block {keys[i]!r} arrived with another checksum than the writer said",
+                )
+            else:
+                codes[i], texts[i] = code, text
+        send_message(sock, PutReply(codes, texts), request_id)
+
     def _write_slices(self, msg: WriteSlices, sock: socket.socket, request_id: int) -> None:
         n = len(msg.keys)
         if not len(msg.offsets) == len(msg.sizes) == len(msg.starts) == len(msg.lengths) == n or any(
@@ -274,6 +457,12 @@ class DaemonServer:
             sizes = [-1 if v is None else v.nbytes for v in views]
             send_message(sock, ReadReply(sizes, sums), request_id, [v for v in views if v is not None])
         self.count("tcp", self._rail(sock), "out", sum(n for n in sizes if n > 0))
+        if self.master is not None:
+            # A reader that knew the size asked the master, which counted the hit; one that did not
+            # (size 0) came here first: the master learns of it from this node's access reports.
+            self.master.note_access(
+                [k for k, want, got in zip(keys, msg.sizes, sizes, strict=True) if not want and got > 0]
+            )
 
     def _read_slices(self, msg: ReadSlices, sock: socket.socket, request_id: int) -> None:
         if not len(msg.keys) == len(msg.starts) == len(msg.lengths):
@@ -320,8 +509,14 @@ class MasterLink:
         ucx_address: str = "",
         transfer_stats: Callable[[], dict[str, int]] | None = None,
         on_registered: Callable[[], None] | None = None,
+        before_register: Callable[[], None] | None = None,
+        report_period_s: float = 0.01,
     ) -> None:
         self._transfer_stats = transfer_stats
+        self._before_register = before_register
+        self._calls = ConnectionPool(master, timeout, size=4)  # commits of one-trip puts, access reports
+        self._accessed: deque[str] = deque()
+        self._report_period = report_period_s
         self.master = master
         self.rails = list(rails)
         self.ucx_address = ucx_address
@@ -334,11 +529,46 @@ class MasterLink:
         self._on_registered = on_registered
         self.registered = threading.Event()
         self._thread = threading.Thread(target=self._run, name="daemon-master-link", daemon=True)
+        self._reporter = threading.Thread(target=self._report_loop, name="daemon-access-reports", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        self._reporter.start()
+
+    def commit_granted(
+        self, grant_id: int, keys: list[BlockKey], offsets: list[int], sizes: list[int], checksums: list[int],
+        pinned: bool,
+    ) -> list[tuple[int, str]]:  # fmt: skip
+        """Have the master commit blocks written into a grant; per block (code, text) as in PutReply."""
+        message = CommitGranted(self.node_id, grant_id, list(keys), offsets, sizes, checksums, pinned)
+        with self._calls.connection() as conn:
+            reply = conn.call(message, PutReply)
+        if not len(reply.codes) == len(reply.errors) == len(keys):
+            raise ProtocolError(f"the master answered {len(reply.codes)} commits for {len(keys)} blocks")
+        return list(zip(reply.codes, reply.errors, strict=True))
+
+    def note_access(self, keys: list[BlockKey]) -> None:
+        """Blocks served by key to readers that did not ask the master: reported within a period."""
+        self._accessed.extend(keys)
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(self._report_period):
+            self.flush_reports()
+
+    def flush_reports(self) -> None:
+        accessed = self._accessed
+        keys = [accessed.popleft() for _ in range(min(len(accessed), 65536))]
+        if not keys:
+            return
+        try:
+            with self._calls.connection() as conn:
+                conn.call(AccessReport(self.node_id, keys), OkReply)
+        except KVStoreError as exc:
+            log.debug("access report of %d keys lost: %s", len(keys), exc)  # LRU order only; never data
 
     def _register(self) -> None:
+        if self._before_register is not None:
+            self._before_register()
         arena = self.storage.arena
         ssd_capacity = self.storage.ssd.capacity if self.storage.ssd is not None else 0
         message = RegisterNode(
@@ -376,4 +606,6 @@ class MasterLink:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._reporter.join(timeout=5)
         self._conn.close()
+        self._calls.close()

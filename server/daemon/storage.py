@@ -90,9 +90,20 @@ class WriteBatch:
                 [(k, r) for k, r in zip(self._keys, self._reserved, strict=True) if isinstance(r, memoryview)]
             )
 
-    def finish(self) -> list[KVStoreError | None]:
-        """Commit the blocks whose bytes match their checksums; per block None or the error that refused it."""
+    def verify(self) -> list[bool]:
+        """Per block, whether its bytes arrived whole and match the writer's checksum (blocks already
+        stored exactly so count as verified; refused ones do not). Outside any lock."""
+        self._sums = [checksum(r) if isinstance(r, memoryview) else None for r in self._reserved]
+        return [
+            (s == c) if isinstance(r, memoryview) else r is None
+            for r, s, c in zip(self._reserved, self._sums, self._checksums, strict=True)
+        ]
+
+    def finish(self, accept: Sequence[bool] | None = None) -> list[KVStoreError | None]:
+        """Commit the blocks whose bytes match their checksums (and that ``accept`` allows; the others
+        are discarded); per block None or the error that refused it."""
         self._open = False
+        sums = getattr(self, "_sums", None)
         done = iter(
             self._storage.finish_writes(
                 [
@@ -101,6 +112,12 @@ class WriteBatch:
                     if isinstance(r, memoryview)
                 ],
                 self._pinned,
+                sums=[s for s, r in zip(sums, self._reserved, strict=True) if isinstance(r, memoryview)]
+                if sums is not None
+                else None,
+                accept=[a for a, r in zip(accept, self._reserved, strict=True) if isinstance(r, memoryview)]
+                if accept is not None
+                else None,
             )
         )
         return [next(done) if isinstance(r, memoryview) else r for r in self._reserved]
@@ -191,14 +208,26 @@ class DaemonStorage:
         return out
 
     def finish_writes(
-        self, blocks: Sequence[tuple[BlockKey, memoryview, int]], pinned: bool = False
+        self,
+        blocks: Sequence[tuple[BlockKey, memoryview, int]],
+        pinned: bool = False,
+        sums: Sequence[int | None] | None = None,
+        accept: Sequence[bool] | None = None,
     ) -> list[KVStoreError | None]:
-        """Commit blocks whose bytes are in their views and match their checksums; discard the others."""
-        sums = [checksum(view) for _, view, _ in blocks]  # outside the lock: readers go on meanwhile
+        """Commit blocks whose bytes are in their views and match their checksums; discard the others
+        (and those ``accept`` refuses: reported as None, their fate told by whoever refused them).
+        ``sums``: the checksums of the views, computed already."""
+        if sums is None:
+            sums = [checksum(view) for _, view, _ in blocks]  # outside the lock: readers go on meanwhile
         out: list[KVStoreError | None] = []
         with self.lock.exclusive():
-            for (key, view, expected), actual in zip(blocks, sums, strict=True):
+            for i, ((key, view, expected), actual) in enumerate(zip(blocks, sums, strict=True)):
                 view.release()
+                if accept is not None and not accept[i]:
+                    if self.arena.is_pending(key):
+                        self.arena.abort(key)
+                    out.append(None)
+                    continue
                 if not self.arena.is_pending(key):
                     # Committed or dropped meanwhile (the slices of one block commit once).
                     stored = key in self.arena and self.arena.entry(key).checksum == expected
@@ -219,6 +248,10 @@ class DaemonStorage:
                 view.release()
                 if self.arena.is_pending(key):
                     self.arena.abort(key)
+
+    def holds(self, key: BlockKey) -> bool:
+        """Whether a committed block ``key`` is here, in either tier."""
+        return key in self.arena or (self.ssd is not None and key in self.ssd)
 
     # -- reads ---------------------------------------------------------------------
     @contextmanager

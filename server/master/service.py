@@ -15,24 +15,30 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any
+
+from msgspec.structs import replace
 
 from kvstore.config import MasterConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NotFound, ProtocolError
-from kvstore.metadata import Move, NodeCommand, PlacementTable
+from kvstore.metadata import Grant, Move, NodeCommand, PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
 from kvstore.protocol import (
+    AccessReport,
     AdminInfo,
     AdminInfoReply,
     CommandReply,
+    CommitGranted,
     DemoteBlocks,
     DropBlocks,
+    EndGrants,
     ErrorReply,
     Exists,
     ExistsReply,
     FetchBlocks,
     GetReplicas,
+    GrantReply,
+    GrantSpace,
     Heartbeat,
     HeartbeatReply,
     ListNodes,
@@ -44,9 +50,11 @@ from kvstore.protocol import (
     NodeInfo,
     NodesReply,
     OkReply,
+    OpenGrant,
     PromoteBlocks,
     PutEnd,
     PutEndReply,
+    PutReply,
     PutRevoke,
     PutStart,
     PutStartReply,
@@ -59,6 +67,7 @@ from kvstore.protocol import (
     Replicate,
     Replicated,
     ReplicateReply,
+    ReturnGrants,
     Stats,
     StatsReply,
     decode_payload,
@@ -73,15 +82,22 @@ log = logging.getLogger("kvstore.master")
 Handler = Callable[[Any], Awaitable[Message]]
 
 # Requests whose repetition would change the outcome: their answers are kept for retries.
-_NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset({PutStart, PutEnd, PutRevoke, Remove, Replicate})
+_NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset(
+    {PutStart, PutEnd, PutRevoke, Remove, Replicate, GrantSpace, CommitGranted}
+)
 _ANSWER_TTL_S = 120.0
 _MAX_ANSWERS = 1 << 16
 
 # Requests whose master-side latency is kept as a histogram (served at /metrics).
 _TIMED: dict[type[Message], str] = {
     PutStart: "put_start", PutEnd: "put_end", GetReplicas: "get_replicas", MatchPrefix: "match_prefix",
-    MatchPrefixNodes: "match_prefix_nodes",
+    MatchPrefixNodes: "match_prefix_nodes", GrantSpace: "grant_space", CommitGranted: "commit_granted",
 }  # fmt: skip
+
+# A daemon's grant deadline runs from when it took the grant; the master's a margin later, so that
+# the daemon has stopped taking writes into a grant before the master frees it. (Freeing waits for
+# the daemon's EndGrants answer anyway; the margin keeps a lost answer from holding space long.)
+_GRANT_MARGIN_MS = 1_000
 
 # A put waits for at most this many rounds of evictions before its keys fail.
 _MAX_EVICTION_ROUNDS = 64
@@ -123,6 +139,10 @@ class MasterService:
             PutRevoke: self._put_revoke,
             GetReplicas: self._get_replicas,
             ReleaseLeases: self._release_leases,
+            GrantSpace: self._grant_space,
+            ReturnGrants: self._return_grants,
+            CommitGranted: self._commit_granted,
+            AccessReport: self._access_report,
             MatchPrefix: self._match_prefix,
             MatchPrefixNodes: self._match_prefix_nodes,
             Replicate: self._replicate,
@@ -254,6 +274,8 @@ class MasterService:
             await asyncio.sleep(self.config.tick_ms / 1000)
             try:
                 commands = self.table.expire(_now_ms())
+                for node_id, grant_ids in self.table.expired_grants(_now_ms()).items():
+                    self._spawn(self._close_grants(node_id, grant_ids), "grant-expiry")
                 retry, self._retry = self._retry, []
                 live = [c for c in retry if c.node_id in self.table.nodes and self.table.nodes[c.node_id].up]
                 self._run_later(commands + live, "expiry-commands")
@@ -389,6 +411,24 @@ class MasterService:
                 return
             self.table.apply(command, reply.done)
 
+    async def _close_grants(self, node_id: str, grant_ids: list[int]) -> None:
+        """Have the daemon stop taking writes into ``grant_ids``, then free what is left of them.
+
+        Unanswered, the grants stay held (nothing can be written into space handed out again);
+        they are asked again at the next tick, and a re-registration of the node drops them."""
+        if node_id in self.table.nodes:
+            try:
+                await self._daemon(node_id).call(EndGrants(grant_ids), CommandReply)
+            except KVStoreError as exc:
+                log.warning("closing grants on %s failed (%s); will retry", node_id, exc)
+                for grant_id in grant_ids:
+                    grant = self.table.grants.get(grant_id)
+                    if grant is not None:
+                        grant.ending = False
+                        grant.deadline_ms = 0  # expired again at the next tick
+                return
+        self.table.finish_end_grants(node_id, grant_ids)
+
     # -- handlers -------------------------------------------------------------------------------
     async def _register(self, m: RegisterNode) -> Message:
         commands = self.table.register_node(
@@ -452,7 +492,57 @@ class MasterService:
     async def _get_replicas(self, m: GetReplicas) -> Message:
         if m.release:
             await self._release_leases(ReleaseLeases(m.release))
-        return self.table.get_replicas(m.keys, _now_ms())
+        return self.table.get_replicas(m.keys, _now_ms(), m.lease)
+
+    async def _grant_space(self, m: GrantSpace) -> Message:
+        """Reserve write space on one node (evicting first where needed) and open it on its daemon."""
+        table = self.table
+        grant: Grant | None = None
+        for _ in range(_MAX_EVICTION_ROUNDS):
+            capped = m.length
+            if table.nodes:
+                largest = max(n.alloc.capacity for n in table.nodes.values())
+                capped = min(m.length, max(int(largest * self.config.grant_fraction), 1))
+            plan = table.grant_space(capped, m.preferred_node, self.config.grant_ttl_ms, _now_ms())
+            if plan.error is not None:
+                raise plan.error
+            if plan.grant is not None:
+                self._run_later(plan.commands, "background-eviction")
+                grant = plan.grant
+                break
+            if plan.commands:
+                await self._run_commands(plan.commands)
+            else:
+                await asyncio.sleep(0.005)
+        if grant is None:
+            raise CapacityError(f"no room for a grant of {m.length} bytes after repeated rounds of eviction")
+        extent = grant.pieces[0]
+        ttl = self.config.grant_ttl_ms
+        try:
+            await self._daemon(grant.node_id).call(
+                OpenGrant(grant.grant_id, extent.offset, extent.length, ttl), CommandReply
+            )
+        except BaseException:
+            # The daemon may have taken it: close it there before the space is reused.
+            for node_id, ids in table.end_grants([grant.grant_id]).items():
+                self._spawn(self._close_grants(node_id, ids), "grant-close")
+            raise
+        table.confirm_grant(grant.grant_id, _now_ms() + ttl + _GRANT_MARGIN_MS)
+        address = table.nodes[grant.node_id].address
+        return GrantReply(grant.grant_id, grant.node_id, address, extent.offset, extent.length, ttl)
+
+    async def _return_grants(self, m: ReturnGrants) -> Message:
+        for node_id, grant_ids in self.table.end_grants(m.grant_ids).items():
+            self._spawn(self._close_grants(node_id, grant_ids), "grant-return")
+        return OkReply()
+
+    async def _commit_granted(self, m: CommitGranted) -> Message:
+        outcome = self.table.commit_granted(m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned)
+        return PutReply([code for code, _ in outcome], [text for _, text in outcome])
+
+    async def _access_report(self, m: AccessReport) -> Message:
+        self.table.record_access(m.node_id, m.keys)
+        return OkReply()
 
     async def _release_leases(self, m: ReleaseLeases) -> Message:
         commands = self.table.release_leases(m.keys)
@@ -472,8 +562,11 @@ class MasterService:
         return ExistsReply(self.table.exists(m.keys))
 
     async def _remove(self, m: Remove) -> Message:
+        """Answered once the daemons dropped the blocks: a reader that goes straight to a daemon
+        (no lease, no master) must find nothing after remove returns. A daemon that does not answer
+        gets its drop retried; it serves nobody meanwhile."""
         removed, commands = self.table.remove(m.keys)
-        self._run_later(commands, "remove-drops")
+        await self._run_commands(commands)
         return RemoveReply(removed)
 
     async def _list_nodes(self, m: ListNodes) -> Message:

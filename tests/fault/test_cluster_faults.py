@@ -21,8 +21,8 @@ from kvstore.config import ClientConfig
 from kvstore.errors import ProtocolError
 from kvstore.node_store import PutStatus
 from kvstore.protocol import FRAME_HEADER, PutStart, PutStartReply, Stats, StatsReply, encode
+from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import Store
-from server.cluster import LocalCluster
 from transfer.rpc import Connection
 from transfer.wire import recv_message
 
@@ -156,8 +156,8 @@ def test_bad_frames_get_an_error_or_a_close_and_service_continues(
     if answer:
         (length,) = FRAME_HEADER.unpack_from(answer)
         reply = msgpack.unpackb(answer[4 : 4 + length])
-        assert reply[1] == 1, reply  # ErrorReply
-        assert reply[3][0] == ProtocolError.code
+        assert reply[2][0] == 1, reply  # [version, request id, [ErrorReply's kind, code, text]]
+        assert reply[2][1] == ProtocolError.code
     with Store.connect(cluster.master_address) as store:
         store.put(f"after-{target}-{len(frame)}-{frame[-1]}", b"still serving")
         assert store.stats()["nodes_up"] == 2

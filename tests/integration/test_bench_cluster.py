@@ -18,6 +18,11 @@ def test_cluster_bench_prints_every_line(capsys: pytest.CaptureFixture[str]) -> 
             for batch in (1, 8):
                 assert (op, size, batch) in seen
     for r in lines:
-        if r["op"] in ("put", "get"):
+        if r["op"] in ("put", "get") and "client" not in r:
             assert r["GBps"] > 0 and r["baseline_GBps"] > 0 and r["p50_us"] <= r["p99_us"]
+            assert r["master_cpu_us"] is not None and r["master_cpu_us"] >= 0
+    [exists] = [r for r in lines if r["op"] == "exists"]
+    assert exists["p50_us"] > 0 and exists["baseline_p50_us"] > 0
+    [asynchronous] = [r for r in lines if r.get("client") == "async"]
+    assert asynchronous["concurrency"] == 64 and asynchronous["ops"] > 0
     assert {r["where"] for r in lines if r["op"] == "match_prefix"} == {"table", "rpc"}

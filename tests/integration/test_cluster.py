@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,8 +15,9 @@ from kvstore.config import ClientConfig
 from kvstore.errors import BufferTooSmall, InvalidArgument, InvalidKey
 from kvstore.keys import block_keys
 from kvstore.node_store import PutStatus
-from kvstore_client.store import AsyncStore, PutOptions, Store
-from server.cluster import LocalCluster
+from kvstore_cli.cluster import LocalCluster
+from kvstore_client.aio import AsyncStore
+from kvstore_client.store import PutOptions, Store
 
 KB = 1024
 
@@ -138,23 +141,35 @@ def test_async_store(cluster: LocalCluster) -> None:
     asyncio.run(main())
 
 
-def test_remembered_keys_are_read_while_the_master_answers(
-    store: Store, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+def test_remembered_keys_are_read_in_one_trip_to_their_node(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    stack = contextlib.ExitStack()
+    with stack:
+        _one_trip_reads(stack, cluster, monkeypatch)
+
+
+def _one_trip_reads(stack: contextlib.ExitStack, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Over TCP: a same-host client copies through the arena under leases, which the master grants.
+    store = stack.enter_context(Store.connect(cluster.master_address, ClientConfig(transport="tcp")))
     blocks = [bytes([i]) * (3 * KB + i) for i in range(8)]
     keys = [f"hinted-{i}" for i in range(len(blocks))]
-    store.put_many(zip(keys, blocks, strict=True))
-    read = Store._read
+    assert store.put_many(zip(keys, blocks, strict=True)) == [PutStatus.STORED] * len(keys)
+    before = store.stats()
 
-    def only_leftovers(self: Store, located: list[Any], views: list[memoryview], verify: bool) -> list[int | None]:
-        # Every block comes from the speculative reads: the usual read path gets nothing to do.
-        assert all(loc is None for loc in located), "a remembered block was not read speculatively"
-        return read(self, located, views, verify)
+    def no_master(self: Store, keys: list[str]) -> list[Any]:
+        raise AssertionError(f"the master was asked where {keys} are")
 
-    monkeypatch.setattr(Store, "_read", only_leftovers)
+    monkeypatch.setattr(Store, "_locate", no_master)
     assert store.get_many(keys, verify=True) == blocks
     out = bytearray(8 * KB)
     assert store.get_into(keys[3], out) == len(blocks[3]) and out[: len(blocks[3])] == blocks[3]
+    monkeypatch.undo()
+    # The daemon reports the hits: the master counts them and keeps its LRU order.
+    deadline = time.monotonic() + 5
+    while store.stats()["hits"] < before["hits"] + 9 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert store.stats()["hits"] >= before["hits"] + 9
 
 
 def test_stale_or_dead_hints_never_change_an_answer(store: Store, cluster: LocalCluster) -> None:
@@ -163,20 +178,22 @@ def test_stale_or_dead_hints_never_change_an_answer(store: Store, cluster: Local
     with Store.connect(cluster.master_address) as other:
         other.remove("gone")
         assert other.put("gone", b"G" * 6000) is PutStatus.STORED  # same key, other bytes and size
-    address = store._hints["moved"]
-    other_daemon = next(a for a in cluster.daemon_addresses if a != address)
-    store._hints["moved"] = other_daemon  # a node that does not hold it
-    store._hints["absent"] = address  # a key nobody stored
-    store._hints["gone-too"] = "127.0.0.1:1"  # a node that is not there
+    hints = store._hints
+    place = hints.get("moved")
+    assert place is not None
+    other_node = next(n for n in store.nodes() if n.node_id != place[0])
+    hints.note([("moved", (other_node.node_id, other_node.address))])  # a node that does not hold it
+    hints.note([("absent", place)])  # a key nobody stored
+    hints.note([("gone-too", ("nowhere", "127.0.0.1:1"))])  # a node that is not there
     assert store.get_many(["moved", "gone", "absent", "gone-too"]) == [b"m" * 5000, b"G" * 6000, None, None]
-    assert store._hints["moved"] == address and "absent" not in store._hints
+    assert hints.get("moved") == place and hints.get("absent") is None
     store.remove("moved")
-    assert "moved" not in store._hints
+    assert hints.get("moved") is None
     with Store.connect(cluster.master_address) as other:
         other.put("dropped", b"d" * 100)
-        hint = other._hints["dropped"]
-        other.remove("dropped")  # removed by someone else: the daemon may still hold it for a moment
-    store._hints["dropped"] = hint
+        hint = other._hints.get("dropped")
+        other.remove("dropped")  # removed by someone else: once remove returns, no daemon serves it
+    hints.note([("dropped", hint)])
     assert store.get("dropped") is None
 
 

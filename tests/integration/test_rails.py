@@ -10,11 +10,19 @@ import pytest
 
 from kvstore.config import ClientConfig
 from kvstore.errors import ConnectionFailed
+from kvstore.protocol import NodeInfo
+from kvstore_cli.cluster import LocalCluster
+from kvstore_client.dataplane import RailPath
 from kvstore_client.store import Store
-from server.cluster import LocalCluster
 from transfer.rails import RailSet
 
 MB = 1 << 20
+
+
+def _railset(store: Store, node: NodeInfo) -> RailSet | None:
+    """The rails this client sprays the node's transfers over (None when it reaches it otherwise)."""
+    path = store._path(node.node_id, node.address)
+    return path.railset if isinstance(path, RailPath) else None
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +50,13 @@ def test_blocks_are_sliced_over_both_rails_and_come_back_exact(store: Store) -> 
     assert store.get_many_into(keys, list(out)) == [blocks.shape[1]] * len(keys)
     assert np.array_equal(out, blocks)
     assert store.get_many([f"rail-small-{i}" for i in range(20)] + ["rail-absent"]) == [*small, None]
-    railset = store._railset(node.node_id)
+    railset = _railset(store, node)
     assert railset is not None and all(r.bytes_moved > 0 and r.bandwidth > 0 for r in railset.rails)
 
 
 def test_a_large_put_is_sliced_over_both_rails_and_committed_whole(store: Store) -> None:
     [node] = store.nodes()
-    railset = store._railset(node.node_id)
+    railset = _railset(store, node)
     assert railset is not None
     before = [r.bytes_moved for r in railset.rails]
     block = np.random.default_rng(5).integers(0, 256, 5 * MB + 3, dtype=np.uint8)

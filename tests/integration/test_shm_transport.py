@@ -12,8 +12,9 @@ from kvstore.config import ClientConfig
 from kvstore.errors import CorruptBlock
 from kvstore.keys import checksum
 from kvstore.protocol import CommitBlocks, Message, OkReply, PutRevoke, PutStart, PutStartReply, WriteReply
+from kvstore_cli.cluster import LocalCluster
+from kvstore_client.dataplane import ShmPath
 from kvstore_client.store import Store
-from server.cluster import LocalCluster
 from transfer import topology
 from transfer.rpc import Connection
 from transfer.transports.shm import ShmTransport
@@ -81,7 +82,7 @@ def test_tcp_transport_and_ssd_blocks_still_use_the_network(cluster: LocalCluste
         with Store.connect(cluster.master_address, ClientConfig(transport="tcp", location_hints=0)) as other:
             assert other.get("over-tcp") == data
         store.remove("over-tcp")
-    assert {"WriteBlocks", "ReadBlocks"} <= {k.__name__ for k in sent}
+    assert {"WriteGranted", "ReadBlocks"} <= {k.__name__ for k in sent}  # a one-trip put over TCP
     # Blocks demoted to SSD have no extent to copy: a same-host client reads them from the daemon.
     rng = np.random.default_rng(6)
     blocks = rng.integers(0, 256, (200, 64 * KB), dtype=np.uint8)  # 12.5 MiB > 8 MiB of DRAM
@@ -102,13 +103,12 @@ def test_bytes_that_do_not_match_their_checksum_are_never_committed(cluster: Loc
     with Store.connect(cluster.master_address) as store:
         reply: PutStartReply = store._call(PutStart(["torn"], [4 * KB], 1, None, False), PutStartReply)
         [replica] = reply.tickets()[0].replicas
-        arena = store._local_arena(replica.node_id)
-        assert arena is not None
-        ShmTransport.write(arena, replica.offset, memoryview(b"x" * (4 * KB)))
-        with store._pool(replica.address).connection() as conn:
-            answer = conn.call(
-                CommitBlocks(["torn"], [replica.offset], [4 * KB], [checksum(b"y" * (4 * KB))], False), WriteReply
-            )
+        path = store._path(replica.node_id, replica.address)
+        assert isinstance(path, ShmPath)
+        ShmTransport.write(path.arena, replica.offset, memoryview(b"x" * (4 * KB)))
+        answer = path.pool.call(
+            CommitBlocks(["torn"], [replica.offset], [4 * KB], [checksum(b"y" * (4 * KB))], False), WriteReply
+        )
         assert answer.codes == [CorruptBlock.code] and "checksum" in answer.errors[0]
         store._call(PutRevoke(["torn"]), OkReply)
         assert store.get("torn") is None

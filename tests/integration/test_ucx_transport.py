@@ -12,8 +12,9 @@ from kvstore.config import ClientConfig
 from kvstore.errors import CorruptBlock
 from kvstore.keys import checksum
 from kvstore.protocol import Message, OkReply, PutRevoke, PutStart, PutStartReply, WriteBlocks
+from kvstore_cli.cluster import LocalCluster
+from kvstore_client.dataplane import ShmPath, UcxPath
 from kvstore_client.store import Store
-from server.cluster import LocalCluster
 from transfer import topology
 from transfer.rpc import Connection
 from transfer.transports import ucx
@@ -62,19 +63,21 @@ def test_put_and_get_over_ucx_send_no_block_bytes_over_tcp(
 def test_auto_uses_ucx_only_between_rdma_hosts(cluster: LocalCluster) -> None:
     with Store.connect(cluster.master_address, ClientConfig(transport="auto")) as store:
         node = store.nodes()[0]
-        assert (store._ucx_address(node.node_id) is not None) == (node.rdma and topology.has_rdma())
+        path = store._path(node.node_id, node.address)
+        # Same host: the arena, else UCX only where both ends have RDMA.
+        assert isinstance(path, ShmPath) or isinstance(path, UcxPath) == (node.rdma and topology.has_rdma())
     with Store.connect(cluster.master_address, ClientConfig(transport="tcp")) as store:
-        assert store._ucx_address(node.node_id) is None
+        assert not isinstance(store._path(node.node_id, node.address), UcxPath | ShmPath)
 
 
 def test_a_block_that_fails_its_checksum_is_refused_over_ucx(cluster: LocalCluster) -> None:
     with Store.connect(cluster.master_address, ClientConfig(transport="ucx")) as store:
         reply: PutStartReply = store._call(PutStart(["ucx-torn"], [4 * KB], 1, None, False), PutStartReply)
         [replica] = reply.tickets()[0].replicas
-        address = store._ucx_address(replica.node_id)
-        assert address is not None
+        path = store._path(replica.node_id, replica.address)
+        assert isinstance(path, UcxPath)
         message = WriteBlocks(["ucx-torn"], [replica.offset], [4 * KB], [checksum(b"y" * 4 * KB)], False)
-        answer = store._ucx_client().write(message, address, [memoryview(b"x" * 4 * KB)])
+        answer = path.client.write(message, path.ucx_address, [memoryview(b"x" * 4 * KB)])
         assert answer.codes == [CorruptBlock.code]
         store._call(PutRevoke(["ucx-torn"]), OkReply)
         assert store.get("ucx-torn") is None

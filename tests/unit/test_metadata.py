@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.errors import CapacityError, InvalidArgument, NoNodes, NotFound, RetryLater
-from kvstore.metadata import Move, NodeCommand, PlacementTable
+from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, NoNodes, NotFound, RetryLater
+from kvstore.metadata import PUT_EXISTS, PUT_STORED, Move, NodeCommand, PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy, TierName
 from kvstore.protocol import InventoryItem, NodePrefix, PrefixMatch, PutTicket, Tier
 
@@ -570,3 +570,35 @@ def test_a_drain_does_not_copy_where_a_replica_is_coming() -> None:
     run(t, t.finish_moves("a", drain, [True]))
     [loc] = t.get_replicas(["k0"], 0).located(["k0"])
     assert loc is not None and sorted(r.node_id for r in loc.replicas) == ["b", "c"]
+
+
+def test_grants_are_carved_committed_and_freed_without_handing_space_out_twice() -> None:
+    table = PlacementTable(EvictionPolicy())
+    table.register_node("n", "n:1", 1 << 20, 0, 64, [], 0)
+    plan = table.grant_space(64 * 1024, None, 1000, 0)
+    assert plan.grant is not None and plan.error is None
+    grant = plan.grant
+    base = grant.pieces[0].offset
+    table.check()
+    # A put elsewhere never lands inside the grant.
+    other = table.put_start(["elsewhere"], [64 * 1024], 1, None, False, 0).tickets[0]
+    assert other is not None and other.status == "ok"
+    off = other.replicas[0].offset
+    assert off + 64 * 1024 <= base or off >= base + 64 * 1024
+    out = table.commit_granted("n", grant.grant_id, ["a", "b"], [base + 4096, base], [100, 4096], [1, 2], False)
+    assert out == [(PUT_STORED, ""), (PUT_STORED, "")]
+    table.check()
+    # Idempotent for the same block; exists for a key stored elsewhere; refused for taken space.
+    assert table.commit_granted("n", grant.grant_id, ["a"], [base + 4096], [100], [1], False) == [(PUT_STORED, "")]
+    assert table.commit_granted("n", grant.grant_id, ["b"], [base + 8192], [10], [9], False)[0][0] == PUT_EXISTS
+    code, _ = table.commit_granted("n", grant.grant_id, ["c"], [base + 4096], [64], [3], False)[0]
+    assert code == InvalidArgument.code
+    table.check()
+    # The grant ends: its daemon answers, the rest goes back; the committed blocks stay.
+    assert table.expired_grants(2000) == {"n": [grant.grant_id]}
+    code, _ = table.commit_granted("n", grant.grant_id, ["d"], [base + 8192], [64], [3], False)[0]
+    assert code == GrantExpired.code
+    table.finish_end_grants("n", [grant.grant_id])
+    table.check()
+    assert table.nodes["n"].alloc.used == 64 * 1024 + 4096 + 128
+    assert table.exists(["a", "b", "c", "d"]) == [True, True, False, False]

@@ -1,0 +1,595 @@
+"""The asyncio client: :class:`AsyncStore`, on the event loop, no worker threads.
+
+The same operations, semantics and errors as :class:`~kvstore_client.store.Store`, over TCP to
+every daemon (it asks for no leases, as every read goes through a daemon): gets of remembered
+keys read from their node by key in one round trip, puts write into granted space in one round
+trip, the rest asks the master first. Each peer gets one pipelined connection (replies are
+matched to requests by id), and the gets issued to one node in the same turn of the event loop
+travel as one batched request, so many concurrent small gets cost about what one batch does.
+Every wait is bounded by ``ClientConfig.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Self, TypeVar
+
+from kvstore.allocator import align_up
+from kvstore.buffers import as_view
+from kvstore.config import ClientConfig
+from kvstore.errors import (
+    BufferTooSmall,
+    ConnectionFailed,
+    CorruptBlock,
+    GrantExpired,
+    InvalidArgument,
+    KVStoreError,
+    ProtocolError,
+    RetryLater,
+    StoreClosed,
+    Timeout,
+    error_from_code,
+)
+from kvstore.keys import BlockKey, checksum, validate_key
+from kvstore.metadata import PUT_EXISTS, PUT_STORED
+from kvstore.node_store import PutStatus
+from kvstore.protocol import (
+    ErrorReply,
+    Exists,
+    ExistsReply,
+    GetReplicas,
+    GetReplicasReply,
+    GrantReply,
+    GrantSpace,
+    ListNodes,
+    MatchPrefix,
+    MatchPrefixNodes,
+    MatchPrefixNodesReply,
+    MatchPrefixReply,
+    Message,
+    NodeInfo,
+    NodesReply,
+    OkReply,
+    PrefixMatch,
+    PutEnd,
+    PutEndReply,
+    PutReply,
+    PutRevoke,
+    PutStart,
+    PutStartReply,
+    ReadBlocks,
+    ReadReply,
+    Remove,
+    RemoveReply,
+    ReturnGrants,
+    Stats,
+    StatsReply,
+    WriteBlocks,
+    WriteGranted,
+    WriteReply,
+    decode_payload,
+    encode,
+)
+from kvstore_client.grants import ALIGNMENT, Grant
+from kvstore_client.hints import LocationHints
+from kvstore_client.store import PutOptions, _pairs
+from transfer.aio import read_payload
+from transfer.wire import parse_address
+
+R = TypeVar("R", bound=Message)
+
+_BACKGROUND: set[asyncio.Future[None]] = set()
+"""Tasks nobody awaits (a batch of reads being sent, a grant given back), kept from the collector."""
+
+
+class _Link:
+    """One pipelined connection: requests go out as they come; a reader task matches replies (and
+    the block bytes behind a ReadReply) to their requests by id. A failure or a timeout closes it
+    and fails every request in flight; the next request reconnects."""
+
+    def __init__(self, address: str, timeout: float) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._ids = itertools.count(1)
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._waiting: dict[int, asyncio.Future[tuple[Message, bytes]]] = {}
+        self._connecting: asyncio.Lock = asyncio.Lock()
+
+    async def _connect(self) -> asyncio.StreamWriter:
+        async with self._connecting:
+            if self._writer is None:
+                host, port = parse_address(self.address)
+                try:
+                    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.timeout)
+                except TimeoutError:
+                    raise Timeout(f"connecting to {self.address}: no answer in {self.timeout} s") from None
+                except OSError as exc:
+                    raise ConnectionFailed(f"cannot connect to {self.address}: {exc.strerror or exc}") from None
+                self._writer = writer
+                self._reader_task = asyncio.create_task(self._read_replies(reader), name=f"kvstore-link-{self.address}")
+            return self._writer
+
+    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
+        failure: KVStoreError = ConnectionFailed(f"{self.address} closed the connection")
+        try:
+            while True:
+                payload = await read_payload(reader)
+                if payload is None:
+                    break
+                request_id, reply = decode_payload(payload)
+                data = b""
+                if isinstance(reply, ReadReply):
+                    total = sum(n for n in reply.sizes if n > 0)
+                    data = await reader.readexactly(total) if total else b""
+                future = self._waiting.pop(request_id, None)
+                if future is not None and not future.done():
+                    future.set_result((reply, data))
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            failure = ConnectionFailed(f"{self.address}: {exc}")
+        except KVStoreError as exc:
+            failure = exc
+        finally:
+            self._fail_all(failure)
+
+    def _fail_all(self, failure: KVStoreError) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(failure)
+
+    async def request(
+        self, message: Message, expect: type[R], payload: Sequence[memoryview | bytes] = ()
+    ) -> tuple[R, bytes]:
+        writer = self._writer or await self._connect()
+        request_id = next(self._ids)
+        future: asyncio.Future[tuple[Message, bytes]] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        frame = encode(message, request_id)
+        if payload:
+            writer.writelines([frame, *payload])
+        else:
+            writer.write(frame)
+        what = f"{type(message).__name__} to {self.address}"
+        try:
+            if writer.transport.get_write_buffer_size() > 1 << 20:
+                await asyncio.wait_for(writer.drain(), self.timeout)
+            reply, data = await asyncio.wait_for(future, self.timeout)
+        except TimeoutError:
+            self._fail_all(Timeout(f"{what}: no reply within {self.timeout} s"))
+            raise Timeout(f"{what}: no reply within {self.timeout} s") from None
+        except (OSError, ConnectionError) as exc:
+            self._fail_all(ConnectionFailed(f"{what}: {exc}"))
+            raise ConnectionFailed(f"{what}: {exc}") from None
+        finally:
+            self._waiting.pop(request_id, None)
+        if isinstance(reply, ErrorReply):
+            raise reply.to_error()
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"{what} got {type(reply).__name__}, expected {expect.__name__}")
+        return reply, data
+
+    async def close(self) -> None:
+        self._fail_all(ConnectionFailed(f"the connection to {self.address} is closed"))
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader_task
+
+
+class _ReadBatcher:
+    """Gets of one node issued in the same turn of the event loop, sent as one ReadBlocks by key."""
+
+    def __init__(self, link: _Link) -> None:
+        self.link = link
+        self._pending: list[tuple[str, asyncio.Future[tuple[int, int, memoryview] | None]]] = []
+
+    def read(self, key: str) -> asyncio.Future[tuple[int, int, memoryview] | None]:
+        future: asyncio.Future[tuple[int, int, memoryview] | None] = asyncio.get_running_loop().create_future()
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append((key, future))
+        return future
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.ensure_future(self._send(batch))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
+    async def _send(self, batch: list[tuple[str, asyncio.Future[tuple[int, int, memoryview] | None]]]) -> None:
+        keys = [k for k, _ in batch]
+        try:
+            reply, data = await self.link.request(
+                ReadBlocks(keys, ["dram"] * len(keys), [0] * len(keys), [0] * len(keys)), ReadReply
+            )
+            if not len(reply.sizes) == len(reply.checksums) == len(keys):
+                raise ProtocolError(f"{self.link.address} sent a malformed reply to ReadBlocks")
+        except BaseException as exc:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        view = memoryview(data)
+        at = 0
+        for (_, future), size, check in zip(batch, reply.sizes, reply.checksums, strict=True):
+            if future.done():
+                at += max(size, 0)
+                continue
+            if size < 0:
+                future.set_result(None)
+            else:
+                future.set_result((size, check, view[at : at + size]))
+                at += size
+
+
+class AsyncStore:
+    def __init__(self, master: str, config: ClientConfig | None = None) -> None:
+        self.master = master
+        self.config = config or ClientConfig()
+        self._master = _Link(master, self.config.timeout_s)
+        self._links: dict[str, _Link] = {}
+        self._readers: dict[str, _ReadBatcher] = {}
+        self._hints = LocationHints(self.config.location_hints)
+        self._grants: dict[str | None, Grant] = {}
+        self._granting = asyncio.Lock()
+        self._closed = False
+
+    @classmethod
+    async def connect(cls, master: str, config: ClientConfig | None = None) -> Self:
+        """A store connected to the master at ``host:port``; raises ConnectionFailed when it does not answer."""
+        store = cls(master, config)
+        try:
+            await store._master.request(Stats(), StatsReply)
+        except BaseException:
+            await store.close()
+            raise
+        return store
+
+    async def _call(self, message: Message, expect: type[R]) -> R:
+        if self._closed:
+            raise StoreClosed("this AsyncStore is closed")
+        deadline = time.monotonic() + self.config.timeout_s
+        backoff = 0.01
+        while True:
+            try:
+                return (await self._master.request(message, expect))[0]
+            except ConnectionFailed:
+                # Ride out a master restart: the same request, with backoff, up to the timeout.
+                if time.monotonic() + backoff > deadline:
+                    raise
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 0.5)
+
+    def _link(self, address: str) -> _Link:
+        link = self._links.get(address)
+        if link is None:
+            link = self._links[address] = _Link(address, self.config.timeout_s)
+        return link
+
+    def _reader(self, address: str) -> _ReadBatcher:
+        batcher = self._readers.get(address)
+        if batcher is None:
+            batcher = self._readers[address] = _ReadBatcher(self._link(address))
+        return batcher
+
+    # -- writes ------------------------------------------------------------------------------
+    async def put(self, key: Any, data: Any, options: PutOptions | None = None) -> PutStatus:
+        """Store ``data`` under ``key``; an existing key keeps its bytes and reports EXISTS."""
+        return (await self.put_many([(key, data)], options))[0]
+
+    put_from = put
+
+    async def put_many(self, items: Iterable[tuple[Any, Any]], options: PutOptions | None = None) -> list[PutStatus]:
+        """Store several blocks. Raises the first failure (after giving back what it reserved)."""
+        if options is not None and not isinstance(options, PutOptions):
+            raise InvalidArgument(f"options must be PutOptions, got {type(options).__name__}")
+        opts = options or PutOptions()
+        checked = _pairs(items)
+        statuses: list[PutStatus | None] = [None] * len(checked)
+        todo = list(range(len(checked)))
+        if (opts.replicas or self.config.replicas) == 1 and self.config.grant_bytes and todo:
+            todo = await self._put_granted(checked, todo, opts, statuses)
+        for attempt in range(self.config.put_retries + 1):
+            if not todo:
+                break
+            retry = await self._put_round(checked, todo, opts, statuses)
+            if not retry:
+                break
+            if attempt == self.config.put_retries:
+                raise RetryLater(f"key {checked[retry[0]][0]!r} stayed busy through {attempt} retries")
+            await asyncio.sleep(min(0.01 * 2**attempt, 0.5))
+            todo = retry
+        return [s if s is not None else PutStatus.EXISTS for s in statuses]
+
+    async def _carve(self, sizes: list[int], preferred: str | None) -> tuple[Grant, list[int]] | None:
+        need = sum(align_up(s, ALIGNMENT) for s in sizes)
+        if need > self.config.grant_bytes:
+            return None
+        grant = self._grants.get(preferred)
+        if grant is None or grant.room() < need or time.monotonic() > grant.usable_until:
+            async with self._granting:
+                grant = self._grants.get(preferred)
+                if grant is None or grant.room() < need or time.monotonic() > grant.usable_until:
+                    if grant is not None:
+                        del self._grants[preferred]
+                        await self._return([grant.grant_id])
+                    reply = await self._call(GrantSpace(self.config.grant_bytes, preferred), GrantReply)
+                    grant = Grant(
+                        reply.grant_id, reply.node_id, reply.address, reply.offset, reply.offset + reply.length,
+                        time.monotonic() + reply.ttl_ms / 1000 - 1.0,
+                    )  # fmt: skip
+                    if reply.offset % ALIGNMENT or grant.room() < need:
+                        await self._return([grant.grant_id])
+                        return None
+                    self._grants[preferred] = grant
+        offsets = []
+        for size in sizes:
+            offsets.append(grant.next)
+            grant.next += align_up(size, ALIGNMENT)
+        return grant, offsets
+
+    async def _return(self, grant_ids: list[int]) -> None:
+        with contextlib.suppress(KVStoreError):
+            await self._master.request(ReturnGrants(grant_ids), OkReply)
+
+    def _drop_grant(self, grant: Grant) -> None:
+        for where, known in list(self._grants.items()):
+            if known is grant:
+                del self._grants[where]
+                task = asyncio.ensure_future(self._return([grant.grant_id]))
+                _BACKGROUND.add(task)
+                task.add_done_callback(_BACKGROUND.discard)
+
+    async def _put_granted(
+        self, items: list[tuple[BlockKey, memoryview]], todo: list[int], opts: PutOptions,
+        out: list[PutStatus | None],
+    ) -> list[int]:  # fmt: skip
+        try:
+            carved = await self._carve([items[i][1].nbytes for i in todo], opts.preferred_node)
+        except (ConnectionFailed, Timeout):
+            raise
+        except KVStoreError:
+            return todo
+        if carved is None:
+            return todo
+        grant, offsets = carved
+        views = [items[i][1] for i in todo]
+        message = WriteGranted(
+            grant.grant_id, [items[i][0] for i in todo], offsets, [v.nbytes for v in views],
+            [checksum(v) for v in views], opts.pin,
+        )  # fmt: skip
+        try:
+            reply, _ = await self._link(grant.address).request(message, PutReply, views)
+        except (ConnectionFailed, Timeout):
+            self._drop_grant(grant)
+            return todo
+        if not len(reply.codes) == len(reply.errors) == len(todo):
+            raise ProtocolError(f"{grant.address} answered {len(reply.codes)} results for {len(todo)} writes")
+        left: list[int] = []
+        failure: KVStoreError | None = None
+        placed = []
+        for i, code, text in zip(todo, reply.codes, reply.errors, strict=True):
+            if code == PUT_STORED:
+                out[i] = PutStatus.STORED
+                placed.append((items[i][0], (grant.node_id, grant.address)))
+            elif code == PUT_EXISTS:
+                out[i] = PutStatus.EXISTS
+            elif code in (GrantExpired.code, RetryLater.code, ConnectionFailed.code, Timeout.code):
+                left.append(i)
+            else:
+                failure = failure or error_from_code(code, f"writing {items[i][0]!r} to {grant.address}: {text}")
+        if GrantExpired.code in reply.codes:
+            self._drop_grant(grant)
+        self._hints.note(placed)
+        if failure is not None:
+            raise failure
+        return left
+
+    async def _put_round(
+        self, items: list[tuple[BlockKey, memoryview]], todo: list[int], opts: PutOptions, out: list[PutStatus | None]
+    ) -> list[int]:
+        reply = await self._call(
+            PutStart([items[i][0] for i in todo], [items[i][1].nbytes for i in todo],
+                     opts.replicas or self.config.replicas, opts.preferred_node, opts.pin),
+            PutStartReply,
+        )  # fmt: skip
+        tickets = reply.tickets()
+        if len(tickets) != len(todo):
+            raise ProtocolError(f"the master answered {len(tickets)} tickets for {len(todo)} keys")
+        retry: list[int] = []
+        failure: KVStoreError | None = None
+        writes: dict[str, list[tuple[int, int]]] = {}
+        placed: dict[int, tuple[str, str]] = {}
+        for i, ticket in zip(todo, tickets, strict=True):
+            if ticket.status == "exists":
+                out[i] = PutStatus.EXISTS
+            elif ticket.status == "error":
+                if ticket.error_code == RetryLater.code:
+                    retry.append(i)
+                elif failure is None:
+                    failure = error_from_code(ticket.error_code, ticket.error)
+            else:
+                for replica in ticket.replicas:
+                    writes.setdefault(replica.address, []).append((i, replica.offset))
+                if ticket.replicas:
+                    placed[i] = (ticket.replicas[0].node_id, ticket.replicas[0].address)
+        sums = {i: checksum(items[i][1]) for group in writes.values() for i, _ in group}
+
+        async def write(address: str, group: list[tuple[int, int]]) -> list[tuple[int, str]]:
+            message = WriteBlocks(
+                [items[i][0] for i, _ in group], [o for _, o in group], [items[i][1].nbytes for i, _ in group],
+                [sums[i] for i, _ in group], opts.pin,
+            )  # fmt: skip
+            try:
+                answer, _ = await self._link(address).request(message, WriteReply, [items[i][1] for i, _ in group])
+            except KVStoreError as exc:
+                return [(exc.code, str(exc))] * len(group)
+            if not len(answer.codes) == len(answer.errors) == len(group):
+                raise ProtocolError(f"{address} answered {len(answer.codes)} results for {len(group)} writes")
+            return list(zip(answer.codes, answer.errors, strict=True))
+
+        outcomes = await asyncio.gather(*(write(a, g) for a, g in writes.items()))
+        failed: set[int] = set()
+        for (address, group), codes in zip(writes.items(), outcomes, strict=True):
+            for (i, _), (code, text) in zip(group, codes, strict=True):
+                if code:
+                    failed.add(i)
+                    failure = failure or error_from_code(code, f"writing {items[i][0]!r} to {address}: {text}")
+        done = [i for i in sums if i not in failed]
+        if failed:
+            await self._call(PutRevoke([items[i][0] for i in sorted(failed)]), OkReply)
+        if done:
+            committed = await self._call(PutEnd([items[i][0] for i in done], [sums[i] for i in done]), PutEndReply)
+            if len(committed.committed) != len(done):
+                raise ProtocolError(f"the master answered {len(committed.committed)} commits for {len(done)} keys")
+            for i, ok in zip(done, committed.committed, strict=True):
+                if ok:
+                    out[i] = PutStatus.STORED
+                    self._hints.note([(items[i][0], placed.get(i))])
+                elif failure is None:
+                    failure = Timeout(f"the reservation of {items[i][0]!r} expired before the put finished")
+        if failure is not None:
+            raise failure
+        return retry
+
+    # -- reads ---------------------------------------------------------------------------------
+    async def get(self, key: Any, *, verify: bool = False) -> bytes | None:
+        return (await self.get_many([key], verify=verify))[0]
+
+    async def get_many(self, keys: Sequence[Any], *, verify: bool = False) -> list[bytes | None]:
+        got = await self._get([validate_key(k) for k in keys], verify)
+        return [None if g is None else bytes(g) for g in got]
+
+    async def get_into(self, key: Any, buffer: Any, *, verify: bool = False) -> int | None:
+        return (await self.get_many_into([key], [buffer], verify=verify))[0]
+
+    async def get_many_into(
+        self, keys: Sequence[Any], buffers: Sequence[Any], *, verify: bool = False, exact_size: bool = False
+    ) -> list[int | None]:
+        """Read blocks into ``buffers``; each its size, or None for a miss (see ``Store.get_many_into``)."""
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"get_many_into got {len(keys)} keys but {len(buffers)} buffers")
+        checked = [validate_key(k) for k in keys]
+        views = [as_view(b, writable=True, what="buffer") for b in buffers]
+        got = await self._get(checked, verify)
+        out: list[int | None] = []
+        for key, data, view in zip(checked, got, views, strict=True):
+            if data is None or (exact_size and data.nbytes != view.nbytes):
+                out.append(None)
+                continue
+            if data.nbytes > view.nbytes:
+                raise BufferTooSmall(f"buffer of {view.nbytes} bytes cannot hold block {key!r} of {data.nbytes} bytes")
+            view[: data.nbytes] = data
+            out.append(data.nbytes)
+        return out
+
+    async def _get(self, keys: list[BlockKey], verify: bool) -> list[memoryview | None]:
+        out: list[memoryview | None] = [None] * len(keys)
+        rest = list(range(len(keys)))
+        hinted = [(i, place) for i in rest if (place := self._hints.get(keys[i])) is not None]
+        if hinted:
+            futures = [self._reader(address).read(keys[i]) for i, (_, address) in hinted]
+            answers = await asyncio.gather(*futures, return_exceptions=True)
+            missed = []
+            for (i, (_, address)), answer in zip(hinted, answers, strict=True):
+                if isinstance(answer, ConnectionFailed | Timeout) or answer is None:
+                    missed.append(keys[i])
+                    continue
+                if isinstance(answer, BaseException):
+                    raise answer
+                _, check, data = answer
+                if verify and checksum(data) != check:
+                    raise CorruptBlock(f"block {keys[i]!r} read from {address} fails its checksum")
+                out[i] = data
+            self._hints.forget(missed)
+            rest = [i for i in rest if out[i] is None]
+        if not rest:
+            return out
+        reply = await self._call(GetReplicas([keys[i] for i in rest], [], False), GetReplicasReply)
+        located = reply.located([keys[i] for i in rest])
+        per_address: dict[str, list[tuple[int, Any]]] = {}
+        for i, loc in zip(rest, located, strict=True):
+            if loc is not None and loc.replicas:
+                per_address.setdefault(loc.replicas[0].address, []).append((i, loc))
+
+        async def read(address: str, group: list[tuple[int, Any]]) -> None:
+            message = ReadBlocks(
+                [loc.key for _, loc in group], [loc.replicas[0].tier for _, loc in group],
+                [loc.replicas[0].offset for _, loc in group], [loc.size for _, loc in group],
+            )  # fmt: skip
+            try:
+                answer, data = await self._link(address).request(message, ReadReply)
+            except (ConnectionFailed, Timeout):
+                return  # the node is gone or stalled: misses
+            if len(answer.sizes) != len(group):
+                raise ProtocolError(f"{address} sent a malformed reply to ReadBlocks")
+            view, at = memoryview(data), 0
+            for (i, loc), size in zip(group, answer.sizes, strict=True):
+                if size < 0:
+                    continue
+                block = view[at : at + size]
+                at += size
+                if size != loc.size:
+                    continue  # a stale copy: a miss
+                if verify and checksum(block) != loc.checksum:
+                    raise CorruptBlock(f"block {loc.key!r} read from {address} fails its checksum")
+                out[i] = block
+                self._hints.note([(loc.key, (loc.replicas[0].node_id, address))])
+
+        await asyncio.gather(*(read(a, g) for a, g in per_address.items()))
+        return out
+
+    # -- queries -----------------------------------------------------------------------------------
+    async def exists(self, key: Any) -> bool:
+        return (await self.exists_many([key]))[0]
+
+    async def exists_many(self, keys: Sequence[Any]) -> list[bool]:
+        return (await self._call(Exists([validate_key(k) for k in keys]), ExistsReply)).exists
+
+    async def match_prefix(self, keys: Sequence[Any]) -> int:
+        return (await self._call(MatchPrefix([validate_key(k) for k in keys]), MatchPrefixReply)).matched
+
+    async def match_prefix_nodes(self, keys: Sequence[Any]) -> PrefixMatch:
+        checked: list[str] = [validate_key(k) for k in keys]
+        return (await self._call(MatchPrefixNodes(checked), MatchPrefixNodesReply)).prefix_match(len(checked))
+
+    async def remove(self, key: Any) -> bool:
+        return await self.remove_many([key]) == 1
+
+    async def remove_many(self, keys: Sequence[Any]) -> int:
+        """Remove blocks; once it returns, no read (by anyone) returns their bytes."""
+        checked: list[str] = [validate_key(k) for k in keys]
+        reply = await self._call(Remove(checked), RemoveReply)
+        self._hints.forget(checked)
+        return reply.removed
+
+    async def nodes(self) -> list[NodeInfo]:
+        return (await self._call(ListNodes(), NodesReply)).nodes
+
+    async def stats(self) -> dict[str, int | float]:
+        return (await self._call(Stats(), StatsReply)).stats
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        ids = [g.grant_id for g in self._grants.values()]
+        self._grants.clear()
+        if ids:
+            await self._return(ids)
+        self._closed = True
+        for link in [self._master, *self._links.values()]:
+            await link.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,366 @@
+"""The client's data plane: one interface to a node's bytes, one implementation per transport, and
+one selector that picks it per node for reads and writes alike.
+
+A :class:`DataPath` reads blocks the master located (``read``), writes blocks into extents the
+master reserved (``write``), and, where the transport goes through the daemon's socket server,
+reads blocks by key alone (``read_direct``, the one-trip read) and writes into granted space
+(``write_granted``, the one-trip put). Which transport moves the bytes is decided once per node
+by :class:`PathSelector`: shared memory when the node's arena is on this host, UCX where asked for
+or where both ends have RDMA, sliced over rails when the node serves on several NICs, else TCP.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
+
+from kvstore.config import ClientConfig
+from kvstore.errors import ProtocolError
+from kvstore.protocol import (
+    CommitBlocks,
+    LocatedRef,
+    Message,
+    NodeInfo,
+    PutReply,
+    ReadBlocks,
+    ReadReply,
+    ReadSlices,
+    ReplicaRef,
+    WriteBlocks,
+    WriteGranted,
+    WriteReply,
+)
+from kvstore.tiers.dram import ArenaMapping
+from transfer import topology
+from transfer.rails import RailSet
+from transfer.rpc import Connection
+from transfer.transports import ucx
+from transfer.transports.shm import ShmTransport
+from transfer.transports.ucx import UcxClient
+from transfer.wire import recv_into, recv_read_reply, skip
+
+M = TypeVar("M", bound=Message)
+
+Located = tuple[LocatedRef, ReplicaRef, memoryview]
+"""A block the master located, the replica to read, and the buffer to read it into."""
+
+
+class Direct(NamedTuple):
+    """A block a daemon served by key: its size and checksum."""
+
+    size: int
+    checksum: int
+
+
+class Block(NamedTuple):
+    """A block to write: key, bytes, the extent offset to write it at, its checksum."""
+
+    key: str
+    view: memoryview
+    offset: int
+    checksum: int
+
+
+class ConnectionPool:
+    """Connections to one peer, one caller at a time each; idle ones are kept (up to ``keep``).
+
+    A list and its atomic ``pop``/``append``: no queue, condition or timeout object per call."""
+
+    def __init__(self, address: str, timeout: float, keep: int = 4) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._keep = keep
+        self._idle: list[Connection] = []
+        self._closed = False
+
+    def acquire(self) -> Connection:
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return Connection(self.address, self.timeout)
+
+    def release(self, conn: Connection) -> None:
+        if self._closed or len(self._idle) >= self._keep:
+            conn.close()
+        else:
+            self._idle.append(conn)
+
+    def call(self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = ()) -> M:
+        conn = self.acquire()
+        try:
+            return conn.call(message, expect, payload)
+        finally:
+            self.release(conn)
+
+    def close(self) -> None:
+        self._closed = True
+        while self._idle:
+            self._idle.pop().close()
+
+
+class DataPath:
+    """How this client moves one node's bytes. The base class speaks TCP to the daemon."""
+
+    kind = "tcp"
+    direct = True
+    """Whether ``read_direct``/``write_granted`` go through the daemon (one-trip paths)."""
+    needs_lease = False
+    """Whether reads touch memory without the daemon (then the master must lease the blocks)."""
+
+    def __init__(self, node_id: str, address: str, pool: ConnectionPool) -> None:
+        self.node_id = node_id
+        self.address = address
+        self.pool = pool
+
+    def read(self, blocks: Sequence[Located]) -> list[int | None]:
+        """Read located blocks into their buffers; per block its size, None for a miss (a block of
+        another size than the master described is a stale copy: a miss)."""
+        message = ReadBlocks(
+            [loc.key for loc, _, _ in blocks], [r.tier for _, r, _ in blocks], [r.offset for _, r, _ in blocks],
+            [loc.size for loc, _, _ in blocks],
+        )  # fmt: skip
+        targets = [view[: loc.size] for loc, _, view in blocks]
+        conn = self.pool.acquire()
+        try:
+            with conn.exchange(message) as (reply, sock):
+                got = recv_read_reply(reply, sock, targets, f"ReadBlocks from {self.address}")
+        finally:
+            self.pool.release(conn)
+        return [loc.size if ok else None for ok, (loc, _, _) in zip(got, blocks, strict=True)]
+
+    def read_direct(
+        self, keys: Sequence[str], views: Sequence[memoryview | None], exact_size: bool = False
+    ) -> tuple[list[Direct | None], list[bytearray | None]]:
+        """Read blocks by key alone, in one round trip: per key its (size, checksum) or None for a
+        miss; a None view gets a new buffer (returned beside). A block larger than its view, or of
+        another size with ``exact_size``, is skipped as a miss."""
+        message = ReadBlocks(list(keys), ["dram"] * len(keys), [0] * len(keys), [0] * len(keys))
+        out: list[Direct | None] = [None] * len(keys)
+        made: list[bytearray | None] = [None] * len(keys)
+        conn = self.pool.acquire()
+        try:
+            with conn.exchange(message) as (reply, sock):
+                if not isinstance(reply, ReadReply) or not len(reply.sizes) == len(reply.checksums) == len(keys):
+                    raise ProtocolError(f"{self.address} sent a malformed reply to ReadBlocks")
+                for i, (size, check) in enumerate(zip(reply.sizes, reply.checksums, strict=True)):
+                    if size < 0:
+                        continue
+                    view = views[i]
+                    if view is None:
+                        buf = made[i] = bytearray(size)
+                        view = memoryview(buf)
+                    elif size > view.nbytes or (exact_size and size != view.nbytes):
+                        skip(sock, size)
+                        continue
+                    recv_into(sock, view[:size])
+                    out[i] = Direct(size, check)
+        finally:
+            self.pool.release(conn)
+        return out, made
+
+    def read_ranges(self, keys: list[str], start: int, length: int, targets: list[memoryview]) -> list[bool]:
+        message = ReadSlices(keys, [start] * len(keys), [length] * len(keys))
+        conn = self.pool.acquire()
+        try:
+            with conn.exchange(message) as (reply, sock):
+                return recv_read_reply(reply, sock, targets, f"ReadSlices from {self.address}")
+        finally:
+            self.pool.release(conn)
+
+    def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
+        """Write blocks into extents the master reserved and have the daemon commit them;
+        per block (0, "") or an error's (code, text)."""
+        message = WriteBlocks(
+            [b.key for b in blocks], [b.offset for b in blocks], [b.view.nbytes for b in blocks],
+            [b.checksum for b in blocks], pinned,
+        )  # fmt: skip
+        reply = self.pool.call(message, WriteReply, [b.view for b in blocks])
+        return _write_outcome(reply, len(blocks), self.address)
+
+    def write_granted(self, grant_id: int, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
+        """A put in one round trip: write into a grant; per block PUT_STORED, PUT_EXISTS or an error code."""
+        message = WriteGranted(
+            grant_id, [b.key for b in blocks], [b.offset for b in blocks], [b.view.nbytes for b in blocks],
+            [b.checksum for b in blocks], pinned,
+        )  # fmt: skip
+        reply = self.pool.call(message, PutReply, [b.view for b in blocks])
+        if not len(reply.codes) == len(reply.errors) == len(blocks):
+            raise ProtocolError(f"{self.address} answered {len(reply.codes)} results for {len(blocks)} writes")
+        return list(zip(reply.codes, reply.errors, strict=True))
+
+    def close(self) -> None:
+        """Resources of this path alone (pools are the selector's)."""
+
+
+def _write_outcome(reply: WriteReply, n: int, address: str) -> list[tuple[int, str]]:
+    if not len(reply.codes) == len(reply.errors) == n:
+        raise ProtocolError(f"{address} answered {len(reply.codes)} results for {n} writes")
+    return list(zip(reply.codes, reply.errors, strict=True))
+
+
+class ShmPath(DataPath):
+    """A node on this host: bytes are copied through its mapped arena; the daemon only commits."""
+
+    kind = "shm"
+    direct = False
+    needs_lease = True
+
+    def __init__(self, node_id: str, address: str, pool: ConnectionPool, shm: ShmTransport, arena: ArenaMapping):
+        super().__init__(node_id, address, pool)
+        self.shm = shm
+        self.arena = arena
+
+    def read(self, blocks: Sequence[Located]) -> list[int | None]:
+        dram = [(loc, r, v) for loc, r, v in blocks if r.tier == "dram"]
+        if dram:
+            self.shm.read_many([(self.arena, r.offset, loc.size, v) for loc, r, v in dram])
+        ssd = [(loc, r, v) for loc, r, v in blocks if r.tier != "dram"]
+        from_ssd = iter(super().read(ssd) if ssd else [])
+        return [loc.size if r.tier == "dram" else next(from_ssd) for loc, r, _ in blocks]
+
+    def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
+        self.shm.write_many(self.arena, [(b.offset, b.view) for b in blocks])
+        message = CommitBlocks(
+            [b.key for b in blocks], [b.offset for b in blocks], [b.view.nbytes for b in blocks],
+            [b.checksum for b in blocks], pinned,
+        )  # fmt: skip
+        return _write_outcome(self.pool.call(message, WriteReply), len(blocks), self.address)
+
+
+class UcxPath(DataPath):
+    """A node reached over UCX (RDMA where both ends have it): the master leases what is read."""
+
+    kind = "ucx"
+    direct = False
+    needs_lease = True
+
+    def __init__(self, node_id: str, address: str, pool: ConnectionPool, client: UcxClient, ucx_address: str):
+        super().__init__(node_id, address, pool)
+        self.client = client
+        self.ucx_address = ucx_address
+
+    def read(self, blocks: Sequence[Located]) -> list[int | None]:
+        return self.client.read(
+            self.ucx_address, [loc.key for loc, _, _ in blocks], [loc.size for loc, _, _ in blocks],
+            [view for _, _, view in blocks],
+        )  # fmt: skip
+
+    def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
+        message = WriteBlocks(
+            [b.key for b in blocks], [b.offset for b in blocks], [b.view.nbytes for b in blocks],
+            [b.checksum for b in blocks], pinned,
+        )  # fmt: skip
+        reply = self.client.write(message, self.ucx_address, [b.view for b in blocks])
+        return _write_outcome(reply, len(blocks), self.ucx_address)
+
+
+class RailPath(DataPath):
+    """A node serving on several NICs: transfers are cut into slices sprayed over its rails (and
+    moved off a failing rail); small one-trip calls go over its first rail."""
+
+    kind = "rails"
+    direct = False  # large transfers are sliced over every rail, which needs the sizes first
+
+    def __init__(self, node_id: str, address: str, pool: ConnectionPool, railset: RailSet):
+        super().__init__(node_id, address, pool)
+        self.railset = railset
+
+    def read(self, blocks: Sequence[Located]) -> list[int | None]:
+        return self.railset.read(
+            [loc.key for loc, _, _ in blocks], [loc.size for loc, _, _ in blocks],
+            [loc.checksum for loc, _, _ in blocks], [view for _, _, view in blocks],
+        )  # fmt: skip
+
+    def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
+        return self.railset.write(
+            [b.key for b in blocks], [b.offset for b in blocks], [b.checksum for b in blocks],
+            [b.view for b in blocks], pinned,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.railset.close()
+
+
+class PathSelector:
+    """Picks, once per node, the data path this client uses for that node in both directions."""
+
+    def __init__(self, config: ClientConfig, lookup: Callable[[str], NodeInfo | None]) -> None:
+        self.config = config
+        self._lookup = lookup
+        self._lock = threading.RLock()
+        self._pools: dict[str, ConnectionPool] = {}
+        self._paths: dict[str, tuple[NodeInfo | None, DataPath]] = {}
+        self._shm = ShmTransport() if config.transport == "auto" else None
+        self._ucx: UcxClient | None = None
+        self._checked: dict[str, float] = {}
+
+    def pool(self, address: str) -> ConnectionPool:
+        pool = self._pools.get(address)
+        if pool is None:
+            with self._lock:
+                pool = self._pools.get(address)
+                if pool is None:
+                    pool = ConnectionPool(address, self.config.timeout_s, self.config.connections_per_daemon)
+                    self._pools[address] = pool
+        return pool
+
+    def path(self, node_id: str, address: str) -> DataPath:
+        """The path to ``node_id`` (at ``address``, as the master or a hint said)."""
+        known = self._paths.get(node_id)
+        if known is not None and known[1].address == address:
+            return known[1]
+        node = self._lookup(node_id)
+        with self._lock:
+            known = self._paths.get(node_id)
+            if known is not None and known[1].address == address and known[0] is node:
+                return known[1]
+            if known is not None:
+                known[1].close()
+            chosen = self._choose(node_id, address, node)
+            self._paths[node_id] = (node, chosen)
+            return chosen
+
+    def _choose(self, node_id: str, address: str, node: NodeInfo | None) -> DataPath:
+        pool = self.pool(address)
+        if node is None or node.address != address:
+            return DataPath(node_id, address, pool)  # not (yet) described: plain TCP to where it was seen
+        cfg = self.config
+        arena = self._shm.arena(node) if self._shm is not None else None
+        if arena is not None:
+            assert self._shm is not None
+            return ShmPath(node_id, address, pool, self._shm, arena)
+        if cfg.transport != "tcp" and node.ucx_address:
+            wanted = cfg.transport == "ucx" or (node.rdma and topology.has_rdma() and ucx.available())
+            if wanted:
+                if self._ucx is None:
+                    self._ucx = UcxClient(cfg.timeout_s)
+                return UcxPath(node_id, address, pool, self._ucx, node.ucx_address)
+        if len(node.rails) >= 2:
+            railset = RailSet(
+                node.rails, timeout=cfg.rail_timeout_s, slice_bytes=cfg.slice_bytes,
+                max_inflight=cfg.max_slices_in_flight, cooldown_s=cfg.rail_cooldown_s,
+            )  # fmt: skip
+            return RailPath(node_id, address, pool, railset)
+        return DataPath(node_id, address, pool)
+
+    def local_arena_path(self, node_id: str, address: str) -> ShmPath | None:
+        path = self.path(node_id, address)
+        return path if isinstance(path, ShmPath) else None
+
+    @property
+    def may_lease(self) -> bool:
+        """Whether some path of this client reads without the daemon (so gets must be leased)."""
+        return self.config.transport != "tcp"
+
+    def close(self) -> None:
+        with self._lock:
+            for _, path in self._paths.values():
+                path.close()
+            self._paths.clear()
+            for pool in self._pools.values():
+                pool.close()
+            if self._shm is not None:
+                self._shm.close()
+            if self._ucx is not None:
+                self._ucx.close()

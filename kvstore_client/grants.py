@@ -1,0 +1,97 @@
+"""Write space the master granted this client: one-trip puts carve their extents out of it.
+
+A grant is a contiguous range of one node's DRAM arena, held for this client until its ttl
+passes (the client stops using it a margin before) or it is returned. Blocks are carved from
+the front, aligned; a grant that cannot hold the next block is retired (returned) and another
+asked for. Thread-safe: carving is one short critical section.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore.allocator import align_up
+from kvstore.protocol import GrantReply
+
+# Stop using a grant this long before it ends (the daemon refuses writes after its own deadline).
+_MARGIN_S = 1.0
+ALIGNMENT = 64
+"""Arena extents are aligned so (the daemons' default); a misaligned grant is not used."""
+
+
+@dataclass(slots=True)
+class Grant:
+    grant_id: int
+    node_id: str
+    address: str
+    next: int
+    end: int
+    usable_until: float
+
+    def room(self) -> int:
+        return self.end - self.next
+
+
+class GrantPool:
+    def __init__(
+        self, ask: Callable[[int, str | None], GrantReply], give_back: Callable[[list[int]], None], size: int
+    ) -> None:
+        self._ask = ask
+        self._give_back = give_back
+        self.size = size
+        self._grants: dict[str | None, Grant] = {}  # by preferred node (None: wherever the master chose)
+        self._lock = threading.Lock()
+
+    def carve(self, sizes: Sequence[int], preferred: str | None) -> tuple[Grant, list[int]] | None:
+        """Offsets for blocks of ``sizes`` in one grant (asking the master for one when needed), or
+        None when no grant can hold them together (the caller puts them the two-trip way)."""
+        need = sum(align_up(s, ALIGNMENT) for s in sizes)
+        if need > self.size:
+            return None
+        with self._lock:
+            grant = self._grants.get(preferred)
+            if grant is not None and (grant.room() < need or time.monotonic() > grant.usable_until):
+                del self._grants[preferred]
+                self._give_back([grant.grant_id])  # its rest returns to the pool (an early end)
+                grant = None
+        if grant is None:
+            reply = self._ask(self.size, preferred)
+            if reply.offset % ALIGNMENT or reply.length < need:
+                self._give_back([reply.grant_id])
+                return None
+            fresh = Grant(
+                reply.grant_id, reply.node_id, reply.address, reply.offset, reply.offset + reply.length,
+                time.monotonic() + reply.ttl_ms / 1000 - _MARGIN_S,
+            )  # fmt: skip
+            with self._lock:
+                old = self._grants.get(preferred)
+                self._grants[preferred] = grant = fresh
+            if old is not None:
+                self._give_back([old.grant_id])
+        with self._lock:
+            if grant.room() < need:
+                return None  # another thread took it meanwhile: rare; the two-trip way
+            offsets = []
+            for size in sizes:
+                offsets.append(grant.next)
+                grant.next += align_up(size, ALIGNMENT)
+            return grant, offsets
+
+    def drop(self, grant: Grant) -> None:
+        """Stop using ``grant`` (its node refused it, or is unreachable) and return it."""
+        with self._lock:
+            mine = [where for where, known in self._grants.items() if known is grant]
+            for where in mine:
+                del self._grants[where]
+        if mine:
+            self._give_back([grant.grant_id])
+
+    def close(self) -> None:
+        with self._lock:
+            ids = [g.grant_id for g in self._grants.values()]
+            self._grants.clear()
+        if ids:
+            self._give_back(ids)

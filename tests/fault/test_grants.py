@@ -1,0 +1,106 @@
+"""One-trip puts into granted space: what happens when the grant's holder dies, or the grant ends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvstore.config import ClientConfig
+from kvstore.errors import GrantExpired
+from kvstore.keys import checksum
+from kvstore.metadata import PUT_EXISTS, PUT_STORED
+from kvstore.node_store import PutStatus
+from kvstore.protocol import GrantReply, GrantSpace, PutReply, WriteGranted
+from kvstore_cli.cluster import LocalCluster
+from kvstore_client.store import Store
+
+KB, MB = 1024, 1024 * 1024
+TCP = ClientConfig(transport="tcp", timeout_s=5.0)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    env = {"KVSTORE_MASTER_GRANT_TTL_MS": "1500"}
+    with LocalCluster(1, dram="64MiB", env=env) as c:
+        yield c
+
+
+def _wait(predicate: object, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_client_killed_holding_a_grant_gives_its_space_back_within_the_expiry(cluster: LocalCluster) -> None:
+    with Store.connect(cluster.master_address, TCP) as store:
+        base = store.stats()
+        script = (
+            "import os, sys\n"
+            "from kvstore.config import ClientConfig\n"
+            "from kvstore_client.store import Store\n"
+            f"s = Store.connect({cluster.master_address!r}, ClientConfig(transport='tcp'))\n"
+            "assert s.put('killed-holder', b'k' * 4096).value == 'stored'\n"
+            "os._exit(0)  # no close: the grant is never returned\n"
+        )
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+        held = store.stats()
+        assert held["grants"] == base["grants"] + 1
+        assert held["dram_used"] >= base["dram_used"] + 64 * MB // 64  # the whole grant is held
+        assert _wait(lambda: store.stats()["grants_expired"] > base["grants_expired"], 10)
+        assert _wait(lambda: store.stats()["dram_used"] <= base["dram_used"] + 4096, 5)
+        assert store.get("killed-holder") == b"k" * 4096  # what it committed stays
+
+
+def test_a_grant_used_after_it_ended_is_refused_and_the_put_goes_the_two_trip_way(cluster: LocalCluster) -> None:
+    with Store.connect(cluster.master_address, TCP) as store:
+        grant = store._call(GrantSpace(64 * KB, None), GrantReply)
+        data = b"e" * (4 * KB)
+        message = WriteGranted(grant.grant_id, ["late"], [grant.offset], [len(data)], [checksum(data)], False)
+        pool = store._paths.pool(grant.address)
+        time.sleep(grant.ttl_ms / 1000 + 0.2)
+        reply = pool.call(message, PutReply, [data])
+        assert reply.codes == [GrantExpired.code] and "ended" in reply.errors[0]
+        assert store.get("late") is None
+        # A client whose grant ended meanwhile still stores: the daemon refuses, the master places.
+        assert store.put("late-put", b"1" * 100) is PutStatus.STORED
+        [held] = store._grants._grants.values()
+        held.usable_until = time.monotonic() + 60  # as if this client's clock were behind
+        time.sleep(grant.ttl_ms / 1000 + 0.2)
+        assert store.put("late-put-2", b"2" * 100) is PutStatus.STORED
+        assert store.get_many(["late-put", "late-put-2"]) == [b"1" * 100, b"2" * 100]
+
+
+def test_a_one_trip_put_keeps_existing_bytes_and_says_so(cluster: LocalCluster) -> None:
+    with Store.connect(cluster.master_address, TCP) as store:
+        assert store.put("kept", b"first" * 100) is PutStatus.STORED
+        assert store.put("kept", b"other" * 200) is PutStatus.EXISTS
+        assert store.get("kept") == b"first" * 100
+    with Store.connect(cluster.master_address, TCP) as other:  # another client, its own grant
+        grant = other._call(GrantSpace(64 * KB, None), GrantReply)
+        data = b"x" * 500
+        message = WriteGranted(grant.grant_id, ["kept", "fresh"], [grant.offset, grant.offset + 4 * KB],
+                               [len(data)] * 2, [checksum(data)] * 2, False)  # fmt: skip
+        reply = other._paths.pool(grant.address).call(message, PutReply, [data, data])
+        assert reply.codes == [PUT_EXISTS, PUT_STORED]
+        # The same extent twice: refused by the daemon, whatever the key.
+        again = WriteGranted(grant.grant_id, ["twice"], [grant.offset + 4 * KB], [len(data)], [checksum(data)], False)
+        reply = other._paths.pool(grant.address).call(again, PutReply, [data])
+        assert reply.codes[0] not in (PUT_STORED, PUT_EXISTS) and "not free space" in reply.errors[0]
+        assert other.get_many(["kept", "fresh", "twice"]) == [b"first" * 100, data, None]
+
+
+def test_after_remove_no_reader_gets_the_old_bytes(cluster: LocalCluster) -> None:
+    with Store.connect(cluster.master_address, TCP) as reader, Store.connect(cluster.master_address, TCP) as writer:
+        writer.put("short-lived", b"old" * 1000)
+        assert reader.get("short-lived") == b"old" * 1000  # the reader now knows its node
+        assert writer.remove("short-lived")
+        assert reader.get("short-lived") is None  # straight to the node: it no longer holds it
+        writer.put("short-lived", b"new" * 10)
+        assert reader.get("short-lived") == b"new" * 10
