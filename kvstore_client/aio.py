@@ -240,6 +240,7 @@ class AsyncStore:
         self._hints = LocationHints(self.config.location_hints)
         self._grants: dict[str | None, Grant] = {}
         self._granting = asyncio.Lock()
+        self._grant_size = int(self.config.grant_bytes)
         self._closed = False
 
     @classmethod
@@ -291,6 +292,8 @@ class AsyncStore:
         """Store several blocks. Raises the first failure (after giving back what it reserved)."""
         if options is not None and not isinstance(options, PutOptions):
             raise InvalidArgument(f"options must be PutOptions, got {type(options).__name__}")
+        if self._closed:
+            raise StoreClosed("this AsyncStore is closed")
         opts = options or PutOptions()
         checked = _pairs(items)
         statuses: list[PutStatus | None] = [None] * len(checked)
@@ -311,7 +314,7 @@ class AsyncStore:
 
     async def _carve(self, sizes: list[int], preferred: str | None) -> tuple[Grant, list[int]] | None:
         need = sum(align_up(s, ALIGNMENT) for s in sizes)
-        if need > self.config.grant_bytes:
+        if need * 4 > self._grant_size:  # as in GrantPool.carve: big batches put the two-trip way
             return None
         grant = self._grants.get(preferred)
         if grant is None or grant.room() < need or time.monotonic() > grant.usable_until:
@@ -321,7 +324,8 @@ class AsyncStore:
                     if grant is not None:
                         del self._grants[preferred]
                         await self._return([grant.grant_id])
-                    reply = await self._call(GrantSpace(self.config.grant_bytes, preferred), GrantReply)
+                    reply = await self._call(GrantSpace(self._grant_size, preferred), GrantReply)
+                    self._grant_size = min(self._grant_size, reply.length)  # the master's cap
                     grant = Grant(
                         reply.grant_id, reply.node_id, reply.address, reply.offset, reply.offset + reply.length,
                         time.monotonic() + reply.ttl_ms / 1000 - 1.0,
@@ -469,7 +473,26 @@ class AsyncStore:
         return [None if g is None else bytes(g) for g in got]
 
     async def get_into(self, key: Any, buffer: Any, *, verify: bool = False) -> int | None:
-        return (await self.get_many_into([key], [buffer], verify=verify))[0]
+        checked = validate_key(key)
+        place = self._hints.get(checked)
+        if place is None or self._closed:
+            return (await self.get_many_into([checked], [buffer], verify=verify))[0]
+        # The hot case, without the batch machinery: one key whose node is remembered.
+        view = as_view(buffer, writable=True, what="buffer")
+        try:
+            answer = await self._reader(place[1]).read(checked)
+        except (ConnectionFailed, Timeout):
+            answer = None
+        if answer is None:
+            self._hints.forget([checked])
+            return (await self.get_many_into([checked], [view], verify=verify))[0]
+        size, check, data = answer
+        if size > view.nbytes:
+            raise BufferTooSmall(f"buffer of {view.nbytes} bytes cannot hold block {checked!r} of {size} bytes")
+        if verify and checksum(data) != check:
+            raise CorruptBlock(f"block {checked!r} read from {place[1]} fails its checksum")
+        view[:size] = data
+        return size
 
     async def get_many_into(
         self, keys: Sequence[Any], buffers: Sequence[Any], *, verify: bool = False, exact_size: bool = False
@@ -492,6 +515,8 @@ class AsyncStore:
         return out
 
     async def _get(self, keys: list[BlockKey], verify: bool) -> list[memoryview | None]:
+        if self._closed:
+            raise StoreClosed("this AsyncStore is closed")
         out: list[memoryview | None] = [None] * len(keys)
         rest = list(range(len(keys)))
         hinted = [(i, place) for i in rest if (place := self._hints.get(keys[i])) is not None]

@@ -49,7 +49,9 @@ class GrantPool:
         """Offsets for blocks of ``sizes`` in one grant (asking the master for one when needed), or
         None when no grant can hold them together (the caller puts them the two-trip way)."""
         need = sum(align_up(s, ALIGNMENT) for s in sizes)
-        if need > self.size:
+        if need * 4 > self.size:
+            # A batch that would use up a grant in a few puts saves nothing over the two-trip put
+            # (one master round trip for the whole batch) and would cost a grant each time.
             return None
         with self._lock:
             grant = self._grants.get(preferred)
@@ -59,6 +61,9 @@ class GrantPool:
                 grant = None
         if grant is None:
             reply = self._ask(self.size, preferred)
+            # The master caps grants (a fraction of a node's DRAM): batches larger than that put
+            # the two-trip way from now on, rather than asking for grants that cannot hold them.
+            self.size = min(self.size, reply.length)
             if reply.offset % ALIGNMENT or reply.length < need:
                 self._give_back([reply.grant_id])
                 return None

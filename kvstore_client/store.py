@@ -192,6 +192,8 @@ class Store:
         """Store several blocks. Raises the first failure (after giving back what it reserved)."""
         if options is not None and not isinstance(options, PutOptions):
             raise InvalidArgument(f"options must be PutOptions, got {type(options).__name__}")
+        if self._closed:
+            raise StoreClosed("this Store is closed")
         opts = options or PutOptions()
         checked = _pairs(items)
         statuses: list[PutStatus | None] = [None] * len(checked)
@@ -371,6 +373,8 @@ class Store:
         self, keys: list[BlockKey], views: list[memoryview] | None, verify: bool, *, exact_size: bool = False
     ) -> list[Any]:
         """Per key: its size (read into ``views[i]``), or with ``views`` None a new bytearray; None for a miss."""
+        if self._closed:
+            raise StoreClosed("this Store is closed")
         n = len(keys)
         out: list[Any] = [None] * n
         # 1. Keys whose node is remembered: one trip to that node, by key.

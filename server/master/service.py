@@ -10,11 +10,10 @@ tick until it is answered or its node re-registers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from msgspec.structs import replace
@@ -36,6 +35,7 @@ from kvstore.protocol import (
     Exists,
     ExistsReply,
     FetchBlocks,
+    FrameDecoder,
     GetReplicas,
     GrantReply,
     GrantSpace,
@@ -75,13 +75,16 @@ from kvstore.protocol import (
     request_id_of,
 )
 from server.master.admin import AdminApi, LatencyHistogram, Sampler
-from transfer.aio import AsyncConnection, read_payload
+from transfer.aio import AsyncConnection
 
 log = logging.getLogger("kvstore.master")
 
 Handler = Callable[[Any], Awaitable[Message]]
 
 # Requests whose repetition would change the outcome: their answers are kept for retries.
+# Requests whose handlers wait for daemons (they run in a task; the others are answered inline).
+_WAITS: frozenset[type[Message]] = frozenset({PutStart, GrantSpace, Remove, Replicate})
+
 _NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset(
     {PutStart, PutEnd, PutRevoke, Remove, Replicate, GrantSpace, CommitGranted}
 )
@@ -107,6 +110,48 @@ def _now_ms() -> int:
     return int(time.monotonic() * 1000)
 
 
+class _RpcConnection(asyncio.Protocol):
+    """One client's connection: frames are cut from the bytes as they arrive and answered at once.
+
+    A client that stops reading its replies is stopped from sending more (reading pauses while
+    the send buffer is over the transport's high-water mark)."""
+
+    def __init__(self, service: MasterService) -> None:
+        self.service = service
+        self.decoder = FrameDecoder()
+        self.last = time.monotonic()
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set by connection_made
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
+        self.service._connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.last = time.monotonic()
+        try:
+            for payload in self.decoder.feed(data):
+                self.service._serve_payload(self, payload)
+        except ProtocolError as exc:
+            # An oversize frame leaves the stream out of step: answer, then close.
+            self.service.rpc_errors += 1
+            self.reply(ErrorReply.from_error(exc), 0)
+            self.transport.close()
+
+    def reply(self, message: Message, request_id: int) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(encode(message, request_id))
+
+    def pause_writing(self) -> None:
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.service._connections.discard(self)
+
+
 class MasterService:
     def __init__(self, config: MasterConfig | None = None) -> None:
         self.config = config or MasterConfig()
@@ -128,6 +173,7 @@ class MasterService:
         self._retry: list[NodeCommand] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
+        self._connections: set[_RpcConnection] = set()
         self._ticker: asyncio.Task[None] | None = None
         self.rpc_errors = 0
         self._answers: OrderedDict[int, tuple[float, asyncio.Future[Message]]] = OrderedDict()
@@ -236,7 +282,8 @@ class MasterService:
         return Replicated(len(copied), sum(m.size for m in copied))
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, self.config.host, self.config.port, limit=1 << 20)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _RpcConnection(self), self.config.host, self.config.port)
         self._ticker = asyncio.create_task(self._tick_forever(), name="master-ticker")
         port = self._server.sockets[0].getsockname()[1]
         return f"{self.config.host}:{port}"
@@ -246,6 +293,8 @@ class MasterService:
             await self.admin.stop()
         if self._server is not None:
             self._server.close()
+        for client in list(self._connections):
+            client.transport.close()
         if self._ticker is not None:
             self._ticker.cancel()
         for task in list(self._tasks):
@@ -279,6 +328,9 @@ class MasterService:
                 retry, self._retry = self._retry, []
                 live = [c for c in retry if c.node_id in self.table.nodes and self.table.nodes[c.node_id].up]
                 self._run_later(commands + live, "expiry-commands")
+                idle_since = time.monotonic() - self.config.idle_timeout_s
+                for conn in [c for c in self._connections if c.last < idle_since]:
+                    conn.transport.close()
                 if self.sampler.due():
                     stats = self.table.stats()
                     self.sampler.sample(self.table.counters, int(stats["dram_used"]), int(stats["ssd_used"]))
@@ -286,47 +338,40 @@ class MasterService:
                 log.exception("master tick failed")
 
     # -- connections ------------------------------------------------------------------------
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(self.config.idle_timeout_s):
-                        payload = await read_payload(reader)
-                except ProtocolError as exc:
-                    self.rpc_errors += 1
-                    writer.write(encode(ErrorReply.from_error(exc), 0))
-                    await self._drain(writer)
-                    return  # an oversize frame leaves the stream out of step
-                if payload is None:
-                    return
-                reply, request_id = await self._dispatch(payload)
-                writer.write(encode(reply, request_id))
-                await self._drain(writer)
-        except (TimeoutError, ConnectionError, OSError, KVStoreError, asyncio.CancelledError):
-            pass  # the client went away or idled out, or the master is stopping
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), 1.0)
-
-    async def _drain(self, writer: asyncio.StreamWriter) -> None:
-        """Wait for a backed-up reply to go out; a client that stops reading must not hold this task forever."""
-        if writer.transport.get_write_buffer_size():
-            async with asyncio.timeout(self.config.command_timeout_ms / 1000):
-                await writer.drain()
-
-    async def _dispatch(self, payload: bytes) -> tuple[Message, int]:
+    def _serve_payload(self, conn: _RpcConnection, payload: bytes) -> None:
+        """Answer one request. A handler that never waits (most: the table is synchronous) runs to
+        its end right here, with no task and no turn of the event loop; the others (those that
+        wait for daemons) run in a task. Replies carry their request ids, so they may overtake
+        each other."""
         try:
             request_id, message = decode_payload(payload)
         except ProtocolError as exc:
             self.rpc_errors += 1
-            return ErrorReply.from_error(exc), request_id_of(payload)
+            conn.reply(ErrorReply.from_error(exc), request_id_of(payload))
+            return
+        coro = self._dispatch(message, request_id)
+        if type(message) in _WAITS:
+            self._spawn(self._reply_later(conn, coro, request_id), f"rpc-{type(message).__name__}")
+            return
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            conn.reply(done.value, request_id)
+            return
+        coro.close()  # a handler outside _WAITS waited: a bug, answered as one
+        log.error("handler of %s waited; it belongs in _WAITS", type(message).__name__)
+        conn.reply(ErrorReply.from_error(KVStoreError(f"internal error serving {type(message).__name__}")), request_id)
+
+    async def _reply_later(
+        self, conn: _RpcConnection, coro: Coroutine[Any, Any, Message], request_id: int
+    ) -> None:  # fmt: skip
+        conn.reply(await coro, request_id)
+
+    async def _dispatch(self, message: Message, request_id: int) -> Message:
         handler = self._handlers.get(type(message))
         if handler is None:
             self.rpc_errors += 1
-            return ErrorReply.from_error(
-                ProtocolError(f"the master does not serve {type(message).__name__}")
-            ), request_id
+            return ErrorReply.from_error(ProtocolError(f"the master does not serve {type(message).__name__}"))
         start = time.perf_counter()
         if type(message) in _NOT_IDEMPOTENT and request_id:
             reply = await self._once(request_id, handler, message)
@@ -335,7 +380,7 @@ class MasterService:
         op = _TIMED.get(type(message))
         if op is not None:
             self.latency.setdefault(op, LatencyHistogram()).observe(time.perf_counter() - start)
-        return reply, request_id
+        return reply
 
     async def _handle(self, handler: Handler, message: Message) -> Message:
         try:
@@ -355,6 +400,8 @@ class MasterService:
         while self._answers and next(iter(self._answers.values()))[0] < now - _ANSWER_TTL_S:
             self._answers.popitem(last=False)
         known = self._answers.get(request_id)
+        if known is not None and known[1].done() and not known[1].cancelled():
+            return known[1].result()  # answered already (no wait: inline handlers must not)
         if known is not None:
             return await asyncio.wait_for(asyncio.shield(known[1]), self.config.command_timeout_ms / 1000 * 2)
         answer: asyncio.Future[Message] = asyncio.get_running_loop().create_future()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvstore.config import ClientConfig
-from kvstore.errors import BufferTooSmall, InvalidArgument, InvalidKey
+from kvstore.errors import BufferTooSmall, InvalidArgument, InvalidKey, NoNodes, StoreClosed
 from kvstore.keys import block_keys
 from kvstore.node_store import PutStatus
 from kvstore_cli.cluster import LocalCluster
@@ -135,10 +135,46 @@ def test_async_store(cluster: LocalCluster) -> None:
     async def main() -> None:
         async with await AsyncStore.connect(cluster.master_address) as s:
             assert await s.put("async", b"value") is PutStatus.STORED
+            assert await s.put("async", b"other") is PutStatus.EXISTS
             assert await s.get("async") == b"value"
             assert await s.match_prefix(["async", "nope"]) == 1
+            assert await s.exists_many(["async", "nope"]) == [True, False]
+            # Many gets at once from one loop: batched per node, each answer its own.
+            keys = [f"async-many-{i}" for i in range(64)]
+            blocks = [bytes([i]) * (100 + i) for i in range(64)]
+            assert await s.put_many(zip(keys, blocks, strict=True)) == [PutStatus.STORED] * 64
+            async with await AsyncStore.connect(cluster.master_address) as fresh:  # no hints: via the master
+                assert await asyncio.gather(*(fresh.get(k, verify=True) for k in keys)) == blocks
+                assert await asyncio.gather(*(fresh.get(k, verify=True) for k in keys)) == blocks  # by hint
+                out = np.zeros((2, 200), dtype=np.uint8)
+                assert await fresh.get_many_into(keys[:2], list(out)) == [100, 101]
+                assert bytes(out[1][:101]) == blocks[1]
+                with pytest.raises(BufferTooSmall):
+                    await fresh.get_into(keys[63], bytearray(10))
+                assert await s.remove_many(keys[:32]) == 32
+                got = await asyncio.gather(*(fresh.get(k) for k in keys))
+                assert got == [None] * 32 + blocks[32:]  # removed means gone, even for a remembered node
+            with pytest.raises(InvalidKey):
+                await s.get("")
+            with pytest.raises(InvalidArgument):
+                await s.put_many([("only-a-key",)])  # type: ignore[list-item]
+            with pytest.raises(InvalidArgument):
+                await s.put("x", b"y", PutOptions(replicas=0))
+        with pytest.raises(StoreClosed):
+            await s.get("async")
 
     asyncio.run(main())
+
+
+def test_bad_put_input_is_a_typed_error(store: Store) -> None:
+    with pytest.raises(InvalidArgument, match="pair"):
+        store.put_many([("a1",)])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgument, match="replicas"):
+        PutOptions(replicas=0)
+    with pytest.raises(NoNodes, match="replicas"):
+        store.put("five-copies", b"x", PutOptions(replicas=5))  # two nodes: said, not silently fewer
+    with pytest.raises(InvalidArgument, match="object"):
+        store.put("objects", np.array(["a", None], dtype=object))
 
 
 def test_remembered_keys_are_read_in_one_trip_to_their_node(
