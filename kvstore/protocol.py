@@ -443,6 +443,8 @@ class GrantReply(Message, tag=71, frozen=True):
     length: int
     ttl_ms: int
     """The grant ends this long after it was answered (the client stops using it a little before)."""
+    alignment: int = 64
+    """The node's extent alignment: blocks are carved from the grant at multiples of it."""
 
 
 class ReturnGrants(Message, tag=72, frozen=True):

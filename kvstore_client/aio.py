@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Self, TypeVar
@@ -94,7 +95,8 @@ class _Link:
     def __init__(self, address: str, timeout: float) -> None:
         self.address = address
         self.timeout = timeout
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(random.getrandbits(62) + 1)  # unique across clients: the master
+        # keeps the answers of non-idempotent requests by id, for retries
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._waiting: dict[int, asyncio.Future[tuple[Message, bytes]]] = {}
@@ -111,10 +113,12 @@ class _Link:
                 except OSError as exc:
                     raise ConnectionFailed(f"cannot connect to {self.address}: {exc.strerror or exc}") from None
                 self._writer = writer
-                self._reader_task = asyncio.create_task(self._read_replies(reader), name=f"kvstore-link-{self.address}")
+                self._reader_task = asyncio.create_task(
+                    self._read_replies(reader, writer), name=f"kvstore-link-{self.address}"
+                )
             return self._writer
 
-    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
+    async def _read_replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         failure: KVStoreError = ConnectionFailed(f"{self.address} closed the connection")
         try:
             while True:
@@ -134,7 +138,10 @@ class _Link:
         except KVStoreError as exc:
             failure = exc
         finally:
-            self._fail_all(failure)
+            if self._writer is writer:  # not a connection that was replaced meanwhile
+                self._fail_all(failure)
+            else:
+                writer.close()
 
     def _fail_all(self, failure: KVStoreError) -> None:
         writer, self._writer = self._writer, None
@@ -145,11 +152,15 @@ class _Link:
             if not future.done():
                 future.set_exception(failure)
 
+    def next_id(self) -> int:
+        return next(self._ids)
+
     async def request(
-        self, message: Message, expect: type[R], payload: Sequence[memoryview | bytes] = ()
+        self, message: Message, expect: type[R], payload: Sequence[memoryview | bytes] = (), request_id: int = 0
     ) -> tuple[R, bytes]:
+        """One request and its reply; a retry passes the first attempt's ``request_id``."""
         writer = self._writer or await self._connect()
-        request_id = next(self._ids)
+        request_id = request_id or next(self._ids)
         future: asyncio.Future[tuple[Message, bytes]] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         frame = encode(message, request_id)
@@ -259,9 +270,10 @@ class AsyncStore:
             raise StoreClosed("this AsyncStore is closed")
         deadline = time.monotonic() + self.config.timeout_s
         backoff = 0.01
+        request_id = self._master.next_id()  # every attempt the same: the master answers a retry once
         while True:
             try:
-                return (await self._master.request(message, expect))[0]
+                return (await self._master.request(message, expect, request_id=request_id))[0]
             except ConnectionFailed:
                 # Ride out a master restart: the same request, with backoff, up to the timeout.
                 if time.monotonic() + backoff > deadline:
@@ -328,16 +340,20 @@ class AsyncStore:
                     self._grant_size = min(self._grant_size, reply.length)  # the master's cap
                     grant = Grant(
                         reply.grant_id, reply.node_id, reply.address, reply.offset, reply.offset + reply.length,
-                        time.monotonic() + reply.ttl_ms / 1000 - 1.0,
+                        time.monotonic() + reply.ttl_ms / 1000 - 1.0, reply.alignment,
                     )  # fmt: skip
-                    if reply.offset % ALIGNMENT or grant.room() < need:
+                    need = sum(align_up(s, grant.alignment) for s in sizes)
+                    if reply.offset % grant.alignment or grant.room() < need:
                         await self._return([grant.grant_id])
                         return None
                     self._grants[preferred] = grant
+        need = sum(align_up(s, grant.alignment) for s in sizes)
+        if grant.room() < need:
+            return None
         offsets = []
         for size in sizes:
             offsets.append(grant.next)
-            grant.next += align_up(size, ALIGNMENT)
+            grant.next += align_up(size, grant.alignment)
         return grant, offsets
 
     async def _return(self, grant_ids: list[int]) -> None:
@@ -605,11 +621,11 @@ class AsyncStore:
     async def close(self) -> None:
         if self._closed:
             return
+        self._closed = True  # first: no put takes a new grant meanwhile
         ids = [g.grant_id for g in self._grants.values()]
         self._grants.clear()
         if ids:
             await self._return(ids)
-        self._closed = True
         for link in [self._master, *self._links.values()]:
             await link.close()
 

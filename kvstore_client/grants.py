@@ -19,7 +19,8 @@ from kvstore.protocol import GrantReply
 # Stop using a grant this long before it ends (the daemon refuses writes after its own deadline).
 _MARGIN_S = 1.0
 ALIGNMENT = 64
-"""Arena extents are aligned so (the daemons' default); a misaligned grant is not used."""
+"""The smallest extent alignment (the daemons' default): what a batch needs is counted with it
+before a grant (which names its node's alignment) is in hand."""
 
 
 @dataclass(slots=True)
@@ -30,6 +31,7 @@ class Grant:
     next: int
     end: int
     usable_until: float
+    alignment: int = 64
 
     def room(self) -> int:
         return self.end - self.next
@@ -53,23 +55,25 @@ class GrantPool:
             # A batch that would use up a grant in a few puts saves nothing over the two-trip put
             # (one master round trip for the whole batch) and would cost a grant each time.
             return None
+        retired: Grant | None = None
         with self._lock:
             grant = self._grants.get(preferred)
             if grant is not None and (grant.room() < need or time.monotonic() > grant.usable_until):
-                del self._grants[preferred]
-                self._give_back([grant.grant_id])  # its rest returns to the pool (an early end)
+                retired = self._grants.pop(preferred)
                 grant = None
+        if retired is not None:
+            self._give_back([retired.grant_id])  # its rest returns to the pool (an early end)
         if grant is None:
             reply = self._ask(self.size, preferred)
             # The master caps grants (a fraction of a node's DRAM): batches larger than that put
             # the two-trip way from now on, rather than asking for grants that cannot hold them.
             self.size = min(self.size, reply.length)
-            if reply.offset % ALIGNMENT or reply.length < need:
+            if reply.offset % reply.alignment or reply.length < need:
                 self._give_back([reply.grant_id])
                 return None
             fresh = Grant(
                 reply.grant_id, reply.node_id, reply.address, reply.offset, reply.offset + reply.length,
-                time.monotonic() + reply.ttl_ms / 1000 - _MARGIN_S,
+                time.monotonic() + reply.ttl_ms / 1000 - _MARGIN_S, reply.alignment,
             )  # fmt: skip
             with self._lock:
                 old = self._grants.get(preferred)
@@ -77,12 +81,13 @@ class GrantPool:
             if old is not None:
                 self._give_back([old.grant_id])
         with self._lock:
+            need = sum(align_up(s, grant.alignment) for s in sizes)
             if grant.room() < need:
                 return None  # another thread took it meanwhile: rare; the two-trip way
             offsets = []
             for size in sizes:
                 offsets.append(grant.next)
-                grant.next += align_up(size, ALIGNMENT)
+                grant.next += align_up(size, grant.alignment)
             return grant, offsets
 
     def drop(self, grant: Grant) -> None:

@@ -277,10 +277,16 @@ class DaemonServer:
             or msg.offset + msg.length > self.storage.arena.capacity
         ):
             raise InvalidArgument(f"grant ({msg.offset}, {msg.length}) is outside the arena or misaligned")
+        now = time.monotonic()
         with self._grants_cond:
-            if msg.grant_id not in self._grants:
-                deadline = time.monotonic() + msg.ttl_ms / 1000
-                self._grants[msg.grant_id] = _Grant(msg.offset, msg.offset + msg.length, deadline)
+            # Grants whose EndGrants never came (a master that went away) are dropped a while after they ended.
+            for stale in [i for i, g in self._grants.items() if g.active == 0 and g.deadline < now - 60]:
+                del self._grants[stale]
+            known = self._grants.get(msg.grant_id)
+            if known is None:
+                self._grants[msg.grant_id] = _Grant(msg.offset, msg.offset + msg.length, now + msg.ttl_ms / 1000)
+            elif (known.offset, known.end) != (msg.offset, msg.offset + msg.length):
+                raise InvalidArgument(f"grant {msg.grant_id} is open here for another extent")
         self._command(sock, request_id, [True])
 
     def end_grants(self, grant_ids: Sequence[int], wait_s: float | None = None) -> list[bool]:
@@ -289,12 +295,17 @@ class DaemonServer:
             grants = [g for i in grant_ids if (g := self._grants.get(i)) is not None]
             for grant in grants:
                 grant.closed = True
-                for sock in grant.receivers:
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)
-            done = self._grants_cond.wait_for(
-                lambda: all(g.active == 0 for g in grants), self.io_timeout if wait_s is None else wait_s
-            )
+            # Writes in flight finish first (their connections carry other requests too); only a
+            # writer that stalls is cut off.
+            done = self._grants_cond.wait_for(lambda: all(g.active == 0 for g in grants), 2.0)
+            if not done:
+                for grant in grants:
+                    for sock in grant.receivers:
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)
+                done = self._grants_cond.wait_for(
+                    lambda: all(g.active == 0 for g in grants), self.io_timeout if wait_s is None else wait_s
+                )
             if not done:
                 raise Timeout("writes into ending grants did not stop in time")
             for grant_id in grant_ids:
@@ -514,8 +525,10 @@ class MasterLink:
     ) -> None:
         self._transfer_stats = transfer_stats
         self._before_register = before_register
-        self._calls = ConnectionPool(master, timeout, size=4)  # commits of one-trip puts, access reports
-        self._accessed: deque[str] = deque()
+        self._timeout = timeout
+        self._calls = ConnectionPool(master, timeout, size=4)  # commits of one-trip puts
+        self._reports = Connection(master, timeout)  # access reports, apart: they never hold up a commit
+        self._accessed: deque[str] = deque(maxlen=1 << 20)  # a master too slow to take them loses the oldest
         self._report_period = report_period_s
         self.master = master
         self.rails = list(rails)
@@ -542,7 +555,9 @@ class MasterLink:
         """Have the master commit blocks written into a grant; per block (code, text) as in PutReply."""
         message = CommitGranted(self.node_id, grant_id, list(keys), offsets, sizes, checksums, pinned)
         with self._calls.connection() as conn:
-            reply = conn.call(message, PutReply)
+            # The same request id on every attempt: a commit the master made but whose answer was
+            # lost is answered again, never made twice nor left unknown for a passing glitch.
+            reply = conn.call(message, PutReply, retry_for=self._timeout)
         if not len(reply.codes) == len(reply.errors) == len(keys):
             raise ProtocolError(f"the master answered {len(reply.codes)} commits for {len(keys)} blocks")
         return list(zip(reply.codes, reply.errors, strict=True))
@@ -561,8 +576,7 @@ class MasterLink:
         if not keys:
             return
         try:
-            with self._calls.connection() as conn:
-                conn.call(AccessReport(self.node_id, keys), OkReply)
+            self._reports.call(AccessReport(self.node_id, keys), OkReply)
         except KVStoreError as exc:
             log.debug("access report of %d keys lost: %s", len(keys), exc)  # LRU order only; never data
 
@@ -609,3 +623,4 @@ class MasterLink:
         self._reporter.join(timeout=5)
         self._conn.close()
         self._calls.close()
+        self._reports.close()

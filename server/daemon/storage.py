@@ -287,6 +287,11 @@ class DaemonStorage:
     def demote(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Move DRAM blocks to SSD; False for a block that SSD could not take (dropped instead) or that is absent."""
         with self.lock.exclusive():
+            for key in keys:
+                if self.arena.is_pending(key):
+                    # Committed at the master (a one-trip put) and not yet here: it is evicted
+                    # before it lands, so it must not land in the extent the master frees now.
+                    self.arena.abort(key)
             present = [k for k in dict.fromkeys(keys) if k in self.arena]
             moved: set[str] = set()
             if self.ssd is not None and present:

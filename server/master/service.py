@@ -19,7 +19,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvstore.config import MasterConfig
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NotFound, ProtocolError
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NotFound, ProtocolError, RetryLater, Timeout
 from kvstore.metadata import Grant, Move, NodeCommand, PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
 from kvstore.protocol import (
@@ -303,7 +303,7 @@ class MasterService:
         for conn in self._daemons.values():
             await conn.close()
 
-    def _spawn(self, coro: Awaitable[None], name: str) -> None:
+    def _spawn(self, coro: Awaitable[object], name: str) -> None:
         """Run ``coro`` in the background; its failure is logged, never lost."""
 
         async def supervised() -> None:
@@ -432,14 +432,15 @@ class MasterService:
         if commands:
             self._spawn(self._run_commands(commands), name)
 
-    async def _run_commands(self, commands: list[NodeCommand]) -> None:
-        """Send commands (each node's in order, nodes in parallel) and apply the answers."""
+    async def _run_commands(self, commands: list[NodeCommand]) -> bool:
+        """Send commands (each node's in order, nodes in parallel) and apply the answers; whether
+        every node answered (the others' are retried later)."""
         per_node: dict[str, list[NodeCommand]] = {}
         for c in commands:
             per_node.setdefault(c.node_id, []).append(c)
-        await asyncio.gather(*(self._run_node_commands(cs) for cs in per_node.values()))
+        return all(await asyncio.gather(*(self._run_node_commands(cs) for cs in per_node.values())))
 
-    async def _run_node_commands(self, commands: list[NodeCommand]) -> None:
+    async def _run_node_commands(self, commands: list[NodeCommand]) -> bool:
         for i, command in enumerate(commands):
             if command.node_id not in self.table.nodes:
                 continue
@@ -455,8 +456,9 @@ class MasterService:
             except KVStoreError as exc:
                 log.warning("command %s to %s failed (%s); will retry", command.kind.value, command.node_id, exc)
                 self._retry.extend(commands[i:])
-                return
+                return False
             self.table.apply(command, reply.done)
+        return True
 
     async def _close_grants(self, node_id: str, grant_ids: list[int]) -> None:
         """Have the daemon stop taking writes into ``grant_ids``, then free what is left of them.
@@ -574,9 +576,16 @@ class MasterService:
             for node_id, ids in table.end_grants([grant.grant_id]).items():
                 self._spawn(self._close_grants(node_id, ids), "grant-close")
             raise
+        if grant.grant_id not in table.grants:
+            # The node re-registered meanwhile (its grants are forgotten, its space maybe handed
+            # out again): the daemon must not keep this one.
+            self._spawn(self._close_grants(grant.node_id, [grant.grant_id]), "grant-close")
+            raise RetryLater(f"node {grant.node_id} re-registered while a grant was opened on it; retry")
         table.confirm_grant(grant.grant_id, _now_ms() + ttl + _GRANT_MARGIN_MS)
-        address = table.nodes[grant.node_id].address
-        return GrantReply(grant.grant_id, grant.node_id, address, extent.offset, extent.length, ttl)
+        node = table.nodes[grant.node_id]
+        return GrantReply(
+            grant.grant_id, grant.node_id, node.address, extent.offset, extent.length, ttl, node.alloc.alignment
+        )
 
     async def _return_grants(self, m: ReturnGrants) -> Message:
         for node_id, grant_ids in self.table.end_grants(m.grant_ids).items():
@@ -613,7 +622,10 @@ class MasterService:
         (no lease, no master) must find nothing after remove returns. A daemon that does not answer
         gets its drop retried; it serves nobody meanwhile."""
         removed, commands = self.table.remove(m.keys)
-        await self._run_commands(commands)
+        if not await self._run_commands(commands):
+            # The blocks are out of the table, but a daemon that did not confirm may still serve
+            # them to a reader that goes to it directly: say so (the drop is retried until done).
+            raise Timeout("a node holding removed blocks did not confirm dropping them yet; they are retried")
         return RemoveReply(removed)
 
     async def _list_nodes(self, m: ListNodes) -> Message:
