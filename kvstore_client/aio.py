@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Self, TypeVar
 
-from kvstore.allocator import align_up
 from kvstore.buffers import as_view
 from kvstore.config import ClientConfig
 from kvstore.errors import (
@@ -33,10 +32,8 @@ from kvstore.errors import (
     RetryLater,
     StoreClosed,
     Timeout,
-    error_from_code,
 )
 from kvstore.keys import BlockKey, checksum, validate_key
-from kvstore.metadata import PUT_EXISTS, PUT_STORED
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     ErrorReply,
@@ -66,6 +63,7 @@ from kvstore.protocol import (
     ReadReply,
     Remove,
     RemoveReply,
+    Replica,
     ReturnGrants,
     Stats,
     StatsReply,
@@ -75,9 +73,18 @@ from kvstore.protocol import (
     decode_payload,
     encode,
 )
-from kvstore_client.grants import ALIGNMENT, Grant
+from kvstore_client.grants import Grant, too_big_for
 from kvstore_client.hints import LocationHints
-from kvstore_client.store import PutOptions, _pairs
+from kvstore_client.puts import (
+    PutOptions,
+    checked_options,
+    checked_pairs,
+    sort_tickets,
+    take_commits,
+    take_granted,
+    take_write_codes,
+    write_codes,
+)
 from transfer.aio import read_payload
 from transfer.wire import parse_address
 
@@ -302,12 +309,10 @@ class AsyncStore:
 
     async def put_many(self, items: Iterable[tuple[Any, Any]], options: PutOptions | None = None) -> list[PutStatus]:
         """Store several blocks. Raises the first failure (after giving back what it reserved)."""
-        if options is not None and not isinstance(options, PutOptions):
-            raise InvalidArgument(f"options must be PutOptions, got {type(options).__name__}")
         if self._closed:
             raise StoreClosed("this AsyncStore is closed")
-        opts = options or PutOptions()
-        checked = _pairs(items)
+        opts = checked_options(options)
+        checked = checked_pairs(items)
         statuses: list[PutStatus | None] = [None] * len(checked)
         todo = list(range(len(checked)))
         if (opts.replicas or self.config.replicas) == 1 and self.config.grant_bytes and todo:
@@ -325,36 +330,26 @@ class AsyncStore:
         return [s if s is not None else PutStatus.EXISTS for s in statuses]
 
     async def _carve(self, sizes: list[int], preferred: str | None) -> tuple[Grant, list[int]] | None:
-        need = sum(align_up(s, ALIGNMENT) for s in sizes)
-        if need * 4 > self._grant_size:  # as in GrantPool.carve: big batches put the two-trip way
+        """As GrantPool.carve, on the event loop."""
+        if too_big_for(sizes, self._grant_size):
             return None
         grant = self._grants.get(preferred)
-        if grant is None or grant.room() < need or time.monotonic() > grant.usable_until:
+        if grant is None or not grant.usable(sizes):
             async with self._granting:
                 grant = self._grants.get(preferred)
-                if grant is None or grant.room() < need or time.monotonic() > grant.usable_until:
+                if grant is None or not grant.usable(sizes):
                     if grant is not None:
                         del self._grants[preferred]
                         await self._return([grant.grant_id])
                     reply = await self._call(GrantSpace(self._grant_size, preferred), GrantReply)
                     self._grant_size = min(self._grant_size, reply.length)  # the master's cap
-                    grant = Grant(
-                        reply.grant_id, reply.node_id, reply.address, reply.offset, reply.offset + reply.length,
-                        time.monotonic() + reply.ttl_ms / 1000 - 1.0, reply.alignment,
-                    )  # fmt: skip
-                    need = sum(align_up(s, grant.alignment) for s in sizes)
-                    if reply.offset % grant.alignment or grant.room() < need:
+                    grant = Grant.from_reply(reply)
+                    if not grant.usable(sizes):
                         await self._return([grant.grant_id])
                         return None
                     self._grants[preferred] = grant
-        need = sum(align_up(s, grant.alignment) for s in sizes)
-        if grant.room() < need:
-            return None
-        offsets = []
-        for size in sizes:
-            offsets.append(grant.next)
-            grant.next += align_up(size, grant.alignment)
-        return grant, offsets
+        offsets = grant.take(sizes)
+        return (grant, offsets) if offsets is not None else None
 
     async def _return(self, grant_ids: list[int]) -> None:
         with contextlib.suppress(KVStoreError):
@@ -391,26 +386,11 @@ class AsyncStore:
         except (ConnectionFailed, Timeout):
             self._drop_grant(grant)
             return todo
-        if not len(reply.codes) == len(reply.errors) == len(todo):
-            raise ProtocolError(f"{grant.address} answered {len(reply.codes)} results for {len(todo)} writes")
-        left: list[int] = []
-        failure: KVStoreError | None = None
-        placed = []
-        for i, code, text in zip(todo, reply.codes, reply.errors, strict=True):
-            if code == PUT_STORED:
-                out[i] = PutStatus.STORED
-                placed.append((items[i][0], (grant.node_id, grant.address)))
-            elif code == PUT_EXISTS:
-                out[i] = PutStatus.EXISTS
-            elif code in (GrantExpired.code, RetryLater.code, ConnectionFailed.code, Timeout.code):
-                left.append(i)
-            else:
-                failure = failure or error_from_code(code, f"writing {items[i][0]!r} to {grant.address}: {text}")
+        codes = write_codes(reply.codes, reply.errors, len(todo), grant.address)
         if GrantExpired.code in reply.codes:
             self._drop_grant(grant)
+        left, placed = take_granted(items, todo, codes, grant, out)
         self._hints.note(placed)
-        if failure is not None:
-            raise failure
         return left
 
     async def _put_round(
@@ -421,64 +401,33 @@ class AsyncStore:
                      opts.replicas or self.config.replicas, opts.preferred_node, opts.pin),
             PutStartReply,
         )  # fmt: skip
-        tickets = reply.tickets()
-        if len(tickets) != len(todo):
-            raise ProtocolError(f"the master answered {len(tickets)} tickets for {len(todo)} keys")
-        retry: list[int] = []
-        failure: KVStoreError | None = None
-        writes: dict[str, list[tuple[int, int]]] = {}
-        placed: dict[int, tuple[str, str]] = {}
-        for i, ticket in zip(todo, tickets, strict=True):
-            if ticket.status == "exists":
-                out[i] = PutStatus.EXISTS
-            elif ticket.status == "error":
-                if ticket.error_code == RetryLater.code:
-                    retry.append(i)
-                elif failure is None:
-                    failure = error_from_code(ticket.error_code, ticket.error)
-            else:
-                for replica in ticket.replicas:
-                    writes.setdefault(replica.address, []).append((i, replica.offset))
-                if ticket.replicas:
-                    placed[i] = (ticket.replicas[0].node_id, ticket.replicas[0].address)
-        sums = {i: checksum(items[i][1]) for group in writes.values() for i, _ in group}
+        plan = sort_tickets(reply, todo, out)
+        sums = {i: checksum(items[i][1]) for group in plan.writes.values() for i, _ in group}
 
-        async def write(address: str, group: list[tuple[int, int]]) -> list[tuple[int, str]]:
+        async def write(address: str, group: list[tuple[int, Replica]]) -> list[tuple[int, str]]:
             message = WriteBlocks(
-                [items[i][0] for i, _ in group], [o for _, o in group], [items[i][1].nbytes for i, _ in group],
+                [items[i][0] for i, _ in group], [r.offset for _, r in group], [items[i][1].nbytes for i, _ in group],
                 [sums[i] for i, _ in group], opts.pin,
             )  # fmt: skip
             try:
                 answer, _ = await self._link(address).request(message, WriteReply, [items[i][1] for i, _ in group])
             except KVStoreError as exc:
                 return [(exc.code, str(exc))] * len(group)
-            if not len(answer.codes) == len(answer.errors) == len(group):
-                raise ProtocolError(f"{address} answered {len(answer.codes)} results for {len(group)} writes")
-            return list(zip(answer.codes, answer.errors, strict=True))
+            return write_codes(answer.codes, answer.errors, len(group), address)
 
-        outcomes = await asyncio.gather(*(write(a, g) for a, g in writes.items()))
+        outcomes = await asyncio.gather(*(write(a, g) for a, g in plan.writes.items()))
         failed: set[int] = set()
-        for (address, group), codes in zip(writes.items(), outcomes, strict=True):
-            for (i, _), (code, text) in zip(group, codes, strict=True):
-                if code:
-                    failed.add(i)
-                    failure = failure or error_from_code(code, f"writing {items[i][0]!r} to {address}: {text}")
+        for (address, group), codes in zip(plan.writes.items(), outcomes, strict=True):
+            take_write_codes(plan, items, address, group, codes, failed)
         done = [i for i in sums if i not in failed]
         if failed:
             await self._call(PutRevoke([items[i][0] for i in sorted(failed)]), OkReply)
         if done:
             committed = await self._call(PutEnd([items[i][0] for i in done], [sums[i] for i in done]), PutEndReply)
-            if len(committed.committed) != len(done):
-                raise ProtocolError(f"the master answered {len(committed.committed)} commits for {len(done)} keys")
-            for i, ok in zip(done, committed.committed, strict=True):
-                if ok:
-                    out[i] = PutStatus.STORED
-                    self._hints.note([(items[i][0], placed.get(i))])
-                elif failure is None:
-                    failure = Timeout(f"the reservation of {items[i][0]!r} expired before the put finished")
-        if failure is not None:
-            raise failure
-        return retry
+            self._hints.note(take_commits(plan, items, done, committed.committed, out))
+        if plan.failure is not None:
+            raise plan.failure
+        return plan.retry
 
     # -- reads ---------------------------------------------------------------------------------
     async def get(self, key: Any, *, verify: bool = False) -> bytes | None:

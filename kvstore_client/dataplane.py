@@ -32,6 +32,7 @@ from kvstore.protocol import (
     WriteReply,
 )
 from kvstore.tiers.dram import ArenaMapping
+from kvstore_client.puts import write_codes
 from transfer import topology
 from transfer.rails import RailSet
 from transfer.rpc import Connection
@@ -60,6 +61,16 @@ class Block(NamedTuple):
     view: memoryview
     offset: int
     checksum: int
+
+
+def _columns(blocks: Sequence[Block]) -> tuple[list[str], list[int], list[int], list[int]]:
+    """The keys, offsets, sizes and checksums of ``blocks``, as a write message carries them."""
+    return (
+        [b.key for b in blocks],
+        [b.offset for b in blocks],
+        [b.view.nbytes for b in blocks],
+        [b.checksum for b in blocks],
+    )
 
 
 class ConnectionPool:
@@ -102,11 +113,8 @@ class ConnectionPool:
 class DataPath:
     """How this client moves one node's bytes. The base class speaks TCP to the daemon."""
 
-    kind = "tcp"
     direct = True
     """Whether ``read_direct``/``write_granted`` go through the daemon (one-trip paths)."""
-    needs_lease = False
-    """Whether reads touch memory without the daemon (then the master must lease the blocks)."""
 
     def __init__(self, node_id: str, address: str, pool: ConnectionPool) -> None:
         self.node_id = node_id
@@ -171,40 +179,24 @@ class DataPath:
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
         """Write blocks into extents the master reserved and have the daemon commit them;
         per block (0, "") or an error's (code, text)."""
-        message = WriteBlocks(
-            [b.key for b in blocks], [b.offset for b in blocks], [b.view.nbytes for b in blocks],
-            [b.checksum for b in blocks], pinned,
-        )  # fmt: skip
+        message = WriteBlocks(*_columns(blocks), pinned)
         reply = self.pool.call(message, WriteReply, [b.view for b in blocks])
-        return _write_outcome(reply, len(blocks), self.address)
+        return write_codes(reply.codes, reply.errors, len(blocks), self.address)
 
     def write_granted(self, grant_id: int, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
         """A put in one round trip: write into a grant; per block PUT_STORED, PUT_EXISTS or an error code."""
-        message = WriteGranted(
-            grant_id, [b.key for b in blocks], [b.offset for b in blocks], [b.view.nbytes for b in blocks],
-            [b.checksum for b in blocks], pinned,
-        )  # fmt: skip
+        message = WriteGranted(grant_id, *_columns(blocks), pinned)
         reply = self.pool.call(message, PutReply, [b.view for b in blocks])
-        if not len(reply.codes) == len(reply.errors) == len(blocks):
-            raise ProtocolError(f"{self.address} answered {len(reply.codes)} results for {len(blocks)} writes")
-        return list(zip(reply.codes, reply.errors, strict=True))
+        return write_codes(reply.codes, reply.errors, len(blocks), self.address)
 
     def close(self) -> None:
         """Resources of this path alone (pools are the selector's)."""
 
 
-def _write_outcome(reply: WriteReply, n: int, address: str) -> list[tuple[int, str]]:
-    if not len(reply.codes) == len(reply.errors) == n:
-        raise ProtocolError(f"{address} answered {len(reply.codes)} results for {n} writes")
-    return list(zip(reply.codes, reply.errors, strict=True))
-
-
 class ShmPath(DataPath):
     """A node on this host: bytes are copied through its mapped arena; the daemon only commits."""
 
-    kind = "shm"
     direct = False
-    needs_lease = True
 
     def __init__(self, node_id: str, address: str, pool: ConnectionPool, shm: ShmTransport, arena: ArenaMapping):
         super().__init__(node_id, address, pool)
@@ -221,19 +213,15 @@ class ShmPath(DataPath):
 
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
         self.shm.write_many(self.arena, [(b.offset, b.view) for b in blocks])
-        message = CommitBlocks(
-            [b.key for b in blocks], [b.offset for b in blocks], [b.view.nbytes for b in blocks],
-            [b.checksum for b in blocks], pinned,
-        )  # fmt: skip
-        return _write_outcome(self.pool.call(message, WriteReply), len(blocks), self.address)
+        message = CommitBlocks(*_columns(blocks), pinned)
+        reply = self.pool.call(message, WriteReply)
+        return write_codes(reply.codes, reply.errors, len(blocks), self.address)
 
 
 class UcxPath(DataPath):
     """A node reached over UCX (RDMA where both ends have it): the master leases what is read."""
 
-    kind = "ucx"
     direct = False
-    needs_lease = True
 
     def __init__(self, node_id: str, address: str, pool: ConnectionPool, client: UcxClient, ucx_address: str):
         super().__init__(node_id, address, pool)
@@ -247,19 +235,15 @@ class UcxPath(DataPath):
         )  # fmt: skip
 
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
-        message = WriteBlocks(
-            [b.key for b in blocks], [b.offset for b in blocks], [b.view.nbytes for b in blocks],
-            [b.checksum for b in blocks], pinned,
-        )  # fmt: skip
+        message = WriteBlocks(*_columns(blocks), pinned)
         reply = self.client.write(message, self.ucx_address, [b.view for b in blocks])
-        return _write_outcome(reply, len(blocks), self.ucx_address)
+        return write_codes(reply.codes, reply.errors, len(blocks), self.ucx_address)
 
 
 class RailPath(DataPath):
     """A node serving on several NICs: transfers are cut into slices sprayed over its rails (and
     moved off a failing rail); small one-trip calls go over its first rail."""
 
-    kind = "rails"
     direct = False  # large transfers are sliced over every rail, which needs the sizes first
 
     def __init__(self, node_id: str, address: str, pool: ConnectionPool, railset: RailSet):
@@ -343,10 +327,6 @@ class PathSelector:
             )  # fmt: skip
             return RailPath(node_id, address, pool, railset)
         return DataPath(node_id, address, pool)
-
-    def local_arena_path(self, node_id: str, address: str) -> ShmPath | None:
-        path = self.path(node_id, address)
-        return path if isinstance(path, ShmPath) else None
 
     @property
     def may_lease(self) -> bool:

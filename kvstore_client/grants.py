@@ -33,8 +33,39 @@ class Grant:
     usable_until: float
     alignment: int = 64
 
+    @classmethod
+    def from_reply(cls, reply: GrantReply) -> Grant:
+        return cls(
+            reply.grant_id, reply.node_id, reply.address, reply.offset, reply.offset + reply.length,
+            time.monotonic() + reply.ttl_ms / 1000 - _MARGIN_S, reply.alignment,
+        )  # fmt: skip
+
     def room(self) -> int:
         return self.end - self.next
+
+    def need(self, sizes: Sequence[int]) -> int:
+        """Bytes blocks of ``sizes`` take in this grant (each at this node's alignment)."""
+        return sum(align_up(s, self.alignment) for s in sizes)
+
+    def usable(self, sizes: Sequence[int]) -> bool:
+        """Whether it can take blocks of ``sizes`` now (room left, not about to end)."""
+        return self.room() >= self.need(sizes) and time.monotonic() <= self.usable_until
+
+    def take(self, sizes: Sequence[int]) -> list[int] | None:
+        """Offsets for blocks of ``sizes``, carved from the front; None when they do not fit."""
+        if self.room() < self.need(sizes) or self.next % self.alignment:
+            return None
+        offsets = []
+        for size in sizes:
+            offsets.append(self.next)
+            self.next += align_up(size, self.alignment)
+        return offsets
+
+
+def too_big_for(sizes: Sequence[int], grant_size: int) -> bool:
+    """A batch that would use up a grant in a few puts saves nothing over the two-trip put (one
+    master round trip for the whole batch) and would cost a grant each time."""
+    return sum(align_up(s, ALIGNMENT) for s in sizes) * 4 > grant_size
 
 
 class GrantPool:
@@ -50,15 +81,12 @@ class GrantPool:
     def carve(self, sizes: Sequence[int], preferred: str | None) -> tuple[Grant, list[int]] | None:
         """Offsets for blocks of ``sizes`` in one grant (asking the master for one when needed), or
         None when no grant can hold them together (the caller puts them the two-trip way)."""
-        need = sum(align_up(s, ALIGNMENT) for s in sizes)
-        if need * 4 > self.size:
-            # A batch that would use up a grant in a few puts saves nothing over the two-trip put
-            # (one master round trip for the whole batch) and would cost a grant each time.
+        if too_big_for(sizes, self.size):
             return None
         retired: Grant | None = None
         with self._lock:
             grant = self._grants.get(preferred)
-            if grant is not None and (grant.room() < need or time.monotonic() > grant.usable_until):
+            if grant is not None and not grant.usable(sizes):
                 retired = self._grants.pop(preferred)
                 grant = None
         if retired is not None:
@@ -68,27 +96,18 @@ class GrantPool:
             # The master caps grants (a fraction of a node's DRAM): batches larger than that put
             # the two-trip way from now on, rather than asking for grants that cannot hold them.
             self.size = min(self.size, reply.length)
-            if reply.offset % reply.alignment or reply.length < need:
+            fresh = Grant.from_reply(reply)
+            if not fresh.usable(sizes):
                 self._give_back([reply.grant_id])
                 return None
-            fresh = Grant(
-                reply.grant_id, reply.node_id, reply.address, reply.offset, reply.offset + reply.length,
-                time.monotonic() + reply.ttl_ms / 1000 - _MARGIN_S, reply.alignment,
-            )  # fmt: skip
             with self._lock:
                 old = self._grants.get(preferred)
                 self._grants[preferred] = grant = fresh
             if old is not None:
                 self._give_back([old.grant_id])
         with self._lock:
-            need = sum(align_up(s, grant.alignment) for s in sizes)
-            if grant.room() < need:
-                return None  # another thread took it meanwhile: rare; the two-trip way
-            offsets = []
-            for size in sizes:
-                offsets.append(grant.next)
-                grant.next += align_up(size, grant.alignment)
-            return grant, offsets
+            offsets = grant.take(sizes)  # None: another thread took it meanwhile (rare): the two-trip way
+        return (grant, offsets) if offsets is not None else None
 
     def drop(self, grant: Grant) -> None:
         """Stop using ``grant`` (its node refused it, or is unreachable) and return it."""

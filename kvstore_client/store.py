@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Self, TypeVar
 
@@ -36,14 +35,11 @@ from kvstore.errors import (
     GrantExpired,
     InvalidArgument,
     KVStoreError,
-    ProtocolError,
     RetryLater,
     StoreClosed,
     Timeout,
-    error_from_code,
 )
 from kvstore.keys import BlockKey, checksum, validate_key
-from kvstore.metadata import PUT_EXISTS, PUT_STORED
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     Exists,
@@ -71,7 +67,6 @@ from kvstore.protocol import (
     ReleaseLeases,
     Remove,
     RemoveReply,
-    Replica,
     Replicate,
     Replicated,
     ReplicateReply,
@@ -83,42 +78,19 @@ from kvstore_client.dataplane import Block, ConnectionPool, DataPath, Located, P
 from kvstore_client.grants import GrantPool
 from kvstore_client.hints import LocationHints
 from kvstore_client.leases import LeaseReleaser
+from kvstore_client.puts import (
+    PutOptions,
+    checked_options,
+    checked_pairs,
+    sort_tickets,
+    take_commits,
+    take_granted,
+    take_write_codes,
+)
 from transfer.transports.shm import ShmTransport
 
 T = TypeVar("T")
 R = TypeVar("R", bound=Message)
-
-
-@dataclass(frozen=True, slots=True)
-class PutOptions:
-    replicas: int | None = None
-    """Copies on distinct nodes; None takes ``ClientConfig.replicas``."""
-    pin: bool = False
-    """Never evict the block (until it is removed)."""
-    preferred_node: str | None = None
-    """Node to place the first replica on when it has room (local-first placement)."""
-
-    def __post_init__(self) -> None:
-        if self.replicas is not None and (type(self.replicas) is not int or not 1 <= self.replicas <= 16):
-            raise InvalidArgument(f"replicas must be an int from 1 to 16 (or None), got {self.replicas!r}")
-        if type(self.pin) is not bool:
-            raise InvalidArgument(f"pin must be a bool, got {self.pin!r}")
-        if self.preferred_node is not None and not isinstance(self.preferred_node, str):
-            raise InvalidArgument(f"preferred_node must be a node id (str) or None, got {self.preferred_node!r}")
-
-
-def _pairs(items: Iterable[Any]) -> list[tuple[BlockKey, memoryview]]:
-    """Checked (key, bytes) pairs of a put: each item must be a (key, data) pair of a non-empty block."""
-    out = []
-    for n, item in enumerate(items):
-        if not isinstance(item, tuple | list) or len(item) != 2:
-            raise InvalidArgument(f"put item {n} must be a (key, data) pair, got {type(item).__name__} {item!r:.60}")
-        key = validate_key(item[0])
-        view = as_view(item[1])
-        if view.nbytes == 0:
-            raise InvalidArgument(f"block {key!r} is empty; blocks must hold at least one byte")
-        out.append((key, view))
-    return out
 
 
 class Store:
@@ -190,12 +162,10 @@ class Store:
 
     def put_many(self, items: Iterable[tuple[Any, Any]], options: PutOptions | None = None) -> list[PutStatus]:
         """Store several blocks. Raises the first failure (after giving back what it reserved)."""
-        if options is not None and not isinstance(options, PutOptions):
-            raise InvalidArgument(f"options must be PutOptions, got {type(options).__name__}")
         if self._closed:
             raise StoreClosed("this Store is closed")
-        opts = options or PutOptions()
-        checked = _pairs(items)
+        opts = checked_options(options)
+        checked = checked_pairs(items)
         statuses: list[PutStatus | None] = [None] * len(checked)
         todo = list(range(len(checked)))
         if (
@@ -251,24 +221,10 @@ class Store:
         except (ConnectionFailed, Timeout):
             self._grants.drop(grant)  # the node is gone or stalled: the master places elsewhere
             return todo
-        left: list[int] = []
-        failure: KVStoreError | None = None
-        placed: list[tuple[str, tuple[str, str] | None]] = []
-        for i, (code, text) in zip(todo, codes, strict=True):
-            if code == PUT_STORED:
-                out[i] = PutStatus.STORED
-                placed.append((items[i][0], (grant.node_id, grant.address)))
-            elif code == PUT_EXISTS:
-                out[i] = PutStatus.EXISTS
-            elif code in (GrantExpired.code, RetryLater.code, ConnectionFailed.code, Timeout.code):
-                left.append(i)
-            else:
-                failure = failure or error_from_code(code, f"writing {items[i][0]!r} to {grant.address}: {text}")
         if any(code == GrantExpired.code for code, _ in codes):
             self._grants.drop(grant)
+        left, placed = take_granted(items, todo, codes, grant, out)
         self._hints.note(placed)
-        if failure is not None:
-            raise failure
         return left
 
     def _put_round(
@@ -285,62 +241,31 @@ class Store:
             ),
             PutStartReply,
         )
-        retry: list[int] = []
-        failure: KVStoreError | None = None
-        writes: dict[str, list[tuple[int, Replica]]] = {}
-        placed: dict[int, tuple[str, str]] = {}
-        tickets = reply.tickets()
-        if len(tickets) != len(todo):
-            raise ProtocolError(f"the master answered {len(tickets)} tickets for {len(todo)} keys")
-        for i, ticket in zip(todo, tickets, strict=True):
-            if ticket.status == "exists":
-                out[i] = PutStatus.EXISTS
-            elif ticket.status == "error":
-                if ticket.error_code == RetryLater.code:
-                    retry.append(i)
-                elif failure is None:
-                    failure = error_from_code(ticket.error_code, ticket.error)
-            else:
-                for replica in ticket.replicas:
-                    writes.setdefault(replica.address, []).append((i, replica))
-                if ticket.replicas:
-                    placed[i] = (ticket.replicas[0].node_id, ticket.replicas[0].address)
-        sums = {i: checksum(items[i][1]) for group in writes.values() for i, _ in group}
+        plan = sort_tickets(reply, todo, out)
+        sums = {i: checksum(items[i][1]) for group in plan.writes.values() for i, _ in group}
         failed: set[int] = set()
         jobs = []
-        for address, group in writes.items():
+        for address, group in plan.writes.items():
             path = self._path(group[0][1].node_id, address)
             blocks = [Block(items[i][0], items[i][1], r.offset, sums[i]) for i, r in group]
             jobs.append(partial(path.write, blocks, opts.pin))
-        for (address, group), outcome in zip(writes.items(), self._fan_out(jobs), strict=True):
+        for (address, group), outcome in zip(plan.writes.items(), self._fan_out(jobs), strict=True):
             if isinstance(outcome, KVStoreError):
                 codes = [(outcome.code, str(outcome))] * len(group)
             elif isinstance(outcome, BaseException):
                 raise outcome
             else:
                 codes = outcome
-            for (i, _), (code, text) in zip(group, codes, strict=True):
-                if code:
-                    failed.add(i)
-                    failure = failure or error_from_code(code, f"writing {items[i][0]!r} to {address}: {text}")
+            take_write_codes(plan, items, address, group, codes, failed)
         done = [i for i in sums if i not in failed]
         if failed:
             self._call(PutRevoke([items[i][0] for i in sorted(failed)]), OkReply)
         if done:
             committed = self._call(PutEnd([items[i][0] for i in done], [sums[i] for i in done]), PutEndReply)
-            if len(committed.committed) != len(done):
-                raise ProtocolError(f"the master answered {len(committed.committed)} commits for {len(done)} keys")
-            stored = []
-            for i, ok in zip(done, committed.committed, strict=True):
-                if ok:
-                    out[i] = PutStatus.STORED
-                    stored.append(i)
-                elif failure is None:
-                    failure = Timeout(f"the reservation of {items[i][0]!r} expired before the put finished")
-            self._hints.note((items[i][0], placed.get(i)) for i in stored if i in placed)
-        if failure is not None:
-            raise failure
-        return retry
+            self._hints.note(take_commits(plan, items, done, committed.committed, out))
+        if plan.failure is not None:
+            raise plan.failure
+        return plan.retry
 
     # -- reads ---------------------------------------------------------------------------------
     def get(self, key: Any, *, verify: bool = False) -> bytes | None:
