@@ -111,13 +111,14 @@ def recv_all_into(sock: socket.socket, views: Sequence[memoryview]) -> None:
         _advance(pending, got)
 
 
-def skip(sock: socket.socket, n: int) -> None:
-    """Read and discard ``n`` bytes (a payload nobody can take), keeping the stream in step."""
-    scratch = memoryview(bytearray(min(n, 1 << 20)))
-    while n:
-        part = scratch[: min(n, scratch.nbytes)]
-        recv_into(sock, part)
-        n -= part.nbytes
+_SCRATCH = 1 << 20
+
+
+def discard_views(n: int) -> list[memoryview]:
+    """Receive targets for ``n`` bytes nobody can take (a payload read only to keep the stream in
+    step): views of one scratch buffer of at most 1 MiB, reused in turn."""
+    scratch = memoryview(bytearray(min(n, _SCRATCH)))
+    return [scratch[: min(n - at, _SCRATCH)] for at in range(0, n, _SCRATCH)]
 
 
 def recv_read_reply(reply: Message, sock: socket.socket, targets: Sequence[memoryview], what: str) -> list[bool]:
@@ -129,12 +130,14 @@ def recv_read_reply(reply: Message, sock: socket.socket, targets: Sequence[memor
     if not isinstance(reply, ReadReply) or len(reply.sizes) != len(targets):
         raise ProtocolError(f"{what}: a malformed reply")
     got = []
+    views: list[memoryview] = []
     for size, target in zip(reply.sizes, targets, strict=True):
         if size == target.nbytes:
-            recv_into(sock, target)
+            views.append(target)
         elif size > 0:
-            skip(sock, size)
+            views.extend(discard_views(size))
         got.append(size == target.nbytes)
+    recv_all_into(sock, views)  # every payload of the reply with as few receives as the kernel allows
     return got
 
 

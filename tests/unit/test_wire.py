@@ -9,9 +9,18 @@ import numpy as np
 import pytest
 
 from kvstore.errors import ConnectionFailed, InvalidArgument, ProtocolError
-from kvstore.protocol import FRAME_HEADER, Stats, StatsReply
+from kvstore.protocol import FRAME_HEADER, ReadReply, Stats, StatsReply
 from transfer.rpc import Connection
-from transfer.wire import NoRequest, parse_address, recv_all_into, recv_message, send_all, send_message, set_timeouts
+from transfer.wire import (
+    NoRequest,
+    parse_address,
+    recv_all_into,
+    recv_message,
+    recv_read_reply,
+    send_all,
+    send_message,
+    set_timeouts,
+)
 
 
 def test_scatter_send_and_receive_of_many_uneven_buffers() -> None:
@@ -28,6 +37,26 @@ def test_scatter_send_and_receive_of_many_uneven_buffers() -> None:
     recv_all_into(b, [memoryview(d) for d in dst])
     sender.join()
     assert all(np.array_equal(s, d) for s, d in zip(src, dst, strict=True))
+    a.close()
+    b.close()
+
+
+def test_a_read_reply_fills_the_matching_targets_and_drops_the_rest_in_step() -> None:
+    a, b = socket.socketpair()
+    set_timeouts(a, 5)
+    set_timeouts(b, 5)
+    big = 2_500_000  # a block of another size than asked, larger than the discard scratch: read and dropped
+    payload = [b"abc", bytes(big), b"wxyz"]
+    reply = ReadReply([3, big, -1, 4], [0, 0, 0, 0])
+    sender = threading.Thread(target=lambda: (send_message(a, reply, 1, payload), send_message(a, Stats(), 2)))
+    sender.start()
+    targets = [memoryview(bytearray(n)) for n in (3, 10, 5, 4)]
+    request_id, message = recv_message(b)
+    assert request_id == 1
+    assert recv_read_reply(message, b, targets, "test") == [True, False, False, True]
+    assert (bytes(targets[0]), bytes(targets[3])) == (b"abc", b"wxyz")
+    assert recv_message(b) == (2, Stats())  # the stream stayed in step
+    sender.join()
     a.close()
     b.close()
 
