@@ -318,12 +318,42 @@ class MasterConfig(_Frozen):
         description="When set, every admin route but health, the dashboard page and its files needs"
         " 'Authorization: Bearer <token>' (also read from KVSTORE_ADMIN_TOKEN).",
     )
+    etcd: str | None = Field(
+        default=None,
+        description="etcd endpoints host:port[,host:port]: run as leader or standby of cluster_id (HA).",
+    )
+    cluster_id: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="The HA cluster's id in etcd."
+    )
+    etcd_lease_ttl_s: int = Field(
+        default=2, ge=2, le=60, description="The leader's etcd lease: a dead leader is replaced within about this."
+    )
+    advertise: str | None = Field(
+        default=None, description="host:port that clients and daemons reach this master at (default: host:port)."
+    )
+    ready_wait_ms: int = Field(
+        default=3_000,
+        ge=0,
+        description="After taking over, longest wait for the nodes the daemons name before answering without them.",
+    )
+
+    @model_validator(mode="after")
+    def _check_ha(self) -> Self:
+        if (self.etcd is None) != (self.cluster_id is None):
+            raise ValueError(
+                "cluster_id names an HA cluster in etcd and needs etcd endpoints (and etcd needs a cluster_id);"
+                " without etcd a master runs alone: two masters of one cluster cannot agree who leads"
+            )
+        return self
 
 
 class DaemonConfig(_Frozen):
     """A storage daemon: one node's tiers and its data-plane server."""
 
-    master: str = Field(default="127.0.0.1:50051", description="The master's host:port.")
+    master: str = Field(
+        default="127.0.0.1:50051",
+        description="The master's host:port, or etcd://host:2379[,host:2379]/cluster-id for an HA cluster's leader.",
+    )
     name: str = Field(default="node0", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Node id.")
     host: str = Field(default="127.0.0.1", description="Data-plane address to listen on and advertise.")
     port: int = Field(default=0, ge=0, le=65535, description="Data-plane port; 0 picks a free one.")

@@ -109,6 +109,20 @@ class RetryLater(KVStoreError):
     code = 43
 
 
+class NotLeader(RetryLater):
+    """This master is not the cluster's leader (a standby, or a leader whose etcd lease ran out):
+    it runs nothing. A client given ``etcd://`` resolves the leader again and retries."""
+
+    code = 46
+
+
+class NotReady(RetryLater):
+    """The master is taking over and rebuilding its table from the daemons' inventories; until
+    the nodes it expects are back (or a bounded wait passes) it answers this rather than a miss."""
+
+    code = 47
+
+
 class NoNodes(KVStoreError):
     """No storage node is up to take or serve the request."""
 

@@ -30,7 +30,7 @@ import msgspec
 
 from kvstore.errors import KVStoreError, ProtocolError, error_from_code
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 FRAME_HEADER = struct.Struct("!I")
 
@@ -162,11 +162,18 @@ class RegisterNode(Message, tag=10, frozen=True):
     ucx_address: str
     max_blocks: int
     """Blocks the DRAM arena can index (its slot table); 0: no limit but capacity."""
+    peers: list[str]
+    """Node ids a master last told this daemon were in the cluster: a master that has just taken
+    over waits for them (their inventories) before it answers reads and puts."""
 
 
 class RegisterReply(Message, tag=11, frozen=True):
     heartbeat_interval_ms: int
     node_ttl_ms: int
+    epoch: int
+    """The master's leadership epoch (the revision of its etcd leader key; 0 without etcd). The
+    daemon refuses commands from masters of an older epoch (see MasterHello)."""
+    peers: list[str]
 
 
 class Heartbeat(Message, tag=12, frozen=True):
@@ -178,6 +185,16 @@ class Heartbeat(Message, tag=12, frozen=True):
 class HeartbeatReply(Message, tag=13, frozen=True):
     known: bool
     """False when the master does not know the node (it restarted): the daemon re-registers."""
+    peers: list[str]
+    """The nodes the master knows now (see RegisterNode.peers)."""
+
+
+class MasterHello(Message, tag=14, frozen=True):
+    """First frame of a master's connection to a daemon: the commands that follow on it are the
+    master's of ``epoch``. A daemon that has registered with a master of a later epoch refuses
+    them (NotLeader): a deposed leader can no longer drop, move or grant anything."""
+
+    epoch: int
 
 
 # -- client -> master -------------------------------------------------------------------

@@ -26,6 +26,7 @@ from kvstore.config import DramConfig
 from kvstore.errors import ConnectionFailed, KVStoreError, Timeout
 from kvstore.protocol import Stats, StatsReply
 from kvstore.tiers.dram import DramArena
+from transfer.discovery import MasterLocator
 from transfer.rpc import Connection
 
 _START_TIMEOUT = 30.0
@@ -55,7 +56,17 @@ class LocalCluster:
         admin: bool = False,
         admin_port: int = 0,
         env: dict[str, str] | None = None,
+        etcd: str | None = None,
+        cluster_id: str = "kvstore",
+        masters: int = 1,
     ) -> None:
+        """``etcd``: run ``masters`` HA masters electing a leader in that etcd (host:port[,...]);
+        clients and daemons then reach the leader at :attr:`master_address`, an etcd:// URL."""
+        self.etcd = etcd
+        self.cluster_id = cluster_id
+        self.masters: list[subprocess.Popen[str] | None] = [None] * (masters if etcd else 1)
+        self.master_rpc: list[str] = [""] * len(self.masters)
+        """Each master's own host:port (HA: leader or standby)."""
         self.num_daemons = daemons
         self.dram, self.ssd = str(dram), str(ssd)
         self._own_workdir = workdir is None
@@ -93,7 +104,12 @@ class LocalCluster:
 
     def start(self) -> Self:
         try:
-            self.start_master()
+            if self.etcd is None:
+                self.start_master()
+            else:
+                for m in range(len(self.masters)):
+                    self.start_ha_master(m)
+                self.master_address = f"etcd://{self.etcd}/{self.cluster_id}"
             for i in range(self.num_daemons):
                 self.start_daemon(i)
             self.wait_for_nodes(self.num_daemons)
@@ -115,6 +131,25 @@ class LocalCluster:
             self.admin_address = line.rsplit("//", 1)[-1]
         self.master_port = int(self.master_address.rsplit(":", 1)[1])
 
+    def start_ha_master(self, m: int) -> None:
+        """Start HA master ``m`` (on its former port when it ran before); it campaigns in etcd."""
+        port = self.master_rpc[m].rsplit(":", 1)[1] if self.master_rpc[m] else "0"
+        args = ["master", "--port", port, "--etcd", str(self.etcd), "--cluster-id", self.cluster_id, *self.master_args]
+        proc = self._spawn(args, f"master-{m}.log")
+        assert proc.stdout is not None
+        line = _read_line(proc.stdout, _START_TIMEOUT, f"master {m}")
+        self.masters[m] = proc
+        self.master_rpc[m] = line.rsplit(" ", 1)[-1]
+        if m == 0:
+            self.master = proc
+
+    def kill_ha_master(self, m: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.masters[m]
+        if proc is not None:
+            proc.send_signal(sig)
+            proc.wait(timeout=10)
+            self.masters[m] = None
+
     def start_daemon(self, i: int) -> None:
         """Start daemon ``i``; a restart keeps its port, as a daemon in production keeps its address."""
         port = self.daemon_addresses[i].rsplit(":", 1)[1] if self.daemon_addresses[i] else "0"
@@ -132,7 +167,7 @@ class LocalCluster:
     def wait_for_nodes(self, count: int, timeout: float = _START_TIMEOUT) -> None:
         """Wait until the master counts ``count`` nodes up; an unreachable master is asked again until ``timeout``."""
         deadline = time.monotonic() + timeout
-        conn = Connection(self.master_address, timeout=min(timeout, 5.0))
+        conn = Connection(MasterLocator(self.master_address), timeout=min(timeout, 5.0))
         try:
             while True:
                 try:
@@ -188,6 +223,9 @@ class LocalCluster:
             self.daemons[i] = None
         self._terminate(self.master)
         self.master = None
+        for m, proc in enumerate(self.masters):
+            self._terminate(proc)
+            self.masters[m] = None
         for i in range(self.num_daemons):
             DramArena.remove(DramConfig(name=self.arena_name(i)))
         if self._own_workdir:

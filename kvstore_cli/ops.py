@@ -24,6 +24,7 @@ from kvstore.config import format_size
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, error_from_code
 from kvstore.protocol import AdminInfo, AdminInfoReply
 from kvstore_cli.registry import arguments, command
+from transfer.discovery import MasterLocator, read_leader, read_masters
 from transfer.rpc import Connection
 
 
@@ -65,7 +66,11 @@ class AdminClient:
 
 
 def _connection_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--master", default="127.0.0.1:50051", help="the master's RPC host:port (asked for the admin API)")
+    p.add_argument(
+        "--master",
+        default="127.0.0.1:50051",
+        help="the master's RPC host:port, or etcd://H:2379[,H2:2379]/ID for an HA cluster (asked for the admin API)",
+    )
     p.add_argument("--admin", default=None, help="the admin API's host:port (instead of asking the master)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -73,7 +78,7 @@ def _connection_arguments(p: argparse.ArgumentParser) -> None:
 def _client(args: argparse.Namespace) -> AdminClient:
     address = args.admin
     if address is None:
-        conn = Connection(args.master, timeout=5.0)
+        conn = Connection(MasterLocator(args.master), timeout=5.0)
         try:
             address = conn.call(AdminInfo(), AdminInfoReply).address
         finally:
@@ -139,7 +144,25 @@ def _status_arguments(p: argparse.ArgumentParser) -> None:
 @command("status", "cluster summary: nodes, tier use, objects, hit rate, rates")
 def _status(args: argparse.Namespace) -> int:
     summary = _client(args).get("/api/v1/cluster")
-    return _print(args, summary, _summary_table(summary))
+    locator = MasterLocator(args.master)
+    if locator.cluster is None:
+        return _print(args, summary, _summary_table(summary))
+    leader = read_leader(locator.cluster, 5.0)
+    masters = read_masters(locator.cluster, 5.0)
+    summary["ha"] = {
+        "cluster_id": locator.cluster.cluster_id,
+        "etcd": list(locator.cluster.endpoints),
+        "leader": leader.address if leader else None,
+        "epoch": leader.epoch if leader else None,
+        "standbys": [m.address for m in masters if leader is None or m.address != leader.address],
+    }
+    ha = Table(title=f"HA cluster {locator.cluster.cluster_id}", show_header=False)
+    ha.add_column(style="bold")
+    ha.add_column()
+    ha.add_row("leader", f"{leader.address} (epoch {leader.epoch})" if leader else "none (an election)")
+    ha.add_row("standbys", ", ".join(summary["ha"]["standbys"]) or "none")
+    ha.add_row("etcd", ", ".join(locator.cluster.endpoints))
+    return _print(args, summary, _summary_table(summary), ha)
 
 
 @arguments("nodes")

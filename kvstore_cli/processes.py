@@ -25,6 +25,10 @@ def _master_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-ttl-ms", type=int, default=None, help="mark a silent node down after this")
     p.add_argument("--heartbeat-ms", type=int, default=None, help="daemon heartbeat interval")
     p.add_argument("--admin-port", type=int, default=None, help="REST admin API, /metrics and dashboard port")
+    p.add_argument("--etcd", default=None, metavar="H:2379[,H2:2379]", help="HA: elect a leader in this etcd")
+    p.add_argument("--cluster-id", default=None, help="HA: the cluster's id in etcd (with --etcd)")
+    p.add_argument("--etcd-lease-ttl", type=int, default=None, metavar="S", help="HA: the leader's lease (seconds)")
+    p.add_argument("--advertise", default=None, metavar="H:P", help="the address others reach this master at")
 
 
 @command("master", "run the master (placement, eviction, leases, membership)")
@@ -39,6 +43,10 @@ def _master(args: argparse.Namespace) -> int:
         "node_ttl_ms": args.node_ttl_ms,
         "heartbeat_interval_ms": args.heartbeat_ms,
         "admin_port": args.admin_port,
+        "etcd": args.etcd,
+        "cluster_id": args.cluster_id,
+        "etcd_lease_ttl_s": args.etcd_lease_ttl,
+        "advertise": args.advertise,
     }
     if os.environ.get("KVSTORE_ADMIN_TOKEN"):
         fields["admin_token"] = os.environ["KVSTORE_ADMIN_TOKEN"]
@@ -48,7 +56,7 @@ def _master(args: argparse.Namespace) -> int:
 
 @arguments("daemon")
 def _daemon_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--master", required=True, help="the master's host:port")
+    p.add_argument("--master", required=True, help="the master's host:port, or etcd://H:2379[,H2:2379]/ID (HA)")
     p.add_argument("--name", required=True, help="node id, unique in the cluster")
     p.add_argument("--arena", default=None, help="shared-memory arena name (default: the node id)")
     p.add_argument("--dram", type=size_arg, default=parse_size("1GiB"), help="DRAM tier capacity")

@@ -28,6 +28,8 @@ from kvstore.errors import (
     GrantExpired,
     InvalidArgument,
     KVStoreError,
+    NotLeader,
+    NotReady,
     ProtocolError,
     RetryLater,
     StoreClosed,
@@ -86,6 +88,7 @@ from kvstore_client.puts import (
     write_codes,
 )
 from transfer.aio import read_payload
+from transfer.discovery import MasterLocator
 from transfer.wire import parse_address
 
 R = TypeVar("R", bound=Message)
@@ -252,7 +255,8 @@ class AsyncStore:
     def __init__(self, master: str, config: ClientConfig | None = None) -> None:
         self.master = master
         self.config = config or ClientConfig()
-        self._master = _Link(master, self.config.timeout_s)
+        self._locator = MasterLocator(master, self.config.timeout_s)
+        self._master = _Link(master, self.config.timeout_s)  # for etcd://, re-pointed at the leader
         self._links: dict[str, _Link] = {}
         self._readers: dict[str, _ReadBatcher] = {}
         self._hints = LocationHints(self.config.location_hints)
@@ -266,6 +270,7 @@ class AsyncStore:
         """A store connected to the master at ``host:port``; raises ConnectionFailed when it does not answer."""
         store = cls(master, config)
         try:
+            await store._follow_master()
             await store._master.request(Stats(), StatsReply)
         except BaseException:
             await store.close()
@@ -280,13 +285,34 @@ class AsyncStore:
         request_id = self._master.next_id()  # every attempt the same: the master answers a retry once
         while True:
             try:
+                await self._follow_master()
                 return (await self._master.request(message, expect, request_id=request_id))[0]
-            except ConnectionFailed:
-                # Ride out a master restart: the same request, with backoff, up to the timeout.
+            except (ConnectionFailed, NotLeader, NotReady) as exc:
+                # Ride out a master restart or failover: the same request, with backoff, up to the timeout.
+                if not isinstance(exc, NotReady):
+                    await self._relocate_master()
                 if time.monotonic() + backoff > deadline:
                     raise
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, 0.5)
+
+    async def _follow_master(self) -> None:
+        """Point the master link at the address the locator names (resolving etcd on first use)."""
+        if self._locator.dynamic and self._master.address == self._locator.spec:
+            await self._relocate_master()
+            if self._master.address == self._locator.spec:
+                raise NotLeader(f"no leader of {self._locator.spec} resolved yet")
+
+    async def _relocate_master(self) -> None:
+        if not self._locator.dynamic:
+            return
+        try:  # a blocking HTTP read of etcd, in a thread: only after a failure or at first use
+            address = await asyncio.to_thread(self._locator.refresh, 0.05)
+        except KVStoreError:
+            return
+        if address != self._master.address:
+            old, self._master = self._master, _Link(address, self.config.timeout_s)
+            await old.close()
 
     def _link(self, address: str) -> _Link:
         link = self._links.get(address)
@@ -425,9 +451,11 @@ class AsyncStore:
         if done:
             committed = await self._call(PutEnd([items[i][0] for i in done], [sums[i] for i in done]), PutEndReply)
             self._hints.note(take_commits(plan, items, done, committed.committed, out))
+            if plan.lost:
+                await self._call(PutRevoke([items[i][0] for i in plan.lost]), OkReply)
         if plan.failure is not None:
             raise plan.failure
-        return plan.retry
+        return plan.retry + plan.lost
 
     # -- reads ---------------------------------------------------------------------------------
     async def get(self, key: Any, *, verify: bool = False) -> bytes | None:

@@ -34,6 +34,7 @@ from kvstore.protocol import (
 from kvstore.tiers.dram import ArenaMapping
 from kvstore_client.puts import write_codes
 from transfer import topology
+from transfer.discovery import MasterLocator
 from transfer.rails import RailSet
 from transfer.rpc import Connection
 from transfer.transports import ucx
@@ -78,8 +79,9 @@ class ConnectionPool:
 
     A list and its atomic ``pop``/``append``: no queue, condition or timeout object per call."""
 
-    def __init__(self, address: str, timeout: float, keep: int = 4) -> None:
-        self.address = address
+    def __init__(self, address: str | MasterLocator, timeout: float, keep: int = 4) -> None:
+        self.target = address
+        self.address = address if isinstance(address, str) else address.spec
         self.timeout = timeout
         self._keep = keep
         self._idle: list[Connection] = []
@@ -89,7 +91,7 @@ class ConnectionPool:
         try:
             return self._idle.pop()
         except IndexError:
-            return Connection(self.address, self.timeout)
+            return Connection(self.target, self.timeout)
 
     def release(self, conn: Connection) -> None:
         if self._closed or len(self._idle) >= self._keep:

@@ -78,6 +78,8 @@ class Placement:
     """A PutStart answer, sorted out: what to write where, what to ask again, what failed."""
 
     retry: list[int] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)
+    """Written, but the master no longer knew the reservation at PutEnd: revoked, then put again."""
     writes: dict[str, list[tuple[int, Replica]]] = field(default_factory=dict)
     """Per daemon address, the blocks (by index) and the replica to write each into."""
     placed: dict[int, Place] = field(default_factory=dict)
@@ -133,7 +135,7 @@ def take_commits(
             if i in plan.placed:
                 stored.append((items[i][0], plan.placed[i]))
         else:
-            plan.fail(Timeout(f"the reservation of {items[i][0]!r} expired before the put finished"))
+            plan.lost.append(i)  # reserved by a master that has since gone, or expired: put again
     return stored
 
 

@@ -87,6 +87,7 @@ from kvstore_client.puts import (
     take_granted,
     take_write_codes,
 )
+from transfer.discovery import MasterLocator
 from transfer.transports.shm import ShmTransport
 
 T = TypeVar("T")
@@ -97,7 +98,7 @@ class Store:
     def __init__(self, master: str, config: ClientConfig | None = None) -> None:
         self.master = master
         self.config = config or ClientConfig()
-        self._master = ConnectionPool(master, self.config.timeout_s, keep=4)
+        self._master = ConnectionPool(MasterLocator(master, self.config.timeout_s), self.config.timeout_s, keep=4)
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None  # for batches that span several daemons
         self._nodes: dict[str, NodeInfo] = {}
@@ -111,7 +112,9 @@ class Store:
 
     @classmethod
     def connect(cls, master: str, config: ClientConfig | None = None) -> Self:
-        """A store connected to the master at ``host:port``; raises ConnectionFailed when it does not answer."""
+        """A store connected to the master at ``host:port``, or to the leader of an HA cluster named
+        ``etcd://host:2379[,host:2379]/cluster-id`` (followed across failovers); raises
+        ConnectionFailed when it does not answer."""
         store = cls(master, config)
         try:
             store._master.call(Stats(), StatsReply)  # fail fast: nobody is there yet to wait for
@@ -263,9 +266,11 @@ class Store:
         if done:
             committed = self._call(PutEnd([items[i][0] for i in done], [sums[i] for i in done]), PutEndReply)
             self._hints.note(take_commits(plan, items, done, committed.committed, out))
+            if plan.lost:
+                self._call(PutRevoke([items[i][0] for i in plan.lost]), OkReply)
         if plan.failure is not None:
             raise plan.failure
-        return plan.retry
+        return plan.retry + plan.lost
 
     # -- reads ---------------------------------------------------------------------------------
     def get(self, key: Any, *, verify: bool = False) -> bytes | None:

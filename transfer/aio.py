@@ -38,9 +38,11 @@ async def read_payload(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME_
 class AsyncConnection:
     """One request/reply connection; calls are serialised, and a failed call closes it."""
 
-    def __init__(self, address: str, timeout: float = 5.0) -> None:
+    def __init__(self, address: str, timeout: float = 5.0, hello: Message | None = None) -> None:
+        """``hello``: a request sent first on every new connection (a master's MasterHello)."""
         self.address = address
         self.timeout = timeout
+        self.hello = hello
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
@@ -63,6 +65,12 @@ class AsyncConnection:
         if self._streams is None:
             host, port = parse_address(self.address)
             self._streams = await asyncio.open_connection(host, port)
+            if self.hello is not None:
+                await self._exchange(self.hello, Message)
+        return await self._exchange(message, expect)
+
+    async def _exchange(self, message: Message, expect: type[M]) -> M:
+        assert self._streams is not None
         reader, writer = self._streams
         request_id = next(self._ids)
         writer.write(encode(message, request_id))

@@ -8,6 +8,7 @@ An :class:`~kvstore.protocol.ErrorReply` comes back as its typed
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import random
@@ -18,16 +19,26 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
-from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
+from kvstore.errors import ConnectionFailed, KVStoreError, NotLeader, NotReady, ProtocolError, Timeout
 from kvstore.protocol import ErrorReply, Message
+from transfer.discovery import MasterLocator
 from transfer.wire import NoRequest, connect, io_errors, recv_message, send_message
 
 M = TypeVar("M", bound=Message)
 
+_HA_ATTEMPT_S = 3.0
+
+_NOT_RUN = frozenset({NotLeader.code, NotReady.code})
+"""Answers of a master that ran nothing: a call with time left resends the same request."""
+
 
 class Connection:
-    def __init__(self, address: str, timeout: float = 5.0) -> None:
-        self.address = address
+    """Request/reply to one peer: a fixed address, or the master a :class:`MasterLocator` names
+    (followed to a new leader after a failure or a NotLeader answer)."""
+
+    def __init__(self, address: str | MasterLocator, timeout: float = 5.0) -> None:
+        self.locator = address if isinstance(address, MasterLocator) else None
+        self.address = address if isinstance(address, str) else address.spec
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
@@ -69,8 +80,10 @@ class Connection:
         stale = self._sock is not None
         while True:
             try:
+                if self.locator is not None:
+                    self._follow(self.locator.address)
                 if self._sock is None:
-                    self._sock = connect(self.address, self.timeout)
+                    self._sock = connect(self.address, self._attempt_timeout())
                 sock = self._sock
                 with io_errors(what):
                     send_message(sock, message, request_id, payload)
@@ -78,16 +91,48 @@ class Connection:
                         reply_id, reply = recv_message(sock)
                     except NoRequest:
                         raise Timeout(f"{what}: no reply within {self.timeout} s") from None
-                return reply_id, reply, sock
-            except ConnectionFailed:
+                if not (isinstance(reply, ErrorReply) and reply.code in _NOT_RUN):
+                    return reply_id, reply, sock
+                if reply.code == NotLeader.code:
+                    self._relocate()
+                if time.monotonic() + backoff > deadline:
+                    return reply_id, reply, sock  # the caller raises it
+            except (ConnectionFailed, NotLeader):
                 self._close_locked()
+                self._relocate()
                 if stale:
                     stale = False
                     continue
                 if time.monotonic() + backoff > deadline:
                     raise
-                time.sleep(backoff)
-                backoff = min(2 * backoff, 0.5)
+            except Timeout:
+                # A leader that went silent (partitioned, stopped): its successor may answer. The same
+                # request id again, so a master that did run it answers as the first time.
+                self._close_locked()
+                if self.locator is None or not self.locator.dynamic:
+                    raise
+                self._relocate()
+                if time.monotonic() + backoff > deadline:
+                    raise
+            time.sleep(backoff)
+            backoff = min(2 * backoff, 0.5)
+
+    def _attempt_timeout(self) -> float:
+        """Bound on one attempt: for an HA master a short one (a silent leader is given up and its
+        successor asked, within the call's overall ``retry_for``)."""
+        return min(self.timeout, _HA_ATTEMPT_S) if self.locator is not None and self.locator.dynamic else self.timeout
+
+    def _follow(self, address: str) -> None:
+        if address != self.address:
+            self._close_locked()
+            self.address = address
+
+    def _relocate(self) -> None:
+        """After a failure: ask where the master is now (a no-op for a fixed address)."""
+        if self.locator is not None:
+            # etcd unreachable or an election under way: the next attempt asks again.
+            with contextlib.suppress(KVStoreError):
+                self._follow(self.locator.refresh(min_interval=0.05))
 
     @contextmanager
     def pipelined(self, message: Message) -> Iterator[PendingReply]:
@@ -102,6 +147,8 @@ class Connection:
             request_id = next(self._ids)
             what = f"{type(message).__name__} to {self.address}"
             try:
+                if self.locator is not None:
+                    self._follow(self.locator.address)
                 if self._sock is None:
                     self._sock = connect(self.address, self.timeout)
                 with io_errors(what):
@@ -169,8 +216,8 @@ class PendingReply:
 class ConnectionPool:
     """Up to ``size`` connections to one peer, handed to one caller at a time."""
 
-    def __init__(self, address: str, timeout: float = 5.0, size: int = 4) -> None:
-        self.address = address
+    def __init__(self, address: str | MasterLocator, timeout: float = 5.0, size: int = 4) -> None:
+        self.address = address if isinstance(address, str) else address.spec
         self._idle: queue.LifoQueue[Connection] = queue.LifoQueue()
         for _ in range(size):
             self._idle.put(Connection(address, timeout))

@@ -56,6 +56,7 @@ def run_daemon(config: DaemonConfig) -> int:
         ucx_address=ucx_address,
         transfer_stats=server.transfer_bytes,
         before_register=server.reset_grants,
+        on_epoch=server.raise_epoch,
     )
     server.master = link
     link.start()

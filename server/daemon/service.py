@@ -29,6 +29,7 @@ from kvstore.errors import (
     GrantExpired,
     InvalidArgument,
     KVStoreError,
+    NotLeader,
     ProtocolError,
     Timeout,
 )
@@ -46,6 +47,7 @@ from kvstore.protocol import (
     FetchBlocks,
     Heartbeat,
     HeartbeatReply,
+    MasterHello,
     Message,
     OkReply,
     OpenGrant,
@@ -63,12 +65,18 @@ from kvstore.protocol import (
 )
 from server.daemon.storage import DaemonStorage
 from transfer import topology
+from transfer.discovery import MasterLocator
 from transfer.rpc import Connection, ConnectionPool
 from transfer.wire import NoRequest, recv_all_into, recv_message, recv_read_reply, send_message, set_timeouts
 
 log = logging.getLogger("kvstore.daemon")
 
 Handler = Callable[[Any, socket.socket, int], None]
+
+_MASTER_COMMANDS: frozenset[type[Message]] = frozenset(
+    {OpenGrant, EndGrants, DemoteBlocks, DropBlocks, PromoteBlocks, FetchBlocks}
+)
+"""What only a master sends: refused on a connection whose master is older than the latest epoch."""
 
 
 @dataclass(slots=True)
@@ -136,6 +144,8 @@ class DaemonServer:
         self._transfer_lock = threading.Lock()
         self._grants: dict[int, _Grant] = {}
         self._grants_cond = threading.Condition()
+        self.epoch = 0
+        """The latest master epoch this daemon knows of (see MasterHello); 0: no HA master yet."""
         self.master: MasterLink | None = None
         """Set once the link exists: one-trip puts commit through it, one-trip reads are reported to it."""
         self._handlers: dict[type[Message], Handler] = {
@@ -151,6 +161,7 @@ class DaemonServer:
             DropBlocks: lambda m, s, r: self._command(s, r, self._drop(self._keys(m.keys))),
             PromoteBlocks: lambda m, s, r: self._command(s, r, self.storage.promote(self._keys(m.keys), m.offsets)),
             FetchBlocks: lambda m, s, r: self._command(s, r, self._fetch(m)),
+            MasterHello: lambda m, s, r: send_message(s, OkReply(), r),
         }
 
     def start(self) -> None:
@@ -173,7 +184,12 @@ class DaemonServer:
                 self._conns[sock] = rail
             threading.Thread(target=self._serve, args=(sock,), name="daemon-conn", daemon=True).start()
 
+    def raise_epoch(self, epoch: int) -> None:
+        """A master of ``epoch`` leads now: commands on connections of older masters are refused."""
+        self.epoch = max(self.epoch, epoch)
+
     def _serve(self, sock: socket.socket) -> None:
+        epoch = 0  # the epoch of the master that opened this connection (MasterHello), if one did
         try:
             idle_since = time.monotonic()
             while not self._stop.is_set():
@@ -189,6 +205,15 @@ class DaemonServer:
                     self._reply_error(sock, 0, exc)
                     return
                 idle_since = time.monotonic()
+                if isinstance(message, MasterHello):
+                    self.raise_epoch(message.epoch)
+                    epoch = message.epoch
+                if type(message) in _MASTER_COMMANDS and epoch < self.epoch:
+                    self._reply_error(
+                        sock, request_id,
+                        NotLeader(f"a master of epoch {epoch} is deposed: this node follows epoch {self.epoch}"),
+                    )  # fmt: skip
+                    continue
                 handler = self._handlers.get(type(message))
                 if handler is None:
                     self._reply_error(
@@ -522,12 +547,17 @@ class MasterLink:
         on_registered: Callable[[], None] | None = None,
         before_register: Callable[[], None] | None = None,
         report_period_s: float = 0.01,
+        on_epoch: Callable[[int], None] | None = None,
     ) -> None:
         self._transfer_stats = transfer_stats
         self._before_register = before_register
+        self._on_epoch = on_epoch
         self._timeout = timeout
-        self._calls = ConnectionPool(master, timeout, size=4)  # commits of one-trip puts
-        self._reports = Connection(master, timeout)  # access reports, apart: they never hold up a commit
+        locator = MasterLocator(master, timeout)  # etcd://: the leader, followed across failovers
+        self._calls = ConnectionPool(locator, timeout, size=4)  # commits of one-trip puts
+        self._reports = Connection(locator, timeout)  # access reports, apart: they never hold up a commit
+        self.peers: list[str] = []
+        """The nodes the master last said were in the cluster (told to the next master we register with)."""
         self._accessed: deque[str] = deque(maxlen=1 << 20)  # a master too slow to take them loses the oldest
         self._report_period = report_period_s
         self.master = master
@@ -536,7 +566,7 @@ class MasterLink:
         self.node_id = node_id
         self.address = address
         self.storage = storage
-        self._conn = Connection(master, timeout)
+        self._conn = Connection(locator, timeout)
         self._stop = threading.Event()
         self._interval = 1.0
         self._on_registered = on_registered
@@ -588,15 +618,18 @@ class MasterLink:
         message = RegisterNode(
             self.node_id, self.address, arena.capacity, ssd_capacity, arena.alignment, self.storage.inventory(),
             list(self.rails or [self.address]), topology.host_id(), str(arena.path), os.stat(arena.path).st_ino,
-            topology.local_nics(), topology.has_rdma(), self.ucx_address, arena.num_slots,
+            topology.local_nics(), topology.has_rdma(), self.ucx_address, arena.num_slots, self.peers,
         )  # fmt: skip
         reply = self._conn.call(message, RegisterReply)
+        self.peers = reply.peers
+        if self._on_epoch is not None:
+            self._on_epoch(reply.epoch)
         self._interval = max(reply.heartbeat_interval_ms, 50) / 1000
         if not self.registered.is_set():
             self.registered.set()
             if self._on_registered is not None:
                 self._on_registered()
-        log.info("registered %s at %s with master %s", self.node_id, self.address, self.master)
+        log.info("registered %s at %s with master %s", self.node_id, self.address, self._conn.address)
 
     def _run(self) -> None:
         backoff = 0.1
@@ -608,14 +641,17 @@ class MasterLink:
                     known = True
                 else:
                     stats = self._transfer_stats() if self._transfer_stats is not None else {}
-                    known = self._conn.call(Heartbeat(self.node_id, stats), HeartbeatReply).known
+                    reply = self._conn.call(Heartbeat(self.node_id, stats), HeartbeatReply)
+                    known = reply.known
+                    if known:
+                        self.peers = reply.peers
                 backoff = 0.1
                 self._stop.wait(self._interval if known else 0)
             except KVStoreError as exc:
                 known = False
-                log.warning("master %s unreachable (%s); retrying in %.1f s", self.master, exc, backoff)
+                log.warning("master %s unreachable (%s); retrying in %.1f s", self._conn.address, exc, backoff)
                 self._stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, 0.5)  # a new leader is met within half a second
 
     def stop(self) -> None:
         self._stop.set()

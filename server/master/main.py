@@ -16,9 +16,13 @@ async def serve(config: MasterConfig) -> None:
     service = MasterService(config)
     address = await service.start()
     print(f"kvstore master listening on {address}", flush=True)
+    admin = None
     if config.admin_port is not None:
         admin = await service.start_admin()
         print(f"kvstore admin on http://{admin}", flush=True)
+    if config.etcd is not None:
+        service.start_election(admin)
+        print(f"kvstore master campaigning for cluster {config.cluster_id} in etcd at {config.etcd}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

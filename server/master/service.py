@@ -19,7 +19,17 @@ from typing import Any
 from msgspec.structs import replace
 
 from kvstore.config import MasterConfig
-from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NotFound, ProtocolError, RetryLater, Timeout
+from kvstore.errors import (
+    CapacityError,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    NotLeader,
+    NotReady,
+    ProtocolError,
+    RetryLater,
+    Timeout,
+)
 from kvstore.metadata import Grant, Move, NodeCommand, PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
 from kvstore.protocol import (
@@ -42,6 +52,7 @@ from kvstore.protocol import (
     Heartbeat,
     HeartbeatReply,
     ListNodes,
+    MasterHello,
     MatchPrefix,
     MatchPrefixNodes,
     MatchPrefixNodesReply,
@@ -75,7 +86,9 @@ from kvstore.protocol import (
     request_id_of,
 )
 from server.master.admin import AdminApi, LatencyHistogram, Sampler
+from server.master.election import Election
 from transfer.aio import AsyncConnection
+from transfer.discovery import EtcdCluster, MasterRecord, parse_endpoints
 
 log = logging.getLogger("kvstore.master")
 
@@ -83,7 +96,7 @@ Handler = Callable[[Any], Awaitable[Message]]
 
 # Requests whose repetition would change the outcome: their answers are kept for retries.
 # Requests whose handlers wait for daemons (they run in a task; the others are answered inline).
-_WAITS: frozenset[type[Message]] = frozenset({PutStart, GrantSpace, Remove, Replicate})
+_WAITS: frozenset[type[Message]] = frozenset({PutStart, PutRevoke, GrantSpace, Remove, Replicate})
 
 _NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset(
     {PutStart, PutEnd, PutRevoke, Remove, Replicate, GrantSpace, CommitGranted}
@@ -101,6 +114,11 @@ _TIMED: dict[type[Message], str] = {
 # the daemon has stopped taking writes into a grant before the master frees it. (Freeing waits for
 # the daemon's EndGrants answer anyway; the margin keeps a lost answer from holding space long.)
 _GRANT_MARGIN_MS = 1_000
+
+# What a master answers while it is not ready (taking over: the daemons' inventories still coming in).
+_WHILE_NOT_READY: frozenset[type[Message]] = frozenset(
+    {RegisterNode, Heartbeat, AccessReport, CommitGranted, Stats, ListNodes, AdminInfo}
+)
 
 # A put waits for at most this many rounds of evictions before its keys fail.
 _MAX_EVICTION_ROUNDS = 64
@@ -155,14 +173,17 @@ class _RpcConnection(asyncio.Protocol):
 class MasterService:
     def __init__(self, config: MasterConfig | None = None) -> None:
         self.config = config or MasterConfig()
-        ev = self.config.eviction
-        self.table = PlacementTable(
-            EvictionPolicy(ev.high_watermark, ev.low_watermark, ev.promote_after_hits),
-            strategy=self.config.placement,
-            reservation_ms=self.config.reservation_ms,
-            lease_ms=self.config.lease_ms,
-            node_ttl_ms=self.config.node_ttl_ms,
-        )
+        self.table = self._new_table()
+        self.address = ""
+        self.election: Election | None = None
+        """Set with ``config.etcd``: this master serves only while it leads."""
+        self.epoch = 0
+        self._leader_since = 0.0
+        self._ready = False
+        self._expected: set[str] = set()
+        """Nodes the daemons said were in the cluster: a new leader waits for their inventories."""
+        self.failovers = 0
+        """Times this master took over as leader (HA), or 1 for a master without etcd."""
         self._daemons: dict[str, AsyncConnection] = {}
         self._node_info: dict[str, NodeInfo] = {}
         self.daemon_stats: dict[str, dict[str, int]] = {}
@@ -198,6 +219,84 @@ class MasterService:
             ListNodes: self._list_nodes,
             AdminInfo: self._admin_info,
         }
+
+    def _new_table(self) -> PlacementTable:
+        ev = self.config.eviction
+        return PlacementTable(
+            EvictionPolicy(ev.high_watermark, ev.low_watermark, ev.promote_after_hits),
+            strategy=self.config.placement,
+            reservation_ms=self.config.reservation_ms,
+            lease_ms=self.config.lease_ms,
+            node_ttl_ms=self.config.node_ttl_ms,
+        )
+
+    # -- leadership and readiness --------------------------------------------------------------
+    def _become_leader(self, epoch: int) -> None:
+        """Lead with an empty table: it is rebuilt from the daemons' inventories as they register.
+        Until the nodes they name are back (or ``ready_wait_ms`` passes) requests get NotReady."""
+        self.epoch = epoch
+        self._leader_since = time.monotonic()
+        self._ready = False
+        self._expected = set()
+        self.failovers += 1
+
+    def _become_standby(self) -> None:
+        """Leadership lost: forget everything (a new leader owns the cluster now); a later
+        election starts from an empty table again."""
+        for task in list(self._tasks):
+            task.cancel()
+        self.table = self._new_table()
+        self._node_info.clear()
+        self.daemon_stats.clear()
+        self._retry = []
+        self._answers.clear()
+        daemons, self._daemons = self._daemons, {}
+        for conn in daemons.values():
+            self._spawn(conn.close(), "close-daemon-link")
+        self._ready = False
+
+    def ready(self) -> bool:
+        """Whether reads and puts can be answered truly: every expected node is back, or some node
+        is and the wait for the rest ran out, or none came within three waits (a cluster starting)."""
+        if self._ready:
+            return True
+        nodes = self.table.nodes
+        waited = time.monotonic() - self._leader_since
+        grace = 2 * self.config.heartbeat_interval_ms / 1000  # for daemons to notice a new master
+        wait = self.config.ready_wait_ms / 1000
+        if (
+            (nodes and self._expected <= nodes.keys() and waited >= min(grace, 0.2))
+            or (nodes and waited >= wait)
+            or waited >= 3 * wait  # no daemon at all: a cluster still starting (or none left)
+        ):
+            self._ready = True
+            missing = sorted(self._expected - nodes.keys())
+            log.info(
+                "ready after %.2f s with %d nodes%s", waited, len(nodes),
+                f"; still missing {', '.join(missing)}" if missing else "",
+            )  # fmt: skip
+        return self._ready
+
+    def _refusal(self, kind: type[Message]) -> KVStoreError | None:
+        """Why this master must not run a request now, if it must not."""
+        election = self.election
+        if election is not None and not election.leading():
+            leader = election.leader.address if election.leader is not None else "not elected yet"
+            return NotLeader(
+                f"master {self.address} does not lead cluster {election.cluster.cluster_id} (leader: {leader})"
+            )
+        if not self._ready and kind not in _WHILE_NOT_READY and not self.ready():
+            return NotReady(
+                f"master {self.address} is taking over: waiting for the inventories of "
+                f"{len(self._expected - self.table.nodes.keys()) or 'its'} nodes"
+            )
+        return None
+
+    def role(self) -> dict[str, Any]:
+        """Leadership as /metrics and ``kvstore status`` show it."""
+        if self.election is None:
+            return {"role": "leader", "epoch": 0, "ha": False, "ready": self.ready(), "failovers": self.failovers}
+        return {"ha": True, "ready": self.ready(), "failovers": self.failovers, **self.election.status()}
 
     # -- lifecycle ------------------------------------------------------------------------
     @staticmethod
@@ -286,9 +385,24 @@ class MasterService:
         self._server = await loop.create_server(lambda: _RpcConnection(self), self.config.host, self.config.port)
         self._ticker = asyncio.create_task(self._tick_forever(), name="master-ticker")
         port = self._server.sockets[0].getsockname()[1]
+        self.address = self.config.advertise or f"{self.config.host}:{port}"
+        if self.config.etcd is None:
+            self._become_leader(0)
         return f"{self.config.host}:{port}"
 
+    def start_election(self, admin_address: str | None) -> None:
+        """Campaign in etcd (``config.etcd``); until elected this master answers NotLeader."""
+        assert self.config.etcd is not None and self.config.cluster_id is not None
+        cluster = EtcdCluster(parse_endpoints(self.config.etcd), self.config.cluster_id)
+        self.election = Election(
+            cluster, MasterRecord(self.address, admin_address), self.config.etcd_lease_ttl_s,
+            on_leader=self._become_leader, on_standby=self._become_standby,
+        )  # fmt: skip
+        self.election.start()
+
     async def stop(self) -> None:
+        if self.election is not None:
+            await self.election.stop()  # resigns: a standby takes over without waiting for the lease
         if self.admin is not None:
             await self.admin.stop()
         if self._server is not None:
@@ -348,6 +462,10 @@ class MasterService:
         except ProtocolError as exc:
             self.rpc_errors += 1
             conn.reply(ErrorReply.from_error(exc), request_id_of(payload))
+            return
+        refusal = self._refusal(type(message))
+        if refusal is not None:
+            conn.reply(ErrorReply.from_error(refusal), request_id)
             return
         coro = self._dispatch(message, request_id)
         if type(message) in _WAITS:
@@ -423,7 +541,8 @@ class MasterService:
         address = self.table.nodes[node_id].address
         conn = self._daemons.get(node_id)
         if conn is None or conn.address != address:
-            conn = AsyncConnection(address, self.config.command_timeout_ms / 1000)
+            hello = MasterHello(self.epoch) if self.epoch else None  # fences the commands of older masters
+            conn = AsyncConnection(address, self.config.command_timeout_ms / 1000, hello=hello)
             self._daemons[node_id] = conn
         return conn
 
@@ -497,14 +616,19 @@ class MasterService:
         )
         self._retry = [c for c in self._retry if c.node_id != m.node_id]  # the inventory superseded them
         self._run_later(commands, "register-drops")
+        if not self._ready:
+            self._expected.update(p for p in m.peers if p)
         log.info("node %s registered at %s with %d blocks", m.node_id, m.address, len(m.inventory))
-        return RegisterReply(self.config.heartbeat_interval_ms, self.config.node_ttl_ms)
+        return RegisterReply(self.config.heartbeat_interval_ms, self.config.node_ttl_ms, self.epoch, self._peers())
+
+    def _peers(self) -> list[str]:
+        return [n.node_id for n in self.table.up_nodes()]
 
     async def _heartbeat(self, m: Heartbeat) -> Message:
         known = self.table.heartbeat(m.node_id, _now_ms())
         if known:
             self.daemon_stats[m.node_id] = m.transfer_bytes
-        return HeartbeatReply(known)
+        return HeartbeatReply(known, self._peers() if known else [])
 
     async def _put_start(self, m: PutStart) -> Message:
         keys, sizes = list(m.keys), list(m.sizes)
@@ -531,11 +655,28 @@ class MasterService:
         return PutStartReply.from_tickets(final)
 
     async def _put_end(self, m: PutEnd) -> Message:
-        return PutEndReply(self.table.put_end(m.keys, m.checksums))
+        committed = self.table.put_end(m.keys, m.checksums)
+        # A put begun with a master that has since gone: its block came back in its daemon's
+        # inventory when the daemon registered here (the same bytes: the same checksum).
+        objects = self.table.objects
+        return PutEndReply([
+            ok or ((e := objects.get(k)) is not None and e.committed and e.checksum == c)
+            for k, c, ok in zip(m.keys, m.checksums, committed, strict=True)
+        ])  # fmt: skip
 
     async def _put_revoke(self, m: PutRevoke) -> Message:
         commands = self.table.put_revoke(m.keys)
         self._run_later(commands, "revoke-drops")
+        unknown = [k for k in m.keys if self.table.describe(k) is None]
+        if unknown:
+            # Reserved by a master that has since gone, so nobody knows where it was written: every
+            # node drops it, before the writer's retry can store it anew.
+            nodes = [n.node_id for n in self.table.up_nodes()]
+            answers = await asyncio.gather(
+                *(self._daemon(n).call(DropBlocks(unknown), CommandReply) for n in nodes), return_exceptions=True
+            )
+            if any(isinstance(a, BaseException) for a in answers):
+                raise RetryLater("a node did not confirm dropping a put begun with an earlier master")
         return OkReply()
 
     async def _get_replicas(self, m: GetReplicas) -> Message:

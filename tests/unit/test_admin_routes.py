@@ -20,7 +20,7 @@ async def _service() -> MasterService:
     for i in range(2):
         await service._register(RegisterNode(
             f"n{i}", f"127.0.0.1:{40000 + i}", 64 * KB, 64 * KB, 64, [], [f"127.0.0.1:{40000 + i}"], "host", "", 0,
-            [Nic("lo", "127.0.0.1", -1, -1)], False, "", 0,
+            [Nic("lo", "127.0.0.1", -1, -1)], False, "", 0, [],
         ))  # fmt: skip
     keys = [f"r-{i}" for i in range(6)]
     start = await service._put_start(PutStart(keys, [KB] * 6, 1, None, False))

@@ -134,7 +134,7 @@ INVENTORY_ITEM = ["k", "dram", 0, 1, 2, False]
 
 
 def register_node(inventory: list[Any], nics: list[Any]) -> bytes:
-    return body(P.RegisterNode.KIND, "n", "a", 1, 1, 64, inventory, ["a"], "h", "p", 1, nics, False, "", 0)
+    return body(P.RegisterNode.KIND, "n", "a", 1, 1, 64, inventory, ["a"], "h", "p", 1, nics, False, "", 0, [])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,250 @@
+"""Leader election of HA masters on etcd (``kvstore master --etcd H:2379 --cluster-id ID``).
+
+Every master takes an etcd lease of ``ttl_s`` seconds, keeps it alive, and lists itself under
+``/kvstore/<id>/masters/`` with it. The leader is the master whose transaction created
+``/kvstore/<id>/leader`` (bound to its lease; the value names its RPC and admin addresses, as
+:class:`transfer.discovery.MasterRecord`). The others watch that key and campaign again when it
+goes (the leader's lease ran out, or it resigned at shutdown).
+
+Fencing:
+
+- A leader serves only while its lease is surely alive: each keep-alive that etcd confirms
+  makes the lease good until *send time* + TTL, measured on this machine's monotonic clock
+  (never later than etcd's own expiry). Past that, :meth:`Election.leading` is False and the
+  master answers NotLeader, even if it never hears from etcd again (a partition).
+- The leadership epoch is the leader key's create revision: it grows with each new leader.
+  The master sends it to daemons (RegisterReply, MasterHello), and a daemon refuses the commands
+  of a master older than the newest it has met.
+- A keep-alive answered with TTL 0 means the lease is gone in etcd (someone else may lead): the
+  master drops everything it knew (``on_standby``) and campaigns afresh as a standby. A lease
+  that outlived an etcd outage (etcd restores leases on restart) keeps its leadership and table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import aetcd
+import aetcd.exceptions
+import aetcd.rtypes
+
+from transfer.discovery import EtcdCluster, MasterRecord
+from transfer.wire import parse_address
+
+log = logging.getLogger("kvstore.master.election")
+
+Role = Literal["standby", "leader"]
+
+
+class LeaseLost(Exception):
+    """etcd no longer has this master's lease."""
+
+
+class Election:
+    def __init__(
+        self,
+        cluster: EtcdCluster,
+        record: MasterRecord,
+        ttl_s: int,
+        on_leader: Callable[[int], None],
+        on_standby: Callable[[], None],
+    ) -> None:
+        self.cluster = cluster
+        self.record = record
+        self.ttl_s = ttl_s
+        self._on_leader = on_leader
+        self._on_standby = on_standby
+        self.role: Role = "standby"
+        self.epoch = 0
+        self.leader: MasterRecord | None = None
+        """The leader as last seen in etcd (this master when it leads)."""
+        self._valid_until = 0.0
+        self._endpoint = 0
+        self._client: Any = None
+        self._lease: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self.elections_won = 0
+        self.leadership_lost = 0
+        self.etcd_errors = 0
+        self.etcd_reachable = False
+
+    # -- what the service asks --------------------------------------------------------------
+    def leading(self) -> bool:
+        """Whether this master may serve now: it leads and its lease is surely alive."""
+        return self.role == "leader" and time.monotonic() < self._valid_until
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "role": self.role if self.role == "standby" or self.leading() else "leader (lease unconfirmed)",
+            "epoch": self.epoch,
+            "leader": self.leader.address if self.leader else None,
+            "cluster_id": self.cluster.cluster_id,
+            "etcd": list(self.cluster.endpoints),
+            "etcd_reachable": self.etcd_reachable,
+            "elections_won": self.elections_won,
+            "leadership_lost": self.leadership_lost,
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="master-election")
+
+    async def stop(self) -> None:
+        """Stop campaigning; a leader resigns (revokes its lease) so that a standby takes over now."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._lease.revoke(), 2.0)
+        self.role = "standby"
+        await self._close_client()
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except (aetcd.exceptions.ClientError, OSError, TimeoutError, LeaseLost) as exc:
+                self.etcd_errors += 1
+                self.etcd_reachable = False
+                log.warning(
+                    "etcd at %s: %s; %s, retrying in %.1f s",
+                    self.cluster.endpoints[self._endpoint], exc or type(exc).__name__,
+                    "still leading while the lease lasts" if self.leading() else "not serving", backoff,
+                )  # fmt: skip
+                if isinstance(exc, LeaseLost):
+                    self._lose("its etcd lease ended")
+                await self._close_client()
+                self._endpoint = (self._endpoint + 1) % len(self.cluster.endpoints)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            else:
+                backoff = 0.1
+
+    async def _session(self) -> None:
+        """One connection to etcd: take (or keep) a lease, list this master, then lead or watch."""
+        client = await self._connect()
+        if self._lease is None:
+            sent = time.monotonic()
+            self._lease = await self._bounded(client.lease(self.ttl_s))
+            self._valid_until = sent + self._lease.ttl
+        else:
+            await self._keep_alive_once()  # the lease of before an etcd outage, if it is still alive
+        self.etcd_reachable = True
+        await self._bounded(client.put(self._masters_key(), self.record.value(), lease=self._lease))
+        keepalive = asyncio.create_task(self._keep_alive_forever(), name="master-lease-keepalive")
+        try:
+            while True:
+                await self._campaign(client)
+                if keepalive.done():
+                    keepalive.result()  # raises what ended it
+        finally:
+            keepalive.cancel()
+            with contextlib.suppress(BaseException):
+                await keepalive
+
+    async def _campaign(self, client: Any) -> None:
+        """Create the leader key if nobody holds it; otherwise wait (a watch, bounded) for it to go."""
+        key = self.cluster.leader_key
+        tx = client.transactions
+        won, responses = await self._bounded(
+            client.transaction(
+                compare=[tx.create(key) == 0],
+                success=[tx.put(key, self.record.value(), lease=self._lease)],
+                failure=[tx.get(key)],
+            )
+        )
+        if won:
+            held = await self._bounded(client.get(key))
+            if held is None or held.lease != self._lease.id:
+                return  # gone again at once (our lease ended): campaign again
+            self._lead(held.create_revision)
+            await asyncio.sleep(self.ttl_s / 3)  # the keep-alive task fences; look at the key again now and then
+            return
+        kvs = responses[0] if responses else []
+        if not kvs:
+            return  # gone between the compare and the read: campaign again
+        value, meta = kvs[0]
+        if meta.lease == self._lease.id:  # ours (from before an etcd outage, or checked again): leading
+            self._lead(meta.create_revision)
+            await asyncio.sleep(self.ttl_s / 3)
+            return
+        if self.role == "leader":
+            raise LeaseLost("another master holds the leader key")
+        self.leader = MasterRecord.from_kv(value, meta.create_revision)
+        await self._wait_for_vacancy(client, meta.header.revision + 1)
+
+    async def _wait_for_vacancy(self, client: Any, after_revision: int) -> None:
+        watch = await self._bounded(
+            client.watch(self.cluster.leader_key, start_revision=after_revision, kind=aetcd.rtypes.EventKind.DELETE)
+        )
+        try:
+            events = watch.__aiter__()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(events.__anext__(), self.ttl_s)  # a deletion, or look again anyway
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watch.cancel(), 1.0)
+
+    def _lead(self, epoch: int) -> None:
+        if self.role == "leader" and self.epoch == epoch:
+            return
+        self.role = "leader"
+        self.epoch = epoch
+        self.leader = MasterRecord(self.record.address, self.record.admin, epoch)
+        self.elections_won += 1
+        log.info("leading cluster %s (epoch %d) at %s", self.cluster.cluster_id, epoch, self.record.address)
+        self._on_leader(epoch)
+
+    def _lose(self, why: str) -> None:
+        self._lease = None
+        if self.role != "leader":
+            return
+        self.role = "standby"
+        self.leadership_lost += 1
+        log.warning("no longer leading cluster %s: %s; serving nothing", self.cluster.cluster_id, why)
+        self._on_standby()
+
+    async def _keep_alive_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            await self._keep_alive_once()
+
+    async def _keep_alive_once(self) -> None:
+        sent = time.monotonic()
+        reply = await self._bounded(self._lease.refresh())
+        if reply is None or reply.TTL <= 0:
+            raise LeaseLost(f"lease {self._lease.id:x} expired in etcd")
+        self._valid_until = sent + min(reply.TTL, self.ttl_s)
+        self.etcd_reachable = True
+
+    # -- etcd plumbing -----------------------------------------------------------------------
+    def _masters_key(self) -> bytes:
+        return self.cluster.masters_prefix + self.record.address.encode()
+
+    async def _connect(self) -> Any:
+        if self._client is None:
+            host, port = parse_address(self.cluster.endpoints[self._endpoint])
+            client = aetcd.Client(host=host, port=port, timeout=max(1, self.ttl_s // 2))
+            await self._bounded(client.connect())
+            self._client = client
+        return self._client
+
+    async def _close_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), 1.0)
+
+    async def _bounded(self, call: Any) -> Any:
+        """Every etcd call within the lease's TTL: a hung etcd must not outlast a leader's fence."""
+        return await asyncio.wait_for(call, max(1.0, self.ttl_s / 2))

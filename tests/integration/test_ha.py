@@ -1,0 +1,293 @@
+"""HA masters on a real etcd: failover under load, repeated failovers, an etcd restart, a deposed
+leader that no longer serves, and the errors around it. Every process is real (etcd, masters,
+daemons); figures go to the test's output (``pytest -s``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import ClientConfig, MasterConfig
+from kvstore.errors import ConfigError, ConnectionFailed, KVStoreError, NotLeader
+from kvstore.protocol import Stats, StatsReply
+from kvstore_cli.cluster import LocalCluster
+from kvstore_client import Store
+from transfer.discovery import EtcdCluster, read_leader, read_masters
+from transfer.rpc import Connection
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian: apt install etcd-server)"),
+    pytest.mark.timeout(240),
+]
+
+CLUSTER = "ha-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Etcd:
+    """A one-member etcd on loopback, its data kept across restarts."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvstore-etcd-"))
+        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        client = f"http://{self.endpoint}"
+        args = [
+            "etcd", "--name", "t", "--data-dir", str(self.dir / "data"),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"t={peer}",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.dir / "etcd.log", "a"),  # noqa: SIM115 - owned by the child
+        )
+        cluster = EtcdCluster((self.endpoint,), CLUSTER)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                read_leader(cluster, 1.0)
+                return
+            except ConnectionFailed:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=20)
+            self.proc = None
+
+
+@pytest.fixture
+def etcd() -> Iterator[Etcd]:
+    server = Etcd()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def ha(etcd: Etcd) -> Iterator[LocalCluster]:
+    with LocalCluster(2, dram="64MiB", etcd=etcd.endpoint, cluster_id=CLUSTER, masters=2) as cluster:
+        yield cluster
+
+
+def _leader_index(cluster: LocalCluster, timeout: float = 15.0) -> int:
+    """The index of the master etcd names as leader (waiting for an election to end)."""
+    assert cluster.etcd is not None
+    where = EtcdCluster((cluster.etcd,), CLUSTER)
+    deadline = time.monotonic() + timeout
+    while True:
+        leader = read_leader(where, 1.0)
+        if leader is not None and leader.address in cluster.master_rpc:
+            m = cluster.master_rpc.index(leader.address)
+            if cluster.masters[m] is not None:
+                return m
+        assert time.monotonic() < deadline, "no leader elected"
+        time.sleep(0.05)
+
+
+class Load:
+    """Puts and gets in a loop from a thread, each op's outcome kept: what was committed must read back."""
+
+    def __init__(self, store: Store, prefix: str) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.committed: dict[str, bytes] = {}
+        self.errors: list[str] = []
+        self.ops = 0
+        self.slowest = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            key = f"{self.prefix}-{i}"
+            value = os.urandom(4096 + i % 5000)
+            start = time.monotonic()
+            try:
+                self.store.put(key, value)
+                self.committed[key] = value
+                probe = f"{self.prefix}-{i // 2}"
+                got = self.store.get(probe)
+                if probe in self.committed and got != self.committed[probe]:
+                    self.errors.append(f"{probe} read back {'nothing' if got is None else 'other bytes'}")
+            except KVStoreError as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+            self.slowest = max(self.slowest, time.monotonic() - start)
+            self.ops += 1
+            i += 1
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+
+def _check_all(store: Store, committed: dict[str, bytes]) -> None:
+    keys = list(committed)
+    got = store.get_many(keys)
+    wrong = [k for k, g in zip(keys, got, strict=True) if g != committed[k]]
+    assert not wrong, f"{len(wrong)} of {len(keys)} committed keys lost or wrong, e.g. {wrong[:3]}"
+
+
+def _failover(cluster: LocalCluster, store: Store, prefix: str) -> dict[str, float]:
+    """SIGKILL the leader under load; how long until a put succeeds again through the new leader."""
+    old = _leader_index(cluster)
+    with Load(store, prefix) as load:
+        time.sleep(1.0)
+        before = load.ops
+        killed = time.monotonic()
+        cluster.kill_ha_master(old)
+        while load.ops <= before + 1 or _leader_index(cluster) == old:
+            time.sleep(0.01)
+        deadline = time.monotonic() + 30
+        ops_at_new = load.ops
+        while load.ops < ops_at_new + 5:  # a few full put+get rounds through the new leader
+            assert time.monotonic() < deadline, "no operation completed after the failover"
+            time.sleep(0.01)
+        served = time.monotonic() - killed
+        time.sleep(0.5)
+    assert not load.errors, load.errors[:5]
+    _check_all(store, load.committed)
+    return {"failover_s": round(served, 3), "ops": load.ops, "slowest_op_s": round(load.slowest, 3)}
+
+
+def test_leader_killed_under_load_a_standby_serves_and_nothing_is_lost(ha: LocalCluster) -> None:
+    config = ClientConfig(timeout_s=15.0)
+    with Store.connect(ha.master_address, config) as store:
+        before = {f"pre-{i}": os.urandom(8192) for i in range(200)}
+        store.put_many(list(before.items()))
+        figures = _failover(ha, store, "load")
+        _check_all(store, before)
+    print(json.dumps({"test": "ha_failover", **figures}))
+    assert figures["failover_s"] < 5.0
+
+
+def test_three_failovers_in_a_row(ha: LocalCluster) -> None:
+    config = ClientConfig(timeout_s=15.0)
+    with Store.connect(ha.master_address, config) as store:
+        before = {f"pre-{i}": os.urandom(4096) for i in range(100)}
+        store.put_many(list(before.items()))
+        times = []
+        for round_ in range(3):
+            old = _leader_index(ha)
+            figures = _failover(ha, store, f"round{round_}")
+            times.append(figures["failover_s"])
+            ha.start_ha_master(old)  # back as a standby
+            _check_all(store, before)
+    print(json.dumps({"test": "ha_three_failovers", "failover_s": times}))
+    assert max(times) < 5.0
+
+
+def test_etcd_restart_keeps_the_leader_serving(ha: LocalCluster, etcd: Etcd) -> None:
+    with Store.connect(ha.master_address, ClientConfig(timeout_s=15.0)) as store:
+        store.put("before", b"x" * 1000)
+        leader = _leader_index(ha)
+        etcd.stop()
+        etcd.start()
+        time.sleep(3 * MasterConfig().etcd_lease_ttl_s)  # several keep-alive rounds after the restart
+        assert _leader_index(ha) == leader  # the lease survived: no new election, no split brain
+        assert store.get("before") == b"x" * 1000
+        store.put("after", b"y" * 1000)
+        assert store.get("after") == b"y" * 1000
+        standby = 1 - leader
+        with pytest.raises(NotLeader):
+            Connection(ha.master_rpc[standby], 5.0).call(Stats(), StatsReply)
+
+
+def test_a_partitioned_leader_stops_serving_once_its_lease_is_gone(ha: LocalCluster) -> None:
+    with Store.connect(ha.master_address, ClientConfig(timeout_s=15.0)) as store:
+        store.put("k", b"v" * 100)
+        old = _leader_index(ha)
+        proc = ha.masters[old]
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)  # cut off from etcd (and everyone) past its lease
+        try:
+            deadline = time.monotonic() + 15
+            while _leader_index(ha) == old:
+                assert time.monotonic() < deadline, "the standby never took over"
+                time.sleep(0.05)
+            assert store.get("k") == b"v" * 100
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        # Woken up, the old leader knows its lease ran out: it refuses at once, writes above all.
+        with pytest.raises(NotLeader):
+            Connection(ha.master_rpc[old], 5.0).call(Stats(), StatsReply)
+        assert store.get("k") == b"v" * 100
+        store.put("k2", b"w" * 100)
+        deadline = time.monotonic() + 15
+        while len(read_masters(EtcdCluster((str(ha.etcd),), CLUSTER), 2.0)) < 2:  # back, as a standby
+            assert time.monotonic() < deadline, "the deposed leader never listed itself again"
+            time.sleep(0.1)
+        assert _leader_index(ha) != old
+
+
+def test_etcd_unreachable_at_start_names_the_endpoints_and_serves_nothing() -> None:
+    port = _free_port()
+    endpoint = f"127.0.0.1:{_free_port()}"  # nobody listens
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore_cli", "master", "--port", str(port), "--etcd", endpoint, "--cluster-id", "x"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        time.sleep(1.5)
+        with pytest.raises(NotLeader):
+            Connection(f"127.0.0.1:{port}", 5.0).call(Stats(), StatsReply)
+        assert proc.poll() is None  # still trying
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert endpoint in err
+
+
+def test_a_cluster_id_without_etcd_is_refused() -> None:
+    with pytest.raises(ConfigError, match="etcd"):
+        MasterConfig(cluster_id="prod")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore_cli", "master", "--port", "0", "--cluster-id", "prod"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "etcd" in out.stderr
+
+
+def test_bad_etcd_addresses_are_typed_errors() -> None:
+    from kvstore.errors import InvalidArgument
+
+    for bad in ["etcd://", "etcd://h:1", "etcd://h/x", "etcd://h:99999/x", "etcd://h:1/bad id"]:
+        with pytest.raises(InvalidArgument):
+            Store.connect(bad)
