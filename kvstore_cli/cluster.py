@@ -144,11 +144,8 @@ class LocalCluster:
             self.master = proc
 
     def kill_ha_master(self, m: int, sig: int = signal.SIGKILL) -> None:
-        proc = self.masters[m]
-        if proc is not None:
-            proc.send_signal(sig)
-            proc.wait(timeout=10)
-            self.masters[m] = None
+        self._kill(self.masters[m], sig)
+        self.masters[m] = None
 
     def start_daemon(self, i: int) -> None:
         """Start daemon ``i``; a restart keeps its port, as a daemon in production keeps its address."""
@@ -182,18 +179,19 @@ class LocalCluster:
             conn.close()
 
     # -- faults, for tests ---------------------------------------------------------------
-    def kill_daemon(self, i: int, sig: int = signal.SIGKILL) -> None:
-        proc = self.daemons[i]
+    @staticmethod
+    def _kill(proc: subprocess.Popen[str] | None, sig: int) -> None:
         if proc is not None:
             proc.send_signal(sig)
             proc.wait(timeout=10)
-            self.daemons[i] = None
+
+    def kill_daemon(self, i: int, sig: int = signal.SIGKILL) -> None:
+        self._kill(self.daemons[i], sig)
+        self.daemons[i] = None
 
     def kill_master(self, sig: int = signal.SIGKILL) -> None:
-        if self.master is not None:
-            self.master.send_signal(sig)
-            self.master.wait(timeout=10)
-            self.master = None
+        self._kill(self.master, sig)
+        self.master = None
 
     def restart_daemon(self, i: int) -> None:
         """Start daemon ``i`` again with the same name, arena and SSD directory, and wait for it to register."""

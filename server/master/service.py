@@ -262,10 +262,11 @@ class MasterService:
             return True
         nodes = self.table.nodes
         waited = time.monotonic() - self._leader_since
-        grace = 2 * self.config.heartbeat_interval_ms / 1000  # for daemons to notice a new master
+        # A moment for the first daemons' peer lists to come in before "every expected node" holds.
+        settle = min(2 * self.config.heartbeat_interval_ms / 1000, 0.2)
         wait = self.config.ready_wait_ms / 1000
         if (
-            (nodes and self._expected <= nodes.keys() and waited >= min(grace, 0.2))
+            (nodes and self._expected <= nodes.keys() and waited >= settle)
             or (nodes and waited >= wait)
             or waited >= 3 * wait  # no daemon at all: a cluster still starting (or none left)
         ):
