@@ -19,9 +19,11 @@ Rules:
   readable), until the daemon's answer is applied. So a daemon never
   holds a block in an extent that the master gave to another key.
 - ``get_replicas`` hands out replicas on up nodes only, touches their LRU and
-  leases them for ``lease_ms``: a leased block is never evicted or moved. An
-  SSD-only block read ``promote_after_hits`` times is promoted to DRAM once
-  its leases end.
+  leases them for ``lease_ms`` (one lease per key and get, owned by
+  :class:`~kvstore.leases.Leases`): a leased replica is never evicted,
+  demoted or promoted. A release ends one lease, never another reader's (see
+  :mod:`kvstore.leases`). An SSD-only block read ``promote_after_hits`` times
+  is promoted to DRAM once its leases end.
 - ``plan_replicas`` reserves DRAM on a node for copies of stored blocks whose
   other replicas stay (hot blocks near their readers). A copy's replica is
   ``copying`` (not readable, in no LRU, sent no drop) until ``finish_replicas``
@@ -63,6 +65,7 @@ from kvstore.errors import (
     RetryLater,
 )
 from kvstore.keys import BlockKey, validate_key
+from kvstore.leases import Leases
 from kvstore.lru import LRU
 from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
 from kvstore.protocol import GetReplicasReply, InventoryItem, NodePrefix, PrefixMatch, PutTicket, Replica
@@ -245,7 +248,8 @@ class PlacementTable:
         self.nodes: dict[str, NodeState] = {}
         self.objects: dict[str, ObjectEntry] = {}
         self._pending: dict[str, ObjectEntry] = {}
-        self._leases: list[tuple[int, str, str, str]] = []  # heap of (expiry, key, node, tier value)
+        # A release that comes up to one lease length after its lease expired is still known as late.
+        self.leases = Leases(late_ms=lease_ms)
         self._want_promote: set[str] = set()
         self.grants: dict[int, Grant] = {}
         self._next_grant = 1
@@ -379,11 +383,7 @@ class PlacementTable:
         for node in self.nodes.values():
             if node.up and now_ms - node.last_seen_ms > self.node_ttl_ms:
                 node.up = False
-        while self._leases and self._leases[0][0] <= now_ms:
-            _, key, node_id, tier = heapq.heappop(self._leases)
-            holder = self.nodes.get(node_id)
-            if holder is not None:
-                holder.lru(TierName(tier)).release(key)
+        self.leases.expire(now_ms)
         expired = [e for e in self._pending.values() if e.deadline_ms <= now_ms]
         self.counters["expired"] += len(expired)
         return self._revoke(expired) + self._plan_promotions()
@@ -628,7 +628,7 @@ class PlacementTable:
 
     def _busy(self, node: NodeState) -> bool:
         """Whether some of the node's DRAM is held only for now: leased, or reserved by puts in flight."""
-        if node.dram_lru.num_leased or any(g.node_id == node.node_id for g in self.grants.values()):
+        if self.leases.num_leased(node.node_id, DRAM) or any(g.node_id == node.node_id for g in self.grants.values()):
             return True
         return any(r.node_id == node.node_id for e in self._pending.values() for r in e.replicas)
 
@@ -645,26 +645,30 @@ class PlacementTable:
             # Every slot of the arena's index is taken: room comes only from evicting blocks.
             if node.inflight:
                 return None, False  # evictions in flight will free slots; the put waits for them
-            view = TierView(node.alloc.capacity, dram_used, node.dram_lru)
+            view = self._dram_view(node, dram_used)
             actions = self.policy.make_slots(view, self._ssd_view(node), node.alloc.num_extents, node.max_blocks)
             plan.commands.extend(self._start_actions(node, actions))
             return None, bool(actions)
         extent = node.alloc.alloc(size)
         if extent is not None and not over:
             return extent, False
-        view = TierView(node.alloc.capacity, dram_used + (size if extent is not None else 0), node.dram_lru)
+        view = self._dram_view(node, dram_used + (size if extent is not None else 0))
         ssd = self._ssd_view(node)
         incoming, force = (0, 0) if extent is not None else (size, size)  # a found extent is in ``used`` already
         actions = self.policy.make_room(view, ssd, incoming, force_bytes=force)
         plan.commands.extend(self._start_actions(node, actions))
         return extent, bool(actions)
 
-    @staticmethod
-    def _ssd_view(node: NodeState) -> TierView[str] | None:
+    def _dram_view(self, node: NodeState, used: int) -> TierView[str]:
+        """The node's DRAM tier as the policy sees it, with ``used`` bytes in use."""
+        return TierView(node.alloc.capacity, used, node.dram_lru, self.leases.leased_keys(node.node_id, DRAM))
+
+    def _ssd_view(self, node: NodeState) -> TierView[str] | None:
         """The node's SSD tier as the policy sees it, counting evictions in flight; None without SSD."""
         if not node.ssd_capacity:
             return None
-        return TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, node.ssd_lru)
+        leased = self.leases.leased_keys(node.node_id, SSD)
+        return TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, node.ssd_lru, leased)
 
     def _start_actions(self, node: NodeState, actions: Sequence[Action[str]]) -> list[NodeCommand]:
         """Mark the replicas of ``actions`` moving and group them into commands, in execution order."""
@@ -752,6 +756,7 @@ class PlacementTable:
         sizes, checksums, counts = reply.sizes, reply.checksums, reply.counts
         expiry = now_ms + self.lease_ms
         counters = self.counters
+        grant = self.leases.grant
         for key in checked:
             entry = self.objects.get(key)
             readable = self._readable(entry)
@@ -765,11 +770,10 @@ class PlacementTable:
             self._touch(entry)
             if len(readable) > 1:
                 readable.sort(key=lambda r: r.tier is not DRAM)
+            if lease:
+                grant(key, [(r.node_id, r.tier) for r in readable], expiry)
             for r in readable:
                 node = self.nodes[r.node_id]
-                if lease:
-                    node.lru(r.tier).lease(key)
-                    heapq.heappush(self._leases, (expiry, key, r.node_id, r.tier.value))
                 reply.nodes.append(r.node_id)
                 reply.addresses.append(node.address)
                 reply.tiers.append(r.tier.value)
@@ -789,13 +793,11 @@ class PlacementTable:
         return reply
 
     def release_leases(self, keys: Iterable[str]) -> list[NodeCommand]:
-        """End the reader's leases on ``keys`` early (after its reads); returns promotions now due."""
+        """A reader is done with one lease per key in ``keys`` (once per time a get handed the key
+        out): each ends the key's first-expiring lease, or none for a release that came late (see
+        :meth:`Leases.release_key`). Returns promotions now due."""
         for key in keys:
-            entry = self.objects.get(key)
-            if entry is None:
-                continue
-            for r in entry.replicas:
-                self.nodes[r.node_id].lru(r.tier).release(key)
+            self.leases.release_key(key)
         return self._plan_promotions()
 
     def _plan_promotions(self) -> list[NodeCommand]:
@@ -808,7 +810,7 @@ class PlacementTable:
                 self._want_promote.discard(key)
                 continue
             node = self.nodes[ssd[0].node_id]
-            if node.ssd_lru.is_leased(key) or node.ssd_lru.is_pinned(key):
+            if self.leases.is_leased(node.node_id, SSD, key) or node.ssd_lru.is_pinned(key):
                 continue
             self._want_promote.discard(key)
             if self.policy.over_high_watermark(node.alloc.used + entry.size, node.alloc.capacity):
@@ -984,7 +986,7 @@ class PlacementTable:
                 "used": used,
                 "blocks": len(lru),
                 "pinned": lru.num_pinned,
-                "leased": lru.num_leased,
+                "leased": sum(1 for key in self.leases.leased_keys(node.node_id, tier) if key in lru),
             }
         return out
 
@@ -1002,7 +1004,7 @@ class PlacementTable:
                 "tier": r.tier.value,
                 "offset": r.extent.offset if r.extent is not None and r.tier is DRAM else -1,
                 "moving": r.moving,
-                "leased": bool(lru is not None and key in lru and lru.is_leased(key)),
+                "leased": bool(lru is not None and key in lru and self.leases.is_leased(r.node_id, r.tier, key)),
                 "node_up": bool(node is not None and node.up),
             })  # fmt: skip
         state = "removing" if entry.removing else "committed" if entry.committed else "writing"
@@ -1038,13 +1040,11 @@ class PlacementTable:
         if node is None:
             raise NotFound(f"node {node_id!r} is not registered")
         if tier is DRAM:
-            view = TierView(node.alloc.capacity, node.alloc.used, node.dram_lru)
-            ssd = (
-                TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, node.ssd_lru) if node.ssd_capacity else None
-            )
-            actions = self.policy.make_room(view, ssd, 0, force_bytes=node.alloc.used)
+            view = self._dram_view(node, node.alloc.used)
+            actions = self.policy.make_room(view, self._ssd_view(node), 0, force_bytes=node.alloc.used)
         else:
-            actions = [Action(ActionKind.DROP, key, SSD, size) for key, size in node.ssd_lru.victims()]
+            leased = self.leases.leased_keys(node_id, SSD)
+            actions = [Action(ActionKind.DROP, key, SSD, size) for key, size in node.ssd_lru.victims(leased)]
         return len(actions), self._start_actions(node, actions)
 
     def plan_moves(self, node_id: str, limit: int, skip: Collection[str] = ()) -> tuple[list[Move], list[NodeCommand]]:
@@ -1214,6 +1214,7 @@ class PlacementTable:
 
     def check(self) -> None:
         """Assert the invariants of the module docstring (for tests)."""
+        self.leases.check()
         for store in (self.objects, self._pending):
             for e in store.values():
                 assert len({r.node_id for r in e.replicas}) == len(e.replicas), f"{e.key}: two replicas on a node"
