@@ -56,7 +56,7 @@ class Action(Generic[T]):
 @dataclass(frozen=True, slots=True)
 class TierView(Generic[T]):
     """What the policy may read of a tier: its capacity, bytes in use and LRU, and the keys leased
-    by an owner that keeps leases outside the LRU (the master's :class:`kvstore.leases.Leases`)."""
+    by an owner that keeps leases outside the LRU (the master's :class:`kvstore.placement.leases.Leases`)."""
 
     capacity: int
     used: int

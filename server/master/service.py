@@ -20,7 +20,8 @@ from msgspec.structs import replace
 
 from kvstore.config import MasterConfig
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NotFound, ProtocolError, RetryLater, Timeout
-from kvstore.metadata import Grant, Move, NodeCommand, PlacementTable
+from kvstore.placement.state import Grant, Move, NodeCommand
+from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
 from kvstore.protocol import (
     AccessReport,

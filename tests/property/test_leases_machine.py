@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.leases import Holder, LeaseId, Leases
-from kvstore.metadata import PlacementTable
+from kvstore.placement.leases import Holder, LeaseId, Leases
+from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy, TierName
 
 KEYS = ("k0", "k1", "k2", "k3")

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import InvalidArgument
-from kvstore.leases import Leases
+from kvstore.placement.leases import Leases
 from kvstore.policy import TierName
 
 DRAM, SSD = TierName.DRAM, TierName.SSD

@@ -3,9 +3,10 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, NoNodes, NotFound, RetryLater
-from kvstore.metadata import PUT_EXISTS, PUT_STORED, Move, NodeCommand, PlacementTable
+from kvstore.placement.state import Move, NodeCommand
+from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy, TierName
-from kvstore.protocol import InventoryItem, NodePrefix, PrefixMatch, PutTicket, Tier
+from kvstore.protocol import PUT_EXISTS, PUT_STORED, InventoryItem, NodePrefix, PrefixMatch, PutTicket, Tier
 
 KB = 1024
 DRAM, SSD = TierName.DRAM, TierName.SSD

@@ -64,7 +64,7 @@ def test_victims_skip_pinned_and_leased_dram_blocks() -> None:
 
 
 def test_keys_the_views_say_are_leased_are_never_victims() -> None:
-    # The master keeps leases outside the LRU (kvstore.leases): the views carry them.
+    # The master keeps leases outside the LRU (kvstore.placement.leases): the views carry them.
     policy = EvictionPolicy(1.0, 1.0)
     dram, ssd = tier(30, "a", "b", "c"), tier(30, "x", "y", "z")
     dram = TierView(dram.capacity, dram.used, dram.lru, {"a"})
