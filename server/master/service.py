@@ -75,7 +75,7 @@ from kvstore.protocol import (
     encode,
     request_id_of,
 )
-from server.master.admin import AdminApi, LatencyHistogram, Sampler
+from server.master.metrics import LatencyHistogram, Sampler
 from transfer.aio import AsyncConnection
 
 log = logging.getLogger("kvstore.master")
@@ -170,7 +170,8 @@ class MasterService:
         """Per node, bytes its daemon moved by "transport|rail|direction" (from its heartbeats)."""
         self.latency: dict[str, LatencyHistogram] = {}
         self.sampler = Sampler()
-        self.admin: AdminApi | None = None
+        self.admin_address = ""
+        """Where the REST admin API (server.master.admin) serves, once whoever runs the master started it."""
         self._retry: list[NodeCommand] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -207,12 +208,6 @@ class MasterService:
 
     def run_commands_later(self, commands: list[NodeCommand], name: str) -> None:
         self._run_later(commands, name)
-
-    async def start_admin(self) -> str:
-        """Serve the REST admin API, /metrics and the dashboard on ``admin_port``; returns host:port."""
-        assert self.config.admin_port is not None
-        self.admin = AdminApi(self, self.config.admin_token)
-        return await self.admin.start(self.config.admin_host or self.config.host, self.config.admin_port)
 
     async def drain(self, node_id: str, batch: int = 256) -> int:
         """Take ``node_id`` out of placement and move its blocks to other nodes; returns the blocks left on it.
@@ -290,8 +285,6 @@ class MasterService:
         return f"{self.config.host}:{port}"
 
     async def stop(self) -> None:
-        if self.admin is not None:
-            await self.admin.stop()
         if self._server is not None:
             self._server.close()
         for client in list(self._connections):
@@ -635,7 +628,7 @@ class MasterService:
         return NodesReply([replace(info, up=nodes[n].up) for n, info in sorted(self._node_info.items()) if n in nodes])
 
     async def _admin_info(self, m: AdminInfo) -> Message:
-        return AdminInfoReply(self.admin.address if self.admin is not None else "")
+        return AdminInfoReply(self.admin_address)
 
     async def _stats(self, m: Stats) -> Message:
         stats = self.table.stats()
