@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.config import ClientConfig, parse_size
-from kvstore.metadata import PlacementTable
+from kvstore.placement.table import PlacementTable
 from kvstore.policy import EvictionPolicy
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.aio import AsyncStore

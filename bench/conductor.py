@@ -129,7 +129,7 @@ def decision_rate(policy: str, seconds: float, decode_load: str = "predicted") -
 
 
 def prefix_match(seconds: float) -> dict[str, Any]:
-    from kvstore.metadata import PlacementTable
+    from kvstore.placement.table import PlacementTable
 
     table = PlacementTable()
     keys_by_prompt = _fill_table(table)

@@ -13,7 +13,7 @@ another lookup. Only the owning tier index mutates it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Collection, Hashable, Iterator
 from typing import Generic, TypeVar
 
 from kvstore.errors import NotFound
@@ -101,15 +101,16 @@ class LRU(Generic[K]):
         """Keys with at least one lease."""
         return len(self._leases)
 
-    def victims(self) -> Iterator[tuple[K, int]]:
-        """(key, size) of evictable keys, least recently used first; skips pinned and leased keys.
+    def victims(self, skip: Collection[K] = ()) -> Iterator[tuple[K, int]]:
+        """(key, size) of evictable keys, least recently used first; skips pinned and leased keys,
+        and those in ``skip`` (keys leased where the owner keeps leases itself, as the master does).
 
         Do not mutate the LRU while iterating.
         """
         pinned, leases = self._pinned, self._leases
-        if not pinned and not leases:
+        if not pinned and not leases and not skip:
             yield from self._order.items()
             return
         for key, size in self._order.items():
-            if key not in pinned and key not in leases:
+            if key not in pinned and key not in leases and key not in skip:
                 yield key, size

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -54,11 +55,13 @@ class Action(Generic[T]):
 
 @dataclass(frozen=True, slots=True)
 class TierView(Generic[T]):
-    """What the policy may read of a tier: its capacity, bytes in use and LRU."""
+    """What the policy may read of a tier: its capacity, bytes in use and LRU, and the keys leased
+    by an owner that keeps leases outside the LRU (the master's :class:`kvstore.placement.leases.Leases`)."""
 
     capacity: int
     used: int
     lru: LRU[T]
+    leased: Collection[T] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +89,7 @@ class EvictionPolicy:
             return []
         victims: list[tuple[K, int]] = []
         freed = 0
-        for key, size in dram.lru.victims():
+        for key, size in dram.lru.victims(dram.leased):
             if freed >= need:
                 break
             victims.append((key, size))
@@ -97,7 +100,7 @@ class EvictionPolicy:
         """Actions that free index slots in DRAM when ``used`` of ``capacity`` slots are taken:
         down to the low watermark (at least one), least recently used first."""
         need = max(1, used + 1 - math.floor(self.low_watermark * capacity))
-        victims = list(itertools.islice(dram.lru.victims(), need))
+        victims = list(itertools.islice(dram.lru.victims(dram.leased), need))
         return self._place_victims(victims, ssd)
 
     def _place_victims(self, victims: list[tuple[K, int]], ssd: TierView[K] | None) -> list[Action[K]]:
@@ -108,7 +111,7 @@ class EvictionPolicy:
         ssd_freed = 0
         if self.over_high_watermark(ssd.used + demote_bytes, ssd.capacity):
             ssd_need = ssd.used + demote_bytes - math.floor(self.low_watermark * ssd.capacity)
-            for key, size in ssd.lru.victims():
+            for key, size in ssd.lru.victims(ssd.leased):
                 if ssd_freed >= ssd_need:
                     break
                 ssd_drops.append(Action(ActionKind.DROP, key, TierName.SSD, size))

@@ -492,8 +492,12 @@ class CommitGranted(Message, tag=74, frozen=True):
     pinned: bool
 
 
+PUT_STORED, PUT_EXISTS = 0, 1
+"""Per-block codes of a one-trip put in :class:`PutReply` (else an error code of :mod:`kvstore.errors`)."""
+
+
 class PutReply(Message, tag=75, frozen=True):
-    """Per block of a one-trip put: 0 stored, 1 it existed (the stored bytes are kept), else the
+    """Per block of a one-trip put: PUT_STORED, PUT_EXISTS (the stored bytes are kept), else the
     code of the error in :mod:`kvstore.errors` that refused it."""
 
     codes: list[int]

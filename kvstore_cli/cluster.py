@@ -33,13 +33,24 @@ _START_TIMEOUT = 30.0
 
 
 def _read_line(stream: IO[str], timeout: float, what: str) -> str:
-    ready, _, _ = select.select([stream], [], [], timeout)
-    if not ready:
-        raise Timeout(f"{what} did not report its address within {timeout:.0f} s")
-    line = stream.readline()
-    if not line:
-        raise ConnectionFailed(f"{what} exited before reporting its address")
-    return line.strip()
+    """One line from a child's stdout, within ``timeout``.
+
+    Read from the descriptor a byte at a time, not through ``stream``: its buffer would swallow a
+    second line that came in the same read, and a later select on the descriptor would then wait
+    for a line that had already arrived.
+    """
+    fd = stream.fileno()
+    deadline = time.monotonic() + timeout
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise Timeout(f"{what} did not report its address within {timeout:.0f} s")
+        byte = os.read(fd, 1)
+        if not byte:
+            raise ConnectionFailed(f"{what} exited before reporting its address")
+        line += byte
+    return line.decode().strip()
 
 
 class LocalCluster:

@@ -22,9 +22,8 @@ from kvstore.errors import (
     error_from_code,
 )
 from kvstore.keys import BlockKey, validate_key
-from kvstore.metadata import PUT_EXISTS, PUT_STORED
 from kvstore.node_store import PutStatus
-from kvstore.protocol import PutStartReply, Replica
+from kvstore.protocol import PUT_EXISTS, PUT_STORED, PutStartReply, Replica
 from kvstore_client.grants import Grant
 
 Items = list[tuple[BlockKey, memoryview]]

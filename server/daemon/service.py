@@ -34,8 +34,9 @@ from kvstore.errors import (
     Timeout,
 )
 from kvstore.keys import BlockKey, validate_key
-from kvstore.metadata import PUT_EXISTS, PUT_STORED
 from kvstore.protocol import (
+    PUT_EXISTS,
+    PUT_STORED,
     AccessReport,
     CommandReply,
     CommitBlocks,

@@ -10,11 +10,8 @@ needs ``Authorization: Bearer <token>``.
 
 from __future__ import annotations
 
-import bisect
 import hmac
-import itertools
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +32,6 @@ if TYPE_CHECKING:
 
 STATIC = Path(__file__).parent / "static"
 M = TypeVar("M", bound=BaseModel)
-HISTORY_SECONDS = 300
 
 
 # -- models ------------------------------------------------------------------------------------------
@@ -213,78 +209,6 @@ def route(method: str, path: str, response: type[BaseModel], summary: str, **kw:
     return register
 
 
-class LatencyHistogram:
-    """Seconds per request in fixed buckets, the form Prometheus wants."""
-
-    BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, float("inf"))
-
-    def __init__(self) -> None:
-        self.counts = [0] * len(self.BOUNDS)
-        self.total = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.BOUNDS, seconds)] += 1
-        self.total += seconds
-
-    def buckets(self) -> list[tuple[str, float]]:
-        """Cumulative counts per upper bound."""
-        out, running = [], 0
-        for bound, count in zip(self.BOUNDS, self.counts, strict=True):
-            running += count
-            out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
-        return out
-
-
-_Point = tuple[float, dict[str, int], int, int]
-"""(time, counters, DRAM bytes used, SSD bytes used)."""
-
-
-class Sampler:
-    """Counters sampled once a second: rates and the dashboard's history."""
-
-    def __init__(self) -> None:
-        self.points: deque[_Point] = deque(maxlen=HISTORY_SECONDS + 1)
-
-    def due(self) -> bool:
-        """Whether a second has passed since the last sample."""
-        return not self.points or time.time() - self.points[-1][0] >= 1.0
-
-    def sample(self, counters: dict[str, int], dram_used: int, ssd_used: int) -> None:
-        self.points.append((time.time(), dict(counters), dram_used, ssd_used))
-
-    @staticmethod
-    def _rates(a: _Point, b: _Point) -> dict[str, Any]:
-        dt = max(b[0] - a[0], 1e-6)
-
-        def d(name: str) -> float:
-            return (b[1].get(name, 0) - a[1].get(name, 0)) / dt
-
-        lookups = d("hits") + d("misses")
-        return {
-            "hit_rate": d("hits") / lookups if lookups else None,
-            "gets_per_s": d("gets"),
-            "puts_per_s": d("puts"),
-            "hits_per_s": d("hits"),
-            "read_bytes_per_s": d("bytes_read"),
-            "written_bytes_per_s": d("bytes_written"),
-        }
-
-    def rates(self, window: int = 5) -> dict[str, Any]:
-        if len(self.points) < 2:
-            return dict.fromkeys(("hit_rate", "gets_per_s", "puts_per_s", "hits_per_s", "read_bytes_per_s",
-                                  "written_bytes_per_s"), 0.0)  # fmt: skip
-        return self._rates(self.points[max(0, len(self.points) - 1 - window)], self.points[-1])
-
-    def history(self) -> list[HistoryPoint]:
-        pts = list(self.points)
-        out = []
-        for a, b in itertools.pairwise(pts):
-            r = self._rates(a, b)
-            del r["hits_per_s"]
-            out.append(HistoryPoint(t=b[0], dram_used=b[2], ssd_used=b[3], **r))
-        return out
-
-
 class AdminApi:
     def __init__(self, service: MasterService, token: str | None) -> None:
         self.service = service
@@ -303,15 +227,19 @@ class AdminApi:
         self.address = ""
 
     async def start(self, host: str, port: int) -> str:
+        """Serve on ``host:port`` (0: any free port); returns host:port, which the service then
+        tells tools that ask it by RPC (AdminInfo)."""
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
         self.address = f"{host}:{self._runner.addresses[0][1]}"
+        self.service.admin_address = self.address
         return self.address
 
     async def stop(self) -> None:
         if self._runner is not None:
+            self.service.admin_address = ""
             await self._runner.cleanup()
 
     # -- middleware ----------------------------------------------------------------------------------
@@ -515,7 +443,7 @@ async def drain(api: AdminApi, request: web.Request) -> DrainResult:
 @route("GET", "/api/v1/history", History, "Hit rate, throughput and tier use, one point a second (5 minutes).",
        errors=(401,))  # fmt: skip
 async def history(api: AdminApi, request: web.Request) -> History:
-    return History(points=api.service.sampler.history())
+    return History(points=[HistoryPoint(**point._asdict()) for point in api.service.sampler.history()])
 
 
 # -- OpenAPI ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from kvstore.config import MasterConfig
+from server.master.admin import AdminApi
 from server.master.service import MasterService
 
 
@@ -16,18 +17,23 @@ async def serve(config: MasterConfig) -> None:
     service = MasterService(config)
     address = await service.start()
     print(f"kvstore master listening on {address}", flush=True)
-    admin = None
+    # The admin API wraps the service (the service knows only the address, for AdminInfo).
+    admin: AdminApi | None = None
+    admin_address: str | None = None
     if config.admin_port is not None:
-        admin = await service.start_admin()
-        print(f"kvstore admin on http://{admin}", flush=True)
+        admin = AdminApi(service, config.admin_token)
+        admin_address = await admin.start(config.admin_host or config.host, config.admin_port)
+        print(f"kvstore admin on http://{admin_address}", flush=True)
     if config.etcd is not None:
-        service.start_election(admin)
+        service.start_election(admin_address)
         print(f"kvstore master campaigning for cluster {config.cluster_id} in etcd at {config.etcd}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if admin is not None:
+        await admin.stop()
     await service.stop()
 
 

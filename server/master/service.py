@@ -1,4 +1,4 @@
-"""The master's asyncio service: the RPC server around :class:`kvstore.metadata.PlacementTable`.
+"""The master's asyncio service: the RPC server around :class:`kvstore.placement.table.PlacementTable`.
 
 Handlers are looked up by message type. The table is synchronous and only
 this event loop touches it, so every handler's table work is atomic. Daemon
@@ -30,7 +30,8 @@ from kvstore.errors import (
     RetryLater,
     Timeout,
 )
-from kvstore.metadata import Grant, Move, NodeCommand, PlacementTable
+from kvstore.placement.state import Grant, Move, NodeCommand
+from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
 from kvstore.protocol import (
     AccessReport,
@@ -85,8 +86,8 @@ from kvstore.protocol import (
     encode,
     request_id_of,
 )
-from server.master.admin import AdminApi, LatencyHistogram, Sampler
 from server.master.election import Election
+from server.master.metrics import LatencyHistogram, Sampler
 from transfer.aio import AsyncConnection
 from transfer.discovery import EtcdCluster, MasterRecord, parse_endpoints
 
@@ -190,7 +191,8 @@ class MasterService:
         """Per node, bytes its daemon moved by "transport|rail|direction" (from its heartbeats)."""
         self.latency: dict[str, LatencyHistogram] = {}
         self.sampler = Sampler()
-        self.admin: AdminApi | None = None
+        self.admin_address = ""
+        """Where the REST admin API (server.master.admin) serves, once whoever runs the master started it."""
         self._retry: list[NodeCommand] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -307,12 +309,6 @@ class MasterService:
     def run_commands_later(self, commands: list[NodeCommand], name: str) -> None:
         self._run_later(commands, name)
 
-    async def start_admin(self) -> str:
-        """Serve the REST admin API, /metrics and the dashboard on ``admin_port``; returns host:port."""
-        assert self.config.admin_port is not None
-        self.admin = AdminApi(self, self.config.admin_token)
-        return await self.admin.start(self.config.admin_host or self.config.host, self.config.admin_port)
-
     async def drain(self, node_id: str, batch: int = 256) -> int:
         """Take ``node_id`` out of placement and move its blocks to other nodes; returns the blocks left on it.
 
@@ -404,8 +400,6 @@ class MasterService:
     async def stop(self) -> None:
         if self.election is not None:
             await self.election.stop()  # resigns: a standby takes over without waiting for the lease
-        if self.admin is not None:
-            await self.admin.stop()
         if self._server is not None:
             self._server.close()
         for client in list(self._connections):
@@ -776,7 +770,7 @@ class MasterService:
         return NodesReply([replace(info, up=nodes[n].up) for n, info in sorted(self._node_info.items()) if n in nodes])
 
     async def _admin_info(self, m: AdminInfo) -> Message:
-        return AdminInfoReply(self.admin.address if self.admin is not None else "")
+        return AdminInfoReply(self.admin_address)
 
     async def _stats(self, m: Stats) -> Message:
         stats = self.table.stats()

@@ -12,9 +12,8 @@ import pytest
 from kvstore.config import ClientConfig
 from kvstore.errors import GrantExpired
 from kvstore.keys import checksum
-from kvstore.metadata import PUT_EXISTS, PUT_STORED
 from kvstore.node_store import PutStatus
-from kvstore.protocol import GrantReply, GrantSpace, PutReply, WriteGranted
+from kvstore.protocol import PUT_EXISTS, PUT_STORED, GrantReply, GrantSpace, PutReply, WriteGranted
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import Store
 

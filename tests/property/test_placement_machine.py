@@ -13,7 +13,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.metadata import Move, NodeCommand, PlacementTable
+from kvstore.placement.state import Move, NodeCommand
+from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy, TierName
 from kvstore.protocol import InventoryItem, NodePrefix, PrefixMatch
 

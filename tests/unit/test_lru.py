@@ -48,6 +48,13 @@ def test_victims_skip_pinned_and_leased_keys_in_exact_order() -> None:
     assert [k for k, _ in lru.victims()] == ["a", "b", "c", "d", "e"]
 
 
+def test_victims_also_skip_keys_leased_elsewhere_in_exact_order() -> None:
+    lru = make("a", "b", "c", "d")
+    lru.pin("d")
+    assert [k for k, _ in lru.victims({"b"})] == ["a", "c"]
+    assert [k for k, _ in lru.victims({"zz": 1}.keys())] == ["a", "b", "c"]
+
+
 def test_missing_keys_raise_not_found() -> None:
     lru = make("a")
     for op in (lru.touch, lru.remove, lru.pin, lru.lease):

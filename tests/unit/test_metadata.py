@@ -3,9 +3,10 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, NoNodes, NotFound, RetryLater
-from kvstore.metadata import PUT_EXISTS, PUT_STORED, Move, NodeCommand, PlacementTable
+from kvstore.placement.state import Move, NodeCommand
+from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy, TierName
-from kvstore.protocol import InventoryItem, NodePrefix, PrefixMatch, PutTicket, Tier
+from kvstore.protocol import PUT_EXISTS, PUT_STORED, InventoryItem, NodePrefix, PrefixMatch, PutTicket, Tier
 
 KB = 1024
 DRAM, SSD = TierName.DRAM, TierName.SSD
@@ -26,6 +27,13 @@ def put(t: PlacementTable, *keys: str, size: int = KB, now: int = 0, **kw: objec
     assert t.put_end(ok, [7] * len(ok)) == [True] * len(ok)
     t.check()
     return plan.tickets
+
+
+def leased(t: PlacementTable, key: str) -> list[bool]:
+    """Per replica of ``key``, whether the table says it is leased."""
+    described = t.describe(key)
+    assert described is not None
+    return [bool(r["leased"]) for r in described["replicas"]]  # type: ignore[attr-defined]
 
 
 def run(t: PlacementTable, commands: list[NodeCommand], ok: bool = True) -> None:
@@ -154,6 +162,53 @@ def test_leased_and_pinned_blocks_are_not_evicted() -> None:
     t.put_end(["k4"], [1])
     again = t.put_start(["k5"], [KB], 1, None, False, 10_000)
     assert again.tickets[0] is not None and again.tickets[0].error_code == CapacityError.code  # only pinned left
+
+
+def test_an_early_release_does_not_end_a_later_readers_lease() -> None:
+    # Reader A leases k at 0 and releases it at 100; reader B leases k at 500: B's lease holds to 1500,
+    # not to A's expiry at 1000 (the release and the expiry of A's lease used to both count against B).
+    t = table("a", dram=2 * KB, lease_ms=1000)
+    put(t, "k", "other")
+    t.get_replicas(["k"], 0)
+    t.release_leases(["k"])
+    t.expire(100)
+    t.get_replicas(["k"], 500)
+    t.expire(1000)
+    assert leased(t, "k") == [True]
+    count, [cmd] = t.evict_tier("a", DRAM)
+    assert count == 1 and cmd.keys == ("other",)
+    t.expire(1499)
+    assert t.evict_tier("a", DRAM) == (0, [])
+    t.expire(1500)
+    count, [cmd] = t.evict_tier("a", DRAM)
+    assert count == 1 and cmd.keys == ("k",)
+
+
+def test_a_release_ends_one_lease_of_every_replica_it_was_handed() -> None:
+    t = table("a", "b", ssd=4 * KB, lease_ms=1000)
+    put(t, "k", replicas=2)
+    t.get_replicas(["k"], 0)
+    t.get_replicas(["k"], 10)
+    assert leased(t, "k") == [True, True]
+    t.release_leases(["k"])
+    assert leased(t, "k") == [True, True]  # the second reader's lease holds both replicas
+    t.release_leases(["k"])
+    assert leased(t, "k") == [False, False]
+    assert t.tier_usage(t.nodes["a"])["dram"]["leased"] == 0
+
+
+def test_a_late_release_ends_no_other_readers_lease() -> None:
+    # A's lease expires before its release arrives; the release must not end B's lease instead.
+    t = table("a", dram=2 * KB, lease_ms=1000)
+    put(t, "k")
+    t.get_replicas(["k"], 0)
+    t.expire(1000)
+    t.get_replicas(["k"], 1100)
+    t.release_leases(["k"])  # A's, late
+    assert t.evict_tier("a", DRAM) == (0, [])
+    t.release_leases(["k"])  # B's
+    count, _ = t.evict_tier("a", DRAM)
+    assert count == 1
 
 
 def test_down_nodes_serve_nothing_until_they_heartbeat() -> None:

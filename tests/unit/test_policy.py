@@ -63,6 +63,21 @@ def test_victims_skip_pinned_and_leased_dram_blocks() -> None:
     assert policy.make_room(dram, None, incoming=10) == []
 
 
+def test_keys_the_views_say_are_leased_are_never_victims() -> None:
+    # The master keeps leases outside the LRU (kvstore.placement.leases): the views carry them.
+    policy = EvictionPolicy(1.0, 1.0)
+    dram, ssd = tier(30, "a", "b", "c"), tier(30, "x", "y", "z")
+    dram = TierView(dram.capacity, dram.used, dram.lru, {"a"})
+    ssd = TierView(ssd.capacity, ssd.used, ssd.lru, {"x"})
+    assert policy.make_room(dram, ssd, incoming=20) == [
+        Action(DROP, "y", SSD, 10),
+        Action(DROP, "z", SSD, 10),
+        Action(DEMOTE, "b", DRAM, 10),
+        Action(DEMOTE, "c", DRAM, 10),
+    ]
+    assert policy.make_slots(dram, None, used=3, capacity=3) == [Action(DROP, "b", DRAM, 10)]
+
+
 def test_force_bytes_frees_even_below_the_watermark() -> None:
     policy = EvictionPolicy(0.9, 0.5)
     assert policy.make_room(tier(100, "a", "b"), None, incoming=10, force_bytes=15) == [

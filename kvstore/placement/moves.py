@@ -1,0 +1,202 @@
+"""Operators' moves of stored blocks: evicting them, draining a node, replicating hot blocks.
+
+- ``evict_keys`` and ``evict_tier`` are an operator's evictions: by key from
+  every tier, or one tier of one node emptied of what may go.
+- ``plan_moves`` and ``finish_moves`` drain a node: each block is copied to
+  another node (or dropped where a copy exists already), then dropped here.
+- ``plan_replicas`` reserves DRAM on a node for copies of stored blocks whose
+  other replicas stay (hot blocks near their readers). A copy's replica is
+  ``copying`` (not readable, in no LRU, sent no drop) until ``finish_replicas``
+  applies the target's answer; a block removed meanwhile loses it by a drop.
+  A node holds at most one replica of a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+
+from kvstore.errors import InvalidArgument, NotFound
+from kvstore.keys import validate_key
+from kvstore.placement.state import DRAM, SSD, Catalog, Move, NodeCommand, ReplicaState
+from kvstore.placement.tiering import Tiering
+from kvstore.placement.writes import Writes
+from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName
+
+
+class Moves:
+    """Plans copies and evictions of stored blocks, and records the copies' outcome."""
+
+    def __init__(self, catalog: Catalog, tiering: Tiering, writes: Writes, policy: EvictionPolicy) -> None:
+        self.catalog = catalog
+        self.tiering = tiering
+        self.writes = writes
+        self.policy = policy
+
+    def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str], list[NodeCommand]]:
+        """Drop stored blocks from every tier (an operator's eviction); pinned ones stay.
+        Returns how many were evicted, the pinned ones skipped, and the daemons' drops."""
+        victims: list[str] = []
+        pinned: list[str] = []
+        for key in keys:
+            entry = self.catalog.objects.get(validate_key(key))
+            if entry is None or entry.removing:
+                continue
+            (pinned if entry.pinned else victims).append(key)
+        evicted, commands = self.writes.remove(victims)
+        self.catalog.counters["evictions"] += evicted
+        return evicted, pinned, commands
+
+    def evict_tier(self, node_id: str, tier: TierName) -> tuple[int, list[NodeCommand]]:
+        """Empty one tier of a node of what may go (neither pinned nor leased): DRAM blocks are
+        demoted to SSD where it has room (making room there by LRU), SSD blocks dropped."""
+        tiering = self.tiering
+        node = self.catalog.nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"node {node_id!r} is not registered")
+        if tier is DRAM:
+            view = tiering.dram_view(node, node.alloc.used)
+            actions = self.policy.make_room(view, tiering.ssd_view(node), 0, force_bytes=node.alloc.used)
+        else:
+            leased = self.catalog.leases.leased_keys(node_id, SSD)
+            actions = [Action(ActionKind.DROP, key, SSD, size) for key, size in node.ssd_lru.victims(leased)]
+        return len(actions), tiering.start_actions(node, actions)
+
+    def plan_moves(self, node_id: str, limit: int, skip: Collection[str] = ()) -> tuple[list[Move], list[NodeCommand]]:
+        """Up to ``limit`` blocks of a draining node: copies to make on other nodes (extents reserved
+        there), and drops of replicas that have copies elsewhere already."""
+        cat = self.catalog
+        node = cat.nodes.get(node_id)
+        if node is None:
+            raise NotFound(f"node {node_id!r} is not registered")
+        targets = [n for n in cat.up_nodes() if n.node_id != node_id and n.node_id not in cat.draining]
+        moves: list[Move] = []
+        drops: dict[TierName, list[str]] = {}
+        for tier in (DRAM, SSD):
+            for key in list(node.lru(tier)):
+                if len(moves) + sum(map(len, drops.values())) >= limit:
+                    break
+                if key in skip:
+                    continue
+                entry = cat.objects[key]
+                here = next(r for r in entry.replicas if r.node_id == node_id)
+                if any(r.node_id != node_id and not r.moving for r in entry.replicas):
+                    here.moving = True
+                    node.lru(tier).remove(key)
+                    drops.setdefault(tier, []).append(key)
+                    continue
+                for target in sorted(targets, key=lambda n: -n.alloc.free_bytes):
+                    if any(r.node_id == target.node_id for r in entry.replicas):
+                        continue  # one replica per node: a copy is coming in there already
+                    extent = target.alloc.alloc(entry.size)
+                    if extent is not None:
+                        here.moving = True
+                        node.lru(tier).remove(key)
+                        moves.append(Move(key, entry.size, entry.checksum, tier, target.node_id, extent, node_id))
+                        break
+        commands = [NodeCommand(node_id, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()]
+        return moves, cat.issue(commands)
+
+    def finish_moves(self, source: str, moves: Sequence[Move], done: Sequence[bool]) -> list[NodeCommand]:
+        """Record the copies a target made: a copied block gains its new replica and the source's is
+        dropped; a failed one frees the reserved extent and stays where it was."""
+        cat = self.catalog
+        drops: dict[TierName, list[str]] = {}
+        for move, ok in zip(moves, done, strict=True):
+            entry = cat.objects.get(move.key)
+            target = cat.nodes.get(move.target)
+            here = next((r for r in entry.replicas if r.node_id == source), None) if entry else None
+            if entry is None or here is None or entry.removing or target is None or not ok:
+                if target is not None:
+                    target.alloc.free(move.extent)
+                if entry is not None and here is not None and not entry.removing and source in cat.nodes:
+                    here.moving = False
+                    cat.nodes[source].lru(here.tier).insert(move.key, entry.size)
+                continue
+            entry.replicas.append(ReplicaState(move.target, DRAM, move.extent))
+            target.dram_lru.insert(move.key, entry.size)
+            if entry.pinned:
+                target.dram_lru.pin(move.key)
+            drops.setdefault(here.tier, []).append(move.key)
+        return cat.issue([NodeCommand(source, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()])
+
+    def plan_replicas(self, keys: Sequence[str], target_node_id: str, max_bytes: int) -> list[Move]:
+        """Copies of stored blocks to add in the DRAM of ``target_node_id``, other replicas kept.
+
+        Keys are taken in order; one that is not readable, or has a replica (or a copy coming) on
+        the target, is skipped. Each copy reserves an extent on the target without evicting
+        anything and without filling it past the high watermark; planning stops at the first key
+        that does not fit, or that would take the copied bytes past ``max_bytes``. A down or
+        draining target gets nothing. The reserved replica is ``copying`` (not readable, in no
+        LRU) until :meth:`finish_replicas`; each move's source is a readable replica, DRAM first.
+        """
+        cat = self.catalog
+        target = cat.nodes.get(target_node_id)
+        if target is None:
+            raise NotFound(f"node {target_node_id!r} is not registered")
+        if type(max_bytes) is not int or max_bytes < 0:
+            raise InvalidArgument(f"max_bytes must be a non-negative int, got {max_bytes!r}")
+        checked = [validate_key(k) for k in keys]
+        if not target.up or target_node_id in cat.draining:
+            return []
+        moves: list[Move] = []
+        budget = max_bytes
+        alloc = target.alloc
+        for key in checked:
+            entry = cat.objects.get(key)
+            sources = cat.readable(entry)
+            if entry is None or not sources or any(r.node_id == target_node_id for r in entry.replicas):
+                continue
+            if entry.size > budget or (target.max_blocks and alloc.num_extents >= target.max_blocks):
+                break
+            if self.policy.over_high_watermark(alloc.used + entry.size, alloc.capacity):
+                break
+            extent = alloc.alloc(entry.size)
+            if extent is None:
+                break
+            budget -= entry.size
+            source = min(sources, key=lambda r: r.tier is not DRAM)
+            entry.replicas.append(ReplicaState(target_node_id, DRAM, extent, moving=True, copying=True))
+            moves.append(Move(key, entry.size, entry.checksum, source.tier, target_node_id, extent, source.node_id))
+        return moves
+
+    def finish_replicas(
+        self, moves: Sequence[Move], done: Sequence[bool], *, answered: bool = True
+    ) -> tuple[list[Move], list[NodeCommand]]:
+        """Record the copies a target made (``done[i]``: the block is committed there).
+
+        A copied block gains its replica: readable, in the target's DRAM LRU (pinned if the block
+        is). A copy that failed frees its extent at once; with ``answered=False`` (the target never
+        answered, and may yet hold the block) the target is told to drop it instead, and the
+        extent is freed when it confirms. A block removed meanwhile gains nothing: a copy that was
+        made is dropped the same way. Returns the copies that became replicas, and the drops to send.
+        """
+        cat = self.catalog
+        if len(done) != len(moves):
+            raise InvalidArgument(f"{len(done)} results for {len(moves)} copies")
+        copied: list[Move] = []
+        drops: dict[str, list[str]] = {}
+        for move, ok in zip(moves, done, strict=True):
+            entry = cat.objects.get(move.key)
+            target = cat.nodes.get(move.target)
+            replica = None
+            if entry is not None:
+                replica = next(
+                    (r for r in entry.replicas if r.node_id == move.target and r.copying and r.extent == move.extent),
+                    None,
+                )
+            if entry is None or target is None or replica is None:
+                continue  # the target left or re-registered: its inventory replaced this copy
+            replica.copying = False
+            if ok and not entry.removing:
+                replica.moving = False
+                target.dram_lru.insert(move.key, entry.size)
+                if entry.pinned:
+                    target.dram_lru.pin(move.key)
+                copied.append(move)
+            elif ok or not answered:
+                drops.setdefault(move.target, []).append(move.key)  # the extent is freed once the drop is applied
+            else:
+                cat.drop_replica(move.key, move.target)
+        return copied, cat.issue(
+            [NodeCommand(n, ActionKind.DROP, DRAM, tuple(ks), release=True) for n, ks in drops.items()]
+        )

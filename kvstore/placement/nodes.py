@@ -1,0 +1,129 @@
+"""Membership: nodes join by registering their inventory, stay up by heartbeats, go down when silent.
+
+A daemon's (re)registration replaces everything the table knew of that node by
+the daemon's inventory: the daemons are the source of truth, so a new master
+rebuilds the whole table from them. A node silent for longer than ``ttl_ms``
+is down: it keeps its replicas but serves none until it heartbeats again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.allocator import Allocator, Extent
+from kvstore.keys import validate_key
+from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
+from kvstore.policy import ActionKind, TierName
+from kvstore.protocol import InventoryItem
+
+
+class Membership:
+    """Adds and removes nodes of the catalog, and sets their ``up`` and ``last_seen_ms``."""
+
+    def __init__(self, catalog: Catalog, *, ttl_ms: int) -> None:
+        self.catalog = catalog
+        self.ttl_ms = ttl_ms
+
+    def register_node(
+        self,
+        node_id: str,
+        address: str,
+        dram_capacity: int,
+        ssd_capacity: int,
+        alignment: int,
+        inventory: Sequence[InventoryItem],
+        now_ms: int,
+        max_blocks: int = 0,
+    ) -> list[NodeCommand]:
+        """(Re)build what the table knows of ``node_id`` from its inventory (oldest use first).
+
+        Returns drops for blocks the table cannot adopt: a key that another
+        node holds with other bytes, or an extent that overlaps another.
+        """
+        cat = self.catalog
+        validate_key(node_id)
+        commands = self._forget_node(node_id)
+        alloc = Allocator(dram_capacity, alignment)
+        node = NodeState(node_id, address, alloc, ssd_capacity, last_seen_ms=now_ms, max_blocks=max_blocks)
+        conflicts: dict[TierName, list[str]] = {DRAM: [], SSD: []}
+        dram_items = sorted((i for i in inventory if i.tier == "dram"), key=lambda i: i.offset)
+        extents: list[tuple[int, int]] = []
+        end = 0
+        adopted: set[str] = set()
+        for item in dram_items:
+            if item.offset < end or item.offset % alignment or item.offset + item.size > alloc.capacity:
+                conflicts[DRAM].append(item.key)
+            else:
+                extents.append((item.offset, item.size))
+                end = item.offset + alloc.round_up(item.size)
+                adopted.add(item.key)
+        node.alloc = Allocator.rebuild(dram_capacity, alignment, extents)
+        cat.nodes[node_id] = node
+        for item in inventory:
+            tier = DRAM if item.tier == "dram" else SSD
+            if tier is DRAM and item.key not in adopted:
+                continue
+            entry = cat.objects.get(item.key) or cat.pending.get(item.key)
+            if entry is not None and (
+                not entry.committed or entry.removing or entry.size != item.size or entry.checksum != item.checksum
+            ):
+                conflicts[tier].append(item.key)
+                if tier is DRAM:
+                    node.alloc.free(Extent(item.offset, node.alloc.round_up(item.size)))
+                continue
+            if entry is None:
+                entry = ObjectEntry(item.key, item.size, item.checksum, [], True, 0, item.pinned)
+                cat.objects[item.key] = entry
+            extent = Extent(item.offset, node.alloc.round_up(item.size)) if tier is DRAM else None
+            entry.replicas.append(ReplicaState(node_id, tier, extent))
+            node.lru(tier).insert(item.key, item.size)
+            if entry.pinned:
+                node.lru(tier).pin(item.key)
+            if tier is SSD:
+                node.ssd_used += item.size
+        return commands + cat.issue(
+            [
+                NodeCommand(node_id, ActionKind.DROP, tier, tuple(keys), release=True)
+                for tier, keys in conflicts.items()
+                if keys
+            ]
+        )
+
+    def _forget_node(self, node_id: str) -> list[NodeCommand]:
+        """Drop every replica on ``node_id``; returns revocations of its puts' replicas on other nodes."""
+        cat = self.catalog
+        if cat.nodes.pop(node_id, None) is None:
+            return []
+        # Its grants go with it: the daemon forgets them when it registers, and the allocator is rebuilt.
+        for grant_id in [g.grant_id for g in cat.grants.values() if g.node_id == node_id]:
+            del cat.grants[grant_id]
+        broken: list[ObjectEntry] = []
+        # Readable replicas and moving ones alike: the daemon's inventory now tells what it holds.
+        for store in (cat.objects, cat.pending):
+            for key, entry in list(store.items()):
+                kept = [r for r in entry.replicas if r.node_id != node_id]
+                if len(kept) == len(entry.replicas):
+                    continue
+                entry.replicas = kept
+                if not kept:
+                    del store[key]
+                    cat.want_promote.discard(key)
+                elif not entry.committed and not entry.removing:
+                    broken.append(entry)
+        # A put that had a replica there cannot complete; its other replicas may hold bytes already.
+        return cat.revoke(broken)
+
+    def heartbeat(self, node_id: str, now_ms: int) -> bool:
+        """Record that ``node_id`` is alive; False when the table does not know it (it must re-register)."""
+        node = self.catalog.nodes.get(node_id)
+        if node is None:
+            return False
+        node.last_seen_ms = now_ms
+        node.up = True
+        return True
+
+    def mark_silent_down(self, now_ms: int) -> None:
+        """Nodes not heard from for longer than ``ttl_ms`` are down."""
+        for node in self.catalog.nodes.values():
+            if node.up and now_ms - node.last_seen_ms > self.ttl_ms:
+                node.up = False

@@ -1,0 +1,157 @@
+"""Reads: where keys are, read leases, and reads that daemons served on their own.
+
+- ``get_replicas`` hands out replicas on up nodes only, touches their LRU and
+  leases them for ``lease_ms`` (one lease per key and get, owned by
+  :class:`~kvstore.placement.leases.Leases`): a leased replica is never
+  evicted, demoted or promoted. A release ends one lease, never another
+  reader's (see :mod:`kvstore.placement.leases`). An SSD-only block read
+  ``promote_after_hits`` times is promoted to DRAM once its leases end.
+- ``record_access`` counts reads a daemon served by key without the master
+  (the one-trip read path) and touches the LRU as ``get_replicas`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvstore.keys import validate_key
+from kvstore.placement.state import DRAM, Catalog, NodeCommand
+from kvstore.placement.tiering import Tiering
+from kvstore.policy import EvictionPolicy
+from kvstore.protocol import GetReplicasReply, NodePrefix, PrefixMatch
+
+
+class Reads:
+    """Answers lookups from the catalog; changes only LRU order, hit counts, leases and wanted promotions."""
+
+    def __init__(self, catalog: Catalog, tiering: Tiering, policy: EvictionPolicy, *, lease_ms: int) -> None:
+        self.catalog = catalog
+        self.tiering = tiering
+        self.policy = policy
+        self.lease_ms = lease_ms
+
+    def get_replicas(self, keys: Sequence[str], now_ms: int, lease: bool = True) -> GetReplicasReply:
+        """Readable replicas of each key (DRAM first), leased for ``lease_ms`` when ``lease``; a miss
+        has size -1. (A reader through the daemon needs no lease: the daemon copies under its lock.)
+
+        Built straight in the flat wire form: this is the hottest call of the master.
+        """
+        cat = self.catalog
+        checked = [validate_key(k) for k in keys]
+        reply = GetReplicasReply([], [], [], [], [], [], [], self.lease_ms)
+        sizes, checksums, counts = reply.sizes, reply.checksums, reply.counts
+        expiry = now_ms + self.lease_ms
+        counters = cat.counters
+        grant = cat.leases.grant
+        for key in checked:
+            entry = cat.objects.get(key)
+            readable = cat.readable(entry)
+            if entry is None or not readable:
+                counters["misses"] += 1
+                sizes.append(-1)
+                checksums.append(0)
+                counts.append(0)
+                continue
+            counters["hits"] += 1
+            cat.touch(entry)
+            if len(readable) > 1:
+                readable.sort(key=lambda r: r.tier is not DRAM)
+            if lease:
+                grant(key, [(r.node_id, r.tier) for r in readable], expiry)
+            for r in readable:
+                node = cat.nodes[r.node_id]
+                reply.nodes.append(r.node_id)
+                reply.addresses.append(node.address)
+                reply.tiers.append(r.tier.value)
+                reply.offsets.append(r.extent.offset if r.extent is not None and r.tier is DRAM else -1)
+            sizes.append(entry.size)
+            checksums.append(entry.checksum)
+            counts.append(len(readable))
+            counters["bytes_read"] += entry.size
+            if readable[0].tier is DRAM:
+                counters["dram_hits"] += 1
+            else:
+                counters["ssd_hits"] += 1
+                entry.ssd_hits += 1
+                if self.policy.should_promote(entry.ssd_hits):
+                    cat.want_promote.add(key)
+        counters["gets"] += len(checked)
+        return reply
+
+    def release_leases(self, keys: Iterable[str]) -> list[NodeCommand]:
+        """A reader is done with one lease per key in ``keys`` (once per time a get handed the key
+        out): each ends the key's first-expiring lease, or none for a release that came late (see
+        :meth:`Leases.release_key`). Returns promotions now due."""
+        for key in keys:
+            self.catalog.leases.release_key(key)
+        return self.tiering.plan_promotions()
+
+    def record_access(self, node_id: str, keys: Iterable[str]) -> None:
+        """Count reads ``node_id``'s daemon served by key (no master round trip) and touch their LRU."""
+        cat = self.catalog
+        counters = cat.counters
+        for key in keys:
+            entry = cat.objects.get(key)
+            if entry is None or entry.removing or not entry.committed:
+                continue
+            replica = next((r for r in entry.replicas if r.node_id == node_id and not r.moving), None)
+            if replica is None:
+                continue
+            counters["gets"] += 1
+            counters["hits"] += 1
+            counters["bytes_read"] += entry.size
+            cat.touch(entry)
+            if replica.tier is DRAM:
+                counters["dram_hits"] += 1
+            else:
+                counters["ssd_hits"] += 1
+                entry.ssd_hits += 1
+                if self.policy.should_promote(entry.ssd_hits) and not any(r.tier is DRAM for r in entry.replicas):
+                    cat.want_promote.add(key)
+
+    def match_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading keys are committed and readable."""
+        objects, nodes = self.catalog.objects, self.catalog.nodes
+        for i, key in enumerate(keys):
+            entry = objects.get(key)
+            if entry is None or entry.removing or not entry.committed:
+                return i
+            if not any(not r.moving and nodes[r.node_id].up for r in entry.replicas):
+                return i
+        return len(keys)
+
+    def match_prefix_nodes(self, keys: Sequence[str]) -> PrefixMatch:
+        """The longest readable prefix of ``keys`` (as :meth:`match_prefix`) and, per node holding
+        the first key, how many leading keys it holds readable: in any tier, and in DRAM.
+
+        One pass, O(keys x replicas): a node's count grows only while it equals the index of the
+        key at hand, so a node that missed a key stops; the pass ends at the first key no node
+        can serve, where every count has stopped too.
+        """
+        objects, nodes = self.catalog.objects, self.catalog.nodes
+        total: dict[str, int] = {}
+        dram: dict[str, int] = {}
+        longest = len(keys)
+        for i, key in enumerate(keys):
+            entry = objects.get(key)
+            if entry is None or entry.removing or not entry.committed:
+                longest = i
+                break
+            readable = False
+            for r in entry.replicas:
+                if r.moving or not nodes[r.node_id].up:
+                    continue
+                readable = True
+                node_id = r.node_id
+                if total.get(node_id, 0) == i:
+                    total[node_id] = i + 1
+                    if r.tier is DRAM and dram.get(node_id, 0) == i:
+                        dram[node_id] = i + 1
+            if not readable:
+                longest = i
+                break
+        return PrefixMatch(longest, {n: NodePrefix(dram.get(n, 0), t) for n, t in total.items()})
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        cat = self.catalog
+        return [bool(cat.readable(cat.objects.get(validate_key(k)))) for k in keys]

@@ -1,0 +1,232 @@
+"""The placement table's records and the one :class:`Catalog` of them that its parts share.
+
+The records are what the master knows of each node, key and replica; the
+commands it hands to daemons; the copies it plans. The catalog holds them all,
+with the few primitives that every part needs (which replicas are readable,
+issuing commands, revoking puts, dropping a replica once a daemon confirmed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore.allocator import Allocator, Extent
+from kvstore.lru import LRU
+from kvstore.placement.leases import Leases
+from kvstore.policy import ActionKind, TierName
+
+DRAM, SSD = TierName.DRAM, TierName.SSD
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    node_id: str
+    tier: TierName
+    extent: Extent | None
+    """The DRAM extent; None on SSD (during a promotion: the extent it will land in)."""
+    moving: bool = False
+    """A demotion, drop or promotion of this replica is in flight: not readable, not in an LRU."""
+    copying: bool = False
+    """Being copied in from another node (a replicate; also ``moving``): its daemon is told nothing
+    about it until the copy is answered, so that no drop overtakes the copy."""
+
+
+@dataclass(slots=True)
+class ObjectEntry:
+    """One key. Fields change only through the table."""
+
+    key: str
+    size: int
+    checksum: int
+    replicas: list[ReplicaState]
+    committed: bool
+    deadline_ms: int
+    """Reservation deadline while uncommitted."""
+    pinned: bool
+    removing: bool = False
+    """Removed, revoked or expired: gone once its daemons confirm; not readable, not placeable."""
+    ssd_hits: int = 0
+
+
+@dataclass(slots=True)
+class NodeState:
+    node_id: str
+    address: str
+    alloc: Allocator
+    ssd_capacity: int
+    ssd_used: int = 0
+    dram_lru: LRU[str] = field(default_factory=LRU)
+    ssd_lru: LRU[str] = field(default_factory=LRU)
+    up: bool = True
+    last_seen_ms: int = 0
+    inflight: int = 0
+    """Keys in commands sent to this node and not yet applied: room they may free is coming."""
+    dram_freeing: int = 0
+    """DRAM bytes that evictions in flight will free."""
+    ssd_delta: int = 0
+    """SSD bytes that evictions in flight will add (demotions) less those they will free (drops)."""
+    max_blocks: int = 0
+    """Blocks the node's arena can index (its slots); 0: bytes are the only limit."""
+
+    def lru(self, tier: TierName) -> LRU[str]:
+        return self.dram_lru if tier is DRAM else self.ssd_lru
+
+    @property
+    def dram_free_ratio(self) -> float:
+        return self.alloc.free_bytes / self.alloc.capacity
+
+
+@dataclass(slots=True)
+class Grant:
+    """DRAM of one node reserved for one client's puts: the pieces not yet committed as blocks."""
+
+    grant_id: int
+    node_id: str
+    pieces: list[Extent]
+    """Allocated extents, sorted by offset; a commit carves its block out of one."""
+    deadline_ms: int
+    ending: bool = False
+    """The daemon is being told to take no more writes: commits are refused; pieces freed once it answers."""
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A block to be copied from ``source`` (a draining node, or a replica's node) into ``extent`` of
+    the DRAM of ``target``: the target's daemon reads it by key from the source's."""
+
+    key: str
+    size: int
+    checksum: int
+    tier: TierName
+    """Where the block is on the source."""
+    target: str
+    extent: Extent
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCommand:
+    """Work for one daemon: maps one to one onto a DemoteBlocks, DropBlocks or PromoteBlocks message."""
+
+    node_id: str
+    kind: ActionKind
+    tier: TierName
+    """The tier the blocks are in now."""
+    keys: tuple[str, ...]
+    offsets: tuple[int, ...] = ()
+    """DRAM offsets for PROMOTE."""
+    release: bool = False
+    """A DROP that evicts nothing: it frees reservations (revoked or expired puts), removed keys,
+    conflicting inventory, or the replicas a drain copied elsewhere; not counted as evictions."""
+    sizes: tuple[int, ...] = ()
+    """Block sizes, for an eviction (its bytes are counted as leaving until it is applied)."""
+
+
+COUNTERS = (
+    "puts",
+    "put_exists",
+    "gets",
+    "hits",
+    "dram_hits",
+    "ssd_hits",
+    "misses",
+    "evictions",
+    "demotions",
+    "promotions",
+    "expired",
+    "bytes_read",
+    "bytes_written",
+    "grants",
+    "grants_expired",
+)
+
+
+class Catalog:
+    """Everything the table knows, shared by its parts (:mod:`kvstore.placement.table` lists them).
+
+    ``nodes`` gains and loses nodes only by registration (:class:`~kvstore.placement.nodes.Membership`);
+    ``grants`` changes only in :class:`~kvstore.placement.grants.Grants` and when a node is forgotten;
+    ``leases`` only through its own methods. Keys move between ``pending`` (being written) and
+    ``objects`` (committed) in the writes; every part may mark replicas moving or drop them, through
+    the primitives here. ``draining`` is the operator's: nodes out of placement.
+    """
+
+    def __init__(self, *, lease_ms: int) -> None:
+        self.nodes: dict[str, NodeState] = {}
+        self.objects: dict[str, ObjectEntry] = {}
+        self.pending: dict[str, ObjectEntry] = {}
+        self.grants: dict[int, Grant] = {}
+        # A release that comes up to one lease length after its lease expired is still known as late.
+        self.leases = Leases(late_ms=lease_ms)
+        self.want_promote: set[str] = set()
+        """SSD-only keys read often enough to be promoted once no reader holds them."""
+        self.draining: set[str] = set()
+        """Nodes out of placement, their blocks being moved elsewhere (an operator's drain)."""
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    def up_nodes(self) -> list[NodeState]:
+        return [n for n in self.nodes.values() if n.up]
+
+    def placeable(self) -> list[NodeState]:
+        """Nodes new blocks and grants may go to: up and not draining."""
+        return [n for n in self.up_nodes() if n.node_id not in self.draining]
+
+    def readable(self, entry: ObjectEntry | None) -> list[ReplicaState]:
+        if entry is None or entry.removing or not entry.committed:
+            return []
+        return [r for r in entry.replicas if not r.moving and self.nodes[r.node_id].up]
+
+    def touch(self, entry: ObjectEntry) -> None:
+        for r in entry.replicas:
+            lru = self.nodes[r.node_id].lru(r.tier)
+            if entry.key in lru:
+                lru.touch(entry.key)
+
+    def busy(self, node: NodeState) -> bool:
+        """Whether some of the node's DRAM is held only for now: leased, or reserved by puts in flight."""
+        if self.leases.num_leased(node.node_id, DRAM) or any(g.node_id == node.node_id for g in self.grants.values()):
+            return True
+        return any(r.node_id == node.node_id for e in self.pending.values() for r in e.replicas)
+
+    def issue(self, commands: list[NodeCommand]) -> list[NodeCommand]:
+        """Count commands as in flight on their nodes until :meth:`PlacementTable.apply` sees their answers."""
+        for c in commands:
+            node = self.nodes.get(c.node_id)
+            if node is not None:
+                node.inflight += len(c.keys)
+        return commands
+
+    def revoke(self, entries: Sequence[ObjectEntry]) -> list[NodeCommand]:
+        """Give up puts: their daemons must drop whatever was written before the extents are reused."""
+        per_node: dict[str, list[str]] = {}
+        for entry in entries:
+            entry.removing = True
+            for r in entry.replicas:
+                per_node.setdefault(r.node_id, []).append(entry.key)
+        return self.issue(
+            [NodeCommand(n, ActionKind.DROP, DRAM, tuple(keys), release=True) for n, keys in per_node.items()]
+        )
+
+    def drop_replica(self, key: str, node_id: str, evicted: bool = False) -> None:
+        """The daemon confirmed the replica on ``node_id`` gone: free its room; the key goes with its last."""
+        entry = self.objects.get(key) or self.pending.get(key)
+        node = self.nodes.get(node_id)
+        if entry is None:
+            return
+        for r in [r for r in entry.replicas if r.node_id == node_id]:
+            entry.replicas.remove(r)
+            if node is not None:
+                lru = node.lru(r.tier)
+                if key in lru:
+                    lru.remove(key)
+                if r.extent is not None:
+                    node.alloc.free(r.extent)
+                if r.tier is SSD:
+                    node.ssd_used -= entry.size
+        if evicted:
+            self.counters["evictions"] += 1
+        if not entry.replicas:
+            self.objects.pop(key, None)
+            self.pending.pop(key, None)
+            self.want_promote.discard(key)

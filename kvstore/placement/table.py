@@ -1,0 +1,238 @@
+"""The master's placement table: nodes, objects and their replicas, reservations,
+grants, read leases and each node's per-tier LRU. Pure and synchronous: time
+comes in as ``now_ms``, and every change a daemon must carry out comes back as
+a :class:`~kvstore.placement.state.NodeCommand` that the caller sends and then
+reports with :meth:`PlacementTable.apply`.
+
+:class:`PlacementTable` is the one face of the table to the rest of the code;
+each call is answered by the part that holds its rules, all over one shared
+:class:`~kvstore.placement.state.Catalog`:
+
+- :mod:`~kvstore.placement.nodes`: registration, heartbeats, silent nodes;
+- :mod:`~kvstore.placement.writes`: placement strategies, puts, commits, removals;
+- :mod:`~kvstore.placement.grants`: space granted for one-trip puts;
+- :mod:`~kvstore.placement.reads`: lookups, leases handed out and released, access reports;
+- :mod:`~kvstore.placement.leases`: the one owner of read leases;
+- :mod:`~kvstore.placement.tiering`: reservations, evictions, promotions, the daemons' answers;
+- :mod:`~kvstore.placement.moves`: operators' evictions, drains, replication;
+- :mod:`~kvstore.placement.inspection`: usage, keys, counters, invariants.
+
+An extent is reused only after its daemon has confirmed that the block in it
+is gone, so a daemon never holds a block in an extent that the master gave to
+another key. The invariants are those of :mod:`kvstore.placement.inspection`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Iterable, Sequence
+
+from kvstore.errors import InvalidArgument
+from kvstore.placement.grants import GrantPlan, Grants
+from kvstore.placement.inspection import Inspection
+from kvstore.placement.moves import Moves
+from kvstore.placement.nodes import Membership
+from kvstore.placement.reads import Reads
+from kvstore.placement.state import Catalog, Move, NodeCommand, NodeState
+from kvstore.placement.tiering import Tiering
+from kvstore.placement.writes import PLACEMENT_STRATEGIES, PutPlan, Writes
+from kvstore.policy import EvictionPolicy, TierName
+from kvstore.protocol import GetReplicasReply, InventoryItem, PrefixMatch
+
+
+class PlacementTable:
+    """The parts of the table, composed over one catalog; its containers (``nodes``, ``objects``,
+    ``grants``, ``draining``, ``counters``, ``leases``) are the catalog's own, for readers. Only an
+    operator's drain changes ``draining`` from outside."""
+
+    def __init__(
+        self,
+        policy: EvictionPolicy | None = None,
+        *,
+        strategy: str = "local_first",
+        reservation_ms: int = 30_000,
+        lease_ms: int = 5_000,
+        node_ttl_ms: int = 10_000,
+        seed: int = 0,
+    ) -> None:
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise InvalidArgument(f"unknown placement strategy {strategy!r}; known: {sorted(PLACEMENT_STRATEGIES)}")
+        policy = policy or EvictionPolicy()
+        order = PLACEMENT_STRATEGIES[strategy]
+        rng = random.Random(seed)  # one stream for puts and grants alike
+        catalog = Catalog(lease_ms=lease_ms)
+        self._catalog = catalog
+        self.nodes = catalog.nodes
+        self.objects = catalog.objects
+        self._pending = catalog.pending
+        self.grants = catalog.grants
+        self.draining = catalog.draining
+        self.counters = catalog.counters
+        self.leases = catalog.leases
+        self._tiering = Tiering(catalog, policy)
+        self._membership = Membership(catalog, ttl_ms=node_ttl_ms)
+        self._writes = Writes(catalog, self._tiering, order, rng, reservation_ms=reservation_ms)
+        self._grants = Grants(catalog, self._tiering, order, rng)
+        self._reads = Reads(catalog, self._tiering, policy, lease_ms=lease_ms)
+        self._moves = Moves(catalog, self._tiering, self._writes, policy)
+        self._inspection = Inspection(catalog)
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._tiering.policy
+
+    @property
+    def lease_ms(self) -> int:
+        return self._reads.lease_ms
+
+    @property
+    def reservation_ms(self) -> int:
+        return self._writes.reservation_ms
+
+    @property
+    def node_ttl_ms(self) -> int:
+        return self._membership.ttl_ms
+
+    @node_ttl_ms.setter
+    def node_ttl_ms(self, value: int) -> None:
+        self._membership.ttl_ms = value
+
+    # -- membership and time -------------------------------------------------------------------
+    def register_node(
+        self,
+        node_id: str,
+        address: str,
+        dram_capacity: int,
+        ssd_capacity: int,
+        alignment: int,
+        inventory: Sequence[InventoryItem],
+        now_ms: int,
+        max_blocks: int = 0,
+    ) -> list[NodeCommand]:
+        return self._membership.register_node(
+            node_id, address, dram_capacity, ssd_capacity, alignment, inventory, now_ms, max_blocks
+        )
+
+    def heartbeat(self, node_id: str, now_ms: int) -> bool:
+        return self._membership.heartbeat(node_id, now_ms)
+
+    def up_nodes(self) -> list[NodeState]:
+        return self._catalog.up_nodes()
+
+    def expire(self, now_ms: int) -> list[NodeCommand]:
+        """Mark silent nodes down, end expired leases and reservations; returns the drops and promotions due."""
+        self._membership.mark_silent_down(now_ms)
+        self.leases.expire(now_ms)
+        return self._writes.expire_reservations(now_ms) + self._tiering.plan_promotions()
+
+    # -- writes --------------------------------------------------------------------------------
+    def put_start(
+        self,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        replicas: int,
+        preferred_node: str | None,
+        pin: bool,
+        now_ms: int,
+    ) -> PutPlan:
+        return self._writes.put_start(keys, sizes, replicas, preferred_node, pin, now_ms)
+
+    def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
+        return self._writes.put_end(keys, checksums)
+
+    def put_revoke(self, keys: Iterable[str]) -> list[NodeCommand]:
+        return self._writes.put_revoke(keys)
+
+    def remove(self, keys: Iterable[str]) -> tuple[int, list[NodeCommand]]:
+        return self._writes.remove(keys)
+
+    # -- grants --------------------------------------------------------------------------------
+    def grant_space(self, length: int, preferred_node: str | None, ttl_ms: int, now_ms: int) -> GrantPlan:
+        return self._grants.grant_space(length, preferred_node, ttl_ms, now_ms)
+
+    def confirm_grant(self, grant_id: int, deadline_ms: int) -> None:
+        self._grants.confirm_grant(grant_id, deadline_ms)
+
+    def expired_grants(self, now_ms: int) -> dict[str, list[int]]:
+        return self._grants.expired_grants(now_ms)
+
+    def end_grants(self, grant_ids: Iterable[int]) -> dict[str, list[int]]:
+        return self._grants.end_grants(grant_ids)
+
+    def finish_end_grants(self, node_id: str, grant_ids: Iterable[int]) -> None:
+        self._grants.finish_end_grants(node_id, grant_ids)
+
+    def commit_granted(
+        self,
+        node_id: str,
+        grant_id: int,
+        keys: Sequence[str],
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        checksums: Sequence[int],
+        pinned: bool,
+    ) -> list[tuple[int, str]]:
+        return self._grants.commit_granted(node_id, grant_id, keys, offsets, sizes, checksums, pinned)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def get_replicas(self, keys: Sequence[str], now_ms: int, lease: bool = True) -> GetReplicasReply:
+        return self._reads.get_replicas(keys, now_ms, lease)
+
+    def release_leases(self, keys: Iterable[str]) -> list[NodeCommand]:
+        return self._reads.release_leases(keys)
+
+    def record_access(self, node_id: str, keys: Iterable[str]) -> None:
+        self._reads.record_access(node_id, keys)
+
+    def match_prefix(self, keys: Sequence[str]) -> int:
+        return self._reads.match_prefix(keys)
+
+    def match_prefix_nodes(self, keys: Sequence[str]) -> PrefixMatch:
+        return self._reads.match_prefix_nodes(keys)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return self._reads.exists(keys)
+
+    # -- daemons' answers ----------------------------------------------------------------------
+    def apply(self, command: NodeCommand, done: Sequence[bool]) -> None:
+        self._tiering.apply(command, done)
+
+    # -- operators: evictions, drains, replication ---------------------------------------------
+    def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str], list[NodeCommand]]:
+        return self._moves.evict_keys(keys)
+
+    def evict_tier(self, node_id: str, tier: TierName) -> tuple[int, list[NodeCommand]]:
+        return self._moves.evict_tier(node_id, tier)
+
+    def plan_moves(self, node_id: str, limit: int, skip: Collection[str] = ()) -> tuple[list[Move], list[NodeCommand]]:
+        return self._moves.plan_moves(node_id, limit, skip)
+
+    def finish_moves(self, source: str, moves: Sequence[Move], done: Sequence[bool]) -> list[NodeCommand]:
+        return self._moves.finish_moves(source, moves, done)
+
+    def plan_replicas(self, keys: Sequence[str], target_node_id: str, max_bytes: int) -> list[Move]:
+        return self._moves.plan_replicas(keys, target_node_id, max_bytes)
+
+    def finish_replicas(
+        self, moves: Sequence[Move], done: Sequence[bool], *, answered: bool = True
+    ) -> tuple[list[Move], list[NodeCommand]]:
+        return self._moves.finish_replicas(moves, done, answered=answered)
+
+    # -- inspection ----------------------------------------------------------------------------
+    def tier_usage(self, node: NodeState) -> dict[str, dict[str, int]]:
+        return self._inspection.tier_usage(node)
+
+    def describe(self, key: str) -> dict[str, object] | None:
+        return self._inspection.describe(key)
+
+    def keys_page(self, prefix: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
+        return self._inspection.keys_page(prefix, after, limit)
+
+    def blocks_on(self, node_id: str) -> int:
+        return self._inspection.blocks_on(node_id)
+
+    def stats(self) -> dict[str, int | float]:
+        return self._inspection.stats()
+
+    def check(self) -> None:
+        self._inspection.check()

@@ -1,0 +1,171 @@
+"""Room in each node's tiers: reserving DRAM extents (evicting by LRU when a tier is full),
+promoting SSD blocks read often, and recording what daemons did with the commands.
+
+An extent is reused only after its daemon has confirmed that the block in it
+is gone: an evicted or promoted replica is ``moving`` (not readable, in no
+LRU) until the daemon's answer is applied. So a daemon never holds a block in
+an extent that the master gave to another key. A leased replica is never
+evicted, demoted or promoted: the policy sees the leases through its tier views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.allocator import Extent
+from kvstore.errors import InvalidArgument
+from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
+from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
+
+
+class Tiering:
+    """Carries out the eviction policy on the catalog's nodes (reservations, evictions, promotions of
+    ``Catalog.want_promote``) and records the daemons' answers."""
+
+    def __init__(self, catalog: Catalog, policy: EvictionPolicy) -> None:
+        self.catalog = catalog
+        self.policy = policy
+
+    def dram_view(self, node: NodeState, used: int) -> TierView[str]:
+        """The node's DRAM tier as the policy sees it, with ``used`` bytes in use."""
+        leased = self.catalog.leases.leased_keys(node.node_id, DRAM)
+        return TierView(node.alloc.capacity, used, node.dram_lru, leased)
+
+    def ssd_view(self, node: NodeState) -> TierView[str] | None:
+        """The node's SSD tier as the policy sees it, counting evictions in flight; None without SSD."""
+        if not node.ssd_capacity:
+            return None
+        leased = self.catalog.leases.leased_keys(node.node_id, SSD)
+        return TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, node.ssd_lru, leased)
+
+    def reserve(self, node: NodeState, size: int, commands: list[NodeCommand]) -> tuple[Extent | None, bool]:
+        """An extent on ``node`` (or None), and whether evictions were added to ``commands`` for it.
+
+        Past the high watermark the node evicts down to the low one even when
+        the extent was found, so that later puts find room without waiting.
+        """
+        # Bytes that evictions in flight will free count as free already, so nothing is evicted for them twice.
+        dram_used = node.alloc.used - node.dram_freeing
+        over = self.policy.over_high_watermark(dram_used + size, node.alloc.capacity)
+        if node.max_blocks and node.alloc.num_extents >= node.max_blocks:
+            # Every slot of the arena's index is taken: room comes only from evicting blocks.
+            if node.inflight:
+                return None, False  # evictions in flight will free slots; the put waits for them
+            view = self.dram_view(node, dram_used)
+            actions = self.policy.make_slots(view, self.ssd_view(node), node.alloc.num_extents, node.max_blocks)
+            commands.extend(self.start_actions(node, actions))
+            return None, bool(actions)
+        extent = node.alloc.alloc(size)
+        if extent is not None and not over:
+            return extent, False
+        view = self.dram_view(node, dram_used + (size if extent is not None else 0))
+        ssd = self.ssd_view(node)
+        incoming, force = (0, 0) if extent is not None else (size, size)  # a found extent is in ``used`` already
+        actions = self.policy.make_room(view, ssd, incoming, force_bytes=force)
+        commands.extend(self.start_actions(node, actions))
+        return extent, bool(actions)
+
+    def start_actions(self, node: NodeState, actions: Sequence[Action[str]]) -> list[NodeCommand]:
+        """Mark the replicas of ``actions`` moving and group them into commands, in execution order."""
+        cat = self.catalog
+        groups: dict[tuple[ActionKind, TierName], list[tuple[str, int]]] = {}
+        for action in actions:
+            self._count_eviction(node, action.kind, action.tier, action.size, +1)
+            entry = cat.objects[action.key]
+            for r in entry.replicas:
+                if r.node_id == node.node_id:
+                    r.moving = True
+            node.lru(action.tier).remove(action.key)
+            groups.setdefault((action.kind, action.tier), []).append((action.key, action.size))
+        return cat.issue(
+            [
+                NodeCommand(node.node_id, kind, tier, tuple(k for k, _ in items), sizes=tuple(n for _, n in items))
+                for (kind, tier), items in groups.items()
+            ]
+        )
+
+    @staticmethod
+    def _count_eviction(node: NodeState, kind: ActionKind, tier: TierName, size: int, sign: int) -> None:
+        if tier is DRAM:
+            node.dram_freeing += sign * size
+        if kind is ActionKind.DEMOTE:
+            node.ssd_delta += sign * size
+        elif tier is SSD:
+            node.ssd_delta -= sign * size
+
+    def plan_promotions(self) -> list[NodeCommand]:
+        """Promote wanted SSD blocks that no reader holds, where DRAM has room without evicting."""
+        cat = self.catalog
+        per_node: dict[str, list[tuple[str, int]]] = {}
+        for key in list(cat.want_promote):
+            entry = cat.objects.get(key)
+            ssd = [r for r in cat.readable(entry) if r.tier is SSD]
+            if entry is None or not ssd or any(r.tier is DRAM for r in entry.replicas):
+                cat.want_promote.discard(key)
+                continue
+            node = cat.nodes[ssd[0].node_id]
+            if cat.leases.is_leased(node.node_id, SSD, key) or node.ssd_lru.is_pinned(key):
+                continue
+            cat.want_promote.discard(key)
+            if self.policy.over_high_watermark(node.alloc.used + entry.size, node.alloc.capacity):
+                continue
+            extent = node.alloc.alloc(entry.size)
+            if extent is None:
+                continue
+            ssd[0].moving = True
+            node.ssd_lru.remove(key)
+            ssd[0].extent = extent  # where it will land; the tier changes when the daemon confirms
+            per_node.setdefault(node.node_id, []).append((key, extent.offset))
+        return cat.issue(
+            [
+                NodeCommand(n, ActionKind.PROMOTE, SSD, tuple(k for k, _ in items), tuple(o for _, o in items))
+                for n, items in per_node.items()
+            ]
+        )
+
+    def apply(self, command: NodeCommand, done: Sequence[bool]) -> None:
+        """Record what a daemon did. ``done[i]``: DEMOTE -> moved (else dropped);
+        DROP -> it was there; PROMOTE -> moved (else it stays on SSD)."""
+        cat = self.catalog
+        if len(done) != len(command.keys):
+            raise InvalidArgument(f"{len(done)} results for a command of {len(command.keys)} keys")
+        node = cat.nodes.get(command.node_id)
+        if node is None:
+            return  # the node left; its inventory will replace this state
+        node.inflight = max(0, node.inflight - len(command.keys))
+        for size in command.sizes:
+            self._count_eviction(node, command.kind, command.tier, size, -1)
+        for key, ok in zip(command.keys, done, strict=True):
+            entry = cat.objects.get(key) or cat.pending.get(key)
+            replica = next((r for r in entry.replicas if r.node_id == node.node_id), None) if entry else None
+            if entry is None or replica is None:
+                continue
+            if command.kind is ActionKind.PROMOTE:
+                self._finish_promote(node, entry, replica, ok)
+            elif command.kind is ActionKind.DEMOTE and ok:
+                assert replica.extent is not None
+                node.alloc.free(replica.extent)
+                replica.tier, replica.extent = SSD, None
+                node.ssd_used += entry.size
+                if not entry.removing:
+                    node.ssd_lru.insert(key, entry.size)
+                replica.moving = False
+                cat.counters["demotions"] += 1
+            else:
+                cat.drop_replica(key, node.node_id, evicted=not command.release)
+
+    def _finish_promote(self, node: NodeState, entry: ObjectEntry, replica: ReplicaState, ok: bool) -> None:
+        replica.moving = False
+        assert replica.extent is not None
+        if ok:
+            replica.tier = DRAM
+            node.ssd_used -= entry.size
+            if not entry.removing:
+                node.dram_lru.insert(entry.key, entry.size)
+            entry.ssd_hits = 0
+            self.catalog.counters["promotions"] += 1
+        else:
+            node.alloc.free(replica.extent)
+            replica.extent = None
+            if not entry.removing:
+                node.ssd_lru.insert(entry.key, entry.size)

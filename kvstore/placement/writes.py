@@ -1,0 +1,221 @@
+"""Puts and removals: placing new keys on nodes, committing them, giving them up.
+
+- ``put_start`` places each new key on ``replicas`` distinct up nodes chosen by
+  the placement strategy and reserves an extent in each node's DRAM arena
+  (the master holds the one allocator of every arena). A node that has no
+  extent for the block gets eviction commands; the key waits for them
+  (``PutPlan.waiting``) and is placed when the caller asks again. A key that
+  is already stored or being written reports ``exists``.
+- ``put_end`` commits: only then is a block visible. An uncommitted
+  reservation expires after ``reservation_ms``.
+- A revoked, expired or removed block is ``removing`` (not readable, not
+  placeable) until its daemons confirm the drop; only then is its extent reused.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, RetryLater
+from kvstore.keys import BlockKey, validate_key
+from kvstore.placement.state import DRAM, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
+from kvstore.placement.tiering import Tiering
+from kvstore.policy import ActionKind, TierName
+from kvstore.protocol import PutTicket, Replica
+
+Strategy = Callable[[list[NodeState], str | None, random.Random], list[NodeState]]
+"""Orders the nodes a put or a grant may go to, most preferred first."""
+
+
+def _free_ratio(nodes: list[NodeState], preferred: str | None, rng: random.Random) -> list[NodeState]:
+    return sorted(nodes, key=lambda n: -n.dram_free_ratio)
+
+
+def _local_first(nodes: list[NodeState], preferred: str | None, rng: random.Random) -> list[NodeState]:
+    return sorted(nodes, key=lambda n: (n.node_id != preferred, -n.dram_free_ratio))
+
+
+def _random(nodes: list[NodeState], preferred: str | None, rng: random.Random) -> list[NodeState]:
+    out = list(nodes)
+    rng.shuffle(out)
+    return out
+
+
+PLACEMENT_STRATEGIES: dict[str, Strategy] = {
+    "free_ratio": _free_ratio,
+    "local_first": _local_first,
+    "random": _random,
+}
+
+
+@dataclass(slots=True)
+class PutPlan:
+    tickets: list[PutTicket | None]
+    """One per key; None for a key waiting for evictions."""
+    commands: list[NodeCommand]
+    waiting: list[int]
+    """Indexes of keys to ask again for once ``commands`` are applied."""
+
+
+def _ticket_error(exc: KVStoreError) -> PutTicket:
+    return PutTicket("error", [], exc.code, str(exc))
+
+
+class Writes:
+    """Moves keys into ``Catalog.pending`` (placed), on to ``Catalog.objects`` (committed), and out."""
+
+    def __init__(
+        self, catalog: Catalog, tiering: Tiering, strategy: Strategy, rng: random.Random, *, reservation_ms: int
+    ) -> None:
+        self.catalog = catalog
+        self.tiering = tiering
+        self.strategy = strategy
+        self.rng = rng
+        self.reservation_ms = reservation_ms
+
+    def put_start(
+        self,
+        keys: Sequence[str],
+        sizes: Sequence[int],
+        replicas: int,
+        preferred_node: str | None,
+        pin: bool,
+        now_ms: int,
+    ) -> PutPlan:
+        if len(keys) != len(sizes):
+            raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
+        checked = [validate_key(k) for k in keys]
+        for key, size in zip(checked, sizes, strict=True):
+            if type(size) is not int or size <= 0:
+                raise InvalidArgument(f"size of {key!r} must be a positive int, got {size!r}")
+        if not 1 <= replicas <= 16:
+            raise InvalidArgument(f"replicas must be between 1 and 16, got {replicas}")
+        plan = PutPlan([], [], [])
+        # One ordering for the whole batch: a batch is usually one request's chain of blocks, and
+        # keeping it together on a node keeps a prefix from spanning nodes that evict independently.
+        ordered = self.strategy(self.catalog.placeable(), preferred_node, self.rng)
+        for i, (key, size) in enumerate(zip(checked, sizes, strict=True)):
+            plan.tickets.append(self._place(key, size, replicas, ordered, pin, now_ms, plan, i))
+        return plan
+
+    def _place(
+        self,
+        key: BlockKey,
+        size: int,
+        replicas: int,
+        ordered: list[NodeState],
+        pin: bool,
+        now_ms: int,
+        plan: PutPlan,
+        i: int,
+    ) -> PutTicket | None:
+        cat = self.catalog
+        existing = cat.objects.get(key) or cat.pending.get(key)
+        if existing is not None:
+            if existing.removing:
+                return _ticket_error(RetryLater(f"key {key!r} is being moved or removed; retry"))
+            cat.counters["put_exists"] += 1
+            if existing.committed:
+                cat.touch(existing)
+            return PutTicket("exists", [], 0, "")
+        nodes = [n for n in ordered if n.alloc.capacity >= size]
+        if not nodes:
+            if not cat.up_nodes():
+                return _ticket_error(NoNodes("no storage node is up"))
+            return _ticket_error(CapacityError(f"block {key!r} of {size} bytes is larger than every node's DRAM"))
+        if len(nodes) < replicas:
+            # Fewer copies than asked would be a silent loss of redundancy: say so instead.
+            return _ticket_error(
+                NoNodes(f"{replicas} replicas of {key!r} asked for, but only {len(nodes)} nodes can hold it")
+            )
+        chosen: list[ReplicaState] = []
+        waiting = False  # some node will have room once its evictions are done
+        for node in nodes:
+            if len(chosen) == replicas:
+                break
+            extent, evicting = self.tiering.reserve(node, size, plan.commands)
+            if extent is not None:
+                chosen.append(ReplicaState(node.node_id, DRAM, extent))
+            waiting = waiting or (extent is None and (evicting or node.inflight > 0))
+        if (waiting and len(chosen) < min(replicas, len(nodes))) or not chosen:
+            for r in chosen:
+                assert r.extent is not None
+                cat.nodes[r.node_id].alloc.free(r.extent)
+            if waiting:
+                plan.waiting.append(i)
+                return None
+            if any(cat.busy(node) for node in nodes):
+                # Leases end and puts commit or expire: room will come without anyone's help.
+                return _ticket_error(
+                    RetryLater(f"no room for block {key!r} of {size} bytes yet: DRAM is leased or being written")
+                )
+            return _ticket_error(
+                CapacityError(f"no room for block {key!r} of {size} bytes: every node's DRAM is pinned")
+            )
+        entry = ObjectEntry(key, size, 0, chosen, False, now_ms + self.reservation_ms, pin)
+        cat.pending[key] = entry
+        cat.counters["puts"] += 1
+        return PutTicket("ok", [self._wire_replica(entry, r) for r in chosen], 0, "")
+
+    def _wire_replica(self, entry: ObjectEntry, r: ReplicaState) -> Replica:
+        offset = r.extent.offset if r.extent is not None and r.tier is DRAM else -1
+        return Replica(r.node_id, self.catalog.nodes[r.node_id].address, r.tier.value, offset, entry.size)
+
+    def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
+        """Commit reserved keys; False for a key whose reservation is gone (expired or revoked)."""
+        cat = self.catalog
+        if len(keys) != len(checksums):
+            raise InvalidArgument(f"put_end got {len(keys)} keys but {len(checksums)} checksums")
+        out = []
+        for key, check in zip(keys, checksums, strict=True):
+            entry = cat.pending.get(key)
+            if entry is None or entry.removing:
+                out.append(False)
+                continue
+            del cat.pending[key]
+            entry.committed, entry.checksum = True, check
+            cat.objects[key] = entry
+            for r in entry.replicas:
+                lru = cat.nodes[r.node_id].dram_lru
+                lru.insert(key, entry.size)
+                if entry.pinned:
+                    lru.pin(key)
+            cat.counters["bytes_written"] += entry.size
+            out.append(True)
+        return out
+
+    def put_revoke(self, keys: Iterable[str]) -> list[NodeCommand]:
+        """Give up reservations; their daemons must drop whatever was written before the extents are reused."""
+        pending = self.catalog.pending
+        return self.catalog.revoke([e for k in keys if (e := pending.get(k)) is not None and not e.removing])
+
+    def expire_reservations(self, now_ms: int) -> list[NodeCommand]:
+        """Revoke the puts not committed by their deadline."""
+        expired = [e for e in self.catalog.pending.values() if e.deadline_ms <= now_ms]
+        self.catalog.counters["expired"] += len(expired)
+        return self.catalog.revoke(expired)
+
+    def remove(self, keys: Iterable[str]) -> tuple[int, list[NodeCommand]]:
+        """Stop serving ``keys`` at once; returns how many were stored and the drops their daemons must do."""
+        cat = self.catalog
+        per: dict[tuple[str, TierName], list[str]] = {}
+        removed = 0
+        for key in keys:
+            entry = cat.objects.get(validate_key(key))
+            if entry is None or entry.removing:
+                continue
+            removed += 1
+            entry.removing = True
+            cat.want_promote.discard(key)
+            for r in entry.replicas:
+                if r.copying:
+                    continue  # the daemon may not hold it yet: finish_replicas drops it once answered
+                lru = cat.nodes[r.node_id].lru(r.tier)
+                if key in lru:
+                    lru.remove(key)
+                per.setdefault((r.node_id, r.tier), []).append(key)
+        return removed, cat.issue(
+            [NodeCommand(n, ActionKind.DROP, t, tuple(ks), release=True) for (n, t), ks in per.items()]
+        )

@@ -1,0 +1,105 @@
+"""What the master measures of itself: latency histograms per request kind, and counters sampled
+once a second for rates and the dashboard's history.
+
+The service records into these; the admin API (:mod:`server.master.admin`) reads them for
+``/metrics``, ``/api/v1/cluster`` and ``/api/v1/history``. Nothing here knows either.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+HISTORY_SECONDS = 300
+
+
+class LatencyHistogram:
+    """Seconds per request in fixed buckets, the form Prometheus wants."""
+
+    BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, float("inf"))
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(self.BOUNDS)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.BOUNDS, seconds)] += 1
+        self.total += seconds
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative counts per upper bound."""
+        out, running = [], 0
+        for bound, count in zip(self.BOUNDS, self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+        return out
+
+
+_Point = tuple[float, dict[str, int], int, int]
+"""(time, counters, DRAM bytes used, SSD bytes used)."""
+
+
+class HistorySample(NamedTuple):
+    """One second of the history: its end, the rates over it, and the tiers' use at its end."""
+
+    t: float
+    hit_rate: float | None
+    gets_per_s: float
+    puts_per_s: float
+    read_bytes_per_s: float
+    written_bytes_per_s: float
+    dram_used: int
+    ssd_used: int
+
+
+class Sampler:
+    """Counters sampled once a second: rates and the dashboard's history (the last HISTORY_SECONDS).
+
+    ``clock`` gives seconds since the epoch; tests pass their own."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.points: deque[_Point] = deque(maxlen=HISTORY_SECONDS + 1)
+
+    def due(self) -> bool:
+        """Whether a second has passed since the last sample."""
+        return not self.points or self.clock() - self.points[-1][0] >= 1.0
+
+    def sample(self, counters: dict[str, int], dram_used: int, ssd_used: int) -> None:
+        self.points.append((self.clock(), dict(counters), dram_used, ssd_used))
+
+    @staticmethod
+    def _rates(a: _Point, b: _Point) -> dict[str, Any]:
+        dt = max(b[0] - a[0], 1e-6)
+
+        def d(name: str) -> float:
+            return (b[1].get(name, 0) - a[1].get(name, 0)) / dt
+
+        lookups = d("hits") + d("misses")
+        return {
+            "hit_rate": d("hits") / lookups if lookups else None,
+            "gets_per_s": d("gets"),
+            "puts_per_s": d("puts"),
+            "hits_per_s": d("hits"),
+            "read_bytes_per_s": d("bytes_read"),
+            "written_bytes_per_s": d("bytes_written"),
+        }
+
+    def rates(self, window: int = 5) -> dict[str, Any]:
+        if len(self.points) < 2:
+            return dict.fromkeys(("hit_rate", "gets_per_s", "puts_per_s", "hits_per_s", "read_bytes_per_s",
+                                  "written_bytes_per_s"), 0.0)  # fmt: skip
+        return self._rates(self.points[max(0, len(self.points) - 1 - window)], self.points[-1])
+
+    def history(self) -> list[HistorySample]:
+        pts = list(self.points)
+        out = []
+        for a, b in itertools.pairwise(pts):
+            r = self._rates(a, b)
+            del r["hits_per_s"]
+            out.append(HistorySample(t=b[0], dram_used=b[2], ssd_used=b[3], **r))
+        return out
