@@ -78,6 +78,8 @@ class LocalCluster:
         self.masters: list[subprocess.Popen[str] | None] = [None] * (masters if etcd else 1)
         self.master_rpc: list[str] = [""] * len(self.masters)
         """Each master's own host:port (HA: leader or standby)."""
+        self.master_admin: list[str] = [""] * len(self.masters)
+        """Each HA master's admin API host:port (with ``admin=True``)."""
         self.num_daemons = daemons
         self.dram, self.ssd = str(dram), str(ssd)
         self._own_workdir = workdir is None
@@ -145,14 +147,21 @@ class LocalCluster:
     def start_ha_master(self, m: int) -> None:
         """Start HA master ``m`` (on its former port when it ran before); it campaigns in etcd."""
         port = self.master_rpc[m].rsplit(":", 1)[1] if self.master_rpc[m] else "0"
-        args = ["master", "--port", port, "--etcd", str(self.etcd), "--cluster-id", self.cluster_id, *self.master_args]
+        admin = ["--admin-port", self.master_admin[m].rsplit(":", 1)[1] if self.master_admin[m] else "0"]
+        args = [
+            "master", "--port", port, "--etcd", str(self.etcd), "--cluster-id", self.cluster_id,
+            *(admin if self.admin else []), *self.master_args,
+        ]  # fmt: skip
         proc = self._spawn(args, f"master-{m}.log")
+        self.masters[m] = proc
         assert proc.stdout is not None
         line = _read_line(proc.stdout, _START_TIMEOUT, f"master {m}")
-        self.masters[m] = proc
         self.master_rpc[m] = line.rsplit(" ", 1)[-1]
+        if self.admin:
+            self.master_admin[m] = _read_line(proc.stdout, _START_TIMEOUT, f"master {m}'s admin API").rsplit("//")[-1]
         if m == 0:
             self.master = proc
+            self.admin_address = self.master_admin[0]
 
     def kill_ha_master(self, m: int, sig: int = signal.SIGKILL) -> None:
         self._kill(self.masters[m], sig)

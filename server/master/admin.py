@@ -28,6 +28,7 @@ from kvstore.keys import validate_key
 from kvstore.policy import TierName
 
 if TYPE_CHECKING:
+    from server.master.nodes import NodeView
     from server.master.service import MasterService
 
 STATIC = Path(__file__).parent / "static"
@@ -50,6 +51,21 @@ class Ready(BaseModel):
     ready: bool
     nodes_up: int
     reason: str
+
+
+class Leadership(BaseModel):
+    role: str = Field(description='"leader", "standby", or "leader (lease unconfirmed)" while it may not serve.')
+    ha: bool = Field(description="Whether the master runs with etcd (leader election, standbys).")
+    ready: bool = Field(description="Whether it answers reads and puts (a new leader waits for the daemons).")
+    epoch: int = Field(description="Leadership epoch: the revision of the leader key in etcd (0 without etcd).")
+    leader: str | None = Field(description="The leader's RPC address as this master last saw it.")
+    failovers: int = Field(description="Times this master took over as leader.")
+    elections_won: int
+    leadership_lost: int
+    etcd_errors: int = Field(description="etcd requests that failed (the election retries them).")
+    etcd: list[str] = Field(description="etcd endpoints.")
+    etcd_reachable: bool
+    cluster_id: str
 
 
 class TierUsage(BaseModel):
@@ -299,23 +315,18 @@ class AdminApi:
     async def _index(self, request: web.Request) -> web.FileResponse:
         return web.FileResponse(STATIC / "index.html")
 
-    # -- helpers used by the handlers --------------------------------------------------------------
-    def node_model(self, node_id: str) -> NodeModel:
-        service = self.service
-        node = service.table.nodes.get(node_id)
-        info = service._node_info.get(node_id)
-        if node is None or info is None:
-            raise NotFound(f"node {node_id!r} is not registered")
-        now_ms = service.now_ms()
-        return NodeModel(
-            node_id=node_id, address=node.address, rails=info.rails, up=node.up,
-            draining=node_id in service.table.draining, last_heartbeat_ms_ago=max(0, now_ms - node.last_seen_ms),
-            host_id=info.host_id, ucx_address=info.ucx_address,
-            nics=[NicModel(name=n.name, address=n.address, speed_mbps=n.speed_mbps, numa_node=n.numa_node)
-                  for n in info.nics],
-            tiers={t: TierUsage(**u) for t, u in service.table.tier_usage(node).items()},
-            commands_in_flight=node.inflight, transfer_bytes=dict(service.daemon_stats.get(node_id, {})),
-        )  # fmt: skip
+
+def _node_model(api: AdminApi, view: NodeView) -> NodeModel:
+    node, info = view.state, view.info
+    return NodeModel(
+        node_id=view.node_id, address=info.address, rails=info.rails, up=info.up, draining=view.draining,
+        last_heartbeat_ms_ago=max(0, api.service.now_ms() - node.last_seen_ms),
+        host_id=info.host_id, ucx_address=info.ucx_address,
+        nics=[NicModel(name=n.name, address=n.address, speed_mbps=n.speed_mbps, numa_node=n.numa_node)
+              for n in info.nics],
+        tiers={t: TierUsage(**u) for t, u in view.tiers.items()},
+        commands_in_flight=node.inflight, transfer_bytes=dict(view.transfer_bytes),
+    )  # fmt: skip
 
 
 def _is_public(request: web.Request) -> bool:
@@ -356,10 +367,20 @@ async def health(api: AdminApi, request: web.Request) -> Health:
     return Health(status="ok", uptime_s=round(time.monotonic() - api.started, 3))
 
 
-@route("GET", "/api/v1/ready", Ready, "Readiness: at least one storage node is up.", errors=(401,))
+@route("GET", "/api/v1/ready", Ready, "Readiness: this master leads, has taken over, and a storage node is up.",
+       errors=(401,))  # fmt: skip
 async def ready(api: AdminApi, request: web.Request) -> Ready:
-    up = len(api.service.table.up_nodes())
-    return Ready(ready=up > 0, nodes_up=up, reason="" if up else "no storage node is up")
+    service = api.service
+    up = len(service.table.up_nodes())
+    refusal = service.refusal()
+    reason = str(refusal) if refusal is not None else "" if up else "no storage node is up"
+    return Ready(ready=not reason, nodes_up=up, reason=reason)
+
+
+@route("GET", "/api/v1/leadership", Leadership, "Role, epoch and failovers of this master; etcd as it sees it.",
+       errors=(401,))  # fmt: skip
+async def leadership(api: AdminApi, request: web.Request) -> Leadership:
+    return Leadership(**api.service.role())
 
 
 @route("GET", "/api/v1/cluster", ClusterSummary, "Nodes, tier capacity and use, objects, hit rate, rates.",
@@ -385,13 +406,17 @@ async def cluster(api: AdminApi, request: web.Request) -> ClusterSummary:
 
 @route("GET", "/api/v1/nodes", NodeList, "Every registered node.", errors=(401,))
 async def nodes(api: AdminApi, request: web.Request) -> NodeList:
-    return NodeList(nodes=[api.node_model(n) for n in sorted(api.service.table.nodes)])
+    return NodeList(nodes=[_node_model(api, v) for v in api.service.nodes.views()])
 
 
 @route("GET", "/api/v1/nodes/{node_id}", NodeModel, "One node: tiers, NICs, inventory counts, last heartbeat.",
        errors=(401, 404))  # fmt: skip
 async def node(api: AdminApi, request: web.Request) -> NodeModel:
-    return api.node_model(request.match_info["node_id"])
+    node_id = request.match_info["node_id"]
+    view = api.service.nodes.view(node_id)
+    if view is None:
+        raise NotFound(f"node {node_id!r} is not registered")
+    return _node_model(api, view)
 
 
 @route("GET", "/api/v1/keys", KeyPage, "Stored keys starting with a prefix, in order, a page at a time.",
@@ -510,13 +535,14 @@ class _Collector:
         leases = GaugeMetricFamily("kvstore_active_leases", "Blocks under a read lease, per node and tier.",
                                    labels=["node", "tier"])  # fmt: skip
         up = GaugeMetricFamily("kvstore_node_up", "1 while the node heartbeats.", labels=["node"])
-        for node_id, node in sorted(table.nodes.items()):
-            for tier, u in table.tier_usage(node).items():
-                used.add_metric([node_id, tier], u["used"])
-                cap.add_metric([node_id, tier], u["capacity"])
-                blocks.add_metric([node_id, tier], u["blocks"])
-                leases.add_metric([node_id, tier], u["leased"])
-            up.add_metric([node_id], 1 if node.up else 0)
+        views = service.nodes.views()
+        for view in views:
+            for tier, u in view.tiers.items():
+                used.add_metric([view.node_id, tier], u["used"])
+                cap.add_metric([view.node_id, tier], u["capacity"])
+                blocks.add_metric([view.node_id, tier], u["blocks"])
+                leases.add_metric([view.node_id, tier], u["leased"])
+            up.add_metric([view.node_id], 1 if view.info.up else 0)
         yield from (used, cap, blocks, leases, up)
         yield GaugeMetricFamily("kvstore_objects", "Stored keys.", value=len(table.objects))
         c = table.counters
@@ -527,14 +553,28 @@ class _Collector:
                                 ("bytes_read", "Bytes of blocks handed to readers."),
                                 ("bytes_written", "Bytes of blocks committed.")):  # fmt: skip
             yield CounterMetricFamily(f"kvstore_{name}", help_text, value=c[name])
+        role = service.role()
+        yield GaugeMetricFamily("kvstore_master_leading", "1 while this master leads (and may serve).",
+                                value=1 if role["role"] == "leader" else 0)  # fmt: skip
+        yield GaugeMetricFamily("kvstore_master_ready", "1 while this master answers reads and puts.",
+                                value=1 if role["ready"] else 0)  # fmt: skip
+        yield GaugeMetricFamily("kvstore_master_epoch", "Leadership epoch (etcd revision of the leader key).",
+                                value=role["epoch"])  # fmt: skip
+        yield GaugeMetricFamily("kvstore_master_etcd_reachable", "1 while etcd answers this master (HA only).",
+                                value=1 if role["etcd_reachable"] else 0)  # fmt: skip
+        for name, help_text in (("failovers", "Times this master took over as leader."),
+                                ("elections_won", "Elections this master won in etcd."),
+                                ("leadership_lost", "Times this master lost its lease or resigned while leading."),
+                                ("etcd_errors", "etcd requests of the election that failed.")):  # fmt: skip
+            yield CounterMetricFamily(f"kvstore_master_{name}", help_text, value=role[name])
         yield CounterMetricFamily("kvstore_rpc_errors", "RPC requests answered with an error.",
                                   value=service.rpc_errors)  # fmt: skip
         transfer = CounterMetricFamily("kvstore_transfer_bytes", "Bytes moved by daemons, by transport and rail.",
                                        labels=["node", "transport", "rail", "direction"])  # fmt: skip
-        for node_id, stats in sorted(service.daemon_stats.items()):
-            for name, value in sorted(stats.items()):
+        for view in views:
+            for name, value in sorted(view.transfer_bytes.items()):
                 transport, rail, direction = name.split("|", 2)
-                transfer.add_metric([node_id, transport, rail, direction], value)
+                transfer.add_metric([view.node_id, transport, rail, direction], value)
         yield transfer
         for op, hist in sorted(service.latency.items()):
             family = HistogramMetricFamily(f"kvstore_{op}_latency_seconds", f"Master time per {op} request.",

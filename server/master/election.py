@@ -88,6 +88,7 @@ class Election:
             "etcd_reachable": self.etcd_reachable,
             "elections_won": self.elections_won,
             "leadership_lost": self.leadership_lost,
+            "etcd_errors": self.etcd_errors,
         }
 
     # -- lifecycle ---------------------------------------------------------------------------

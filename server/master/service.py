@@ -16,8 +16,6 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from msgspec.structs import replace
-
 from kvstore.config import MasterConfig
 from kvstore.errors import (
     CapacityError,
@@ -53,13 +51,11 @@ from kvstore.protocol import (
     Heartbeat,
     HeartbeatReply,
     ListNodes,
-    MasterHello,
     MatchPrefix,
     MatchPrefixNodes,
     MatchPrefixNodesReply,
     MatchPrefixReply,
     Message,
-    NodeInfo,
     NodesReply,
     OkReply,
     OpenGrant,
@@ -88,6 +84,7 @@ from kvstore.protocol import (
 )
 from server.master.election import Election
 from server.master.metrics import LatencyHistogram, Sampler
+from server.master.nodes import NodeRegistry
 from transfer.aio import AsyncConnection
 from transfer.discovery import EtcdCluster, MasterRecord, parse_endpoints
 
@@ -174,7 +171,8 @@ class _RpcConnection(asyncio.Protocol):
 class MasterService:
     def __init__(self, config: MasterConfig | None = None) -> None:
         self.config = config or MasterConfig()
-        self.table = self._new_table()
+        self.nodes = NodeRegistry(self._new_table(), self.config.command_timeout_ms / 1000)
+        """The nodes, and through them the placement table (:attr:`table`)."""
         self.address = ""
         self.election: Election | None = None
         """Set with ``config.etcd``: this master serves only while it leads."""
@@ -185,10 +183,6 @@ class MasterService:
         """Nodes the daemons said were in the cluster: a new leader waits for their inventories."""
         self.failovers = 0
         """Times this master took over as leader (HA), or 1 for a master without etcd."""
-        self._daemons: dict[str, AsyncConnection] = {}
-        self._node_info: dict[str, NodeInfo] = {}
-        self.daemon_stats: dict[str, dict[str, int]] = {}
-        """Per node, bytes its daemon moved by "transport|rail|direction" (from its heartbeats)."""
         self.latency: dict[str, LatencyHistogram] = {}
         self.sampler = Sampler()
         self.admin_address = ""
@@ -222,6 +216,11 @@ class MasterService:
             AdminInfo: self._admin_info,
         }
 
+    @property
+    def table(self) -> PlacementTable:
+        """The placement table of this term (a new one each time leadership is lost)."""
+        return self.nodes.table
+
     def _new_table(self) -> PlacementTable:
         ev = self.config.eviction
         return PlacementTable(
@@ -237,6 +236,7 @@ class MasterService:
         """Lead with an empty table: it is rebuilt from the daemons' inventories as they register.
         Until the nodes they name are back (or ``ready_wait_ms`` passes) requests get NotReady."""
         self.epoch = epoch
+        self.nodes.epoch = epoch
         self._leader_since = time.monotonic()
         self._ready = False
         self._expected = set()
@@ -247,14 +247,10 @@ class MasterService:
         election starts from an empty table again."""
         for task in list(self._tasks):
             task.cancel()
-        self.table = self._new_table()
-        self._node_info.clear()
-        self.daemon_stats.clear()
+        for link in self.nodes.reset(self._new_table()):
+            self._spawn(link.close(), "close-daemon-link")
         self._retry = []
         self._answers.clear()
-        daemons, self._daemons = self._daemons, {}
-        for conn in daemons.values():
-            self._spawn(conn.close(), "close-daemon-link")
         self._ready = False
 
     def ready(self) -> bool:
@@ -280,26 +276,35 @@ class MasterService:
             )  # fmt: skip
         return self._ready
 
-    def _refusal(self, kind: type[Message]) -> KVStoreError | None:
-        """Why this master must not run a request now, if it must not."""
+    def _refusal(self, kind: type[Message] | None = None) -> KVStoreError | None:
+        """Why this master must not run a request of ``kind`` now, if it must not (without a
+        kind: why it must not answer reads and puts)."""
         election = self.election
         if election is not None and not election.leading():
             leader = election.leader.address if election.leader is not None else "not elected yet"
             return NotLeader(
                 f"master {self.address} does not lead cluster {election.cluster.cluster_id} (leader: {leader})"
             )
-        if not self._ready and kind not in _WHILE_NOT_READY and not self.ready():
+        if not self._ready and (kind is None or kind not in _WHILE_NOT_READY) and not self.ready():
             return NotReady(
                 f"master {self.address} is taking over: waiting for the inventories of "
                 f"{len(self._expected - self.table.nodes.keys()) or 'its'} nodes"
             )
         return None
 
+    def refusal(self) -> KVStoreError | None:
+        """Why this master does not answer reads and puts now (not leading, or still taking over)."""
+        return self._refusal()
+
     def role(self) -> dict[str, Any]:
-        """Leadership as /metrics and ``kvstore status`` show it."""
+        """Leadership as the admin API and /metrics show it."""
+        base = {"ready": self._refusal() is None, "failovers": self.failovers}
         if self.election is None:
-            return {"role": "leader", "epoch": 0, "ha": False, "ready": self.ready(), "failovers": self.failovers}
-        return {"ha": True, "ready": self.ready(), "failovers": self.failovers, **self.election.status()}
+            return {
+                **base, "role": "leader", "ha": False, "epoch": 0, "leader": self.address, "elections_won": 0,
+                "leadership_lost": 0, "etcd_errors": 0, "etcd": [], "etcd_reachable": False, "cluster_id": "",
+            }  # fmt: skip
+        return {**base, "ha": True, **self.election.status()}
 
     # -- lifecycle ------------------------------------------------------------------------
     @staticmethod
@@ -409,8 +414,8 @@ class MasterService:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, *(t for t in [self._ticker] if t), return_exceptions=True)
-        for conn in self._daemons.values():
-            await conn.close()
+        for link in self.nodes.links():
+            await link.close()
 
     def _spawn(self, coro: Awaitable[object], name: str) -> None:
         """Run ``coro`` in the background; its failure is logged, never lost."""
@@ -533,13 +538,7 @@ class MasterService:
 
     # -- daemon commands ---------------------------------------------------------------------
     def _daemon(self, node_id: str) -> AsyncConnection:
-        address = self.table.nodes[node_id].address
-        conn = self._daemons.get(node_id)
-        if conn is None or conn.address != address:
-            hello = MasterHello(self.epoch) if self.epoch else None  # fences the commands of older masters
-            conn = AsyncConnection(address, self.config.command_timeout_ms / 1000, hello=hello)
-            self._daemons[node_id] = conn
-        return conn
+        return self.nodes.link(node_id)
 
     def _run_later(self, commands: list[NodeCommand], name: str) -> None:
         """Carry ``commands`` out in the background (nothing waits for them)."""
@@ -594,21 +593,7 @@ class MasterService:
 
     # -- handlers -------------------------------------------------------------------------------
     async def _register(self, m: RegisterNode) -> Message:
-        commands = self.table.register_node(
-            m.node_id, m.address, m.dram_capacity, m.ssd_capacity, m.alignment, m.inventory, _now_ms(), m.max_blocks
-        )
-        self._node_info[m.node_id] = NodeInfo(
-            m.node_id,
-            m.address,
-            m.rails or [m.address],
-            m.host_id,
-            m.arena_path,
-            m.arena_inode,
-            m.nics,
-            m.rdma,
-            m.ucx_address,
-            True,
-        )
+        commands = self.nodes.register(m, _now_ms())
         self._retry = [c for c in self._retry if c.node_id != m.node_id]  # the inventory superseded them
         self._run_later(commands, "register-drops")
         if not self._ready:
@@ -620,9 +605,7 @@ class MasterService:
         return [n.node_id for n in self.table.up_nodes()]
 
     async def _heartbeat(self, m: Heartbeat) -> Message:
-        known = self.table.heartbeat(m.node_id, _now_ms())
-        if known:
-            self.daemon_stats[m.node_id] = m.transfer_bytes
+        known = self.nodes.heartbeat(m.node_id, m.transfer_bytes, _now_ms())
         return HeartbeatReply(known, self._peers() if known else [])
 
     async def _put_start(self, m: PutStart) -> Message:
@@ -766,8 +749,7 @@ class MasterService:
 
     async def _list_nodes(self, m: ListNodes) -> Message:
         """Every registered node with how to reach it, up or down."""
-        nodes = self.table.nodes
-        return NodesReply([replace(info, up=nodes[n].up) for n, info in sorted(self._node_info.items()) if n in nodes])
+        return NodesReply(self.nodes.infos())
 
     async def _admin_info(self, m: AdminInfo) -> Message:
         return AdminInfoReply(self.admin_address)

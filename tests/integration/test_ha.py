@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,8 +96,16 @@ def etcd() -> Iterator[Etcd]:
 
 @pytest.fixture
 def ha(etcd: Etcd) -> Iterator[LocalCluster]:
-    with LocalCluster(2, dram="64MiB", etcd=etcd.endpoint, cluster_id=CLUSTER, masters=2) as cluster:
+    with LocalCluster(2, dram="64MiB", etcd=etcd.endpoint, cluster_id=CLUSTER, masters=2, admin=True) as cluster:
         yield cluster
+
+
+def _metrics(cluster: LocalCluster, m: int) -> dict[str, float]:
+    """Master ``m``'s /metrics, unlabelled samples only, by name."""
+    with urllib.request.urlopen(f"http://{cluster.master_admin[m]}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    samples = (line.split(" ") for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in samples if "{" not in name}
 
 
 def _leader_index(cluster: LocalCluster, timeout: float = 15.0) -> int:
@@ -209,6 +218,18 @@ def test_three_failovers_in_a_row(ha: LocalCluster) -> None:
             _check_all(store, before)
     print(json.dumps({"test": "ha_three_failovers", "failover_s": times}))
     assert max(times) < 5.0
+    # Operators see it: the leader says it leads and took over; the standby that lost says so too.
+    leader = _leader_index(ha)
+    lead, stand = _metrics(ha, leader), _metrics(ha, 1 - leader)
+    assert lead["kvstore_master_leading"] == 1 and lead["kvstore_master_ready"] == 1
+    assert lead["kvstore_master_failovers_total"] >= 1 and lead["kvstore_master_epoch"] > 0
+    assert stand["kvstore_master_leading"] == 0 and stand["kvstore_master_ready"] == 0
+    assert lead["kvstore_master_etcd_reachable"] == 1 and stand["kvstore_master_etcd_reachable"] == 1
+    # The new leader's epoch is the newest; the standby saw it too.
+    with urllib.request.urlopen(f"http://{ha.master_admin[1 - leader]}/api/v1/leadership", timeout=10) as resp:
+        seen = json.load(resp)
+    assert seen["role"] == "standby" and seen["leader"] == ha.master_rpc[leader]
+    assert seen["epoch"] <= lead["kvstore_master_epoch"]
 
 
 def test_etcd_restart_keeps_the_leader_serving(ha: LocalCluster, etcd: Etcd) -> None:

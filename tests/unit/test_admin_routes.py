@@ -96,3 +96,12 @@ async def test_openapi_covers_every_route(client: TestClient) -> None:
     assert sorted((p, m.upper()) for p, ops in doc["paths"].items() for m in ops) == sorted(
         (r.path, r.method) for r in ROUTES
     )
+
+
+async def test_leadership_shows_in_its_route_and_in_metrics(client: TestClient) -> None:
+    role = await (await client.get("/api/v1/leadership", headers=AUTH)).json()
+    assert role["role"] == "leader" and not role["ha"] and role["ready"] and role["epoch"] == 0
+    text = await (await client.get("/metrics", headers=AUTH)).text()
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert float(samples["kvstore_master_leading"]) == 1 and float(samples["kvstore_master_ready"]) == 1
+    assert float(samples["kvstore_master_etcd_reachable"]) == 0 and "kvstore_master_failovers_total" in samples

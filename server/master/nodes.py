@@ -1,0 +1,124 @@
+"""Everything the master knows about its storage nodes, in one place.
+
+The placement table (:mod:`kvstore.placement`) keeps what placement needs of a node: its
+allocator, tiers, LRU lists, whether it is up. The registry keeps the rest beside it — how
+clients reach the node (:class:`NodeInfo`), what its daemon reported moving, and the master's
+link to it — and is the one way in: registering, heartbeats and leaving go through it, so the
+parts cannot disagree about which nodes exist. The admin API reads nodes through
+:class:`NodeView`, a snapshot it cannot change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from msgspec.structs import replace
+
+from kvstore.placement.state import NodeCommand, NodeState
+from kvstore.placement.table import PlacementTable
+from kvstore.protocol import MasterHello, NodeInfo, RegisterNode
+from transfer.aio import AsyncConnection
+
+
+@dataclass
+class _Entry:
+    info: NodeInfo
+    transfer_bytes: dict[str, int] = field(default_factory=dict)
+    link: AsyncConnection | None = None
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node as the admin API shows it: placement state and how to reach it, read-only."""
+
+    node_id: str
+    info: NodeInfo
+    state: NodeState
+    """The table's own record; read it, never write it (the table's invariants live there)."""
+    draining: bool
+    transfer_bytes: Mapping[str, int]
+    """Bytes the node's daemon moved by "transport|rail|direction" (from its heartbeats)."""
+    tiers: Mapping[str, Mapping[str, int]]
+
+
+class NodeRegistry:
+    """The nodes of one placement table: membership goes through here, and so do daemon links.
+
+    Nodes enter the table only by registering through :meth:`register` (and never leave it but
+    by a new term), so the registry's entries and the table's nodes are the same set.
+
+    ``table`` is replaced (with :meth:`reset`) when the master stops leading: a new term starts
+    with no nodes, and the links of the old one are handed back for closing.
+    """
+
+    def __init__(self, table: PlacementTable, command_timeout_s: float) -> None:
+        self.table = table
+        self.command_timeout_s = command_timeout_s
+        self.epoch = 0
+        """Sent in the MasterHello of every new link: daemons refuse commands of older masters."""
+        self._entries: dict[str, _Entry] = {}
+
+    # -- membership ----------------------------------------------------------------------------
+    def register(self, m: RegisterNode, now_ms: int) -> list[NodeCommand]:
+        """(Re)register a node from its daemon's message; returns drops for blocks the table
+        could not adopt. A node that comes back at another address gets a new link."""
+        commands = self.table.register_node(
+            m.node_id, m.address, m.dram_capacity, m.ssd_capacity, m.alignment, m.inventory, now_ms, m.max_blocks
+        )
+        info = NodeInfo(
+            m.node_id, m.address, m.rails or [m.address], m.host_id, m.arena_path, m.arena_inode, m.nics, m.rdma,
+            m.ucx_address, True,
+        )  # fmt: skip
+        old = self._entries.get(m.node_id)
+        self._entries[m.node_id] = _Entry(info, link=old.link if old is not None else None)
+        return commands
+
+    def heartbeat(self, node_id: str, transfer_bytes: dict[str, int], now_ms: int) -> bool:
+        """Whether the node is known (a daemon that is not must register again)."""
+        entry = self._entries.get(node_id)
+        if entry is None or not self.table.heartbeat(node_id, now_ms):
+            return False
+        entry.transfer_bytes = transfer_bytes
+        return True
+
+    def reset(self, table: PlacementTable) -> list[AsyncConnection]:
+        """Start over with ``table`` and no nodes; returns the old links, for the caller to close."""
+        links = [e.link for e in self._entries.values() if e.link is not None]
+        self.table = table
+        self._entries = {}
+        return links
+
+    # -- daemon links ----------------------------------------------------------------------------
+    def link(self, node_id: str) -> AsyncConnection:
+        """The master's connection to the node's daemon, opened on first use."""
+        entry = self._entries[node_id]
+        address = self.table.nodes[node_id].address
+        if entry.link is None or entry.link.address != address:
+            hello = MasterHello(self.epoch) if self.epoch else None  # fences the commands of older masters
+            entry.link = AsyncConnection(address, self.command_timeout_s, hello=hello)
+        return entry.link
+
+    def links(self) -> list[AsyncConnection]:
+        return [e.link for e in self._entries.values() if e.link is not None]
+
+    # -- reading -------------------------------------------------------------------------------
+    def infos(self) -> list[NodeInfo]:
+        """Every registered node with how to reach it, up or down, by node id (ListNodes)."""
+        nodes = self.table.nodes
+        return [replace(e.info, up=nodes[n].up) for n, e in sorted(self._entries.items())]
+
+    def view(self, node_id: str) -> NodeView | None:
+        entry = self._entries.get(node_id)
+        return None if entry is None else self._view(node_id, entry)
+
+    def _view(self, node_id: str, entry: _Entry) -> NodeView:
+        state = self.table.nodes[node_id]
+        return NodeView(
+            node_id, replace(entry.info, up=state.up), state, node_id in self.table.draining,
+            MappingProxyType(dict(entry.transfer_bytes)), MappingProxyType(self.table.tier_usage(state)),
+        )  # fmt: skip
+
+    def views(self) -> list[NodeView]:
+        return [self._view(n, e) for n, e in sorted(self._entries.items())]

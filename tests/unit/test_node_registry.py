@@ -1,0 +1,98 @@
+"""The master's node registry: one entry per node of the table, links that follow the node's
+address and epoch, a new term that starts empty, and views the admin API cannot change."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvstore.errors import InvalidArgument
+from kvstore.placement.table import PlacementTable
+from kvstore.policy import EvictionPolicy
+from kvstore.protocol import InventoryItem, MasterHello, Nic, RegisterNode
+from server.master.nodes import NodeRegistry
+
+KB = 1024
+
+
+def _register(node_id: str, address: str, inventory: list[InventoryItem] | None = None) -> RegisterNode:
+    return RegisterNode(
+        node_id, address, 64 * KB, 0, 64, inventory or [], [], "host", "/dev/shm/a", 7,
+        [Nic("lo", "127.0.0.1", -1, -1)], False, "", 0, [],
+    )  # fmt: skip
+
+
+def _registry() -> NodeRegistry:
+    return NodeRegistry(PlacementTable(EvictionPolicy(0.9, 0.8, 2), node_ttl_ms=10), command_timeout_s=1.0)
+
+
+def test_registering_fills_the_table_and_the_registry_alike() -> None:
+    nodes = _registry()
+    item = InventoryItem("k", "dram", 0, 1000, 5)
+    nodes.register(_register("n1", "127.0.0.1:1", [item]), now_ms=0)
+    nodes.register(_register("n0", "127.0.0.1:2"), now_ms=0)
+    assert set(nodes.table.nodes) == {"n0", "n1"}
+    assert [i.node_id for i in nodes.infos()] == ["n0", "n1"]
+    info = nodes.infos()[1]
+    assert info.rails == ["127.0.0.1:1"] and info.arena_inode == 7 and info.up  # no rails: its address
+    view = nodes.view("n1")
+    assert view is not None and view.tiers["dram"]["blocks"] == 1 and not view.draining
+    assert nodes.view("nope") is None
+
+
+def test_a_bad_node_id_leaves_both_untouched() -> None:
+    nodes = _registry()
+    with pytest.raises(InvalidArgument):
+        nodes.register(_register("", "127.0.0.1:1"), now_ms=0)
+    assert not nodes.table.nodes and nodes.infos() == []
+
+
+def test_heartbeats_keep_transfer_figures_and_tell_unknown_nodes_to_register() -> None:
+    nodes = _registry()
+    assert not nodes.heartbeat("n0", {"tcp|a|out": 5}, now_ms=1)
+    nodes.register(_register("n0", "127.0.0.1:1"), now_ms=0)
+    assert nodes.heartbeat("n0", {"tcp|a|out": 5}, now_ms=1)
+    view = nodes.view("n0")
+    assert view is not None and dict(view.transfer_bytes) == {"tcp|a|out": 5}
+    nodes.table.expire(100)  # silent past its TTL: down, still listed
+    assert [i.up for i in nodes.infos()] == [False]
+    assert nodes.heartbeat("n0", {}, now_ms=101) and [i.up for i in nodes.infos()] == [True]
+
+
+def test_a_link_follows_the_nodes_address_and_carries_the_epoch() -> None:
+    nodes = _registry()
+    nodes.register(_register("n0", "127.0.0.1:1"), now_ms=0)
+    first = nodes.link("n0")
+    assert first.address == "127.0.0.1:1" and first.hello is None  # no epoch: no fence
+    nodes.register(_register("n0", "127.0.0.1:1"), now_ms=1)
+    assert nodes.link("n0") is first  # same daemon, same link
+    nodes.epoch = 9
+    nodes.register(_register("n0", "127.0.0.1:3"), now_ms=2)
+    moved = nodes.link("n0")
+    assert moved is not first and moved.address == "127.0.0.1:3" and moved.hello == MasterHello(9)
+    with pytest.raises(KeyError):
+        nodes.link("nope")
+
+
+def test_a_new_term_starts_empty_and_hands_back_the_old_links() -> None:
+    nodes = _registry()
+    for i in range(2):
+        nodes.register(_register(f"n{i}", f"127.0.0.1:{i + 1}"), now_ms=0)
+    links = [nodes.link("n0")]
+    fresh = PlacementTable(EvictionPolicy(0.9, 0.8, 2), node_ttl_ms=10)
+    assert nodes.reset(fresh) == links
+    assert nodes.table is fresh and nodes.infos() == [] and nodes.views() == [] and nodes.links() == []
+
+
+def test_views_cannot_change_the_registry() -> None:
+    nodes = _registry()
+    nodes.register(_register("n0", "127.0.0.1:1"), now_ms=0)
+    nodes.heartbeat("n0", {"tcp|a|in": 1}, now_ms=1)
+    view = nodes.views()[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.draining = True  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        view.transfer_bytes["tcp|a|in"] = 99  # type: ignore[index]
+    again = nodes.view("n0")
+    assert again is not None and again.transfer_bytes["tcp|a|in"] == 1
