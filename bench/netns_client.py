@@ -83,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                 "paused": [r.address for r in railset.rails if r.paused_until > time.monotonic()],
             }
         else:
-            located = store._locate(keys)
-            sizes = [loc.size for loc in located if loc is not None]
-            checksums = [loc.checksum for loc in located if loc is not None]
+            with store._located(keys) as located:
+                sizes = [loc.size for loc in located if loc is not None]
+                checksums = [loc.checksum for loc in located if loc is not None]
             rates = {}
             for name, rails in (("one", node.rails[:1]), ("all", node.rails)):
                 railset = RailSet(rails, timeout=5.0, slice_bytes=args.slice_bytes, max_inflight=8, cooldown_s=5.0)

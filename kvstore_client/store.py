@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Self, TypeVar
@@ -347,39 +347,45 @@ class Store:
         if not rest:
             return out
         # 2. The others: where the master says they are.
-        located = self._locate([keys[i] for i in rest])
-        if views is None:
-            bufs = {i: bytearray(loc.size) for i, loc in zip(rest, located, strict=True) if loc is not None}
-            targets = {i: memoryview(b) for i, b in bufs.items()}
-        else:
-            targets = {i: views[i] for i in rest}
-            if exact_size:
-                located = [
-                    r if r is None or r.size == targets[i].nbytes else None for i, r in zip(rest, located, strict=True)
-                ]
-        for i, loc in zip(rest, located, strict=True):
-            if loc is not None and targets[i].nbytes < loc.size:
-                raise BufferTooSmall(
-                    f"buffer of {targets[i].nbytes} bytes cannot hold block {loc.key!r} of {loc.size} bytes"
-                )
-        sizes = self._read(
-            [(i, loc, targets[i]) for i, loc in zip(rest, located, strict=True) if loc is not None], verify
-        )
-        for i, size in sizes.items():
-            out[i] = size if views is not None else bufs[i]
-        self._hints.note(
-            (keys[i], (loc.replicas[0].node_id, loc.replicas[0].address) if loc is not None and loc.replicas else None)
-            for i, loc in zip(rest, located, strict=True)
-        )  # fmt: skip
-        return out
+        with self._located([keys[i] for i in rest]) as located:
+            if views is None:
+                bufs = {i: bytearray(loc.size) for i, loc in zip(rest, located, strict=True) if loc is not None}
+                targets = {i: memoryview(b) for i, b in bufs.items()}
+            else:
+                targets = {i: views[i] for i in rest}
+                if exact_size:
+                    located = [
+                        r if r is None or r.size == targets[i].nbytes else None
+                        for i, r in zip(rest, located, strict=True)
+                    ]
+            for i, loc in zip(rest, located, strict=True):
+                if loc is not None and targets[i].nbytes < loc.size:
+                    raise BufferTooSmall(
+                        f"buffer of {targets[i].nbytes} bytes cannot hold block {loc.key!r} of {loc.size} bytes"
+                    )
+            sizes = self._read(
+                [(i, loc, targets[i]) for i, loc in zip(rest, located, strict=True) if loc is not None], verify
+            )
+            for i, size in sizes.items():
+                out[i] = size if views is not None else bufs[i]
+            self._hints.note(
+                (keys[i], (r.replicas[0].node_id, r.replicas[0].address) if r is not None and r.replicas else None)
+                for i, r in zip(rest, located, strict=True)
+            )  # fmt: skip
+            return out
 
-    def _locate(self, keys: list[str]) -> list[LocatedRef | None]:
+    @contextlib.contextmanager
+    def _located(self, keys: list[str]) -> Iterator[list[LocatedRef | None]]:
+        """Where ``keys`` are, under read leases (when a path may read the arena directly) that
+        are queued for release only when the block is left: once the reads are over."""
         lease = self._paths.may_lease
         reply = self._call(GetReplicas(keys, self._leases.take(), lease), GetReplicasReply)
         located = reply.located(keys)
-        if lease:
-            self._leases.add(loc.key for loc in located if loc is not None)
-        return located
+        try:
+            yield located
+        finally:
+            if lease:
+                self._leases.add(loc.key for loc in located if loc is not None)
 
     def _read(self, blocks: list[tuple[int, LocatedRef, memoryview]], verify: bool) -> dict[int, int]:
         """Read located blocks, trying each block's next replica when a daemon does not answer."""
@@ -434,30 +440,33 @@ class Store:
             if view.nbytes < length:
                 raise BufferTooSmall(f"buffer of {view.nbytes} bytes cannot hold a range of {length} bytes")
         checked: list[str] = [validate_key(k) for k in keys]
-        located = self._locate(checked)
-        out: list[int | None] = [None] * len(checked)
-        per_node: dict[tuple[str, str], list[int]] = {}
-        for i, loc in enumerate(located):
-            if loc is None or loc.size < start + length:
-                continue
-            for replica in loc.replicas:  # a local DRAM copy first, else the first replica's daemon
-                path = self._path(replica.node_id, replica.address) if replica.tier == "dram" else None
-                if isinstance(path, ShmPath):
-                    ShmTransport.read(path.arena, replica.offset + start, length, views[i])
-                    out[i] = length
-                    break
-            else:
-                per_node.setdefault((loc.replicas[0].node_id, loc.replicas[0].address), []).append(i)
-        jobs = [partial(self._path(node_id, address).read_ranges, [checked[i] for i in idx], start, length,
-                        [views[i][:length] for i in idx]) for (node_id, address), idx in per_node.items()]  # fmt: skip
-        for idx, outcome in zip(per_node.values(), self._fan_out(jobs), strict=True):
-            if isinstance(outcome, ConnectionFailed | Timeout):
-                continue  # the node is gone or stalled: misses
-            if isinstance(outcome, BaseException):
-                raise outcome
-            for i, ok in zip(idx, outcome, strict=True):
-                out[i] = length if ok else None
-        return out
+        with self._located(checked) as located:
+            out: list[int | None] = [None] * len(checked)
+            per_node: dict[tuple[str, str], list[int]] = {}
+            for i, loc in enumerate(located):
+                if loc is None or loc.size < start + length:
+                    continue
+                for replica in loc.replicas:  # a local DRAM copy first, else the first replica's daemon
+                    path = self._path(replica.node_id, replica.address) if replica.tier == "dram" else None
+                    if isinstance(path, ShmPath):
+                        ShmTransport.read(path.arena, replica.offset + start, length, views[i])
+                        out[i] = length
+                        break
+                else:
+                    per_node.setdefault((loc.replicas[0].node_id, loc.replicas[0].address), []).append(i)
+            jobs = [
+                partial(self._path(node_id, address).read_ranges, [checked[i] for i in idx], start, length,
+                        [views[i][:length] for i in idx])
+                for (node_id, address), idx in per_node.items()
+            ]  # fmt: skip
+            for idx, outcome in zip(per_node.values(), self._fan_out(jobs), strict=True):
+                if isinstance(outcome, ConnectionFailed | Timeout):
+                    continue  # the node is gone or stalled: misses
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                for i, ok in zip(idx, outcome, strict=True):
+                    out[i] = length if ok else None
+            return out
 
     def _fan_out(self, jobs: Sequence[Callable[[], T]]) -> list[T | BaseException]:
         """Run one job per daemon, in parallel when there are several; each outcome or its exception."""

@@ -196,7 +196,7 @@ def _one_trip_reads(stack: contextlib.ExitStack, cluster: LocalCluster, monkeypa
     def no_master(self: Store, keys: list[str]) -> list[Any]:
         raise AssertionError(f"the master was asked where {keys} are")
 
-    monkeypatch.setattr(Store, "_locate", no_master)
+    monkeypatch.setattr(Store, "_located", no_master)
     assert store.get_many(keys, verify=True) == blocks
     out = bytearray(8 * KB)
     assert store.get_into(keys[3], out) == len(blocks[3]) and out[: len(blocks[3])] == blocks[3]
@@ -206,6 +206,27 @@ def _one_trip_reads(stack: contextlib.ExitStack, cluster: LocalCluster, monkeypa
     while store.stats()["hits"] < before["hits"] + 9 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert store.stats()["hits"] >= before["hits"] + 9
+
+
+def test_a_readers_leases_are_released_after_its_reads_not_before(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A lease released while the arena copy is still running would let the block be evicted
+    # (and its space rewritten) under the reader.
+    keys = [f"leased-{i}" for i in range(4)]
+    store.put_many((k, bytes([i]) * 5000) for i, k in enumerate(keys))
+    assert store._paths.may_lease
+    seen: list[list[str]] = []
+    read = Store._read
+
+    def watching(self: Store, blocks: Any, verify: bool) -> dict[int, int]:
+        seen.append(list(self._leases._pending))  # queued for release while this read runs
+        return read(self, blocks, verify)
+
+    monkeypatch.setattr(Store, "_read", watching)
+    store._hints.forget(keys)  # through the master, under leases
+    assert store.get_many(keys) == [bytes([i]) * 5000 for i in range(4)]
+    assert seen and not set(keys) & set(seen[0])
 
 
 def test_stale_or_dead_hints_never_change_an_answer(store: Store, cluster: LocalCluster) -> None:
