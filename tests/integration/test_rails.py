@@ -73,9 +73,9 @@ def test_a_dead_rail_is_skipped_paused_and_probed_again(store: Store) -> None:
     data = np.random.default_rng(4).integers(0, 256, (4, 2 * MB), dtype=np.uint8)
     keys = [f"dead-rail-{i}" for i in range(len(data))]
     store.put_many(zip(keys, data, strict=True))
-    located = store._locate(keys)
-    sizes = [loc.size for loc in located if loc is not None]
-    sums = [loc.checksum for loc in located if loc is not None]
+    with store._located(keys) as located:
+        sizes = [loc.size for loc in located if loc is not None]
+        sums = [loc.checksum for loc in located if loc is not None]
     dead = "127.0.0.1:1"  # nothing listens there: every slice sent to it fails
     railset = RailSet([node.rails[0], dead], timeout=2.0, slice_bytes=256 * 1024, max_inflight=4, cooldown_s=60)
     try:
