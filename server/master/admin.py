@@ -287,7 +287,8 @@ class AdminApi:
         if self.token is None or _is_public(request):
             return await handler(request)
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+        # Header bytes that are not UTF-8 come as surrogates: compared as the bytes they were, never a 500.
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {self.token}".encode()):
             return _error(401, 0, "Unauthorized", "this route needs 'Authorization: Bearer <token>'")
         return await handler(request)
 
@@ -567,6 +568,8 @@ class _Collector:
                                 ("leadership_lost", "Times this master lost its lease or resigned while leading."),
                                 ("etcd_errors", "etcd requests of the election that failed.")):  # fmt: skip
             yield CounterMetricFamily(f"kvstore_master_{name}", help_text, value=role[name])
+        yield CounterMetricFamily("kvstore_refused_connections", "Connections closed at accept (over the limit).",
+                                  value=service.refused_connections)  # fmt: skip
         yield CounterMetricFamily("kvstore_rpc_errors", "RPC requests answered with an error.",
                                   value=service.rpc_errors)  # fmt: skip
         transfer = CounterMetricFamily("kvstore_transfer_bytes", "Bytes moved by daemons, by transport and rail.",

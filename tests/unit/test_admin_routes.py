@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -105,3 +106,12 @@ async def test_leadership_shows_in_its_route_and_in_metrics(client: TestClient) 
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
     assert float(samples["kvstore_master_leading"]) == 1 and float(samples["kvstore_master_ready"]) == 1
     assert float(samples["kvstore_master_etcd_reachable"]) == 0 and "kvstore_master_failovers_total" in samples
+
+
+async def test_a_token_of_raw_non_ascii_bytes_is_refused_not_a_crash(client: TestClient) -> None:
+    assert client.server.host is not None and client.server.port is not None
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"GET /api/v1/cluster HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\xc3\x28\r\n\r\n")
+    status = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    assert status.split()[1] == b"401"
