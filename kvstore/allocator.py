@@ -249,3 +249,43 @@ class Allocator:
         assert self._sizes == sorted(self._by_size)
         assert all(self._free_end[s + n] == s for s, n in self._free_start.items())
         assert sum(len(b) for b in self._by_size.values()) == len(self._free_start)
+
+
+class ExtentSet:
+    """Extents someone else placed (a master, for an unmanaged arena), kept sorted so that a new
+    one is checked against its neighbours: no two ever overlap. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def overlapping(self, extent: Extent) -> Extent | None:
+        """An extent of the set that shares a byte with ``extent``, if one does."""
+        start, end = extent.offset, extent.offset + extent.length
+        i = bisect_left(self._starts, end)  # extents starting before ``end``: only the last can reach past start
+        if i:
+            before = self._starts[i - 1]
+            if self._ends[before] > start:
+                return Extent(before, self._ends[before] - before)
+        return None
+
+    def add(self, extent: Extent) -> None:
+        """Add ``extent``; raises InvalidArgument naming the extent it would overlap."""
+        if extent.length <= 0:
+            raise InvalidArgument(f"extent ({extent.offset}, {extent.length}) is empty")
+        other = self.overlapping(extent)
+        if other is not None:
+            raise InvalidArgument(
+                f"extent ({extent.offset}, {extent.length}) overlaps the block at ({other.offset}, {other.length})"
+            )
+        insort(self._starts, extent.offset)
+        self._ends[extent.offset] = extent.offset + extent.length
+
+    def remove(self, extent: Extent) -> None:
+        if self._ends.get(extent.offset) != extent.offset + extent.length:
+            raise InvalidArgument(f"extent ({extent.offset}, {extent.length}) is not in the set")
+        del self._ends[extent.offset]
+        del self._starts[bisect_left(self._starts, extent.offset)]

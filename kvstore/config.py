@@ -302,6 +302,9 @@ class MasterConfig(_Frozen):
     node_ttl_ms: int = Field(default=3_000, gt=0, description="A node silent this long is marked down.")
     command_timeout_ms: int = Field(default=10_000, gt=0, description="Bound on one command to a daemon.")
     idle_timeout_s: float = Field(default=600.0, gt=0, description="An idle client connection is closed after this.")
+    max_connections: int = Field(
+        default=4096, ge=1, description="Client and daemon connections served at once; more are closed at accept."
+    )
     tick_ms: int = Field(default=100, gt=0, description="Period of expiry and command retries.")
     grant_ttl_ms: int = Field(
         default=10_000, gt=0, description="Granted write space (one-trip puts) returns to the pool after this."
@@ -367,6 +370,12 @@ class DaemonConfig(_Frozen):
     dram: DramConfig = Field(default_factory=DramConfig)
     ssd: SsdConfig = Field(default_factory=SsdConfig)
     io_timeout_s: float = Field(default=30.0, gt=0, description="Bound on each network wait inside a request.")
+    max_connections: int = Field(
+        default=1024, ge=1, description="Data-plane connections served at once; more are closed at accept."
+    )
+    max_connections_per_peer: int = Field(
+        default=256, ge=1, description="Data-plane connections served at once from one peer address."
+    )
 
 
 class ClientConfig(_Frozen):

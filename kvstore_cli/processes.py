@@ -29,6 +29,7 @@ def _master_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-id", default=None, help="HA: the cluster's id in etcd (with --etcd)")
     p.add_argument("--etcd-lease-ttl", type=int, default=None, metavar="S", help="HA: the leader's lease (seconds)")
     p.add_argument("--advertise", default=None, metavar="H:P", help="the address others reach this master at")
+    p.add_argument("--max-connections", type=int, default=None, help="connections served at once (default 4096)")
 
 
 @command("master", "run the master (placement, eviction, leases, membership)")
@@ -47,6 +48,7 @@ def _master(args: argparse.Namespace) -> int:
         "cluster_id": args.cluster_id,
         "etcd_lease_ttl_s": args.etcd_lease_ttl,
         "advertise": args.advertise,
+        "max_connections": args.max_connections,
     }
     if os.environ.get("KVSTORE_ADMIN_TOKEN"):
         fields["admin_token"] = os.environ["KVSTORE_ADMIN_TOKEN"]
@@ -68,6 +70,10 @@ def _daemon_arguments(p: argparse.ArgumentParser) -> None:
         "--rail", action="append", default=[], metavar="HOST", help="also serve on this host's address (one per NIC)"
     )
     p.add_argument("--ucx-port", type=int, default=None, help="also serve over UCX on this port (0: any free port)")
+    p.add_argument("--max-connections", type=int, default=None, help="connections served at once (default 1024)")
+    p.add_argument(
+        "--max-connections-per-peer", type=int, default=None, help="connections served at once per peer (default 256)"
+    )
 
 
 @command("daemon", "run a storage daemon serving one node's DRAM and SSD")
@@ -84,6 +90,14 @@ def _daemon(args: argparse.Namespace) -> int:
         port=args.port,
         rails=args.rail,
         ucx_port=args.ucx_port,
+        **{
+            k: v
+            for k, v in (
+                ("max_connections", args.max_connections),
+                ("max_connections_per_peer", args.max_connections_per_peer),
+            )
+            if v is not None
+        },
         dram={"capacity": args.dram, "name": args.arena or args.name},
         ssd={"capacity": args.ssd, "path": args.ssd_dir if args.ssd else None},
     )

@@ -10,6 +10,8 @@ measures them.
 from __future__ import annotations
 
 import fcntl
+import ipaddress
+import logging
 import os
 import socket
 import struct
@@ -95,3 +97,24 @@ def same_file(path: str, inode: int) -> bool:
         return os.stat(path).st_ino == inode
     except OSError:
         return False
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on ``host`` keeps a port to this machine (127.0.0.0/8, ::1, localhost).
+    A wildcard (0.0.0.0, ::) or any other address or name is reachable from elsewhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_open(log: logging.Logger, what: str, host: str, port: int) -> None:
+    """Say once, at start, that a server without authentication listens beyond this machine."""
+    if not is_loopback(host):
+        log.warning(
+            "%s listens on %s:%d with no authentication: anyone who can reach that port can read, "
+            "overwrite and remove every block; keep it on a trusted network or behind a firewall",
+            what, host, port,
+        )  # fmt: skip

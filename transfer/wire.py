@@ -141,6 +141,10 @@ def recv_read_reply(reply: Message, sock: socket.socket, targets: Sequence[memor
     return got
 
 
+_EAGER_FRAME = 64 * 1024
+"""Frames up to this size get their whole buffer at once; larger ones grow as their bytes arrive."""
+
+
 class NoRequest(Exception):
     """No byte of a next frame arrived within the socket's timeout (an idle peer; the stream is in step)."""
 
@@ -159,6 +163,16 @@ def recv_message(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> tuple
     (length,) = FRAME_HEADER.unpack(header)
     if length > max_frame:
         raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_frame}")
-    payload = bytearray(length)
-    recv_into(sock, memoryview(payload))
+    if length <= _EAGER_FRAME:
+        payload = bytearray(length)
+        recv_into(sock, memoryview(payload))
+    else:
+        # Never allocated ahead of the bytes: a peer that announces a huge frame and stalls holds
+        # no more memory than it sent.
+        payload = bytearray()
+        while len(payload) < length:
+            chunk = sock.recv(min(length - len(payload), _SCRATCH))  # a chunk as it comes, 1 MiB at most
+            if not chunk:
+                raise ConnectionFailed("peer closed the connection mid-message")
+            payload += chunk
     return decode_payload(bytes(payload))

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvstore.allocator import Allocator, Extent, align_up
+from kvstore.allocator import Allocator, Extent, ExtentSet, align_up
 from kvstore.config import DramConfig
 from kvstore.errors import (
     BufferTooSmall,
@@ -151,8 +151,10 @@ class DramArena(IndexedTier[_Slot]):
         """Open (or create) the arena of ``config``.
 
         ``managed``: the arena places blocks itself (:meth:`begin`). Unmanaged,
-        a master places them (:meth:`begin_at`) and the arena only checks
-        bounds, as the master holds the one allocator for the arena.
+        a master places them (:meth:`begin_at`) and the arena checks that each
+        is in bounds and overlaps no block stored or being written: the master
+        holds the one allocator, but a wrong (or forged) extent must never land
+        on another block's bytes.
         """
         self.config = config
         self.managed = managed
@@ -178,6 +180,11 @@ class DramArena(IndexedTier[_Slot]):
             alloc, self._free_slots = self._recover()
             self._used = alloc.used
             self._alloc: Allocator | None = alloc if managed else None
+            self._placed: ExtentSet | None = None
+            if not managed:
+                self._placed = ExtentSet()
+                for slot in self._index.values():
+                    self._placed.add(slot.extent)
         except BaseException:
             with contextlib.suppress(BufferError):
                 if hasattr(self, "_buf"):
@@ -337,7 +344,10 @@ class DramArena(IndexedTier[_Slot]):
             raise InvalidArgument(f"extent ({offset}, {size}) is misaligned or outside {self.description}")
         if not self._free_slots:
             raise CapacityError(f"{self.description} has no free index slot (max_blocks={self.num_slots})")
-        return self._begin_slot(key, Extent(offset, length), size)
+        extent = Extent(offset, length)
+        assert self._placed is not None
+        self._placed.add(extent)  # raises when it overlaps a block stored or being written
+        return self._begin_slot(key, extent, size)
 
     def _check_new(self, key: BlockKey, size: int) -> None:
         self._check_open()
@@ -388,6 +398,8 @@ class DramArena(IndexedTier[_Slot]):
         self._mm[HEADER_SIZE + slot.index * SLOT_SIZE] = FREE
         if self._alloc is not None:
             self._alloc.free(slot.extent)
+        if self._placed is not None:
+            self._placed.remove(slot.extent)
         self._used -= slot.extent.length
         self._free_slots.append(slot.index)
 

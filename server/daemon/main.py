@@ -12,7 +12,9 @@ from types import FrameType
 from kvstore.config import DaemonConfig
 from server.daemon.service import DaemonServer, MasterLink
 from server.daemon.storage import DaemonStorage
+from transfer.topology import warn_if_open
 from transfer.transports.ucx import UcxServer, tune_environment
+from transfer.wire import parse_address
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -32,11 +34,17 @@ def run_daemon(config: DaemonConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     storage = DaemonStorage(config.dram, config.ssd)
     try:
-        server = DaemonServer(storage, config.host, config.port, rails=config.rails, io_timeout=config.io_timeout_s)
+        server = DaemonServer(
+            storage, config.host, config.port, rails=config.rails, io_timeout=config.io_timeout_s,
+            max_connections=config.max_connections, max_per_peer=config.max_connections_per_peer,
+        )  # fmt: skip
     except BaseException:
         storage.close()
         raise
     server.start()
+    for rail in server.rails:
+        host, port = parse_address(rail)
+        warn_if_open(log, f"daemon {config.name}", host, port)
     ucx: UcxServer | None = None
     if config.ucx_port is not None:
         try:

@@ -118,11 +118,19 @@ class DaemonServer:
         rails: Sequence[str] = (),
         io_timeout: float = 30.0,
         idle_timeout: float = 600.0,
+        max_connections: int = 1024,
+        max_per_peer: int = 256,
     ) -> None:
-        """Serve on ``host:port`` and on each further rail host (one per NIC; free ports)."""
+        """Serve on ``host:port`` and on each further rail host (one per NIC; free ports), at most
+        ``max_connections`` connections at once and ``max_per_peer`` from one address."""
         self.storage = storage
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self.max_per_peer = max_per_peer
+        self._per_peer: Counter[str] = Counter()
+        self.refused_connections = 0
+        """Connections closed at accept because a limit was reached."""
         self._listeners: list[socket.socket] = []
         try:
             for i, h in enumerate([host, *rails]):
@@ -175,21 +183,36 @@ class DaemonServer:
         listener.settimeout(0.2)
         while not self._stop.is_set():
             try:
-                sock, _ = listener.accept()
+                sock, peer = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return
-            set_timeouts(sock, self.io_timeout)
+            host = str(peer[0])
             with self._conns_lock:
-                self._conns[sock] = rail
-            threading.Thread(target=self._serve, args=(sock,), name="daemon-conn", daemon=True).start()
+                refused = len(self._conns) >= self.max_connections or self._per_peer[host] >= self.max_per_peer
+                if not refused:
+                    self._conns[sock] = rail
+                    self._per_peer[host] += 1
+            if refused:
+                # No thread, no buffer: a peer that opens connections without end costs a close each.
+                self.refused_connections += 1
+                if self.refused_connections & (self.refused_connections - 1) == 0:  # 1st, 2nd, 4th, 8th...
+                    log.warning(
+                        "refused connection from %s: %d open (limit %d), %d from it (limit %d); %d refused so far",
+                        host, len(self._conns), self.max_connections, self._per_peer[host], self.max_per_peer,
+                        self.refused_connections,
+                    )  # fmt: skip
+                sock.close()
+                continue
+            set_timeouts(sock, self.io_timeout)
+            threading.Thread(target=self._serve, args=(sock, host), name="daemon-conn", daemon=True).start()
 
     def raise_epoch(self, epoch: int) -> None:
         """A master of ``epoch`` leads now: commands on connections of older masters are refused."""
         self.epoch = max(self.epoch, epoch)
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, host: str) -> None:
         epoch = 0  # the epoch of the master that opened this connection (MasterHello), if one did
         try:
             idle_since = time.monotonic()
@@ -233,6 +256,9 @@ class DaemonServer:
         finally:
             with self._conns_lock:
                 self._conns.pop(sock, None)
+                self._per_peer[host] -= 1
+                if not self._per_peer[host]:
+                    del self._per_peer[host]
             sock.close()
 
     @staticmethod

@@ -87,6 +87,7 @@ from server.master.metrics import LatencyHistogram, Sampler
 from server.master.nodes import NodeRegistry
 from transfer.aio import AsyncConnection
 from transfer.discovery import EtcdCluster, MasterRecord, parse_endpoints
+from transfer.topology import warn_if_open
 
 log = logging.getLogger("kvstore.master")
 
@@ -140,7 +141,17 @@ class _RpcConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
-        self.service._connections.add(self)
+        service = self.service
+        if len(service._connections) >= service.config.max_connections:
+            service.refused_connections += 1
+            if service.refused_connections & (service.refused_connections - 1) == 0:  # 1st, 2nd, 4th...
+                log.warning(
+                    "refused a connection: %d open (limit %d); %d refused so far",
+                    len(service._connections), service.config.max_connections, service.refused_connections,
+                )  # fmt: skip
+            transport.close()
+            return
+        service._connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         self.last = time.monotonic()
@@ -193,6 +204,8 @@ class MasterService:
         self._connections: set[_RpcConnection] = set()
         self._ticker: asyncio.Task[None] | None = None
         self.rpc_errors = 0
+        self.refused_connections = 0
+        """Connections closed at accept: ``config.max_connections`` were open."""
         self._answers: OrderedDict[int, tuple[float, asyncio.Future[Message]]] = OrderedDict()
         self._handlers: dict[type[Message], Handler] = {
             RegisterNode: self._register,
@@ -387,6 +400,7 @@ class MasterService:
         self._server = await loop.create_server(lambda: _RpcConnection(self), self.config.host, self.config.port)
         self._ticker = asyncio.create_task(self._tick_forever(), name="master-ticker")
         port = self._server.sockets[0].getsockname()[1]
+        warn_if_open(log, "the master", self.config.host, port)
         self.address = self.config.advertise or f"{self.config.host}:{port}"
         if self.config.etcd is None:
             self._become_leader(0)

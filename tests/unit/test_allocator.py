@@ -1,6 +1,8 @@
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvstore.allocator import Allocator, Extent
+from kvstore.allocator import Allocator, Extent, ExtentSet
 from kvstore.errors import InvalidArgument
 
 
@@ -90,3 +92,39 @@ def test_rebuild_restores_exactly_the_given_extents() -> None:
 def test_rebuild_rejects_overlapping_or_misplaced_extents(extents: list[tuple[int, int]]) -> None:
     with pytest.raises(InvalidArgument):
         Allocator.rebuild(4096, 64, extents)
+
+
+def test_an_extent_set_refuses_overlaps_and_forgets_removed_extents() -> None:
+    s = ExtentSet()
+    s.add(Extent(64, 64))
+    s.add(Extent(256, 128))
+    s.add(Extent(128, 128))  # touching both neighbours is fine
+    for bad in (Extent(0, 128), Extent(96, 8), Extent(300, 500), Extent(0, 1024)):
+        with pytest.raises(InvalidArgument, match="overlaps"):
+            s.add(bad)
+    assert s.overlapping(Extent(0, 64)) is None and s.overlapping(Extent(384, 64)) is None
+    assert s.overlapping(Extent(200, 1)) == Extent(128, 128)
+    s.remove(Extent(128, 128))
+    s.add(Extent(192, 64))
+    with pytest.raises(InvalidArgument, match="not in the set"):
+        s.remove(Extent(128, 128))
+    assert len(s) == 3
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 60), st.integers(1, 8)), max_size=60))
+def test_an_extent_set_agrees_with_a_byte_map(ops: list[tuple[bool, int, int]]) -> None:
+    s, held, owner = ExtentSet(), [], [None] * 80
+    for add, start, length in ops:
+        extent = Extent(start, length)
+        if add:
+            free = all(owner[i] is None for i in range(start, start + length))
+            assert (s.overlapping(extent) is None) == free
+            if free:
+                s.add(extent)
+                held.append(extent)
+                owner[start : start + length] = [extent] * length
+        elif held:
+            gone = held.pop(start % len(held))
+            s.remove(gone)
+            owner[gone.offset : gone.offset + gone.length] = [None] * gone.length
+    assert len(s) == len(held)

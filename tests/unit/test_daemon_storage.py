@@ -131,3 +131,33 @@ def test_a_dropped_reservation_frees_a_half_written_block(storage: DaemonStorage
     assert storage.drop([K("half")]) == [True]
     assert not storage.arena.is_pending(K("half"))
     write(storage, "reuse", 0, b"u" * KB)  # the extent is free again
+
+
+def test_no_write_lands_on_the_bytes_of_another_block(tmp_path: Path, storage: DaemonStorage) -> None:
+    # A master places blocks; a wrong or forged extent must never overwrite one stored or being written.
+    write(storage, "victim", 4 * KB, b"v" * 2000)
+    pending, overlap, inside, clear = storage.begin_writes(
+        [(K("w"), 8 * KB, 100), (K("a"), 4 * KB, 10), (K("b"), 5 * KB - 64, 200), (K("c"), 9 * KB, 100)]
+    )
+    assert isinstance(pending, memoryview) and isinstance(clear, memoryview)
+    assert isinstance(overlap, InvalidArgument) and "overlaps the block at (4096, 2048)" in str(overlap)
+    assert isinstance(inside, InvalidArgument)
+    [late] = storage.begin_writes([(K("d"), 8 * KB - 64, 128)])  # over the one being written
+    assert isinstance(late, InvalidArgument)
+    with storage.read_views([K("victim")]) as [view]:
+        assert view is not None and bytes(view) == b"v" * 2000
+    # Once a block is gone its extent takes a new one.
+    storage.finish_writes([(K("w"), pending, 0), (K("c"), clear, 0)])  # wrong checksums: discarded
+    assert storage.drop([K("victim")]) == [True]
+    write(storage, "new", 4 * KB, b"n" * 3000)
+    storage.close()
+    # A daemon that restarts knows where its blocks are: the check holds across the restart.
+    again = DaemonStorage(
+        DramConfig(capacity=64 * KB, name="ds", shm_dir=tmp_path, prefault=False),
+        SsdConfig(capacity=256 * KB, path=tmp_path / "ssd"),
+    )
+    try:
+        [refused] = again.begin_writes([(K("x"), 6 * KB, 64)])
+        assert isinstance(refused, InvalidArgument)
+    finally:
+        again.close()

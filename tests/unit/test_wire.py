@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import socket
 import threading
+import tracemalloc
 
 import numpy as np
 import pytest
 
-from kvstore.errors import ConnectionFailed, InvalidArgument, ProtocolError
-from kvstore.protocol import FRAME_HEADER, ReadReply, Stats, StatsReply
+from kvstore.errors import ConnectionFailed, InvalidArgument, ProtocolError, Timeout
+from kvstore.protocol import FRAME_HEADER, ReadBlocks, ReadReply, Stats, StatsReply, encode
 from transfer.rpc import Connection
 from transfer.wire import (
     NoRequest,
+    io_errors,
     parse_address,
     recv_all_into,
     recv_message,
@@ -139,3 +141,25 @@ def test_a_pipelined_reply_read_later_keeps_the_connection_and_an_unread_one_clo
         conn.close()
         listener.close()
         thread.join(timeout=5)
+
+
+def test_a_large_frame_is_received_in_pieces_and_a_stalled_one_holds_only_what_came() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        set_timeouts(b, 0.5)
+        n = 20_000
+        big = ReadBlocks([f"k{i}" * 40 for i in range(n)], ["dram"] * n, [0] * n, [1] * n)
+        frame = encode(big, 7)
+        assert len(frame) > 1 << 20
+        threading.Thread(target=a.sendall, args=(frame,), daemon=True).start()
+        assert recv_message(b) == (7, big)
+        # A header announcing 60 MiB, then 100 KiB, then nothing: a timeout, with no 60 MiB buffer made.
+        a.sendall(FRAME_HEADER.pack(60 << 20) + b"\0" * 100_000)
+        tracemalloc.start()
+        try:
+            with pytest.raises(Timeout), io_errors("a stalled frame"):
+                recv_message(b)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 << 20
