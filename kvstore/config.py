@@ -371,10 +371,13 @@ class DaemonConfig(_Frozen):
     ssd: SsdConfig = Field(default_factory=SsdConfig)
     io_timeout_s: float = Field(default=30.0, gt=0, description="Bound on each network wait inside a request.")
     max_connections: int = Field(
-        default=1024, ge=1, description="Data-plane connections served at once; more are closed at accept."
+        default=4096, ge=1, description="Data-plane connections served at once; more are closed at accept."
     )
     max_connections_per_peer: int = Field(
-        default=256, ge=1, description="Data-plane connections served at once from one peer address."
+        default=1024,
+        ge=1,
+        description="Data-plane connections served at once from one peer address (every client process of a host "
+        "shares its address, and so does the master's command link).",
     )
 
 

@@ -70,9 +70,9 @@ def _daemon_arguments(p: argparse.ArgumentParser) -> None:
         "--rail", action="append", default=[], metavar="HOST", help="also serve on this host's address (one per NIC)"
     )
     p.add_argument("--ucx-port", type=int, default=None, help="also serve over UCX on this port (0: any free port)")
-    p.add_argument("--max-connections", type=int, default=None, help="connections served at once (default 1024)")
+    p.add_argument("--max-connections", type=int, default=None, help="connections served at once (default 4096)")
     p.add_argument(
-        "--max-connections-per-peer", type=int, default=None, help="connections served at once per peer (default 256)"
+        "--max-connections-per-peer", type=int, default=None, help="connections served at once per peer (default 1024)"
     )
 
 

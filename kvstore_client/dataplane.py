@@ -40,7 +40,7 @@ from transfer.rpc import Connection
 from transfer.transports import ucx
 from transfer.transports.shm import ShmTransport
 from transfer.transports.ucx import UcxClient
-from transfer.wire import discard_views, recv_all_into, recv_read_reply
+from transfer.wire import recv_parts, recv_read_reply
 
 M = TypeVar("M", bound=Message)
 
@@ -153,7 +153,7 @@ class DataPath:
             with conn.exchange(message) as (reply, sock):
                 if not isinstance(reply, ReadReply) or not len(reply.sizes) == len(reply.checksums) == len(keys):
                     raise ProtocolError(f"{self.address} sent a malformed reply to ReadBlocks")
-                targets: list[memoryview] = []
+                targets: list[memoryview | int] = []
                 for i, (size, check) in enumerate(zip(reply.sizes, reply.checksums, strict=True)):
                     if size < 0:
                         continue
@@ -162,11 +162,11 @@ class DataPath:
                         buf = made[i] = bytearray(size)
                         view = memoryview(buf)
                     elif size > view.nbytes or (exact_size and size != view.nbytes):
-                        targets.extend(discard_views(size))
+                        targets.append(size)  # not this block: its bytes dropped
                         continue
                     targets.append(view[:size])
                     out[i] = Direct(size, check)
-                recv_all_into(sock, targets)
+                recv_parts(sock, targets)
         finally:
             self.pool.release(conn)
         return out, made

@@ -114,11 +114,34 @@ def recv_all_into(sock: socket.socket, views: Sequence[memoryview]) -> None:
 _SCRATCH = 1 << 20
 
 
-def discard_views(n: int) -> list[memoryview]:
-    """Receive targets for ``n`` bytes nobody can take (a payload read only to keep the stream in
-    step): views of one scratch buffer of at most 1 MiB, reused in turn."""
-    scratch = memoryview(bytearray(min(n, _SCRATCH)))
-    return [scratch[: min(n - at, _SCRATCH)] for at in range(0, n, _SCRATCH)]
+def recv_parts(sock: socket.socket, parts: Sequence[memoryview | int]) -> None:
+    """Receive, in order, into each view of ``parts``, and drop the number of bytes each int says
+    (a payload read only to keep the stream in step). Views in a row go in one scatter receive;
+    dropped bytes pass through one scratch buffer of at most 1 MiB, so what is held never depends
+    on a size the sender named."""
+    run: list[memoryview] = []
+    scratch: memoryview | None = None
+    for part in parts:
+        if not isinstance(part, int):
+            run.append(part)
+            continue
+        if run:
+            recv_all_into(sock, run)
+            run = []
+        left = part
+        while left > 0:
+            if scratch is None:
+                scratch = memoryview(bytearray(min(part, _SCRATCH)))
+            n = min(left, scratch.nbytes)
+            recv_into(sock, scratch[:n])
+            left -= n
+    if run:
+        recv_all_into(sock, run)
+
+
+def keep_or_drop(targets: Sequence[memoryview], sizes: Sequence[int]) -> list[memoryview | int]:
+    """Parts for :func:`recv_parts`: each target that has its block's size, else the size to drop."""
+    return [t if t.nbytes == n else n for t, n in zip(targets, sizes, strict=True)]
 
 
 def recv_read_reply(reply: Message, sock: socket.socket, targets: Sequence[memoryview], what: str) -> list[bool]:
@@ -129,16 +152,9 @@ def recv_read_reply(reply: Message, sock: socket.socket, targets: Sequence[memor
 
     if not isinstance(reply, ReadReply) or len(reply.sizes) != len(targets):
         raise ProtocolError(f"{what}: a malformed reply")
-    got = []
-    views: list[memoryview] = []
-    for size, target in zip(reply.sizes, targets, strict=True):
-        if size == target.nbytes:
-            views.append(target)
-        elif size > 0:
-            views.extend(discard_views(size))
-        got.append(size == target.nbytes)
-    recv_all_into(sock, views)  # every payload of the reply with as few receives as the kernel allows
-    return got
+    parts = [t if n == t.nbytes else max(n, 0) for n, t in zip(reply.sizes, targets, strict=True)]
+    recv_parts(sock, parts)  # every payload of the reply with as few receives as the kernel allows
+    return [n == t.nbytes for n, t in zip(reply.sizes, targets, strict=True)]
 
 
 _EAGER_FRAME = 64 * 1024

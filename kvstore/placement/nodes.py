@@ -11,10 +11,36 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstore.allocator import Allocator, Extent
+from kvstore.errors import InvalidArgument, InvalidKey
 from kvstore.keys import validate_key
 from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
 from kvstore.policy import ActionKind, TierName
 from kvstore.protocol import InventoryItem
+
+MAX_NODE_BYTES = 1 << 50
+"""Bound on a node's tier capacities and block sizes (1 PiB): beyond it a registration is refused."""
+
+
+def _is_key(key: str) -> bool:
+    try:
+        validate_key(key)
+    except InvalidKey:
+        return False
+    return True
+
+
+def _check_registration(address: str, dram: int, ssd: int, alignment: int, max_blocks: int) -> None:
+    """Refuse a registration whose numbers no daemon sends, before anything of the node is touched."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"node address {address!r} is not host:port")
+    for name, value in (("dram capacity", dram), ("ssd capacity", ssd)):
+        if not 0 <= value <= MAX_NODE_BYTES:
+            raise InvalidArgument(f"{name} {value} is outside [0, {MAX_NODE_BYTES}]")
+    if not 0 < alignment <= 1 << 20 or alignment & (alignment - 1) or dram < alignment:
+        raise InvalidArgument(f"alignment {alignment} is not a power of two up to 1 MiB within a DRAM of {dram}")
+    if not 0 <= max_blocks <= 1 << 32:
+        raise InvalidArgument(f"max_blocks {max_blocks} is outside [0, 2**32]")
 
 
 class Membership:
@@ -42,6 +68,9 @@ class Membership:
         """
         cat = self.catalog
         validate_key(node_id)
+        _check_registration(address, dram_capacity, ssd_capacity, alignment, max_blocks)
+        # Items that cannot be blocks (a bad key, a size out of range) are left out: no daemon writes them.
+        inventory = [i for i in inventory if 0 < i.size <= MAX_NODE_BYTES and _is_key(i.key)]
         commands = self._forget_node(node_id)
         alloc = Allocator(dram_capacity, alignment)
         node = NodeState(node_id, address, alloc, ssd_capacity, last_seen_ms=now_ms, max_blocks=max_blocks)

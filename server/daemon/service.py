@@ -64,11 +64,19 @@ from kvstore.protocol import (
     WriteReply,
     WriteSlices,
 )
-from server.daemon.storage import DaemonStorage
+from server.daemon.storage import NO_TARGET, DaemonStorage
 from transfer import topology
 from transfer.discovery import MasterLocator
 from transfer.rpc import Connection, ConnectionPool
-from transfer.wire import NoRequest, recv_all_into, recv_message, recv_read_reply, send_message, set_timeouts
+from transfer.wire import (
+    NoRequest,
+    keep_or_drop,
+    recv_message,
+    recv_parts,
+    recv_read_reply,
+    send_message,
+    set_timeouts,
+)
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -118,8 +126,8 @@ class DaemonServer:
         rails: Sequence[str] = (),
         io_timeout: float = 30.0,
         idle_timeout: float = 600.0,
-        max_connections: int = 1024,
-        max_per_peer: int = 256,
+        max_connections: int = 4096,
+        max_per_peer: int = 1024,
     ) -> None:
         """Serve on ``host:port`` and on each further rail host (one per NIC; free ports), at most
         ``max_connections`` connections at once and ``max_per_peer`` from one address."""
@@ -194,19 +202,25 @@ class DaemonServer:
                 if not refused:
                     self._conns[sock] = rail
                     self._per_peer[host] += 1
+                else:
+                    self.refused_connections += 1
+                    refusals = self.refused_connections
             if refused:
                 # No thread, no buffer: a peer that opens connections without end costs a close each.
-                self.refused_connections += 1
-                if self.refused_connections & (self.refused_connections - 1) == 0:  # 1st, 2nd, 4th, 8th...
+                if refusals & (refusals - 1) == 0:  # the 1st, 2nd, 4th, 8th... refusal
                     log.warning(
                         "refused connection from %s: %d open (limit %d), %d from it (limit %d); %d refused so far",
                         host, len(self._conns), self.max_connections, self._per_peer[host], self.max_per_peer,
-                        self.refused_connections,
+                        refusals,
                     )  # fmt: skip
                 sock.close()
                 continue
             set_timeouts(sock, self.io_timeout)
-            threading.Thread(target=self._serve, args=(sock, host), name="daemon-conn", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(sock, host), name="daemon-conn", daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had (a process or memory limit): this one goes
+                log.warning("cannot serve a connection from %s: %s", host, exc)
+                self._forget(sock, host)
 
     def raise_epoch(self, epoch: int) -> None:
         """A master of ``epoch`` leads now: commands on connections of older masters are refused."""
@@ -254,12 +268,15 @@ class DaemonServer:
         except Exception:
             log.exception("daemon connection handler failed")
         finally:
-            with self._conns_lock:
-                self._conns.pop(sock, None)
-                self._per_peer[host] -= 1
-                if not self._per_peer[host]:
-                    del self._per_peer[host]
-            sock.close()
+            self._forget(sock, host)
+
+    def _forget(self, sock: socket.socket, host: str) -> None:
+        with self._conns_lock:
+            self._conns.pop(sock, None)
+            self._per_peer[host] -= 1
+            if not self._per_peer[host]:
+                del self._per_peer[host]
+        sock.close()
 
     @staticmethod
     def _keys(keys: list[str]) -> list[BlockKey]:
@@ -312,7 +329,7 @@ class DaemonServer:
             # The payload length is unknowable: the stream is out of step, so the connection must go.
             raise ConnectionFailed(f"WriteBlocks: {exc}") from None
         try:
-            recv_all_into(sock, batch.targets)  # one scatter receive for the whole batch
+            recv_parts(sock, keep_or_drop(batch.targets, msg.sizes))  # one scatter receive for the batch
         except BaseException:
             batch.abort()
             raise
@@ -419,10 +436,10 @@ class DaemonServer:
         targets: list[memoryview] = []
         at = iter(batch.targets)
         wanted = set(todo)
-        for i, size in enumerate(msg.sizes):
-            targets.append(next(at) if i in wanted else memoryview(bytearray(size)))
+        for i in range(len(msg.sizes)):
+            targets.append(next(at) if i in wanted else NO_TARGET)
         try:
-            recv_all_into(sock, targets)
+            recv_parts(sock, keep_or_drop(targets, msg.sizes))
         except BaseException:
             batch.abort()
             raise
@@ -467,16 +484,13 @@ class DaemonServer:
             raise ConnectionFailed("WriteSlices with mismatched or non-positive lengths")  # payload unknowable
         keys = self._keys(msg.keys)
         views = self.storage.slice_views(list(zip(keys, msg.offsets, msg.sizes, msg.starts, msg.lengths, strict=True)))
-        targets = [
-            v if isinstance(v, memoryview) else memoryview(bytearray(n))
-            for v, n in zip(views, msg.lengths, strict=True)
-        ]
+        targets = [v if isinstance(v, memoryview) else NO_TARGET for v in views]
         with self._conns_lock:
             for key in keys:
                 self._slice_receivers.setdefault(key, set()).add(sock)
         try:
             # A failure here leaves the blocks being written: the master's revoke or expiry drops them.
-            recv_all_into(sock, targets)
+            recv_parts(sock, keep_or_drop(targets, msg.lengths))
         finally:
             with self._conns_lock:
                 for key in keys:
@@ -514,6 +528,8 @@ class DaemonServer:
         send_message(sock, WriteReply.from_outcomes(outcome), request_id)
 
     def _read(self, msg: ReadBlocks, sock: socket.socket, request_id: int) -> None:
+        if not len(msg.keys) == len(msg.tiers) == len(msg.offsets) == len(msg.sizes):
+            raise InvalidArgument("ReadBlocks with mismatched keys, tiers, offsets and sizes")
         keys = self._keys(msg.keys)
         sums: list[int] = []
         with self.storage.read_views(keys, sums) as views:

@@ -57,8 +57,10 @@ class RWLock:
 class WriteBatch:
     """A batch of block writes in flight: reserved extents to fill, then checked and committed together.
 
-    ``targets`` has one buffer per block, in order: its reserved extent, or scratch space for a
-    block refused (its error is reported) or already stored exactly so (a retried write: success).
+    ``targets`` has one buffer per block, in order: its reserved extent, or an empty view for a
+    block refused (its error is reported) or already stored exactly so (a retried write: success);
+    the bytes of those are received into scratch (:func:`transfer.wire.recv_parts`), never
+    into a buffer of the size the sender named.
     """
 
     def __init__(
@@ -76,10 +78,7 @@ class WriteBatch:
         self._storage = storage
         self._keys, self._checksums, self._pinned = list(keys), list(checksums), pinned
         self._reserved = storage.begin_writes(list(zip(keys, offsets, sizes, strict=True)), checksums, join=join)
-        self.targets = [
-            r if isinstance(r, memoryview) else memoryview(bytearray(size))
-            for r, size in zip(self._reserved, sizes, strict=True)
-        ]
+        self.targets = [r if isinstance(r, memoryview) else NO_TARGET for r in self._reserved]
         self._open = True
 
     def abort(self) -> None:
@@ -121,6 +120,10 @@ class WriteBatch:
             )
         )
         return [next(done) if isinstance(r, memoryview) else r for r in self._reserved]
+
+
+NO_TARGET = memoryview(b"")
+"""The target of a block whose bytes are not kept (refused, or stored already): received into scratch."""
 
 
 class DaemonStorage:
@@ -357,8 +360,11 @@ class DaemonStorage:
                     continue
                 try:
                     self.ssd.read_into(key, dst)
-                finally:
+                except BaseException:
                     dst.release()
+                    self.arena.abort(key)  # its extent free again: the master reuses it after a False
+                    raise
+                dst.release()
                 self.arena.commit(key, entry.checksum, self._next_seq(), entry.pinned)
                 self.ssd.delete(key)
                 out.append(True)

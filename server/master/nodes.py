@@ -59,6 +59,7 @@ class NodeRegistry:
         self.epoch = 0
         """Sent in the MasterHello of every new link: daemons refuse commands of older masters."""
         self._entries: dict[str, _Entry] = {}
+        self._stale: list[AsyncConnection] = []
 
     # -- membership ----------------------------------------------------------------------------
     def register(self, m: RegisterNode, now_ms: int) -> list[NodeCommand]:
@@ -72,7 +73,11 @@ class NodeRegistry:
             m.ucx_address, True,
         )  # fmt: skip
         old = self._entries.get(m.node_id)
-        self._entries[m.node_id] = _Entry(info, link=old.link if old is not None else None)
+        link = old.link if old is not None else None
+        if link is not None and link.address != m.address:
+            self._stale.append(link)  # the daemon moved: its old link goes
+            link = None
+        self._entries[m.node_id] = _Entry(info, link=link)
         return commands
 
     def heartbeat(self, node_id: str, transfer_bytes: dict[str, int], now_ms: int) -> bool:
@@ -85,7 +90,7 @@ class NodeRegistry:
 
     def reset(self, table: PlacementTable) -> list[AsyncConnection]:
         """Start over with ``table`` and no nodes; returns the old links, for the caller to close."""
-        links = [e.link for e in self._entries.values() if e.link is not None]
+        links = [e.link for e in self._entries.values() if e.link is not None] + self.take_stale()
         self.table = table
         self._entries = {}
         return links
@@ -94,14 +99,19 @@ class NodeRegistry:
     def link(self, node_id: str) -> AsyncConnection:
         """The master's connection to the node's daemon, opened on first use."""
         entry = self._entries[node_id]
-        address = self.table.nodes[node_id].address
-        if entry.link is None or entry.link.address != address:
+        if entry.link is None:
+            address = self.table.nodes[node_id].address
             hello = MasterHello(self.epoch) if self.epoch else None  # fences the commands of older masters
             entry.link = AsyncConnection(address, self.command_timeout_s, hello=hello)
         return entry.link
 
     def links(self) -> list[AsyncConnection]:
         return [e.link for e in self._entries.values() if e.link is not None]
+
+    def take_stale(self) -> list[AsyncConnection]:
+        """Links to addresses their nodes left, for the caller to close."""
+        stale, self._stale = self._stale, []
+        return stale
 
     # -- reading -------------------------------------------------------------------------------
     def infos(self) -> list[NodeInfo]:

@@ -165,8 +165,16 @@ class _RpcConnection(asyncio.Protocol):
             self.transport.close()
 
     def reply(self, message: Message, request_id: int) -> None:
-        if not self.transport.is_closing():
-            self.transport.write(encode(message, request_id))
+        if self.transport.is_closing():
+            return
+        try:
+            frame = encode(message, request_id)
+        except (OverflowError, ProtocolError, TypeError, ValueError) as exc:
+            # A bug (a value the wire cannot carry): the client gets an error, the connection stays.
+            log.error("reply %s to request %d cannot be sent: %s", type(message).__name__, request_id, exc)
+            frame = encode(ErrorReply.from_error(ProtocolError(f"the master could not encode its reply: {exc}")),
+                           request_id)  # fmt: skip
+        self.transport.write(frame)
 
     def pause_writing(self) -> None:
         self.transport.pause_reading()
@@ -428,7 +436,7 @@ class MasterService:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, *(t for t in [self._ticker] if t), return_exceptions=True)
-        for link in self.nodes.links():
+        for link in self.nodes.links() + self.nodes.take_stale():
             await link.close()
 
     def _spawn(self, coro: Awaitable[object], name: str) -> None:
@@ -608,6 +616,8 @@ class MasterService:
     # -- handlers -------------------------------------------------------------------------------
     async def _register(self, m: RegisterNode) -> Message:
         commands = self.nodes.register(m, _now_ms())
+        for link in self.nodes.take_stale():
+            self._spawn(link.close(), "close-daemon-link")
         self._retry = [c for c in self._retry if c.node_id != m.node_id]  # the inventory superseded them
         self._run_later(commands, "register-drops")
         if not self._ready:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from kvstore.errors import InvalidArgument
@@ -41,11 +42,21 @@ def test_registering_fills_the_table_and_the_registry_alike() -> None:
     assert nodes.view("nope") is None
 
 
-def test_a_bad_node_id_leaves_both_untouched() -> None:
+def test_a_bad_registration_leaves_both_untouched() -> None:
     nodes = _registry()
-    with pytest.raises(InvalidArgument):
-        nodes.register(_register("", "127.0.0.1:1"), now_ms=0)
-    assert not nodes.table.nodes and nodes.infos() == []
+    nodes.register(_register("n0", "127.0.0.1:1"), now_ms=0)
+    bad = [
+        _register("", "127.0.0.1:1"),
+        msgspec.structs.replace(_register("n0", "127.0.0.1:1"), dram_capacity=2**64 - 1),
+        msgspec.structs.replace(_register("n0", "127.0.0.1:1"), alignment=3),
+        msgspec.structs.replace(_register("n0", "127.0.0.1:1"), max_blocks=-1),
+        _register("n0", "no-port"),
+    ]
+    for m in bad:
+        with pytest.raises(InvalidArgument):
+            nodes.register(m, now_ms=0)
+    assert list(nodes.table.nodes) == ["n0"] and [i.node_id for i in nodes.infos()] == ["n0"]
+    assert len(nodes.views()) == 1
 
 
 def test_heartbeats_keep_transfer_figures_and_tell_unknown_nodes_to_register() -> None:
@@ -69,8 +80,10 @@ def test_a_link_follows_the_nodes_address_and_carries_the_epoch() -> None:
     assert nodes.link("n0") is first  # same daemon, same link
     nodes.epoch = 9
     nodes.register(_register("n0", "127.0.0.1:3"), now_ms=2)
+    assert nodes.take_stale() == [first]  # for the service to close
     moved = nodes.link("n0")
     assert moved is not first and moved.address == "127.0.0.1:3" and moved.hello == MasterHello(9)
+    assert nodes.take_stale() == []
     with pytest.raises(KeyError):
         nodes.link("nope")
 
@@ -96,3 +109,15 @@ def test_views_cannot_change_the_registry() -> None:
         view.transfer_bytes["tcp|a|in"] = 99  # type: ignore[index]
     again = nodes.view("n0")
     assert again is not None and again.transfer_bytes["tcp|a|in"] == 1
+
+
+def test_inventory_items_that_cannot_be_blocks_are_left_out() -> None:
+    nodes = _registry()
+    items = [
+        InventoryItem("good", "dram", 0, 100, 1),
+        InventoryItem("", "dram", 128, 100, 1),
+        InventoryItem("huge", "ssd", 0, 2**63, 1),
+        InventoryItem("empty", "ssd", 0, 0, 1),
+    ]
+    nodes.register(_register("n0", "127.0.0.1:1", items), now_ms=0)
+    assert set(nodes.table.objects) == {"good"}

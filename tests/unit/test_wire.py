@@ -18,6 +18,7 @@ from transfer.wire import (
     parse_address,
     recv_all_into,
     recv_message,
+    recv_parts,
     recv_read_reply,
     send_all,
     send_message,
@@ -163,3 +164,23 @@ def test_a_large_frame_is_received_in_pieces_and_a_stalled_one_holds_only_what_c
         finally:
             tracemalloc.stop()
         assert peak < 8 << 20
+
+
+def test_dropped_bytes_take_one_scratch_buffer_whatever_size_is_announced() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        set_timeouts(b, 0.3)
+        keep = memoryview(bytearray(5))
+        a.sendall(b"x" * 10 + b"hello" + b"y" * 3)
+        recv_parts(b, [10, keep, 3])
+        assert bytes(keep) == b"hello"
+        # A sender that names 1 TiB to drop and then stalls: a timeout, with no buffer that size.
+        a.sendall(b"z" * 1000)
+        tracemalloc.start()
+        try:
+            with pytest.raises(Timeout), io_errors("a stalled drop"):
+                recv_parts(b, [1 << 40])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 4 << 20

@@ -1,0 +1,21 @@
+"""The fuzz benchmark, small: schema frames, garbled frames and admin requests against a live
+cluster leave every process up, log no handler failure, answer no 5xx, and serve byte-exact."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from bench.fuzz import run
+
+
+def test_a_short_fuzz_leaves_the_cluster_up_and_exact() -> None:
+    lines: list[dict[str, Any]] = []
+    summary = run(4000, seed=7, emit=lines.append)
+    print(json.dumps(summary))
+    assert {line["target"] for line in lines} == {"baseline", "master", "daemon", "admin", "summary"}
+    assert summary["inputs"] == 4000
+    assert summary["crashes"] == 0, summary
+    assert summary["unhandled"] == 0, summary["unhandled_examples"]
+    assert summary["http_5xx"] == 0, lines
+    assert summary["healthy_after"] and summary["reference_wrong"] == 0, summary
