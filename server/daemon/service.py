@@ -18,7 +18,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,9 +154,11 @@ class DaemonServer:
         self._conns: dict[socket.socket, str] = {}
         """Open connections and the rail (listening address) each came in on."""
         self._conns_lock = threading.Lock()
-        # Connections receiving slices into a block's extent, by key: once the block is committed or
-        # dropped they are cut, so that a stalled one (its rail died) never writes into a reused extent.
-        self._slice_receivers: dict[str, set[socket.socket]] = {}
+        # Connections receiving bytes into a block's extent, by key: a drop of the block cuts them and
+        # waits for their receives to end before the extent is given back, so that a stalled writer
+        # never writes into an extent the master placed another block in; a commit cuts late slices.
+        self._receivers: dict[str, set[socket.socket]] = {}
+        self._receivers_done = threading.Condition(self._conns_lock)
         self._transfer: Counter[str] = Counter()
         self._transfer_lock = threading.Lock()
         self._grants: dict[int, _Grant] = {}
@@ -329,7 +331,8 @@ class DaemonServer:
             # The payload length is unknowable: the stream is out of step, so the connection must go.
             raise ConnectionFailed(f"WriteBlocks: {exc}") from None
         try:
-            recv_parts(sock, keep_or_drop(batch.targets, msg.sizes))  # one scatter receive for the batch
+            with self._receiving(sock, keys):
+                recv_parts(sock, keep_or_drop(batch.targets, msg.sizes))  # one scatter receive for the batch
         except BaseException:
             batch.abort()
             raise
@@ -439,7 +442,8 @@ class DaemonServer:
         for i in range(len(msg.sizes)):
             targets.append(next(at) if i in wanted else NO_TARGET)
         try:
-            recv_parts(sock, keep_or_drop(targets, msg.sizes))
+            with self._receiving(sock, [keys[i] for i in todo]):
+                recv_parts(sock, keep_or_drop(targets, msg.sizes))
         except BaseException:
             batch.abort()
             raise
@@ -485,20 +489,9 @@ class DaemonServer:
         keys = self._keys(msg.keys)
         views = self.storage.slice_views(list(zip(keys, msg.offsets, msg.sizes, msg.starts, msg.lengths, strict=True)))
         targets = [v if isinstance(v, memoryview) else NO_TARGET for v in views]
-        with self._conns_lock:
-            for key in keys:
-                self._slice_receivers.setdefault(key, set()).add(sock)
-        try:
-            # A failure here leaves the blocks being written: the master's revoke or expiry drops them.
+        # A failure here leaves the blocks being written: the master's revoke or expiry drops them.
+        with self._receiving(sock, keys):
             recv_parts(sock, keep_or_drop(targets, msg.lengths))
-        finally:
-            with self._conns_lock:
-                for key in keys:
-                    receivers = self._slice_receivers.get(key)
-                    if receivers is not None:
-                        receivers.discard(sock)
-                        if not receivers:
-                            del self._slice_receivers[key]
         self.count("tcp", self._rail(sock), "in", sum(msg.lengths))
         self._write_reply(sock, request_id, [v if isinstance(v, KVStoreError) else None for v in views])
 
@@ -509,20 +502,42 @@ class DaemonServer:
         batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned, join=True)
         outcome = batch.finish()
         self.count("shm", self.address, "in", sum(n for n, err in zip(msg.sizes, outcome, strict=True) if err is None))
-        self._cut_slice_receivers(keys)
+        self._cut_receivers(keys)  # slices still coming for a committed block: stale
         self._write_reply(sock, request_id, outcome)
 
     def _drop(self, keys: list[BlockKey]) -> list[bool]:
-        done = self.storage.drop(keys)
-        self._cut_slice_receivers(keys)
-        return done
+        self._cut_receivers(keys, wait_s=self.io_timeout)
+        return self.storage.drop(keys)
 
-    def _cut_slice_receivers(self, keys: list[BlockKey]) -> None:
+    @contextlib.contextmanager
+    def _receiving(self, sock: socket.socket, keys: Sequence[BlockKey]) -> Iterator[None]:
+        """While ``sock`` receives bytes into the extents of ``keys`` (see ``_receivers``)."""
         with self._conns_lock:
-            stale = {sock for key in keys for sock in self._slice_receivers.pop(key, ())}
+            for key in keys:
+                self._receivers.setdefault(key, set()).add(sock)
+        try:
+            yield
+        finally:
+            with self._receivers_done:
+                for key in keys:
+                    receivers = self._receivers.get(key)
+                    if receivers is not None:
+                        receivers.discard(sock)
+                        if not receivers:
+                            del self._receivers[key]
+                self._receivers_done.notify_all()
+
+    def _cut_receivers(self, keys: Sequence[BlockKey], wait_s: float = 0.0) -> None:
+        """Shut the connections receiving into the extents of ``keys``; with ``wait_s``, wait (that
+        long at most: a receive is bounded by the socket timeout anyway) until their receives ended."""
+        with self._conns_lock:
+            stale = {sock for key in keys for sock in self._receivers.get(key, ())}
         for sock in stale:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+        if stale and wait_s:
+            with self._receivers_done:
+                self._receivers_done.wait_for(lambda: not any(k in self._receivers for k in keys), wait_s)
 
     def _write_reply(self, sock: socket.socket, request_id: int, outcome: list[KVStoreError | None]) -> None:
         send_message(sock, WriteReply.from_outcomes(outcome), request_id)

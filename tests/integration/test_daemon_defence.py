@@ -4,17 +4,22 @@ on another block's bytes. Real processes on loopback; each attack's outcome goes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from kvstore.keys import checksum
-from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, WriteBlocks, WriteReply
+from kvstore.config import DramConfig, SsdConfig
+from kvstore.keys import BlockKey, checksum
+from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, CommandReply, DropBlocks, WriteBlocks, WriteReply
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
+from server.daemon.service import DaemonServer
+from server.daemon.storage import DaemonStorage
 from transfer.wire import connect, recv_message, send_message
 
 KB, MB = 1024, 1024 * 1024
@@ -117,3 +122,37 @@ def test_a_write_at_another_blocks_extent_is_refused_and_the_block_keeps_its_byt
         assert store.get("victim") == victim
         assert store.get("victim", verify=True) == victim
     print(json.dumps({"test": "overlapping_write", "refused": reply.errors[0]}))
+
+
+def test_a_dropped_block_cuts_its_stalled_writer_before_its_extent_is_reused(tmp_path: Path) -> None:
+    # A writer stalls halfway through a block; the master gives the put up and drops it, then
+    # places another block at the same extent. The rest of the stalled bytes must never land there.
+    storage = DaemonStorage(
+        DramConfig(capacity=1 * MB, name="cut", shm_dir=tmp_path, prefault=False), SsdConfig(capacity=0)
+    )
+    server = DaemonServer(storage)
+    server.start()
+    try:
+        stalled = connect(server.address, 5.0)
+        first = b"s" * 8192
+        send_message(stalled, WriteBlocks(["stalled"], [0], [len(first)], [checksum(first)], False), 1, [first[:100]])
+        time.sleep(0.2)  # the daemon is receiving into the extent now
+        with connect(server.address, 5.0) as master:
+            start = time.monotonic()
+            send_message(master, DropBlocks(["stalled"]), 2)
+            _, done = recv_message(master)
+            assert isinstance(done, CommandReply)  # gone either way (the cut writer aborted it first)
+            victim = b"v" * 8192
+            send_message(master, WriteBlocks(["victim"], [0], [len(victim)], [checksum(victim)], False), 3, [victim])
+            _, stored = recv_message(master)
+            assert isinstance(stored, WriteReply) and stored.codes == [0]
+        with contextlib.suppress(OSError):  # the rest of the stalled block: cut off, never written
+            stalled.sendall(first[100:])
+        stalled.close()
+        time.sleep(0.2)
+        with storage.read_views([BlockKey("victim")]) as [view]:
+            assert view is not None and bytes(view) == victim
+        print(json.dumps({"test": "stalled_writer_cut", "drop_s": round(time.monotonic() - start, 3)}))
+    finally:
+        server.stop()
+        storage.close()
