@@ -93,12 +93,12 @@ log = logging.getLogger("kvstore.master")
 
 Handler = Callable[[Any], Awaitable[Message]]
 
-# Requests whose repetition would change the outcome: their answers are kept for retries.
 # Requests whose handlers wait for daemons (they run in a task; the others are answered inline).
 _WAITS: frozenset[type[Message]] = frozenset({PutStart, PutRevoke, GrantSpace, Remove, Replicate})
 
+# Requests whose repetition would change the outcome: their answers are kept for retries.
 _NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset(
-    {PutStart, PutEnd, PutRevoke, Remove, Replicate, GrantSpace, CommitGranted}
+    {PutStart, PutEnd, PutRevoke, Remove, Replicate, GrantSpace, CommitGranted, ReleaseLeases}
 )
 _ANSWER_TTL_S = 120.0
 _MAX_ANSWERS = 1 << 16
@@ -513,7 +513,9 @@ class MasterService:
             self.rpc_errors += 1
             return ErrorReply.from_error(ProtocolError(f"the master does not serve {type(message).__name__}"))
         start = time.perf_counter()
-        if type(message) in _NOT_IDEMPOTENT and request_id:
+        # A lookup that carries lease releases must not release twice when it is retried either.
+        once = type(message) in _NOT_IDEMPOTENT or (isinstance(message, GetReplicas) and bool(message.release))
+        if once and request_id:
             reply = await self._once(request_id, handler, message)
         else:
             reply = await self._handle(handler, message)

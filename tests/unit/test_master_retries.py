@@ -1,0 +1,46 @@
+"""A retried request that changes state is answered once: the master keeps the first answer by
+request id (a client resends the same id after a broken connection)."""
+
+from __future__ import annotations
+
+from kvstore.config import MasterConfig
+from kvstore.protocol import GetReplicas, Nic, PutEnd, PutStart, PutStartReply, RegisterNode, ReleaseLeases
+from server.master.service import MasterService
+
+KB = 1024
+
+
+async def _service_with(keys: list[str]) -> MasterService:
+    service = MasterService(MasterConfig(port=0))
+    await service._register(RegisterNode(
+        "n0", "127.0.0.1:40000", 64 * KB, 0, 64, [], [], "host", "", 0, [Nic("lo", "127.0.0.1", -1, -1)], False,
+        "", 0, [],
+    ))  # fmt: skip
+    start = await service._put_start(PutStart(keys, [KB] * len(keys), 1, None, False))
+    assert isinstance(start, PutStartReply)
+    await service._put_end(PutEnd(keys, [7] * len(keys)))
+    return service
+
+
+async def test_a_retried_lookup_releases_its_piggybacked_leases_once() -> None:
+    service = await _service_with(["k"])
+    leases = service.table.leases
+    await service._dispatch(GetReplicas(["k"], []), 1)  # reader A
+    await service._dispatch(GetReplicas(["k"], []), 2)  # reader B
+    assert len(leases) == 2
+    # A is done and says so on its next lookup; the connection breaks and the lookup is resent.
+    await service._dispatch(GetReplicas(["other"], ["k"]), 3)
+    await service._dispatch(GetReplicas(["other"], ["k"]), 3)
+    assert len(leases) == 1  # B's lease is still there
+    await service.stop()
+
+
+async def test_a_retried_release_releases_once() -> None:
+    service = await _service_with(["k"])
+    leases = service.table.leases
+    for request_id in (1, 2):
+        await service._dispatch(GetReplicas(["k"], []), request_id)
+    await service._dispatch(ReleaseLeases(["k"]), 9)
+    await service._dispatch(ReleaseLeases(["k"]), 9)
+    assert len(leases) == 1
+    await service.stop()
