@@ -351,15 +351,23 @@ class MasterService:
             moves, drops = table.plan_moves(node_id, batch, skip=failed)
             if not moves and not drops:
                 break
-            await self._run_commands(drops)
+            await self._run_commands(drops, table)
+            self._same_term(table, "the drain")
             per_target: dict[str, list[Move]] = {}
             for move in moves:
                 per_target.setdefault(move.target, []).append(move)
             for target, group in per_target.items():
                 done = await self._fetch(target, source, group, "drain") or [False] * len(group)
+                self._same_term(table, "the drain")
                 failed.update(m.key for m, ok in zip(group, done, strict=True) if not ok)
-                await self._run_commands(table.finish_moves(node_id, group, done))
+                await self._run_commands(table.finish_moves(node_id, group, done), table)
+                self._same_term(table, "the drain")
         return table.blocks_on(node_id)
+
+    def _same_term(self, table: PlacementTable, what: str) -> None:
+        """Raise NotLeader when ``table`` is no longer this master's (leadership lost meanwhile)."""
+        if table is not self.table:
+            raise NotLeader(f"master {self.address} lost its leadership during {what}; ask the leader")
 
     async def _fetch(self, target: str, source_address: str, group: list[Move], why: str) -> list[bool] | None:
         """Have ``target``'s daemon copy ``group`` from the daemon at ``source_address`` into the extents
@@ -390,7 +398,7 @@ class MasterService:
         def finish(group: list[Move], done: list[bool] | None) -> None:
             made, drops = table.finish_replicas(group, done or [False] * len(group), answered=done is not None)
             copied.extend(made)
-            self._run_later(drops, "replicate-drops")
+            self._run_later(drops, "replicate-drops", table)
 
         try:
             while todo:  # one source after another: the target's connection serialises them anyway
@@ -564,22 +572,28 @@ class MasterService:
     def _daemon(self, node_id: str) -> AsyncConnection:
         return self.nodes.link(node_id)
 
-    def _run_later(self, commands: list[NodeCommand], name: str) -> None:
-        """Carry ``commands`` out in the background (nothing waits for them)."""
+    def _run_later(self, commands: list[NodeCommand], name: str, table: PlacementTable | None = None) -> None:
+        """Carry ``commands`` (planned on ``table``, the current one by default) out in the
+        background (nothing waits for them)."""
         if commands:
-            self._spawn(self._run_commands(commands), name)
+            self._spawn(self._run_commands(commands, table or self.table), name)
 
-    async def _run_commands(self, commands: list[NodeCommand]) -> bool:
+    async def _run_commands(self, commands: list[NodeCommand], table: PlacementTable | None = None) -> bool:
         """Send commands (each node's in order, nodes in parallel) and apply the answers; whether
-        every node answered (the others' are retried later)."""
+        every node answered (the others' are retried later). Commands planned on ``table`` are
+        void once it is not the table of this term (leadership was lost meanwhile): a new term
+        plans its own from the daemons' inventories."""
+        table = table or self.table
         per_node: dict[str, list[NodeCommand]] = {}
         for c in commands:
             per_node.setdefault(c.node_id, []).append(c)
-        return all(await asyncio.gather(*(self._run_node_commands(cs) for cs in per_node.values())))
+        return all(await asyncio.gather(*(self._run_node_commands(cs, table) for cs in per_node.values())))
 
-    async def _run_node_commands(self, commands: list[NodeCommand]) -> bool:
+    async def _run_node_commands(self, commands: list[NodeCommand], table: PlacementTable) -> bool:
         for i, command in enumerate(commands):
-            if command.node_id not in self.table.nodes:
+            if table is not self.table:
+                return True  # void: another term's table (nothing to retry)
+            if command.node_id not in table.nodes:
                 continue
             message: Message
             if command.kind is ActionKind.DEMOTE:
@@ -592,9 +606,12 @@ class MasterService:
                 reply = await self._daemon(command.node_id).call(message, CommandReply)
             except KVStoreError as exc:
                 log.warning("command %s to %s failed (%s); will retry", command.kind.value, command.node_id, exc)
-                self._retry.extend(commands[i:])
+                if table is self.table:
+                    self._retry.extend(commands[i:])
                 return False
-            self.table.apply(command, reply.done)
+            if table is not self.table:
+                return True  # answered to a term that ended while it ran: the new one rebuilds
+            table.apply(command, reply.done)
         return True
 
     async def _close_grants(self, node_id: str, grant_ids: list[int]) -> None:

@@ -3,7 +3,12 @@ request id (a client resends the same id after a broken connection)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from kvstore.config import MasterConfig
+from kvstore.errors import NotLeader
 from kvstore.protocol import GetReplicas, Nic, PutEnd, PutStart, PutStartReply, RegisterNode, ReleaseLeases
 from server.master.service import MasterService
 
@@ -43,4 +48,30 @@ async def test_a_retried_release_releases_once() -> None:
     await service._dispatch(ReleaseLeases(["k"]), 9)
     await service._dispatch(ReleaseLeases(["k"]), 9)
     assert len(leases) == 1
+    await service.stop()
+
+
+async def test_a_drain_stops_when_leadership_is_lost_midway() -> None:
+    service = await _service_with([])
+    await service._register(RegisterNode(
+        "n1", "127.0.0.1:40001", 64 * KB, 0, 64, [], [], "host", "", 0, [Nic("lo", "127.0.0.1", -1, -1)], False,
+        "", 0, [],
+    ))  # fmt: skip
+    keys = [f"d{i}" for i in range(4)]
+    start = await service._put_start(PutStart(keys, [KB] * 4, 1, "n0", False))
+    assert isinstance(start, PutStartReply)
+    await service._put_end(PutEnd(keys, [7] * 4))
+    old = service.table
+    assert old.blocks_on("n0") == 4
+    sent: list[str] = []
+
+    async def fetch_then_lose_leadership(target: str, source: str, group: list[Any], why: str) -> list[bool]:
+        sent.append(target)
+        service._become_standby()  # the lease went while the copy ran
+        return [True] * len(group)
+
+    service._fetch = fetch_then_lose_leadership  # type: ignore[method-assign]
+    with pytest.raises(NotLeader):
+        await service.drain("n0")
+    assert sent == ["n1"] and service.table is not old  # one copy asked; nothing planned on the old table ran on
     await service.stop()
