@@ -30,7 +30,7 @@ import msgspec
 
 from kvstore.errors import KVStoreError, ProtocolError, error_from_code
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 FRAME_HEADER = struct.Struct("!I")
 
@@ -265,8 +265,8 @@ class PutRevoke(Message, tag=24, frozen=True):
 
 class GetReplicas(Message, tag=30, frozen=True):
     keys: list[str]
-    release: list[str]
-    """Keys whose earlier leases this client is done with (piggybacked, to save a round trip)."""
+    release: list[int]
+    """Lease ids of earlier gets this client is done with (piggybacked, to save a round trip)."""
     lease: bool = True
     """Lease the replicas: needed by readers that touch memory without the daemon (shared memory,
     RDMA). A reader that reads through the daemon, which copies under its own lock, asks for none."""
@@ -284,6 +284,9 @@ class GetReplicasReply(Message, tag=31, frozen=True):
     tiers: list[str]
     offsets: list[int]
     lease_ms: int
+    first_lease: int
+    """The lease id of the first hit when the get asked for leases (0 when it did not): the hits'
+    leases are consecutive from there, and a reader releases those ids."""
 
     def located(self, keys: Sequence[str]) -> list[LocatedRef | None]:
         """Each key's location (None for a miss), checked for consistency with ``keys``."""
@@ -423,7 +426,8 @@ class StatsReply(Message, tag=39, frozen=True):
 
 
 class ReleaseLeases(Message, tag=40, frozen=True):
-    keys: list[str]
+    lease_ids: list[int]
+    """Leases this reader is done with (see GetReplicasReply.first_lease)."""
 
 
 class ListNodes(Message, tag=41, frozen=True):

@@ -1,4 +1,4 @@
-"""Ending read leases early: keys whose leased reads are done ride on the client's next
+"""Ending read leases early: the ids of leases whose reads are done ride on the client's next
 GetReplicas, or, when no get follows within a period, a background thread sends them."""
 
 from __future__ import annotations
@@ -8,22 +8,22 @@ from collections.abc import Callable, Iterable
 
 
 class LeaseReleaser:
-    def __init__(self, send: Callable[[list[str]], None], period_s: float = 0.05) -> None:
+    def __init__(self, send: Callable[[list[int]], None], period_s: float = 0.05) -> None:
         self._send = send
         self._period = period_s
-        self._pending: list[str] = []
+        self._pending: list[int] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def add(self, keys: Iterable[str]) -> None:
+    def add(self, ids: Iterable[int]) -> None:
         with self._lock:
-            self._pending.extend(keys)
+            self._pending.extend(ids)
             if self._thread is None and not self._stop.is_set():
                 self._thread = threading.Thread(target=self._loop, name="kvstore-lease-release", daemon=True)
                 self._thread.start()
 
-    def take(self) -> list[str]:
+    def take(self) -> list[int]:
         """Everything waiting, to ride on a request about to go to the master."""
         if not self._pending:
             return []
@@ -32,10 +32,10 @@ class LeaseReleaser:
         return out
 
     def _loop(self) -> None:
-        held: list[str] = []
+        held: list[int] = []
         while not self._stop.wait(self._period):
             with self._lock:
-                # Keys still here after a whole period were not carried by a get: send them now.
+                # Ids still here after a whole period were not carried by a get: send them now.
                 waiting = set(self._pending)
                 due = [k for k in held if k in waiting]
                 held = list(self._pending)

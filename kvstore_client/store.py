@@ -384,8 +384,9 @@ class Store:
         try:
             yield located
         finally:
-            if lease:
-                self._leases.add(loc.key for loc in located if loc is not None)
+            if lease and reply.first_lease:
+                hits = sum(loc is not None for loc in located)
+                self._leases.add(range(reply.first_lease, reply.first_lease + hits))
 
     def _read(self, blocks: list[tuple[int, LocatedRef, memoryview]], verify: bool) -> dict[int, int]:
         """Read located blocks, trying each block's next replica when a daemon does not answer."""
@@ -485,9 +486,9 @@ class Store:
             out.append(failure if failure is not None else future.result())
         return out
 
-    def _send_releases(self, keys: list[str]) -> None:
+    def _send_releases(self, lease_ids: list[int]) -> None:
         with contextlib.suppress(KVStoreError):  # best effort: a lease also ends by itself
-            self._master.call(ReleaseLeases(keys), OkReply)
+            self._master.call(ReleaseLeases(lease_ids), OkReply)
 
     # -- queries -----------------------------------------------------------------------------------
     def exists(self, key: Any) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvstore.keys import validate_key
+from kvstore.placement.leases import LeaseId
 from kvstore.placement.state import DRAM, Catalog, NodeCommand
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import EvictionPolicy
@@ -38,7 +39,9 @@ class Reads:
         """
         cat = self.catalog
         checked = [validate_key(k) for k in keys]
-        reply = GetReplicasReply([], [], [], [], [], [], [], self.lease_ms)
+        # One get's leases are consecutive ids: the reply names the first, the reader releases them.
+        first = cat.leases.next_id if lease else 0
+        reply = GetReplicasReply([], [], [], [], [], [], [], self.lease_ms, first)
         sizes, checksums, counts = reply.sizes, reply.checksums, reply.counts
         expiry = now_ms + self.lease_ms
         counters = cat.counters
@@ -78,12 +81,12 @@ class Reads:
         counters["gets"] += len(checked)
         return reply
 
-    def release_leases(self, keys: Iterable[str]) -> list[NodeCommand]:
-        """A reader is done with one lease per key in ``keys`` (once per time a get handed the key
-        out): each ends the key's first-expiring lease, or none for a release that came late (see
-        :meth:`Leases.release_key`). Returns promotions now due."""
-        for key in keys:
-            self.catalog.leases.release_key(key)
+    def release_leases(self, lease_ids: Iterable[int]) -> list[NodeCommand]:
+        """A reader is done with these leases (ids from its gets' replies); one that ended already
+        (expired) is skipped. Returns promotions now due."""
+        leases = self.catalog.leases
+        for lease_id in lease_ids:
+            leases.release(LeaseId(lease_id))
         return self.tiering.plan_promotions()
 
     def record_access(self, node_id: str, keys: Iterable[str]) -> None:

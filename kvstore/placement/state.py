@@ -158,7 +158,7 @@ class Catalog:
         self.pending: dict[str, ObjectEntry] = {}
         self.grants: dict[int, Grant] = {}
         # A release that comes up to one lease length after its lease expired is still known as late.
-        self.leases = Leases(late_ms=lease_ms)
+        self.leases = Leases()
         self.want_promote: set[str] = set()
         """SSD-only keys read often enough to be promoted once no reader holds them."""
         self.draining: set[str] = set()

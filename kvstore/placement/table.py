@@ -178,8 +178,8 @@ class PlacementTable:
     def get_replicas(self, keys: Sequence[str], now_ms: int, lease: bool = True) -> GetReplicasReply:
         return self._reads.get_replicas(keys, now_ms, lease)
 
-    def release_leases(self, keys: Iterable[str]) -> list[NodeCommand]:
-        return self._reads.release_leases(keys)
+    def release_leases(self, lease_ids: Iterable[int]) -> list[NodeCommand]:
+        return self._reads.release_leases(lease_ids)
 
     def record_access(self, node_id: str, keys: Iterable[str]) -> None:
         self._reads.record_access(node_id, keys)

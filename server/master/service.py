@@ -763,7 +763,7 @@ class MasterService:
         return OkReply()
 
     async def _release_leases(self, m: ReleaseLeases) -> Message:
-        commands = self.table.release_leases(m.keys)
+        commands = self.table.release_leases(m.lease_ids)
         self._run_later(commands, "promotions")
         return OkReply()
 

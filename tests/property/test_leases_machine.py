@@ -1,20 +1,17 @@
 """Read leases under interleaved readers, against a simple model.
 
 The model is a list of leases, each live until it is released or its expiry
-passes, and a list of late-release tokens. A release by key spends the key's
-token that lapses first if it has one, else ends the key's live lease that
-expires first (the first granted among equals); each lease that expires leaves
-a token for ``late_ms``. A replica is protected exactly while some live lease
-covers it.
+passes. A replica is protected exactly while some live lease covers it.
 
-:class:`LeasesMachine` drives :class:`Leases` alone, with releases by identity,
-by key and from nobody. :class:`ReadersMachine` drives the placement table as
-the master does: readers get keys (one lease per get and key), release them by
-key (the wire's ``ReleaseLeases``), possibly after their lease expired, while
-time passes; an operator's eviction must take exactly the blocks no live lease
-covers. Besides the model, each reader that has not released and whose lease
-has not expired must find every replica it was handed still protected: no
-release, early or late, ends another reader's lease.
+:class:`LeasesMachine` drives :class:`Leases` alone, with releases of any lease,
+live or ended, and of ids never granted. :class:`ReadersMachine` drives the
+placement table as the master does: readers get keys (one lease per get and
+key, named by the reply's ``first_lease``) and release those ids (the wire's
+``ReleaseLeases``), at any time, also long after their lease expired and twice
+(a retry), while time passes; an operator's eviction must take exactly the
+blocks no live lease covers. Besides the model, each reader that has not
+released and whose lease has not expired must find every replica it was handed
+still protected: no release, early or late, ends another reader's lease.
 """
 
 from __future__ import annotations
@@ -42,33 +39,18 @@ class ModelLease:
 
 
 class Model:
-    def __init__(self, late_ms: int) -> None:
-        self.late_ms = late_ms
+    def __init__(self) -> None:
         self.leases: list[ModelLease] = []
-        self.tokens: list[tuple[str, int]] = []  # (key, when it lapses)
 
     def grant(self, key: str, holders: frozenset[Holder], expiry: int) -> ModelLease:
         lease = ModelLease(key, holders, expiry)
         self.leases.append(lease)
         return lease
 
-    def release_key(self, key: str) -> bool:
-        mine = [t for t in self.tokens if t[0] == key]
-        if mine:
-            self.tokens.remove(min(mine, key=lambda t: t[1]))
-            return False
-        live = [lease for lease in self.leases if lease.key == key and not lease.ended]
-        if not live:
-            return False
-        min(live, key=lambda lease: lease.expiry).ended = True  # min keeps the first of equals
-        return True
-
     def expire(self, now: int) -> int:
         ended = [lease for lease in self.leases if not lease.ended and lease.expiry <= now]
         for lease in ended:
             lease.ended = True
-            self.tokens.append((lease.key, lease.expiry + self.late_ms))
-        self.tokens = [t for t in self.tokens if t[1] > now]
         return len(ended)
 
     def protected(self, holder: Holder, key: str) -> bool:
@@ -78,8 +60,8 @@ class Model:
 class LeasesMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.leases = Leases(late_ms=500)
-        self.model = Model(late_ms=500)
+        self.leases = Leases()
+        self.model = Model()
         self.now = 0
         self.granted: list[tuple[LeaseId, ModelLease]] = []
 
@@ -95,9 +77,9 @@ class LeasesMachine(RuleBasedStateMachine):
         assert self.leases.release(lease_id) is not lease.ended
         lease.ended = True
 
-    @rule(key=st.sampled_from(KEYS))
-    def release_key(self, key: str) -> None:
-        assert self.leases.release_key(key) is self.model.release_key(key)
+    @rule(ahead=st.integers(0, 3))
+    def release_unknown(self, ahead: int) -> None:
+        assert not self.leases.release(LeaseId(self.leases.next_id + ahead))  # never granted: ends nothing
 
     @rule(ms=st.integers(0, 1500))
     def advance(self, ms: int) -> None:
@@ -118,6 +100,7 @@ class LeasesMachine(RuleBasedStateMachine):
 @dataclass
 class Reader:
     lease: ModelLease
+    lease_id: int
     released: bool = False
 
 
@@ -129,7 +112,7 @@ class ReadersMachine(RuleBasedStateMachine):
         self.t = PlacementTable(EvictionPolicy(1.0, 1.0), lease_ms=LEASE_MS)
         for node in ("a", "b"):
             self.t.register_node(node, f"{node}:1", 8 * 1024, 0, 64, [], 0)
-        self.model = Model(late_ms=LEASE_MS)  # the table keeps late-release tokens one lease length
+        self.model = Model()
         self.now = 0
         self.readers: list[Reader] = []
         for key in KEYS:
@@ -143,23 +126,20 @@ class ReadersMachine(RuleBasedStateMachine):
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
     def get(self, keys: list[str]) -> None:
         reply = self.t.get_replicas(keys, self.now)
-        for loc in reply.located(keys):
+        for i, loc in enumerate(reply.located(keys)):
             assert loc is not None
             holders = frozenset((r.node_id, TierName(r.tier)) for r in loc.replicas)
-            self.readers.append(Reader(self.model.grant(loc.key, holders, self.now + LEASE_MS)))
+            lease = self.model.grant(loc.key, holders, self.now + LEASE_MS)
+            self.readers.append(Reader(lease, reply.first_lease + i))
 
-    @precondition(lambda self: any(not r.released for r in self.readers))
+    @precondition(lambda self: bool(self.readers))
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
-        # Any reader that has not released, before or after its lease expired, but not so late that
-        # its late-release token has lapsed: that is the one case a release by key cannot tell apart.
-        waiting = [r for r in self.readers if not r.released and r.lease.expiry + LEASE_MS > self.now]
-        if not waiting:
-            return
-        reader = data.draw(st.sampled_from(waiting))
+        # Any reader, before or after its lease expired, however late, once or again (a retry).
+        reader = data.draw(st.sampled_from(self.readers))
         reader.released = True
-        self.model.release_key(reader.lease.key)
-        self.t.release_leases([reader.lease.key])
+        reader.lease.ended = True
+        self.t.release_leases([reader.lease_id])
 
     @rule(ms=st.integers(0, 1200))
     def advance(self, ms: int) -> None:

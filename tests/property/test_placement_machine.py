@@ -59,9 +59,10 @@ class PlacementMachine(RuleBasedStateMachine):
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=3), release=st.booleans())
     def get(self, keys: list[str], release: bool) -> None:
-        self.t.get_replicas(keys, self.now)
-        if release:
-            self.commands += self.t.release_leases(keys)
+        reply = self.t.get_replicas(keys, self.now)
+        if release and reply.first_lease:
+            hits = sum(size >= 0 for size in reply.sizes)
+            self.commands += self.t.release_leases(range(reply.first_lease, reply.first_lease + hits))
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=2))
     def remove(self, keys: list[str]) -> None:

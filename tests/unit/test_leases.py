@@ -1,8 +1,5 @@
 from __future__ import annotations
 
-import pytest
-
-from kvstore.errors import InvalidArgument
 from kvstore.placement.leases import Leases
 from kvstore.policy import TierName
 
@@ -10,8 +7,8 @@ DRAM, SSD = TierName.DRAM, TierName.SSD
 A, B = ("a", DRAM), ("b", SSD)
 
 
-def leases(late_ms: int = 0) -> Leases:
-    return Leases(late_ms=late_ms)
+def leases() -> Leases:
+    return Leases()
 
 
 def test_a_replica_is_leased_while_any_lease_covering_it_is_live() -> None:
@@ -41,37 +38,12 @@ def test_the_expiry_of_a_released_lease_ends_nothing_else() -> None:
     ls.check()
 
 
-def test_a_release_by_key_ends_the_lease_that_expires_first() -> None:
+def test_ids_are_consecutive_and_next_id_names_the_next() -> None:
     ls = leases()
-    late = ls.grant("k", [A], 2000)
-    early = ls.grant("k", [B], 1000)
-    assert ls.release_key("k")
-    assert not ls.release(early) and ls.release(late)
-    assert not ls.release_key("k") and not ls.release_key("never-leased")
-    ls.check()
-
-
-def test_a_release_by_key_after_its_lease_expired_spends_a_token_and_ends_nothing() -> None:
-    ls = leases(late_ms=1000)
-    ls.grant("k", [A], 1000)
-    ls.expire(1000)  # A's lease ends unreleased: a token until 2000
-    ls.grant("k", [A], 2100)
-    assert not ls.release_key("k")  # A's release, late: B keeps its lease
-    assert ls.is_leased("a", DRAM, "k")
-    assert ls.release_key("k") and not ls.is_leased("a", DRAM, "k")
-    ls.check()
-
-
-def test_tokens_lapse_after_late_ms() -> None:
-    ls = leases(late_ms=1000)
-    ls.grant("k", [A], 1000)
-    ls.grant("k", [A], 1500)
-    ls.expire(1500)  # two tokens, lapsing at 2000 and 2500
-    ls.grant("k", [A], 3000)
-    ls.expire(2000)
-    assert not ls.release_key("k")  # spends the one lapsing at 2500
-    ls.expire(2500)
-    assert ls.release_key("k")  # no token left: the live lease ends
+    first = ls.next_id
+    ids = [ls.grant(k, [A], 1000) for k in ("x", "y", "z")]
+    assert ids == [first, first + 1, first + 2] and ls.next_id == first + 3
+    assert not ls.release(ls.next_id)  # never granted: nothing ends
     ls.check()
 
 
@@ -84,9 +56,3 @@ def test_counts_and_views_per_node_and_tier() -> None:
     assert sorted(ls.leased_keys("a", DRAM)) == ["j", "k"] and list(ls.leased_keys("c", DRAM)) == []
     assert ls.expire(10) == 3 and ls.num_leased("a", DRAM) == 0
     ls.check()
-
-
-@pytest.mark.parametrize("late_ms", [-1, 1.5, "10"])
-def test_a_bad_late_ms_is_refused(late_ms: object) -> None:
-    with pytest.raises(InvalidArgument, match="late_ms"):
-        Leases(late_ms=late_ms)  # type: ignore[arg-type]

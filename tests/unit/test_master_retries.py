@@ -9,7 +9,16 @@ import pytest
 
 from kvstore.config import MasterConfig
 from kvstore.errors import NotLeader
-from kvstore.protocol import GetReplicas, Nic, PutEnd, PutStart, PutStartReply, RegisterNode, ReleaseLeases
+from kvstore.protocol import (
+    GetReplicas,
+    GetReplicasReply,
+    Nic,
+    PutEnd,
+    PutStart,
+    PutStartReply,
+    RegisterNode,
+    ReleaseLeases,
+)
 from server.master.service import MasterService
 
 KB = 1024
@@ -30,12 +39,12 @@ async def _service_with(keys: list[str]) -> MasterService:
 async def test_a_retried_lookup_releases_its_piggybacked_leases_once() -> None:
     service = await _service_with(["k"])
     leases = service.table.leases
-    await service._dispatch(GetReplicas(["k"], []), 1)  # reader A
+    a = await service._dispatch(GetReplicas(["k"], []), 1)  # reader A
     await service._dispatch(GetReplicas(["k"], []), 2)  # reader B
-    assert len(leases) == 2
+    assert len(leases) == 2 and isinstance(a, GetReplicasReply)
     # A is done and says so on its next lookup; the connection breaks and the lookup is resent.
-    await service._dispatch(GetReplicas(["other"], ["k"]), 3)
-    await service._dispatch(GetReplicas(["other"], ["k"]), 3)
+    await service._dispatch(GetReplicas(["other"], [a.first_lease]), 3)
+    await service._dispatch(GetReplicas(["other"], [a.first_lease]), 3)
     assert len(leases) == 1  # B's lease is still there
     await service.stop()
 
@@ -43,10 +52,10 @@ async def test_a_retried_lookup_releases_its_piggybacked_leases_once() -> None:
 async def test_a_retried_release_releases_once() -> None:
     service = await _service_with(["k"])
     leases = service.table.leases
-    for request_id in (1, 2):
-        await service._dispatch(GetReplicas(["k"], []), request_id)
-    await service._dispatch(ReleaseLeases(["k"]), 9)
-    await service._dispatch(ReleaseLeases(["k"]), 9)
+    replies = [await service._dispatch(GetReplicas(["k"], []), request_id) for request_id in (1, 2)]
+    assert isinstance(replies[0], GetReplicasReply)
+    await service._dispatch(ReleaseLeases([replies[0].first_lease]), 9)
+    await service._dispatch(ReleaseLeases([replies[0].first_lease]), 9)
     assert len(leases) == 1
     await service.stop()
 

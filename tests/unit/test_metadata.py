@@ -6,7 +6,16 @@ from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, NoNodes
 from kvstore.placement.state import Move, NodeCommand
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy, TierName
-from kvstore.protocol import PUT_EXISTS, PUT_STORED, InventoryItem, NodePrefix, PrefixMatch, PutTicket, Tier
+from kvstore.protocol import (
+    PUT_EXISTS,
+    PUT_STORED,
+    GetReplicasReply,
+    InventoryItem,
+    NodePrefix,
+    PrefixMatch,
+    PutTicket,
+    Tier,
+)
 
 KB = 1024
 DRAM, SSD = TierName.DRAM, TierName.SSD
@@ -27,6 +36,12 @@ def put(t: PlacementTable, *keys: str, size: int = KB, now: int = 0, **kw: objec
     assert t.put_end(ok, [7] * len(ok)) == [True] * len(ok)
     t.check()
     return plan.tickets
+
+
+def got(reply: GetReplicasReply) -> list[int]:
+    """The lease ids a get's reply hands its reader: consecutive from ``first_lease``, one per hit."""
+    hits = sum(size >= 0 for size in reply.sizes)
+    return list(range(reply.first_lease, reply.first_lease + hits)) if reply.first_lease else []
 
 
 def leased(t: PlacementTable, key: str) -> list[bool]:
@@ -103,8 +118,7 @@ def test_revoke_releases_through_the_daemon() -> None:
 def test_full_node_evicts_in_lru_order_before_placing() -> None:
     t = table("a", dram=4 * KB, ssd=2 * KB)
     put(t, "k0", "k1", "k2", "k3")
-    t.get_replicas(["k0"], 0).located(["k0"])
-    t.release_leases(["k0"])
+    t.release_leases(got(t.get_replicas(["k0"], 0)))
     plan = t.put_start(["k4"], [KB], 1, None, False, 0)
     assert plan.tickets == [None] and plan.waiting == [0]
     [cmd] = plan.commands
@@ -169,8 +183,7 @@ def test_an_early_release_does_not_end_a_later_readers_lease() -> None:
     # not to A's expiry at 1000 (the release and the expiry of A's lease used to both count against B).
     t = table("a", dram=2 * KB, lease_ms=1000)
     put(t, "k", "other")
-    t.get_replicas(["k"], 0)
-    t.release_leases(["k"])
+    t.release_leases(got(t.get_replicas(["k"], 0)))
     t.expire(100)
     t.get_replicas(["k"], 500)
     t.expire(1000)
@@ -187,12 +200,14 @@ def test_an_early_release_does_not_end_a_later_readers_lease() -> None:
 def test_a_release_ends_one_lease_of_every_replica_it_was_handed() -> None:
     t = table("a", "b", ssd=4 * KB, lease_ms=1000)
     put(t, "k", replicas=2)
-    t.get_replicas(["k"], 0)
-    t.get_replicas(["k"], 10)
+    first = got(t.get_replicas(["k"], 0))
+    second = got(t.get_replicas(["k"], 10))
     assert leased(t, "k") == [True, True]
-    t.release_leases(["k"])
+    t.release_leases(first)
     assert leased(t, "k") == [True, True]  # the second reader's lease holds both replicas
-    t.release_leases(["k"])
+    t.release_leases(first)  # again (a retry): ends nothing more
+    assert leased(t, "k") == [True, True]
+    t.release_leases(second)
     assert leased(t, "k") == [False, False]
     assert t.tier_usage(t.nodes["a"])["dram"]["leased"] == 0
 
@@ -201,12 +216,12 @@ def test_a_late_release_ends_no_other_readers_lease() -> None:
     # A's lease expires before its release arrives; the release must not end B's lease instead.
     t = table("a", dram=2 * KB, lease_ms=1000)
     put(t, "k")
-    t.get_replicas(["k"], 0)
+    a = got(t.get_replicas(["k"], 0))
     t.expire(1000)
-    t.get_replicas(["k"], 1100)
-    t.release_leases(["k"])  # A's, late
+    b = got(t.get_replicas(["k"], 1100))
+    t.release_leases(a)  # A's, late: its lease is gone, and B's is not A's to end
     assert t.evict_tier("a", DRAM) == (0, [])
-    t.release_leases(["k"])  # B's
+    t.release_leases(b)  # B's
     count, _ = t.evict_tier("a", DRAM)
     assert count == 1
 
@@ -297,11 +312,10 @@ def test_ssd_block_is_promoted_after_hits_once_unleased() -> None:
     assert plan.tickets[0] is not None and plan.tickets[0].status == "ok"  # placed at once, eviction in background
     run(t, plan.commands)
     t.put_end(["k3"], [7])
-    t.get_replicas(["k0"], 0).located(["k0"])
-    assert t.release_leases(["k0"]) == []  # one hit
-    t.get_replicas(["k0"], 0).located(["k0"])
+    assert t.release_leases(got(t.get_replicas(["k0"], 0))) == []  # one hit
+    second = got(t.get_replicas(["k0"], 0))
     assert t.expire(1) == []  # second hit, but still leased by this read
-    [cmd] = t.release_leases(["k0"])
+    [cmd] = t.release_leases(second)
     assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.PROMOTE, SSD, ("k0",)) and cmd.offsets[0] >= 0
     assert t.get_replicas(["k0"], 0).located(["k0"]) == [None]  # moving while promoted
     t.check()
@@ -315,8 +329,7 @@ def test_failed_promotion_leaves_the_block_on_ssd() -> None:
     t = table("a", dram=4 * KB, ssd=4 * KB, policy=EvictionPolicy(0.9, 0.5, promote_after_hits=1))
     put(t, "k0", "k1", "k2")
     run(t, t.put_start(["k3"], [KB], 1, None, False, 0).commands)
-    t.get_replicas(["k0"], 0).located(["k0"])
-    [cmd] = t.release_leases(["k0"])
+    [cmd] = t.release_leases(got(t.get_replicas(["k0"], 0)))
     run(t, [cmd], ok=False)
     [loc] = t.get_replicas(["k0"], 0).located(["k0"])
     assert loc is not None and loc.replicas[0].tier == "ssd"

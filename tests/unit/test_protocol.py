@@ -74,9 +74,9 @@ def test_every_operation_has_its_own_kind() -> None:
 
 
 def test_the_frame_layout_is_version_request_id_then_kind_and_fields() -> None:
-    frame = P.encode(P.GetReplicas(["a", "b"], ["c"]), 7)
+    frame = P.encode(P.GetReplicas(["a", "b"], [3]), 7)
     assert P.FRAME_HEADER.unpack_from(frame) == (len(frame) - 4,)
-    assert msgpack.unpackb(frame[4:]) == [P.PROTOCOL_VERSION, 7, [P.GetReplicas.KIND, ["a", "b"], ["c"], True]]
+    assert msgpack.unpackb(frame[4:]) == [P.PROTOCOL_VERSION, 7, [P.GetReplicas.KIND, ["a", "b"], [3], True]]
 
 
 def test_defaults_positional_construction_and_frozen_fields() -> None:
