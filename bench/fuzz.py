@@ -49,7 +49,6 @@ from kvstore.protocol import (
     FRAME_HEADER,
     KIND_TO_MESSAGE,
     PROTOCOL_VERSION,
-    CommitBlocks,
     FetchBlocks,
     MasterHello,
     Message,
@@ -67,7 +66,7 @@ TOKEN = "fuzz-admin-token"
 _ENC = msgspec.msgpack.Encoder()
 # Daemon requests whose bytes follow the frame: the daemon waits for them, so they go on a
 # connection of their own that is closed right after (the next request would be read as bytes).
-_TRAILING = (WriteBlocks, WriteGranted, WriteSlices, CommitBlocks)
+_TRAILING = (WriteBlocks, WriteGranted, WriteSlices)
 _DAEMON_SKIP = (MasterHello,)
 _MASTER_KINDS = list(KIND_TO_MESSAGE)
 _DAEMON_KINDS = [k for k, c in KIND_TO_MESSAGE.items() if c not in _DAEMON_SKIP]

@@ -140,8 +140,9 @@ def recv_parts(sock: socket.socket, parts: Sequence[memoryview | int]) -> None:
 
 
 def keep_or_drop(targets: Sequence[memoryview], sizes: Sequence[int]) -> list[memoryview | int]:
-    """Parts for :func:`recv_parts`: each target that has its block's size, else the size to drop."""
-    return [t if t.nbytes == n else n for t, n in zip(targets, sizes, strict=True)]
+    """Parts for :func:`recv_parts`: each target that has its block's size, else the size to drop
+    (none for a negative size: nothing was sent)."""
+    return [t if t.nbytes == n else max(n, 0) for t, n in zip(targets, sizes, strict=True)]
 
 
 def recv_read_reply(reply: Message, sock: socket.socket, targets: Sequence[memoryview], what: str) -> list[bool]:
@@ -152,8 +153,7 @@ def recv_read_reply(reply: Message, sock: socket.socket, targets: Sequence[memor
 
     if not isinstance(reply, ReadReply) or len(reply.sizes) != len(targets):
         raise ProtocolError(f"{what}: a malformed reply")
-    parts = [t if n == t.nbytes else max(n, 0) for n, t in zip(reply.sizes, targets, strict=True)]
-    recv_parts(sock, parts)  # every payload of the reply with as few receives as the kernel allows
+    recv_parts(sock, keep_or_drop(targets, reply.sizes))  # as few receives as the kernel allows
     return [n == t.nbytes for n, t in zip(reply.sizes, targets, strict=True)]
 
 

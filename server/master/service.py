@@ -98,7 +98,7 @@ _WAITS: frozenset[type[Message]] = frozenset({PutStart, PutRevoke, GrantSpace, R
 
 # Requests whose repetition would change the outcome: their answers are kept for retries.
 _NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset(
-    {PutStart, PutEnd, PutRevoke, Remove, Replicate, GrantSpace, CommitGranted, ReleaseLeases}
+    {PutStart, PutEnd, PutRevoke, Remove, Replicate, GrantSpace, CommitGranted}
 )
 _ANSWER_TTL_S = 120.0
 _MAX_ANSWERS = 1 << 16
@@ -297,7 +297,7 @@ class MasterService:
             )  # fmt: skip
         return self._ready
 
-    def _refusal(self, kind: type[Message] | None = None) -> KVStoreError | None:
+    def refusal(self, kind: type[Message] | None = None) -> KVStoreError | None:
         """Why this master must not run a request of ``kind`` now, if it must not (without a
         kind: why it must not answer reads and puts)."""
         election = self.election
@@ -313,13 +313,9 @@ class MasterService:
             )
         return None
 
-    def refusal(self) -> KVStoreError | None:
-        """Why this master does not answer reads and puts now (not leading, or still taking over)."""
-        return self._refusal()
-
     def role(self) -> dict[str, Any]:
         """Leadership as the admin API and /metrics show it."""
-        base = {"ready": self._refusal() is None, "failovers": self.failovers}
+        base = {"ready": self.refusal() is None, "failovers": self.failovers}
         if self.election is None:
             return {
                 **base, "role": "leader", "ha": False, "epoch": 0, "leader": self.address, "elections_won": 0,
@@ -493,7 +489,7 @@ class MasterService:
             self.rpc_errors += 1
             conn.reply(ErrorReply.from_error(exc), request_id_of(payload))
             return
-        refusal = self._refusal(type(message))
+        refusal = self.refusal(type(message))
         if refusal is not None:
             conn.reply(ErrorReply.from_error(refusal), request_id)
             return
@@ -521,9 +517,7 @@ class MasterService:
             self.rpc_errors += 1
             return ErrorReply.from_error(ProtocolError(f"the master does not serve {type(message).__name__}"))
         start = time.perf_counter()
-        # A lookup that carries lease releases must not release twice when it is retried either.
-        once = type(message) in _NOT_IDEMPOTENT or (isinstance(message, GetReplicas) and bool(message.release))
-        if once and request_id:
+        if type(message) in _NOT_IDEMPOTENT and request_id:
             reply = await self._once(request_id, handler, message)
         else:
             reply = await self._handle(handler, message)

@@ -1,5 +1,5 @@
-"""A retried request that changes state is answered once: the master keeps the first answer by
-request id (a client resends the same id after a broken connection)."""
+"""Retries and terms: a resent lease release (a client resends the same request id after a broken
+connection) ends nothing more, and a drain stops when its master loses leadership."""
 
 from __future__ import annotations
 
