@@ -339,6 +339,19 @@ class MasterConfig(_Frozen):
         ge=0,
         description="After taking over, longest wait for the nodes the daemons name before answering without them.",
     )
+    cluster_secret_file: str | None = Field(
+        default=None,
+        description="File holding the cluster secret (also KVSTORE_CLUSTER_SECRET): every connection must then"
+        " authenticate, daemons and tools with the secret, clients with a tenant's token.",
+    )
+    tenants_file: str | None = Field(
+        default=None,
+        description="TOML or JSON file of tenants (see `kvstore tenants add`); needs the cluster secret. Re-read"
+        " when it changes.",
+    )
+    ticket_ttl_s: int = Field(
+        default=3600, ge=60, le=7 * 86400, description="How long a ticket the master gives a tenant is good for."
+    )
 
     @model_validator(mode="after")
     def _check_ha(self) -> Self:
@@ -379,6 +392,11 @@ class DaemonConfig(_Frozen):
         description="Data-plane connections served at once from one peer address (every client process of a host "
         "shares its address, and so does the master's command link).",
     )
+    cluster_secret_file: str | None = Field(
+        default=None,
+        description="File holding the cluster secret (also KVSTORE_CLUSTER_SECRET): the daemon then authenticates"
+        " to the master and serves only connections that authenticate.",
+    )
 
 
 class ClientConfig(_Frozen):
@@ -416,6 +434,17 @@ class ClientConfig(_Frozen):
         ge=0,
         description="Write space the client asks the master for ahead of its puts, so that a put is one round trip"
         " to a daemon (the master caps a grant at a fraction of a node's DRAM); 0: every put asks the master.",
+    )
+    token: str | None = Field(
+        default=None,
+        repr=False,
+        description="A tenant's token (NAME.SECRET, from `kvstore tenants add`), for a cluster that authenticates;"
+        " also read from KVSTORE_TOKEN.",
+    )
+    cluster_secret_file: str | None = Field(
+        default=None,
+        description="Connect as the cluster itself (operators' tools: every key, unscoped) with the secret in"
+        " this file, instead of a tenant's token.",
     )
 
 

@@ -66,6 +66,12 @@ class CapacityError(KVStoreError):
     code = 20
 
 
+class QuotaExceeded(CapacityError):
+    """A tenant's put would take it past its byte quota, even after evicting its own unpinned blocks."""
+
+    code = 21
+
+
 class CorruptBlock(KVStoreError):
     """A block's bytes do not match the checksum recorded when it was written."""
 
@@ -139,6 +145,19 @@ class ProtocolError(KVStoreError):
     """A frame or message that does not follow the wire protocol."""
 
     code = 42
+
+
+class AuthFailed(KVStoreError, PermissionError):
+    """The peer could not be authenticated: no credential where one is required, an unknown
+    tenant, a wrong proof, an expired ticket, or a server that does not authenticate at all."""
+
+    code = 50
+
+
+class PermissionDenied(KVStoreError, PermissionError):
+    """An authenticated peer asked for an operation its identity is not allowed."""
+
+    code = 51
 
 
 def _all_subclasses(cls: type[KVStoreError]) -> list[type[KVStoreError]]:

@@ -30,7 +30,7 @@ import msgspec
 
 from kvstore.errors import KVStoreError, ProtocolError, error_from_code
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 FRAME_HEADER = struct.Struct("!I")
 
@@ -532,6 +532,45 @@ class Replicated(NamedTuple):
     bytes: int
 
 
+# -- authentication (the first frames of a connection to a server that requires it) ------------
+
+
+class AuthHello(Message, tag=80, frozen=True):
+    """A connection's first frame (see :mod:`kvstore.auth`): who the client claims to be and its nonce."""
+
+    kind: Literal["cluster", "tenant", "ticket"]
+    name: str
+    nonce: bytes
+    ticket: bytes
+    """For ``kind="ticket"``: the ticket the master issued (empty otherwise)."""
+
+
+class AuthChallenge(Message, tag=81, frozen=True):
+    nonce: bytes
+
+
+class AuthProof(Message, tag=82, frozen=True):
+    proof: bytes
+
+
+class AuthOk(Message, tag=83, frozen=True):
+    """The server's proof that it knows the client's key too; the connection serves from here on."""
+
+    proof: bytes
+
+
+class GetTicket(Message, tag=84, frozen=True):
+    """A tenant asks the master for a ticket to show the daemons (answered by a TicketReply)."""
+
+
+class TicketReply(Message, tag=85, frozen=True):
+    ticket: bytes
+    sealed_key: bytes
+    """The ticket's session key, masked with a key only this connection's two ends can derive."""
+    expires_ms: int
+    """Unix time (ms) the ticket ends at."""
+
+
 # -- master -> daemon ---------------------------------------------------------------------
 
 
@@ -571,6 +610,8 @@ class OpenGrant(Message, tag=55, frozen=True):
     offset: int
     length: int
     ttl_ms: int
+    owner: str = ""
+    """The tenant the grant belongs to ("" without tenants): only its connections may write into it."""
 
 
 class EndGrants(Message, tag=56, frozen=True):

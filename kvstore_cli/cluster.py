@@ -12,6 +12,7 @@ nor the client (readiness is one protocol call to the master).
 from __future__ import annotations
 
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -22,7 +23,8 @@ import time
 from pathlib import Path
 from typing import IO, Self
 
-from kvstore.config import DramConfig
+from kvstore.auth import OPERATIONS, add_tenant, cluster_credential, read_secret_file
+from kvstore.config import ClientConfig, DramConfig
 from kvstore.errors import ConnectionFailed, KVStoreError, Timeout
 from kvstore.protocol import Stats, StatsReply
 from kvstore.tiers.dram import DramArena
@@ -70,9 +72,12 @@ class LocalCluster:
         etcd: str | None = None,
         cluster_id: str = "kvstore",
         masters: int = 1,
+        authenticate: bool = False,
     ) -> None:
         """``etcd``: run ``masters`` HA masters electing a leader in that etcd (host:port[,...]);
-        clients and daemons then reach the leader at :attr:`master_address`, an etcd:// URL."""
+        clients and daemons then reach the leader at :attr:`master_address`, an etcd:// URL.
+        ``authenticate``: a new cluster secret (in :attr:`secret_file`) and a tenants file
+        (:attr:`tenants_file`, filled by :meth:`add_tenant`): every connection authenticates."""
         self.etcd = etcd
         self.cluster_id = cluster_id
         self.masters: list[subprocess.Popen[str] | None] = [None] * (masters if etcd else 1)
@@ -97,6 +102,28 @@ class LocalCluster:
         self.master: subprocess.Popen[str] | None = None
         self.daemons: list[subprocess.Popen[str] | None] = [None] * daemons
         self.daemon_addresses: list[str] = [""] * daemons
+        self.secret_file: Path | None = None
+        self.tenants_file: Path | None = None
+        if authenticate:
+            self.secret_file = self.workdir / "cluster.secret"
+            self.secret_file.write_text(secrets.token_urlsafe(32))
+            self.secret_file.chmod(0o600)
+            self.tenants_file = self.workdir / "tenants.toml"
+            self.tenants_file.write_text("")
+            auth = ("--cluster-secret-file", str(self.secret_file))
+            self.master_args = (*auth, "--tenants", str(self.tenants_file), *self.master_args)
+            self.daemon_args = (*auth, *self.daemon_args)
+
+    def add_tenant(self, name: str, quota: int = 0, operations: tuple[str, ...] = OPERATIONS) -> str:
+        """Add a tenant to the cluster's tenants file (the master reads it at the next connection) and
+        return its token."""
+        assert self.tenants_file is not None, "a cluster started with authenticate=True"
+        return add_tenant(self.tenants_file, name, quota, operations)
+
+    def client_config(self, **fields: object) -> ClientConfig:
+        """A client config of the cluster itself (its secret, when it authenticates)."""
+        secret = {"cluster_secret_file": str(self.secret_file)} if self.secret_file is not None else {}
+        return ClientConfig(**secret, **fields)  # type: ignore[arg-type]
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[str]:
         log = open(self.workdir / log_name, "a")  # noqa: SIM115 - owned by the child
@@ -184,7 +211,8 @@ class LocalCluster:
     def wait_for_nodes(self, count: int, timeout: float = _START_TIMEOUT) -> None:
         """Wait until the master counts ``count`` nodes up; an unreachable master is asked again until ``timeout``."""
         deadline = time.monotonic() + timeout
-        conn = Connection(MasterLocator(self.master_address), timeout=min(timeout, 5.0))
+        credential = cluster_credential(read_secret_file(self.secret_file)) if self.secret_file is not None else None
+        conn = Connection(MasterLocator(self.master_address), min(timeout, 5.0), credential)
         try:
             while True:
                 try:

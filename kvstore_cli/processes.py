@@ -30,6 +30,12 @@ def _master_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etcd-lease-ttl", type=int, default=None, metavar="S", help="HA: the leader's lease (seconds)")
     p.add_argument("--advertise", default=None, metavar="H:P", help="the address others reach this master at")
     p.add_argument("--max-connections", type=int, default=None, help="connections served at once (default 4096)")
+    p.add_argument(
+        "--cluster-secret-file", default=None, metavar="FILE",
+        help="authenticate every connection; daemons and tools prove this secret (also KVSTORE_CLUSTER_SECRET)",
+    )  # fmt: skip
+    p.add_argument("--tenants", default=None, metavar="FILE", help="tenants' tokens, quotas and operations (TOML/JSON)")
+    p.add_argument("--ticket-ttl", type=int, default=None, metavar="S", help="life of a tenant's ticket (seconds)")
 
 
 @command("master", "run the master (placement, eviction, leases, membership)")
@@ -49,6 +55,9 @@ def _master(args: argparse.Namespace) -> int:
         "etcd_lease_ttl_s": args.etcd_lease_ttl,
         "advertise": args.advertise,
         "max_connections": args.max_connections,
+        "cluster_secret_file": args.cluster_secret_file,
+        "tenants_file": args.tenants,
+        "ticket_ttl_s": args.ticket_ttl,
     }
     if os.environ.get("KVSTORE_ADMIN_TOKEN"):
         fields["admin_token"] = os.environ["KVSTORE_ADMIN_TOKEN"]
@@ -74,6 +83,10 @@ def _daemon_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-connections-per-peer", type=int, default=None, help="connections served at once per peer (default 1024)"
     )
+    p.add_argument(
+        "--cluster-secret-file", default=None, metavar="FILE",
+        help="authenticate to the master and every peer with this secret (also KVSTORE_CLUSTER_SECRET)",
+    )  # fmt: skip
 
 
 @command("daemon", "run a storage daemon serving one node's DRAM and SSD")
@@ -95,6 +108,7 @@ def _daemon(args: argparse.Namespace) -> int:
             for k, v in (
                 ("max_connections", args.max_connections),
                 ("max_connections_per_peer", args.max_connections_per_peer),
+                ("cluster_secret_file", args.cluster_secret_file),
             )
             if v is not None
         },
@@ -102,6 +116,31 @@ def _daemon(args: argparse.Namespace) -> int:
         ssd={"capacity": args.ssd, "path": args.ssd_dir if args.ssd else None},
     )
     return run_daemon(config)
+
+
+@arguments("tenants")
+def _tenants_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["add"], help="add: a new tenant; its token is printed once")
+    p.add_argument("name", help="the tenant's name (letters, digits, '_' and '-'; its keys live under NAME/)")
+    p.add_argument("--file", required=True, type=Path, help="the tenants file the master reads (--tenants)")
+    p.add_argument("--quota", type=size_arg, default=0, help="bytes the tenant may hold, DRAM and SSD (0: no quota)")
+    p.add_argument(
+        "--operations",
+        default="read,write,remove",
+        help="what the tenant may do, comma-separated: read, write, remove",
+    )
+
+
+@command("tenants", "manage the tenants of a cluster that authenticates")
+def _tenants(args: argparse.Namespace) -> int:
+    from kvstore.auth import add_tenant
+
+    operations = tuple(o.strip() for o in args.operations.split(",") if o.strip())
+    token = add_tenant(args.file, args.name, args.quota, operations)
+    print(token)
+    print(f"tenant {args.name} added to {args.file}; its token is shown this once (clients: KVSTORE_TOKEN)",
+          file=sys.stderr)  # fmt: skip
+    return 0
 
 
 @arguments("cluster")

@@ -16,9 +16,10 @@ import contextlib
 import itertools
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Self, TypeVar
 
+from kvstore.auth import Credential
 from kvstore.buffers import as_view
 from kvstore.config import ClientConfig
 from kvstore.errors import (
@@ -43,6 +44,7 @@ from kvstore.protocol import (
     ExistsReply,
     GetReplicas,
     GetReplicasReply,
+    GetTicket,
     GrantReply,
     GrantSpace,
     ListNodes,
@@ -69,12 +71,14 @@ from kvstore.protocol import (
     ReturnGrants,
     Stats,
     StatsReply,
+    TicketReply,
     WriteBlocks,
     WriteGranted,
     WriteReply,
     decode_payload,
     encode,
 )
+from kvstore_client.credentials import Tickets, master_credential
 from kvstore_client.grants import Grant, too_big_for
 from kvstore_client.hints import LocationHints
 from kvstore_client.puts import (
@@ -87,10 +91,11 @@ from kvstore_client.puts import (
     take_write_codes,
     write_codes,
 )
-from transfer.aio import read_payload
+from transfer.aio import authenticate_stream, read_payload
 from transfer.discovery import MasterLocator
 from transfer.wire import parse_address
 
+AsyncCredential = Callable[[], Awaitable[Credential]]
 R = TypeVar("R", bound=Message)
 
 _BACKGROUND: set[asyncio.Future[None]] = set()
@@ -102,9 +107,13 @@ class _Link:
     the block bytes behind a ReadReply) to their requests by id. A failure or a timeout closes it
     and fails every request in flight; the next request reconnects."""
 
-    def __init__(self, address: str, timeout: float) -> None:
+    def __init__(self, address: str, timeout: float, credential: AsyncCredential | None = None) -> None:
+        """``credential``: how to get what each new connection proves itself with (None: nothing)."""
         self.address = address
         self.timeout = timeout
+        self.credential = credential
+        self.session_key = b""
+        """The key the current connection's handshake agreed."""
         self._ids = itertools.count(random.getrandbits(62) + 1)  # unique across clients: the master
         # keeps the answers of non-idempotent requests by id, for retries
         self._writer: asyncio.StreamWriter | None = None
@@ -122,6 +131,19 @@ class _Link:
                     raise Timeout(f"connecting to {self.address}: no answer in {self.timeout} s") from None
                 except OSError as exc:
                     raise ConnectionFailed(f"cannot connect to {self.address}: {exc.strerror or exc}") from None
+                if self.credential is not None:
+                    try:
+                        credential = await self.credential()
+                        self.session_key = await asyncio.wait_for(
+                            authenticate_stream(reader, writer, credential), self.timeout
+                        )
+                    except BaseException as exc:
+                        writer.close()
+                        if isinstance(exc, TimeoutError):
+                            raise Timeout(f"authenticating to {self.address}: no answer in {self.timeout} s") from None
+                        if isinstance(exc, OSError | ConnectionError):
+                            raise ConnectionFailed(f"authenticating to {self.address}: {exc}") from None
+                        raise
                 self._writer = writer
                 self._reader_task = asyncio.create_task(
                     self._read_replies(reader, writer), name=f"kvstore-link-{self.address}"
@@ -256,7 +278,11 @@ class AsyncStore:
         self.master = master
         self.config = config or ClientConfig()
         self._locator = MasterLocator(master, self.config.timeout_s)
-        self._master = _Link(master, self.config.timeout_s)  # for etcd://, re-pointed at the leader
+        credential = master_credential(self.config)
+        self._credential = credential
+        self._tickets = Tickets(credential.name) if credential is not None and credential.kind == "tenant" else None
+        self._ticket_lock = asyncio.Lock()
+        self._master = self._new_link(master, self._master_credential)  # for etcd://, re-pointed at the leader
         self._links: dict[str, _Link] = {}
         self._readers: dict[str, _ReadBatcher] = {}
         self._hints = LocationHints(self.config.location_hints)
@@ -311,14 +337,36 @@ class AsyncStore:
         except KVStoreError:
             return
         if address != self._master.address:
-            old, self._master = self._master, _Link(address, self.config.timeout_s)
+            old, self._master = self._master, self._new_link(address, self._master_credential)
             await old.close()
 
     def _link(self, address: str) -> _Link:
         link = self._links.get(address)
         if link is None:
-            link = self._links[address] = _Link(address, self.config.timeout_s)
+            link = self._links[address] = self._new_link(address, self._daemon_credential)
         return link
+
+    def _new_link(self, address: str, credential: AsyncCredential) -> _Link:
+        return _Link(address, self.config.timeout_s, credential if self._credential is not None else None)
+
+    async def _master_credential(self) -> Credential:
+        assert self._credential is not None
+        return self._credential
+
+    async def _daemon_credential(self) -> Credential:
+        """The cluster secret, or for a tenant a current ticket (asked of the master when needed)."""
+        assert self._credential is not None
+        if self._tickets is None:
+            return self._credential
+        async with self._ticket_lock:
+            ticket = self._tickets.fresh()
+            if ticket is None:
+                master = self._master
+                reply = await self._call(GetTicket(), TicketReply)
+                # The key of the connection that answered (a reconnect in between: the unmasking fails
+                # and the daemon refuses the ticket; the next connect asks again).
+                ticket = self._tickets.take(reply, master.session_key)
+            return ticket
 
     def _reader(self, address: str) -> _ReadBatcher:
         batcher = self._readers.get(address)

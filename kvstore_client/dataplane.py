@@ -34,6 +34,7 @@ from kvstore.protocol import (
 from kvstore.tiers.dram import ArenaMapping
 from kvstore_client.puts import write_codes
 from transfer import topology
+from transfer.auth import CredentialSource
 from transfer.discovery import MasterLocator
 from transfer.rails import RailSet
 from transfer.rpc import Connection
@@ -79,10 +80,13 @@ class ConnectionPool:
 
     A list and its atomic ``pop``/``append``: no queue, condition or timeout object per call."""
 
-    def __init__(self, address: str | MasterLocator, timeout: float, keep: int = 4) -> None:
+    def __init__(
+        self, address: str | MasterLocator, timeout: float, keep: int = 4, credential: CredentialSource | None = None
+    ) -> None:
         self.target = address
         self.address = address if isinstance(address, str) else address.spec
         self.timeout = timeout
+        self.credential = credential
         self._keep = keep
         self._idle: list[Connection] = []
         self._closed = False
@@ -91,7 +95,7 @@ class ConnectionPool:
         try:
             return self._idle.pop()
         except IndexError:
-            return Connection(self.target, self.timeout)
+            return Connection(self.target, self.timeout, self.credential)
 
     def release(self, conn: Connection) -> None:
         if self._closed or len(self._idle) >= self._keep:
@@ -273,8 +277,12 @@ class RailPath(DataPath):
 class PathSelector:
     """Picks, once per node, the data path this client uses for that node in both directions."""
 
-    def __init__(self, config: ClientConfig, lookup: Callable[[str], NodeInfo | None]) -> None:
+    def __init__(
+        self, config: ClientConfig, lookup: Callable[[str], NodeInfo | None], credential: CredentialSource | None = None
+    ) -> None:
+        """``credential``: what connections to daemons prove themselves with (None: nothing)."""
         self.config = config
+        self.credential = credential
         self._lookup = lookup
         self._lock = threading.RLock()
         self._pools: dict[str, ConnectionPool] = {}
@@ -289,7 +297,9 @@ class PathSelector:
             with self._lock:
                 pool = self._pools.get(address)
                 if pool is None:
-                    pool = ConnectionPool(address, self.config.timeout_s, self.config.connections_per_daemon)
+                    pool = ConnectionPool(
+                        address, self.config.timeout_s, self.config.connections_per_daemon, self.credential
+                    )
                     self._pools[address] = pool
         return pool
 
@@ -327,7 +337,7 @@ class PathSelector:
         if len(node.rails) >= 2:
             railset = RailSet(
                 node.rails, timeout=cfg.rail_timeout_s, slice_bytes=cfg.slice_bytes,
-                max_inflight=cfg.max_slices_in_flight, cooldown_s=cfg.rail_cooldown_s,
+                max_inflight=cfg.max_slices_in_flight, cooldown_s=cfg.rail_cooldown_s, credential=self.credential,
             )  # fmt: skip
             return RailPath(node_id, address, pool, railset)
         return DataPath(node_id, address, pool)

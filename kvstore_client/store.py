@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Self, TypeVar
 
+from kvstore.auth import Credential
 from kvstore.buffers import as_view
 from kvstore.config import ClientConfig
 from kvstore.errors import (
@@ -46,6 +47,7 @@ from kvstore.protocol import (
     ExistsReply,
     GetReplicas,
     GetReplicasReply,
+    GetTicket,
     GrantReply,
     GrantSpace,
     ListNodes,
@@ -73,7 +75,9 @@ from kvstore.protocol import (
     ReturnGrants,
     Stats,
     StatsReply,
+    TicketReply,
 )
+from kvstore_client.credentials import Tickets, master_credential
 from kvstore_client.dataplane import Block, ConnectionPool, DataPath, Located, PathSelector, ShmPath
 from kvstore_client.grants import GrantPool
 from kvstore_client.hints import LocationHints
@@ -98,12 +102,16 @@ class Store:
     def __init__(self, master: str, config: ClientConfig | None = None) -> None:
         self.master = master
         self.config = config or ClientConfig()
-        self._master = ConnectionPool(MasterLocator(master, self.config.timeout_s), self.config.timeout_s, keep=4)
+        credential = master_credential(self.config)
+        self._master = ConnectionPool(
+            MasterLocator(master, self.config.timeout_s), self.config.timeout_s, keep=4, credential=credential
+        )
+        self._tickets = Tickets(credential.name) if credential is not None and credential.kind == "tenant" else None
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None  # for batches that span several daemons
         self._nodes: dict[str, NodeInfo] = {}
         self._nodes_checked = 0.0
-        self._paths = PathSelector(self.config, self._node)
+        self._paths = PathSelector(self.config, self._node, self._ticket if self._tickets is not None else credential)
         self._hints = LocationHints(self.config.location_hints)
         self._leases = LeaseReleaser(self._send_releases)
         self._grants = GrantPool(self._ask_grant, self._return_grants, self.config.grant_bytes)
@@ -122,6 +130,23 @@ class Store:
             store.close()
             raise
         return store
+
+    def _ticket(self) -> Credential:
+        """A current ticket for this tenant's connections to daemons (asked of the master when needed)."""
+        assert self._tickets is not None
+        ticket = self._tickets.fresh()
+        if ticket is not None:
+            return ticket
+        with self._tickets.lock:
+            ticket = self._tickets.fresh()
+            if ticket is None:
+                conn = self._master.acquire()
+                try:
+                    reply = conn.call(GetTicket(), TicketReply, retry_for=self.config.timeout_s)
+                    ticket = self._tickets.take(reply, conn.session_key)
+                finally:
+                    self._master.release(conn)
+            return ticket
 
     def _call(self, message: Message, expect: type[R]) -> R:
         if self._closed:

@@ -11,11 +11,15 @@ import contextlib
 import itertools
 from typing import TypeVar
 
+from kvstore.auth import ClientHandshake, Credential
 from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
 from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, ErrorReply, Message, decode_payload, encode
 from transfer.wire import parse_address
 
 M = TypeVar("M", bound=Message)
+
+HANDSHAKE_FRAME = 1024
+"""Largest frame a server reads before its peer is authenticated (and a client during the handshake)."""
 
 
 async def read_payload(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME_BYTES) -> bytes | None:
@@ -35,14 +39,39 @@ async def read_payload(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME_
         raise ConnectionFailed(f"stream ended inside a frame of {length} bytes") from None
 
 
+async def authenticate_stream(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, credential: Credential
+) -> bytes:  # fmt: skip
+    """The client's half on an asyncio stream (the caller bounds the wait)."""
+
+    async def receive() -> Message:
+        payload = await read_payload(reader, HANDSHAKE_FRAME)
+        if payload is None:
+            raise ConnectionFailed("the server closed the connection during the handshake")
+        reply = decode_payload(payload)[1]
+        if isinstance(reply, ErrorReply):
+            raise reply.to_error()
+        return reply
+
+    handshake = ClientHandshake(credential)
+    writer.write(encode(handshake.hello(), 0))
+    challenge = await receive()
+    writer.write(encode(handshake.proof(challenge), 0))
+    return handshake.finish(await receive())
+
+
 class AsyncConnection:
     """One request/reply connection; calls are serialised, and a failed call closes it."""
 
-    def __init__(self, address: str, timeout: float = 5.0, hello: Message | None = None) -> None:
-        """``hello``: a request sent first on every new connection (a master's MasterHello)."""
+    def __init__(
+        self, address: str, timeout: float = 5.0, hello: Message | None = None, credential: Credential | None = None
+    ) -> None:
+        """``hello``: a request sent first on every new connection (a master's MasterHello), after the
+        handshake of :mod:`kvstore.auth` when there is a ``credential``."""
         self.address = address
         self.timeout = timeout
         self.hello = hello
+        self.credential = credential
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
@@ -65,6 +94,8 @@ class AsyncConnection:
         if self._streams is None:
             host, port = parse_address(self.address)
             self._streams = await asyncio.open_connection(host, port)
+            if self.credential is not None:
+                await authenticate_stream(*self._streams, self.credential)
             if self.hello is not None:
                 await self._exchange(self.hello, Message)
         return await self._exchange(message, expect)

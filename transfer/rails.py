@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
 from kvstore.keys import checksum
 from kvstore.protocol import CommitBlocks, ReadSlices, WriteBlocks, WriteReply, WriteSlices
+from transfer.auth import CredentialSource
 from transfer.rpc import ConnectionPool
 from transfer.wire import recv_read_reply
 
@@ -70,8 +71,9 @@ class RailSet:
         cooldown_s: float,
         pause_after: int = 2,
         alpha: float = 0.3,
+        credential: CredentialSource | None = None,
     ) -> None:
-        self.rails = [Rail(a, ConnectionPool(a, timeout, size=max_inflight)) for a in addresses]
+        self.rails = [Rail(a, ConnectionPool(a, timeout, max_inflight, credential)) for a in addresses]
         self.slice_bytes = slice_bytes
         self.max_inflight = max_inflight
         self.cooldown_s = cooldown_s

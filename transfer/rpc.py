@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from kvstore.errors import ConnectionFailed, KVStoreError, NotLeader, NotReady, ProtocolError, Timeout
 from kvstore.protocol import ErrorReply, Message
+from transfer.auth import CredentialSource, authenticate, current
 from transfer.discovery import MasterLocator
 from transfer.wire import NoRequest, connect, io_errors, recv_message, send_message
 
@@ -34,12 +35,18 @@ _NOT_RUN = frozenset({NotLeader.code, NotReady.code})
 
 class Connection:
     """Request/reply to one peer: a fixed address, or the master a :class:`MasterLocator` names
-    (followed to a new leader after a failure or a NotLeader answer)."""
+    (followed to a new leader after a failure or a NotLeader answer). With a ``credential``, each
+    new connection runs the handshake of :mod:`kvstore.auth` before its first request."""
 
-    def __init__(self, address: str | MasterLocator, timeout: float = 5.0) -> None:
+    def __init__(
+        self, address: str | MasterLocator, timeout: float = 5.0, credential: CredentialSource | None = None
+    ) -> None:
         self.locator = address if isinstance(address, MasterLocator) else None
         self.address = address if isinstance(address, str) else address.spec
         self.timeout = timeout
+        self.credential = credential
+        self.session_key = b""
+        """The key the handshake of the current connection agreed (empty without a credential)."""
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         # Ids unique across clients (with overwhelming odds), so the master can tell a retry from a new request.
@@ -83,7 +90,7 @@ class Connection:
                 if self.locator is not None:
                     self._follow(self.locator.address)
                 if self._sock is None:
-                    self._sock = connect(self.address, self._attempt_timeout())
+                    self._sock = self._open(self._attempt_timeout())
                 sock = self._sock
                 with io_errors(what):
                     send_message(sock, message, request_id, payload)
@@ -116,6 +123,18 @@ class Connection:
                     raise
             time.sleep(backoff)
             backoff = min(2 * backoff, 0.5)
+
+    def _open(self, timeout: float) -> socket.socket:
+        """A new connection, authenticated when this one has a credential."""
+        sock = connect(self.address, timeout)
+        if self.credential is not None:
+            try:
+                with io_errors(f"authenticating to {self.address}"):
+                    self.session_key = authenticate(sock, current(self.credential), f"connecting to {self.address}")
+            except BaseException:
+                sock.close()
+                raise
+        return sock
 
     def _attempt_timeout(self) -> float:
         """Bound on one attempt: for an HA master a short one (a silent leader is given up and its
@@ -150,7 +169,7 @@ class Connection:
                 if self.locator is not None:
                     self._follow(self.locator.address)
                 if self._sock is None:
-                    self._sock = connect(self.address, self.timeout)
+                    self._sock = self._open(self.timeout)
                 with io_errors(what):
                     send_message(self._sock, message, request_id)
                 pending = PendingReply(self, self._sock, request_id, what)
@@ -216,11 +235,14 @@ class PendingReply:
 class ConnectionPool:
     """Up to ``size`` connections to one peer, handed to one caller at a time."""
 
-    def __init__(self, address: str | MasterLocator, timeout: float = 5.0, size: int = 4) -> None:
+    def __init__(
+        self, address: str | MasterLocator, timeout: float = 5.0, size: int = 4,
+        credential: CredentialSource | None = None,
+    ) -> None:  # fmt: skip
         self.address = address if isinstance(address, str) else address.spec
         self._idle: queue.LifoQueue[Connection] = queue.LifoQueue()
         for _ in range(size):
-            self._idle.put(Connection(address, timeout))
+            self._idle.put(Connection(address, timeout, credential))
         self.timeout = timeout
 
     @contextmanager

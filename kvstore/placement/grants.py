@@ -42,9 +42,11 @@ class Grants:
         self.rng = rng
         self._next_grant = 1
 
-    def grant_space(self, length: int, preferred_node: str | None, ttl_ms: int, now_ms: int) -> GrantPlan:
+    def grant_space(
+        self, length: int, preferred_node: str | None, ttl_ms: int, now_ms: int, owner: str = ""
+    ) -> GrantPlan:
         """Reserve ``length`` bytes of one node's DRAM (placement as for a put, evicting by LRU first
-        when the node is above its high watermark) for ``ttl_ms``."""
+        when the node is above its high watermark) for ``ttl_ms``, for tenant ``owner``."""
         cat = self.catalog
         if type(length) is not int or length <= 0:
             raise InvalidArgument(f"grant length must be a positive int, got {length!r}")
@@ -60,7 +62,7 @@ class Grants:
                 continue
             extent, evicting = self.tiering.reserve(node, length, commands)
             if extent is not None:
-                grant = Grant(self._next_grant, node.node_id, [extent], now_ms + ttl_ms)
+                grant = Grant(self._next_grant, node.node_id, [extent], now_ms + ttl_ms, owner=owner)
                 self._next_grant += 1
                 cat.grants[grant.grant_id] = grant
                 cat.counters["grants"] += 1

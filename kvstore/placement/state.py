@@ -88,6 +88,8 @@ class Grant:
     deadline_ms: int
     ending: bool = False
     """The daemon is being told to take no more writes: commits are refused; pieces freed once it answers."""
+    owner: str = ""
+    """The tenant whose client asked for it ("" without tenants): only it may write into it or return it."""
 
 
 @dataclass(frozen=True, slots=True)

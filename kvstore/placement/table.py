@@ -147,8 +147,10 @@ class PlacementTable:
         return self._writes.remove(keys)
 
     # -- grants --------------------------------------------------------------------------------
-    def grant_space(self, length: int, preferred_node: str | None, ttl_ms: int, now_ms: int) -> GrantPlan:
-        return self._grants.grant_space(length, preferred_node, ttl_ms, now_ms)
+    def grant_space(
+        self, length: int, preferred_node: str | None, ttl_ms: int, now_ms: int, owner: str = ""
+    ) -> GrantPlan:
+        return self._grants.grant_space(length, preferred_node, ttl_ms, now_ms, owner)
 
     def confirm_grant(self, grant_id: int, deadline_ms: int) -> None:
         self._grants.confirm_grant(grant_id, deadline_ms)

@@ -9,7 +9,9 @@ import sys
 import threading
 from types import FrameType
 
+from kvstore.auth import secret_from
 from kvstore.config import DaemonConfig
+from kvstore.errors import ConfigError
 from server.daemon.service import DaemonServer, MasterLink
 from server.daemon.storage import DaemonStorage
 from transfer.topology import warn_if_open
@@ -32,17 +34,23 @@ def run_daemon(config: DaemonConfig) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    secret = secret_from(config.cluster_secret_file)
+    if secret is not None and config.ucx_port is not None:
+        raise ConfigError(
+            "the UCX data plane does not authenticate its peers yet: with a cluster secret, serve TCP only"
+            " (leave out --ucx-port)"
+        )
     storage = DaemonStorage(config.dram, config.ssd)
     try:
         server = DaemonServer(
             storage, config.host, config.port, rails=config.rails, io_timeout=config.io_timeout_s,
-            max_connections=config.max_connections, max_per_peer=config.max_connections_per_peer,
+            max_connections=config.max_connections, max_per_peer=config.max_connections_per_peer, secret=secret,
         )  # fmt: skip
     except BaseException:
         storage.close()
         raise
     server.start()
-    for rail in server.rails:
+    for rail in server.rails if secret is None else ():
         host, port = parse_address(rail)
         warn_if_open(log, f"daemon {config.name}", host, port)
     ucx: UcxServer | None = None
@@ -65,6 +73,7 @@ def run_daemon(config: DaemonConfig) -> int:
         transfer_stats=server.transfer_bytes,
         before_register=server.reset_grants,
         on_epoch=server.raise_epoch,
+        credential=server.credential,
     )
     server.master = link
     link.start()

@@ -23,13 +23,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.allocator import align_up
+from kvstore.auth import ANYONE, Authority, Credential, Identity, cluster_credential
 from kvstore.errors import (
+    AuthFailed,
     ConnectionFailed,
     CorruptBlock,
     GrantExpired,
     InvalidArgument,
     KVStoreError,
     NotLeader,
+    PermissionDenied,
     ProtocolError,
     Timeout,
 )
@@ -38,6 +41,7 @@ from kvstore.protocol import (
     PUT_EXISTS,
     PUT_STORED,
     AccessReport,
+    AuthHello,
     CommandReply,
     CommitBlocks,
     CommitGranted,
@@ -66,6 +70,7 @@ from kvstore.protocol import (
 )
 from server.daemon.storage import NO_TARGET, DaemonStorage
 from transfer import topology
+from transfer.auth import accept
 from transfer.discovery import MasterLocator
 from transfer.rpc import Connection, ConnectionPool
 from transfer.wire import (
@@ -102,6 +107,8 @@ class _Grant:
     active: int = 0
     """Writes in flight into it."""
     closed: bool = False
+    owner: str = ""
+    """The tenant the master granted it to ("" without tenants)."""
 
     def claim(self, start: int, end: int) -> bool:
         """Take ``[start, end)`` if it lies inside the grant and touches no extent taken before."""
@@ -128,10 +135,17 @@ class DaemonServer:
         idle_timeout: float = 600.0,
         max_connections: int = 4096,
         max_per_peer: int = 1024,
+        secret: bytes | None = None,
     ) -> None:
         """Serve on ``host:port`` and on each further rail host (one per NIC; free ports), at most
-        ``max_connections`` connections at once and ``max_per_peer`` from one address."""
+        ``max_connections`` connections at once and ``max_per_peer`` from one address. With the
+        cluster ``secret``, every connection authenticates first (:mod:`kvstore.auth`): the master
+        and other daemons with the secret, tenants' clients with the master's tickets."""
         self.storage = storage
+        self.authority = Authority(secret) if secret is not None else None
+        self.credential: Credential | None = cluster_credential(secret) if secret is not None else None
+        """What this daemon proves itself with to other daemons (fetches) and the master."""
+        self._identities: dict[socket.socket, Identity] = {}
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
@@ -181,6 +195,7 @@ class DaemonServer:
             PromoteBlocks: lambda m, s, r: self._command(s, r, self.storage.promote(self._keys(m.keys), m.offsets)),
             FetchBlocks: lambda m, s, r: self._command(s, r, self._fetch(m)),
             MasterHello: lambda m, s, r: send_message(s, OkReply(), r),
+            AuthHello: self._unauthenticated_hello,
         }
 
     def start(self) -> None:
@@ -231,6 +246,15 @@ class DaemonServer:
     def _serve(self, sock: socket.socket, host: str) -> None:
         epoch = 0  # the epoch of the master that opened this connection (MasterHello), if one did
         try:
+            identity = ANYONE
+            if self.authority is not None:
+                try:
+                    identity = accept(sock, self.authority)[0]
+                except AuthFailed as exc:
+                    self._note_auth_failure(host, exc)
+                    return
+                with self._conns_lock:
+                    self._identities[sock] = identity
             idle_since = time.monotonic()
             while not self._stop.is_set():
                 try:
@@ -245,6 +269,15 @@ class DaemonServer:
                     self._reply_error(sock, 0, exc)
                     return
                 idle_since = time.monotonic()
+                if identity.tenant is not None:
+                    try:
+                        identity.check(type(message))
+                        message = identity.scope(message)
+                    except KVStoreError as exc:
+                        self._reply_error(sock, request_id, exc)
+                        if isinstance(message, WriteBlocks | WriteGranted | WriteSlices):
+                            return  # its payload follows: the stream is out of step
+                        continue
                 if isinstance(message, MasterHello):
                     self.raise_epoch(message.epoch)
                     epoch = message.epoch
@@ -272,9 +305,23 @@ class DaemonServer:
         finally:
             self._forget(sock, host)
 
+    auth_failures = 0
+
+    def _note_auth_failure(self, host: str, exc: KVStoreError) -> None:
+        """Count a refused handshake; log the 1st, 2nd, 4th... (a peer guessing must not flood the log)."""
+        with self._conns_lock:
+            self.auth_failures += 1
+            failures = self.auth_failures
+        if failures & (failures - 1) == 0:
+            log.warning("refused a connection from %s: %s (%d refused so far)", host, exc, failures)
+
+    def _unauthenticated_hello(self, msg: AuthHello, sock: socket.socket, request_id: int) -> None:
+        raise AuthFailed(f"daemon {self.address} does not authenticate (no cluster secret): connect without one")
+
     def _forget(self, sock: socket.socket, host: str) -> None:
         with self._conns_lock:
             self._conns.pop(sock, None)
+            self._identities.pop(sock, None)
             self._per_peer[host] -= 1
             if not self._per_peer[host]:
                 del self._per_peer[host]
@@ -307,7 +354,7 @@ class DaemonServer:
         keys = self._keys(msg.keys)
         batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums)
         try:
-            conn = Connection(msg.source, self.io_timeout)
+            conn = Connection(msg.source, self.io_timeout, self.credential)
             try:
                 request = ReadBlocks(list(keys), ["dram"] * len(keys), [0] * len(keys), list(msg.sizes))
                 with conn.exchange(request) as (reply, sock):
@@ -356,7 +403,9 @@ class DaemonServer:
                 del self._grants[stale]
             known = self._grants.get(msg.grant_id)
             if known is None:
-                self._grants[msg.grant_id] = _Grant(msg.offset, msg.offset + msg.length, now + msg.ttl_ms / 1000)
+                self._grants[msg.grant_id] = _Grant(
+                    msg.offset, msg.offset + msg.length, now + msg.ttl_ms / 1000, owner=msg.owner
+                )
             elif (known.offset, known.end) != (msg.offset, msg.offset + msg.length):
                 raise InvalidArgument(f"grant {msg.grant_id} is open here for another extent")
         self._command(sock, request_id, [True])
@@ -400,7 +449,11 @@ class DaemonServer:
         refused: list[KVStoreError | None] = [None] * n
         with self._grants_cond:
             grant = self._grants.get(msg.grant_id)
-            if grant is None or grant.closed or time.monotonic() > grant.deadline:
+            tenant = self._identities.get(sock, ANYONE).tenant
+            if grant is not None and tenant is not None and grant.owner != tenant:
+                refused = [PermissionDenied(f"grant {msg.grant_id} is not tenant {tenant!r}'s")] * n
+                grant = None
+            elif grant is None or grant.closed or time.monotonic() > grant.deadline:
                 refused = [GrantExpired(f"grant {msg.grant_id} has ended")] * n
                 grant = None
             else:
@@ -606,14 +659,16 @@ class MasterLink:
         before_register: Callable[[], None] | None = None,
         report_period_s: float = 0.01,
         on_epoch: Callable[[int], None] | None = None,
+        credential: Credential | None = None,
     ) -> None:
         self._transfer_stats = transfer_stats
         self._before_register = before_register
         self._on_epoch = on_epoch
         self._timeout = timeout
         locator = MasterLocator(master, timeout)  # etcd://: the leader, followed across failovers
-        self._calls = ConnectionPool(locator, timeout, size=4)  # commits of one-trip puts
-        self._reports = Connection(locator, timeout)  # access reports, apart: they never hold up a commit
+        self._calls = ConnectionPool(locator, timeout, size=4, credential=credential)  # commits of one-trip puts
+        # Access reports, apart: they never hold up a commit.
+        self._reports = Connection(locator, timeout, credential)
         self.peers: list[str] = []
         """The nodes the master last said were in the cluster (told to the next master we register with)."""
         self._accessed: deque[str] = deque(maxlen=1 << 20)  # a master too slow to take them loses the oldest
@@ -624,7 +679,7 @@ class MasterLink:
         self.node_id = node_id
         self.address = address
         self.storage = storage
-        self._conn = Connection(locator, timeout)
+        self._conn = Connection(locator, timeout, credential)
         self._stop = threading.Event()
         self._interval = 1.0
         self._on_registered = on_registered

@@ -16,6 +16,7 @@ from types import MappingProxyType
 
 from msgspec.structs import replace
 
+from kvstore.auth import Credential
 from kvstore.placement.state import NodeCommand, NodeState
 from kvstore.placement.table import PlacementTable
 from kvstore.protocol import MasterHello, NodeInfo, RegisterNode
@@ -53,9 +54,11 @@ class NodeRegistry:
     with no nodes, and the links of the old one are handed back for closing.
     """
 
-    def __init__(self, table: PlacementTable, command_timeout_s: float) -> None:
+    def __init__(self, table: PlacementTable, command_timeout_s: float, credential: Credential | None = None) -> None:
+        """``credential``: what the master proves itself with to daemons that authenticate."""
         self.table = table
         self.command_timeout_s = command_timeout_s
+        self.credential = credential
         self.epoch = 0
         """Sent in the MasterHello of every new link: daemons refuse commands of older masters."""
         self._entries: dict[str, _Entry] = {}
@@ -102,7 +105,7 @@ class NodeRegistry:
         if entry.link is None:
             address = self.table.nodes[node_id].address
             hello = MasterHello(self.epoch) if self.epoch else None  # fences the commands of older masters
-            entry.link = AsyncConnection(address, self.command_timeout_s, hello=hello)
+            entry.link = AsyncConnection(address, self.command_timeout_s, hello=hello, credential=self.credential)
         return entry.link
 
     def links(self) -> list[AsyncConnection]:

@@ -14,16 +14,21 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
+from contextvars import ContextVar
 from typing import Any
 
+from kvstore.auth import ANYONE, Authority, Identity, ServerHandshake, cluster_credential, secret_from
 from kvstore.config import MasterConfig
 from kvstore.errors import (
+    AuthFailed,
     CapacityError,
+    ConfigError,
     InvalidArgument,
     KVStoreError,
     NotFound,
     NotLeader,
     NotReady,
+    PermissionDenied,
     ProtocolError,
     RetryLater,
     Timeout,
@@ -32,9 +37,11 @@ from kvstore.placement.state import Grant, Move, NodeCommand
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
 from kvstore.protocol import (
+    MAX_FRAME_BYTES,
     AccessReport,
     AdminInfo,
     AdminInfoReply,
+    AuthHello,
     CommandReply,
     CommitGranted,
     DemoteBlocks,
@@ -46,6 +53,7 @@ from kvstore.protocol import (
     FetchBlocks,
     FrameDecoder,
     GetReplicas,
+    GetTicket,
     GrantReply,
     GrantSpace,
     Heartbeat,
@@ -85,7 +93,7 @@ from kvstore.protocol import (
 from server.master.election import Election
 from server.master.metrics import LatencyHistogram, Sampler
 from server.master.nodes import NodeRegistry
-from transfer.aio import AsyncConnection
+from transfer.aio import HANDSHAKE_FRAME, AsyncConnection
 from transfer.discovery import EtcdCluster, MasterRecord, parse_endpoints
 from transfer.topology import warn_if_open
 
@@ -127,6 +135,10 @@ def _now_ms() -> int:
     return int(time.monotonic() * 1000)
 
 
+_caller: ContextVar[Identity] = ContextVar("caller", default=ANYONE)
+"""Who sent the request being handled (set per request; a handler's task keeps its own)."""
+
+
 class _RpcConnection(asyncio.Protocol):
     """One client's connection: frames are cut from the bytes as they arrive and answered at once.
 
@@ -135,9 +147,16 @@ class _RpcConnection(asyncio.Protocol):
 
     def __init__(self, service: MasterService) -> None:
         self.service = service
-        self.decoder = FrameDecoder()
         self.last = time.monotonic()
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set by connection_made
+        authority = service.authority
+        self.identity: Identity | None = ANYONE if authority is None else None
+        """Who is at the other end; None until the handshake is done (a master that authenticates)."""
+        self.handshake = ServerHandshake(authority) if authority is not None else None
+        self.key = b""
+        """The key this connection's handshake agreed (masks the session keys of tickets)."""
+        # Before authentication a peer can make the master hold one small frame, no more.
+        self.decoder = FrameDecoder(HANDSHAKE_FRAME) if authority is not None else FrameDecoder()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
@@ -157,12 +176,35 @@ class _RpcConnection(asyncio.Protocol):
         self.last = time.monotonic()
         try:
             for payload in self.decoder.feed(data):
+                if self.identity is None:
+                    self._authenticate(payload)
+                    if self.transport.is_closing():
+                        return
+                    continue
                 self.service._serve_payload(self, payload)
         except ProtocolError as exc:
             # An oversize frame leaves the stream out of step: answer, then close.
             self.service.rpc_errors += 1
             self.reply(ErrorReply.from_error(exc), 0)
             self.transport.close()
+
+    def _authenticate(self, payload: bytes) -> None:
+        """One frame of the handshake: answer it, or refuse (naming why) and close."""
+        assert self.handshake is not None
+        request_id = request_id_of(payload)
+        try:
+            _, message = decode_payload(payload)
+            if isinstance(message, AuthHello) or not self.handshake.expects_proof:
+                self.reply(self.handshake.challenge(message), request_id)
+                return
+            self.identity, ok, self.key = self.handshake.verify(message)
+        except (AuthFailed, ProtocolError) as exc:
+            self.service.note_auth_failure(self.transport.get_extra_info("peername"), exc)
+            self.reply(ErrorReply.from_error(exc if isinstance(exc, AuthFailed) else AuthFailed(str(exc))), request_id)
+            self.transport.close()
+            return
+        self.decoder.max_frame = MAX_FRAME_BYTES
+        self.reply(ok, request_id)
 
     def reply(self, message: Message, request_id: int) -> None:
         if self.transport.is_closing():
@@ -190,7 +232,19 @@ class _RpcConnection(asyncio.Protocol):
 class MasterService:
     def __init__(self, config: MasterConfig | None = None) -> None:
         self.config = config or MasterConfig()
-        self.nodes = NodeRegistry(self._new_table(), self.config.command_timeout_ms / 1000)
+        secret = secret_from(self.config.cluster_secret_file)
+        if self.config.tenants_file is not None and secret is None:
+            raise ConfigError("a tenants file needs the cluster secret (cluster_secret_file or KVSTORE_CLUSTER_SECRET):"
+                              " the daemons check the master's tickets with it")  # fmt: skip
+        self.authority = (
+            Authority(secret, self.config.tenants_file, self.config.ticket_ttl_s * 1000) if secret is not None else None
+        )
+        """What connections authenticate against; None: no authentication (every peer may do anything)."""
+        self.auth_failures = 0
+        self.nodes = NodeRegistry(
+            self._new_table(), self.config.command_timeout_ms / 1000,
+            cluster_credential(secret) if secret is not None else None,
+        )  # fmt: skip
         """The nodes, and through them the placement table (:attr:`table`)."""
         self.address = ""
         self.election: Election | None = None
@@ -214,7 +268,8 @@ class MasterService:
         self.rpc_errors = 0
         self.refused_connections = 0
         """Connections closed at accept: ``config.max_connections`` were open."""
-        self._answers: OrderedDict[int, tuple[float, asyncio.Future[Message]]] = OrderedDict()
+        self._answers: OrderedDict[tuple[str, int], tuple[float, asyncio.Future[Message]]] = OrderedDict()
+        """Answers of requests that must not run twice, by (who sent it, request id)."""
         self._handlers: dict[type[Message], Handler] = {
             RegisterNode: self._register,
             Heartbeat: self._heartbeat,
@@ -235,6 +290,7 @@ class MasterService:
             Stats: self._stats,
             ListNodes: self._list_nodes,
             AdminInfo: self._admin_info,
+            AuthHello: self._unauthenticated_hello,
         }
 
     @property
@@ -412,7 +468,8 @@ class MasterService:
         self._server = await loop.create_server(lambda: _RpcConnection(self), self.config.host, self.config.port)
         self._ticker = asyncio.create_task(self._tick_forever(), name="master-ticker")
         port = self._server.sockets[0].getsockname()[1]
-        warn_if_open(log, "the master", self.config.host, port)
+        if self.authority is None:
+            warn_if_open(log, "the master", self.config.host, port)
         self.address = self.config.advertise or f"{self.config.host}:{port}"
         if self.config.etcd is None:
             self._become_leader(0)
@@ -489,11 +546,24 @@ class MasterService:
             self.rpc_errors += 1
             conn.reply(ErrorReply.from_error(exc), request_id_of(payload))
             return
+        identity = conn.identity
+        assert identity is not None
+        if identity.tenant is not None:
+            try:
+                identity.check(type(message))
+                message = identity.scope(message)
+            except KVStoreError as exc:
+                conn.reply(ErrorReply.from_error(exc), request_id)
+                return
+        if isinstance(message, GetTicket):
+            conn.reply(self._ticket(conn), request_id)
+            return
         refusal = self.refusal(type(message))
         if refusal is not None:
             conn.reply(ErrorReply.from_error(refusal), request_id)
             return
-        coro = self._dispatch(message, request_id)
+        _caller.set(identity)  # the handler's task (if any) takes a copy
+        coro = self._dispatch(message, request_id, identity.name)
         if type(message) in _WAITS:
             self._spawn(self._reply_later(conn, coro, request_id), f"rpc-{type(message).__name__}")
             return
@@ -511,14 +581,28 @@ class MasterService:
     ) -> None:  # fmt: skip
         conn.reply(await coro, request_id)
 
-    async def _dispatch(self, message: Message, request_id: int) -> Message:
+    def _ticket(self, conn: _RpcConnection) -> Message:
+        identity = conn.identity
+        if self.authority is None or identity is None or identity.tenant is None:
+            return ErrorReply.from_error(
+                PermissionDenied("tickets are for tenants' connections to a master that authenticates")
+            )
+        return self.authority.issue_ticket(identity, conn.key)
+
+    def note_auth_failure(self, peer: object, exc: KVStoreError) -> None:
+        """Count a refused handshake; log the 1st, 2nd, 4th... (a peer guessing must not flood the log)."""
+        self.auth_failures += 1
+        if self.auth_failures & (self.auth_failures - 1) == 0:
+            log.warning("refused a connection from %s: %s (%d refused so far)", peer, exc, self.auth_failures)
+
+    async def _dispatch(self, message: Message, request_id: int, who: str = "") -> Message:
         handler = self._handlers.get(type(message))
         if handler is None:
             self.rpc_errors += 1
             return ErrorReply.from_error(ProtocolError(f"the master does not serve {type(message).__name__}"))
         start = time.perf_counter()
         if type(message) in _NOT_IDEMPOTENT and request_id:
-            reply = await self._once(request_id, handler, message)
+            reply = await self._once((who, request_id), handler, message)
         else:
             reply = await self._handle(handler, message)
         op = _TIMED.get(type(message))
@@ -533,7 +617,7 @@ class MasterService:
             self.rpc_errors += 1
             return ErrorReply.from_error(exc)
 
-    async def _once(self, request_id: int, handler: Handler, message: Message) -> Message:
+    async def _once(self, request_id: tuple[str, int], handler: Handler, message: Message) -> Message:
         """Run a request that must not happen twice; a retry with its id gets the first answer.
 
         A client whose connection broke after sending resends the same request id on a new
@@ -702,13 +786,14 @@ class MasterService:
     async def _grant_space(self, m: GrantSpace) -> Message:
         """Reserve write space on one node (evicting first where needed) and open it on its daemon."""
         table = self.table
+        owner = _caller.get().tenant or ""
         grant: Grant | None = None
         for _ in range(_MAX_EVICTION_ROUNDS):
             capped = m.length
             if table.nodes:
                 largest = max(n.alloc.capacity for n in table.nodes.values())
                 capped = min(m.length, max(int(largest * self.config.grant_fraction), 1))
-            plan = table.grant_space(capped, m.preferred_node, self.config.grant_ttl_ms, _now_ms())
+            plan = table.grant_space(capped, m.preferred_node, self.config.grant_ttl_ms, _now_ms(), owner)
             if plan.error is not None:
                 raise plan.error
             if plan.grant is not None:
@@ -725,7 +810,7 @@ class MasterService:
         ttl = self.config.grant_ttl_ms
         try:
             await self._daemon(grant.node_id).call(
-                OpenGrant(grant.grant_id, extent.offset, extent.length, ttl), CommandReply
+                OpenGrant(grant.grant_id, extent.offset, extent.length, ttl, owner), CommandReply
             )
         except BaseException:
             # The daemon may have taken it: close it there before the space is reused.
@@ -744,7 +829,10 @@ class MasterService:
         )
 
     async def _return_grants(self, m: ReturnGrants) -> Message:
-        for node_id, grant_ids in self.table.end_grants(m.grant_ids).items():
+        owner = _caller.get().tenant
+        grants = self.table.grants
+        ids = m.grant_ids if owner is None else [g for g in m.grant_ids if g in grants and grants[g].owner == owner]
+        for node_id, grant_ids in self.table.end_grants(ids).items():
             self._spawn(self._close_grants(node_id, grant_ids), "grant-return")
         return OkReply()
 
@@ -787,6 +875,11 @@ class MasterService:
     async def _list_nodes(self, m: ListNodes) -> Message:
         """Every registered node with how to reach it, up or down."""
         return NodesReply(self.nodes.infos())
+
+    async def _unauthenticated_hello(self, m: AuthHello) -> Message:
+        raise AuthFailed(
+            f"master {self.address} does not authenticate (no cluster secret): connect without a token or secret"
+        )
 
     async def _admin_info(self, m: AdminInfo) -> Message:
         return AdminInfoReply(self.admin_address)

@@ -1,0 +1,240 @@
+"""Who may touch what, on a real cluster that authenticates (a master and two daemons started with a
+cluster secret and a tenants file): each attack of issue 13 is tried, without credentials, with
+another tenant's, with a replayed handshake and with forged tickets, and must fail to do harm. The
+table of attacks and outcomes goes to the output."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvstore.auth import Credential, cluster_credential, open_ticket, read_secret_file, tenant_credential
+from kvstore.config import ClientConfig
+from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied
+from kvstore.keys import checksum
+from kvstore.protocol import (
+    AuthHello,
+    DropBlocks,
+    ErrorReply,
+    Exists,
+    FetchBlocks,
+    GetReplicas,
+    GetReplicasReply,
+    GetTicket,
+    GrantReply,
+    GrantSpace,
+    MasterHello,
+    Message,
+    ReadBlocks,
+    RegisterNode,
+    Remove,
+    Stats,
+    TicketReply,
+    WriteBlocks,
+    WriteGranted,
+)
+from kvstore_cli.cluster import LocalCluster
+from kvstore_client import Store
+from transfer.auth import authenticate
+from transfer.wire import connect, recv_message, send_message
+
+VALUE = b"alice's secret prefix " * 400
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(2, dram="16MiB", authenticate=True) as c:
+        yield c
+
+
+def _raw(address: str, credential: Credential | None = None) -> tuple[socket.socket, bytes]:
+    sock = connect(address, 5.0)
+    key = authenticate(sock, credential, "test") if credential is not None else b""
+    return sock, key
+
+
+def _ask(address: str, message: Message, credential: Credential | None = None, payload: bytes = b"") -> Message:
+    """One request on a fresh connection: the reply, or the typed error it carried (raised)."""
+    sock, _ = _raw(address, credential)
+    with sock:
+        send_message(sock, message, 7, [payload] if payload else [])
+        reply = recv_message(sock)[1]
+    if isinstance(reply, ErrorReply):
+        raise reply.to_error()
+    return reply
+
+
+def _ticket(cluster: LocalCluster, token: str) -> Credential:
+    sock, key = _raw(cluster.master_address, tenant_credential(token))
+    with sock:
+        send_message(sock, GetTicket(), 1)
+        reply = recv_message(sock)[1]
+    assert isinstance(reply, TicketReply)
+    return open_ticket(reply, key, token.split(".")[0])
+
+
+def test_attacks_fail_to_do_harm(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    alice_token = cluster.add_tenant("alice")
+    bob_token = cluster.add_tenant("bob")
+    reader_token = cluster.add_tenant("reader", operations=("read",))
+    assert cluster.secret_file is not None
+    admin = cluster_credential(read_secret_file(cluster.secret_file))
+    master, daemon = cluster.master_address, cluster.daemon_addresses[0]
+    rows: list[tuple[str, str]] = []
+
+    with Store.connect(master, ClientConfig(token=alice_token, transport="tcp")) as alice:
+        alice.put_many([("prefix-1", VALUE), ("prefix-2", VALUE)])
+    where = _ask(master, GetReplicas(["alice/prefix-1"], [], False), admin)
+    assert isinstance(where, GetReplicasReply)
+    node_index = cluster.daemon_addresses.index(where.addresses[0])
+    victim_daemon = cluster.daemon_addresses[node_index]
+
+    def refused(name: str, attack: Callable[[], object], error: type[KVStoreError] = AuthFailed) -> None:
+        try:
+            outcome = attack()
+        except _NoHarm as exc:
+            rows.append((name, f"no harm: {exc}"))
+            return
+        except error as exc:
+            rows.append((name, f"refused: {type(exc).__name__}: {str(exc)[:70]}"))
+            return
+        except (KVStoreError, OSError) as exc:
+            rows.append((name, f"refused: {type(exc).__name__}"))
+            return
+        rows.append((name, f"NOT REFUSED: {outcome!r}"[:100]))
+
+    # No credentials at all.
+    for message in [Stats(), GetReplicas(["alice/prefix-1"], [], False), Exists(["alice/prefix-1"]),
+                    Remove(["alice/prefix-1"])]:  # fmt: skip
+        refused(f"no credentials: {type(message).__name__} to the master", lambda m=message: _ask(master, m))
+    refused("no credentials: ReadBlocks to a daemon",
+            lambda: _ask(victim_daemon, ReadBlocks(["alice/prefix-1"], ["dram"], [0], [len(VALUE)])))  # fmt: skip
+    refused("no credentials: DropBlocks to a daemon", lambda: _ask(victim_daemon, DropBlocks(["alice/prefix-1"])))
+    refused("no credentials: MasterHello(epoch 10**9) to a daemon", lambda: _ask(daemon, MasterHello(10**9)))
+    refused("no credentials: FetchBlocks to a daemon",
+            lambda: _ask(daemon, FetchBlocks("10.1.2.3:9", ["x"], [0], [64], [0])))  # fmt: skip
+    registration = RegisterNode("node0", "127.0.0.1:1", 1 << 20, 0, 64, [], [], "h", "", 0, [], False, "", 0, [])
+    refused("no credentials: RegisterNode as node0 from another address", lambda: _ask(master, registration))
+    refused(
+        "no credentials: WriteBlocks over alice's extent",
+        lambda: _ask(victim_daemon, WriteBlocks(["evil"], [0], [4], [checksum(b"evil")], False), payload=b"evil"),
+    )
+    refused("wrong cluster secret", lambda: _ask(master, Stats(), cluster_credential(b"w" * 32)))
+    refused("alice's name with a made-up token", lambda: _ask(master, Stats(), tenant_credential("alice." + "x" * 43)))
+
+    # A replayed handshake: the frames of a good one, sent again on a new connection.
+    def replay() -> Message:
+        sock, _ = _raw(master)
+        recorded = _record_handshake(master, tenant_credential(alice_token))
+        with sock:
+            for frame in recorded:
+                sock.sendall(frame)
+            recv_message(sock)
+            reply = recv_message(sock)[1]
+        if isinstance(reply, ErrorReply):
+            raise reply.to_error()
+        return reply
+
+    refused("replayed handshake of alice", replay)
+
+    # Another tenant's credentials.
+    with Store.connect(master, ClientConfig(token=bob_token, transport="tcp")) as bob:
+        refused("bob: get alice's key", lambda: _expect_none(bob.get("prefix-1")))
+        refused("bob: get alice's key by her full name", lambda: _expect_none(bob.get("alice/prefix-1")))
+        refused(
+            "bob: exists / match_prefix on alice's keys",
+            lambda: _expect_none(bob.exists("prefix-1") or bob.match_prefix(["prefix-1", "prefix-2"]) or None),
+        )
+        refused("bob: remove alice's key", lambda: _expect_none(bob.remove("prefix-1") or None))
+        bob.put("prefix-1", b"bob's bytes")
+        assert bob.get("prefix-1") == b"bob's bytes"
+    bob_ticket = _ticket(cluster, bob_token)
+    refused("bob's ticket: ReadBlocks of alice/prefix-1 on her daemon",
+            lambda: _expect_miss(_ask(victim_daemon, ReadBlocks(["alice/prefix-1"], ["dram"], [0], [len(VALUE)]),
+                                      bob_ticket)))  # fmt: skip
+    refused("bob's ticket: DropBlocks on a daemon", lambda: _ask(victim_daemon, DropBlocks(["alice/prefix-1"]),
+                                                                   bob_ticket), PermissionDenied)  # fmt: skip
+    refused("bob's ticket: MasterHello to a daemon", lambda: _ask(daemon, MasterHello(10**9), bob_ticket),
+            PermissionDenied)  # fmt: skip
+    refused("bob's token: RegisterNode as node0", lambda: _ask(master, registration, tenant_credential(bob_token)),
+            PermissionDenied)  # fmt: skip
+    grant = _ask(master, GrantSpace(4096, None), tenant_credential(alice_token))
+    assert isinstance(grant, GrantReply)
+    refused("bob's ticket: WriteGranted into alice's grant",
+            lambda: _write_granted(grant, bob_ticket), PermissionDenied)  # fmt: skip
+    forged = Credential("ticket", "alice", bob_ticket.key, bob_ticket.ticket.replace(b"bob", b"alice", 1))
+    refused("bob's ticket renamed to alice's", lambda: _ask(victim_daemon, Stats(), forged))
+    stolen = Credential("ticket", "bob", b"k" * 32, bob_ticket.ticket)
+    refused("bob's ticket without its session key (sniffed)", lambda: _ask(victim_daemon, Stats(), stolen))
+    refused("bob's token to a daemon (tickets only)", lambda: _ask(daemon, Stats(), tenant_credential(bob_token)))
+
+    with Store.connect(master, ClientConfig(token=reader_token, transport="tcp")) as reader:
+        refused("read-only tenant: put", lambda: reader.put("k", b"v"), PermissionDenied)
+        refused("read-only tenant: remove", lambda: reader.remove("k"), PermissionDenied)
+
+    with capsys.disabled():
+        width = max(len(name) for name, _ in rows)
+        print("\n\nattack".ljust(width + 2), "outcome")
+        for name, outcome in rows:
+            print(name.ljust(width), " ", outcome)
+    assert not [r for r in rows if r[1].startswith("NOT")], rows
+
+    # No harm done: alice reads her bytes exact, her keys are hers, the nodes are the real ones.
+    with Store.connect(master, ClientConfig(token=alice_token)) as alice:
+        assert alice.get("prefix-1") == VALUE and alice.get("prefix-2") == VALUE
+    with Store.connect(master, cluster.client_config()) as operator:
+        assert operator.exists_many(["alice/prefix-1", "bob/prefix-1", "prefix-1"]) == [True, True, False]
+        assert sorted(n.address for n in operator.nodes()) == sorted(cluster.daemon_addresses)
+
+
+class _NoHarm(Exception):
+    """An attack that was answered, with nothing of the victim's in the answer."""
+
+
+def _expect_none(value: object) -> object:
+    if value:
+        return value
+    raise _NoHarm("answered as for a key that does not exist (bob's namespace)")
+
+
+def _expect_miss(reply: Message) -> object:
+    sizes = getattr(reply, "sizes", [0])
+    if sizes == [-1]:
+        raise _NoHarm("a miss: the daemon read bob/alice/prefix-1")
+    return reply
+
+
+def _write_granted(grant: GrantReply, credential: Credential) -> Message:
+    message = WriteGranted(grant.grant_id, ["x"], [grant.offset], [4], [checksum(b"evil")], False)
+    reply = _ask(grant.address, message, credential, b"evil")
+    codes = getattr(reply, "codes", [])
+    if codes and codes[0] == PermissionDenied.code:
+        raise PermissionDenied(reply.errors[0])  # type: ignore[attr-defined]
+    return reply
+
+
+def _record_handshake(address: str, credential: Credential) -> list[bytes]:
+    """The client's frames of a successful handshake, as an eavesdropper would have them."""
+    from kvstore.auth import ClientHandshake
+    from kvstore.protocol import encode
+
+    sock = connect(address, 5.0)
+    with sock:
+        handshake = ClientHandshake(credential)
+        hello = encode(handshake.hello(), 0)
+        sock.sendall(hello)
+        challenge = recv_message(sock)[1]
+        proof = encode(handshake.proof(challenge), 0)
+        sock.sendall(proof)
+        recv_message(sock)
+    return [hello, proof]
+
+
+def test_an_unauthenticated_cluster_refuses_a_client_that_brings_credentials(tmp_path: object) -> None:
+    with LocalCluster(1, dram="8MiB") as plain:
+        with pytest.raises(AuthFailed, match="does not authenticate"):
+            _ask(plain.master_address, Stats(), cluster_credential(b"x" * 32))
+        with pytest.raises(AuthFailed, match="does not authenticate"):
+            _ask(plain.daemon_addresses[0], AuthHello("cluster", "cluster", b"n" * 16, b""))

@@ -1,0 +1,198 @@
+"""The handshake's proofs, tickets, identities and the tenants file (kvstore.auth), without sockets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvstore.auth import (
+    CLUSTER,
+    Authority,
+    ClientHandshake,
+    Credential,
+    Identity,
+    ServerHandshake,
+    add_tenant,
+    cluster_credential,
+    load_tenants,
+    open_ticket,
+    secret_from,
+    tenant_credential,
+)
+from kvstore.errors import AuthFailed, ConfigError, InvalidKey, PermissionDenied
+from kvstore.protocol import (
+    AuthHello,
+    AuthOk,
+    AuthProof,
+    DropBlocks,
+    Exists,
+    GetReplicas,
+    PutStart,
+    ReadBlocks,
+    RegisterNode,
+    Remove,
+    Stats,
+    decode_payload,
+    encode,
+)
+
+SECRET = b"s" * 32
+
+
+@pytest.fixture
+def authority(tmp_path: Path) -> tuple[Authority, dict[str, str]]:
+    tenants = tmp_path / "tenants.toml"
+    tokens = {
+        "alice": add_tenant(tenants, "alice", quota_bytes=1 << 20),
+        "reader": add_tenant(tenants, "reader", operations=("read",)),
+    }
+    return Authority(SECRET, tenants), tokens
+
+
+def handshake(authority: Authority, credential: Credential) -> tuple[Identity, bytes, bytes]:
+    """Both halves, every message through the wire codec: (identity, server's key, client's key)."""
+
+    def wire(m: object) -> object:
+        return decode_payload(encode(m, 1)[4:])[1]  # type: ignore[arg-type]
+
+    client, server = ClientHandshake(credential), ServerHandshake(authority)
+    challenge = wire(server.challenge(wire(client.hello())))  # type: ignore[arg-type]
+    identity, ok, server_key = server.verify(wire(client.proof(challenge)))  # type: ignore[arg-type]
+    return identity, server_key, client.finish(wire(ok))  # type: ignore[arg-type]
+
+
+def test_each_kind_of_credential_authenticates_and_both_ends_agree_a_key(authority: tuple[Authority, dict]) -> None:
+    auth, tokens = authority
+    identity, server_key, client_key = handshake(auth, cluster_credential(SECRET))
+    assert identity == CLUSTER and server_key == client_key
+    identity, server_key, client_key = handshake(auth, tenant_credential(tokens["alice"]))
+    assert (identity.tenant, identity.prefix) == ("alice", "alice/") and server_key == client_key
+    ticket = open_ticket(auth.issue_ticket(identity, server_key), client_key, "alice")
+    daemon = Authority(SECRET)  # a daemon knows the secret only, no tenants
+    identity, server_key, client_key = handshake(daemon, ticket)
+    assert identity.tenant == "alice" and identity.operations == {"read", "write", "remove"}
+    assert server_key == client_key
+
+
+def test_wrong_credentials_are_refused(authority: tuple[Authority, dict], tmp_path: Path) -> None:
+    auth = authority[0]
+    with pytest.raises(AuthFailed, match="wrong cluster secret"):
+        handshake(auth, cluster_credential(b"t" * 32))
+    with pytest.raises(AuthFailed, match="unknown tenant or wrong token"):
+        handshake(auth, tenant_credential("alice." + "x" * 43))  # alice's name, not her token
+    with pytest.raises(AuthFailed, match="unknown tenant"):
+        handshake(auth, tenant_credential("mallory." + "x" * 43))
+    # The tenants file's stored key is not a credential: proving with it fails.
+    stored = bytes.fromhex(load_tenants(tmp_path / "tenants.toml")["alice"].stored_key.hex())
+    with pytest.raises(AuthFailed):
+        handshake(auth, Credential("tenant", "alice", stored))
+
+
+def test_a_replayed_proof_is_refused(authority: tuple[Authority, dict]) -> None:
+    auth, tokens = authority
+    client, first = ClientHandshake(tenant_credential(tokens["alice"])), ServerHandshake(auth)
+    hello = client.hello()
+    proof = client.proof(first.challenge(hello))
+    first.verify(proof)
+    second = ServerHandshake(auth)  # a new connection: a new server nonce
+    second.challenge(hello)
+    with pytest.raises(AuthFailed):
+        second.verify(proof)
+    with pytest.raises(AuthFailed, match="expected the handshake's proof"):
+        first.verify(proof)  # one proof per challenge
+
+
+def test_a_server_that_cannot_prove_itself_is_refused() -> None:
+    impostor = Authority(b"i" * 32)  # knows no secret of this cluster; claims any tenant exists
+    client = ClientHandshake(cluster_credential(SECRET))
+    server = ServerHandshake(impostor)
+    challenge = server.challenge(client.hello())
+    client.proof(challenge)
+    with pytest.raises(AuthFailed, match="could not prove"):
+        client.finish(AuthOk(b"\0" * 32))
+
+
+def test_tickets_are_bound_to_tenant_secret_and_time(authority: tuple[Authority, dict]) -> None:
+    auth, tokens = authority
+    identity, server_key, client_key = handshake(auth, tenant_credential(tokens["reader"]))
+    reply = auth.issue_ticket(identity, server_key)
+    ticket = open_ticket(reply, client_key, "reader")
+    daemon = Authority(SECRET)
+    assert handshake(daemon, ticket)[0].operations == {"read"}
+    with pytest.raises(AuthFailed, match="not this tenant's"):
+        handshake(daemon, Credential("ticket", "alice", ticket.key, ticket.ticket))
+    forged = ticket.ticket.replace(b"reader", b"readex")
+    with pytest.raises(AuthFailed, match="not one this cluster's master issued"):
+        handshake(daemon, Credential("ticket", "readex", ticket.key, forged))
+    with pytest.raises(AuthFailed, match="not one this cluster's master issued"):
+        handshake(Authority(b"o" * 32), ticket)  # another cluster's daemon
+    old = open_ticket(auth.issue_ticket(identity, server_key, now_ms=0), client_key, "reader")
+    with pytest.raises(AuthFailed, match="expired"):
+        handshake(daemon, old)
+    # Without the connection's key, the sealed session key is noise: a sniffer cannot use the ticket.
+    stolen = open_ticket(reply, b"k" * 32, "reader")
+    with pytest.raises(AuthFailed, match="wrong proof"):
+        handshake(daemon, stolen)
+
+
+def test_an_identity_allows_its_operations_and_scopes_its_keys() -> None:
+    alice = Identity("alice", "alice", frozenset({"read", "write"}))
+    alice.check(GetReplicas)
+    alice.check(PutStart)
+    with pytest.raises(PermissionDenied, match="not allowed to remove"):
+        alice.check(Remove)
+    for internal in (RegisterNode, DropBlocks):
+        with pytest.raises(PermissionDenied, match="only the cluster"):
+            alice.check(internal)
+    assert alice.scope(Exists(["a", "b/c"])) == Exists(["alice/a", "alice/b/c"])
+    read = ReadBlocks(["k"], ["dram"], [0], [1])
+    assert alice.scope(read) == msgspec.structs.replace(read, keys=["alice/k"])
+    assert alice.scope(Stats()) == Stats()
+    with pytest.raises(InvalidKey, match="longer than 250 bytes"):
+        alice.scope(Exists(["x" * 251]))
+    CLUSTER.check(RegisterNode)
+    assert CLUSTER.scope(Exists(["a"])) == Exists(["a"])
+
+
+def test_the_tenants_file_is_checked_and_reloaded(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    token = add_tenant(path, "alice", 100)
+    auth = Authority(SECRET, path)
+    assert auth.tenant("alice") is not None and auth.tenant("alice").quota_bytes == 100  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="exists already"):
+        add_tenant(path, "alice")
+    add_tenant(path, "bob")
+    assert auth.tenant("bob") is not None  # read again: the file changed
+    assert json.loads(path.read_text())["tenants"]["alice"]["token_sha256"] != token
+    path.write_text("{not json")
+    assert auth.tenant("bob") is not None  # a file that turned bad keeps the last good tenants
+    for text, match in [
+        ('{"tenants": {"a b": {}}}', "tenant name"),
+        ('{"tenants": {"a": {"token_sha256": "00"}}}', "64 hex digits"),
+        ('{"tenants": {"a": {"token_sha256": "' + "0" * 64 + '", "quota_bytes": -1}}}', "quota_bytes"),
+        ('{"tenants": {"a": {"token_sha256": "' + "0" * 64 + '", "operations": ["drain"]}}}', "operations"),
+        ('{"tenants": {"a": {"token_sha256": "' + "0" * 64 + '", "colour": 1}}}', "unknown settings"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            load_tenants(path)
+    with pytest.raises(ConfigError, match=r"NAME\.SECRET"):
+        tenant_credential("no-dot-in-it")
+    with pytest.raises(ConfigError, match="at least 16"):
+        secret_from(None, {"KVSTORE_CLUSTER_SECRET": "short"})
+    assert secret_from(None, {}) is None
+
+
+def test_a_malformed_hello_or_proof_is_refused(authority: tuple[Authority, dict]) -> None:
+    auth, _ = authority
+    with pytest.raises(AuthFailed, match="authentication required before Stats"):
+        ServerHandshake(auth).challenge(Stats())
+    with pytest.raises(AuthFailed, match="malformed"):
+        ServerHandshake(auth).challenge(AuthHello("tenant", "alice", b"short", b""))
+    server = ServerHandshake(auth)
+    server.challenge(AuthHello("tenant", "alice", b"n" * 16, b""))
+    with pytest.raises(AuthFailed):
+        server.verify(AuthProof(b""))
