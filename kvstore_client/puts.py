@@ -17,6 +17,7 @@ from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
     ProtocolError,
+    QuotaExceeded,
     RetryLater,
     Timeout,
     error_from_code,
@@ -30,8 +31,9 @@ Items = list[tuple[BlockKey, memoryview]]
 Place = tuple[str, str]
 """A block's node: (node_id, data-plane address)."""
 
-_TWO_TRIP = frozenset({GrantExpired.code, RetryLater.code, ConnectionFailed.code, Timeout.code})
-"""Codes of a one-trip put that send the block the two-trip way instead of failing the put."""
+_TWO_TRIP = frozenset({GrantExpired.code, RetryLater.code, ConnectionFailed.code, Timeout.code, QuotaExceeded.code})
+"""Codes of a one-trip put that send the block the two-trip way instead of failing the put (over its
+tenant's quota: that way the master evicts the tenant's own blocks for it, or refuses it)."""
 
 
 @dataclass(frozen=True, slots=True)

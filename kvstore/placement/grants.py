@@ -169,6 +169,7 @@ class Grants:
             grant.pieces[at : at + 1] = node.alloc.carve(grant.pieces[at], extent)
             entry = ObjectEntry(key, size, check, [ReplicaState(node_id, DRAM, extent)], True, 0, pinned)
             cat.objects[key] = entry
+            cat.track(entry)
             node.dram_lru.insert(key, size)
             if pinned:
                 node.dram_lru.pin(key)

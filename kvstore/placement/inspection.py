@@ -11,9 +11,10 @@ is not readable; SSD bytes add up; the leases agree with themselves.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 
 from kvstore.keys import validate_key
-from kvstore.placement.state import DRAM, SSD, Catalog, NodeState
+from kvstore.placement.state import DRAM, SSD, Catalog, NodeState, owner_of
 
 
 class Inspection:
@@ -97,6 +98,13 @@ class Inspection:
         """Assert the invariants of the module docstring (for tests)."""
         cat = self.catalog
         cat.leases.check()
+        usage: Counter[str] = Counter()
+        for store in (cat.objects, cat.pending):
+            for e in store.values():
+                usage[owner_of(e.key)] += e.size
+        assert +usage == cat.usage, f"usage drifted: {dict(cat.usage)} != {dict(usage)}"
+        owned = {o: {k for s in (cat.objects, cat.pending) for k in s if owner_of(k) == o} for o in usage if o}
+        assert owned == cat.owned, "the keys by owner drifted"
         for store in (cat.objects, cat.pending):
             for e in store.values():
                 assert len({r.node_id for r in e.replicas}) == len(e.replicas), f"{e.key}: two replicas on a node"

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Iterable, Sequence
 
 from kvstore.errors import InvalidArgument, NotFound
@@ -45,6 +46,27 @@ class Moves:
         evicted, commands = self.writes.remove(victims)
         self.catalog.counters["evictions"] += evicted
         return evicted, pinned, commands
+
+    def tenant_victims(self, tenant: str, need: int, keep: Collection[str] = ()) -> list[str]:
+        """The tenant's own blocks to evict for ``need`` bytes under its quota: least recently put or
+        read first, across every node and tier; never a pinned, leased, unfinished or ``keep`` one."""
+        cat = self.catalog
+        candidates = []
+        for key in cat.owned.get(tenant, ()):
+            entry = cat.objects.get(key)
+            if entry is None or entry.removing or entry.pinned or key in keep:
+                continue
+            if any(cat.leases.is_leased(r.node_id, r.tier, key) for r in entry.replicas):
+                continue
+            candidates.append((entry.last_use, key, entry.size))
+        heapq.heapify(candidates)
+        chosen: list[str] = []
+        got = 0
+        while candidates and got < need:
+            _, key, size = heapq.heappop(candidates)
+            chosen.append(key)
+            got += size
+        return chosen
 
     def evict_tier(self, node_id: str, tier: TierName) -> tuple[int, list[NodeCommand]]:
         """Empty one tier of a node of what may go (neither pinned nor leased): DRAM blocks are

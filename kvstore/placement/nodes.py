@@ -103,6 +103,7 @@ class Membership:
             if entry is None:
                 entry = ObjectEntry(item.key, item.size, item.checksum, [], True, 0, item.pinned)
                 cat.objects[item.key] = entry
+                cat.track(entry)
             extent = Extent(item.offset, node.alloc.round_up(item.size)) if tier is DRAM else None
             entry.replicas.append(ReplicaState(node_id, tier, extent))
             node.lru(tier).insert(item.key, item.size)
@@ -136,6 +137,7 @@ class Membership:
                 entry.replicas = kept
                 if not kept:
                     del store[key]
+                    cat.untrack(entry)
                     cat.want_promote.discard(key)
                 elif not entry.committed and not entry.removing:
                     broken.append(entry)

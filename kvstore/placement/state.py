@@ -8,6 +8,7 @@ issuing commands, revoking puts, dropping a replica once a daemon confirmed).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +48,8 @@ class ObjectEntry:
     removing: bool = False
     """Removed, revoked or expired: gone once its daemons confirm; not readable, not placeable."""
     ssd_hits: int = 0
+    last_use: int = 0
+    """The catalog's clock when the key was last put or read: its tenant's LRU order, across nodes."""
 
 
 @dataclass(slots=True)
@@ -144,6 +147,13 @@ COUNTERS = (
 )
 
 
+def owner_of(key: str) -> str:
+    """The tenant a key belongs to: its first path segment (servers put ``NAME/`` in front of every
+    key of tenant NAME); "" for a key with none."""
+    head, sep, _ = key.partition("/")
+    return head if sep else ""
+
+
 class Catalog:
     """Everything the table knows, shared by its parts (:mod:`kvstore.placement.table` lists them).
 
@@ -166,6 +176,33 @@ class Catalog:
         self.draining: set[str] = set()
         """Nodes out of placement, their blocks being moved elsewhere (an operator's drain)."""
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.usage: Counter[str] = Counter()
+        """Bytes of the keys (pending or stored, counted once however many replicas) of each
+        first path segment, ``NAME`` of ``NAME/...``: a tenant's bytes, for its quota."""
+        self.owned: dict[str, set[str]] = {}
+        """The keys of each owner with a name (a tenant), pending or stored."""
+        self.clock = 0
+
+    def track(self, entry: ObjectEntry) -> None:
+        """Count a key that came to exist (reserved by a put, committed into a grant, found in an inventory)."""
+        owner = owner_of(entry.key)
+        self.usage[owner] += entry.size
+        if owner:
+            self.owned.setdefault(owner, set()).add(entry.key)
+        self.clock += 1
+        entry.last_use = self.clock
+
+    def untrack(self, entry: ObjectEntry) -> None:
+        """Stop counting a key that is gone (its last replica dropped)."""
+        owner = owner_of(entry.key)
+        self.usage[owner] -= entry.size
+        if not self.usage[owner]:
+            del self.usage[owner]
+        keys = self.owned.get(owner)
+        if keys is not None:
+            keys.discard(entry.key)
+            if not keys:
+                del self.owned[owner]
 
     def up_nodes(self) -> list[NodeState]:
         return [n for n in self.nodes.values() if n.up]
@@ -180,6 +217,8 @@ class Catalog:
         return [r for r in entry.replicas if not r.moving and self.nodes[r.node_id].up]
 
     def touch(self, entry: ObjectEntry) -> None:
+        self.clock += 1
+        entry.last_use = self.clock
         for r in entry.replicas:
             lru = self.nodes[r.node_id].lru(r.tier)
             if entry.key in lru:
@@ -228,7 +267,6 @@ class Catalog:
                     node.ssd_used -= entry.size
         if evicted:
             self.counters["evictions"] += 1
-        if not entry.replicas:
-            self.objects.pop(key, None)
-            self.pending.pop(key, None)
+        if not entry.replicas and (self.objects.pop(key, None) is not None or self.pending.pop(key, None) is not None):
+            self.untrack(entry)
             self.want_promote.discard(key)

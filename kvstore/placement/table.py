@@ -203,6 +203,13 @@ class PlacementTable:
     def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str], list[NodeCommand]]:
         return self._moves.evict_keys(keys)
 
+    def tenant_victims(self, tenant: str, need: int, keep: Collection[str] = ()) -> list[str]:
+        return self._moves.tenant_victims(tenant, need, keep)
+
+    def usage(self, tenant: str) -> int:
+        """Bytes of the tenant's keys, pending and stored (each once, however many replicas)."""
+        return self._catalog.usage.get(tenant, 0)
+
     def evict_tier(self, node_id: str, tier: TierName) -> tuple[int, list[NodeCommand]]:
         return self._moves.evict_tier(node_id, tier)
 

@@ -156,6 +156,7 @@ class Writes:
             )
         entry = ObjectEntry(key, size, 0, chosen, False, now_ms + self.reservation_ms, pin)
         cat.pending[key] = entry
+        cat.track(entry)
         cat.counters["puts"] += 1
         return PutTicket("ok", [self._wire_replica(entry, r) for r in chosen], 0, "")
 

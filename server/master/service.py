@@ -30,6 +30,7 @@ from kvstore.errors import (
     NotReady,
     PermissionDenied,
     ProtocolError,
+    QuotaExceeded,
     RetryLater,
     Timeout,
 )
@@ -735,6 +736,11 @@ class MasterService:
             raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
         tickets: list[PutTicket | None] = [None] * len(keys)
         todo = list(range(len(keys)))
+        tenant = _caller.get().tenant
+        if tenant is not None and self._quota(tenant):
+            for i in await self._over_quota(tenant, keys, sizes):
+                tickets[i] = PutTicket("error", [], QuotaExceeded.code, self._quota_text(tenant, keys[i], sizes[i]))
+            todo = [i for i in todo if tickets[i] is None]
         for _ in range(_MAX_EVICTION_ROUNDS):
             plan = self.table.put_start(
                 [keys[i] for i in todo], [sizes[i] for i in todo], m.replicas, m.preferred_node, m.pin, _now_ms()
@@ -752,6 +758,38 @@ class MasterService:
         stuck = PutTicket("error", [], CapacityError.code, "no room after repeated rounds of eviction")
         final = [t if t is not None else stuck for t in tickets]
         return PutStartReply.from_tickets(final)
+
+    # -- tenants' quotas ----------------------------------------------------------------------
+    def _quota(self, tenant: str) -> int:
+        """The tenant's byte quota (0: none)."""
+        known = self.authority.tenant(tenant) if self.authority is not None else None
+        return known.quota_bytes if known is not None else 0
+
+    def _quota_text(self, tenant: str, key: str, size: int) -> str:
+        return (
+            f"block {key[len(tenant) + 1 :]!r} of {size} bytes would take tenant {tenant!r} past its quota of "
+            f"{self._quota(tenant)} bytes ({self.table.usage(tenant)} held, none of it evictable)"
+        )
+
+    async def _over_quota(self, tenant: str, keys: list[str], sizes: list[int]) -> list[int]:
+        """Indexes of the new keys of a tenant's put that do not fit its quota, after its own least
+        recently used blocks were evicted for them (another tenant's blocks are never touched)."""
+        table, quota = self.table, self._quota(tenant)
+        new = [i for i, k in enumerate(keys) if k not in table.objects and table.describe(k) is None]
+        over = table.usage(tenant) + sum(sizes[i] for i in new) - quota
+        if over > 0:
+            victims = table.tenant_victims(tenant, over, keep=set(keys))
+            if victims:
+                _, _, commands = table.evict_keys(victims)
+                await self._run_commands(commands)
+        room = quota - self.table.usage(tenant)
+        refused = []
+        for i in new:
+            if sizes[i] <= room:
+                room -= sizes[i]
+            else:
+                refused.append(i)
+        return refused
 
     async def _put_end(self, m: PutEnd) -> Message:
         committed = self.table.put_end(m.keys, m.checksums)
@@ -837,6 +875,26 @@ class MasterService:
         return OkReply()
 
     async def _commit_granted(self, m: CommitGranted) -> Message:
+        grant = self.table.grants.get(m.grant_id)
+        owner = grant.owner if grant is not None else ""
+        if owner and self._quota(owner) and len(m.keys) == len(m.sizes):
+            # Over its quota, a tenant's one-trip put goes the two-trip way, which evicts its own
+            # blocks for it or refuses it with QuotaExceeded.
+            room = self._quota(owner) - self.table.usage(owner)
+            fits = []
+            for size in m.sizes:
+                fits.append(size <= room)
+                room -= size if size <= room else 0
+            if not all(fits):
+                keep = [i for i, ok in enumerate(fits) if ok]
+                part = self.table.commit_granted(
+                    m.node_id, m.grant_id, [m.keys[i] for i in keep], [m.offsets[i] for i in keep],
+                    [m.sizes[i] for i in keep], [m.checksums[i] for i in keep], m.pinned,
+                )  # fmt: skip
+                outcome = [(QuotaExceeded.code, f"tenant {owner!r} is at its quota")] * len(m.keys)
+                for i, result in zip(keep, part, strict=True):
+                    outcome[i] = result
+                return PutReply([code for code, _ in outcome], [text for _, text in outcome])
         outcome = self.table.commit_granted(m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned)
         return PutReply([code for code, _ in outcome], [text for _, text in outcome])
 

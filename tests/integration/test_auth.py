@@ -12,8 +12,9 @@ import pytest
 
 from kvstore.auth import Credential, cluster_credential, open_ticket, read_secret_file, tenant_credential
 from kvstore.config import ClientConfig
-from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied
+from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied, QuotaExceeded
 from kvstore.keys import checksum
+from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     AuthHello,
     DropBlocks,
@@ -36,7 +37,7 @@ from kvstore.protocol import (
     WriteGranted,
 )
 from kvstore_cli.cluster import LocalCluster
-from kvstore_client import Store
+from kvstore_client import PutOptions, Store
 from transfer.auth import authenticate
 from transfer.wire import connect, recv_message, send_message
 
@@ -238,3 +239,31 @@ def test_an_unauthenticated_cluster_refuses_a_client_that_brings_credentials(tmp
             _ask(plain.master_address, Stats(), cluster_credential(b"x" * 32))
         with pytest.raises(AuthFailed, match="does not authenticate"):
             _ask(plain.daemon_addresses[0], AuthHello("cluster", "cluster", b"n" * 16, b""))
+
+
+def test_a_tenant_over_quota_evicts_its_own_blocks_then_is_refused(cluster: LocalCluster) -> None:
+    KiB = 1024
+    small = cluster.add_tenant("small", quota=256 * KiB)
+    pinner = cluster.add_tenant("pinner", quota=128 * KiB)
+    churn = cluster.add_tenant("churn")
+    block = b"q" * (64 * KiB)
+    with Store.connect(cluster.master_address, ClientConfig(token=pinner)) as p:
+        p.put_many([("pinned-1", block), ("pinned-2", block)], PutOptions(pin=True))
+        with pytest.raises(QuotaExceeded, match="past its quota of 131072 bytes"):
+            p.put("pinned-3", block)  # its own blocks are pinned: nothing of its own to evict
+    with Store.connect(cluster.master_address, ClientConfig(token=small)) as s:
+        for i in range(12):
+            assert s.put(f"block-{i}", block) is PutStatus.STORED  # each over-quota put evicts its own LRU
+        held = [s.exists(f"block-{i}") for i in range(12)]
+        assert held[-4:] == [True] * 4 and sum(held) == 4, held  # 256 KiB: the 4 most recent
+        with pytest.raises(QuotaExceeded):
+            s.put("too-big", b"x" * (300 * KiB))
+    # Another tenant's churn through more than the cluster holds evicts by LRU, never a pinned block.
+    with Store.connect(cluster.master_address, ClientConfig(token=churn)) as c:
+        for i in range(80):
+            c.put(f"churn-{i}", b"c" * (512 * KiB))
+    with Store.connect(cluster.master_address, ClientConfig(token=pinner)) as p:
+        assert p.get("pinned-1") == block and p.get("pinned-2") == block
+    with Store.connect(cluster.master_address, cluster.client_config()) as operator:
+        stats = operator.stats()
+        assert operator.exists_many(["pinner/pinned-1", "pinner/pinned-2"]) == [True, True], stats
