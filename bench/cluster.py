@@ -259,6 +259,63 @@ def bench_match_prefix(store: Store, num_keys: int = 1_000_000, query: int = 64)
     ]  # fmt: skip
 
 
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def bench_auth(
+    cases: list[tuple[int, int]], total: int, dram: str, reps: int = 3, connects: int = 20
+) -> list[dict[str, Any]]:
+    """Authentication's cost: the same rows against a cluster without it and one that authenticates
+    (a tenant's token; tickets to the daemon), alternated ``reps`` times, medians compared; and the
+    cost of a new client's first put and get (the handshakes, and the ticket)."""
+    rows: list[dict[str, Any]] = []
+    with LocalCluster(1, dram=dram) as plain, LocalCluster(1, dram=dram, authenticate=True) as secured:
+        token = secured.add_tenant("bench")
+        configs = {
+            "off": (plain, ClientConfig(transport="tcp")),
+            "on": (secured, ClientConfig(transport="tcp", token=token)),
+        }
+        stores = {mode: Store.connect(c.master_address, config) for mode, (c, config) in configs.items()}
+        raw = RawTcp(max(size * batch for size, batch in cases))
+        try:
+            for size, batch in cases:
+                got: dict[tuple[str, str], list[dict[str, Any]]] = {}
+                for r in range(reps):
+                    for mode, store in stores.items():
+                        for line in bench_size(store, raw, size, batch, total, tag=f"auth-{mode}-{r}"):
+                            got.setdefault((mode, line["op"]), []).append(line)
+                for op in ("put", "get"):
+                    off, on = got["off", op], got["on", op]
+                    gbps_off, gbps_on = _median([x["GBps"] for x in off]), _median([x["GBps"] for x in on])
+                    p50_off, p50_on = _median([x["p50_us"] for x in off]), _median([x["p50_us"] for x in on])
+                    rows.append({
+                        "bench": "cluster_auth", "op": op, "size": size, "batch": batch, "reps": reps,
+                        "auth_off_GBps": gbps_off, "auth_on_GBps": gbps_on,
+                        "ratio": round(gbps_on / gbps_off, 3) if gbps_off else None,
+                        "auth_off_p50_us": p50_off, "auth_on_p50_us": p50_on,
+                        "delta_p50_us": round(p50_on - p50_off, 1),
+                    })  # fmt: skip
+        finally:
+            raw.close()
+            for store in stores.values():
+                store.close()
+        first: dict[str, list[float]] = {"off": [], "on": []}
+        for i in range(connects):
+            for mode, (c, config) in configs.items():
+                t = time.perf_counter()
+                with Store.connect(c.master_address, config) as store:
+                    store.put(f"first-{mode}-{i}", b"f" * 4096)
+                    assert store.get(f"first-{mode}-{i}") == b"f" * 4096
+                first[mode].append(time.perf_counter() - t)
+        off_ms, on_ms = _median(first["off"]) * 1e3, _median(first["on"]) * 1e3
+        rows.append({
+            "bench": "cluster_auth", "op": "connect_put_get", "size": 4096, "reps": connects,
+            "auth_off_ms": round(off_ms, 2), "auth_on_ms": round(on_ms, 2), "delta_ms": round(on_ms - off_ms, 2),
+        })  # fmt: skip
+    return rows
+
+
 def run_peers(sizes: list[int], total: int) -> list[dict[str, Any]]:
     out = []
     env = {**os.environ, "SIZES": ",".join(map(str, sizes)), "TOTAL": str(total)}
@@ -288,11 +345,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dram", default="1536MiB", help="the daemon's DRAM")
     parser.add_argument("--peers", choices=["auto", "no"], default="auto", help="run ../shared/peers when present")
     parser.add_argument("--match-keys", type=int, default=1_000_000, help="placement-table size for match_prefix")
+    parser.add_argument(
+        "--auth", choices=["compare", "no"], default="compare",
+        help="compare: also the same rows with authentication off and on (cluster_auth lines)",
+    )  # fmt: skip
+    parser.add_argument("--auth-only", action="store_true", help="only the cluster_auth lines")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     total = parse_size(args.total)
     ours: list[dict[str, Any]] = []
+    auth_cases = sorted({(min(sizes), 1), (max(sizes), 1), (max(sizes), max(batches))})
+    if args.auth_only:
+        for line in bench_auth(auth_cases, total, args.dram):
+            print(json.dumps(line), flush=True)
+        return 0
     # transport=tcp: these figures are the network data plane against raw TCP (same-host clients would use shm).
     config = ClientConfig(transport="tcp")
     with LocalCluster(1, dram=args.dram) as cluster, Store.connect(cluster.master_address, config) as store:
@@ -310,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(line), flush=True)
         finally:
             raw.close()
+    if args.auth == "compare":
+        for line in bench_auth(auth_cases, total, args.dram):
+            print(json.dumps(line), flush=True)
     if args.peers == "auto" and PEERS.exists():
         for row in run_peers(sizes, total):
             for op in ("put", "get"):

@@ -14,9 +14,13 @@ token) and two daemons as processes on loopback, stores reference blocks, then s
 - **admin requests**: every operation of the OpenAPI document with random path parameters,
   queries and bodies, with the token, without it, with a wrong one and one of raw bytes.
 
-Left out on purpose: ``MasterHello`` to a daemon (an unauthenticated peer claiming a newer
-master epoch deposes the real master on that daemon; closing that is the job of
-authentication), and requests that remove or evict the reference blocks by name.
+With ``--auth`` the cluster authenticates: half the RPC inputs go on connections authenticated as
+a tenant (every kind, internal ones included, which it must be refused), half before any
+handshake (handshake frames, garbled or not, and every other kind).
+
+Left out on purpose without ``--auth``: ``MasterHello`` to a daemon (an unauthenticated peer
+claiming a newer master epoch deposes the real master on that daemon; authentication closes
+that), and requests that remove or evict the reference blocks by name.
 
 One JSON line per target (``inputs``, ``closed``: connections the server closed, ``rate``
 inputs/s), a baseline line (valid requests/s on a kept connection, same run), and a summary:
@@ -38,11 +42,13 @@ import tempfile
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from kvstore.auth import Credential, tenant_credential
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError
 from kvstore.protocol import (
@@ -61,6 +67,7 @@ from kvstore.protocol import (
 )
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
+from transfer.auth import authenticate
 
 TOKEN = "fuzz-admin-token"
 _ENC = msgspec.msgpack.Encoder()
@@ -171,8 +178,12 @@ def garble(rng: random.Random, frame: bytes) -> bytes:
 class Target:
     """One server's RPC port: a kept connection for in-step frames, fresh ones for the rest."""
 
-    def __init__(self, name: str, address: str, sentinel: Message) -> None:
+    def __init__(
+        self, name: str, address: str, sentinel: Message, credential: Callable[[], Credential] | None = None
+    ) -> None:
+        """``credential``: each connection authenticates with it first (a cluster that authenticates)."""
         self.name = name
+        self.credential = credential
         host, port = address.rsplit(":", 1)
         self.address = (host, int(port))
         self.sentinel = encode(sentinel, 1)
@@ -191,6 +202,12 @@ class Target:
             raise
         sock.settimeout(5)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.credential is not None:
+            try:
+                authenticate(sock, self.credential(), self.name)
+            except BaseException:
+                sock.close()
+                raise
         return sock
 
     def _in_step(self, sock: socket.socket) -> bool:
@@ -215,7 +232,7 @@ class Target:
                 self.sock = self._connect()
             self.sock.sendall(frame)
             ok = self._in_step(self.sock)
-        except OSError:
+        except (OSError, KVStoreError):
             ok = False
         if not ok:
             self.closed += 1
@@ -231,7 +248,7 @@ class Target:
         try:
             with self._connect() as sock:
                 sock.sendall(data)
-        except OSError:
+        except (OSError, KVStoreError):
             self.closed += 1
         self.inputs += 1
         self.seconds += time.perf_counter() - start
@@ -339,9 +356,24 @@ def fuzz_http(address: str, n: int, rng: random.Random) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def baseline(address: str, seconds: float = 1.0) -> float:
+_AUTH_KINDS = [k for k, c in KIND_TO_MESSAGE.items() if c.__name__.startswith("Auth")]
+
+
+def fuzz_unauthenticated(target: Target, kinds: list[int], n: int, rng: random.Random) -> None:
+    """Inputs before any handshake (a cluster that authenticates): handshake frames, garbled or not,
+    and every other kind; each on a connection of its own (the server closes on a refusal)."""
+    draw = Draw(rng, max_list=64)
+    for i in range(n):
+        if target.down:
+            return
+        kind = rng.choice(_AUTH_KINDS if rng.random() < 0.5 else kinds)
+        frame = schema_frame(draw, kind, 1000 + i)
+        target.alone(garble(rng, frame) if rng.random() < 0.2 else frame)
+
+
+def baseline(address: str, seconds: float = 1.0, credential: Callable[[], Credential] | None = None) -> float:
     """Valid Stats requests per second on one kept connection: what the fuzz loop's rate compares to."""
-    target = Target("baseline", address, Stats())
+    target = Target("baseline", address, Stats(), credential)
     sock = target._connect()
     count, start = 0, time.perf_counter()
     with sock:
@@ -351,7 +383,7 @@ def baseline(address: str, seconds: float = 1.0) -> float:
     return count / (time.perf_counter() - start)
 
 
-def check_health(cluster: LocalCluster, reference: dict[str, bytes]) -> dict[str, Any]:
+def check_health(cluster: LocalCluster, reference: dict[str, bytes], config: ClientConfig) -> dict[str, Any]:
     """Every process alive; reference blocks exact or missing (never other bytes); a new put+get works."""
     procs = [("master", cluster.master), *((f"daemon{i}", d) for i, d in enumerate(cluster.daemons))]
     crashed = [name for name, p in procs if p is None or p.poll() is not None]
@@ -359,7 +391,7 @@ def check_health(cluster: LocalCluster, reference: dict[str, bytes]) -> dict[str
     if crashed:
         return {**result, "healthy": False}
     deadline = time.monotonic() + 30  # nodes a fuzz frame registered go down after their TTL
-    with Store.connect(cluster.master_address, ClientConfig(timeout_s=10)) as store:
+    with Store.connect(cluster.master_address, config) as store:
         keys = list(reference)
         got = store.get_many(keys, verify=True)
         for key, value in zip(keys, got, strict=True):
@@ -403,41 +435,63 @@ def _unhandled(cluster: LocalCluster) -> list[str]:
     return found
 
 
-def run(inputs: int, seed: int, emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+def run(inputs: int, seed: int, emit: Callable[[dict[str, Any]], None], auth: bool = False) -> dict[str, Any]:
+    """``auth``: the cluster authenticates; the RPC inputs go half on connections authenticated as a
+    tenant (its token to the master, its ticket to the daemon), half before any handshake."""
     rng = random.Random(seed)
     master_args = ("--reservation-ms", "2000", "--node-ttl-ms", "2000")
     env = {"KVSTORE_ADMIN_TOKEN": TOKEN}
     workdir = Path(tempfile.mkdtemp(prefix="kvstore-fuzz-"))
     with LocalCluster(
-        2, dram="32MiB", ssd="32MiB", admin=True, env=env, master_args=master_args, workdir=workdir
-    ) as cluster:
+        2, dram="32MiB", ssd="32MiB", admin=True, env=env, master_args=master_args, workdir=workdir,
+        authenticate=auth,
+    ) as cluster:  # fmt: skip
+        config = cluster.client_config(timeout_s=10)
         reference = {f"ref-{i}": rng.randbytes(1000 + 97 * i) for i in range(64)}
-        with Store.connect(cluster.master_address) as store:
+        with Store.connect(cluster.master_address, config) as store:
             store.put_many(list(reference.items()))
-        base = baseline(cluster.master_address)
+        master_cred = daemon_cred = None
+        if auth:
+            token = cluster.add_tenant("fuzz")
+            master_cred = partial(tenant_credential, token)
+            with Store.connect(cluster.master_address, ClientConfig(token=token)) as tenant:
+                ticket = tenant._ticket()
+            daemon_cred = lambda: ticket  # noqa: E731 - one ticket for the whole run
+        base = baseline(cluster.master_address, credential=master_cred)
         emit({"bench": "fuzz", "target": "baseline", "what": "valid Stats requests/s, one connection",
               "rate": round(base)})  # fmt: skip
         # 40% each to the master and a daemon, 20% to the admin API.
         rpc_n, http_n = inputs * 4 // 10, inputs - 2 * (inputs * 4 // 10)
-        master = Target("master", cluster.master_address, Stats())
+        master = Target("master", cluster.master_address, Stats(), master_cred)
         # A daemon's cheapest valid request: reading no blocks.
-        daemon = Target("daemon", cluster.daemon_addresses[0], ReadBlocks([], [], [], []))
+        daemon = Target("daemon", cluster.daemon_addresses[0], ReadBlocks([], [], [], []), daemon_cred)
+        targets = [master, daemon]
         started = time.perf_counter()
         try:
-            fuzz_rpc(master, _MASTER_KINDS, rpc_n, rng)
-            fuzz_rpc(daemon, _DAEMON_KINDS, rpc_n, rng)
+            if auth:
+                # Tenants may send anything: a MasterHello of theirs is refused like any internal request.
+                fuzz_rpc(master, _MASTER_KINDS, rpc_n // 2, rng)
+                fuzz_rpc(daemon, list(KIND_TO_MESSAGE), rpc_n // 2, rng)
+                bare = [Target(f"{t.name}-unauthenticated", f"{t.address[0]}:{t.address[1]}", Stats()) for t in targets]
+                fuzz_unauthenticated(bare[0], _MASTER_KINDS, rpc_n - rpc_n // 2, rng)
+                fuzz_unauthenticated(bare[1], list(KIND_TO_MESSAGE), rpc_n - rpc_n // 2, rng)
+                targets += bare
+            else:
+                fuzz_rpc(master, _MASTER_KINDS, rpc_n, rng)
+                fuzz_rpc(daemon, _DAEMON_KINDS, rpc_n, rng)
         finally:
-            master.close()
-            daemon.close()
-        for t in (master, daemon):
+            for t in targets:
+                t.close()
+        for t in targets:
             emit({"bench": "fuzz", "target": t.name, "inputs": t.inputs, "closed": t.closed,
                   "rate": round(t.inputs / t.seconds) if t.seconds else 0})  # fmt: skip
         admin = fuzz_http(cluster.admin_address, http_n, rng)
         emit({"bench": "fuzz", **admin})
-        health = check_health(cluster, reference)
+        health = check_health(cluster, reference, config)
         unhandled = _unhandled(cluster)
         summary = {
-            "bench": "fuzz", "target": "summary", "inputs": master.inputs + daemon.inputs + admin["inputs"],
+            "bench": "fuzz", "target": "summary", "auth": auth,
+            "inputs": sum(t.inputs for t in targets) + admin["inputs"],
             "seconds": round(time.perf_counter() - started, 1), "crashes": len(health["crashed"]),
             "unhandled": len(unhandled), "unhandled_examples": unhandled[:5], "http_5xx": admin["http_5xx"],
             "healthy_after": health["healthy"], "reference_exact": health["reference_exact"],
@@ -446,7 +500,7 @@ def run(inputs: int, seed: int, emit: Callable[[dict[str, Any]], None]) -> dict[
         }  # fmt: skip
         if "after_error" in health:
             summary["after_error"] = health["after_error"]
-        for t in (master, daemon):
+        for t in targets:
             if t.down:
                 summary[f"{t.name}_down"] = t.down
     if summary["crashes"] or summary["unhandled"] or not summary["healthy_after"]:
@@ -462,8 +516,11 @@ def main() -> None:
     parser.add_argument("--inputs", type=int, default=100_000, help="inputs in all (RPC and HTTP)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="JSON lines (the only output there is)")
+    parser.add_argument(
+        "--auth", action="store_true", help="a cluster that authenticates: as a tenant, and before any handshake"
+    )
     args = parser.parse_args()
-    run(args.inputs, args.seed, lambda line: print(json.dumps(line), flush=True))
+    run(args.inputs, args.seed, lambda line: print(json.dumps(line), flush=True), auth=args.auth)
 
 
 if __name__ == "__main__":

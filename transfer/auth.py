@@ -48,7 +48,8 @@ def authenticate(sock: socket.socket, credential: Credential, what: str) -> byte
 
 def accept(sock: socket.socket, authority: Authority) -> tuple[Identity, bytes]:
     """Run the server's half on an accepted socket: the peer's identity and the connection's key.
-    A refusal is answered with its AuthFailed (naming why) and raised; the caller closes."""
+    A refusal (a wrong proof, or a frame that is not the handshake's) is answered with an AuthFailed
+    naming why, and raised; so are ConnectionFailed and Timeout. The caller closes."""
     handshake = ServerHandshake(authority)
     request_id = 0
     try:
@@ -59,11 +60,12 @@ def accept(sock: socket.socket, authority: Authority) -> tuple[Identity, bytes]:
         except NoRequest:
             raise AuthFailed("no handshake within the server's timeout") from None
         identity, ok, key = handshake.verify(proof)
-    except KVStoreError as exc:
-        if not isinstance(exc, ConnectionFailed | Timeout):
-            refusal = exc if isinstance(exc, AuthFailed) else AuthFailed(str(exc))
-            with contextlib.suppress(OSError):
-                send_message(sock, ErrorReply.from_error(refusal), request_id)
+    except (ConnectionFailed, Timeout):
         raise
+    except KVStoreError as exc:  # a refusal, or a frame that is no handshake (a ProtocolError): AuthFailed
+        refusal = exc if isinstance(exc, AuthFailed) else AuthFailed(str(exc))
+        with contextlib.suppress(OSError):
+            send_message(sock, ErrorReply.from_error(refusal), request_id)
+        raise refusal from None
     send_message(sock, ok, request_id)
     return identity, key

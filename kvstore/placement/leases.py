@@ -79,6 +79,11 @@ class Leases:
         """End this lease (its reader is done); False when it had ended already (or never was)."""
         return self._end(lease_id) is not None
 
+    def key_of(self, lease_id: LeaseId) -> str | None:
+        """The key a live lease covers; None when it has ended (or never was)."""
+        lease = self._live.get(lease_id)
+        return lease.key if lease is not None else None
+
     @property
     def next_id(self) -> LeaseId:
         """The id the next grant will get."""

@@ -34,6 +34,7 @@ from kvstore.errors import (
     RetryLater,
     Timeout,
 )
+from kvstore.placement.leases import LeaseId
 from kvstore.placement.state import Grant, Move, NodeCommand
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
@@ -903,7 +904,12 @@ class MasterService:
         return OkReply()
 
     async def _release_leases(self, m: ReleaseLeases) -> Message:
-        commands = self.table.release_leases(m.lease_ids)
+        lease_ids = m.lease_ids
+        tenant = _caller.get().tenant
+        if tenant is not None:  # a tenant ends its own leases only (ids are sequential: guessable)
+            leases, prefix = self.table.leases, f"{tenant}/"
+            lease_ids = [i for i in lease_ids if (leases.key_of(LeaseId(i)) or "").startswith(prefix)]
+        commands = self.table.release_leases(lease_ids)
         self._run_later(commands, "promotions")
         return OkReply()
 

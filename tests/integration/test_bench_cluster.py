@@ -18,7 +18,7 @@ def test_cluster_bench_prints_every_line(capsys: pytest.CaptureFixture[str]) -> 
             for batch in (1, 8):
                 assert (op, size, batch) in seen
     for r in lines:
-        if r["op"] in ("put", "get") and "client" not in r:
+        if r["op"] in ("put", "get") and "client" not in r and r["bench"] == "cluster":
             assert r["GBps"] > 0 and r["baseline_GBps"] > 0 and r["p50_us"] <= r["p99_us"]
             assert r["master_cpu_us"] is not None and r["master_cpu_us"] >= 0
     [exists] = [r for r in lines if r["op"] == "exists"]
@@ -26,3 +26,8 @@ def test_cluster_bench_prints_every_line(capsys: pytest.CaptureFixture[str]) -> 
     [asynchronous] = [r for r in lines if r.get("client") == "async"]
     assert asynchronous["concurrency"] == 64 and asynchronous["ops"] > 0
     assert {r["where"] for r in lines if r["op"] == "match_prefix"} == {"table", "rpc"}
+    auth = [r for r in lines if r["bench"] == "cluster_auth"]
+    assert {(r["op"], r.get("size"), r.get("batch")) for r in auth} == {
+        (op, size, batch) for op in ("put", "get") for size, batch in [(4096, 1), (65536, 1), (65536, 8)]
+    } | {("connect_put_get", 4096, None)}
+    assert all(r["ratio"] > 0 for r in auth if "ratio" in r)

@@ -19,3 +19,16 @@ def test_a_short_fuzz_leaves_the_cluster_up_and_exact() -> None:
     assert summary["unhandled"] == 0, summary["unhandled_examples"]
     assert summary["http_5xx"] == 0, lines
     assert summary["healthy_after"] and summary["reference_wrong"] == 0, summary
+
+
+def test_a_short_fuzz_of_a_cluster_that_authenticates() -> None:
+    lines: list[dict[str, Any]] = []
+    summary = run(4000, seed=11, emit=lines.append, auth=True)
+    print(json.dumps(summary))
+    assert {line["target"] for line in lines} == {
+        "baseline", "master", "daemon", "master-unauthenticated", "daemon-unauthenticated", "admin", "summary"
+    }  # fmt: skip
+    assert summary["inputs"] == 4000 and summary["auth"]
+    assert summary["crashes"] == 0 and summary["unhandled"] == 0, summary
+    assert summary["http_5xx"] == 0, lines
+    assert summary["healthy_after"] and summary["reference_wrong"] == 0, summary
