@@ -118,6 +118,9 @@ CLUSTER_ONLY: frozenset[type[Message]] = frozenset({
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 """A tenant's name: also the first part of its token and of its keys (``NAME/``)."""
 
+_RESERVED = frozenset({"cluster", "anyone"})
+"""Names of the identities that are not tenants."""
+
 MIN_SECRET_BYTES = 16
 TICKET_SKEW_MS = 60_000
 """Clocks of the master and the daemons may differ by this much: a ticket is taken this long past its end."""
@@ -232,6 +235,8 @@ def tenant_credential(token: str) -> Credential:
 
 
 def new_token(name: str) -> str:
+    if name in _RESERVED:
+        raise ConfigError(f"{name!r} names the cluster's own identity, not a tenant")
     if not TENANT_NAME.match(name):
         raise ConfigError(f"tenant name {name!r}: 1-64 letters, digits, '_' or '-', starting with a letter or digit")
     return f"{name}.{secrets.token_urlsafe(32)}"
@@ -324,6 +329,8 @@ class Tenant:
 
 
 def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
+    if name in _RESERVED:
+        raise ConfigError(f"{where}: {name!r} names the cluster's own identity, not a tenant")
     if not TENANT_NAME.match(name):
         raise ConfigError(f"{where}: tenant name {name!r} is not 1-64 letters, digits, '_' or '-'")
     if not isinstance(entry, dict):
@@ -412,6 +419,7 @@ class Authority:
         self._tenants_file = Path(tenants_file) if tenants_file is not None else None
         self._tenants: dict[str, Tenant] = {}
         self._tenants_stamp: tuple[int, int] | None = None
+        self._loaded = False
         self.refresh_tenants()
 
     @property
@@ -429,8 +437,9 @@ class Authority:
         except OSError:
             stamp = None
         if stamp != self._tenants_stamp:
-            if self._tenants_stamp is None:
+            if not self._loaded:
                 self._tenants = load_tenants(self._tenants_file)  # at start: a bad file is an error
+                self._loaded = True
             else:
                 try:
                     self._tenants = load_tenants(self._tenants_file)
@@ -492,6 +501,8 @@ class ServerHandshake:
             )
         if len(hello.nonce) != _NONCE_BYTES or len(hello.name) > _MAX_NAME or len(hello.ticket) > _MAX_TICKET:
             raise AuthFailed("a malformed AuthHello")
+        if self._nonce:
+            raise AuthFailed("one AuthHello per connection")
         self._hello = hello
         self._nonce = secrets.token_bytes(_NONCE_BYTES)
         return AuthChallenge(self._nonce)
@@ -519,6 +530,8 @@ class ServerHandshake:
                 raise AuthFailed(f"unknown tenant or wrong token for {hello.name!r}")
             identity = Identity(tenant.name, tenant.name, tenant.operations)
         else:
+            if self.authority.takes_tokens:
+                raise AuthFailed("the master takes tenants' tokens, not tickets (tickets are for daemons)")
             if not TENANT_NAME.match(hello.name):
                 raise AuthFailed("a ticket names no tenant")
             identity, key = self.authority._open_ticket(hello.name, hello.ticket)

@@ -361,11 +361,9 @@ class AsyncStore:
         async with self._ticket_lock:
             ticket = self._tickets.fresh()
             if ticket is None:
-                master = self._master
                 reply = await self._call(GetTicket(), TicketReply)
-                # The key of the connection that answered (a reconnect in between: the unmasking fails
-                # and the daemon refuses the ticket; the next connect asks again).
-                ticket = self._tickets.take(reply, master.session_key)
+                # The key of the connection that answered (the link _call ended on, after any failover).
+                ticket = self._tickets.take(reply, self._master.session_key)
             return ticket
 
     def _reader(self, address: str) -> _ReadBatcher:

@@ -238,7 +238,7 @@ class DaemonStorage:
                 elif actual != expected:
                     self.arena.abort(key)
                     out.append(
-                        CorruptBlock(f"block {key!r} arrived with checksum {actual:#x}, the writer said {expected:#x}")
+                        CorruptBlock(f"block {key!r} does not match the checksum its writer sent ({expected:#x})")
                     )
                 else:
                     self.arena.commit(key, expected, self._next_seq(), pinned)

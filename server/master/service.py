@@ -200,7 +200,7 @@ class _RpcConnection(asyncio.Protocol):
                 self.reply(self.handshake.challenge(message), request_id)
                 return
             self.identity, ok, self.key = self.handshake.verify(message)
-        except (AuthFailed, ProtocolError) as exc:
+        except KVStoreError as exc:  # a refusal, or a frame that is no handshake
             self.service.note_auth_failure(self.transport.get_extra_info("peername"), exc)
             self.reply(ErrorReply.from_error(exc if isinstance(exc, AuthFailed) else AuthFailed(str(exc))), request_id)
             self.transport.close()
@@ -589,6 +589,8 @@ class MasterService:
             return ErrorReply.from_error(
                 PermissionDenied("tickets are for tenants' connections to a master that authenticates")
             )
+        if self.authority.tenant(identity.tenant) is None:  # removed from the tenants file since it logged in
+            return ErrorReply.from_error(AuthFailed(f"tenant {identity.tenant!r} is no longer in the tenants file"))
         return self.authority.issue_ticket(identity, conn.key)
 
     def note_auth_failure(self, peer: object, exc: KVStoreError) -> None:

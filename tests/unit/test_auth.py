@@ -179,6 +179,8 @@ def test_the_tenants_file_is_checked_and_reloaded(tmp_path: Path) -> None:
         path.write_text(text)
         with pytest.raises(ConfigError, match=match):
             load_tenants(path)
+    with pytest.raises(ConfigError, match="cluster's own identity"):
+        add_tenant(tmp_path / "other.toml", "cluster")
     with pytest.raises(ConfigError, match=r"NAME\.SECRET"):
         tenant_credential("no-dot-in-it")
     with pytest.raises(ConfigError, match="at least 16"):
@@ -196,3 +198,28 @@ def test_a_malformed_hello_or_proof_is_refused(authority: tuple[Authority, dict]
     server.challenge(AuthHello("tenant", "alice", b"n" * 16, b""))
     with pytest.raises(AuthFailed):
         server.verify(AuthProof(b""))
+
+
+def test_the_master_takes_no_ticket_as_a_login_and_one_hello_per_connection(
+    authority: tuple[Authority, dict],
+) -> None:
+    auth, tokens = authority
+    identity, server_key, client_key = handshake(auth, tenant_credential(tokens["alice"]))
+    ticket = open_ticket(auth.issue_ticket(identity, server_key), client_key, "alice")
+    with pytest.raises(AuthFailed, match="not tickets"):
+        handshake(auth, ticket)  # a ticket outlives a tenant's removal: it must not renew itself
+    server = ServerHandshake(auth)
+    hello = ClientHandshake(tenant_credential(tokens["alice"])).hello()
+    server.challenge(hello)
+    with pytest.raises(AuthFailed, match="one AuthHello per connection"):
+        server.challenge(hello)
+
+
+def test_a_tenants_file_that_went_missing_then_bad_keeps_the_last_good_tenants(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    add_tenant(path, "alice")
+    auth = Authority(SECRET, path)
+    path.unlink()
+    assert auth.tenant("alice") is not None
+    path.write_text("[[[not toml")
+    assert auth.tenant("alice") is not None
