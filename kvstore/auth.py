@@ -50,39 +50,28 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvstore.errors import AuthFailed, ConfigError, InvalidKey, PermissionDenied
+from kvstore.errors import AuthFailed, ConfigError, InvalidKey, KVStoreError, PermissionDenied
 from kvstore.keys import MAX_KEY_BYTES
 from kvstore.protocol import (
-    AccessReport,
     AdminInfo,
     AuthChallenge,
     AuthHello,
     AuthOk,
     AuthProof,
     CommitBlocks,
-    CommitGranted,
-    DemoteBlocks,
-    DropBlocks,
-    EndGrants,
     Exists,
-    FetchBlocks,
     GetReplicas,
     GetTicket,
     GrantSpace,
-    Heartbeat,
     ListNodes,
-    MasterHello,
     MatchPrefix,
     MatchPrefixNodes,
     Message,
-    OpenGrant,
-    PromoteBlocks,
     PutEnd,
     PutRevoke,
     PutStart,
     ReadBlocks,
     ReadSlices,
-    RegisterNode,
     ReleaseLeases,
     Remove,
     Replicate,
@@ -110,10 +99,6 @@ _OPERATION_OF: dict[type[Message], Operation] = {
 """What a tenant may be allowed, per request; a request not listed is the cluster's alone (a node
 registering, the master's commands to daemons, a daemon's reports)."""
 
-CLUSTER_ONLY: frozenset[type[Message]] = frozenset({
-    RegisterNode, Heartbeat, CommitGranted, AccessReport, DemoteBlocks, DropBlocks, PromoteBlocks, FetchBlocks,
-    OpenGrant, EndGrants, MasterHello,
-})  # fmt: skip
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 """A tenant's name: also the first part of its token and of its keys (``NAME/``)."""
@@ -164,6 +149,11 @@ class Identity:
             raise PermissionDenied(f"tenant {self.tenant!r} may not send {kind.__name__}: only the cluster may")
         if operation not in self.operations:
             raise PermissionDenied(f"tenant {self.tenant!r} is not allowed to {operation} ({kind.__name__})")
+
+    def admit(self, message: Message) -> Message:
+        """``message`` as this identity may send it (:meth:`check`, then :meth:`scope`)."""
+        self.check(type(message))
+        return self.scope(message)
 
     def scope(self, message: Message) -> Message:
         """``message`` with its keys in this identity's namespace (itself for the cluster and anyone)."""
@@ -234,11 +224,19 @@ def tenant_credential(token: str) -> Credential:
     return Credential("tenant", name, client_key(token))
 
 
-def new_token(name: str) -> str:
+def check_tenant_name(name: str, where: str = "") -> None:
+    """Raise ConfigError unless ``name`` can name a tenant (``where``: the file it came from)."""
+    at = f"{where}: " if where else ""
     if name in _RESERVED:
-        raise ConfigError(f"{name!r} names the cluster's own identity, not a tenant")
+        raise ConfigError(f"{at}{name!r} names the cluster's own identity, not a tenant")
     if not TENANT_NAME.match(name):
-        raise ConfigError(f"tenant name {name!r}: 1-64 letters, digits, '_' or '-', starting with a letter or digit")
+        raise ConfigError(
+            f"{at}tenant name {name!r}: 1-64 letters, digits, '_' or '-', starting with a letter or digit"
+        )
+
+
+def new_token(name: str) -> str:
+    check_tenant_name(name)
     return f"{name}.{secrets.token_urlsafe(32)}"
 
 
@@ -329,10 +327,7 @@ class Tenant:
 
 
 def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
-    if name in _RESERVED:
-        raise ConfigError(f"{where}: {name!r} names the cluster's own identity, not a tenant")
-    if not TENANT_NAME.match(name):
-        raise ConfigError(f"{where}: tenant name {name!r} is not 1-64 letters, digits, '_' or '-'")
+    check_tenant_name(name, where)
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: tenant {name!r} must be a table")
     unknown = set(entry) - {"token_sha256", "quota_bytes", "operations"}
@@ -477,6 +472,12 @@ class Authority:
             raise AuthFailed(f"the ticket of tenant {name!r} has expired; the client asks the master for a new one")
         operations = frozenset(parts[2].decode().split(",")) - {""}
         return Identity(name, name, operations), _mac(self._ticket_key, b"session", ticket)
+
+
+def as_refusal(exc: KVStoreError) -> AuthFailed:
+    """What a server answers a handshake that failed with ``exc`` (a wrong proof, a frame that is
+    not the handshake's): an AuthFailed naming why."""
+    return exc if isinstance(exc, AuthFailed) else AuthFailed(str(exc))
 
 
 class ServerHandshake:

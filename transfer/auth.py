@@ -12,7 +12,7 @@ import contextlib
 import socket
 from collections.abc import Callable
 
-from kvstore.auth import Authority, ClientHandshake, Credential, Identity, ServerHandshake
+from kvstore.auth import Authority, ClientHandshake, Credential, Identity, ServerHandshake, as_refusal
 from kvstore.errors import AuthFailed, ConnectionFailed, KVStoreError, Timeout
 from kvstore.protocol import ErrorReply, Message
 from transfer.aio import HANDSHAKE_FRAME
@@ -63,7 +63,7 @@ def accept(sock: socket.socket, authority: Authority) -> tuple[Identity, bytes]:
     except (ConnectionFailed, Timeout):
         raise
     except KVStoreError as exc:  # a refusal, or a frame that is no handshake (a ProtocolError): AuthFailed
-        refusal = exc if isinstance(exc, AuthFailed) else AuthFailed(str(exc))
+        refusal = as_refusal(exc)
         with contextlib.suppress(OSError):
             send_message(sock, ErrorReply.from_error(refusal), request_id)
         raise refusal from None

@@ -271,8 +271,7 @@ class DaemonServer:
                 idle_since = time.monotonic()
                 if identity.tenant is not None:
                     try:
-                        identity.check(type(message))
-                        message = identity.scope(message)
+                        message = identity.admit(message)
                     except KVStoreError as exc:
                         self._reply_error(sock, request_id, exc)
                         if isinstance(message, WriteBlocks | WriteGranted | WriteSlices):

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import ContextVar
 from typing import Any
 
-from kvstore.auth import ANYONE, Authority, Identity, ServerHandshake, cluster_credential, secret_from
+from kvstore.auth import ANYONE, Authority, Identity, ServerHandshake, as_refusal, cluster_credential, secret_from
 from kvstore.config import MasterConfig
 from kvstore.errors import (
     AuthFailed,
@@ -137,6 +137,16 @@ def _now_ms() -> int:
     return int(time.monotonic() * 1000)
 
 
+def _fits(room: int, sizes: list[int]) -> list[bool]:
+    """Which blocks, taken in order, fit in ``room`` bytes (a block that does not fit takes none)."""
+    fits = []
+    for size in sizes:
+        fits.append(size <= room)
+        if size <= room:
+            room -= size
+    return fits
+
+
 _caller: ContextVar[Identity] = ContextVar("caller", default=ANYONE)
 """Who sent the request being handled (set per request; a handler's task keeps its own)."""
 
@@ -202,7 +212,7 @@ class _RpcConnection(asyncio.Protocol):
             self.identity, ok, self.key = self.handshake.verify(message)
         except KVStoreError as exc:  # a refusal, or a frame that is no handshake
             self.service.note_auth_failure(self.transport.get_extra_info("peername"), exc)
-            self.reply(ErrorReply.from_error(exc if isinstance(exc, AuthFailed) else AuthFailed(str(exc))), request_id)
+            self.reply(ErrorReply.from_error(as_refusal(exc)), request_id)
             self.transport.close()
             return
         self.decoder.max_frame = MAX_FRAME_BYTES
@@ -552,8 +562,7 @@ class MasterService:
         assert identity is not None
         if identity.tenant is not None:
             try:
-                identity.check(type(message))
-                message = identity.scope(message)
+                message = identity.admit(message)
             except KVStoreError as exc:
                 conn.reply(ErrorReply.from_error(exc), request_id)
                 return
@@ -740,9 +749,11 @@ class MasterService:
         tickets: list[PutTicket | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         tenant = _caller.get().tenant
-        if tenant is not None and self._quota(tenant):
-            for i in await self._over_quota(tenant, keys, sizes):
-                tickets[i] = PutTicket("error", [], QuotaExceeded.code, self._quota_text(tenant, keys[i], sizes[i]))
+        quota = self._quota(tenant) if tenant is not None else 0
+        if tenant is not None and quota:
+            for i in await self._over_quota(tenant, quota, keys, sizes):
+                text = self._quota_text(tenant, quota, keys[i], sizes[i])
+                tickets[i] = PutTicket("error", [], QuotaExceeded.code, text)
             todo = [i for i in todo if tickets[i] is None]
         for _ in range(_MAX_EVICTION_ROUNDS):
             plan = self.table.put_start(
@@ -768,16 +779,16 @@ class MasterService:
         known = self.authority.tenant(tenant) if self.authority is not None else None
         return known.quota_bytes if known is not None else 0
 
-    def _quota_text(self, tenant: str, key: str, size: int) -> str:
+    def _quota_text(self, tenant: str, quota: int, key: str, size: int) -> str:
         return (
             f"block {key[len(tenant) + 1 :]!r} of {size} bytes would take tenant {tenant!r} past its quota of "
-            f"{self._quota(tenant)} bytes ({self.table.usage(tenant)} held, none of it evictable)"
+            f"{quota} bytes ({self.table.usage(tenant)} held, none of it evictable)"
         )
 
-    async def _over_quota(self, tenant: str, keys: list[str], sizes: list[int]) -> list[int]:
-        """Indexes of the new keys of a tenant's put that do not fit its quota, after its own least
+    async def _over_quota(self, tenant: str, quota: int, keys: list[str], sizes: list[int]) -> list[int]:
+        """Indexes of the new keys of a tenant's put that do not fit its ``quota``, after its own least
         recently used blocks were evicted for them (another tenant's blocks are never touched)."""
-        table, quota = self.table, self._quota(tenant)
+        table = self.table
         new = [i for i, k in enumerate(keys) if k not in table.objects and table.describe(k) is None]
         over = table.usage(tenant) + sum(sizes[i] for i in new) - quota
         if over > 0:
@@ -785,14 +796,8 @@ class MasterService:
             if victims:
                 _, _, commands = table.evict_keys(victims)
                 await self._run_commands(commands)
-        room = quota - self.table.usage(tenant)
-        refused = []
-        for i in new:
-            if sizes[i] <= room:
-                room -= sizes[i]
-            else:
-                refused.append(i)
-        return refused
+        fits = _fits(quota - self.table.usage(tenant), [sizes[i] for i in new])
+        return [i for i, ok in zip(new, fits, strict=True) if not ok]
 
     async def _put_end(self, m: PutEnd) -> Message:
         committed = self.table.put_end(m.keys, m.checksums)
@@ -880,14 +885,11 @@ class MasterService:
     async def _commit_granted(self, m: CommitGranted) -> Message:
         grant = self.table.grants.get(m.grant_id)
         owner = grant.owner if grant is not None else ""
-        if owner and self._quota(owner) and len(m.keys) == len(m.sizes):
+        quota = self._quota(owner) if owner else 0
+        if quota and len(m.keys) == len(m.sizes):
             # Over its quota, a tenant's one-trip put goes the two-trip way, which evicts its own
             # blocks for it or refuses it with QuotaExceeded.
-            room = self._quota(owner) - self.table.usage(owner)
-            fits = []
-            for size in m.sizes:
-                fits.append(size <= room)
-                room -= size if size <= room else 0
+            fits = _fits(quota - self.table.usage(owner), m.sizes)
             if not all(fits):
                 keep = [i for i, ok in enumerate(fits) if ok]
                 part = self.table.commit_granted(
