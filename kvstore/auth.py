@@ -326,19 +326,51 @@ class Tenant:
     operations: frozenset[str] = frozenset(OPERATIONS)
 
 
-def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
-    check_tenant_name(name, where)
-    if not isinstance(entry, dict):
-        raise ConfigError(f"{where}: tenant {name!r} must be a table")
-    unknown = set(entry) - {"token_sha256", "quota_bytes", "operations"}
-    if unknown:
-        raise ConfigError(f"{where}: tenant {name!r} has unknown settings {sorted(unknown)}")
+ADMIN_ROLES = ("read-only", "operator")
+"""Roles of the admin API's tokens: read-only may GET every route; operator may also evict and drain."""
+
+
+@dataclass(frozen=True)
+class Admin:
+    """A token of the master's admin API (kept in the tenants file, table ``admins``)."""
+
+    name: str
+    stored_key: bytes = field(repr=False)
+    role: str = "read-only"
+
+
+@dataclass(frozen=True)
+class Access:
+    """What a tenants file says: the tenants (RPC and admin API, each in its namespace) and the
+    admin API's own tokens."""
+
+    tenants: dict[str, Tenant]
+    admins: dict[str, Admin]
+
+
+def _stored_key_of(name: str, entry: dict[str, Any], what: str) -> bytes:
     try:
         key = bytes.fromhex(str(entry["token_sha256"]))
     except (KeyError, ValueError):
-        raise ConfigError(f"{where}: tenant {name!r} needs token_sha256, 64 hex digits") from None
+        raise ConfigError(f"{what} {name!r} needs token_sha256, 64 hex digits") from None
     if len(key) != 32:
-        raise ConfigError(f"{where}: tenant {name!r}: token_sha256 must be 64 hex digits")
+        raise ConfigError(f"{what} {name!r}: token_sha256 must be 64 hex digits")
+    return key
+
+
+def _entry(name: str, entry: Any, where: str, kind: str, settings: set[str]) -> dict[str, Any]:
+    check_tenant_name(name, where)
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: {kind} {name!r} must be a table")
+    unknown = set(entry) - settings
+    if unknown:
+        raise ConfigError(f"{where}: {kind} {name!r} has unknown settings {sorted(unknown)}")
+    return entry
+
+
+def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
+    entry = _entry(name, entry, where, "tenant", {"token_sha256", "quota_bytes", "operations"})
+    key = _stored_key_of(name, entry, f"{where}: tenant")
     quota = entry.get("quota_bytes", 0)
     if type(quota) is not int or quota < 0:
         raise ConfigError(f"{where}: tenant {name!r}: quota_bytes must be a non-negative integer")
@@ -348,10 +380,16 @@ def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
     return Tenant(name, key, quota, frozenset(ops))
 
 
-def load_tenants(path: str | os.PathLike[str]) -> dict[str, Tenant]:
-    """Tenants from a TOML or JSON file: a table ``tenants`` of NAME -> {token_sha256, quota_bytes,
-    operations}. ConfigError names the file and what is wrong."""
-    p = Path(path)
+def _admin_from(name: str, entry: Any, where: str) -> Admin:
+    entry = _entry(name, entry, where, "admin", {"token_sha256", "role"})
+    key = _stored_key_of(name, entry, f"{where}: admin")
+    role = entry.get("role", "read-only")
+    if role not in ADMIN_ROLES:
+        raise ConfigError(f"{where}: admin {name!r}: role must be one of {list(ADMIN_ROLES)}, not {role!r}")
+    return Admin(name, key, role)
+
+
+def _read_access_data(p: Path) -> dict[str, Any]:
     try:
         text = p.read_text()
     except OSError as exc:
@@ -360,29 +398,48 @@ def load_tenants(path: str | os.PathLike[str]) -> dict[str, Tenant]:
         data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"tenants file {p}: {exc}") from None
-    tenants = data.get("tenants", {}) if isinstance(data, dict) else None
-    if not isinstance(tenants, dict):
-        raise ConfigError(f"tenants file {p}: expected a table 'tenants'")
-    return {name: _tenant_from(name, entry, f"tenants file {p}") for name, entry in tenants.items()}
+    if not isinstance(data, dict):
+        raise ConfigError(f"tenants file {p}: expected tables 'tenants' and 'admins'")
+    return data
 
 
-def add_tenant(path: str | os.PathLike[str], name: str, quota_bytes: int = 0,
-               operations: tuple[str, ...] = OPERATIONS) -> str:  # fmt: skip
-    """Add tenant ``name`` to the file (created if absent) and return its new token (shown once).
-    The file is replaced atomically, so a master reading it never sees half of it."""
+def load_access(path: str | os.PathLike[str]) -> Access:
+    """Tenants and admin tokens from a TOML or JSON file: a table ``tenants`` of NAME ->
+    {token_sha256, quota_bytes, operations} and a table ``admins`` of NAME -> {token_sha256, role}.
+    ConfigError names the file and what is wrong."""
+    p = Path(path)
+    data = _read_access_data(p)
+    where = f"tenants file {p}"
+    tables = {}
+    for table in ("tenants", "admins"):
+        tables[table] = data.get(table, {})
+        if not isinstance(tables[table], dict):
+            raise ConfigError(f"{where}: '{table}' must be a table")
+    unknown = set(data) - set(tables)
+    if unknown:
+        raise ConfigError(f"{where}: unknown tables {sorted(unknown)} (there are 'tenants' and 'admins')")
+    return Access(
+        {name: _tenant_from(name, entry, where) for name, entry in tables["tenants"].items()},
+        {name: _admin_from(name, entry, where) for name, entry in tables["admins"].items()},
+    )
+
+
+def load_tenants(path: str | os.PathLike[str]) -> dict[str, Tenant]:
+    return load_access(path).tenants
+
+
+def _add_entry(path: str | os.PathLike[str], table: str, name: str, entry: dict[str, Any]) -> str:
+    """Add ``entry`` with a new token to ``table`` of the file (created if absent) and return the
+    token (shown once). The file is replaced atomically, so a master reading it never sees half of it."""
     token = new_token(name)
     p = Path(path)
-    data: dict[str, Any] = {"tenants": {}}
-    if p.exists():
-        tenants = load_tenants(p)  # checks the file first
-        if name in tenants:
-            raise ConfigError(f"tenants file {p}: tenant {name!r} exists already")
-        data = json.loads(p.read_text()) if p.suffix == ".json" else tomllib.loads(p.read_text())
-    if not set(operations) <= set(OPERATIONS):
-        raise ConfigError(f"operations must be among {list(OPERATIONS)}")
-    data.setdefault("tenants", {})[name] = {
-        "token_sha256": stored_key(token).hex(), "quota_bytes": quota_bytes, "operations": list(operations),
-    }  # fmt: skip
+    data: dict[str, Any] = {}
+    if p.exists() and p.read_text().strip():
+        access = load_access(p)  # checks the file first
+        if name in getattr(access, table):
+            raise ConfigError(f"tenants file {p}: {table[:-1]} {name!r} exists already")
+        data = _read_access_data(p)
+    data.setdefault(table, {})[name] = {"token_sha256": stored_key(token).hex(), **entry}
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n" if p.suffix == ".json" else _toml(data))
     os.chmod(tmp, 0o600)
@@ -390,12 +447,29 @@ def add_tenant(path: str | os.PathLike[str], name: str, quota_bytes: int = 0,
     return token
 
 
+def add_tenant(path: str | os.PathLike[str], name: str, quota_bytes: int = 0,
+               operations: tuple[str, ...] = OPERATIONS) -> str:  # fmt: skip
+    """Add tenant ``name`` to the file and return its new token (shown once)."""
+    if not set(operations) <= set(OPERATIONS):
+        raise ConfigError(f"operations must be among {list(OPERATIONS)}")
+    return _add_entry(path, "tenants", name, {"quota_bytes": quota_bytes, "operations": list(operations)})
+
+
+def add_admin(path: str | os.PathLike[str], name: str, role: str = "read-only") -> str:
+    """Add an admin API token of ``role`` to the file and return it (shown once)."""
+    if role not in ADMIN_ROLES:
+        raise ConfigError(f"an admin's role is one of {list(ADMIN_ROLES)}, not {role!r}")
+    return _add_entry(path, "admins", name, {"role": role})
+
+
 def _toml(data: dict[str, Any]) -> str:
     lines = []
-    for name, t in data["tenants"].items():
-        ops = ", ".join(f'"{o}"' for o in t.get("operations", OPERATIONS))
-        lines += [f"[tenants.{name}]", f'token_sha256 = "{t["token_sha256"]}"',
-                  f"quota_bytes = {int(t.get('quota_bytes', 0))}", f"operations = [{ops}]", ""]  # fmt: skip
+    for table in ("tenants", "admins"):
+        for name, entry in data.get(table, {}).items():
+            lines.append(f"[{table}.{name}]")
+            for setting, value in entry.items():
+                lines.append(f"{setting} = {json.dumps(value)}")  # strings, ints and lists of strings: TOML too
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -412,7 +486,7 @@ class Authority:
         self._ticket_key = _mac(secret, b"kvstore ticket key")
         self.ticket_ttl_ms = ticket_ttl_ms
         self._tenants_file = Path(tenants_file) if tenants_file is not None else None
-        self._tenants: dict[str, Tenant] = {}
+        self._access = Access({}, {})
         self._tenants_stamp: tuple[int, int] | None = None
         self._loaded = False
         self.refresh_tenants()
@@ -424,8 +498,11 @@ class Authority:
 
     def refresh_tenants(self) -> dict[str, Tenant]:
         """The tenants, re-read if the file changed (a file that turned bad keeps the last good ones)."""
+        return self._refresh().tenants
+
+    def _refresh(self) -> Access:
         if self._tenants_file is None:
-            return self._tenants
+            return self._access
         try:
             st = self._tenants_file.stat()
             stamp = (st.st_mtime_ns, st.st_size)
@@ -433,18 +510,33 @@ class Authority:
             stamp = None
         if stamp != self._tenants_stamp:
             if not self._loaded:
-                self._tenants = load_tenants(self._tenants_file)  # at start: a bad file is an error
+                self._access = load_access(self._tenants_file)  # at start: a bad file is an error
                 self._loaded = True
             else:
                 try:
-                    self._tenants = load_tenants(self._tenants_file)
+                    self._access = load_access(self._tenants_file)
                 except ConfigError as exc:  # the last good tenants serve meanwhile
-                    log.error("%s; keeping the %d tenants read before", exc, len(self._tenants))
+                    log.error("%s; keeping the %d tenants read before", exc, len(self._access.tenants))
             self._tenants_stamp = stamp
-        return self._tenants
+        return self._access
 
     def tenant(self, name: str) -> Tenant | None:
         return self.refresh_tenants().get(name)
+
+    def bearer(self, token: str) -> Admin | Tenant | None:
+        """Whose admin API bearer token ``token`` is: an admin's, a tenant's, or nobody's
+        (constant-time comparison of the stored keys)."""
+        try:
+            name, _ = _split_token(token)
+        except ConfigError:
+            return None
+        key = stored_key(token)
+        access = self._refresh()
+        found: Admin | Tenant | None = None
+        for entry in (access.admins.get(name), access.tenants.get(name)):
+            if entry is not None and hmac.compare_digest(entry.stored_key, key):
+                found = entry
+        return found
 
     # tickets
     def issue_ticket(self, identity: Identity, connection_key: bytes, now_ms: int | None = None) -> TicketReply:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import IO, Self
 
-from kvstore.auth import OPERATIONS, add_tenant, cluster_credential, read_secret_file
+from kvstore.auth import OPERATIONS, add_admin, add_tenant, cluster_credential, read_secret_file
 from kvstore.config import ClientConfig, DramConfig
 from kvstore.errors import ConnectionFailed, KVStoreError, Timeout
 from kvstore.protocol import Stats, StatsReply
@@ -119,6 +119,11 @@ class LocalCluster:
         return its token."""
         assert self.tenants_file is not None, "a cluster started with authenticate=True"
         return add_tenant(self.tenants_file, name, quota, operations)
+
+    def add_admin(self, name: str, role: str = "read-only") -> str:
+        """Add an admin API token of ``role`` to the tenants file and return it."""
+        assert self.tenants_file is not None, "a cluster started with authenticate=True"
+        return add_admin(self.tenants_file, name, role)
 
     def client_config(self, **fields: object) -> ClientConfig:
         """A client config of the cluster itself (its secret, when it authenticates)."""

@@ -1,8 +1,10 @@
 """Operator commands over the master's REST admin API: status, nodes, node, key, keys, evict, drain, top.
 
 Human tables by default (rich), ``--json`` for scripts. ``--admin H:P`` names
-the admin API; ``--master H:P`` asks the master where it is. The token comes
-from ``KVSTORE_ADMIN_TOKEN``. Errors are the API's typed errors.
+the admin API; ``--master H:P`` asks the master where it is (authenticating with
+``KVSTORE_TOKEN`` or ``KVSTORE_CLUSTER_SECRET`` where it asks for it). The bearer token is
+``KVSTORE_ADMIN_TOKEN`` (an operator's or an admin's) or else ``KVSTORE_TOKEN`` (a tenant's: its
+own keys only). Errors are the API's typed errors.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from kvstore.config import format_size
+from kvstore.auth import Credential, cluster_credential, secret_from
+from kvstore.config import ClientConfig, format_size
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, error_from_code
 from kvstore.protocol import AdminInfo, AdminInfoReply
 from kvstore_cli.registry import arguments, command
+from kvstore_client.credentials import master_credential
 from transfer.discovery import MasterLocator, read_leader, read_masters
 from transfer.rpc import Connection
 
@@ -52,7 +56,7 @@ class AdminClient:
             except ValueError:
                 raise KVStoreError(f"{method} {path}: HTTP {exc.code}") from None
             if exc.code == 401:
-                raise InvalidArgument(f"{err.get('message')} (set KVSTORE_ADMIN_TOKEN)") from None
+                raise InvalidArgument(f"{err.get('message')} (set KVSTORE_ADMIN_TOKEN or KVSTORE_TOKEN)") from None
             raise error_from_code(int(err.get("code") or 0), str(err.get("message"))) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
@@ -78,14 +82,22 @@ def _connection_arguments(p: argparse.ArgumentParser) -> None:
 def _client(args: argparse.Namespace) -> AdminClient:
     address = args.admin
     if address is None:
-        conn = Connection(MasterLocator(args.master), timeout=5.0)
+        conn = Connection(MasterLocator(args.master), timeout=5.0, credential=_master_credential())
         try:
             address = conn.call(AdminInfo(), AdminInfoReply).address
         finally:
             conn.close()
         if not address:
             raise InvalidArgument(f"the master at {args.master} serves no admin API (start it with --admin-port)")
-    return AdminClient(address, os.environ.get("KVSTORE_ADMIN_TOKEN"))
+    return AdminClient(address, os.environ.get("KVSTORE_ADMIN_TOKEN") or os.environ.get("KVSTORE_TOKEN"))
+
+
+def _master_credential() -> Credential | None:
+    """What a tool proves itself with to a master that authenticates: KVSTORE_TOKEN, else the
+    cluster secret of KVSTORE_CLUSTER_SECRET; None for one that does not."""
+    credential = master_credential(ClientConfig())
+    secret = secret_from(None) if credential is None else None
+    return cluster_credential(secret) if secret is not None else credential
 
 
 def _print(args: argparse.Namespace, data: Any, *renderables: Any) -> int:

@@ -120,8 +120,13 @@ def _daemon(args: argparse.Namespace) -> int:
 
 @arguments("tenants")
 def _tenants_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["add"], help="add: a new tenant; its token is printed once")
+    p.add_argument(
+        "action", choices=["add", "add-admin"],
+        help="add: a new tenant; add-admin: a new admin API token (--role); the token is printed once",
+    )  # fmt: skip
     p.add_argument("name", help="the tenant's name (letters, digits, '_' and '-'; its keys live under NAME/)")
+    p.add_argument("--role", choices=["read-only", "operator"], default="read-only",
+                   help="add-admin: read-only (every GET route) or operator (also evict and drain)")  # fmt: skip
     p.add_argument("--file", required=True, type=Path, help="the tenants file the master reads (--tenants)")
     p.add_argument("--quota", type=size_arg, default=0, help="bytes the tenant may hold, DRAM and SSD (0: no quota)")
     p.add_argument(
@@ -133,8 +138,13 @@ def _tenants_arguments(p: argparse.ArgumentParser) -> None:
 
 @command("tenants", "manage the tenants of a cluster that authenticates")
 def _tenants(args: argparse.Namespace) -> int:
-    from kvstore.auth import add_tenant
+    from kvstore.auth import add_admin, add_tenant
 
+    if args.action == "add-admin":
+        print(add_admin(args.file, args.name, args.role))
+        print(f"admin {args.name} ({args.role}) added to {args.file}; its token is shown this once"
+              " (the admin API's bearer token: KVSTORE_ADMIN_TOKEN)", file=sys.stderr)  # fmt: skip
+        return 0
     operations = tuple(o.strip() for o in args.operations.split(",") if o.strip())
     token = add_tenant(args.file, args.name, args.quota, operations)
     print(token)

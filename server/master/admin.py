@@ -3,9 +3,16 @@
 Everything under ``/api/v1`` answers JSON; an error is ``{"code", "error",
 "message"}`` with a 4xx status for a bad request or an unknown thing. Every
 route is declared once with its models, and the OpenAPI 3 document at
-``/api/v1/openapi.json`` is generated from those declarations. With a token
-configured, every route but health, the dashboard page and its static files
-needs ``Authorization: Bearer <token>``.
+``/api/v1/openapi.json`` is generated from those declarations.
+
+Who may call what. With no token configured and no cluster secret, anyone may (loopback use).
+Otherwise every route but health, the dashboard page and its static files needs
+``Authorization: Bearer <token>``, and the token decides:
+
+- ``KVSTORE_ADMIN_TOKEN``, or an admin of the tenants file with role ``operator``: everything;
+- an admin with role ``read-only``: every GET route and ``/metrics``, no eviction or drain;
+- a tenant's own token: the key routes only, inside its namespace (it lists, describes and, with
+  the remove operation, evicts its own keys, named without their ``NAME/``); everything else 403.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from kvstore.errors import InvalidArgument, KVStoreError, NotFound
+from kvstore.auth import Admin, Tenant
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound, PermissionDenied
 from kvstore.keys import validate_key
 from kvstore.policy import TierName
 
@@ -212,6 +220,44 @@ class Route:
     """(name, JSON schema, required) of each query parameter."""
     errors: tuple[int, ...] = (400,)
     public: bool = False
+    tenants: bool = False
+    """Whether tenants may call it (on their own keys)."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who an admin request comes from: a role, and for a tenant its entry (and namespace)."""
+
+    role: Literal["operator", "read-only", "tenant"]
+    tenant: Tenant | None = None
+
+    def refusal(self, method: str, r: Route | None) -> str | None:
+        """Why this caller may not call ``method`` on route ``r`` (None: a route of no model, as
+        /metrics); None when it may."""
+        if self.tenant is not None:
+            if r is None or not r.tenants:
+                return f"tenant {self.tenant.name!r} may use only the key routes of the admin API"
+            needed = "read" if method == "GET" else "remove"
+            if needed not in self.tenant.operations:
+                return f"tenant {self.tenant.name!r} is not allowed to {needed}"
+        elif self.role == "read-only" and method not in ("GET", "HEAD"):
+            return "a read-only admin token may not change anything"
+        return None
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.tenant.name}/" if self.tenant is not None else ""
+
+    def key(self, name: str) -> str:
+        """A key as the caller names it -> as the store names it."""
+        return validate_key(self.prefix + name)
+
+    def shown(self, name: str) -> str:
+        """A key as the store names it -> as the caller names it."""
+        return name[len(self.prefix) :]
+
+
+OPERATOR = Caller("operator")
 
 
 ROUTES: list[Route] = []
@@ -227,8 +273,11 @@ def route(method: str, path: str, response: type[BaseModel], summary: str, **kw:
 
 class AdminApi:
     def __init__(self, service: MasterService, token: str | None) -> None:
+        """``token``: the operator's token (KVSTORE_ADMIN_TOKEN). A master that authenticates also
+        takes the admins' and tenants' tokens of its tenants file; one with neither is open."""
         self.service = service
         self.token = token
+        self.routes = {(r.method, r.path): r for r in ROUTES}
         self.started = time.monotonic()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(service))
@@ -267,6 +316,8 @@ class AdminApi:
             return await handler(request)
         except NotFound as exc:
             return _error(404, exc.code, type(exc).__name__, str(exc))
+        except PermissionDenied as exc:
+            return _error(403, exc.code, type(exc).__name__, str(exc))
         except KVStoreError as exc:
             return _error(400, exc.code, type(exc).__name__, str(exc))
         except ValidationError as exc:
@@ -284,13 +335,34 @@ class AdminApi:
     async def _auth(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        if self.token is None or _is_public(request):
+        if _is_public(request):
             return await handler(request)
-        given = request.headers.get("Authorization", "")
-        # Header bytes that are not UTF-8 come as surrogates: compared as the bytes they were, never a 500.
-        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {self.token}".encode()):
+        caller = self._caller(request.headers.get("Authorization", ""))
+        if caller is None:
             return _error(401, 0, "Unauthorized", "this route needs 'Authorization: Bearer <token>'")
+        resource = request.match_info.route.resource
+        r = self.routes.get((request.method, resource.canonical)) if resource is not None else None
+        refusal = caller.refusal(request.method, r)
+        if refusal is not None and request.path != "/api/v1/openapi.json":
+            return _error(403, PermissionDenied.code, "PermissionDenied", refusal)
+        request["caller"] = caller
         return await handler(request)
+
+    def _caller(self, header: str) -> Caller | None:
+        authority = self.service.authority
+        if self.token is None and authority is None:
+            return OPERATOR  # nothing configured: open, as on loopback before authentication
+        # Header bytes that are not UTF-8 come as surrogates: compared as the bytes they were, never a 500.
+        given = header.encode("utf-8", "surrogateescape")
+        if self.token is not None and hmac.compare_digest(given, f"Bearer {self.token}".encode()):
+            return OPERATOR
+        scheme, _, token = header.partition(" ")
+        if authority is None or scheme != "Bearer" or not token.isascii():
+            return None
+        entry = authority.bearer(token)
+        if isinstance(entry, Admin):
+            return Caller("operator" if entry.role == "operator" else "read-only")
+        return Caller("tenant", entry) if entry is not None else None
 
     def _wrap(self, r: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
         allowed = {name for name, _, _ in r.query}
@@ -369,7 +441,7 @@ async def health(api: AdminApi, request: web.Request) -> Health:
 
 
 @route("GET", "/api/v1/ready", Ready, "Readiness: this master leads, has taken over, and a storage node is up.",
-       errors=(401,))  # fmt: skip
+       errors=())  # fmt: skip
 async def ready(api: AdminApi, request: web.Request) -> Ready:
     service = api.service
     up = len(service.table.up_nodes())
@@ -379,13 +451,13 @@ async def ready(api: AdminApi, request: web.Request) -> Ready:
 
 
 @route("GET", "/api/v1/leadership", Leadership, "Role, epoch and failovers of this master; etcd as it sees it.",
-       errors=(401,))  # fmt: skip
+       errors=())  # fmt: skip
 async def leadership(api: AdminApi, request: web.Request) -> Leadership:
     return Leadership(**api.service.role())
 
 
 @route("GET", "/api/v1/cluster", ClusterSummary, "Nodes, tier capacity and use, objects, hit rate, rates.",
-       errors=(401,))  # fmt: skip
+       errors=())  # fmt: skip
 async def cluster(api: AdminApi, request: web.Request) -> ClusterSummary:
     table = api.service.table
     usage = [table.tier_usage(n) for n in table.nodes.values()]
@@ -405,13 +477,13 @@ async def cluster(api: AdminApi, request: web.Request) -> ClusterSummary:
     )  # fmt: skip
 
 
-@route("GET", "/api/v1/nodes", NodeList, "Every registered node.", errors=(401,))
+@route("GET", "/api/v1/nodes", NodeList, "Every registered node.", errors=())
 async def nodes(api: AdminApi, request: web.Request) -> NodeList:
     return NodeList(nodes=[_node_model(api, v) for v in api.service.nodes.views()])
 
 
 @route("GET", "/api/v1/nodes/{node_id}", NodeModel, "One node: tiers, NICs, inventory counts, last heartbeat.",
-       errors=(401, 404))  # fmt: skip
+       errors=(404,))  # fmt: skip
 async def node(api: AdminApi, request: web.Request) -> NodeModel:
     node_id = request.match_info["node_id"]
     view = api.service.nodes.view(node_id)
@@ -423,43 +495,52 @@ async def node(api: AdminApi, request: web.Request) -> NodeModel:
 @route("GET", "/api/v1/keys", KeyPage, "Stored keys starting with a prefix, in order, a page at a time.",
        query=(("prefix", {"type": "string"}, False), ("cursor", {"type": "string"}, False),
               ("limit", {"type": "integer", "minimum": 1, "maximum": 10_000}, False)),
-       errors=(400, 401))  # fmt: skip
+       errors=(400,), tenants=True)  # fmt: skip
 async def keys(api: AdminApi, request: web.Request) -> KeyPage:
+    caller: Caller = request["caller"]
     limit = _int_query(request, "limit", 100, 1, 10_000)
-    page, cursor = api.service.table.keys_page(request.query.get("prefix", ""), request.query.get("cursor"), limit)
-    return KeyPage(keys=page, next_cursor=cursor)
+    cursor = request.query.get("cursor")
+    page, after = api.service.table.keys_page(
+        caller.prefix + request.query.get("prefix", ""), caller.prefix + cursor if cursor is not None else None, limit
+    )
+    return KeyPage(keys=[caller.shown(k) for k in page], next_cursor=caller.shown(after) if after else after)
 
 
 @route("GET", "/api/v1/keys/{key}", KeyModel, "One key's metadata: replicas, tiers, size, lease, pin, checksum.",
-       errors=(400, 401, 404))  # fmt: skip
+       errors=(400, 404), tenants=True)  # fmt: skip
 async def key(api: AdminApi, request: web.Request) -> KeyModel:
-    name = validate_key(request.match_info["key"])
-    described = api.service.table.describe(name)
+    caller: Caller = request["caller"]
+    shown = validate_key(request.match_info["key"])
+    described = api.service.table.describe(caller.key(shown))
     if described is None:
-        raise NotFound(f"key {name!r} is not stored")
-    return KeyModel.model_validate(described)
+        raise NotFound(f"key {shown!r} is not stored")
+    return KeyModel.model_validate({**described, "key": shown})
 
 
 @route("POST", "/api/v1/evict", EvictResult, "Evict a key, every key with a prefix, or a node's tier.",
-       body=EvictRequest, errors=(400, 401, 404))  # fmt: skip
+       body=EvictRequest, errors=(400, 404), tenants=True)  # fmt: skip
 async def evict(api: AdminApi, request: web.Request) -> EvictResult:
+    caller: Caller = request["caller"]
     req = (await _json_body(request, EvictRequest)).root
     service = api.service
     if isinstance(req, EvictTier):
+        if caller.tenant is not None:
+            raise PermissionDenied(f"tenant {caller.tenant.name!r} may evict its own keys, not a node's tier")
         count, commands = service.table.evict_tier(req.node_id, TierName(req.tier))
         service.run_commands_later(commands, "admin-evict-tier")
         return EvictResult(evicted=count, skipped_pinned=[])
     if isinstance(req, EvictKey):
-        targets = [validate_key(req.key)]
+        targets = [caller.key(req.key)]
     else:
-        targets = [validate_key(k) for k in service.table.objects if k.startswith(req.prefix)]
+        prefix = caller.prefix + req.prefix
+        targets = [validate_key(k) for k in service.table.objects if k.startswith(prefix)]
     evicted, pinned, commands = service.table.evict_keys(targets)
     service.run_commands_later(commands, "admin-evict")
-    return EvictResult(evicted=evicted, skipped_pinned=pinned[:1000])
+    return EvictResult(evicted=evicted, skipped_pinned=[caller.shown(k) for k in pinned[:1000]])
 
 
 @route("POST", "/api/v1/nodes/{node_id}/drain", DrainResult,
-       "Take a node out of placement and move its blocks to other nodes.", errors=(400, 401, 404))  # fmt: skip
+       "Take a node out of placement and move its blocks to other nodes.", errors=(400, 404))  # fmt: skip
 async def drain(api: AdminApi, request: web.Request) -> DrainResult:
     node_id = request.match_info["node_id"]
     left = await api.service.drain(node_id)
@@ -467,7 +548,7 @@ async def drain(api: AdminApi, request: web.Request) -> DrainResult:
 
 
 @route("GET", "/api/v1/history", History, "Hit rate, throughput and tier use, one point a second (5 minutes).",
-       errors=(401,))  # fmt: skip
+       errors=())  # fmt: skip
 async def history(api: AdminApi, request: web.Request) -> History:
     return History(points=[HistoryPoint(**point._asdict()) for point in api.service.sampler.history()])
 
@@ -496,7 +577,7 @@ def openapi_document() -> dict[str, Any]:
                 "200": {"description": "OK", "content": {"application/json": {
                     "schema": {"$ref": f"#/components/schemas/{r.response.__name__}"}}}},
                 **{str(code): {"description": "Error", "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/ErrorBody"}}}} for code in r.errors},
+                    "schema": {"$ref": "#/components/schemas/ErrorBody"}}}} for code in _error_codes(r)},
             },
         }  # fmt: skip
         if r.body is not None:
@@ -514,6 +595,11 @@ def openapi_document() -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
+
+
+def _error_codes(r: Route) -> list[int]:
+    """What a route may answer besides 200: its own errors, and 401 and 403 unless it is public."""
+    return sorted(set(r.errors) | (set() if r.public else {401, 403}))
 
 
 def _path_params(path: str) -> list[str]:

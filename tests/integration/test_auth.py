@@ -5,8 +5,12 @@ table of attacks and outcomes goes to the output."""
 
 from __future__ import annotations
 
+import json
 import socket
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -44,9 +48,13 @@ from transfer.wire import connect, recv_message, send_message
 VALUE = b"alice's secret prefix " * 400
 
 
+OPERATOR_TOKEN = "operator-token-of-the-test"
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(2, dram="16MiB", authenticate=True) as c:
+    with LocalCluster(2, dram="16MiB", authenticate=True, admin=True,
+                      env={"KVSTORE_ADMIN_TOKEN": OPERATOR_TOKEN}) as c:  # fmt: skip
         yield c
 
 
@@ -231,6 +239,73 @@ def _record_handshake(address: str, credential: Credential) -> list[bytes]:
         sock.sendall(proof)
         recv_message(sock)
     return [hello, proof]
+
+
+def _http(cluster: LocalCluster, method: str, path: str, token: str | None, body: object = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://{cluster.admin_address}{path}", data=data, method=method)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read()) if path != "/metrics" else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_admin_api_knows_roles_and_keeps_tenants_in_their_namespace(
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    carol, dave = cluster.add_tenant("carol"), cluster.add_tenant("dave", operations=("read",))
+    viewer, ops = cluster.add_admin("viewer", "read-only"), cluster.add_admin("ops", "operator")
+    with Store.connect(cluster.master_address, ClientConfig(token=carol)) as c:
+        c.put_many([("doc-1", b"c1"), ("doc-2", b"c2")])
+    with Store.connect(cluster.master_address, cluster.client_config()) as operator:
+        operator.put("dave/doc-1", b"d1")  # written for dave, who may only read
+    rows: list[tuple[str, int, str]] = []
+
+    def call(name: str, method: str, path: str, token: str | None, body: object = None, expect: int = 200) -> Any:
+        status, answer = _http(cluster, method, path, token, body)
+        rows.append((name, status, str(answer.get("error", "")) if isinstance(answer, dict) else ""))
+        assert status == expect, (name, status, answer)
+        return answer
+
+    # Tenants: their own keys, by their own names; nothing else.
+    assert call("carol lists keys", "GET", "/api/v1/keys", carol)["keys"] == ["doc-1", "doc-2"]
+    page = call("carol pages keys", "GET", "/api/v1/keys?limit=1", carol)
+    assert page == {"keys": ["doc-1"], "next_cursor": "doc-1"}
+    assert call("carol's next page", "GET", "/api/v1/keys?limit=1&cursor=doc-1", carol)["keys"] == ["doc-2"]
+    assert call("carol describes her key", "GET", "/api/v1/keys/doc-1", carol)["key"] == "doc-1"
+    call("carol describes dave's key", "GET", "/api/v1/keys/dave%2Fdoc-1", carol, expect=404)
+    assert call("carol lists with dave's prefix", "GET", "/api/v1/keys?prefix=dave", carol)["keys"] == []
+    call("carol reads the cluster summary", "GET", "/api/v1/cluster", carol, expect=403)
+    call("carol lists nodes", "GET", "/api/v1/nodes", carol, expect=403)
+    call("carol scrapes /metrics", "GET", "/metrics", carol, expect=403)
+    call("carol drains a node", "POST", "/api/v1/nodes/node0/drain", carol, {}, expect=403)
+    call("carol evicts a node's tier", "POST", "/api/v1/evict", carol, {"node_id": "node0", "tier": "dram"},
+         expect=403)  # fmt: skip
+    call("dave (read only) evicts his key", "POST", "/api/v1/evict", dave, {"key": "doc-1"}, expect=403)
+    evicted = call("carol evicts every key she can name", "POST", "/api/v1/evict", carol, {"prefix": ""})
+    assert evicted["evicted"] == 2
+    assert call("dave lists his keys", "GET", "/api/v1/keys", dave)["keys"] == ["doc-1"]  # carol's evict spared it
+    call("a made-up token of carol's name", "GET", "/api/v1/keys", "carol." + "x" * 43, expect=401)
+    call("no token", "GET", "/api/v1/keys", None, expect=401)
+    # Admins: read-only reads everything and changes nothing; an operator changes.
+    call("read-only admin: cluster summary", "GET", "/api/v1/cluster", viewer)
+    call("read-only admin: /metrics", "GET", "/metrics", viewer)
+    assert "dave/doc-1" in call("read-only admin: every key", "GET", "/api/v1/keys", viewer)["keys"]
+    call("read-only admin: evict", "POST", "/api/v1/evict", viewer, {"prefix": ""}, expect=403)
+    call("read-only admin: drain", "POST", "/api/v1/nodes/node0/drain", viewer, {}, expect=403)
+    assert call("operator admin: evict", "POST", "/api/v1/evict", ops, {"key": "dave/doc-1"})["evicted"] == 1
+    call("KVSTORE_ADMIN_TOKEN: nodes", "GET", "/api/v1/nodes", OPERATOR_TOKEN)
+
+    with capsys.disabled():
+        width = max(len(name) for name, _, _ in rows)
+        print("\n\nadmin API call".ljust(width + 2), "status")
+        for name, status, error in rows:
+            print(name.ljust(width), " ", status, error)
 
 
 def test_an_unauthenticated_cluster_refuses_a_client_that_brings_credentials(tmp_path: object) -> None:

@@ -10,16 +10,20 @@ import pytest
 
 from kvstore.auth import (
     CLUSTER,
+    Admin,
     Authority,
     ClientHandshake,
     Credential,
     Identity,
     ServerHandshake,
+    add_admin,
     add_tenant,
     cluster_credential,
+    load_access,
     load_tenants,
     open_ticket,
     secret_from,
+    stored_key,
     tenant_credential,
 )
 from kvstore.errors import AuthFailed, ConfigError, InvalidKey, PermissionDenied
@@ -175,12 +179,29 @@ def test_the_tenants_file_is_checked_and_reloaded(tmp_path: Path) -> None:
         ('{"tenants": {"a": {"token_sha256": "' + "0" * 64 + '", "quota_bytes": -1}}}', "quota_bytes"),
         ('{"tenants": {"a": {"token_sha256": "' + "0" * 64 + '", "operations": ["drain"]}}}', "operations"),
         ('{"tenants": {"a": {"token_sha256": "' + "0" * 64 + '", "colour": 1}}}', "unknown settings"),
+        ('{"admins": {"a": {"token_sha256": "' + "0" * 64 + '", "role": "root"}}}', "role must be one of"),
+        ('{"tenant": {}}', "unknown tables"),
     ]:
         path.write_text(text)
         with pytest.raises(ConfigError, match=match):
             load_tenants(path)
     with pytest.raises(ConfigError, match="cluster's own identity"):
         add_tenant(tmp_path / "other.toml", "cluster")
+
+
+def test_admin_tokens_share_the_file_and_say_whose_they_are(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    alice = add_tenant(path, "alice", 100, ("read",))
+    viewer = add_admin(path, "viewer")
+    ops = add_admin(path, "alice", "operator")  # an admin may share a tenant's name: the token tells them apart
+    auth = Authority(SECRET, path)
+    assert isinstance(auth.bearer(viewer), Admin) and auth.bearer(viewer).role == "read-only"  # type: ignore[union-attr]
+    assert auth.bearer(ops) == Admin("alice", stored_key(ops), "operator")
+    assert auth.bearer(alice) == auth.tenant("alice") and auth.tenant("alice").quota_bytes == 100  # type: ignore[union-attr]
+    assert auth.bearer("alice." + "x" * 43) is None and auth.bearer("no token") is None
+    assert load_access(path).tenants.keys() == {"alice"}  # written as TOML and read back
+    with pytest.raises(ConfigError, match="role"):
+        add_admin(path, "root", "root")
     with pytest.raises(ConfigError, match=r"NAME\.SECRET"):
         tenant_credential("no-dot-in-it")
     with pytest.raises(ConfigError, match="at least 16"):
