@@ -263,18 +263,30 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def bench_auth(
-    cases: list[tuple[int, int]], total: int, dram: str, reps: int = 3, connects: int = 20
+SECURITY = {
+    "auth": {"authenticate": True},
+    "tls": {"tls": True},
+    "tls_data": {"tls_data": True},
+    "auth_tls_data": {"authenticate": True, "tls_data": True},
+}
+"""What bench_security can turn on: LocalCluster settings, compared against the same rows with none."""
+
+
+def bench_security(
+    variant: str, cases: list[tuple[int, int]], total: int, dram: str, reps: int = 3, connects: int = 20
 ) -> list[dict[str, Any]]:
-    """Authentication's cost: the same rows against a cluster without it and one that authenticates
-    (a tenant's token; tickets to the daemon), alternated ``reps`` times, medians compared; and the
-    cost of a new client's first put and get (the handshakes, and the ticket)."""
+    """The cost of ``variant`` (a key of :data:`SECURITY`: authentication, TLS on the control plane,
+    TLS on both planes, or both): the same rows against a cluster without it and one with it,
+    alternated ``reps`` times, medians compared (``cluster_<variant>`` lines); and the cost of a new
+    client's first put and get (handshakes, and a tenant's ticket)."""
     rows: list[dict[str, Any]] = []
-    with LocalCluster(1, dram=dram) as plain, LocalCluster(1, dram=dram, authenticate=True) as secured:
-        token = secured.add_tenant("bench")
+    bench = f"cluster_{variant}"
+    settings = SECURITY[variant]
+    with LocalCluster(1, dram=dram) as plain, LocalCluster(1, dram=dram, **settings) as secured:  # type: ignore[arg-type]
+        token = secured.add_tenant("bench") if settings.get("authenticate") else None
         configs = {
             "off": (plain, ClientConfig(transport="tcp")),
-            "on": (secured, ClientConfig(transport="tcp", token=token)),
+            "on": (secured, ClientConfig(transport="tcp", token=token, tls=secured.tls_config())),
         }
         stores = {mode: Store.connect(c.master_address, config) for mode, (c, config) in configs.items()}
         raw = RawTcp(max(size * batch for size, batch in cases))
@@ -283,18 +295,17 @@ def bench_auth(
                 got: dict[tuple[str, str], list[dict[str, Any]]] = {}
                 for r in range(reps):
                     for mode, store in stores.items():
-                        for line in bench_size(store, raw, size, batch, total, tag=f"auth-{mode}-{r}"):
+                        for line in bench_size(store, raw, size, batch, total, tag=f"{variant}-{mode}-{r}"):
                             got.setdefault((mode, line["op"]), []).append(line)
                 for op in ("put", "get"):
                     off, on = got["off", op], got["on", op]
                     gbps_off, gbps_on = _median([x["GBps"] for x in off]), _median([x["GBps"] for x in on])
                     p50_off, p50_on = _median([x["p50_us"] for x in off]), _median([x["p50_us"] for x in on])
                     rows.append({
-                        "bench": "cluster_auth", "op": op, "size": size, "batch": batch, "reps": reps,
-                        "auth_off_GBps": gbps_off, "auth_on_GBps": gbps_on,
+                        "bench": bench, "op": op, "size": size, "batch": batch, "reps": reps,
+                        "off_GBps": gbps_off, "on_GBps": gbps_on,
                         "ratio": round(gbps_on / gbps_off, 3) if gbps_off else None,
-                        "auth_off_p50_us": p50_off, "auth_on_p50_us": p50_on,
-                        "delta_p50_us": round(p50_on - p50_off, 1),
+                        "off_p50_us": p50_off, "on_p50_us": p50_on, "delta_p50_us": round(p50_on - p50_off, 1),
                     })  # fmt: skip
         finally:
             raw.close()
@@ -310,8 +321,8 @@ def bench_auth(
                 first[mode].append(time.perf_counter() - t)
         off_ms, on_ms = _median(first["off"]) * 1e3, _median(first["on"]) * 1e3
         rows.append({
-            "bench": "cluster_auth", "op": "connect_put_get", "size": 4096, "reps": connects,
-            "auth_off_ms": round(off_ms, 2), "auth_on_ms": round(on_ms, 2), "delta_ms": round(on_ms - off_ms, 2),
+            "bench": bench, "op": "connect_put_get", "size": 4096, "reps": connects,
+            "off_ms": round(off_ms, 2), "on_ms": round(on_ms, 2), "delta_ms": round(on_ms - off_ms, 2),
         })  # fmt: skip
     return rows
 
@@ -346,19 +357,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", choices=["auto", "no"], default="auto", help="run ../shared/peers when present")
     parser.add_argument("--match-keys", type=int, default=1_000_000, help="placement-table size for match_prefix")
     parser.add_argument(
-        "--auth", choices=["compare", "no"], default="compare",
-        help="compare: also the same rows with authentication off and on (cluster_auth lines)",
+        "--security", default="auth", metavar="V[,V]",
+        help=f"also the same rows with each of these off and on (cluster_V lines): {', '.join(SECURITY)}; 'no': none",
     )  # fmt: skip
-    parser.add_argument("--auth-only", action="store_true", help="only the cluster_auth lines")
+    parser.add_argument("--security-only", action="store_true", help="only the --security comparisons")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     total = parse_size(args.total)
     ours: list[dict[str, Any]] = []
-    auth_cases = sorted({(min(sizes), 1), (max(sizes), 1), (max(sizes), max(batches))})
-    if args.auth_only:
-        for line in bench_auth(auth_cases, total, args.dram):
-            print(json.dumps(line), flush=True)
+    security_cases = sorted({(min(sizes), 1), (max(sizes), 1), (max(sizes), max(batches))})
+    variants = [] if args.security == "no" else [v.strip() for v in args.security.split(",") if v.strip()]
+    unknown = set(variants) - set(SECURITY)
+    if unknown:
+        parser.error(f"--security: unknown {sorted(unknown)}; there are {list(SECURITY)} and 'no'")
+
+    def compare() -> None:
+        for variant in variants:
+            for line in bench_security(variant, security_cases, total, args.dram):
+                print(json.dumps(line), flush=True)
+
+    if args.security_only:
+        compare()
         return 0
     # transport=tcp: these figures are the network data plane against raw TCP (same-host clients would use shm).
     config = ClientConfig(transport="tcp")
@@ -377,9 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(line), flush=True)
         finally:
             raw.close()
-    if args.auth == "compare":
-        for line in bench_auth(auth_cases, total, args.dram):
-            print(json.dumps(line), flush=True)
+    compare()
     if args.peers == "auto" and PEERS.exists():
         for row in run_peers(sizes, total):
             for op in ("put", "get"):

@@ -287,6 +287,44 @@ def _setting_name(loc: Loc, prefix: str, overrides: Mapping[str, Any]) -> str:
     return _dotted(loc) or "config"
 
 
+class TlsConfig(_Frozen):
+    """TLS (the standard library's ``ssl``) for a process's connections.
+
+    The control plane (clients and daemons to the master; the admin API) is encrypted whenever a
+    process has a TlsConfig; the data plane (daemons' ports: clients' reads and writes, the
+    master's commands to daemons, fetches between daemons) only with ``data_plane``, which every
+    process of the cluster must then set alike. Same-host shared memory and UCX are not TLS.
+    """
+
+    cert_file: str | None = Field(
+        default=None,
+        description="This process's certificate chain (PEM). Servers (the master; daemons with data_plane) must"
+        " have one; a client shows it when the server verifies clients.",
+    )
+    key_file: str | None = Field(default=None, description="The private key of cert_file (PEM).")
+    ca_file: str | None = Field(
+        default=None,
+        description="CA certificates (PEM) to verify peers with: the servers a client connects to, and clients when"
+        " verify_clients is set; None: the system's CAs.",
+    )
+    verify_clients: bool = Field(
+        default=False, description="Servers ask every client for a certificate signed by ca_file and refuse others."
+    )
+    data_plane: bool = Field(
+        default=False,
+        description="Also encrypt the daemons' ports (else they stay plain, for trusted fabrics: authentication"
+        " still runs on them when the cluster has a secret).",
+    )
+
+    @model_validator(mode="after")
+    def _pair(self) -> Self:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together")
+        if self.verify_clients and self.ca_file is None:
+            raise ValueError("verify_clients needs ca_file: the CA that signs the clients' certificates")
+        return self
+
+
 class MasterConfig(_Frozen):
     """The master: placement, eviction decisions, leases and membership."""
 
@@ -349,6 +387,9 @@ class MasterConfig(_Frozen):
         description="TOML or JSON file of tenants (see `kvstore tenants add`); needs the cluster secret. Re-read"
         " when it changes.",
     )
+    tls: TlsConfig | None = Field(
+        default=None, description="Serve RPC and the admin API over TLS (needs cert_file); see TlsConfig."
+    )
     ticket_ttl_s: int = Field(
         default=3600, ge=60, le=7 * 86400, description="How long a ticket the master gives a tenant is good for."
     )
@@ -396,6 +437,11 @@ class DaemonConfig(_Frozen):
         default=None,
         description="File holding the cluster secret (also KVSTORE_CLUSTER_SECRET): the daemon then authenticates"
         " to the master and serves only connections that authenticate.",
+    )
+    tls: TlsConfig | None = Field(
+        default=None,
+        description="Reach the master over TLS; with data_plane, also serve the data port over TLS (needs"
+        " cert_file). See TlsConfig.",
     )
 
 
@@ -445,6 +491,10 @@ class ClientConfig(_Frozen):
         default=None,
         description="Connect as the cluster itself (operators' tools: every key, unscoped) with the secret in"
         " this file, instead of a tenant's token.",
+    )
+    tls: TlsConfig | None = Field(
+        default=None,
+        description="Reach the master over TLS (and daemons too, with data_plane), verifying them with ca_file.",
     )
 
 

@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import IO, Self
 
 from kvstore.auth import OPERATIONS, add_admin, add_tenant, cluster_credential, read_secret_file
-from kvstore.config import ClientConfig, DramConfig
+from kvstore.config import ClientConfig, DramConfig, TlsConfig
 from kvstore.errors import ConnectionFailed, KVStoreError, Timeout
 from kvstore.protocol import Stats, StatsReply
 from kvstore.tiers.dram import DramArena
+from kvstore_cli.certs import CertFiles, make_certs
 from transfer.discovery import MasterLocator
 from transfer.rpc import Connection
+from transfer.tls import client_context
 
 _START_TIMEOUT = 30.0
 
@@ -73,11 +75,15 @@ class LocalCluster:
         cluster_id: str = "kvstore",
         masters: int = 1,
         authenticate: bool = False,
+        tls: bool = False,
+        tls_data: bool = False,
     ) -> None:
         """``etcd``: run ``masters`` HA masters electing a leader in that etcd (host:port[,...]);
         clients and daemons then reach the leader at :attr:`master_address`, an etcd:// URL.
         ``authenticate``: a new cluster secret (in :attr:`secret_file`) and a tenants file
-        (:attr:`tenants_file`, filled by :meth:`add_tenant`): every connection authenticates."""
+        (:attr:`tenants_file`, filled by :meth:`add_tenant`): every connection authenticates.
+        ``tls``: a new CA and a certificate for 127.0.0.1 (:attr:`certs`); RPC and the admin API run
+        over TLS, and with ``tls_data`` the daemons' ports too."""
         self.etcd = etcd
         self.cluster_id = cluster_id
         self.masters: list[subprocess.Popen[str] | None] = [None] * (masters if etcd else 1)
@@ -113,6 +119,14 @@ class LocalCluster:
             auth = ("--cluster-secret-file", str(self.secret_file))
             self.master_args = (*auth, "--tenants", str(self.tenants_file), *self.master_args)
             self.daemon_args = (*auth, *self.daemon_args)
+        self.certs: CertFiles | None = None
+        self.tls_data = tls_data
+        if tls or tls_data:
+            self.certs = make_certs(self.workdir / "tls", "cluster", ["127.0.0.1", "localhost"])
+            flags = ("--tls-cert", str(self.certs.cert), "--tls-key", str(self.certs.key),
+                     "--tls-ca", str(self.certs.ca), *(("--tls-data",) if tls_data else ()))  # fmt: skip
+            self.master_args = (*flags, *self.master_args)
+            self.daemon_args = (*flags, *self.daemon_args)
 
     def add_tenant(self, name: str, quota: int = 0, operations: tuple[str, ...] = OPERATIONS) -> str:
         """Add a tenant to the cluster's tenants file (the master reads it at the next connection) and
@@ -128,7 +142,12 @@ class LocalCluster:
     def client_config(self, **fields: object) -> ClientConfig:
         """A client config of the cluster itself (its secret, when it authenticates)."""
         secret = {"cluster_secret_file": str(self.secret_file)} if self.secret_file is not None else {}
-        return ClientConfig(**secret, **fields)  # type: ignore[arg-type]
+        tls = {"tls": self.tls_config()} if self.certs is not None and "tls" not in fields else {}
+        return ClientConfig(**secret, **tls, **fields)  # type: ignore[arg-type]
+
+    def tls_config(self) -> TlsConfig | None:
+        """What a client of this cluster needs for its TLS (its CA; the certificate, for client certificates)."""
+        return self.certs.config(data_plane=self.tls_data) if self.certs is not None else None
 
     def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[str]:
         log = open(self.workdir / log_name, "a")  # noqa: SIM115 - owned by the child
@@ -217,7 +236,9 @@ class LocalCluster:
         """Wait until the master counts ``count`` nodes up; an unreachable master is asked again until ``timeout``."""
         deadline = time.monotonic() + timeout
         credential = cluster_credential(read_secret_file(self.secret_file)) if self.secret_file is not None else None
-        conn = Connection(MasterLocator(self.master_address), min(timeout, 5.0), credential)
+        tls = self.tls_config()
+        context = client_context(tls) if tls is not None else None
+        conn = Connection(MasterLocator(self.master_address), min(timeout, 5.0), credential, context)
         try:
             while True:
                 try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import time
 import urllib.error
 import urllib.parse
@@ -23,22 +24,27 @@ from rich.live import Live
 from rich.table import Table
 
 from kvstore.auth import Credential, cluster_credential, secret_from
-from kvstore.config import ClientConfig, format_size
+from kvstore.config import ClientConfig, TlsConfig, format_size
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, error_from_code
 from kvstore.protocol import AdminInfo, AdminInfoReply
 from kvstore_cli.registry import arguments, command
 from kvstore_client.credentials import master_credential
 from transfer.discovery import MasterLocator, read_leader, read_masters
 from transfer.rpc import Connection
+from transfer.tls import client_context
 
 
 class AdminClient:
     """JSON over HTTP to the admin API; a 4xx/5xx answer raises its typed error."""
 
-    def __init__(self, address: str, token: str | None = None, timeout: float = 10.0) -> None:
-        self.base = f"http://{address}"
+    def __init__(
+        self, address: str, token: str | None = None, timeout: float = 10.0, tls: ssl.SSLContext | None = None
+    ) -> None:
+        """``tls``: the admin API is served over TLS (https), verified with this context."""
+        self.base = f"{'https' if tls is not None else 'http'}://{address}"
         self.token = token
         self.timeout = timeout
+        self.tls = tls
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
@@ -48,7 +54,7 @@ class AdminClient:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=self.tls) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             try:
@@ -77,19 +83,21 @@ def _connection_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--admin", default=None, help="the admin API's host:port (instead of asking the master)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="the master serves TLS: verify it with this CA")
 
 
 def _client(args: argparse.Namespace) -> AdminClient:
     address = args.admin
+    tls = client_context(TlsConfig(ca_file=args.tls_ca)) if args.tls_ca else None
     if address is None:
-        conn = Connection(MasterLocator(args.master), timeout=5.0, credential=_master_credential())
+        conn = Connection(MasterLocator(args.master), timeout=5.0, credential=_master_credential(), tls=tls)
         try:
             address = conn.call(AdminInfo(), AdminInfoReply).address
         finally:
             conn.close()
         if not address:
             raise InvalidArgument(f"the master at {args.master} serves no admin API (start it with --admin-port)")
-    return AdminClient(address, os.environ.get("KVSTORE_ADMIN_TOKEN") or os.environ.get("KVSTORE_TOKEN"))
+    return AdminClient(address, os.environ.get("KVSTORE_ADMIN_TOKEN") or os.environ.get("KVSTORE_TOKEN"), tls=tls)
 
 
 def _master_credential() -> Credential | None:

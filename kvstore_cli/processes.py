@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvstore.config import load, parse_size
 from kvstore_cli.registry import arguments, command, size_arg
@@ -36,6 +37,26 @@ def _master_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--tenants", default=None, metavar="FILE", help="tenants' tokens, quotas and operations (TOML/JSON)")
     p.add_argument("--ticket-ttl", type=int, default=None, metavar="S", help="life of a tenant's ticket (seconds)")
+    _tls_arguments(p, "serve RPC and the admin API over TLS with this certificate (PEM)")
+
+
+def _tls_arguments(p: argparse.ArgumentParser, cert_help: str) -> None:
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help=cert_help)
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="CA certificates that peers' certificates chain to")
+    p.add_argument("--tls-verify-clients", action="store_true", help="require clients' certificates (from --tls-ca)")
+    p.add_argument(
+        "--tls-data", action="store_true",
+        help="daemons' ports (data plane and the master's commands) over TLS too; set alike on every process",
+    )  # fmt: skip
+
+
+def _tls_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``tls`` setting of a config from the --tls-* flags (none when no flag is given)."""
+    tls = {"cert_file": args.tls_cert, "key_file": args.tls_key, "ca_file": args.tls_ca,
+           "verify_clients": args.tls_verify_clients or None, "data_plane": args.tls_data or None}  # fmt: skip
+    given = {k: v for k, v in tls.items() if v is not None}
+    return {"tls": given} if given else {}
 
 
 @command("master", "run the master (placement, eviction, leases, membership)")
@@ -62,7 +83,7 @@ def _master(args: argparse.Namespace) -> int:
     if os.environ.get("KVSTORE_ADMIN_TOKEN"):
         fields["admin_token"] = os.environ["KVSTORE_ADMIN_TOKEN"]
     overrides = {k: v for k, v in fields.items() if v is not None}
-    return run_master(load(MasterConfig, "master", host=args.host, port=args.port, **overrides))
+    return run_master(load(MasterConfig, "master", host=args.host, port=args.port, **overrides, **_tls_fields(args)))
 
 
 @arguments("daemon")
@@ -87,6 +108,7 @@ def _daemon_arguments(p: argparse.ArgumentParser) -> None:
         "--cluster-secret-file", default=None, metavar="FILE",
         help="authenticate to the master and every peer with this secret (also KVSTORE_CLUSTER_SECRET)",
     )  # fmt: skip
+    _tls_arguments(p, "this daemon's certificate (PEM): serves its port over TLS with --tls-data")
 
 
 @command("daemon", "run a storage daemon serving one node's DRAM and SSD")
@@ -112,6 +134,7 @@ def _daemon(args: argparse.Namespace) -> int:
             )
             if v is not None
         },
+        **_tls_fields(args),
         dram={"capacity": args.dram, "name": args.arena or args.name},
         ssd={"capacity": args.ssd, "path": args.ssd_dir if args.ssd else None},
     )
@@ -150,6 +173,22 @@ def _tenants(args: argparse.Namespace) -> int:
     print(token)
     print(f"tenant {args.name} added to {args.file}; its token is shown this once (clients: KVSTORE_TOKEN)",
           file=sys.stderr)  # fmt: skip
+    return 0
+
+
+@arguments("certs")
+def _certs_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", type=Path, help="where the CA (ca.pem, ca.key; made on first use) and NAME.pem go")
+    p.add_argument("--name", default="kvstore", help="the certificate's name (its files: NAME.pem, NAME.key)")
+    p.add_argument("--hosts", required=True, help="comma-separated IP addresses and DNS names peers reach it at")
+
+
+@command("certs", "make a cluster CA and a TLS certificate signed by it (for --tls-cert/--tls-key/--tls-ca)")
+def _certs(args: argparse.Namespace) -> int:
+    from kvstore_cli.certs import make_certs
+
+    files = make_certs(args.directory, args.name, [h.strip() for h in args.hosts.split(",") if h.strip()])
+    print(f"--tls-cert {files.cert} --tls-key {files.key} --tls-ca {files.ca}")
     return 0
 
 

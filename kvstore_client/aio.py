@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import random
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Self, TypeVar
@@ -91,9 +92,9 @@ from kvstore_client.puts import (
     take_write_codes,
     write_codes,
 )
-from transfer.aio import authenticate_stream, read_payload
+from transfer.aio import authenticate_stream, open_stream, read_payload
 from transfer.discovery import MasterLocator
-from transfer.wire import parse_address
+from transfer.tls import contexts
 
 AsyncCredential = Callable[[], Awaitable[Credential]]
 R = TypeVar("R", bound=Message)
@@ -107,11 +108,19 @@ class _Link:
     the block bytes behind a ReadReply) to their requests by id. A failure or a timeout closes it
     and fails every request in flight; the next request reconnects."""
 
-    def __init__(self, address: str, timeout: float, credential: AsyncCredential | None = None) -> None:
-        """``credential``: how to get what each new connection proves itself with (None: nothing)."""
+    def __init__(
+        self,
+        address: str,
+        timeout: float,
+        credential: AsyncCredential | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        """``credential``: how to get what each new connection proves itself with (None: nothing);
+        ``tls``: connect over TLS with this context."""
         self.address = address
         self.timeout = timeout
         self.credential = credential
+        self.tls = tls
         self.session_key = b""
         """The key the current connection's handshake agreed."""
         self._ids = itertools.count(random.getrandbits(62) + 1)  # unique across clients: the master
@@ -124,13 +133,7 @@ class _Link:
     async def _connect(self) -> asyncio.StreamWriter:
         async with self._connecting:
             if self._writer is None:
-                host, port = parse_address(self.address)
-                try:
-                    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.timeout)
-                except TimeoutError:
-                    raise Timeout(f"connecting to {self.address}: no answer in {self.timeout} s") from None
-                except OSError as exc:
-                    raise ConnectionFailed(f"cannot connect to {self.address}: {exc.strerror or exc}") from None
+                reader, writer = await open_stream(self.address, self.timeout, self.tls)
                 if self.credential is not None:
                     try:
                         credential = await self.credential()
@@ -282,7 +285,9 @@ class AsyncStore:
         self._credential = credential
         self._tickets = Tickets(credential.name) if credential is not None and credential.kind == "tenant" else None
         self._ticket_lock = asyncio.Lock()
-        self._master = self._new_link(master, self._master_credential)  # for etcd://, re-pointed at the leader
+        self._tls = contexts(self.config.tls)
+        # For etcd://, re-pointed at the leader.
+        self._master = self._new_link(master, self._master_credential, self._tls[0])
         self._links: dict[str, _Link] = {}
         self._readers: dict[str, _ReadBatcher] = {}
         self._hints = LocationHints(self.config.location_hints)
@@ -337,17 +342,17 @@ class AsyncStore:
         except KVStoreError:
             return
         if address != self._master.address:
-            old, self._master = self._master, self._new_link(address, self._master_credential)
+            old, self._master = self._master, self._new_link(address, self._master_credential, self._tls[0])
             await old.close()
 
     def _link(self, address: str) -> _Link:
         link = self._links.get(address)
         if link is None:
-            link = self._links[address] = self._new_link(address, self._daemon_credential)
+            link = self._links[address] = self._new_link(address, self._daemon_credential, self._tls[1])
         return link
 
-    def _new_link(self, address: str, credential: AsyncCredential) -> _Link:
-        return _Link(address, self.config.timeout_s, credential if self._credential is not None else None)
+    def _new_link(self, address: str, credential: AsyncCredential, tls: ssl.SSLContext | None) -> _Link:
+        return _Link(address, self.config.timeout_s, credential if self._credential is not None else None, tls)
 
     async def _master_credential(self) -> Credential:
         assert self._credential is not None

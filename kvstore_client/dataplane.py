@@ -11,6 +11,7 @@ or where both ends have RDMA, sliced over rails when the node serves on several 
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
@@ -81,12 +82,18 @@ class ConnectionPool:
     A list and its atomic ``pop``/``append``: no queue, condition or timeout object per call."""
 
     def __init__(
-        self, address: str | MasterLocator, timeout: float, keep: int = 4, credential: CredentialSource | None = None
+        self,
+        address: str | MasterLocator,
+        timeout: float,
+        keep: int = 4,
+        credential: CredentialSource | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.target = address
         self.address = address if isinstance(address, str) else address.spec
         self.timeout = timeout
         self.credential = credential
+        self.tls = tls
         self._keep = keep
         self._idle: list[Connection] = []
         self._closed = False
@@ -95,7 +102,7 @@ class ConnectionPool:
         try:
             return self._idle.pop()
         except IndexError:
-            return Connection(self.target, self.timeout, self.credential)
+            return Connection(self.target, self.timeout, self.credential, self.tls)
 
     def release(self, conn: Connection) -> None:
         if self._closed or len(self._idle) >= self._keep:
@@ -278,11 +285,17 @@ class PathSelector:
     """Picks, once per node, the data path this client uses for that node in both directions."""
 
     def __init__(
-        self, config: ClientConfig, lookup: Callable[[str], NodeInfo | None], credential: CredentialSource | None = None
+        self,
+        config: ClientConfig,
+        lookup: Callable[[str], NodeInfo | None],
+        credential: CredentialSource | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        """``credential``: what connections to daemons prove themselves with (None: nothing)."""
+        """``credential``: what connections to daemons prove themselves with (None: nothing);
+        ``tls``: their TLS context (None: plain; same-host shared memory and UCX are never TLS)."""
         self.config = config
         self.credential = credential
+        self.tls = tls
         self._lookup = lookup
         self._lock = threading.RLock()
         self._pools: dict[str, ConnectionPool] = {}
@@ -298,7 +311,7 @@ class PathSelector:
                 pool = self._pools.get(address)
                 if pool is None:
                     pool = ConnectionPool(
-                        address, self.config.timeout_s, self.config.connections_per_daemon, self.credential
+                        address, self.config.timeout_s, self.config.connections_per_daemon, self.credential, self.tls
                     )
                     self._pools[address] = pool
         return pool
@@ -338,6 +351,7 @@ class PathSelector:
             railset = RailSet(
                 node.rails, timeout=cfg.rail_timeout_s, slice_bytes=cfg.slice_bytes,
                 max_inflight=cfg.max_slices_in_flight, cooldown_s=cfg.rail_cooldown_s, credential=self.credential,
+                tls=self.tls,
             )  # fmt: skip
             return RailPath(node_id, address, pool, railset)
         return DataPath(node_id, address, pool)

@@ -92,6 +92,7 @@ from kvstore_client.puts import (
     take_write_codes,
 )
 from transfer.discovery import MasterLocator
+from transfer.tls import contexts
 from transfer.transports.shm import ShmTransport
 
 T = TypeVar("T")
@@ -103,15 +104,19 @@ class Store:
         self.master = master
         self.config = config or ClientConfig()
         credential = master_credential(self.config)
+        to_master, to_daemons = contexts(self.config.tls)
         self._master = ConnectionPool(
-            MasterLocator(master, self.config.timeout_s), self.config.timeout_s, keep=4, credential=credential
-        )
+            MasterLocator(master, self.config.timeout_s), self.config.timeout_s, keep=4, credential=credential,
+            tls=to_master,
+        )  # fmt: skip
         self._tickets = Tickets(credential.name) if credential is not None and credential.kind == "tenant" else None
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None  # for batches that span several daemons
         self._nodes: dict[str, NodeInfo] = {}
         self._nodes_checked = 0.0
-        self._paths = PathSelector(self.config, self._node, self._ticket if self._tickets is not None else credential)
+        self._paths = PathSelector(
+            self.config, self._node, self._ticket if self._tickets is not None else credential, to_daemons
+        )
         self._hints = LocationHints(self.config.location_hints)
         self._leases = LeaseReleaser(self._send_releases)
         self._grants = GrantPool(self._ask_grant, self._return_grants, self.config.grant_bytes)

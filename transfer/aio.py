@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import ssl
 from typing import TypeVar
 
 from kvstore.auth import ClientHandshake, Credential
 from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
 from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, ErrorReply, Message, decode_payload, encode
+from transfer.tls import refusal
 from transfer.wire import parse_address
 
 M = TypeVar("M", bound=Message)
@@ -37,6 +39,21 @@ async def read_payload(reader: asyncio.StreamReader, max_frame: int = MAX_FRAME_
         return await reader.readexactly(length)
     except asyncio.IncompleteReadError:
         raise ConnectionFailed(f"stream ended inside a frame of {length} bytes") from None
+
+
+async def open_stream(
+    address: str, timeout: float, tls: ssl.SSLContext | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to ``host:port`` within ``timeout`` (and run the TLS handshake, with a context); typed errors."""
+    host, port = parse_address(address)
+    try:
+        return await asyncio.wait_for(asyncio.open_connection(host, port, ssl=tls), timeout)
+    except TimeoutError:
+        raise Timeout(f"connecting to {address}: no answer in {timeout} s") from None
+    except ssl.SSLError as exc:
+        raise refusal(exc, f"connecting to {address}") from None
+    except OSError as exc:
+        raise ConnectionFailed(f"cannot connect to {address}: {exc.strerror or exc}") from None
 
 
 async def authenticate_stream(
@@ -64,14 +81,20 @@ class AsyncConnection:
     """One request/reply connection; calls are serialised, and a failed call closes it."""
 
     def __init__(
-        self, address: str, timeout: float = 5.0, hello: Message | None = None, credential: Credential | None = None
+        self,
+        address: str,
+        timeout: float = 5.0,
+        hello: Message | None = None,
+        credential: Credential | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """``hello``: a request sent first on every new connection (a master's MasterHello), after the
-        handshake of :mod:`kvstore.auth` when there is a ``credential``."""
+        handshake of :mod:`kvstore.auth` when there is a ``credential``; ``tls``: over TLS."""
         self.address = address
         self.timeout = timeout
         self.hello = hello
         self.credential = credential
+        self.tls = tls
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
@@ -92,8 +115,7 @@ class AsyncConnection:
 
     async def _call(self, message: Message, expect: type[M]) -> M:
         if self._streams is None:
-            host, port = parse_address(self.address)
-            self._streams = await asyncio.open_connection(host, port)
+            self._streams = await open_stream(self.address, self.timeout, self.tls)
             if self.credential is not None:
                 await authenticate_stream(*self._streams, self.credential)
             if self.hello is not None:

@@ -20,6 +20,7 @@ exact, or as a miss.
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 from collections import deque
@@ -72,8 +73,9 @@ class RailSet:
         pause_after: int = 2,
         alpha: float = 0.3,
         credential: CredentialSource | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        self.rails = [Rail(a, ConnectionPool(a, timeout, max_inflight, credential)) for a in addresses]
+        self.rails = [Rail(a, ConnectionPool(a, timeout, max_inflight, credential, tls)) for a in addresses]
         self.slice_bytes = slice_bytes
         self.max_inflight = max_inflight
         self.cooldown_s = cooldown_s

@@ -13,6 +13,7 @@ import itertools
 import queue
 import random
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -23,7 +24,8 @@ from kvstore.errors import ConnectionFailed, KVStoreError, NotLeader, NotReady, 
 from kvstore.protocol import ErrorReply, Message
 from transfer.auth import CredentialSource, authenticate, current
 from transfer.discovery import MasterLocator
-from transfer.wire import NoRequest, connect, io_errors, recv_message, send_message
+from transfer.tls import wrap_client
+from transfer.wire import NoRequest, connect, io_errors, parse_address, recv_message, send_message
 
 M = TypeVar("M", bound=Message)
 
@@ -39,12 +41,18 @@ class Connection:
     new connection runs the handshake of :mod:`kvstore.auth` before its first request."""
 
     def __init__(
-        self, address: str | MasterLocator, timeout: float = 5.0, credential: CredentialSource | None = None
+        self,
+        address: str | MasterLocator,
+        timeout: float = 5.0,
+        credential: CredentialSource | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``tls``: each new connection runs a TLS handshake first (:mod:`transfer.tls`)."""
         self.locator = address if isinstance(address, MasterLocator) else None
         self.address = address if isinstance(address, str) else address.spec
         self.timeout = timeout
         self.credential = credential
+        self.tls = tls
         self.session_key = b""
         """The key the handshake of the current connection agreed (empty without a credential)."""
         self._sock: socket.socket | None = None
@@ -125,8 +133,11 @@ class Connection:
             backoff = min(2 * backoff, 0.5)
 
     def _open(self, timeout: float) -> socket.socket:
-        """A new connection, authenticated when this one has a credential."""
+        """A new connection: over TLS when this one has a context, authenticated when it has a credential."""
         sock = connect(self.address, timeout)
+        if self.tls is not None:
+            host = parse_address(self.address)[0]
+            sock = wrap_client(sock, self.tls, host, timeout, f"connecting to {self.address}")
         if self.credential is not None:
             try:
                 with io_errors(f"authenticating to {self.address}"):
@@ -237,12 +248,12 @@ class ConnectionPool:
 
     def __init__(
         self, address: str | MasterLocator, timeout: float = 5.0, size: int = 4,
-        credential: CredentialSource | None = None,
+        credential: CredentialSource | None = None, tls: ssl.SSLContext | None = None,
     ) -> None:  # fmt: skip
         self.address = address if isinstance(address, str) else address.spec
         self._idle: queue.LifoQueue[Connection] = queue.LifoQueue()
         for _ in range(size):
-            self._idle.put(Connection(address, timeout, credential))
+            self._idle.put(Connection(address, timeout, credential, tls))
         self.timeout = timeout
 
     @contextmanager

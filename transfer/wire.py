@@ -7,7 +7,9 @@ Every wait is bounded by the socket's timeout; a timeout becomes
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import ssl
 import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -56,6 +58,13 @@ def set_timeouts(sock: socket.socket, timeout: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def cut(sock: socket.socket) -> None:
+    """Shut ``sock`` down from another thread: its reader sees the end of the stream. Under TLS, the
+    socket below is shut (the TLS layer must not be torn from under a thread reading through it)."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
 def connect(address: str, timeout: float) -> socket.socket:
     host, port = parse_address(address)
     with io_errors(f"connecting to {address}"):
@@ -78,9 +87,20 @@ def _advance(views: list[memoryview], n: int) -> None:
     del views[:done]
 
 
+_COALESCE = 64 * 1024
+"""Over TLS, buffers of at most this much in all go out as one record (one copy, one call)."""
+
+
 def send_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
-    """Send every buffer, in order, with scatter-gather and no copies."""
+    """Send every buffer, in order, with scatter-gather and no copies (over TLS, which has no
+    scatter-gather: small ones joined, large ones one call each)."""
     views = [memoryview(b).cast("B") if not isinstance(b, memoryview) else b for b in buffers if len(b)]
+    if isinstance(sock, ssl.SSLSocket):
+        if sum(v.nbytes for v in views) <= _COALESCE:
+            views = [memoryview(b"".join(views))]
+        for view in views:
+            sock.sendall(view)
+        return
     while views:
         _advance(views, sock.sendmsg(views[:_IOV_MAX]))
 
@@ -104,6 +124,10 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
 def recv_all_into(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """Fill every view, in order, with scatter receives (as few system calls as the kernel allows)."""
     pending = [v for v in views if v.nbytes]
+    if isinstance(sock, ssl.SSLSocket):  # no recvmsg_into over TLS
+        for view in pending:
+            recv_into(sock, view)
+        return
     while pending:
         got = sock.recvmsg_into(pending[:_IOV_MAX])[0]
         if got == 0:
@@ -171,7 +195,7 @@ def recv_message(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> tuple
     header = memoryview(bytearray(FRAME_HEADER.size))
     try:
         first = sock.recv_into(header)
-    except BlockingIOError:
+    except (BlockingIOError, TimeoutError):  # the kernel's timeout; a TLS socket's own
         raise NoRequest() from None
     if first == 0:
         raise ConnectionFailed("peer closed the connection")

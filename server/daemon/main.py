@@ -14,6 +14,7 @@ from kvstore.config import DaemonConfig
 from kvstore.errors import ConfigError
 from server.daemon.service import DaemonServer, MasterLink
 from server.daemon.storage import DaemonStorage
+from transfer.tls import client_context
 from transfer.topology import warn_if_open
 from transfer.transports.ucx import UcxServer, tune_environment
 from transfer.wire import parse_address
@@ -45,6 +46,7 @@ def run_daemon(config: DaemonConfig) -> int:
         server = DaemonServer(
             storage, config.host, config.port, rails=config.rails, io_timeout=config.io_timeout_s,
             max_connections=config.max_connections, max_per_peer=config.max_connections_per_peer, secret=secret,
+            tls=config.tls,
         )  # fmt: skip
     except BaseException:
         storage.close()
@@ -74,6 +76,7 @@ def run_daemon(config: DaemonConfig) -> int:
         before_register=server.reset_grants,
         on_epoch=server.raise_epoch,
         credential=server.credential,
+        tls=client_context(config.tls) if config.tls is not None else None,
     )
     server.master = link
     link.start()

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from bisect import bisect_left
@@ -24,6 +25,7 @@ from typing import Any
 
 from kvstore.allocator import align_up
 from kvstore.auth import ANYONE, Authority, Credential, Identity, cluster_credential
+from kvstore.config import TlsConfig
 from kvstore.errors import (
     AuthFailed,
     ConnectionFailed,
@@ -73,8 +75,10 @@ from transfer import topology
 from transfer.auth import accept
 from transfer.discovery import MasterLocator
 from transfer.rpc import Connection, ConnectionPool
+from transfer.tls import client_context, server_context, wrap_server
 from transfer.wire import (
     NoRequest,
+    cut,
     keep_or_drop,
     recv_message,
     recv_parts,
@@ -136,12 +140,18 @@ class DaemonServer:
         max_connections: int = 4096,
         max_per_peer: int = 1024,
         secret: bytes | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
         """Serve on ``host:port`` and on each further rail host (one per NIC; free ports), at most
         ``max_connections`` connections at once and ``max_per_peer`` from one address. With the
         cluster ``secret``, every connection authenticates first (:mod:`kvstore.auth`): the master
-        and other daemons with the secret, tenants' clients with the master's tickets."""
+        and other daemons with the secret, tenants' clients with the master's tickets. With ``tls``
+        and its ``data_plane``, connections (served, and fetches from other daemons) are TLS."""
         self.storage = storage
+        data_tls = tls is not None and tls.data_plane
+        self._tls = server_context(tls) if tls is not None and data_tls else None
+        self.peer_tls = client_context(tls) if tls is not None and data_tls else None
+        """The context of this daemon's connections to other daemons (fetches); None: plain."""
         self.authority = Authority(secret) if secret is not None else None
         self.credential: Credential | None = cluster_credential(secret) if secret is not None else None
         """What this daemon proves itself with to other daemons (fetches) and the master."""
@@ -246,6 +256,12 @@ class DaemonServer:
     def _serve(self, sock: socket.socket, host: str) -> None:
         epoch = 0  # the epoch of the master that opened this connection (MasterHello), if one did
         try:
+            if self._tls is not None:
+                try:
+                    sock = self._wrap(sock)
+                except (AuthFailed, ConnectionFailed, Timeout) as exc:
+                    self._note_auth_failure(host, exc)
+                    return
             identity = ANYONE
             if self.authority is not None:
                 try:
@@ -304,6 +320,14 @@ class DaemonServer:
         finally:
             self._forget(sock, host)
 
+    def _wrap(self, sock: socket.socket) -> socket.socket:
+        """``sock`` after the server's TLS handshake, in its place among the open connections."""
+        assert self._tls is not None
+        wrapped = wrap_server(sock, self._tls, self.io_timeout)
+        with self._conns_lock:
+            self._conns[wrapped] = self._conns.pop(sock)
+        return wrapped
+
     auth_failures = 0
 
     def _note_auth_failure(self, host: str, exc: KVStoreError) -> None:
@@ -353,7 +377,7 @@ class DaemonServer:
         keys = self._keys(msg.keys)
         batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums)
         try:
-            conn = Connection(msg.source, self.io_timeout, self.credential)
+            conn = Connection(msg.source, self.io_timeout, self.credential, self.peer_tls)
             try:
                 request = ReadBlocks(list(keys), ["dram"] * len(keys), [0] * len(keys), list(msg.sizes))
                 with conn.exchange(request) as (reply, sock):
@@ -421,8 +445,7 @@ class DaemonServer:
             if not done:
                 for grant in grants:
                     for sock in grant.receivers:
-                        with contextlib.suppress(OSError):
-                            sock.shutdown(socket.SHUT_RDWR)
+                        cut(sock)
                 done = self._grants_cond.wait_for(
                     lambda: all(g.active == 0 for g in grants), self.io_timeout if wait_s is None else wait_s
                 )
@@ -585,8 +608,7 @@ class DaemonServer:
         with self._conns_lock:
             stale = {sock for key in keys for sock in self._receivers.get(key, ())}
         for sock in stale:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+            cut(sock)
         if stale and wait_s:
             with self._receivers_done:
                 self._receivers_done.wait_for(lambda: not any(k in self._receivers for k in keys), wait_s)
@@ -634,8 +656,7 @@ class DaemonServer:
             listener.close()
         with self._conns_lock:
             for sock in self._conns:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+                cut(sock)
         for t in self._threads:
             t.join(timeout=2)
 
@@ -659,15 +680,17 @@ class MasterLink:
         report_period_s: float = 0.01,
         on_epoch: Callable[[int], None] | None = None,
         credential: Credential | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``credential`` and ``tls``: what connections to the master authenticate with and run over."""
         self._transfer_stats = transfer_stats
         self._before_register = before_register
         self._on_epoch = on_epoch
         self._timeout = timeout
         locator = MasterLocator(master, timeout)  # etcd://: the leader, followed across failovers
-        self._calls = ConnectionPool(locator, timeout, size=4, credential=credential)  # commits of one-trip puts
+        self._calls = ConnectionPool(locator, timeout, size=4, credential=credential, tls=tls)  # one-trip commits
         # Access reports, apart: they never hold up a commit.
-        self._reports = Connection(locator, timeout, credential)
+        self._reports = Connection(locator, timeout, credential, tls)
         self.peers: list[str] = []
         """The nodes the master last said were in the cluster (told to the next master we register with)."""
         self._accessed: deque[str] = deque(maxlen=1 << 20)  # a master too slow to take them loses the oldest
@@ -678,7 +701,7 @@ class MasterLink:
         self.node_id = node_id
         self.address = address
         self.storage = storage
-        self._conn = Connection(locator, timeout, credential)
+        self._conn = Connection(locator, timeout, credential, tls)
         self._stop = threading.Event()
         self._interval = 1.0
         self._on_registered = on_registered

@@ -296,7 +296,7 @@ class AdminApi:
         tells tools that ask it by RPC (AdminInfo)."""
         self._runner = web.AppRunner(self.app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, ssl_context=self.service.tls)
         await site.start()
         self.address = f"{host}:{self._runner.addresses[0][1]}"
         self.service.admin_address = self.address

@@ -25,7 +25,7 @@ async def serve(config: MasterConfig) -> None:
         # and tenants' tokens of its tenants file get in.
         admin = AdminApi(service, config.admin_token)
         admin_address = await admin.start(config.admin_host or config.host, config.admin_port)
-        print(f"kvstore admin on http://{admin_address}", flush=True)
+        print(f"kvstore admin on {'https' if service.tls is not None else 'http'}://{admin_address}", flush=True)
     if config.etcd is not None:
         service.start_election(admin_address)
         print(f"kvstore master campaigning for cluster {config.cluster_id} in etcd at {config.etcd}", flush=True)

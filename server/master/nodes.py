@@ -10,6 +10,7 @@ parts cannot disagree about which nodes exist. The admin API reads nodes through
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -54,11 +55,19 @@ class NodeRegistry:
     with no nodes, and the links of the old one are handed back for closing.
     """
 
-    def __init__(self, table: PlacementTable, command_timeout_s: float, credential: Credential | None = None) -> None:
-        """``credential``: what the master proves itself with to daemons that authenticate."""
+    def __init__(
+        self,
+        table: PlacementTable,
+        command_timeout_s: float,
+        credential: Credential | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        """``credential``: what the master proves itself with to daemons that authenticate; ``tls``:
+        the context of its links to daemons (None: plain)."""
         self.table = table
         self.command_timeout_s = command_timeout_s
         self.credential = credential
+        self.tls = tls
         self.epoch = 0
         """Sent in the MasterHello of every new link: daemons refuse commands of older masters."""
         self._entries: dict[str, _Entry] = {}
@@ -105,7 +114,8 @@ class NodeRegistry:
         if entry.link is None:
             address = self.table.nodes[node_id].address
             hello = MasterHello(self.epoch) if self.epoch else None  # fences the commands of older masters
-            entry.link = AsyncConnection(address, self.command_timeout_s, hello=hello, credential=self.credential)
+            entry.link = AsyncConnection(address, self.command_timeout_s, hello=hello, credential=self.credential,
+                                         tls=self.tls)  # fmt: skip
         return entry.link
 
     def links(self) -> list[AsyncConnection]:

@@ -97,6 +97,7 @@ from server.master.metrics import LatencyHistogram, Sampler
 from server.master.nodes import NodeRegistry
 from transfer.aio import HANDSHAKE_FRAME, AsyncConnection
 from transfer.discovery import EtcdCluster, MasterRecord, parse_endpoints
+from transfer.tls import HANDSHAKE_TIMEOUT_S, contexts, server_context
 from transfer.topology import warn_if_open
 
 log = logging.getLogger("kvstore.master")
@@ -159,7 +160,7 @@ class _RpcConnection(asyncio.Protocol):
 
     def __init__(self, service: MasterService) -> None:
         self.service = service
-        self.last = time.monotonic()
+        self.opened = self.last = time.monotonic()
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # set by connection_made
         authority = service.authority
         self.identity: Identity | None = ANYONE if authority is None else None
@@ -253,9 +254,12 @@ class MasterService:
         )
         """What connections authenticate against; None: no authentication (every peer may do anything)."""
         self.auth_failures = 0
+        tls = self.config.tls
+        self.tls = server_context(tls) if tls is not None else None
+        """The context of the RPC port and the admin API (None: plain)."""
         self.nodes = NodeRegistry(
             self._new_table(), self.config.command_timeout_ms / 1000,
-            cluster_credential(secret) if secret is not None else None,
+            cluster_credential(secret) if secret is not None else None, contexts(tls)[1],
         )  # fmt: skip
         """The nodes, and through them the placement table (:attr:`table`)."""
         self.address = ""
@@ -477,7 +481,10 @@ class MasterService:
 
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _RpcConnection(self), self.config.host, self.config.port)
+        self._server = await loop.create_server(
+            lambda: _RpcConnection(self), self.config.host, self.config.port, ssl=self.tls,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if self.tls is not None else None,
+        )  # fmt: skip
         self._ticker = asyncio.create_task(self._tick_forever(), name="master-ticker")
         port = self._server.sockets[0].getsockname()[1]
         if self.authority is None:
@@ -537,9 +544,11 @@ class MasterService:
                 retry, self._retry = self._retry, []
                 live = [c for c in retry if c.node_id in self.table.nodes and self.table.nodes[c.node_id].up]
                 self._run_later(commands + live, "expiry-commands")
-                idle_since = time.monotonic() - self.config.idle_timeout_s
-                for conn in [c for c in self._connections if c.last < idle_since]:
-                    conn.transport.close()
+                now = time.monotonic()
+                idle_since, unproven_since = now - self.config.idle_timeout_s, now - HANDSHAKE_TIMEOUT_S
+                for conn in [c for c in self._connections
+                             if c.last < idle_since or (c.identity is None and c.opened < unproven_since)]:  # fmt: skip
+                    conn.transport.close()  # idle, or no handshake done in time
                 if self.sampler.due():
                     stats = self.table.stats()
                     self.sampler.sample(self.table.counters, int(stats["dram_used"]), int(stats["ssd_used"]))

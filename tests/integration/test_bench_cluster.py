@@ -9,7 +9,7 @@ from bench import cluster
 
 def test_cluster_bench_prints_every_line(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--json", "--peers", "no", "--sizes", "4096,65536", "--batches", "1,8", "--total", "256KiB",
-            "--dram", "64MiB", "--match-keys", "20000"]  # fmt: skip
+            "--dram", "64MiB", "--match-keys", "20000", "--security", "auth,tls_data"]  # fmt: skip
     assert cluster.main(args) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     seen = {(r["op"], r.get("size"), r.get("batch")) for r in lines}
@@ -26,8 +26,9 @@ def test_cluster_bench_prints_every_line(capsys: pytest.CaptureFixture[str]) -> 
     [asynchronous] = [r for r in lines if r.get("client") == "async"]
     assert asynchronous["concurrency"] == 64 and asynchronous["ops"] > 0
     assert {r["where"] for r in lines if r["op"] == "match_prefix"} == {"table", "rpc"}
-    auth = [r for r in lines if r["bench"] == "cluster_auth"]
-    assert {(r["op"], r.get("size"), r.get("batch")) for r in auth} == {
-        (op, size, batch) for op in ("put", "get") for size, batch in [(4096, 1), (65536, 1), (65536, 8)]
-    } | {("connect_put_get", 4096, None)}
-    assert all(r["ratio"] > 0 for r in auth if "ratio" in r)
+    for variant in ("auth", "tls_data"):
+        compared = [r for r in lines if r["bench"] == f"cluster_{variant}"]
+        assert {(r["op"], r.get("size"), r.get("batch")) for r in compared} == {
+            (op, size, batch) for op in ("put", "get") for size, batch in [(4096, 1), (65536, 1), (65536, 8)]
+        } | {("connect_put_get", 4096, None)}
+        assert all(r["ratio"] > 0 for r in compared if "ratio" in r)
