@@ -111,6 +111,7 @@ TICKET_SKEW_MS = 60_000
 """Clocks of the master and the daemons may differ by this much: a ticket is taken this long past its end."""
 
 _NONCE_BYTES = 16
+_SEAL_MAC = 16
 _MAX_NAME = 64
 _MAX_TICKET = 256
 _TRANSCRIPT_TAG = b"kvstore-auth-1"
@@ -551,6 +552,34 @@ class Authority:
         session = _mac(self._ticket_key, b"session", ticket)
         sealed = _xor(session, _mac(connection_key, b"ticket", ticket))
         return TicketReply(ticket, sealed, expires)
+
+    # seals of reservations
+    def seal(self, tenant: str, node_id: str, key: str, offset: int, size: int, expires_ms: int) -> bytes:
+        """The master's word that ``tenant`` may write ``key`` (its full name) at ``offset`` (``size``
+        bytes) on ``node_id`` until ``expires_ms``: its end, then an HMAC under the ticket key."""
+        end = expires_ms.to_bytes(8, "big")
+        return end + _mac(self._ticket_key, b"extent", tenant.encode(), node_id.encode(), key.encode(),
+                          str(offset).encode(), str(size).encode(), end)[:_SEAL_MAC]  # fmt: skip
+
+    def check_seals(
+        self, tenant: str, node_id: str, keys: list[str], offsets: list[int], sizes: list[int], seals: list[bytes],
+        now_ms: int | None = None,
+    ) -> None:  # fmt: skip
+        """Raise PermissionDenied unless each write of ``tenant`` shows the master's unexpired seal of
+        its extent on this node (a tenant writes only where the master reserved for it)."""
+        if len(seals) != len(keys):
+            raise PermissionDenied(
+                f"tenant {tenant!r} writes only into extents the master reserved for it: {len(keys)} blocks,"
+                f" {len(seals)} seals"
+            )
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        for key, offset, size, seal in zip(keys, offsets, sizes, seals, strict=True):
+            expires = int.from_bytes(seal[:8], "big")
+            expected = self.seal(tenant, node_id, key, offset, size, expires)
+            if len(seal) != len(expected) or not hmac.compare_digest(seal, expected):
+                raise PermissionDenied(f"no reservation of the master for {key!r} at offset {offset} on {node_id}")
+            if expires + TICKET_SKEW_MS < now:
+                raise PermissionDenied(f"the reservation for {key!r} at offset {offset} has expired")
 
     def _open_ticket(self, name: str, ticket: bytes) -> tuple[Identity, bytes]:
         """The identity a genuine, unexpired ticket of tenant ``name`` vouches for, and its session key."""

@@ -504,6 +504,10 @@ class ConductorConfig(_Frozen):
     host: str = Field(default="127.0.0.1", description="Address of the HTTP front door.")
     port: int = Field(default=8600, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
     master: str | None = Field(default=None, description="The store master's host:port; None: load-only routing.")
+    cluster_secret_file: str | None = Field(
+        default=None, description="The cluster secret, for a master that authenticates (also KVSTORE_CLUSTER_SECRET)."
+    )
+    tls: TlsConfig | None = Field(default=None, description="Reach the master over TLS (ca_file; see TlsConfig).")
     prefill: list[str] = Field(min_length=1, description="Base URLs of the prefill workers.")
     decode: list[str] = Field(min_length=1, description="Base URLs of the decode workers.")
     policy: Literal["random", "load", "local", "global"] = Field(default="global", description="Scheduling policy.")

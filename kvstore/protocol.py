@@ -30,7 +30,7 @@ import msgspec
 
 from kvstore.errors import KVStoreError, ProtocolError, error_from_code
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 FRAME_HEADER = struct.Struct("!I")
 
@@ -70,6 +70,8 @@ class Replica(Struct, frozen=True):
     offset: int
     """Offset in the node's DRAM arena; -1 for an SSD replica (LMDB has no extents)."""
     size: int
+    seal: bytes = b""
+    """A reservation's seal, for a tenant's write into it (see :meth:`kvstore.auth.Authority.seal`)."""
 
 
 class PutTicket(Struct, frozen=True):
@@ -222,14 +224,17 @@ class PutStartReply(Message, tag=21, frozen=True):
     nodes: list[str]
     addresses: list[str]
     offsets: list[int]
+    seals: list[bytes] = []
+    """Per replica, the master's seal of the reservation (a tenant's writes must show it); empty unsealed."""
 
     @classmethod
     def from_tickets(cls, tickets: Sequence[PutTicket]) -> PutStartReply:
         replicas = [r for t in tickets for r in t.replicas]
+        seals = [r.seal for r in replicas] if any(r.seal for r in replicas) else []
         return cls(
             [t.status for t in tickets], [t.error_code for t in tickets], [t.error for t in tickets],
             [len(t.replicas) for t in tickets], [r.node_id for r in replicas], [r.address for r in replicas],
-            [r.offset for r in replicas],
+            [r.offset for r in replicas], seals,
         )  # fmt: skip
 
     def tickets(self) -> list[PutTicket]:
@@ -238,12 +243,16 @@ class PutStartReply(Message, tag=21, frozen=True):
         if not len(self.error_codes) == len(self.errors) == len(self.counts) == n:
             raise ProtocolError(f"PutStartReply: {n} statuses but other per-key lists of other lengths")
         _check_flat("PutStartReply", self.counts, self.nodes, self.addresses, self.offsets)
+        if self.seals and len(self.seals) != len(self.offsets):
+            raise ProtocolError(f"PutStartReply: {len(self.seals)} seals for {len(self.offsets)} replicas")
+        seals = self.seals or [b""] * len(self.offsets)
         out, at = [], 0
         for status, code, error, count in zip(self.statuses, self.error_codes, self.errors, self.counts, strict=True):
             if status not in ("ok", "exists", "error"):
                 raise ProtocolError(f"PutStartReply: unknown status {status!r}")
             replicas = [
-                Replica(self.nodes[j], self.addresses[j], "dram", self.offsets[j], 0) for j in range(at, at + count)
+                Replica(self.nodes[j], self.addresses[j], "dram", self.offsets[j], 0, seals[j])
+                for j in range(at, at + count)
             ]
             at += count
             out.append(PutTicket(status, replicas, code, error))  # type: ignore[arg-type]
@@ -636,6 +645,9 @@ class WriteBlocks(Message, tag=60, frozen=True):
     checksums: list[int]
     pinned: bool
     """The batch was put with pin=True; the daemon records it so that pins survive a master restart."""
+    seals: list[bytes] = []
+    """Per block, the master's seal of its reservation: a tenant's write lands only where the master
+    reserved for it (empty for the cluster's own writes and on a cluster without authentication)."""
 
 
 class WriteGranted(Message, tag=67, frozen=True):
@@ -662,6 +674,8 @@ class WriteSlices(Message, tag=66, frozen=True):
     sizes: list[int]
     starts: list[int]
     lengths: list[int]
+    seals: list[bytes] = []
+    """Per slice, its block's reservation seal (as in WriteBlocks)."""
 
 
 class CommitBlocks(Message, tag=64, frozen=True):
@@ -675,6 +689,8 @@ class CommitBlocks(Message, tag=64, frozen=True):
     sizes: list[int]
     checksums: list[int]
     pinned: bool
+    seals: list[bytes] = []
+    """Per block, its reservation seal (as in WriteBlocks)."""
 
 
 class WriteReply(Message, tag=61, frozen=True):

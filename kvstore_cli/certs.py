@@ -57,12 +57,17 @@ def make_certs(directory: str | os.PathLike[str], name: str, hosts: list[str]) -
     (made first if there is none). ConfigError for a bad host or an unreadable CA."""
     if not hosts:
         raise ConfigError("a certificate needs at least one host (IP address or DNS name) peers reach it at")
+    if name == "ca" or not name or any(c in name for c in "/\\\0") or name.startswith("."):
+        raise ConfigError(f"certificate name {name!r}: a plain file name, not 'ca' (the CA's own files)")
     x509, hashes, serialization, ec, eku, oid = _crypto()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_cert_path, ca_key_path = d / "ca.pem", d / "ca.key"
-    if ca_cert_path.exists() and ca_key_path.exists():
+    if ca_cert_path.exists() != ca_key_path.exists():
+        raise ConfigError(f"{d} holds one of ca.pem and ca.key, not both: put the other back (a new CA would"
+                          " void every certificate the old one signed)")  # fmt: skip
+    if ca_cert_path.exists():
         try:
             ca_cert = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
             ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), None)

@@ -84,11 +84,17 @@ def _connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin", default=None, help="the admin API's host:port (instead of asking the master)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="the master serves TLS: verify it with this CA")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="a client certificate (--tls-verify-clients)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
 
 
 def _client(args: argparse.Namespace) -> AdminClient:
     address = args.admin
-    tls = client_context(TlsConfig(ca_file=args.tls_ca)) if args.tls_ca else None
+    tls = (
+        client_context(TlsConfig(ca_file=args.tls_ca, cert_file=args.tls_cert, key_file=args.tls_key))
+        if args.tls_ca or args.tls_cert
+        else None
+    )
     if address is None:
         conn = Connection(MasterLocator(args.master), timeout=5.0, credential=_master_credential(), tls=tls)
         try:

@@ -144,7 +144,7 @@ class _Link:
                         writer.close()
                         if isinstance(exc, TimeoutError):
                             raise Timeout(f"authenticating to {self.address}: no answer in {self.timeout} s") from None
-                        if isinstance(exc, OSError | ConnectionError):
+                        if isinstance(exc, OSError | ConnectionError) and not isinstance(exc, KVStoreError):
                             raise ConnectionFailed(f"authenticating to {self.address}: {exc}") from None
                         raise
                 self._writer = writer
@@ -482,9 +482,10 @@ class AsyncStore:
         sums = {i: checksum(items[i][1]) for group in plan.writes.values() for i, _ in group}
 
         async def write(address: str, group: list[tuple[int, Replica]]) -> list[tuple[int, str]]:
+            seals = [r.seal for _, r in group] if any(r.seal for _, r in group) else []
             message = WriteBlocks(
                 [items[i][0] for i, _ in group], [r.offset for _, r in group], [items[i][1].nbytes for i, _ in group],
-                [sums[i] for i, _ in group], opts.pin,
+                [sums[i] for i, _ in group], opts.pin, seals,
             )  # fmt: skip
             try:
                 answer, _ = await self._link(address).request(message, WriteReply, [items[i][1] for i, _ in group])

@@ -64,6 +64,8 @@ class Block(NamedTuple):
     view: memoryview
     offset: int
     checksum: int
+    seal: bytes = b""
+    """The master's seal of the extent (a tenant's two-trip put); empty otherwise."""
 
 
 def _columns(blocks: Sequence[Block]) -> tuple[list[str], list[int], list[int], list[int]]:
@@ -74,6 +76,11 @@ def _columns(blocks: Sequence[Block]) -> tuple[list[str], list[int], list[int], 
         [b.view.nbytes for b in blocks],
         [b.checksum for b in blocks],
     )
+
+
+def _seals(blocks: Sequence[Block]) -> list[bytes]:
+    """The seals of ``blocks`` as a write message carries them: none when none is sealed."""
+    return [b.seal for b in blocks] if any(b.seal for b in blocks) else []
 
 
 class ConnectionPool:
@@ -194,7 +201,7 @@ class DataPath:
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
         """Write blocks into extents the master reserved and have the daemon commit them;
         per block (0, "") or an error's (code, text)."""
-        message = WriteBlocks(*_columns(blocks), pinned)
+        message = WriteBlocks(*_columns(blocks), pinned, _seals(blocks))
         reply = self.pool.call(message, WriteReply, [b.view for b in blocks])
         return write_codes(reply.codes, reply.errors, len(blocks), self.address)
 
@@ -228,7 +235,7 @@ class ShmPath(DataPath):
 
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
         self.shm.write_many(self.arena, [(b.offset, b.view) for b in blocks])
-        message = CommitBlocks(*_columns(blocks), pinned)
+        message = CommitBlocks(*_columns(blocks), pinned, _seals(blocks))
         reply = self.pool.call(message, WriteReply)
         return write_codes(reply.codes, reply.errors, len(blocks), self.address)
 
@@ -250,7 +257,7 @@ class UcxPath(DataPath):
         )  # fmt: skip
 
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
-        message = WriteBlocks(*_columns(blocks), pinned)
+        message = WriteBlocks(*_columns(blocks), pinned, _seals(blocks))
         reply = self.client.write(message, self.ucx_address, [b.view for b in blocks])
         return write_codes(reply.codes, reply.errors, len(blocks), self.ucx_address)
 
@@ -274,7 +281,7 @@ class RailPath(DataPath):
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
         return self.railset.write(
             [b.key for b in blocks], [b.offset for b in blocks], [b.checksum for b in blocks],
-            [b.view for b in blocks], pinned,
+            [b.view for b in blocks], pinned, _seals(blocks),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -341,7 +348,7 @@ class PathSelector:
         if arena is not None:
             assert self._shm is not None
             return ShmPath(node_id, address, pool, self._shm, arena)
-        if cfg.transport != "tcp" and node.ucx_address:
+        if cfg.transport != "tcp" and node.ucx_address and self.tls is None:  # UCX is not TLS
             wanted = cfg.transport == "ucx" or (node.rdma and topology.has_rdma() and ucx.available())
             if wanted:
                 if self._ucx is None:

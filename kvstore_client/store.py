@@ -280,7 +280,7 @@ class Store:
         jobs = []
         for address, group in plan.writes.items():
             path = self._path(group[0][1].node_id, address)
-            blocks = [Block(items[i][0], items[i][1], r.offset, sums[i]) for i, r in group]
+            blocks = [Block(items[i][0], items[i][1], r.offset, sums[i], r.seal) for i, r in group]
             jobs.append(partial(path.write, blocks, opts.pin))
         for (address, group), outcome in zip(plan.writes.items(), self._fan_out(jobs), strict=True):
             if isinstance(outcome, KVStoreError):

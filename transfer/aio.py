@@ -13,7 +13,7 @@ import ssl
 from typing import TypeVar
 
 from kvstore.auth import ClientHandshake, Credential
-from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
+from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout
 from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, ErrorReply, Message, decode_payload, encode
 from transfer.tls import refusal
 from transfer.wire import parse_address
@@ -106,6 +106,9 @@ class AsyncConnection:
             except TimeoutError:
                 await self._close()
                 raise Timeout(f"{type(message).__name__} to {self.address}: no reply in {self.timeout} s") from None
+            except KVStoreError:  # typed already (AuthFailed is an OSError too: not to be wrapped)
+                await self._close()
+                raise
             except (OSError, ConnectionError) as exc:
                 await self._close()
                 raise ConnectionFailed(f"{type(message).__name__} to {self.address}: {exc}") from None

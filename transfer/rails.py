@@ -205,8 +205,10 @@ class RailSet:
         checksums: Sequence[int],
         views: Sequence[memoryview],
         pinned: bool,
+        seals: Sequence[bytes] = (),
     ) -> list[tuple[int, str]]:
         """Write blocks into their reserved extents over every rail; per block (error code or 0, message).
+        ``seals``: per block, the master's seal of its extent (a tenant's), or none at all.
 
         Blocks up to ``slice_bytes`` travel whole, several to a WriteBlocks; larger ones in
         slices (WriteSlices, any rail each), then one CommitBlocks makes the daemon check and
@@ -214,6 +216,10 @@ class RailSet:
         jobs, sliced = self._plan([v.nbytes for v in views])
         sliced_set = set(sliced)
         results: dict[int, tuple[int, str]] = {}
+
+        def sealed(idx: Sequence[int]) -> list[bytes]:
+            return [seals[i] for i in idx] if seals else []
+
         lock = threading.Lock()
 
         def put(rail: Rail, job: _Job) -> None:
@@ -221,11 +227,12 @@ class RailSet:
             message: WriteBlocks | WriteSlices
             if idx[0] not in sliced_set:
                 message = WriteBlocks([keys[i] for i in idx], [offsets[i] for i in idx],
-                                      [views[i].nbytes for i in idx], [checksums[i] for i in idx], pinned)  # fmt: skip
+                                      [views[i].nbytes for i in idx], [checksums[i] for i in idx], pinned,
+                                      sealed(idx))  # fmt: skip
                 payload = [views[i] for i in idx]
             else:
                 i, start, length = job.parts[0]
-                message = WriteSlices([keys[i]], [offsets[i]], [views[i].nbytes], [start], [length])
+                message = WriteSlices([keys[i]], [offsets[i]], [views[i].nbytes], [start], [length], sealed([i]))
                 payload = [views[i][start : start + length]]
             with rail.pool.connection() as conn:
                 reply = conn.call(message, WriteReply, payload=payload)
@@ -243,7 +250,12 @@ class RailSet:
             def commit(rail: Rail, job: _Job) -> None:
                 sizes = [views[i].nbytes for i in ready]
                 message = CommitBlocks(
-                    [keys[i] for i in ready], [offsets[i] for i in ready], sizes, [checksums[i] for i in ready], pinned
+                    [keys[i] for i in ready],
+                    [offsets[i] for i in ready],
+                    sizes,
+                    [checksums[i] for i in ready],
+                    pinned,
+                    sealed(ready),
                 )
                 with rail.pool.connection() as conn:
                     reply = conn.call(message, WriteReply)

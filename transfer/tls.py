@@ -64,6 +64,8 @@ def refusal(exc: ssl.SSLError, what: str) -> AuthFailed | ConnectionFailed:
     if isinstance(exc, ssl.SSLCertVerificationError):
         return AuthFailed(f"{what}: TLS certificate rejected: {exc.verify_message or exc.reason}")
     reason = str(exc.reason or exc)
+    if "CERTIFICATE" in reason.upper():  # the peer's alert: it wants a certificate, or refused ours
+        return AuthFailed(f"{what}: TLS certificate refused by the peer: {reason}")
     plain = any(word in reason.upper() for word in ("VERSION", "PACKET", "RECORD"))
     hint = " (does the other end speak TLS? data_plane must be set alike on every process)" if plain else ""
     return ConnectionFailed(f"{what}: TLS handshake failed: {reason}{hint}")
@@ -74,16 +76,20 @@ def wrap_client(sock: socket.socket, context: ssl.SSLContext, host: str, timeout
     certificate must name ``host``."""
     try:
         tls = context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
+    except (ssl.SSLError, OSError) as exc:
+        sock.close()
+        raise ConnectionFailed(f"{what}: TLS: {exc}") from None
+    try:
         tls.settimeout(timeout)
         tls.do_handshake()
     except ssl.SSLError as exc:
-        sock.close()
+        tls.close()
         raise refusal(exc, what) from None
     except TimeoutError:
-        sock.close()
+        tls.close()
         raise Timeout(f"{what}: TLS handshake timed out") from None
     except OSError as exc:
-        sock.close()
+        tls.close()
         raise ConnectionFailed(f"{what}: TLS handshake: {exc.strerror or exc}") from None
     return tls
 

@@ -35,6 +35,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvstore.auth import cluster_credential, secret_from
 from kvstore.config import ConductorConfig
 from kvstore.costs import PrefillCostModel
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, NoNodes
@@ -42,6 +43,7 @@ from kvstore.keys import block_keys
 from kvstore.protocol import MatchPrefixNodes, MatchPrefixNodesReply, Replicate, ReplicateReply
 from kvstore.scheduling import NO_LOCALITY, DecodeModel, Locality, Request, Scheduler, Slo, TransferModel
 from transfer.rpc import Connection
+from transfer.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +81,14 @@ class Conductor:
         self.vocab = 0
         self.model = ""
         self._session: aiohttp.ClientSession | None = None
-        self._master = Connection(config.master, timeout=config.master_timeout_s) if config.master else None
+        # To a master that authenticates, as the cluster (the secret of cluster_secret_file or
+        # KVSTORE_CLUSTER_SECRET); over TLS where config.tls says.
+        secret = secret_from(config.cluster_secret_file)
+        credential = cluster_credential(secret) if secret is not None else None
+        tls = client_context(config.tls) if config.tls is not None else None
+        self._master = Connection(config.master, config.master_timeout_s, credential, tls) if config.master else None
         # Copies wait for daemons: a connection of their own, so lookups never queue behind them.
-        self._copier = Connection(config.master, timeout=30.0) if config.master else None
+        self._copier = Connection(config.master, 30.0, credential, tls) if config.master else None
         self._copying = False
         self._master_down_until = 0.0
         self.master_reachable = config.master is not None

@@ -41,12 +41,14 @@ def run_daemon(config: DaemonConfig) -> int:
             "the UCX data plane does not authenticate its peers yet: with a cluster secret, serve TCP only"
             " (leave out --ucx-port)"
         )
+    if config.tls is not None and config.tls.data_plane and config.ucx_port is not None:
+        raise ConfigError("the UCX data plane is not TLS: with --tls-data, serve TCP only (leave out --ucx-port)")
     storage = DaemonStorage(config.dram, config.ssd)
     try:
         server = DaemonServer(
             storage, config.host, config.port, rails=config.rails, io_timeout=config.io_timeout_s,
             max_connections=config.max_connections, max_per_peer=config.max_connections_per_peer, secret=secret,
-            tls=config.tls,
+            tls=config.tls, node_id=config.name,
         )  # fmt: skip
     except BaseException:
         storage.close()

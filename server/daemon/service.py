@@ -141,13 +141,16 @@ class DaemonServer:
         max_per_peer: int = 1024,
         secret: bytes | None = None,
         tls: TlsConfig | None = None,
+        node_id: str = "",
     ) -> None:
         """Serve on ``host:port`` and on each further rail host (one per NIC; free ports), at most
         ``max_connections`` connections at once and ``max_per_peer`` from one address. With the
         cluster ``secret``, every connection authenticates first (:mod:`kvstore.auth`): the master
         and other daemons with the secret, tenants' clients with the master's tickets. With ``tls``
-        and its ``data_plane``, connections (served, and fetches from other daemons) are TLS."""
+        and its ``data_plane``, connections (served, and fetches from other daemons) are TLS.
+        ``node_id``: this node's name, which the master's seals of tenants' reservations name."""
         self.storage = storage
+        self.node_id = node_id
         data_tls = tls is not None and tls.data_plane
         self._tls = server_context(tls) if tls is not None and data_tls else None
         self.peer_tls = client_context(tls) if tls is not None and data_tls else None
@@ -288,6 +291,12 @@ class DaemonServer:
                 if identity.tenant is not None:
                     try:
                         message = identity.admit(message)
+                        if isinstance(message, WriteBlocks | WriteSlices | CommitBlocks):
+                            assert self.authority is not None
+                            self.authority.check_seals(
+                                identity.tenant, self.node_id, message.keys, message.offsets, message.sizes,
+                                message.seals,
+                            )  # fmt: skip
                     except KVStoreError as exc:
                         self._reply_error(sock, request_id, exc)
                         if isinstance(message, WriteBlocks | WriteGranted | WriteSlices):

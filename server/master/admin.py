@@ -18,6 +18,7 @@ Otherwise every route but health, the dashboard page and its static files needs
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -337,9 +338,15 @@ class AdminApi:
     ) -> web.StreamResponse:
         if _is_public(request):
             return await handler(request)
-        caller = self._caller(request.headers.get("Authorization", ""))
+        caller = self._caller(request.headers.get("Authorization", ""), self._private(request))
         if caller is None:
-            return _error(401, 0, "Unauthorized", "this route needs 'Authorization: Bearer <token>'")
+            return _error(
+                401,
+                0,
+                "Unauthorized",
+                "this route needs 'Authorization: Bearer <token>'"
+                + ("" if self._private(request) else " (tokens of the tenants file: over https only)"),
+            )
         resource = request.match_info.route.resource
         r = self.routes.get((request.method, resource.canonical)) if resource is not None else None
         refusal = caller.refusal(request.method, r)
@@ -348,7 +355,18 @@ class AdminApi:
         request["caller"] = caller
         return await handler(request)
 
-    def _caller(self, header: str) -> Caller | None:
+    def _private(self, request: web.Request) -> bool:
+        """Whether a bearer token reached us unseen: over TLS, or from this host."""
+        if self.service.tls is not None:
+            return True
+        try:
+            return ipaddress.ip_address(request.remote or "").is_loopback
+        except ValueError:
+            return False
+
+    def _caller(self, header: str, private: bool) -> Caller | None:
+        """Who sent ``header``. Tokens of the tenants file (which also log in over RPC) count only
+        when ``private``: a tenant's token must not cross a network in clear."""
         authority = self.service.authority
         if self.token is None and authority is None:
             return OPERATOR  # nothing configured: open, as on loopback before authentication
@@ -357,7 +375,7 @@ class AdminApi:
         if self.token is not None and hmac.compare_digest(given, f"Bearer {self.token}".encode()):
             return OPERATOR
         scheme, _, token = header.partition(" ")
-        if authority is None or scheme != "Bearer" or not token.isascii():
+        if authority is None or scheme != "Bearer" or not token.isascii() or not private:
             return None
         entry = authority.bearer(token)
         if isinstance(entry, Admin):

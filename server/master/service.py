@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import ContextVar
 from typing import Any
 
+import msgspec
+
 from kvstore.auth import ANYONE, Authority, Identity, ServerHandshake, as_refusal, cluster_credential, secret_from
 from kvstore.config import MasterConfig
 from kvstore.errors import (
@@ -780,7 +782,23 @@ class MasterService:
                 await asyncio.sleep(0.005)  # room is coming from commands another request sent
         stuck = PutTicket("error", [], CapacityError.code, "no room after repeated rounds of eviction")
         final = [t if t is not None else stuck for t in tickets]
+        if tenant is not None and self.authority is not None:
+            final = self._sealed(tenant, keys, sizes, final)
         return PutStartReply.from_tickets(final)
+
+    def _sealed(self, tenant: str, keys: list[str], sizes: list[int], tickets: list[PutTicket]) -> list[PutTicket]:
+        """``tickets`` with each replica sealed for ``tenant``: daemons take a tenant's writes only
+        into extents the master reserved for it (no squatting on free space or others' reservations)."""
+        assert self.authority is not None
+        expires = int(time.time() * 1000) + self.config.reservation_ms  # wall clock: daemons check it
+        seal = self.authority.seal
+        return [
+            msgspec.structs.replace(t, replicas=[
+                msgspec.structs.replace(r, seal=seal(tenant, r.node_id, key, r.offset, size, expires))
+                for r in t.replicas
+            ]) if t.replicas else t
+            for t, key, size in zip(tickets, keys, sizes, strict=True)
+        ]  # fmt: skip
 
     # -- tenants' quotas ----------------------------------------------------------------------
     def _quota(self, tenant: str) -> int:

@@ -5,6 +5,7 @@ table of attacks and outcomes goes to the output."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import urllib.error
@@ -21,6 +22,7 @@ from kvstore.keys import checksum
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     AuthHello,
+    CommitBlocks,
     DropBlocks,
     ErrorReply,
     Exists,
@@ -32,6 +34,8 @@ from kvstore.protocol import (
     GrantSpace,
     MasterHello,
     Message,
+    PutStart,
+    PutStartReply,
     ReadBlocks,
     RegisterNode,
     Remove,
@@ -64,11 +68,14 @@ def _raw(address: str, credential: Credential | None = None) -> tuple[socket.soc
     return sock, key
 
 
+_REQUEST_IDS = itertools.count(1000)
+
+
 def _ask(address: str, message: Message, credential: Credential | None = None, payload: bytes = b"") -> Message:
     """One request on a fresh connection: the reply, or the typed error it carried (raised)."""
     sock, _ = _raw(address, credential)
     with sock:
-        send_message(sock, message, 7, [payload] if payload else [])
+        send_message(sock, message, next(_REQUEST_IDS), [payload] if payload else [])  # new ids: no retries
         reply = recv_message(sock)[1]
     if isinstance(reply, ErrorReply):
         raise reply.to_error()
@@ -173,6 +180,35 @@ def test_attacks_fail_to_do_harm(cluster: LocalCluster, capsys: pytest.CaptureFi
     assert isinstance(grant, GrantReply)
     refused("bob's ticket: WriteGranted into alice's grant",
             lambda: _write_granted(grant, bob_ticket), PermissionDenied)  # fmt: skip
+    # Squatting: a tenant's writes land only where the master reserved for it (its seal of the extent).
+    alice_ticket = _ticket(cluster, alice_token)
+    reserved = _ask(master, PutStart(["squat"], [4], 1, None, False), tenant_credential(alice_token))
+    assert isinstance(reserved, PutStartReply) and reserved.seals, reserved
+    [ticket] = reserved.tickets()
+    [replica] = ticket.replicas
+    evil = checksum(b"evil")
+
+    def write(keys: list[str], offset: int, seals: list[bytes], credential: Credential) -> Message:
+        reply = _ask(replica.address, WriteBlocks(keys, [offset], [4], [evil], False, seals), credential, b"evil")
+        codes = getattr(reply, "codes", [])
+        if codes and codes[0]:
+            raise KVStoreError(reply.errors[0])  # type: ignore[attr-defined]
+        return reply
+
+    refused("alice's ticket: WriteBlocks at a free offset, no seal",
+            lambda: write(["free"], replica.offset + (1 << 20), [], alice_ticket), PermissionDenied)  # fmt: skip
+    refused("alice's ticket: her seal, another offset",
+            lambda: write(["squat"], replica.offset + 4096, [replica.seal], alice_ticket),
+            PermissionDenied)  # fmt: skip
+    refused("alice's ticket: her seal, another key",
+            lambda: write(["other"], replica.offset, [replica.seal], alice_ticket), PermissionDenied)  # fmt: skip
+    refused("bob's ticket: alice's seal",
+            lambda: write(["squat"], replica.offset, [replica.seal], bob_ticket), PermissionDenied)  # fmt: skip
+    refused("alice's ticket: CommitBlocks at a free offset, no seal",
+            lambda: _ask(replica.address, CommitBlocks(["free"], [replica.offset + (1 << 20)], [4], [evil], False),
+                         alice_ticket), PermissionDenied)  # fmt: skip
+    assert write(["squat"], replica.offset, [replica.seal], alice_ticket)  # the reservation itself: written
+
     forged = Credential("ticket", "alice", bob_ticket.key, bob_ticket.ticket.replace(b"bob", b"alice", 1))
     refused("bob's ticket renamed to alice's", lambda: _ask(victim_daemon, Stats(), forged))
     stolen = Credential("ticket", "bob", b"k" * 32, bob_ticket.ticket)

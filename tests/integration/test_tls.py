@@ -134,11 +134,11 @@ async def _async_round_trip(master: str, config: ClientConfig, blocks: list[tupl
 
 def test_data_plane_tls_with_client_certificates() -> None:
     verify = ("--tls-verify-clients",)
-    with LocalCluster(2, dram="16MiB", tls_data=True, master_args=verify, daemon_args=verify) as cluster:
+    with LocalCluster(2, dram="16MiB", tls_data=True, admin=True, master_args=verify, daemon_args=verify) as cluster:
         tls = cluster.tls_config()
         assert tls is not None and tls.data_plane and tls.cert_file is not None
         blocks = [(f"block-{i}", bytes([i]) * (256 * 1024 + i)) for i in range(16)]
-        for transport in ("tcp", "auto"):
+        for transport in ("tcp", "auto"):  # tcp: TLS to the daemons; auto: same-host shared memory (not TLS)
             with Store.connect(cluster.master_address, ClientConfig(tls=tls, transport=transport)) as store:
                 store.put_many(blocks)
                 assert store.get_many([k for k, _ in blocks]) == [v for _, v in blocks]
@@ -156,6 +156,15 @@ def test_data_plane_tls_with_client_certificates() -> None:
             assert got == [None] * len(blocks)  # misses (a cache degrades), never bytes over a plain stream
             with pytest.raises(KVStoreError):
                 s.put("plain", b"p" * 4096)
+        # The CLI shows its certificate too (the admin API asks for one like the RPC port).
+        cli = [sys.executable, "-m", "kvstore_cli", "nodes", "--master", cluster.master_address, "--json",
+               "--tls-ca", str(tls.ca_file)]  # fmt: skip
+        with_cert = subprocess.run([*cli, "--tls-cert", str(tls.cert_file), "--tls-key", str(tls.key_file)],
+                                   capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert with_cert.returncode == 0, with_cert.stderr
+        assert len(json.loads(with_cert.stdout)["nodes"]) == 2
+        without = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert without.returncode != 0 and "Traceback" not in without.stderr, without.stderr
         # Without a certificate of the cluster's CA, the master lets no client in.
         no_cert = TlsConfig(ca_file=tls.ca_file, data_plane=True)
         with pytest.raises((ConnectionFailed, AuthFailed, Timeout)):

@@ -244,3 +244,24 @@ def test_a_tenants_file_that_went_missing_then_bad_keeps_the_last_good_tenants(t
     assert auth.tenant("alice") is not None
     path.write_text("[[[not toml")
     assert auth.tenant("alice") is not None
+
+
+def test_seals_bind_a_tenant_to_the_extents_the_master_reserved() -> None:
+    auth = Authority(SECRET)
+    now = 1_000_000
+    seal = auth.seal("alice", "node1", "alice/k", 4096, 512, now + 30_000)
+    auth.check_seals("alice", "node1", ["alice/k"], [4096], [512], [seal], now)
+    for tenant, node, key, offset, size, seals, match in [
+        ("alice", "node1", "alice/k", 4096, 512, [], "reserved for it"),
+        ("alice", "node2", "alice/k", 4096, 512, [seal], "no reservation"),
+        ("alice", "node1", "alice/k", 8192, 512, [seal], "no reservation"),
+        ("alice", "node1", "alice/k", 4096, 1024, [seal], "no reservation"),
+        ("bob", "node1", "alice/k", 4096, 512, [seal], "no reservation"),
+        ("alice", "node1", "alice/k", 4096, 512, [seal[:-1]], "no reservation"),
+        ("alice", "node1", "alice/k", 4096, 512, [Authority(b"x" * 32).seal("alice", "node1", "alice/k", 4096, 512,
+                                                                              now + 30_000)], "no reservation"),
+    ]:  # fmt: skip
+        with pytest.raises(PermissionDenied, match=match):
+            auth.check_seals(tenant, node, [key], [offset], [size], seals, now)
+    with pytest.raises(PermissionDenied, match="expired"):
+        auth.check_seals("alice", "node1", ["alice/k"], [4096], [512], [seal], now + 30_000 + 61_000)
