@@ -50,7 +50,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvstore.errors import AuthFailed, ConfigError, InvalidKey, KVStoreError, PermissionDenied
+from kvstore.errors import AuthFailed, ConfigError, InvalidArgument, InvalidKey, KVStoreError, PermissionDenied
 from kvstore.keys import MAX_KEY_BYTES
 from kvstore.protocol import (
     AdminInfo,
@@ -567,6 +567,8 @@ class Authority:
     ) -> None:  # fmt: skip
         """Raise PermissionDenied unless each write of ``tenant`` shows the master's unexpired seal of
         its extent on this node (a tenant writes only where the master reserved for it)."""
+        if not len(keys) == len(offsets) == len(sizes):
+            raise InvalidArgument(f"a malformed write: {len(keys)} keys, {len(offsets)} offsets, {len(sizes)} sizes")
         if len(seals) != len(keys):
             raise PermissionDenied(
                 f"tenant {tenant!r} writes only into extents the master reserved for it: {len(keys)} blocks,"

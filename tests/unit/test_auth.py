@@ -26,7 +26,7 @@ from kvstore.auth import (
     stored_key,
     tenant_credential,
 )
-from kvstore.errors import AuthFailed, ConfigError, InvalidKey, PermissionDenied
+from kvstore.errors import AuthFailed, ConfigError, InvalidArgument, InvalidKey, PermissionDenied
 from kvstore.protocol import (
     AuthHello,
     AuthOk,
@@ -265,3 +265,5 @@ def test_seals_bind_a_tenant_to_the_extents_the_master_reserved() -> None:
             auth.check_seals(tenant, node, [key], [offset], [size], seals, now)
     with pytest.raises(PermissionDenied, match="expired"):
         auth.check_seals("alice", "node1", ["alice/k"], [4096], [512], [seal], now + 30_000 + 61_000)
+    with pytest.raises(InvalidArgument, match="malformed"):  # found by bench.fuzz: lists of other lengths
+        auth.check_seals("alice", "node1", ["alice/k"], [4096, 0], [512], [seal], now)
