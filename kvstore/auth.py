@@ -425,10 +425,6 @@ def load_access(path: str | os.PathLike[str]) -> Access:
     )
 
 
-def load_tenants(path: str | os.PathLike[str]) -> dict[str, Tenant]:
-    return load_access(path).tenants
-
-
 def _add_entry(path: str | os.PathLike[str], table: str, name: str, entry: dict[str, Any]) -> str:
     """Add ``entry`` with a new token to ``table`` of the file (created if absent) and return the
     token (shown once). The file is replaced atomically, so a master reading it never sees half of it."""

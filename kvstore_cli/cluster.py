@@ -31,7 +31,7 @@ from kvstore.tiers.dram import DramArena
 from kvstore_cli.certs import CertFiles, make_certs
 from transfer.discovery import MasterLocator
 from transfer.rpc import Connection
-from transfer.tls import client_context
+from transfer.tls import contexts
 
 _START_TIMEOUT = 30.0
 
@@ -236,9 +236,8 @@ class LocalCluster:
         """Wait until the master counts ``count`` nodes up; an unreachable master is asked again until ``timeout``."""
         deadline = time.monotonic() + timeout
         credential = cluster_credential(read_secret_file(self.secret_file)) if self.secret_file is not None else None
-        tls = self.tls_config()
-        context = client_context(tls) if tls is not None else None
-        conn = Connection(MasterLocator(self.master_address), min(timeout, 5.0), credential, context)
+        to_master = contexts(self.tls_config())[0]
+        conn = Connection(MasterLocator(self.master_address), min(timeout, 5.0), credential, to_master)
         try:
             while True:
                 try:

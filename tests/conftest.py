@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,3 +49,20 @@ def _remove_arenas() -> Iterator[None]:
     yield
     while _created:
         DramArena.remove(_created.pop().dram)
+
+
+def admin_call(address: str, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
+    """One request to the admin API at ``address``: (HTTP status, the JSON answer, or its text when not JSON)."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://{address}{path}", data=data, method=method)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            raw = resp.read()
+            kind = resp.headers.get("Content-Type", "")
+            return resp.status, json.loads(raw) if "json" in kind else raw.decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

@@ -79,9 +79,23 @@ def wrap_client(sock: socket.socket, context: ssl.SSLContext, host: str, timeout
     except (ssl.SSLError, OSError) as exc:
         sock.close()
         raise ConnectionFailed(f"{what}: TLS: {exc}") from None
+    return _handshake(tls, timeout, timeout, what)
+
+
+def wrap_server(sock: socket.socket, context: ssl.SSLContext, timeout: float) -> ssl.SSLSocket:
+    """Run the server's TLS handshake on an accepted ``sock`` (bounded by :data:`HANDSHAKE_TIMEOUT_S`),
+    then bound its waits by ``timeout``. Raises AuthFailed, ConnectionFailed or Timeout; the caller closes."""
+    tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+    return _handshake(tls, min(timeout, HANDSHAKE_TIMEOUT_S), timeout, "accepting a TLS connection")
+
+
+def _handshake(tls: ssl.SSLSocket, during: float, after: float, what: str) -> ssl.SSLSocket:
+    """Run ``tls``'s handshake within ``during`` seconds, then bound its waits by ``after``; on
+    failure close it and raise the typed error."""
     try:
-        tls.settimeout(timeout)
+        tls.settimeout(during)
         tls.do_handshake()
+        tls.settimeout(after)
     except ssl.SSLError as exc:
         tls.close()
         raise refusal(exc, what) from None
@@ -91,24 +105,4 @@ def wrap_client(sock: socket.socket, context: ssl.SSLContext, host: str, timeout
     except OSError as exc:
         tls.close()
         raise ConnectionFailed(f"{what}: TLS handshake: {exc.strerror or exc}") from None
-    return tls
-
-
-def wrap_server(sock: socket.socket, context: ssl.SSLContext, timeout: float) -> ssl.SSLSocket:
-    """Run the server's TLS handshake on an accepted ``sock`` (bounded by :data:`HANDSHAKE_TIMEOUT_S`),
-    then bound its waits by ``timeout``. Raises AuthFailed, ConnectionFailed or Timeout; the caller closes."""
-    tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-    try:
-        tls.settimeout(min(timeout, HANDSHAKE_TIMEOUT_S))
-        tls.do_handshake()
-        tls.settimeout(timeout)
-    except ssl.SSLError as exc:
-        tls.close()
-        raise refusal(exc, "accepting a TLS connection") from None
-    except TimeoutError:
-        tls.close()
-        raise Timeout("accepting a TLS connection: handshake timed out") from None
-    except OSError as exc:
-        tls.close()
-        raise ConnectionFailed(f"accepting a TLS connection: {exc.strerror or exc}") from None
     return tls

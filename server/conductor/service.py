@@ -43,7 +43,7 @@ from kvstore.keys import block_keys
 from kvstore.protocol import MatchPrefixNodes, MatchPrefixNodesReply, Replicate, ReplicateReply
 from kvstore.scheduling import NO_LOCALITY, DecodeModel, Locality, Request, Scheduler, Slo, TransferModel
 from transfer.rpc import Connection
-from transfer.tls import client_context
+from transfer.tls import contexts
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Conductor:
         # KVSTORE_CLUSTER_SECRET); over TLS where config.tls says.
         secret = secret_from(config.cluster_secret_file)
         credential = cluster_credential(secret) if secret is not None else None
-        tls = client_context(config.tls) if config.tls is not None else None
+        tls = contexts(config.tls)[0]
         self._master = Connection(config.master, config.master_timeout_s, credential, tls) if config.master else None
         # Copies wait for daemons: a connection of their own, so lookups never queue behind them.
         self._copier = Connection(config.master, 30.0, credential, tls) if config.master else None

@@ -14,7 +14,7 @@ from kvstore.config import DaemonConfig
 from kvstore.errors import ConfigError
 from server.daemon.service import DaemonServer, MasterLink
 from server.daemon.storage import DaemonStorage
-from transfer.tls import client_context
+from transfer.tls import contexts
 from transfer.topology import warn_if_open
 from transfer.transports.ucx import UcxServer, tune_environment
 from transfer.wire import parse_address
@@ -78,7 +78,7 @@ def run_daemon(config: DaemonConfig) -> int:
         before_register=server.reset_grants,
         on_epoch=server.raise_epoch,
         credential=server.credential,
-        tls=client_context(config.tls) if config.tls is not None else None,
+        tls=contexts(config.tls)[0],
     )
     server.master = link
     link.start()

@@ -75,7 +75,7 @@ from transfer import topology
 from transfer.auth import accept
 from transfer.discovery import MasterLocator
 from transfer.rpc import Connection, ConnectionPool
-from transfer.tls import client_context, server_context, wrap_server
+from transfer.tls import contexts, server_context, wrap_server
 from transfer.wire import (
     NoRequest,
     cut,
@@ -151,9 +151,8 @@ class DaemonServer:
         ``node_id``: this node's name, which the master's seals of tenants' reservations name."""
         self.storage = storage
         self.node_id = node_id
-        data_tls = tls is not None and tls.data_plane
-        self._tls = server_context(tls) if tls is not None and data_tls else None
-        self.peer_tls = client_context(tls) if tls is not None and data_tls else None
+        self._tls = server_context(tls) if tls is not None and tls.data_plane else None
+        self.peer_tls = contexts(tls)[1]
         """The context of this daemon's connections to other daemons (fetches); None: plain."""
         self.authority = Authority(secret) if secret is not None else None
         self.credential: Credential | None = cluster_credential(secret) if secret is not None else None

@@ -338,14 +338,15 @@ class AdminApi:
     ) -> web.StreamResponse:
         if _is_public(request):
             return await handler(request)
-        caller = self._caller(request.headers.get("Authorization", ""), self._private(request))
+        private = self._private(request)
+        caller = self._caller(request.headers.get("Authorization", ""), private)
         if caller is None:
             return _error(
                 401,
                 0,
                 "Unauthorized",
                 "this route needs 'Authorization: Bearer <token>'"
-                + ("" if self._private(request) else " (tokens of the tenants file: over https only)"),
+                + ("" if private else " (tokens of the tenants file: over https only)"),
             )
         resource = request.match_info.route.resource
         r = self.routes.get((request.method, resource.canonical)) if resource is not None else None

@@ -17,6 +17,7 @@ from schemathesis.checks import positive_data_acceptance
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import PutOptions, Store
 from server.master.admin import ROUTES, openapi_document
+from tests.conftest import admin_call
 
 TOKEN = "s3cret-token"
 
@@ -33,19 +34,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 def call(cluster: LocalCluster, method: str, path: str, body: Any = None, token: str | None = TOKEN) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(f"http://{cluster.admin_address}{path}", data=data, method=method)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    if data is not None:
-        request.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            raw = resp.read()
-            kind = resp.headers.get("Content-Type", "")
-            return resp.status, json.loads(raw) if "json" in kind else raw.decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return admin_call(cluster.admin_address, method, path, body, token)
 
 
 def test_health_ready_and_summary(cluster: LocalCluster) -> None:

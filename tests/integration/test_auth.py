@@ -6,10 +6,7 @@ table of attacks and outcomes goes to the output."""
 from __future__ import annotations
 
 import itertools
-import json
 import socket
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +43,7 @@ from kvstore.protocol import (
 )
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import PutOptions, Store
+from tests.conftest import admin_call
 from transfer.auth import authenticate
 from transfer.wire import connect, recv_message, send_message
 
@@ -277,20 +275,6 @@ def _record_handshake(address: str, credential: Credential) -> list[bytes]:
     return [hello, proof]
 
 
-def _http(cluster: LocalCluster, method: str, path: str, token: str | None, body: object = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(f"http://{cluster.admin_address}{path}", data=data, method=method)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    if data is not None:
-        request.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read()) if path != "/metrics" else None
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def test_the_admin_api_knows_roles_and_keeps_tenants_in_their_namespace(
     cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -303,7 +287,7 @@ def test_the_admin_api_knows_roles_and_keeps_tenants_in_their_namespace(
     rows: list[tuple[str, int, str]] = []
 
     def call(name: str, method: str, path: str, token: str | None, body: object = None, expect: int = 200) -> Any:
-        status, answer = _http(cluster, method, path, token, body)
+        status, answer = admin_call(cluster.admin_address, method, path, body, token)
         rows.append((name, status, str(answer.get("error", "")) if isinstance(answer, dict) else ""))
         assert status == expect, (name, status, answer)
         return answer

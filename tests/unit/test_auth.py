@@ -20,7 +20,6 @@ from kvstore.auth import (
     add_tenant,
     cluster_credential,
     load_access,
-    load_tenants,
     open_ticket,
     secret_from,
     stored_key,
@@ -90,7 +89,7 @@ def test_wrong_credentials_are_refused(authority: tuple[Authority, dict], tmp_pa
     with pytest.raises(AuthFailed, match="unknown tenant"):
         handshake(auth, tenant_credential("mallory." + "x" * 43))
     # The tenants file's stored key is not a credential: proving with it fails.
-    stored = bytes.fromhex(load_tenants(tmp_path / "tenants.toml")["alice"].stored_key.hex())
+    stored = bytes.fromhex(load_access(tmp_path / "tenants.toml").tenants["alice"].stored_key.hex())
     with pytest.raises(AuthFailed):
         handshake(auth, Credential("tenant", "alice", stored))
 
@@ -184,7 +183,7 @@ def test_the_tenants_file_is_checked_and_reloaded(tmp_path: Path) -> None:
     ]:
         path.write_text(text)
         with pytest.raises(ConfigError, match=match):
-            load_tenants(path)
+            load_access(path)
     with pytest.raises(ConfigError, match="cluster's own identity"):
         add_tenant(tmp_path / "other.toml", "cluster")
 
