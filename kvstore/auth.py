@@ -63,6 +63,7 @@ from kvstore.protocol import (
     GetReplicas,
     GetTicket,
     GrantSpace,
+    ListKeys,
     ListNodes,
     MatchPrefix,
     MatchPrefixNodes,
@@ -91,7 +92,7 @@ OPERATIONS: tuple[Operation, ...] = ("read", "write", "remove")
 _OPERATION_OF: dict[type[Message], Operation] = {
     GetReplicas: "read", ReleaseLeases: "read", MatchPrefix: "read", MatchPrefixNodes: "read", Exists: "read",
     Stats: "read", ListNodes: "read", AdminInfo: "read", GetTicket: "read", ReadBlocks: "read",
-    ReadSlices: "read",
+    ReadSlices: "read", ListKeys: "read",
     PutStart: "write", PutEnd: "write", PutRevoke: "write", GrantSpace: "write", ReturnGrants: "write",
     Replicate: "write", WriteBlocks: "write", WriteGranted: "write", WriteSlices: "write", CommitBlocks: "write",
     Remove: "remove",

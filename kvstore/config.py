@@ -336,6 +336,12 @@ class MasterConfig(_Frozen):
     lease_ms: int = Field(
         default=2_000, gt=0, description="Longest a get's replicas stay unevictable; clients release them sooner."
     )
+    kv_lease_ms: int = Field(
+        default=0,
+        ge=0,
+        description="Mooncake's KV lease (--default-kv-lease-ttl): a key found by a get or an exists is neither"
+        " evicted nor removed without force for this long; 0: off.",
+    )
     heartbeat_interval_ms: int = Field(default=500, gt=0, description="How often daemons heartbeat.")
     node_ttl_ms: int = Field(default=3_000, gt=0, description="A node silent this long is marked down.")
     command_timeout_ms: int = Field(default=10_000, gt=0, description="Bound on one command to a daemon.")
@@ -442,6 +448,11 @@ class DaemonConfig(_Frozen):
         default=None,
         description="Reach the master over TLS; with data_plane, also serve the data port over TLS (needs"
         " cert_file). See TlsConfig.",
+    )
+    leave_on_exit: bool = Field(
+        default=False,
+        description="On a clean stop, have the master forget this node and its blocks, and delete the arena"
+        " (as a Mooncake client unmounts its segment at close); by default a restarted daemon re-attaches them.",
     )
 
 

@@ -30,7 +30,7 @@ import msgspec
 
 from kvstore.errors import KVStoreError, ProtocolError, error_from_code
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 FRAME_HEADER = struct.Struct("!I")
 
@@ -420,10 +420,38 @@ class ExistsReply(Message, tag=35, frozen=True):
 
 class Remove(Message, tag=36, frozen=True):
     keys: list[str]
+    force: bool = True
+    """Also remove keys held by a recent read (the master's ``--default-kv-lease-ttl``); without
+    force those are left and named in the reply's ``held``."""
 
 
 class RemoveReply(Message, tag=37, frozen=True):
     removed: int
+    held: list[int] = msgspec.field(default_factory=list)
+    """Indexes (into the request's keys) of keys left because a recent read holds them."""
+
+
+class LeaveNode(Message, tag=88, frozen=True):
+    """A daemon leaves for good (``kvstore daemon --leave-on-exit``, as a Mooncake client unmounts
+    its segment at close): the master forgets the node and every replica on it. Answered by OkReply."""
+
+    node_id: str
+
+
+class ListKeys(Message, tag=86, frozen=True):
+    """A page of stored keys that start with ``prefix``, in order, after ``after`` (exclusive; ""
+    starts at the beginning); answered by a KeysReply. A tenant lists its own keys, named without
+    its ``NAME/``."""
+
+    prefix: str
+    after: str
+    limit: int
+
+
+class KeysReply(Message, tag=87, frozen=True):
+    keys: list[str]
+    next: str
+    """Pass as ``after`` for the next page; empty after the last."""
 
 
 class Stats(Message, tag=38, frozen=True):

@@ -1,5 +1,6 @@
 """Engine commands: ``kvstore worker`` and ``kvstore conductor`` serve a real model's prefill and decode
-behind a KVCache-aware scheduler; ``kvstore pd-demo`` runs a chat through them on a cluster.
+behind a KVCache-aware scheduler; ``kvstore pd-demo`` runs a chat through them on a cluster;
+``kvstore compat-path`` points engines written for another store's API at ours.
 
 torch and transformers are imported only when such a command runs.
 """
@@ -27,6 +28,19 @@ def engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--block-tokens", type=int, default=256, help="tokens per stored KV block")
     p.add_argument("--device", default="cpu", help="where the model runs: cpu, or cuda where a GPU is present")
+
+
+@arguments("compat-path")
+def _compat_path_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("api", choices=["mooncake"], help="the API to serve: mooncake (mooncake.store)")
+
+
+@command("compat-path", "print a directory that, on PYTHONPATH, makes another store's client import ours")
+def _compat_path(args: argparse.Namespace) -> int:
+    from kvstore_client.compat import compat_path
+
+    print(compat_path(args.api))
+    return 0
 
 
 @arguments("worker")

@@ -23,6 +23,10 @@ def _master_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", default=None, help="local_first, free_ratio or random")
     p.add_argument("--reservation-ms", type=int, default=None, help="revoke an uncommitted put after this")
     p.add_argument("--lease-ms", type=int, default=None, help="read lease length")
+    p.add_argument(
+        "--default-kv-lease-ttl", "--default_kv_lease_ttl", dest="kv_lease_ms", type=int, default=None, metavar="MS",
+        help="Mooncake's KV lease: a key read (get, exists) is not evicted or removed without force for this long",
+    )  # fmt: skip
     p.add_argument("--node-ttl-ms", type=int, default=None, help="mark a silent node down after this")
     p.add_argument("--heartbeat-ms", type=int, default=None, help="daemon heartbeat interval")
     p.add_argument("--admin-port", type=int, default=None, help="REST admin API, /metrics and dashboard port")
@@ -68,6 +72,7 @@ def _master(args: argparse.Namespace) -> int:
         "placement": args.placement,
         "reservation_ms": args.reservation_ms,
         "lease_ms": args.lease_ms,
+        "kv_lease_ms": args.kv_lease_ms,
         "node_ttl_ms": args.node_ttl_ms,
         "heartbeat_interval_ms": args.heartbeat_ms,
         "admin_port": args.admin_port,
@@ -108,6 +113,11 @@ def _daemon_arguments(p: argparse.ArgumentParser) -> None:
         "--cluster-secret-file", default=None, metavar="FILE",
         help="authenticate to the master and every peer with this secret (also KVSTORE_CLUSTER_SECRET)",
     )  # fmt: skip
+    p.add_argument(
+        "--leave-on-exit", action="store_true",
+        help="on a clean stop the master forgets this node and its blocks, and the arena is deleted"
+        " (by default a restarted daemon re-attaches them)",
+    )  # fmt: skip
     _tls_arguments(p, "this daemon's certificate (PEM): serves its port over TLS with --tls-data")
 
 
@@ -131,6 +141,7 @@ def _daemon(args: argparse.Namespace) -> int:
                 ("max_connections", args.max_connections),
                 ("max_connections_per_peer", args.max_connections_per_peer),
                 ("cluster_secret_file", args.cluster_secret_file),
+                ("leave_on_exit", args.leave_on_exit or None),
             )
             if v is not None
         },

@@ -48,6 +48,8 @@ from kvstore.protocol import (
     GetTicket,
     GrantReply,
     GrantSpace,
+    KeysReply,
+    ListKeys,
     ListNodes,
     MatchPrefix,
     MatchPrefixNodes,
@@ -634,12 +636,25 @@ class AsyncStore:
     async def remove(self, key: Any) -> bool:
         return await self.remove_many([key]) == 1
 
-    async def remove_many(self, keys: Sequence[Any]) -> int:
-        """Remove blocks; once it returns, no read (by anyone) returns their bytes."""
+    async def remove_many(self, keys: Sequence[Any], *, force: bool = True) -> int:
+        """Remove blocks; once it returns, no read (by anyone) returns their bytes (as Store.remove_many)."""
+        return (await self.remove_report(keys, force=force))[0]
+
+    async def remove_report(self, keys: Sequence[Any], *, force: bool = True) -> tuple[int, list[int]]:
+        """As Store.remove_report: how many were removed, and the indexes of keys a recent read holds."""
         checked: list[str] = [validate_key(k) for k in keys]
-        reply = await self._call(Remove(checked), RemoveReply)
+        reply = await self._call(Remove(checked, force), RemoveReply)
         self._hints.forget(checked)
-        return reply.removed
+        return reply.removed, reply.held
+
+    async def list_keys(self, prefix: str = "", *, after: str = "", limit: int = 1000) -> tuple[list[str], str]:
+        """As Store.list_keys: one page of stored keys starting with ``prefix`` and the next page's cursor."""
+        if not isinstance(prefix, str) or not isinstance(after, str):
+            raise InvalidArgument(f"prefix and after must be str, got {type(prefix).__name__}, {type(after).__name__}")
+        if type(limit) is not int or limit < 1:
+            raise InvalidArgument(f"limit must be a positive int, got {limit!r}")
+        reply = await self._call(ListKeys(prefix, after, limit), KeysReply)
+        return reply.keys, reply.next
 
     async def nodes(self) -> list[NodeInfo]:
         return (await self._call(ListNodes(), NodesReply)).nodes

@@ -50,6 +50,8 @@ from kvstore.protocol import (
     GetTicket,
     GrantReply,
     GrantSpace,
+    KeysReply,
+    ListKeys,
     ListNodes,
     LocatedRef,
     MatchPrefix,
@@ -527,6 +529,12 @@ class Store:
     def exists_many(self, keys: Sequence[Any]) -> list[bool]:
         return self._call(Exists([validate_key(k) for k in keys]), ExistsReply).exists
 
+    def sizes(self, keys: Sequence[Any]) -> list[int | None]:
+        """Each key's size in bytes, None for a miss; no bytes move."""
+        checked: list[str] = [validate_key(k) for k in keys]
+        reply = self._call(GetReplicas(checked, self._leases.take(), False), GetReplicasReply)
+        return [size if size >= 0 else None for size in reply.sizes]
+
     def match_prefix(self, keys: Sequence[Any]) -> int:
         """How many leading keys are stored: the longest stored prefix of a key list."""
         return self._call(MatchPrefix([validate_key(k) for k in keys]), MatchPrefixReply).matched
@@ -553,12 +561,38 @@ class Store:
     def remove(self, key: Any) -> bool:
         return self.remove_many([key]) == 1
 
-    def remove_many(self, keys: Sequence[Any]) -> int:
-        """Remove blocks; once it returns, no read (by anyone) returns their bytes."""
+    def remove_many(self, keys: Sequence[Any], *, force: bool = True) -> int:
+        """Remove blocks; once it returns, no read (by anyone) returns their bytes. Without ``force``
+        a key held by a recent read (the master's ``--default-kv-lease-ttl``) is left: see
+        :meth:`remove_report`."""
+        return self.remove_report(keys, force=force)[0]
+
+    def remove_report(self, keys: Sequence[Any], *, force: bool = True) -> tuple[int, list[int]]:
+        """Remove blocks: how many were stored and removed, and the indexes of the keys left because
+        a recent read holds them (only without ``force``)."""
         checked: list[str] = [validate_key(k) for k in keys]
-        reply = self._call(Remove(checked), RemoveReply)
+        reply = self._call(Remove(checked, force), RemoveReply)
         self._hints.forget(checked)
-        return reply.removed
+        return reply.removed, reply.held
+
+    def list_keys(self, prefix: str = "", *, after: str = "", limit: int = 1000) -> tuple[list[str], str]:
+        """One page of stored keys starting with ``prefix``, in order after ``after``, and the cursor of
+        the next page ("" after the last). A tenant lists its own keys."""
+        if not isinstance(prefix, str) or not isinstance(after, str):
+            raise InvalidArgument(f"prefix and after must be str, got {type(prefix).__name__}, {type(after).__name__}")
+        if type(limit) is not int or limit < 1:
+            raise InvalidArgument(f"limit must be a positive int, got {limit!r}")
+        reply = self._call(ListKeys(prefix, after, limit), KeysReply)
+        return reply.keys, reply.next
+
+    def iter_keys(self, prefix: str = "", *, page: int = 1000) -> Iterator[str]:
+        """Every stored key starting with ``prefix``, in order, a page at a time."""
+        after = ""
+        while True:
+            keys, after = self.list_keys(prefix, after=after, limit=page)
+            yield from keys
+            if not after:
+                return
 
     def stats(self) -> dict[str, int | float]:
         return self._call(Stats(), StatsReply).stats

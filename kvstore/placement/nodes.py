@@ -144,6 +144,12 @@ class Membership:
         # A put that had a replica there cannot complete; its other replicas may hold bytes already.
         return cat.revoke(broken)
 
+    def leave(self, node_id: str) -> list[NodeCommand]:
+        """``node_id`` leaves for good (its daemon unmounted its segment): its replicas are forgotten
+        (keys held nowhere else are gone), and its puts in flight revoked on their other nodes."""
+        self.catalog.draining.discard(node_id)
+        return self._forget_node(node_id)
+
     def heartbeat(self, node_id: str, now_ms: int) -> bool:
         """Record that ``node_id`` is alive; False when the table does not know it (it must re-register)."""
         node = self.catalog.nodes.get(node_id)

@@ -8,6 +8,12 @@
   ``promote_after_hits`` times is promoted to DRAM once its leases end.
 - ``record_access`` counts reads a daemon served by key without the master
   (the one-trip read path) and touches the LRU as ``get_replicas`` does.
+- Holds (Mooncake's "KV lease", off unless ``hold_ms`` > 0): a key found by a
+  get, an exists or a daemon's access report is held for ``hold_ms`` — a lease
+  the reader does not release, so it is neither evicted nor demoted meanwhile,
+  and ``held`` tells a remove (without force) to leave it. One hold per key:
+  a later read replaces it. A read served by a daemon alone holds the key from
+  when its report arrives.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Iterable, Sequence
 
 from kvstore.keys import validate_key
 from kvstore.placement.leases import LeaseId
-from kvstore.placement.state import DRAM, Catalog, NodeCommand
+from kvstore.placement.state import DRAM, Catalog, NodeCommand, ObjectEntry
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import EvictionPolicy
 from kvstore.protocol import GetReplicasReply, NodePrefix, PrefixMatch
@@ -25,11 +31,14 @@ from kvstore.protocol import GetReplicasReply, NodePrefix, PrefixMatch
 class Reads:
     """Answers lookups from the catalog; changes only LRU order, hit counts, leases and wanted promotions."""
 
-    def __init__(self, catalog: Catalog, tiering: Tiering, policy: EvictionPolicy, *, lease_ms: int) -> None:
+    def __init__(
+        self, catalog: Catalog, tiering: Tiering, policy: EvictionPolicy, *, lease_ms: int, hold_ms: int = 0
+    ) -> None:
         self.catalog = catalog
         self.tiering = tiering
         self.policy = policy
         self.lease_ms = lease_ms
+        self.hold_ms = hold_ms
 
     def get_replicas(self, keys: Sequence[str], now_ms: int, lease: bool = True) -> GetReplicasReply:
         """Readable replicas of each key (DRAM first), leased for ``lease_ms`` when ``lease``; a miss
@@ -46,6 +55,7 @@ class Reads:
         expiry = now_ms + self.lease_ms
         counters = cat.counters
         grant = cat.leases.grant
+        held: list[ObjectEntry] = []
         for key in checked:
             entry = cat.objects.get(key)
             readable = cat.readable(entry)
@@ -57,6 +67,8 @@ class Reads:
                 continue
             counters["hits"] += 1
             cat.touch(entry)
+            if self.hold_ms:
+                held.append(entry)
             if len(readable) > 1:
                 readable.sort(key=lambda r: r.tier is not DRAM)
             if lease:
@@ -79,7 +91,30 @@ class Reads:
                 if self.policy.should_promote(entry.ssd_hits):
                     cat.want_promote.add(key)
         counters["gets"] += len(checked)
+        if held:
+            self._hold(held, now_ms)  # after the reader's own leases, whose ids must be consecutive
         return reply
+
+    def _hold(self, entries: Iterable[ObjectEntry], now_ms: int) -> None:
+        """Hold each entry for ``hold_ms`` from ``now_ms``: its readable replicas, under a lease of
+        its own that replaces the entry's earlier hold."""
+        cat = self.catalog
+        leases = cat.leases
+        until = now_ms + self.hold_ms
+        for entry in entries:
+            if entry.hold:
+                leases.release(LeaseId(entry.hold))
+            readable = cat.readable(entry)
+            entry.hold = leases.grant(entry.key, [(r.node_id, r.tier) for r in readable], until)
+            entry.held_until_ms = until
+
+    def held(self, keys: Sequence[str], now_ms: int) -> list[int]:
+        """Indexes of the keys held at ``now_ms`` (read within ``hold_ms``): a remove without force leaves them."""
+        objects = self.catalog.objects
+        return [
+            i for i, key in enumerate(keys)
+            if (entry := objects.get(key)) is not None and not entry.removing and entry.held_until_ms > now_ms
+        ]  # fmt: skip
 
     def release_leases(self, lease_ids: Iterable[int]) -> list[NodeCommand]:
         """A reader is done with these leases (ids from its gets' replies); one that ended already
@@ -89,10 +124,12 @@ class Reads:
             leases.release(LeaseId(lease_id))
         return self.tiering.plan_promotions()
 
-    def record_access(self, node_id: str, keys: Iterable[str]) -> None:
-        """Count reads ``node_id``'s daemon served by key (no master round trip) and touch their LRU."""
+    def record_access(self, node_id: str, keys: Iterable[str], now_ms: int = 0) -> None:
+        """Count reads ``node_id``'s daemon served by key (no master round trip) and touch their LRU
+        (and hold them, with ``hold_ms`` and ``now_ms``)."""
         cat = self.catalog
         counters = cat.counters
+        held: list[ObjectEntry] = []
         for key in keys:
             entry = cat.objects.get(key)
             if entry is None or entry.removing or not entry.committed:
@@ -104,6 +141,8 @@ class Reads:
             counters["hits"] += 1
             counters["bytes_read"] += entry.size
             cat.touch(entry)
+            if self.hold_ms and now_ms:
+                held.append(entry)
             if replica.tier is DRAM:
                 counters["dram_hits"] += 1
             else:
@@ -111,6 +150,8 @@ class Reads:
                 entry.ssd_hits += 1
                 if self.policy.should_promote(entry.ssd_hits) and not any(r.tier is DRAM for r in entry.replicas):
                     cat.want_promote.add(key)
+        if held:
+            self._hold(held, now_ms)
 
     def match_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are committed and readable."""
@@ -155,6 +196,11 @@ class Reads:
                 break
         return PrefixMatch(longest, {n: NodePrefix(dram.get(n, 0), t) for n, t in total.items()})
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
+    def exists(self, keys: Sequence[str], now_ms: int = 0) -> list[bool]:
+        """Whether each key is readable (and, with ``hold_ms`` and ``now_ms``, hold those that are)."""
         cat = self.catalog
-        return [bool(cat.readable(cat.objects.get(validate_key(k)))) for k in keys]
+        entries = [cat.objects.get(validate_key(k)) for k in keys]
+        found = [bool(cat.readable(e)) for e in entries]
+        if self.hold_ms and now_ms:
+            self._hold([e for e, ok in zip(entries, found, strict=True) if ok and e is not None], now_ms)
+        return found

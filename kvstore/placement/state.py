@@ -50,6 +50,10 @@ class ObjectEntry:
     ssd_hits: int = 0
     last_use: int = 0
     """The catalog's clock when the key was last put or read: its tenant's LRU order, across nodes."""
+    hold: int = 0
+    """The lease that holds the key after a read (``hold_ms``, Mooncake's KV lease); 0: none yet."""
+    held_until_ms: int = 0
+    """When that hold ends: until then the key is neither evicted nor removed without force."""
 
 
 @dataclass(slots=True)

@@ -52,6 +52,7 @@ class PlacementTable:
         strategy: str = "local_first",
         reservation_ms: int = 30_000,
         lease_ms: int = 5_000,
+        hold_ms: int = 0,
         node_ttl_ms: int = 10_000,
         seed: int = 0,
     ) -> None:
@@ -73,7 +74,7 @@ class PlacementTable:
         self._membership = Membership(catalog, ttl_ms=node_ttl_ms)
         self._writes = Writes(catalog, self._tiering, order, rng, reservation_ms=reservation_ms)
         self._grants = Grants(catalog, self._tiering, order, rng)
-        self._reads = Reads(catalog, self._tiering, policy, lease_ms=lease_ms)
+        self._reads = Reads(catalog, self._tiering, policy, lease_ms=lease_ms, hold_ms=hold_ms)
         self._moves = Moves(catalog, self._tiering, self._writes, policy)
         self._inspection = Inspection(catalog)
 
@@ -84,6 +85,10 @@ class PlacementTable:
     @property
     def lease_ms(self) -> int:
         return self._reads.lease_ms
+
+    @property
+    def hold_ms(self) -> int:
+        return self._reads.hold_ms
 
     @property
     def reservation_ms(self) -> int:
@@ -112,6 +117,9 @@ class PlacementTable:
         return self._membership.register_node(
             node_id, address, dram_capacity, ssd_capacity, alignment, inventory, now_ms, max_blocks
         )
+
+    def leave_node(self, node_id: str) -> list[NodeCommand]:
+        return self._membership.leave(node_id)
 
     def heartbeat(self, node_id: str, now_ms: int) -> bool:
         return self._membership.heartbeat(node_id, now_ms)
@@ -183,8 +191,8 @@ class PlacementTable:
     def release_leases(self, lease_ids: Iterable[int]) -> list[NodeCommand]:
         return self._reads.release_leases(lease_ids)
 
-    def record_access(self, node_id: str, keys: Iterable[str]) -> None:
-        self._reads.record_access(node_id, keys)
+    def record_access(self, node_id: str, keys: Iterable[str], now_ms: int = 0) -> None:
+        self._reads.record_access(node_id, keys, now_ms)
 
     def match_prefix(self, keys: Sequence[str]) -> int:
         return self._reads.match_prefix(keys)
@@ -192,8 +200,11 @@ class PlacementTable:
     def match_prefix_nodes(self, keys: Sequence[str]) -> PrefixMatch:
         return self._reads.match_prefix_nodes(keys)
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        return self._reads.exists(keys)
+    def exists(self, keys: Sequence[str], now_ms: int = 0) -> list[bool]:
+        return self._reads.exists(keys, now_ms)
+
+    def held(self, keys: Sequence[str], now_ms: int) -> list[int]:
+        return self._reads.held(keys, now_ms)
 
     # -- daemons' answers ----------------------------------------------------------------------
     def apply(self, command: NodeCommand, done: Sequence[bool]) -> None:

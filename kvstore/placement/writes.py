@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, RetryLater
 from kvstore.keys import BlockKey, validate_key
+from kvstore.placement.leases import LeaseId
 from kvstore.placement.state import DRAM, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import ActionKind, TierName
@@ -209,6 +210,9 @@ class Writes:
                 continue
             removed += 1
             entry.removing = True
+            if entry.hold:
+                cat.leases.release(LeaseId(entry.hold))  # a forced remove ends the hold of an earlier read
+                entry.hold = 0
             cat.want_promote.discard(key)
             for r in entry.replicas:
                 if r.copying:

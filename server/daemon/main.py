@@ -12,6 +12,7 @@ from types import FrameType
 from kvstore.auth import secret_from
 from kvstore.config import DaemonConfig
 from kvstore.errors import ConfigError
+from kvstore.tiers.dram import DramArena
 from server.daemon.service import DaemonServer, MasterLink
 from server.daemon.storage import DaemonStorage
 from transfer.tls import contexts
@@ -89,9 +90,14 @@ def run_daemon(config: DaemonConfig) -> int:
         while not stop.wait(0.5):
             pass
     finally:
+        if config.leave_on_exit:
+            server.stop()  # nothing is served any more: then the master forgets the node
+            link.leave()
         link.stop()
         if ucx is not None:
             ucx.stop()
         server.stop()
         storage.close()
+        if config.leave_on_exit:
+            DramArena.remove(config.dram)
     return 0

@@ -54,6 +54,7 @@ from kvstore.protocol import (
     FetchBlocks,
     Heartbeat,
     HeartbeatReply,
+    LeaveNode,
     MasterHello,
     Message,
     OkReply,
@@ -795,6 +796,20 @@ class MasterLink:
                 log.warning("master %s unreachable (%s); retrying in %.1f s", self._conn.address, exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 0.5)  # a new leader is met within half a second
+
+    def leave(self) -> bool:
+        """Tell the master this node leaves for good (it forgets the node's blocks); False when it
+        could not be told (it then marks the node down when its heartbeats stop). Heartbeats end
+        first: one after this would register the node again."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            with self._calls.connection() as conn:
+                conn.call(LeaveNode(self.node_id), OkReply, retry_for=self._timeout)
+        except KVStoreError as exc:
+            log.warning("could not tell the master that node %s leaves: %s", self.node_id, exc)
+            return False
+        return True
 
     def stop(self) -> None:
         self._stop.set()

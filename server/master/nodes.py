@@ -48,8 +48,9 @@ class NodeView:
 class NodeRegistry:
     """The nodes of one placement table: membership goes through here, and so do daemon links.
 
-    Nodes enter the table only by registering through :meth:`register` (and never leave it but
-    by a new term), so the registry's entries and the table's nodes are the same set.
+    Nodes enter the table only by registering through :meth:`register`, and leave it only through
+    :meth:`leave` (a daemon unmounting its segment) or with a new term, so the registry's entries
+    and the table's nodes are the same set.
 
     ``table`` is replaced (with :meth:`reset`) when the master stops leading: a new term starts
     with no nodes, and the links of the old one are handed back for closing.
@@ -91,6 +92,16 @@ class NodeRegistry:
             link = None
         self._entries[m.node_id] = _Entry(info, link=link)
         return commands
+
+    def leave(self, node_id: str) -> list[NodeCommand]:
+        """Forget a node for good (see PlacementTable.leave_node); its link is handed over with
+        :meth:`take_stale`. Returns the revocations of its puts' replicas on other nodes."""
+        entry = self._entries.pop(node_id, None)
+        if entry is None:
+            return []
+        if entry.link is not None:
+            self._stale.append(entry.link)
+        return self.table.leave_node(node_id)
 
     def heartbeat(self, node_id: str, transfer_bytes: dict[str, int], now_ms: int) -> bool:
         """Whether the node is known (a daemon that is not must register again)."""

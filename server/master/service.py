@@ -62,6 +62,9 @@ from kvstore.protocol import (
     GrantSpace,
     Heartbeat,
     HeartbeatReply,
+    KeysReply,
+    LeaveNode,
+    ListKeys,
     ListNodes,
     MatchPrefix,
     MatchPrefixNodes,
@@ -134,6 +137,8 @@ _WHILE_NOT_READY: frozenset[type[Message]] = frozenset(
 
 # A put waits for at most this many rounds of evictions before its keys fail.
 _MAX_EVICTION_ROUNDS = 64
+_MAX_KEYS_PAGE = 10_000
+"""Most keys one ListKeys answers (a page: the table is scanned once per page)."""
 
 
 def _now_ms() -> int:
@@ -291,6 +296,7 @@ class MasterService:
         self._handlers: dict[type[Message], Handler] = {
             RegisterNode: self._register,
             Heartbeat: self._heartbeat,
+            LeaveNode: self._leave,
             PutStart: self._put_start,
             PutEnd: self._put_end,
             PutRevoke: self._put_revoke,
@@ -305,6 +311,7 @@ class MasterService:
             Replicate: self._replicate,
             Exists: self._exists,
             Remove: self._remove,
+            ListKeys: self._list_keys,
             Stats: self._stats,
             ListNodes: self._list_nodes,
             AdminInfo: self._admin_info,
@@ -323,6 +330,7 @@ class MasterService:
             strategy=self.config.placement,
             reservation_ms=self.config.reservation_ms,
             lease_ms=self.config.lease_ms,
+            hold_ms=self.config.kv_lease_ms,
             node_ttl_ms=self.config.node_ttl_ms,
         )
 
@@ -746,6 +754,15 @@ class MasterService:
         log.info("node %s registered at %s with %d blocks", m.node_id, m.address, len(m.inventory))
         return RegisterReply(self.config.heartbeat_interval_ms, self.config.node_ttl_ms, self.epoch, self._peers())
 
+    async def _leave(self, m: LeaveNode) -> Message:
+        commands = self.nodes.leave(m.node_id)
+        for link in self.nodes.take_stale():
+            self._spawn(link.close(), "close-daemon-link")
+        self._retry = [c for c in self._retry if c.node_id != m.node_id]
+        self._run_later(commands, "leave-revokes")
+        log.info("node %s left: its blocks are forgotten", m.node_id)
+        return OkReply()
+
     def _peers(self) -> list[str]:
         return [n.node_id for n in self.table.up_nodes()]
 
@@ -931,7 +948,7 @@ class MasterService:
         return PutReply([code for code, _ in outcome], [text for _, text in outcome])
 
     async def _access_report(self, m: AccessReport) -> Message:
-        self.table.record_access(m.node_id, m.keys)
+        self.table.record_access(m.node_id, m.keys, _now_ms())
         return OkReply()
 
     async def _release_leases(self, m: ReleaseLeases) -> Message:
@@ -954,18 +971,32 @@ class MasterService:
         return ReplicateReply(*await self.replicate(m.keys, m.node_id, m.max_bytes))
 
     async def _exists(self, m: Exists) -> Message:
-        return ExistsReply(self.table.exists(m.keys))
+        return ExistsReply(self.table.exists(m.keys, _now_ms()))
 
     async def _remove(self, m: Remove) -> Message:
         """Answered once the daemons dropped the blocks: a reader that goes straight to a daemon
         (no lease, no master) must find nothing after remove returns. A daemon that does not answer
         gets its drop retried; it serves nobody meanwhile."""
-        removed, commands = self.table.remove(m.keys)
+        keys, held = m.keys, []
+        if not m.force and self.table.hold_ms:
+            held = self.table.held(keys, _now_ms())
+            if held:
+                skip = set(held)
+                keys = [k for i, k in enumerate(keys) if i not in skip]
+        removed, commands = self.table.remove(keys)
         if not await self._run_commands(commands):
             # The blocks are out of the table, but a daemon that did not confirm may still serve
             # them to a reader that goes to it directly: say so (the drop is retried until done).
             raise Timeout("a node holding removed blocks did not confirm dropping them yet; they are retried")
-        return RemoveReply(removed)
+        return RemoveReply(removed, held)
+
+    async def _list_keys(self, m: ListKeys) -> Message:
+        if not 1 <= m.limit <= _MAX_KEYS_PAGE:
+            raise InvalidArgument(f"ListKeys.limit must be from 1 to {_MAX_KEYS_PAGE}, got {m.limit}")
+        scope = _caller.get().prefix  # a tenant lists its own namespace, and sees its keys as it named them
+        keys, after = self.table.keys_page(scope + m.prefix, scope + m.after if m.after else None, m.limit)
+        cut = len(scope)
+        return KeysReply([k[cut:] for k in keys], after[cut:] if after is not None else "")
 
     async def _list_nodes(self, m: ListNodes) -> Message:
         """Every registered node with how to reach it, up or down."""

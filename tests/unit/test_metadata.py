@@ -670,3 +670,52 @@ def test_grants_are_carved_committed_and_freed_without_handing_space_out_twice()
     table.check()
     assert table.nodes["n"].alloc.used == 64 * 1024 + 4096 + 128
     assert table.exists(["a", "b", "c", "d"]) == [True, True, False, False]
+
+
+def test_a_read_holds_its_key_against_remove_and_eviction_for_hold_ms() -> None:
+    # Mooncake's KV lease: a get, an exists or a daemon's access report holds the key for hold_ms;
+    # the reader's own (short) lease release does not end it, a later read extends it.
+    t = table("a", dram=2 * KB, lease_ms=100, hold_ms=1000)
+    put(t, "k0", "k1")
+    reply = t.get_replicas(["k0"], 0)
+    t.release_leases(got(reply))  # the reader is done: its lease ends, the hold does not
+    assert t.held(["k0", "k1", "nope"], 999) == [0] and t.held(["k0"], 1000) == []
+    assert leased(t, "k0") == [True]
+    plan = t.put_start(["k2"], [KB], 1, None, False, now_ms=10)
+    assert [c.keys for c in plan.commands] == [("k1",)]  # k0 is held: k1 goes although it is newer
+    run(t, plan.commands)
+    put(t, "k2", now=10)
+    assert t.exists(["k2"], now_ms=500) == [True] and t.held(["k2"], 1400) == [0]
+    t.record_access("a", ["k0"], now_ms=900)  # a read the daemon served alone, reported at 900
+    t.expire(1000)
+    assert t.held(["k0"], 1899) == [0] and leased(t, "k0") == [True]
+    t.expire(1900)
+    assert t.held(["k0"], 1900) == [] and leased(t, "k0") == [False]
+    t.check()
+
+
+def test_a_forced_remove_ends_the_hold_and_no_hold_without_hold_ms() -> None:
+    t = table("a", dram=2 * KB, hold_ms=1000)
+    put(t, "k")
+    t.exists(["k"], now_ms=1)
+    removed, [drop] = t.remove(["k"])
+    assert removed == 1 and len(t.leases) == 0
+    run(t, [drop])
+    plain = table("a", dram=2 * KB)
+    put(plain, "k")
+    plain.exists(["k"], now_ms=1)
+    plain.release_leases(got(plain.get_replicas(["k"], 1)))
+    assert plain.held(["k"], 2) == [] and len(plain.leases) == 0
+
+
+def test_a_node_that_leaves_takes_its_blocks_and_revokes_its_puts() -> None:
+    t = table("a", "b", dram=4 * KB)
+    put(t, "only-a", node="a")
+    put(t, "both", node="a", replicas=2)
+    plan = t.put_start(["inflight"], [KB], 2, "a", False, 0)  # reserved on a and b, not committed
+    assert plan.tickets[0] is not None and plan.tickets[0].status == "ok"
+    [revoke] = t.leave_node("a")
+    assert (revoke.node_id, revoke.kind, revoke.keys) == ("b", ActionKind.DROP, ("inflight",))
+    assert "a" not in t.nodes and t.exists(["only-a", "both"]) == [False, True]
+    run(t, [revoke])
+    assert t.leave_node("a") == [] and t.put_end(["inflight"], [7]) == [False]

@@ -1,0 +1,11 @@
+"""Mooncake Store's Python module, served by kvstore (kvstore_client.compat.mooncake)."""
+
+from kvstore_client.compat.mooncake import *  # noqa: F403
+from kvstore_client.compat.mooncake import (  # noqa: F401
+    BufferHandle,
+    ErrorCode,
+    MooncakeDistributedStore,
+    ObjectDataType,
+    ReplicateConfig,
+    SoftPinAction,
+)
