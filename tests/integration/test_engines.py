@@ -219,7 +219,9 @@ def test_calibration_fits_the_prefill_and_measures_the_store(tmp_path: Path, sto
     worker = PrefillWorker(model, layout, store)
     info = worker.calibrate(64)
     assert worker.prefill_cost.samples == 4 and worker.load_cost.observed >= 1
-    assert info["per_token_s"] > 0 or info["per_token_pair_s"] > 0
+    # The fitted coefficients are timings: on a loaded machine either may come out 0 (clamped), so
+    # only their signs and a positive prediction are checked, never their sizes.
+    assert info["per_token_s"] >= 0 and info["per_token_pair_s"] >= 0
     assert worker.prefill_cost.predict(64, 0) > 0
 
 
