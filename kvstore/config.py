@@ -514,7 +514,11 @@ class ConductorConfig(_Frozen):
 
     host: str = Field(default="127.0.0.1", description="Address of the HTTP front door.")
     port: int = Field(default=8600, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
-    master: str | None = Field(default=None, description="The store master's host:port; None: load-only routing.")
+    master: str | None = Field(
+        default=None,
+        description="The store master's host:port, or etcd://H:2379/cluster-id (the HA leader); None: load-only"
+        " routing.",
+    )
     cluster_secret_file: str | None = Field(
         default=None, description="The cluster secret, for a master that authenticates (also KVSTORE_CLUSTER_SECRET)."
     )

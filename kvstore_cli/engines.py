@@ -46,7 +46,7 @@ def _compat_path(args: argparse.Namespace) -> int:
 @arguments("worker")
 def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("role", choices=["prefill", "decode"])
-    p.add_argument("--master", required=True, help="the store master's host:port")
+    p.add_argument("--master", required=True, help="the store master: host:port or etcd://H:2379/ID")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
     p.add_argument("--node", default=None, help="the store node on this worker's machine (the conductor's locality)")
@@ -72,7 +72,9 @@ def _worker(args: argparse.Namespace) -> int:
 
 @arguments("conductor")
 def _conductor_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--master", default=None, help="the store master's host:port (without: load-only routing)")
+    p.add_argument(
+        "--master", default=None, help="the store master: host:port or etcd://H:2379/ID (without: load-only routing)"
+    )
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill workers' base URLs")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode workers' base URLs")
     p.add_argument("--host", default="127.0.0.1")

@@ -42,6 +42,7 @@ from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, NoNo
 from kvstore.keys import block_keys
 from kvstore.protocol import MatchPrefixNodes, MatchPrefixNodesReply, Replicate, ReplicateReply
 from kvstore.scheduling import NO_LOCALITY, DecodeModel, Locality, Request, Scheduler, Slo, TransferModel
+from transfer.discovery import MasterLocator
 from transfer.rpc import Connection
 from transfer.tls import contexts
 
@@ -86,9 +87,11 @@ class Conductor:
         secret = secret_from(config.cluster_secret_file)
         credential = cluster_credential(secret) if secret is not None else None
         tls = contexts(config.tls)[0]
-        self._master = Connection(config.master, config.master_timeout_s, credential, tls) if config.master else None
+        # host:port, or etcd://.../id: the leader of an HA cluster, followed across failovers.
+        locator = MasterLocator(config.master, config.master_timeout_s) if config.master else None
+        self._master = Connection(locator, config.master_timeout_s, credential, tls) if locator else None
         # Copies wait for daemons: a connection of their own, so lookups never queue behind them.
-        self._copier = Connection(config.master, 30.0, credential, tls) if config.master else None
+        self._copier = Connection(locator, 30.0, credential, tls) if locator else None
         self._copying = False
         self._master_down_until = 0.0
         self.master_reachable = config.master is not None
