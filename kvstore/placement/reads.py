@@ -199,8 +199,9 @@ class Reads:
     def exists(self, keys: Sequence[str], now_ms: int = 0) -> list[bool]:
         """Whether each key is readable (and, with ``hold_ms`` and ``now_ms``, hold those that are)."""
         cat = self.catalog
+        if not (self.hold_ms and now_ms):
+            return [bool(cat.readable(cat.objects.get(validate_key(k)))) for k in keys]
         entries = [cat.objects.get(validate_key(k)) for k in keys]
         found = [bool(cat.readable(e)) for e in entries]
-        if self.hold_ms and now_ms:
-            self._hold([e for e, ok in zip(entries, found, strict=True) if ok and e is not None], now_ms)
+        self._hold([e for e, ok in zip(entries, found, strict=True) if ok and e is not None], now_ms)
         return found

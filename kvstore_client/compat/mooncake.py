@@ -34,6 +34,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from kvstore.buffers import as_view
@@ -312,19 +313,8 @@ class MooncakeDistributedStore(TensorMethods):
         """Per key 0 or a negative code; lists of different lengths fail every key (nothing is put)."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
-        out = [0] * len(keys)
-        good: list[int] = []
-        views: list[memoryview] = []
-        for i, (ptr, size) in enumerate(zip(buffer_ptrs, sizes, strict=True)):
-            try:
-                views.append(self._buffers.view(ptr, size))
-                good.append(i)
-            except InvalidArgument:
-                out[i] = int(ErrorCode.INVALID_PARAMS)
-        codes = self._run(lambda: self._put_views([keys[i] for i in good], views, config), lambda c: [c] * len(good))
-        for i, code in zip(good, codes, strict=True):
-            out[i] = code
-        return out
+        views = [partial(self._buffers.view, ptr, size) for ptr, size in zip(buffer_ptrs, sizes, strict=True)]
+        return self._on_views(keys, views, partial(self._put_codes, config=config))
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None) -> int:
         return self.batch_upsert_from([key], [buffer_ptr], [size], config)[0]
@@ -346,20 +336,39 @@ class MooncakeDistributedStore(TensorMethods):
         """Each key's value is its buffers joined, in order."""
         if not len(keys) == len(all_buffer_ptrs) == len(all_sizes):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
+        views = [partial(self._joined, ptrs, sizes) for ptrs, sizes in zip(all_buffer_ptrs, all_sizes, strict=True)]
+        return self._on_views(keys, views, partial(self._put_codes, config=config))
+
+    def _joined(self, ptrs: list[int], sizes: list[int]) -> memoryview:
+        """One key's registered buffers, joined in order (a copy)."""
+        if len(ptrs) != len(sizes):
+            raise InvalidArgument(f"{len(ptrs)} buffers but {len(sizes)} sizes")
+        return memoryview(b"".join(self._buffers.view(p, s) for p, s in zip(ptrs, sizes, strict=True)))
+
+    def _on_views(
+        self, keys: list[str], views: Sequence[Callable[[], memoryview]],
+        op: Callable[[list[str], list[memoryview]], list[int]],
+    ) -> list[int]:  # fmt: skip
+        """Per key INVALID_PARAMS where its memory cannot be had (``views[i]()`` raises), else what
+        ``op`` answers for the keys whose memory can, called once for all of them."""
         out = [0] * len(keys)
-        good, views = [], []
-        for i, (ptrs, sizes) in enumerate(zip(all_buffer_ptrs, all_sizes, strict=True)):
+        good: list[int] = []
+        got: list[memoryview] = []
+        for i, view in enumerate(views):
             try:
-                if len(ptrs) != len(sizes):
-                    raise InvalidArgument(f"key {i}: {len(ptrs)} buffers but {len(sizes)} sizes")
-                views.append(memoryview(b"".join(self._buffers.view(p, s) for p, s in zip(ptrs, sizes, strict=True))))
+                got.append(view())
                 good.append(i)
             except InvalidArgument:
                 out[i] = int(ErrorCode.INVALID_PARAMS)
-        codes = self._run(lambda: self._put_views([keys[i] for i in good], views, config), lambda c: [c] * len(good))
-        for i, code in zip(good, codes, strict=True):
+        for i, code in zip(good, op([keys[i] for i in good], got), strict=True):
             out[i] = code
         return out
+
+    def _put_codes(self, keys: list[str], views: list[memoryview], config: ReplicateConfig | None) -> list[int]:
+        try:
+            return self._put_views(keys, views, config)
+        except KVStoreError as exc:
+            return [error_code(exc)] * len(keys)
 
     # -- get -----------------------------------------------------------------------------------
     def get(self, key: str) -> bytes:
@@ -399,17 +408,8 @@ class MooncakeDistributedStore(TensorMethods):
     def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]:
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [int(ErrorCode.INVALID_PARAMS)] * len(keys)
-        out = [0] * len(keys)
-        good, views = [], []
-        for i, (ptr, size) in enumerate(zip(buffer_ptrs, sizes, strict=True)):
-            try:
-                views.append(self._buffers.view(ptr, size))
-                good.append(i)
-            except InvalidArgument:
-                out[i] = int(ErrorCode.INVALID_PARAMS)
-        for i, code in zip(good, self._read_into([keys[i] for i in good], views), strict=True):
-            out[i] = code
-        return out
+        views = [partial(self._buffers.view, ptr, size) for ptr, size in zip(buffer_ptrs, sizes, strict=True)]
+        return self._on_views(keys, views, self._read_into)
 
     def _read_into(self, keys: list[Any], views: list[memoryview]) -> list[int]:
         """Per key the bytes read into its view, or a negative code."""
