@@ -454,6 +454,11 @@ class DaemonConfig(_Frozen):
         description="On a clean stop, have the master forget this node and its blocks, and delete the arena"
         " (as a Mooncake client unmounts its segment at close); by default a restarted daemon re-attaches them.",
     )
+    clamp_to_free: bool = Field(
+        default=False,
+        description="Where the machine has less free shared memory, memory or disk than dram.capacity or"
+        " ssd.capacity ask for, start with what there is (with a warning) instead of refusing to start.",
+    )
 
 
 class ClientConfig(_Frozen):

@@ -72,6 +72,12 @@ class QuotaExceeded(CapacityError):
     code = 21
 
 
+class ResourceShortage(CapacityError):
+    """The machine has less shared memory, memory or disk than a tier was configured with."""
+
+    code = 22
+
+
 class CorruptBlock(KVStoreError):
     """A block's bytes do not match the checksum recorded when it was written."""
 

@@ -30,7 +30,7 @@ import msgspec
 
 from kvstore.errors import KVStoreError, ProtocolError, error_from_code
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 FRAME_HEADER = struct.Struct("!I")
 
@@ -182,6 +182,13 @@ class Heartbeat(Message, tag=12, frozen=True):
     node_id: str
     transfer_bytes: dict[str, int]
     """Bytes the daemon moved since it started, by "transport|rail|direction" (for /metrics)."""
+    ssd_capacity: int = -1
+    """What the SSD tier can hold now: lowered from ``ssd_configured`` when its disk filled or
+    failed a write (-1: as registered)."""
+    ssd_configured: int = -1
+    """The SSD tier's configured capacity (-1: as registered)."""
+    ssd_fault: str = ""
+    """Why ``ssd_capacity`` is below ``ssd_configured`` ("" while the tier is healthy)."""
 
 
 class HeartbeatReply(Message, tag=13, frozen=True):

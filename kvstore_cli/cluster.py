@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Self
 
 from kvstore.auth import OPERATIONS, add_admin, add_tenant, cluster_credential, read_secret_file
-from kvstore.config import ClientConfig, DramConfig, TlsConfig
+from kvstore.config import ClientConfig, DramConfig, TlsConfig, load
 from kvstore.errors import ConnectionFailed, KVStoreError, Timeout
 from kvstore.protocol import Stats, StatsReply
 from kvstore.tiers.dram import DramArena
@@ -266,6 +266,14 @@ class LocalCluster:
         self._kill(self.master, sig)
         self.master = None
 
+    def log_tail(self, i: int, lines: int = 10) -> str:
+        """The last lines daemon ``i`` wrote to its log (why it died, when it did)."""
+        try:
+            text = (self.workdir / f"daemon-{i}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
     def restart_daemon(self, i: int) -> None:
         """Start daemon ``i`` again with the same name, arena and SSD directory, and wait for it to register."""
         self.start_daemon(i)
@@ -297,8 +305,8 @@ class LocalCluster:
         for m, proc in enumerate(self.masters):
             self._terminate(proc)
             self.masters[m] = None
-        for i in range(self.num_daemons):
-            DramArena.remove(DramConfig(name=self.arena_name(i)))
+        for i in range(self.num_daemons):  # where the daemons put them (KVSTORE_DAEMON_DRAM__SHM_DIR too)
+            DramArena.remove(load(DramConfig, "daemon_dram_", environ=self.env, name=self.arena_name(i)))
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

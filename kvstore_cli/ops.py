@@ -124,9 +124,12 @@ def _print(args: argparse.Namespace, data: Any, *renderables: Any) -> int:
     return 0
 
 
-def _usage(used: int, capacity: int) -> str:
+def _usage(used: int, capacity: int, configured: int | None = None, fault: str = "") -> str:
     pct = 100 * used / capacity if capacity else 0.0
-    return f"{format_size(used)} / {format_size(capacity)} ({pct:.0f}%)"
+    shown = f"{format_size(used)} / {format_size(capacity)} ({pct:.0f}%)"
+    if configured is not None and capacity < configured:  # a full or failing disk
+        shown += f" [red]degraded[/red] of {format_size(configured)}: {fault}"
+    return shown
 
 
 def _summary_table(s: dict[str, Any]) -> Table:
@@ -157,7 +160,8 @@ def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
     for n in nodes:
         d, s = n["tiers"]["dram"], n["tiers"]["ssd"]
         state = "draining" if n["draining"] else "up" if n["up"] else "[red]down[/red]"
-        t.add_row(n["node_id"], state, n["address"], _usage(d["used"], d["capacity"]), _usage(s["used"], s["capacity"]),
+        ssd = _usage(s["used"], s["capacity"], s.get("configured"), n.get("faults", {}).get("ssd", ""))
+        t.add_row(n["node_id"], state, n["address"], _usage(d["used"], d["capacity"]), ssd,
                   f"{d['blocks'] + s['blocks']:,}", f"{n['last_heartbeat_ms_ago'] / 1000:.1f} s ago")  # fmt: skip
     return t
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.config import load, parse_size
 from kvstore_cli.registry import arguments, command, size_arg
+
+if TYPE_CHECKING:
+    from kvstore_cli.cluster import LocalCluster
 
 
 @arguments("master")
@@ -93,8 +97,8 @@ def _master(args: argparse.Namespace) -> int:
 
 @arguments("daemon")
 def _daemon_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--master", required=True, help="the master's host:port, or etcd://H:2379[,H2:2379]/ID (HA)")
-    p.add_argument("--name", required=True, help="node id, unique in the cluster")
+    p.add_argument("--master", help="the master's host:port, or etcd://H:2379[,H2:2379]/ID (HA); required to serve")
+    p.add_argument("--name", help="node id, unique in the cluster; required to serve")
     p.add_argument("--arena", default=None, help="shared-memory arena name (default: the node id)")
     p.add_argument("--dram", type=size_arg, default=parse_size("1GiB"), help="DRAM tier capacity")
     p.add_argument("--ssd", type=size_arg, default=0, help="SSD tier capacity (0: none)")
@@ -118,13 +122,53 @@ def _daemon_arguments(p: argparse.ArgumentParser) -> None:
         help="on a clean stop the master forgets this node and its blocks, and the arena is deleted"
         " (by default a restarted daemon re-attaches them)",
     )  # fmt: skip
+    p.add_argument(
+        "--clamp-to-free", action="store_true",
+        help="start with the shared memory, memory and disk that are free when --dram or --ssd ask for more"
+        " (a warning says what was clamped); by default the daemon refuses to start",
+    )  # fmt: skip
+    p.add_argument(
+        "--list-arenas", action="store_true",
+        help="list the arena files in shared memory (size, memory held, in use or left over) and exit",
+    )  # fmt: skip
+    p.add_argument(
+        "--remove-arena", action="append", default=[], metavar="NAME",
+        help="delete the leftover arena NAME (a daemon's --arena, by default its --name) and exit; refused"
+        " while a daemon has it open. Its blocks are lost",
+    )  # fmt: skip
     _tls_arguments(p, "this daemon's certificate (PEM): serves its port over TLS with --tls-data")
+
+
+def _arenas(args: argparse.Namespace) -> int:
+    """--list-arenas and --remove-arena: leftovers of daemons that are gone for good."""
+    from kvstore.config import DramConfig, format_size
+    from kvstore.tiers.dram import find_arenas, remove_arena
+
+    shm = load(DramConfig, "daemon_dram_")  # KVSTORE_DAEMON_DRAM__SHM_DIR, as the daemon reads it
+    for name in args.remove_arena:
+        freed = remove_arena(load(DramConfig, "daemon_dram_", name=name))
+        print(f"removed arena {name}: {format_size(freed)} of memory freed" if freed else f"no arena {name}")
+    if args.list_arenas:
+        arenas = find_arenas(shm.shm_dir)
+        for a in arenas:
+            state = "in use" if a.in_use else "leftover" if a.name else "leftover (creation cut short)"
+            size, held = format_size(a.size), format_size(a.allocated)
+            print(f"{a.name or '-':<32} {size:>10} {held:>10} held  {state}  {a.path}")
+        if not arenas:
+            print(f"no arenas in {shm.shm_dir}")
+    return 0
 
 
 @command("daemon", "run a storage daemon serving one node's DRAM and SSD")
 def _daemon(args: argparse.Namespace) -> int:
     from kvstore.config import DaemonConfig
+    from kvstore.errors import ConfigError
     from server.daemon.main import run_daemon
+
+    if args.list_arenas or args.remove_arena:
+        return _arenas(args)
+    if not args.master or not args.name:
+        raise ConfigError("kvstore daemon needs --master and --name (or --list-arenas / --remove-arena NAME)")
 
     config = load(
         DaemonConfig,
@@ -142,6 +186,7 @@ def _daemon(args: argparse.Namespace) -> int:
                 ("max_connections_per_peer", args.max_connections_per_peer),
                 ("cluster_secret_file", args.cluster_secret_file),
                 ("leave_on_exit", args.leave_on_exit or None),
+                ("clamp_to_free", args.clamp_to_free or None),
             )
             if v is not None
         },
@@ -236,9 +281,36 @@ def _cluster(args: argparse.Namespace) -> int:
             for i, address in enumerate(cluster.daemon_addresses):
                 print(f"daemon  {cluster.node_name(i)}  {address}", flush=True)
             print("cluster up; Ctrl-C stops it", flush=True)
-            while all(p is not None and p.poll() is None for p in [cluster.master, *cluster.daemons]):
-                time.sleep(0.5)
-            print("a cluster process exited; stopping", file=sys.stderr)
-            return 1
+            return _supervise(cluster, time.monotonic)
         except KeyboardInterrupt:
             return 0
+
+
+RESTARTS_PER_MINUTE = 5
+"""A daemon of ``cluster up`` that dies is started again, up to this many times a minute (all daemons)."""
+
+
+def _supervise(cluster: LocalCluster, clock: Callable[[], float]) -> int:
+    """Until the master exits: a daemon that dies is started again as it was (its name, arena and SSD
+    directory: it re-attaches what it held), as a service manager would; one that keeps dying stops
+    the cluster."""
+    import time
+
+    restarts: list[float] = []
+    while cluster.master is not None and cluster.master.poll() is None:
+        for i, proc in enumerate(cluster.daemons):
+            if proc is None or proc.poll() is None:
+                continue
+            now = clock()
+            restarts = [t for t in restarts if now - t < 60] + [now]
+            name = cluster.node_name(i)
+            print(f"daemon {name} exited (code {proc.returncode}); its log ends:\n{cluster.log_tail(i)}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            if len(restarts) > RESTARTS_PER_MINUTE:
+                print(f"daemons died {len(restarts)} times within a minute; stopping", file=sys.stderr)
+                return 1
+            cluster.restart_daemon(i)
+            print(f"daemon  {name}  {cluster.daemon_addresses[i]}  (restarted)", flush=True)
+        time.sleep(0.5)
+    print("the master exited; stopping", file=sys.stderr)
+    return 1

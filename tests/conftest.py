@@ -66,3 +66,26 @@ def admin_call(address: str, method: str, path: str, body: Any = None, token: st
             return resp.status, json.loads(raw) if "json" in kind else raw.decode()
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Any]:
+    """``small_fs(size)``: a directory on a tmpfs of ``size`` (e.g. "64m") of its own, a filesystem
+    that fills for real (a full /dev/shm, a small SSD disk); unmounted after. Skips without root."""
+    import subprocess
+
+    mounts: list[Path] = []
+
+    def make(size: str) -> Path:
+        where = tmp_path / f"fs{len(mounts)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0777", "tmpfs", str(where)],
+                              capture_output=True, text=True, check=False)  # fmt: skip
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (root is needed): {done.stderr.strip()}")
+        mounts.append(where)
+        return where
+
+    yield make
+    for where in mounts:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)

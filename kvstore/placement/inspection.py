@@ -24,14 +24,19 @@ class Inspection:
         self.catalog = catalog
 
     def tier_usage(self, node: NodeState) -> dict[str, dict[str, int]]:
-        """Per tier: capacity and used bytes, readable blocks, pinned and leased ones among them."""
+        """Per tier: capacity (what it can hold now) and the configured one, used bytes, readable
+        blocks, pinned and leased ones among them."""
         leases = self.catalog.leases
         out: dict[str, dict[str, int]] = {}
-        for tier, capacity, used in ((DRAM, node.alloc.capacity, node.alloc.used), (SSD, node.ssd_capacity,
-                                                                                    node.ssd_used)):  # fmt: skip
+        ssd_configured = node.ssd_configured if node.ssd_configured >= 0 else node.ssd_capacity
+        for tier, capacity, configured, used in (
+            (DRAM, node.alloc.capacity, node.alloc.capacity, node.alloc.used),
+            (SSD, node.ssd_capacity, ssd_configured, node.ssd_used),
+        ):
             lru = node.lru(tier)
             out[tier.value] = {
                 "capacity": capacity,
+                "configured": configured,
                 "used": used,
                 "blocks": len(lru),
                 "pinned": lru.num_pinned,

@@ -159,6 +159,18 @@ class Membership:
         node.up = True
         return True
 
+    def ssd_health(self, node_id: str, capacity: int, configured: int, fault: str) -> None:
+        """What the node's daemon says its SSD tier can hold now (``capacity``, of ``configured``) and
+        why it is less; eviction plans with it from the next put on. -1: unchanged."""
+        node = self.catalog.nodes.get(node_id)
+        if node is None:
+            return
+        if configured >= 0:
+            node.ssd_configured = configured
+        if capacity >= 0:
+            node.ssd_capacity = capacity
+        node.ssd_fault = fault
+
     def mark_silent_down(self, now_ms: int) -> None:
         """Nodes not heard from for longer than ``ttl_ms`` are down."""
         for node in self.catalog.nodes.values():

@@ -75,6 +75,10 @@ class NodeState:
     """SSD bytes that evictions in flight will add (demotions) less those they will free (drops)."""
     max_blocks: int = 0
     """Blocks the node's arena can index (its slots); 0: bytes are the only limit."""
+    ssd_configured: int = -1
+    """The SSD tier's configured capacity; ``ssd_capacity`` is lower while its disk is short (-1: the same)."""
+    ssd_fault: str = ""
+    """Why the SSD tier holds less than configured, as its daemon reports it ("" while healthy)."""
 
     def lru(self, tier: TierName) -> LRU[str]:
         return self.dram_lru if tier is DRAM else self.ssd_lru
@@ -142,6 +146,7 @@ COUNTERS = (
     "misses",
     "evictions",
     "demotions",
+    "demotions_failed",
     "promotions",
     "expired",
     "bytes_read",

@@ -124,6 +124,9 @@ class PlacementTable:
     def heartbeat(self, node_id: str, now_ms: int) -> bool:
         return self._membership.heartbeat(node_id, now_ms)
 
+    def ssd_health(self, node_id: str, capacity: int, configured: int, fault: str) -> None:
+        self._membership.ssd_health(node_id, capacity, configured, fault)
+
     def up_nodes(self) -> list[NodeState]:
         return self._catalog.up_nodes()
 

@@ -152,6 +152,8 @@ class Tiering:
                 replica.moving = False
                 cat.counters["demotions"] += 1
             else:
+                # A failed demotion: the daemon dropped the block instead (its SSD is full or failing).
+                cat.counters["demotions_failed"] += command.kind is ActionKind.DEMOTE
                 cat.drop_replica(key, node.node_id, evicted=not command.release)
 
     def _finish_promote(self, node: NodeState, entry: ObjectEntry, replica: ReplicaState, ok: bool) -> None:

@@ -41,9 +41,11 @@ from kvstore.errors import (
     ConfigError,
     CorruptStore,
     InvalidArgument,
+    ResourceShortage,
     StoreBusy,
 )
 from kvstore.keys import MAX_KEY_BYTES, BlockKey
+from kvstore.resources import RESERVE_CHUNK, reserve
 from kvstore.tiers.base import BlockRecord, IndexedTier
 
 MAGIC = b"KVSARENA"
@@ -84,6 +86,102 @@ def arena_path(config: DramConfig) -> Path:
     return config.shm_dir / f"kvstore-{config.name}.arena"
 
 
+def arena_size(config: DramConfig) -> int:
+    """Bytes of the arena file of ``config``: header, slot table and data region."""
+    return _page_round(HEADER_SIZE + config.num_slots * SLOT_SIZE) + config.capacity
+
+
+def capacity_within(config: DramConfig, total: int) -> int:
+    """The largest data capacity, a multiple of 1 MiB, whose arena (with ``config``'s other settings)
+    takes at most ``total`` bytes; 0 when none does."""
+    mib = 1024**2
+    capacity = total // mib * mib
+    while capacity > 0 and arena_size(config.model_copy(update={"capacity": capacity})) > total:
+        capacity -= mib
+    return capacity
+
+
+def backed(fd: int, total: int) -> bool:
+    """Whether the first ``total`` bytes of the file at ``fd`` are all allocated (no hole a write
+    could fault on): tmpfs counts a file's allocated pages in its blocks."""
+    return os.fstat(fd).st_blocks * 512 >= _page_round(total)
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaFile:
+    """An arena file found in a shared-memory directory (:func:`find_arenas`)."""
+
+    name: str
+    """The daemon's arena name (``--arena``, by default its node id); "" for a temporary file."""
+    path: Path
+    size: int
+    allocated: int
+    """Bytes of memory it holds (its allocated pages)."""
+    in_use: bool
+    """A daemon has it open (holds its lock); otherwise it is a leftover, to re-attach or remove."""
+
+
+def _in_use(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the lock when it was taken
+    return False
+
+
+def find_arenas(shm_dir: Path) -> list[ArenaFile]:
+    """Every arena file in ``shm_dir``, with temporary files of creations cut short (name "")."""
+    out = []
+    for path in sorted(shm_dir.glob("kvstore-*.arena*")):
+        name = path.name.removeprefix("kvstore-")
+        if name.endswith(".arena"):
+            name = name.removesuffix(".arena")
+        elif name.endswith(".tmp"):
+            pid = name.rsplit(".", 2)[-2]
+            if pid.isdigit() and Path(f"/proc/{pid}").exists():
+                continue  # being created now
+            name = ""
+        else:
+            continue
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        out.append(ArenaFile(name, path, st.st_size, st.st_blocks * 512, _in_use(path)))
+    return out
+
+
+def remove_arena(config: DramConfig) -> int:
+    """Delete the arena file of ``config`` unless a daemon has it open (StoreBusy); returns the
+    bytes of memory that frees (0 when there was no file). Its blocks are gone for good."""
+    path = arena_path(config)
+    freed = 0
+    for stray in find_arenas(config.shm_dir):  # temporary files of this name's creations cut short
+        if not stray.name and stray.path.name.startswith(f"{path.name}."):
+            stray.path.unlink(missing_ok=True)
+            freed += stray.allocated
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return freed
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreBusy(f"DRAM arena {path} is open in a running daemon: stop it first") from None
+        freed += os.fstat(fd).st_blocks * 512
+        path.unlink()  # under the lock: no daemon can have opened it in between
+        return freed
+    finally:
+        os.close(fd)
+
+
 def _check_header(path: Path | str, fd: int) -> tuple[int, int, int, int, int]:
     """Capacity, slots, alignment, data offset and total size of the arena open at ``fd``, all checked."""
     size = os.fstat(fd).st_size
@@ -122,6 +220,8 @@ class ArenaMapping:
             raise CorruptStore(f"cannot open DRAM arena {self.path}: {exc.strerror}") from None
         try:
             self.capacity, _, self.alignment, self.data_offset, total = _check_header(self.path, fd)
+            if not backed(fd, total):  # a write to a page tmpfs cannot back would kill this process (SIGBUS)
+                raise ResourceShortage(f"DRAM arena {self.path} is not wholly backed by memory: not mapped")
             self.inode = os.fstat(fd).st_ino
             # MAP_POPULATE: map every page now, or each first touch of a page costs a fault (measured:
             # same-host puts of fresh extents ran at 2 GB/s with faults, against memcpy's 15-25 GB/s).
@@ -207,12 +307,17 @@ class DramArena(IndexedTier[_Slot]):
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, total)
+            # Every page now, or a write to a page tmpfs cannot back kills the writer with SIGBUS.
+            reserve(fd, total, f"DRAM arena {self.path}")
             header = _HEADER.pack(
                 MAGIC, VERSION, SLOT_SIZE, self.capacity, self.num_slots, self.config.alignment, 0, data_offset
             )
             os.pwrite(fd, header + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(header)), 0)
-        finally:
+        except BaseException:
             os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
         # Rename last: a crash mid-create leaves a stray temp file, never a half-made arena.
         os.rename(tmp, self.path)
 
@@ -237,13 +342,24 @@ class DramArena(IndexedTier[_Slot]):
                 f"slots={self.num_slots}, alignment={self.config.alignment}"
             )
         self._data_offset = data_offset
+        if not backed(self._fd, total):  # an arena of an older kvstore, or one whose creation was cut short
+            try:
+                reserve(self._fd, total, f"DRAM arena {self.path}")
+            except ResourceShortage as exc:
+                raise ResourceShortage(
+                    f"{exc}. It is a leftover of an earlier daemon named {self.config.name!r} that this machine "
+                    f"can no longer back; its blocks cannot be served. Remove it with "
+                    f"`kvstore daemon --remove-arena {self.config.name}` (or start under another --name)"
+                ) from None
         return mmap.mmap(self._fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def _prefault(self) -> None:
-        """Write one byte in every page of the data region, so that tmpfs allocates them all now."""
+        """Write one byte in every page of the data region, so that no write pays a page fault later.
+        In chunks: a signal's Python handler runs between two (SIGTERM stops a daemon promptly)."""
         pages = np.frombuffer(self._mm, dtype=np.uint8, count=self.capacity, offset=self._data_offset)
         try:
-            pages[::4096] = 0
+            for start in range(0, self.capacity, RESERVE_CHUNK):
+                pages[start : start + RESERVE_CHUNK : 4096] = 0
         finally:
             del pages
 

@@ -11,6 +11,12 @@ caller's buffer.
 value in whole pages, so the map is sized at twice the capacity by default;
 should it still fill (``MDB_MAP_FULL``), :meth:`store` reports no room.
 
+A disk that fills before the tier does (other files on it, or a filesystem
+smaller than ``capacity``), or that fails a write, does not stop the tier: the
+blocks of the failed write report False (the caller drops them: it is a
+cache), ``capacity`` is lowered to what the disk holds (:meth:`refresh_capacity`),
+and ``fault`` says why until the disk has room for the configured size again.
+
 One process owns an environment at a time (an exclusive ``flock`` on
 ``kvstore.lock`` beside it). The in-memory index mirrors ``meta``; ``seq``
 updates by :meth:`touch` stay in memory (persisting every read would cost a
@@ -30,12 +36,23 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.config import SsdConfig
+from kvstore.config import SsdConfig, format_size
 from kvstore.errors import BufferTooSmall, CorruptStore, InvalidArgument, StoreBusy
 from kvstore.keys import BlockKey
+from kvstore.resources import allocated, fs_free
 from kvstore.tiers.base import BlockRecord, IndexedTier
 
 FORMAT = b"kvstore-ssd-v1"
+
+
+DISK_SHARE = 0.9
+"""Of a disk that cannot hold the configured capacity, the share the tier's blocks may take."""
+
+
+class _WriteFailed(Exception):
+    """A write transaction the disk refused (full, or an I/O error); the tier degrades on it."""
+
+
 _META = struct.Struct("<QQQB")  # size, checksum, seq, flags
 FLAG_PINNED = 1
 
@@ -59,6 +76,10 @@ class SsdTier(IndexedTier[_Meta]):
         self._index: dict[str, _Meta] = {}
         self._used = 0
         self._closed = False
+        self.fault = ""
+        """Why the tier holds less than its configured capacity (its last failed write); "" while healthy."""
+        self.failed_writes = 0
+        """Blocks that a failed write could not store, since the tier opened."""
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(self.path / "kvstore.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -157,18 +178,34 @@ class SsdTier(IndexedTier[_Meta]):
             return fits
         try:
             self._write(chosen)
+            return fits
+        except _WriteFailed as exc:
+            self._failed(exc, len(chosen))
+            return [False] * len(items)
         except lmdb.MapFullError:
             if len(chosen) == 1:
                 return [False] * len(items)
-            # Fall back to one transaction a block so that whatever fits is kept.
-            for i, item in enumerate(items):
-                if fits[i]:
-                    try:
-                        self._write([item])
-                    except lmdb.MapFullError:
-                        fits[i] = False
-            return fits
+        # Fall back to one transaction a block so that whatever fits is kept.
+        for i, item in enumerate(items):
+            if fits[i]:
+                try:
+                    self._write([item])
+                except lmdb.MapFullError:
+                    fits[i] = False
+                except _WriteFailed as exc:
+                    rest = [j for j in range(i, len(items)) if fits[j]]
+                    self._failed(exc, len(rest))
+                    for j in rest:
+                        fits[j] = False
+                    break
         return fits
+
+    def _failed(self, exc: _WriteFailed, blocks: int) -> None:
+        self.failed_writes += blocks
+        self.refresh_capacity()
+        if not self.degraded:  # not for want of space (an I/O error): no more writes until a refresh
+            self.capacity = self._used
+        self.fault = f"write failed: {exc}"
 
     def _write(self, items: Sequence[tuple[BlockKey, memoryview, int, int, bool]]) -> None:
         try:
@@ -179,11 +216,43 @@ class SsdTier(IndexedTier[_Meta]):
                     txn.put(raw_key, data, db=self._data)
         except lmdb.MapFullError:
             raise
-        except lmdb.Error as exc:
-            raise CorruptStore(f"SSD tier {self.path}: write failed: {exc}") from None
+        except lmdb.Error as exc:  # ENOSPC, EIO: the transaction is aborted, nothing of it is kept
+            raise _WriteFailed(str(exc)) from None
         for key, data, check, seq, pinned in items:
             self._index[key] = _Meta(data.nbytes, check, seq, pinned, seq)
             self._used += data.nbytes
+
+    def refresh_capacity(self) -> int:
+        """Lower ``capacity`` to what the disk can hold now (the blocks held and the free space of
+        its filesystem), or raise it back towards the configured size once there is room again;
+        clears ``fault`` when the configured size fits. Returns the capacity."""
+        room = self._room()
+        # Short of room, keep some of it free: LMDB needs pages of its own (the tree, its free list)
+        # besides a block's, and reuses pages freed by earlier transactions only.
+        self.capacity = self.config.capacity if room >= self.config.capacity else int(room * DISK_SHARE)
+        if self.capacity == self.config.capacity:
+            self.fault = ""
+        elif not self.fault:
+            configured = format_size(self.config.capacity)
+            self.fault = f"its disk has room for {format_size(room)} of the {configured} configured"
+        return self.capacity
+
+    def _room(self) -> int:
+        """Block bytes the disk can hold: its free space and the data file (what it holds and the
+        pages it has freed, which LMDB reuses), in the proportion of the file's pages in use to the
+        block bytes they hold now (a block takes whole pages, and the tree some more)."""
+        disk = allocated(self.path / "data.mdb") + fs_free(self.path)
+        pages = 0
+        with self._env.begin() as txn:
+            for db in (self._meta, self._data):
+                stat = txn.stat(db)
+                pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        in_use = pages * self._env.stat()["psize"]
+        return disk if in_use <= self._used else disk * self._used // in_use
+
+    @property
+    def degraded(self) -> bool:
+        return self.capacity < self.config.capacity
 
     def read_into(self, key: BlockKey, dst: memoryview) -> int:
         meta = self._record(key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -10,9 +11,10 @@ import threading
 from types import FrameType
 
 from kvstore.auth import secret_from
-from kvstore.config import DaemonConfig
+from kvstore.config import DaemonConfig, format_size
 from kvstore.errors import ConfigError
-from kvstore.tiers.dram import DramArena
+from kvstore.resources import allocated, check_dram, check_ssd
+from kvstore.tiers.dram import DramArena, arena_path, arena_size, capacity_within
 from server.daemon.service import DaemonServer, MasterLink
 from server.daemon.storage import DaemonStorage
 from transfer.tls import contexts
@@ -23,6 +25,23 @@ from transfer.wire import parse_address
 log = logging.getLogger("kvstore.daemon")
 
 
+def fit_to_machine(config: DaemonConfig) -> DaemonConfig:
+    """``config`` with its tiers checked against the machine before anything is created: refused with
+    the sizes (ResourceShortage), or with ``clamp_to_free`` shrunk to what is free, with a warning."""
+    dram, ssd = config.dram, config.ssd
+    fit = check_dram(arena_path(dram), arena_size(dram), clamp=config.clamp_to_free)
+    if fit.warning is not None:
+        dram = dram.model_copy(update={"capacity": capacity_within(dram, fit.size)})
+        log.warning("%s (a data capacity of %s)", fit.warning, format_size(dram.capacity))
+    if ssd.capacity > 0 and ssd.path is not None:
+        held = allocated(ssd.path / "data.mdb")
+        fit = check_ssd(ssd.path, ssd.capacity, held, clamp=config.clamp_to_free)
+        if fit.warning is not None:
+            ssd = ssd.model_copy(update={"capacity": fit.size})
+            log.warning("%s", fit.warning)
+    return config.model_copy(update={"dram": dram, "ssd": ssd})
+
+
 def run_daemon(config: DaemonConfig) -> int:
     logging.basicConfig(
         level=logging.DEBUG if os.environ.get("KVSTORE_DEBUG") else logging.INFO,
@@ -30,9 +49,12 @@ def run_daemon(config: DaemonConfig) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     stop = threading.Event()
+    starting = True
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
+        if starting:  # cut start-up short where it is (reserving an arena takes a while): undone below
+            raise KeyboardInterrupt(f"{signal.Signals(signum).name} during start-up")
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -44,60 +66,57 @@ def run_daemon(config: DaemonConfig) -> int:
         )
     if config.tls is not None and config.tls.data_plane and config.ucx_port is not None:
         raise ConfigError("the UCX data plane is not TLS: with --tls-data, serve TCP only (leave out --ucx-port)")
-    storage = DaemonStorage(config.dram, config.ssd)
-    try:
+    config = fit_to_machine(config)
+    with contextlib.ExitStack() as undo:  # what start-up made, undone in reverse however it ends
+        if config.leave_on_exit:
+            undo.callback(DramArena.remove, config.dram)
+        storage = DaemonStorage(config.dram, config.ssd)
+        undo.callback(storage.close)
         server = DaemonServer(
             storage, config.host, config.port, rails=config.rails, io_timeout=config.io_timeout_s,
             max_connections=config.max_connections, max_per_peer=config.max_connections_per_peer, secret=secret,
             tls=config.tls, node_id=config.name,
         )  # fmt: skip
-    except BaseException:
-        storage.close()
-        raise
-    server.start()
-    for rail in server.rails if secret is None else ():
-        host, port = parse_address(rail)
-        warn_if_open(log, f"daemon {config.name}", host, port)
-    ucx: UcxServer | None = None
-    if config.ucx_port is not None:
-        try:
+        server.start()
+        undo.callback(server.stop)
+        for rail in server.rails if secret is None else ():
+            host, port = parse_address(rail)
+            warn_if_open(log, f"daemon {config.name}", host, port)
+        ucx: UcxServer | None = None
+        if config.ucx_port is not None:
             ucx = UcxServer(storage, config.ucx_port, count=server.count)
-        except BaseException:
-            server.stop()
-            storage.close()
-            raise
-    ucx_address = f"{config.host}:{ucx.port}" if ucx is not None else ""
-    link = MasterLink(
-        config.master,
-        config.name,
-        server.address,
-        storage,
-        timeout=config.io_timeout_s,
-        rails=server.rails,
-        ucx_address=ucx_address,
-        transfer_stats=server.transfer_bytes,
-        before_register=server.reset_grants,
-        on_epoch=server.raise_epoch,
-        credential=server.credential,
-        tls=contexts(config.tls)[0],
-    )
-    server.master = link
-    link.start()
-    if ucx is not None:
-        log.info("UCX data plane on %s (%s)", ucx_address, tune_environment())
-    print(f"kvstore daemon {config.name} listening on {server.address}", flush=True)
-    try:
+            undo.callback(ucx.stop)
+        ucx_address = f"{config.host}:{ucx.port}" if ucx is not None else ""
+        link = MasterLink(
+            config.master,
+            config.name,
+            server.address,
+            storage,
+            timeout=config.io_timeout_s,
+            rails=server.rails,
+            ucx_address=ucx_address,
+            transfer_stats=server.transfer_bytes,
+            before_register=server.reset_grants,
+            on_epoch=server.raise_epoch,
+            credential=server.credential,
+            tls=contexts(config.tls)[0],
+        )
+        server.master = link
+        link.start()
+        undo.callback(link.stop)
+        if config.leave_on_exit:
+
+            def leave() -> None:
+                server.stop()  # nothing is served any more: then the master forgets the node
+                link.leave()
+
+            undo.callback(leave)
+        if ucx is not None:
+            log.info("UCX data plane on %s (%s)", ucx_address, tune_environment())
+        starting = False
+        if stop.is_set():  # a signal between the last two lines
+            return 0
+        print(f"kvstore daemon {config.name} listening on {server.address}", flush=True)
         while not stop.wait(0.5):
             pass
-    finally:
-        if config.leave_on_exit:
-            server.stop()  # nothing is served any more: then the master forgets the node
-            link.leave()
-        link.stop()
-        if ucx is not None:
-            ucx.stop()
-        server.stop()
-        storage.close()
-        if config.leave_on_exit:
-            DramArena.remove(config.dram)
     return 0

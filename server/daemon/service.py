@@ -785,7 +785,9 @@ class MasterLink:
                     known = True
                 else:
                     stats = self._transfer_stats() if self._transfer_stats is not None else {}
-                    reply = self._conn.call(Heartbeat(self.node_id, stats), HeartbeatReply)
+                    capacity, configured, fault = self.storage.ssd_health()
+                    beat = Heartbeat(self.node_id, stats, capacity, configured, fault)
+                    reply = self._conn.call(beat, HeartbeatReply)
                     known = reply.known
                     if known:
                         self.peers = reply.peers

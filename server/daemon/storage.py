@@ -8,17 +8,21 @@ a write take it exclusively.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
-from kvstore.config import DramConfig, SsdConfig
+from kvstore.config import DramConfig, SsdConfig, format_size
 from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import InventoryItem
+from kvstore.ratelog import RateLimitedLog
 from kvstore.tiers.base import drop_ssd_twins
 from kvstore.tiers.dram import DramArena
 from kvstore.tiers.ssd import SsdTier
+
+log = logging.getLogger("kvstore.daemon")
 
 
 class RWLock:
@@ -135,9 +139,18 @@ class DaemonStorage:
             self.arena.close()
             raise
         self.lock = RWLock()
+        self._failures = RateLimitedLog(log)
         drop_ssd_twins(self.arena, self.ssd)
         entries = [*self.arena.entries(), *(self.ssd.entries() if self.ssd else [])]
         self._seq = max((e.seq for e in entries), default=0)
+
+    def ssd_health(self) -> tuple[int, int, str]:
+        """The SSD tier's capacity now (checked against its disk's free space), its configured one and
+        why they differ; (-1, -1, "") without one."""
+        if self.ssd is None:
+            return -1, -1, ""
+        with self.lock.shared():  # a demotion (exclusive) reads the capacity it sets
+            return self.ssd.refresh_capacity(), self.ssd.config.capacity, self.ssd.fault
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -304,11 +317,18 @@ class DaemonStorage:
                     for key in present
                     if key not in self.ssd
                 ]
+                failed = self.ssd.failed_writes
                 try:
                     results = self.ssd.store_many(items)
                 finally:
                     for item in items:
                         item[1].release()
+                if self.ssd.failed_writes > failed:
+                    self._failures.warning(
+                        "ssd-write", "%s: %d blocks dropped instead of demoted (%s); it holds %s now",
+                        self.ssd.description, self.ssd.failed_writes - failed, self.ssd.fault,
+                        format_size(self.ssd.capacity),
+                    )  # fmt: skip
                 moved = {item[0] for item, ok in zip(items, results, strict=True) if ok}
                 moved.update(k for k in present if k in self.ssd)  # a copy left by a crash mid-demotion
             for key in present:

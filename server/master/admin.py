@@ -78,7 +78,8 @@ class Leadership(BaseModel):
 
 
 class TierUsage(BaseModel):
-    capacity: int
+    capacity: int = Field(description="Bytes the tier can hold now (below `configured` while its disk is short).")
+    configured: int = Field(description="Bytes the tier was configured with.")
     used: int
     blocks: int
     pinned: int
@@ -124,6 +125,7 @@ class NodeModel(BaseModel):
     ucx_address: str
     nics: list[NicModel]
     tiers: dict[str, TierUsage]
+    faults: dict[str, str] = Field(description="By tier: why it holds less than configured (a full or failing disk).")
     commands_in_flight: int
     transfer_bytes: dict[str, int] = Field(description="Bytes the daemon moved, by transport:rail:direction.")
 
@@ -417,6 +419,7 @@ def _node_model(api: AdminApi, view: NodeView) -> NodeModel:
         nics=[NicModel(name=n.name, address=n.address, speed_mbps=n.speed_mbps, numa_node=n.numa_node)
               for n in info.nics],
         tiers={t: TierUsage(**u) for t, u in view.tiers.items()},
+        faults={"ssd": node.ssd_fault} if node.ssd_fault else {},
         commands_in_flight=node.inflight, transfer_bytes=dict(view.transfer_bytes),
     )  # fmt: skip
 
@@ -480,10 +483,7 @@ async def leadership(api: AdminApi, request: web.Request) -> Leadership:
 async def cluster(api: AdminApi, request: web.Request) -> ClusterSummary:
     table = api.service.table
     usage = [table.tier_usage(n) for n in table.nodes.values()]
-    tiers = {
-        t: TierUsage(**{f: sum(u[t][f] for u in usage) for f in ("capacity", "used", "blocks", "pinned", "leased")})
-        for t in ("dram", "ssd")
-    }
+    tiers = {t: TierUsage(**{f: sum(u[t][f] for u in usage) for f in TierUsage.model_fields}) for t in ("dram", "ssd")}
     counters = dict(table.counters)
     lookups = counters["hits"] + counters["misses"]
     up = len(table.up_nodes())
@@ -641,19 +641,23 @@ class _Collector:
         leases = GaugeMetricFamily("kvstore_active_leases", "Blocks under a read lease, per node and tier.",
                                    labels=["node", "tier"])  # fmt: skip
         up = GaugeMetricFamily("kvstore_node_up", "1 while the node heartbeats.", labels=["node"])
+        degraded = GaugeMetricFamily("kvstore_tier_degraded", "1 while a tier holds less than configured (its disk "
+                                     "is full or failing).", labels=["node", "tier"])  # fmt: skip
         views = service.nodes.views()
         for view in views:
             for tier, u in view.tiers.items():
                 used.add_metric([view.node_id, tier], u["used"])
                 cap.add_metric([view.node_id, tier], u["capacity"])
+                degraded.add_metric([view.node_id, tier], 1 if u["capacity"] < u["configured"] else 0)
                 blocks.add_metric([view.node_id, tier], u["blocks"])
                 leases.add_metric([view.node_id, tier], u["leased"])
             up.add_metric([view.node_id], 1 if view.info.up else 0)
-        yield from (used, cap, blocks, leases, up)
+        yield from (used, cap, blocks, leases, up, degraded)
         yield GaugeMetricFamily("kvstore_objects", "Stored keys.", value=len(table.objects))
         c = table.counters
         for name, help_text in (("hits", "Lookups that found the block."), ("misses", "Lookups that did not."),
                                 ("evictions", "Blocks evicted."), ("demotions", "Blocks moved DRAM to SSD."),
+                                ("demotions_failed", "Demotions the SSD tier could not take: dropped instead."),
                                 ("promotions", "Blocks moved SSD to DRAM."), ("puts", "Blocks put."),
                                 ("gets", "Blocks looked up."), ("expired", "Reservations expired."),
                                 ("bytes_read", "Bytes of blocks handed to readers."),

@@ -97,6 +97,7 @@ from kvstore.protocol import (
     encode,
     request_id_of,
 )
+from kvstore.ratelog import RateLimitedLog
 from server.master.election import Election
 from server.master.metrics import LatencyHistogram, Sampler
 from server.master.nodes import NodeRegistry
@@ -284,6 +285,8 @@ class MasterService:
         self.admin_address = ""
         """Where the REST admin API (server.master.admin) serves, once whoever runs the master started it."""
         self._retry: list[NodeCommand] = []
+        self._failures = RateLimitedLog(log)
+        """Failures that repeat every tick (a command a daemon keeps refusing): a line a minute each."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
         self._connections: set[_RpcConnection] = set()
@@ -715,7 +718,9 @@ class MasterService:
             try:
                 reply = await self._daemon(command.node_id).call(message, CommandReply)
             except KVStoreError as exc:
-                log.warning("command %s to %s failed (%s); will retry", command.kind.value, command.node_id, exc)
+                self._failures.warning(f"command-{command.kind.value}-{command.node_id}",
+                                       "command %s to %s failed (%s); will retry", command.kind.value,
+                                       command.node_id, exc)  # fmt: skip
                 if table is self.table:
                     self._retry.extend(commands[i:])
                 return False
@@ -768,6 +773,8 @@ class MasterService:
 
     async def _heartbeat(self, m: Heartbeat) -> Message:
         known = self.nodes.heartbeat(m.node_id, m.transfer_bytes, _now_ms())
+        if known:
+            self.table.ssd_health(m.node_id, m.ssd_capacity, m.ssd_configured, m.ssd_fault)
         return HeartbeatReply(known, self._peers() if known else [])
 
     async def _put_start(self, m: PutStart) -> Message:

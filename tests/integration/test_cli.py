@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,44 @@ def test_cluster_up_serves_until_interrupted() -> None:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_cluster_up_restarts_a_daemon_that_dies() -> None:
+    """A daemon killed under ``cluster up`` is started again as it was: it re-attaches its arena, so
+    what it held reads again; the cluster goes on, and its arenas still go when it stops."""
+    proc, master = cluster_up(1)
+    try:
+        from kvstore_client.store import Store
+
+        with Store.connect(master) as store:
+            store.put("survives", b"v" * 4096)
+            tag = f"cluster-{proc.pid}-"
+            (pid,) = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and tag.encode() in
+                      _cmdline(p) and b"daemon" in _cmdline(p)]  # fmt: skip
+            os.kill(pid, signal.SIGKILL)
+            assert proc.stdout is not None
+            restarted = next(line for line in proc.stdout if "(restarted)" in line)
+            assert restarted.startswith("daemon  node0")
+            deadline = time.monotonic() + 30
+            while store.get("survives") is None:  # until the restarted daemon has registered again
+                assert time.monotonic() < deadline, "the restarted daemon's block did not come back"
+                time.sleep(0.1)
+            assert store.get("survives") == b"v" * 4096
+        assert proc.poll() is None, "the cluster stopped"
+        arenas = sorted(Path("/dev/shm").glob(f"kvstore-cluster-{proc.pid}-*.arena"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert arenas and not any(a.exists() for a in arenas)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _cmdline(proc_dir: Path) -> bytes:
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_cluster_up_stops_its_processes_and_arenas_on_sigterm() -> None:

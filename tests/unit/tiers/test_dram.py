@@ -1,13 +1,32 @@
 import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvstore.config import DramConfig
-from kvstore.errors import BufferTooSmall, ConfigError, CorruptStore, InvalidArgument, NotFound, StoreBusy, StoreClosed
+from kvstore.errors import (
+    BufferTooSmall,
+    ConfigError,
+    CorruptStore,
+    InvalidArgument,
+    NotFound,
+    ResourceShortage,
+    StoreBusy,
+    StoreClosed,
+)
 from kvstore.keys import BlockKey
-from kvstore.tiers.dram import HEADER_SIZE, SLOT_SIZE, DramArena, arena_path
+from kvstore.tiers.dram import (
+    HEADER_SIZE,
+    SLOT_SIZE,
+    ArenaMapping,
+    DramArena,
+    arena_path,
+    find_arenas,
+    remove_arena,
+)
 
 K = BlockKey
 
@@ -230,4 +249,61 @@ def test_managed_arena_refuses_outside_extents(config: DramConfig) -> None:
     arena = DramArena(config)
     with pytest.raises(InvalidArgument, match="managed"):
         arena.begin_at(K("a"), 0, 10)
+    arena.destroy()
+
+
+def test_an_arena_larger_than_its_filesystem_is_refused_at_creation_and_leaves_nothing(small_fs: Any) -> None:
+    fs = small_fs("16m")
+    config = DramConfig(capacity=64 * 1024**2, name="big", shm_dir=fs)
+    with pytest.raises(ResourceShortage, match=r"DRAM arena .*kvstore-big\.arena: only .* could be reserved"):
+        DramArena(config)
+    assert list(fs.iterdir()) == []  # neither the arena nor its temporary file
+    assert shutil.disk_usage(fs).used == 0  # and no page held
+
+
+def _sparse_copy(config: DramConfig, target: DramConfig) -> None:
+    """Make at ``target`` an arena file as an older kvstore left it: the same header, no page allocated."""
+    DramArena(config).close()
+    src, dst = arena_path(config), arena_path(target)
+    with open(src, "rb") as f:
+        head = f.read(HEADER_SIZE)
+    with open(dst, "wb") as f:
+        f.truncate(src.stat().st_size)
+        f.write(head)
+
+
+def test_a_leftover_arena_is_backed_at_reattach_or_refused_with_the_way_out(tmp_path: Path, small_fs: Any) -> None:
+    config = DramConfig(capacity=8 * 1024**2, name="old", shm_dir=tmp_path / "a")
+    (tmp_path / "a").mkdir()
+    roomy = config.model_copy(update={"shm_dir": tmp_path / "b"})
+    (tmp_path / "b").mkdir()
+    _sparse_copy(config, roomy)
+    assert os.stat(arena_path(roomy)).st_blocks * 512 < arena_path(roomy).stat().st_size
+    arena = DramArena(roomy)  # there is room: its pages are reserved now
+    assert os.stat(arena_path(roomy)).st_blocks * 512 >= arena_path(roomy).stat().st_size
+    arena.close()
+    fs = small_fs("4m")
+    tight = config.model_copy(update={"shm_dir": fs})
+    _sparse_copy(config, tight)
+    with pytest.raises(ResourceShortage, match=r"leftover .*kvstore daemon --remove-arena old"):
+        DramArena(tight)
+    # A client never maps an arena that is not wholly backed (its first write could SIGBUS it).
+    with pytest.raises(ResourceShortage, match="not wholly backed"):
+        ArenaMapping(arena_path(tight))
+    assert remove_arena(tight) > 0 and not arena_path(tight).exists()
+
+
+def test_leftovers_are_listed_and_removed_but_never_one_in_use(config: DramConfig) -> None:
+    arena = DramArena(config)
+    other = config.model_copy(update={"name": "gone"})
+    DramArena(other).close()
+    stray = config.shm_dir / "kvstore-gone.arena.999999999.tmp"  # a creation cut short, by a pid long gone
+    stray.write_bytes(b"x")
+    found = {(a.name, a.in_use) for a in find_arenas(config.shm_dir)}
+    assert found == {("unit", True), ("gone", False), ("", False)}
+    with pytest.raises(StoreBusy, match="stop it first"):
+        remove_arena(config)
+    assert remove_arena(other) > 0
+    assert not arena_path(other).exists() and not stray.exists()
+    assert remove_arena(other) == 0  # nothing left to remove
     arena.destroy()

@@ -1,5 +1,6 @@
 import os
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -105,3 +106,35 @@ def test_truncated_file_is_refused(config: SsdConfig) -> None:
     os.truncate(data, data.stat().st_size // 2)
     with pytest.raises(CorruptStore, match="truncated"):
         SsdTier(config)
+
+
+def test_a_full_disk_degrades_the_tier_instead_of_failing_it(small_fs: Any) -> None:
+    """The disk fills before the tier does: the write that fails reports False (its blocks are
+    dropped by the caller), the capacity drops to what the disk holds, and the fault says why;
+    what was stored stays exact, the tier keeps taking what fits, and room on the disk restores it."""
+    fs = small_fs("32m")
+    tier = SsdTier(SsdConfig(capacity=24 << 20, path=fs / "ssd"))
+    filler = fs / "filler"
+    filler.write_bytes(bytes(16 << 20))  # someone else's file fills the disk under the tier
+    blocks = {f"b{i}": os.urandom(1 << 20) for i in range(24)}
+    stored = []
+    for key, data in blocks.items():
+        if not tier.store(K(key), memoryview(data), 0, 1):
+            break
+        stored.append(key)
+    assert 0 < len(stored) < 24, "the disk should have filled first"
+    assert tier.degraded and tier.capacity < 24 << 20 and tier.failed_writes >= 1
+    assert tier.fault.startswith("write failed:")
+    assert all(tier.read(K(k)) == blocks[k] for k in stored)
+    # At the lowered capacity it goes on: blocks deleted (the master drops SSD blocks to get under
+    # it, as for any full tier) make room for others, once LMDB may reuse their pages.
+    while tier.used + (1 << 20) > tier.capacity:
+        tier.delete(K(stored.pop(0)))
+    for _ in range(3):
+        if tier.store(K("again"), memoryview(blocks["b0"]), 0, 2):
+            break
+        tier.delete(K(stored.pop(0)))
+    assert tier.read(K("again")) == blocks["b0"]
+    filler.unlink()
+    assert tier.refresh_capacity() == 24 << 20 and not tier.degraded and tier.fault == ""
+    tier.close()
