@@ -350,6 +350,16 @@ class MasterConfig(_Frozen):
         default=4096, ge=1, description="Client and daemon connections served at once; more are closed at accept."
     )
     tick_ms: int = Field(default=100, gt=0, description="Period of expiry and command retries.")
+    answer_ttl_s: float = Field(
+        default=30.0, gt=0,
+        description="How long the reply to a put, remove or grant is kept for a client's retry of it (a client"
+        " retries within its own timeout, 10 s by default).",
+    )  # fmt: skip
+    answer_cache: int = Field(
+        default=16_384, gt=0,
+        description="Most replies kept for retries (a few hundred bytes each): bounds the master's memory under"
+        " any request rate.",
+    )  # fmt: skip
     grant_ttl_ms: int = Field(
         default=10_000, gt=0, description="Granted write space (one-trip puts) returns to the pool after this."
     )

@@ -48,7 +48,8 @@ class Leases:
     id of each live lease of ``k`` to its expiry; ``_held[(node, tier)][k]`` counts
     the live leases covering that replica, and no count is zero; every live
     lease has an entry in ``_deadlines`` (entries of ended leases are skipped
-    when they come up).
+    when they come up, or dropped all at once when they outnumber the live
+    ones: the heap stays within twice the live leases, plus a constant).
     """
 
     def __init__(self) -> None:
@@ -77,7 +78,11 @@ class Leases:
 
     def release(self, lease_id: LeaseId) -> bool:
         """End this lease (its reader is done); False when it had ended already (or never was)."""
-        return self._end(lease_id) is not None
+        ended = self._end(lease_id) is not None
+        if len(self._deadlines) > 2 * len(self._live) + 1024:  # mostly released: rebuild from the live ones
+            self._deadlines = [(lease.expiry_ms, lease.lease_id) for lease in self._live.values()]
+            heapq.heapify(self._deadlines)
+        return ended
 
     def key_of(self, lease_id: LeaseId) -> str | None:
         """The key a live lease covers; None when it has ended (or never was)."""

@@ -681,6 +681,11 @@ class _Collector:
                                   value=service.refused_connections)  # fmt: skip
         yield CounterMetricFamily("kvstore_rpc_errors", "RPC requests answered with an error.",
                                   value=service.rpc_errors)  # fmt: skip
+        yield GaugeMetricFamily("kvstore_master_answers_kept", "Replies kept for clients' retries (at most "
+                                "KVSTORE_MASTER_ANSWER_CACHE).", value=len(service.answers))  # fmt: skip
+        yield CounterMetricFamily("kvstore_master_answers_dropped_early", "Replies dropped for the bound before "
+                                  "their time: a retry of one runs again.",
+                                  value=service.answers.dropped_early)  # fmt: skip
         transfer = CounterMetricFamily("kvstore_transfer_bytes", "Bytes moved by daemons, by transport and rail.",
                                        labels=["node", "transport", "rail", "direction"])  # fmt: skip
         for view in views:

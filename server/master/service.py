@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from contextvars import ContextVar
 from typing import Any
@@ -98,6 +97,7 @@ from kvstore.protocol import (
     request_id_of,
 )
 from kvstore.ratelog import RateLimitedLog
+from server.master.answers import Answers
 from server.master.election import Election
 from server.master.metrics import LatencyHistogram, Sampler
 from server.master.nodes import NodeRegistry
@@ -117,8 +117,6 @@ _WAITS: frozenset[type[Message]] = frozenset({PutStart, PutRevoke, GrantSpace, R
 _NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset(
     {PutStart, PutEnd, PutRevoke, Remove, Replicate, GrantSpace, CommitGranted}
 )
-_ANSWER_TTL_S = 120.0
-_MAX_ANSWERS = 1 << 16
 
 # Requests whose master-side latency is kept as a histogram (served at /metrics).
 _TIMED: dict[type[Message], str] = {
@@ -294,7 +292,7 @@ class MasterService:
         self.rpc_errors = 0
         self.refused_connections = 0
         """Connections closed at accept: ``config.max_connections`` were open."""
-        self._answers: OrderedDict[tuple[str, int], tuple[float, asyncio.Future[Message]]] = OrderedDict()
+        self.answers = Answers(self.config.answer_ttl_s, self.config.answer_cache)
         """Answers of requests that must not run twice, by (who sent it, request id)."""
         self._handlers: dict[type[Message], Handler] = {
             RegisterNode: self._register,
@@ -356,7 +354,7 @@ class MasterService:
         for link in self.nodes.reset(self._new_table()):
             self._spawn(link.close(), "close-daemon-link")
         self._retry = []
-        self._answers.clear()
+        self.answers.clear()
         self._ready = False
 
     def ready(self) -> bool:
@@ -554,6 +552,7 @@ class MasterService:
                 commands = self.table.expire(_now_ms())
                 for node_id, grant_ids in self.table.expired_grants(_now_ms()).items():
                     self._spawn(self._close_grants(node_id, grant_ids), "grant-expiry")
+                self.answers.prune()  # an idle master too keeps no reply past its time
                 retry, self._retry = self._retry, []
                 live = [c for c in retry if c.node_id in self.table.nodes and self.table.nodes[c.node_id].up]
                 self._run_later(commands + live, "expiry-commands")
@@ -659,26 +658,18 @@ class MasterService:
         connection; without this, a retried put_start would find its own reservation and
         answer "exists" for a block nobody will write.
         """
-        now = time.monotonic()
-        while self._answers and next(iter(self._answers.values()))[0] < now - _ANSWER_TTL_S:
-            self._answers.popitem(last=False)
-        known = self._answers.get(request_id)
-        if known is not None and known[1].done() and not known[1].cancelled():
-            return known[1].result()  # answered already (no wait: inline handlers must not)
+        known = self.answers.get(request_id)
+        if isinstance(known, asyncio.Future):  # being answered: wait for it
+            return await asyncio.wait_for(asyncio.shield(known), self.config.command_timeout_ms / 1000 * 2)
         if known is not None:
-            return await asyncio.wait_for(asyncio.shield(known[1]), self.config.command_timeout_ms / 1000 * 2)
-        answer: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._answers[request_id] = (now, answer)
-        if len(self._answers) > _MAX_ANSWERS:
-            self._answers.popitem(last=False)
+            return known  # answered already (no wait: inline handlers must not)
+        answer = self.answers.start(request_id)
         try:
             reply = await self._handle(handler, message)
         except BaseException:
-            # Not answered: a retry must run it afresh, and anyone waiting gives up.
-            self._answers.pop(request_id, None)
-            answer.cancel()
+            self.answers.abandon(request_id, answer)
             raise
-        answer.set_result(reply)
+        self.answers.finish(request_id, answer, reply)
         return reply
 
     # -- daemon commands ---------------------------------------------------------------------

@@ -56,3 +56,15 @@ def test_counts_and_views_per_node_and_tier() -> None:
     assert sorted(ls.leased_keys("a", DRAM)) == ["j", "k"] and list(ls.leased_keys("c", DRAM)) == []
     assert ls.expire(10) == 3 and ls.num_leased("a", DRAM) == 0
     ls.check()
+
+
+def test_released_leases_do_not_pile_up_in_the_expiry_heap() -> None:
+    """Readers release their leases long before they expire: what the heap keeps for them stays
+    bounded by the live leases, not by the reads of the last lease period."""
+    leases = Leases()
+    keep = [leases.grant(f"k{i}", [("n", TierName.DRAM)], 10**9) for i in range(10)]
+    for i in range(20_000):
+        leases.release(leases.grant(f"r{i}", [("n", TierName.DRAM)], 10**9))
+    assert len(leases) == 10 and len(leases._deadlines) <= 2 * 10 + 1025
+    assert all(leases.key_of(lease) == f"k{i}" for i, lease in enumerate(keep))
+    assert leases.expire(10**9) == 10 and len(leases) == 0

@@ -1,0 +1,47 @@
+"""The master's replies kept for retries: bounded in time and in number, holding replies, not futures."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvstore.protocol import OkReply
+from server.master.answers import Answers
+
+
+def test_replies_are_kept_for_their_time_then_dropped() -> None:
+    async def run() -> None:
+        now = [0.0]
+        answers = Answers(ttl_s=30, cap=100, clock=lambda: now[0])
+        future = answers.start(("c", 1))
+        assert answers.get(("c", 1)) is future  # being answered: a retry waits for it
+        answers.finish(("c", 1), future, OkReply())
+        assert future.result() == OkReply() and answers.get(("c", 1)) == OkReply()  # the reply alone now
+        now[0] = 29.0
+        answers.prune()
+        assert answers.get(("c", 1)) == OkReply()
+        now[0] = 31.0
+        answers.prune()
+        assert answers.get(("c", 1)) is None and len(answers) == 0
+
+    asyncio.run(run())
+
+
+def test_the_bound_drops_the_oldest_and_counts_it() -> None:
+    async def run() -> None:
+        answers = Answers(ttl_s=30, cap=3, clock=lambda: 0.0)
+        for i in range(5):
+            answers.finish(("c", i), answers.start(("c", i)), OkReply())
+        assert len(answers) == 3 and answers.dropped_early == 2
+        assert answers.get(("c", 0)) is None and answers.get(("c", 4)) == OkReply()
+
+    asyncio.run(run())
+
+
+def test_an_abandoned_request_runs_again_on_retry() -> None:
+    async def run() -> None:
+        answers = Answers(ttl_s=30, cap=3)
+        future = answers.start(("c", 1))
+        answers.abandon(("c", 1), future)
+        assert future.cancelled() and answers.get(("c", 1)) is None
+
+    asyncio.run(run())
