@@ -225,20 +225,21 @@ def soak(minutes: float, sample_s: float, dram: str, ssd: str, emit: Emit) -> di
         }  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
     parser.add_argument("--dram", default="128MiB", help="DRAM per daemon")
     parser.add_argument("--ssd", default="256MiB", help="SSD per daemon")
     parser.add_argument("--json", action="store_true", help="JSON lines only (the default prints them too)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     def emit(line: dict[str, Any]) -> None:
         print(json.dumps(line), flush=True)
 
     emit(soak(args.minutes, args.sample_s, args.dram, args.ssd, emit))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

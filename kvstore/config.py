@@ -161,7 +161,8 @@ class DramConfig(_Frozen):
     alignment: int = Field(default=64, ge=8, description="Extent alignment in bytes; a power of two.")
     prefault: bool = Field(
         default=True,
-        description="Touch every page of a new arena so that no write pays a page fault (commits the memory up front).",
+        description="Touch every page of a new arena so that no write pays a page fault (its memory is reserved"
+        " either way).",
     )
     max_blocks: int = Field(
         default=0,

@@ -56,7 +56,8 @@ def _meminfo(field: str, text: str) -> int | None:
 
 
 def _cgroup_room() -> int | None:
-    """Bytes this process's cgroup (v2) may still charge, or None when it sets no limit."""
+    """Bytes this process's cgroup (v2) may still charge, counting its inactive page cache (which
+    the kernel reclaims first) as room; None when it sets no limit."""
     try:
         entry = Path("/proc/self/cgroup").read_text().splitlines()
         rel = next(line.split("::", 1)[1] for line in entry if line.startswith("0::"))
@@ -64,7 +65,9 @@ def _cgroup_room() -> int | None:
         limit = (base / "memory.max").read_text().strip()
         if limit == "max":
             return None
-        return max(0, int(limit) - int((base / "memory.current").read_text()))
+        stat = dict(line.split() for line in (base / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
+        reclaimable = int(stat.get("inactive_file", 0))
+        return max(0, int(limit) - int((base / "memory.current").read_text()) + reclaimable)
     except (OSError, StopIteration, ValueError, IndexError):
         return None
 

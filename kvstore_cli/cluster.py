@@ -227,9 +227,9 @@ class LocalCluster:
             *self.daemon_args,
         ]  # fmt: skip
         proc = self._spawn(args, f"daemon-{i}.log")
+        self.daemons[i] = proc  # from now on stop() ends it, whatever happens next
         assert proc.stdout is not None
         line = _read_line(proc.stdout, _START_TIMEOUT, f"daemon {i}")
-        self.daemons[i] = proc
         self.daemon_addresses[i] = line.rsplit(" ", 1)[-1]
 
     def wait_for_nodes(self, count: int, timeout: float = _START_TIMEOUT) -> None:
@@ -275,9 +275,10 @@ class LocalCluster:
         return "\n".join(text.splitlines()[-lines:])
 
     def restart_daemon(self, i: int) -> None:
-        """Start daemon ``i`` again with the same name, arena and SSD directory, and wait for it to register."""
+        """Start daemon ``i`` again with the same name, arena and SSD directory, and wait for it to register
+        (with the other daemons that are running)."""
         self.start_daemon(i)
-        self.wait_for_nodes(sum(p is not None for p in self.daemons))
+        self.wait_for_nodes(sum(p is not None and p.poll() is None for p in self.daemons))
 
     def restart_master(self) -> None:
         """Start a fresh master on the same port; the daemons re-register with it."""

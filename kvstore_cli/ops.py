@@ -21,6 +21,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from kvstore.auth import Credential, cluster_credential, secret_from
@@ -128,7 +129,7 @@ def _usage(used: int, capacity: int, configured: int | None = None, fault: str =
     pct = 100 * used / capacity if capacity else 0.0
     shown = f"{format_size(used)} / {format_size(capacity)} ({pct:.0f}%)"
     if configured is not None and capacity < configured:  # a full or failing disk
-        shown += f" [red]degraded[/red] of {format_size(configured)}: {fault}"
+        shown += f" [red]degraded[/red] of {format_size(configured)}: {escape(fault)}"
     return shown
 
 

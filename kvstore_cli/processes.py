@@ -287,7 +287,8 @@ def _cluster(args: argparse.Namespace) -> int:
 
 
 RESTARTS_PER_MINUTE = 5
-"""A daemon of ``cluster up`` that dies is started again, up to this many times a minute (all daemons)."""
+"""A daemon of ``cluster up`` that dies is started again, up to this many times a minute (all daemons
+together); one more death stops the cluster."""
 
 
 def _supervise(cluster: LocalCluster, clock: Callable[[], float]) -> int:
@@ -295,6 +296,8 @@ def _supervise(cluster: LocalCluster, clock: Callable[[], float]) -> int:
     directory: it re-attaches what it held), as a service manager would; one that keeps dying stops
     the cluster."""
     import time
+
+    from kvstore.errors import KVStoreError
 
     restarts: list[float] = []
     while cluster.master is not None and cluster.master.poll() is None:
@@ -309,7 +312,11 @@ def _supervise(cluster: LocalCluster, clock: Callable[[], float]) -> int:
             if len(restarts) > RESTARTS_PER_MINUTE:
                 print(f"daemons died {len(restarts)} times within a minute; stopping", file=sys.stderr)
                 return 1
-            cluster.restart_daemon(i)
+            try:
+                cluster.restart_daemon(i)
+            except KVStoreError as exc:  # it died again at start, or did not register: one more death
+                print(f"daemon {name} did not start again: {exc}", file=sys.stderr, flush=True)
+                continue
             print(f"daemon  {name}  {cluster.daemon_addresses[i]}  (restarted)", flush=True)
         time.sleep(0.5)
     print("the master exited; stopping", file=sys.stderr)

@@ -6,6 +6,11 @@
   evicted, demoted or promoted. A release ends one lease, never another
   reader's (see :mod:`kvstore.placement.leases`). An SSD-only block read
   ``promote_after_hits`` times is promoted to DRAM once its leases end.
+  A block whose replicas are all mid-move (a demotion, promotion or drop in
+  flight) is still a hit: its replicas come without an extent, so the reader
+  asks the daemon by key (it copies from whichever tier holds the block under
+  its lock; a move that failed and dropped it makes that read a miss), under
+  a lease of no replica, which keeps the reply's lease ids one per hit.
 - ``record_access`` counts reads a daemon served by key without the master
   (the one-trip read path) and touches the LRU as ``get_replicas`` does.
 - Holds (Mooncake's "KV lease", off unless ``hold_ms`` > 0): a key found by a
@@ -22,7 +27,7 @@ from collections.abc import Iterable, Sequence
 
 from kvstore.keys import validate_key
 from kvstore.placement.leases import LeaseId
-from kvstore.placement.state import DRAM, Catalog, NodeCommand, ObjectEntry
+from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry, ReplicaState
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import EvictionPolicy
 from kvstore.protocol import GetReplicasReply, NodePrefix, PrefixMatch
@@ -59,6 +64,13 @@ class Reads:
         for key in checked:
             entry = cat.objects.get(key)
             readable = cat.readable(entry)
+            if entry is not None and not readable and (moving := cat.in_motion(entry)):
+                self._by_key(reply, entry, moving)  # mid-move: read through its daemon, by key
+                if lease:  # a lease of no replica: the reply's lease ids stay consecutive, one per hit
+                    grant(key, [], expiry)
+                if self.hold_ms:
+                    held.append(entry)
+                continue
             if entry is None or not readable:
                 counters["misses"] += 1
                 sizes.append(-1)
@@ -94,6 +106,24 @@ class Reads:
         if held:
             self._hold(held, now_ms)  # after the reader's own leases, whose ids must be consecutive
         return reply
+
+    def _by_key(self, reply: GetReplicasReply, entry: ObjectEntry, moving: list[ReplicaState]) -> None:
+        """Answer a hit on a block whose replicas are all mid-move: as replicas with no extent (a
+        reader then asks the daemon for the key, and it copies from whichever tier holds it under
+        its lock), unleased (a lease could not stop a move under way)."""
+        cat = self.catalog
+        for r in moving:
+            reply.nodes.append(r.node_id)
+            reply.addresses.append(cat.nodes[r.node_id].address)
+            reply.tiers.append(SSD.value)  # no extent to read: by key, through the daemon
+            reply.offsets.append(-1)
+        reply.sizes.append(entry.size)
+        reply.checksums.append(entry.checksum)
+        reply.counts.append(len(moving))
+        counters = cat.counters
+        counters["hits"] += 1
+        counters["ssd_hits"] += 1  # read by key through the daemon, as an SSD block is
+        counters["bytes_read"] += entry.size
 
     def _hold(self, entries: Iterable[ObjectEntry], now_ms: int) -> None:
         """Hold each entry for ``hold_ms`` from ``now_ms``: its readable replicas, under a lease of
@@ -200,8 +230,8 @@ class Reads:
         """Whether each key is readable (and, with ``hold_ms`` and ``now_ms``, hold those that are)."""
         cat = self.catalog
         if not (self.hold_ms and now_ms):
-            return [bool(cat.readable(cat.objects.get(validate_key(k)))) for k in keys]
+            return [bool(cat.readable(e) or cat.in_motion(e)) for e in map(cat.objects.get, map(validate_key, keys))]
         entries = [cat.objects.get(validate_key(k)) for k in keys]
-        found = [bool(cat.readable(e)) for e in entries]
+        found = [bool(cat.readable(e) or cat.in_motion(e)) for e in entries]
         self._hold([e for e, ok in zip(entries, found, strict=True) if ok and e is not None], now_ms)
         return found

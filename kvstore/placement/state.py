@@ -27,7 +27,8 @@ class ReplicaState:
     extent: Extent | None
     """The DRAM extent; None on SSD (during a promotion: the extent it will land in)."""
     moving: bool = False
-    """A demotion, drop or promotion of this replica is in flight: not readable, not in an LRU."""
+    """A demotion, drop or promotion of this replica is in flight: not in an LRU, and readable only
+    by key through its daemon (see :meth:`Catalog.in_motion`)."""
     copying: bool = False
     """Being copied in from another node (a replicate; also ``moving``): its daemon is told nothing
     about it until the copy is answered, so that no drop overtakes the copy."""
@@ -224,6 +225,15 @@ class Catalog:
         if entry is None or entry.removing or not entry.committed:
             return []
         return [r for r in entry.replicas if not r.moving and self.nodes[r.node_id].up]
+
+    def in_motion(self, entry: ObjectEntry | None) -> list[ReplicaState]:
+        """Replicas of a committed block between tiers (or on their way out) on nodes that are up:
+        not where the table says for long, but their daemon still has the block, in one tier or the
+        other, and reads it by key under its lock. A block is readable through them until its move
+        is done (or has failed, and the block is gone: then a read of it misses)."""
+        if entry is None or entry.removing or not entry.committed:
+            return []
+        return [r for r in entry.replicas if r.moving and not r.copying and self.nodes[r.node_id].up]
 
     def touch(self, entry: ObjectEntry) -> None:
         self.clock += 1

@@ -121,23 +121,47 @@ class ArenaFile:
     """A daemon has it open (holds its lock); otherwise it is a leftover, to re-attach or remove."""
 
 
-def _in_use(path: Path) -> bool:
+def _flocked() -> set[tuple[int, int, int]] | None:
+    """(device major, minor, inode) of every file some process holds a flock on, from /proc/locks;
+    None where it cannot be read."""
+    try:
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    out = set()
+    for line in text.splitlines():
+        parts = line.split()
+        if "FLOCK" not in parts:
+            continue
+        where = next((p for p in parts if p.count(":") == 2), None)
+        if where is not None:
+            major, minor, inode = where.split(":")
+            out.add((int(major, 16), int(minor, 16), int(inode)))
+    return out
+
+
+def _in_use(path: Path, st: os.stat_result, flocked: set[tuple[int, int, int]] | None) -> bool:
+    """Whether a daemon holds the arena's lock. Read from /proc/locks: trying the lock would make a
+    daemon that starts at that moment find it taken (StoreBusy) and exit."""
+    if flocked is not None:
+        return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in flocked
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     finally:
-        os.close(fd)  # closing drops the lock when it was taken
+        os.close(fd)
     return False
 
 
 def find_arenas(shm_dir: Path) -> list[ArenaFile]:
     """Every arena file in ``shm_dir``, with temporary files of creations cut short (name "")."""
     out = []
+    flocked = _flocked()
     for path in sorted(shm_dir.glob("kvstore-*.arena*")):
         name = path.name.removeprefix("kvstore-")
         if name.endswith(".arena"):
@@ -153,7 +177,7 @@ def find_arenas(shm_dir: Path) -> list[ArenaFile]:
             st = path.stat()
         except FileNotFoundError:
             continue
-        out.append(ArenaFile(name, path, st.st_size, st.st_blocks * 512, _in_use(path)))
+        out.append(ArenaFile(name, path, st.st_size, st.st_blocks * 512, _in_use(path, st, flocked)))
     return out
 
 
@@ -176,7 +200,9 @@ def remove_arena(config: DramConfig) -> int:
         except BlockingIOError:
             raise StoreBusy(f"DRAM arena {path} is open in a running daemon: stop it first") from None
         freed += os.fstat(fd).st_blocks * 512
-        path.unlink()  # under the lock: no daemon can have opened it in between
+        # Under the lock no daemon holds it. One that opened it before this unlink and locks it
+        # after serves a file no client can find by its name: clients read from it over TCP.
+        path.unlink()
         return freed
     finally:
         os.close(fd)
@@ -296,9 +322,8 @@ class DramArena(IndexedTier[_Slot]):
 
     # -- open / create ------------------------------------------------------
     def _geometry(self) -> tuple[int, int]:
-        slot_offset = HEADER_SIZE
-        data_offset = _page_round(slot_offset + self.num_slots * SLOT_SIZE)
-        return data_offset, data_offset + self.capacity
+        total = arena_size(self.config)
+        return total - self.capacity, total
 
     def _create(self) -> None:
         data_offset, total = self._geometry()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import os
 import struct
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,18 +44,17 @@ from kvstore.resources import allocated, fs_free
 from kvstore.tiers.base import BlockRecord, IndexedTier
 
 FORMAT = b"kvstore-ssd-v1"
-
+_META = struct.Struct("<QQQB")  # size, checksum, seq, flags
+FLAG_PINNED = 1
 
 DISK_SHARE = 0.9
 """Of a disk that cannot hold the configured capacity, the share the tier's blocks may take."""
+IO_FAULT_HOLD_S = 60.0
+"""After a write failed for another reason than space, how long the tier takes nothing."""
 
 
 class _WriteFailed(Exception):
     """A write transaction the disk refused (full, or an I/O error); the tier degrades on it."""
-
-
-_META = struct.Struct("<QQQB")  # size, checksum, seq, flags
-FLAG_PINNED = 1
 
 
 @dataclass(slots=True)
@@ -80,6 +80,7 @@ class SsdTier(IndexedTier[_Meta]):
         """Why the tier holds less than its configured capacity (its last failed write); "" while healthy."""
         self.failed_writes = 0
         """Blocks that a failed write could not store, since the tier opened."""
+        self._fault_until = 0.0
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(self.path / "kvstore.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -202,9 +203,11 @@ class SsdTier(IndexedTier[_Meta]):
 
     def _failed(self, exc: _WriteFailed, blocks: int) -> None:
         self.failed_writes += blocks
+        self._fault_until = 0.0
         self.refresh_capacity()
-        if not self.degraded:  # not for want of space (an I/O error): no more writes until a refresh
+        if not self.degraded:  # not for want of space (an I/O error): take nothing more for a while
             self.capacity = self._used
+            self._fault_until = time.monotonic() + IO_FAULT_HOLD_S
         self.fault = f"write failed: {exc}"
 
     def _write(self, items: Sequence[tuple[BlockKey, memoryview, int, int, bool]]) -> None:
@@ -225,8 +228,17 @@ class SsdTier(IndexedTier[_Meta]):
     def refresh_capacity(self) -> int:
         """Lower ``capacity`` to what the disk can hold now (the blocks held and the free space of
         its filesystem), or raise it back towards the configured size once there is room again;
-        clears ``fault`` when the configured size fits. Returns the capacity."""
-        room = self._room()
+        clears ``fault`` when the configured size fits. After a write failed with room on the disk
+        (an I/O error) the tier takes nothing for ``IO_FAULT_HOLD_S``, then tries again. Safe from
+        another thread than the owner's (it reads the tier's size and LMDB's statistics only).
+        Returns the capacity."""
+        if self._closed or time.monotonic() < self._fault_until:
+            return self.capacity
+        try:
+            room = self._room()
+        except (lmdb.Error, OSError) as exc:
+            self.fault = f"its disk cannot be measured: {exc}"
+            return self.capacity
         # Short of room, keep some of it free: LMDB needs pages of its own (the tree, its free list)
         # besides a block's, and reuses pages freed by earlier transactions only.
         self.capacity = self.config.capacity if room >= self.config.capacity else int(room * DISK_SHARE)

@@ -96,7 +96,9 @@ class Segment:
 
     @classmethod
     def _spawn(cls, master: str, name: str, address: str, port: int, size: int, workdir: Path) -> Segment:
-        env = {**os.environ, "KVSTORE_DAEMON_DRAM__PREFAULT": "false"}  # memory is taken as it is used
+        # The segment's memory is reserved at start (no SIGBUS later); not touching every page of it
+        # spares the start-up time.
+        env = {**os.environ, "KVSTORE_DAEMON_DRAM__PREFAULT": "false"}
         args = [
             sys.executable, "-m", "kvstore_cli", "daemon", "--master", master, "--name", node_id(name),
             "--host", address, "--port", str(port), "--dram", str(size), "--leave-on-exit",

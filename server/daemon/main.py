@@ -12,7 +12,7 @@ from types import FrameType
 
 from kvstore.auth import secret_from
 from kvstore.config import DaemonConfig, format_size
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, ResourceShortage
 from kvstore.resources import allocated, check_dram, check_ssd
 from kvstore.tiers.dram import DramArena, arena_path, arena_size, capacity_within
 from server.daemon.service import DaemonServer, MasterLink
@@ -31,7 +31,10 @@ def fit_to_machine(config: DaemonConfig) -> DaemonConfig:
     dram, ssd = config.dram, config.ssd
     fit = check_dram(arena_path(dram), arena_size(dram), clamp=config.clamp_to_free)
     if fit.warning is not None:
-        dram = dram.model_copy(update={"capacity": capacity_within(dram, fit.size)})
+        capacity = capacity_within(dram, fit.size)
+        if capacity <= 0:
+            raise ResourceShortage(f"{fit.warning}: too little for an arena's index and 1 MiB of data")
+        dram = dram.model_copy(update={"capacity": capacity})
         log.warning("%s (a data capacity of %s)", fit.warning, format_size(dram.capacity))
     if ssd.capacity > 0 and ssd.path is not None:
         held = allocated(ssd.path / "data.mdb")
@@ -52,8 +55,9 @@ def run_daemon(config: DaemonConfig) -> int:
     starting = True
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        first = not stop.is_set()
         stop.set()
-        if starting:  # cut start-up short where it is (reserving an arena takes a while): undone below
+        if starting and first:  # cut start-up short where it is (reserving an arena takes a while): undone
             raise KeyboardInterrupt(f"{signal.Signals(signum).name} during start-up")
 
     signal.signal(signal.SIGINT, on_signal)
@@ -68,55 +72,64 @@ def run_daemon(config: DaemonConfig) -> int:
         raise ConfigError("the UCX data plane is not TLS: with --tls-data, serve TCP only (leave out --ucx-port)")
     config = fit_to_machine(config)
     with contextlib.ExitStack() as undo:  # what start-up made, undone in reverse however it ends
-        if config.leave_on_exit:
-            undo.callback(DramArena.remove, config.dram)
-        storage = DaemonStorage(config.dram, config.ssd)
-        undo.callback(storage.close)
-        server = DaemonServer(
-            storage, config.host, config.port, rails=config.rails, io_timeout=config.io_timeout_s,
-            max_connections=config.max_connections, max_per_peer=config.max_connections_per_peer, secret=secret,
-            tls=config.tls, node_id=config.name,
-        )  # fmt: skip
-        server.start()
-        undo.callback(server.stop)
-        for rail in server.rails if secret is None else ():
-            host, port = parse_address(rail)
-            warn_if_open(log, f"daemon {config.name}", host, port)
-        ucx: UcxServer | None = None
-        if config.ucx_port is not None:
-            ucx = UcxServer(storage, config.ucx_port, count=server.count)
-            undo.callback(ucx.stop)
-        ucx_address = f"{config.host}:{ucx.port}" if ucx is not None else ""
-        link = MasterLink(
-            config.master,
-            config.name,
-            server.address,
-            storage,
-            timeout=config.io_timeout_s,
-            rails=server.rails,
-            ucx_address=ucx_address,
-            transfer_stats=server.transfer_bytes,
-            before_register=server.reset_grants,
-            on_epoch=server.raise_epoch,
-            credential=server.credential,
-            tls=contexts(config.tls)[0],
-        )
-        server.master = link
-        link.start()
-        undo.callback(link.stop)
-        if config.leave_on_exit:
-
-            def leave() -> None:
-                server.stop()  # nothing is served any more: then the master forgets the node
-                link.leave()
-
-            undo.callback(leave)
-        if ucx is not None:
-            log.info("UCX data plane on %s (%s)", ucx_address, tune_environment())
-        starting = False
-        if stop.is_set():  # a signal between the last two lines
+        try:
+            address = _start(config, secret, undo)
+        finally:
+            starting = False  # the undo must run whole: from here on a signal only asks to stop
+        if stop.is_set():  # a signal came as start-up ended
             return 0
-        print(f"kvstore daemon {config.name} listening on {server.address}", flush=True)
+        print(f"kvstore daemon {config.name} listening on {address}", flush=True)
         while not stop.wait(0.5):
             pass
     return 0
+
+
+def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStack) -> str:
+    """Open the tiers, serve, link to the master; each step's undo pushed on ``undo``. Returns the
+    address served."""
+    storage = DaemonStorage(config.dram, config.ssd)
+    if config.leave_on_exit:  # ours (never another live daemon's of the same name): gone after close
+        undo.callback(DramArena.remove, config.dram)
+    undo.callback(storage.close)
+    server = DaemonServer(
+        storage, config.host, config.port, rails=config.rails, io_timeout=config.io_timeout_s,
+        max_connections=config.max_connections, max_per_peer=config.max_connections_per_peer, secret=secret,
+        tls=config.tls, node_id=config.name,
+    )  # fmt: skip
+    server.start()
+    undo.callback(server.stop)
+    for rail in server.rails if secret is None else ():
+        host, port = parse_address(rail)
+        warn_if_open(log, f"daemon {config.name}", host, port)
+    ucx: UcxServer | None = None
+    if config.ucx_port is not None:
+        ucx = UcxServer(storage, config.ucx_port, count=server.count)
+        undo.callback(ucx.stop)
+    ucx_address = f"{config.host}:{ucx.port}" if ucx is not None else ""
+    link = MasterLink(
+        config.master,
+        config.name,
+        server.address,
+        storage,
+        timeout=config.io_timeout_s,
+        rails=server.rails,
+        ucx_address=ucx_address,
+        transfer_stats=server.transfer_bytes,
+        before_register=server.reset_grants,
+        on_epoch=server.raise_epoch,
+        credential=server.credential,
+        tls=contexts(config.tls)[0],
+    )
+    server.master = link
+    link.start()
+    undo.callback(link.stop)
+    if config.leave_on_exit:
+
+        def leave() -> None:
+            server.stop()  # nothing is served any more: then the master forgets the node
+            link.leave()
+
+        undo.callback(leave)
+    if ucx is not None:
+        log.info("UCX data plane on %s (%s)", ucx_address, tune_environment())
+    return server.address

@@ -149,8 +149,8 @@ class DaemonStorage:
         why they differ; (-1, -1, "") without one."""
         if self.ssd is None:
             return -1, -1, ""
-        with self.lock.shared():  # a demotion (exclusive) reads the capacity it sets
-            return self.ssd.refresh_capacity(), self.ssd.config.capacity, self.ssd.fault
+        # Without the storage lock: a heartbeat must not wait behind a demotion to a slow disk.
+        return self.ssd.refresh_capacity(), self.ssd.config.capacity, self.ssd.fault
 
     def _next_seq(self) -> int:
         self._seq += 1

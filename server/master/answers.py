@@ -4,9 +4,11 @@ A client whose connection broke after it sent a put resends it, with the same re
 connection; it gets the first answer instead of running the request again. A client resends only
 within its own timeout (``ClientConfig.timeout_s``, 10 s by default, plus one attempt), so replies
 are kept ``ttl_s`` (30 s by default) and at most ``cap`` of them: what the cache holds is bounded
-by min(request rate x ttl_s, cap) replies of a few hundred bytes each (16,384 by default: about
-13 MB at most). Before this bound, replies were kept 120 s with 65,536 of them (about 64 MB, which
-the allocator then kept for good).
+by min(request rate x ttl_s, cap) replies, under 1 KB each (16,384 by default: about 13 MB at
+most; requests still being answered come on top, and are never dropped). Before this bound,
+replies were kept 120 s with 65,536 of them (about 64 MB, which the allocator then kept for good).
+The cap holds a retry's 10 s up to about 1,600 puts and removes a second; past that,
+``dropped_early`` counts the replies dropped before their time.
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ class Answers:
         self.prune()
         answer: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._entries[request_id] = (self._clock(), answer)
-        if len(self._entries) > self.cap:
-            self._entries.popitem(last=False)
-            self.dropped_early += 1
+        if len(self._entries) > self.cap:  # the oldest answered one goes (never one still being answered)
+            oldest = next((rid for rid, (_, a) in self._entries.items() if not isinstance(a, asyncio.Future)), None)
+            if oldest is not None:
+                del self._entries[oldest]
+                self.dropped_early += 1
         return answer
 
     def finish(self, request_id: RequestId, answer: asyncio.Future[Message], reply: Message) -> None:

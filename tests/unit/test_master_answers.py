@@ -37,6 +37,17 @@ def test_the_bound_drops_the_oldest_and_counts_it() -> None:
     asyncio.run(run())
 
 
+def test_the_bound_never_drops_a_request_still_being_answered() -> None:
+    async def run() -> None:
+        answers = Answers(ttl_s=30, cap=2, clock=lambda: 0.0)
+        pending = answers.start(("c", 0))
+        for i in range(1, 4):
+            answers.finish(("c", i), answers.start(("c", i)), OkReply())
+        assert answers.get(("c", 0)) is pending and answers.get(("c", 3)) == OkReply()
+
+    asyncio.run(run())
+
+
 def test_an_abandoned_request_runs_again_on_retry() -> None:
     async def run() -> None:
         answers = Answers(ttl_s=30, cap=3)

@@ -123,7 +123,8 @@ def test_full_node_evicts_in_lru_order_before_placing() -> None:
     assert plan.tickets == [None] and plan.waiting == [0]
     [cmd] = plan.commands
     assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.DEMOTE, DRAM, ("k1",))
-    assert t.get_replicas(["k1"], 0).located(["k1"]) == [None]  # moving: not handed out
+    [moving] = t.get_replicas(["k1"], 0).located(["k1"])  # moving: read by key through its daemon
+    assert moving is not None and [(r.tier, r.offset) for r in moving.replicas] == [("ssd", -1)]
     run(t, plan.commands)
     [loc] = t.get_replicas(["k1"], 0).located(["k1"])
     assert loc is not None and loc.replicas[0].tier == "ssd" and loc.replicas[0].offset == -1
@@ -153,6 +154,27 @@ def test_failed_demotion_means_the_daemon_dropped_it() -> None:
     plan = t.put_start(["k1"], [KB], 1, None, False, 0)
     run(t, plan.commands, ok=False)
     assert t.exists(["k0"]) == [False] and t.nodes["a"].ssd_used == 0
+
+
+def test_a_block_mid_move_stays_readable_through_its_daemon() -> None:
+    """While its demotion is under way the block is neither where it was nor where it goes: a get
+    still finds it, as a replica to read by key (no extent, no lease), and so does exists; a
+    demotion that failed leaves a miss, one that worked the SSD replica."""
+    t = table("a", dram=KB, ssd=4 * KB)
+    put(t, "k0")
+    plan = t.put_start(["k1"], [KB], 1, None, False, 0)
+    assert [c.keys for c in plan.commands] == [("k0",)]  # k0 is being demoted
+    leases = len(t.leases)
+    reply = t.get_replicas(["k0", "nope"], 0)
+    assert reply.sizes == [KB, -1] and reply.tiers == ["ssd"] and reply.offsets == [-1]
+    # One lease per hit, of no replica: the ids the reader releases are its own.
+    assert len(t.leases) == leases + 1
+    assert t.release_leases([reply.first_lease]) == [] and len(t.leases) == leases
+    assert t.exists(["k0"]) == [True]
+    t.check()
+    run(t, plan.commands)
+    reply = t.get_replicas(["k0"], 0)
+    assert reply.tiers == ["ssd"] and t.tier_usage(t.nodes["a"])["ssd"]["blocks"] == 1
 
 
 def test_leased_and_pinned_blocks_are_not_evicted() -> None:
@@ -317,7 +339,8 @@ def test_ssd_block_is_promoted_after_hits_once_unleased() -> None:
     assert t.expire(1) == []  # second hit, but still leased by this read
     [cmd] = t.release_leases(second)
     assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.PROMOTE, SSD, ("k0",)) and cmd.offsets[0] >= 0
-    assert t.get_replicas(["k0"], 0).located(["k0"]) == [None]  # moving while promoted
+    [moving] = t.get_replicas(["k0"], 0).located(["k0"])  # moving while promoted: by key, no extent
+    assert moving is not None and [(r.tier, r.offset) for r in moving.replicas] == [("ssd", -1)]
     t.check()
     run(t, [cmd])
     [loc] = t.get_replicas(["k0"], 0).located(["k0"])

@@ -130,7 +130,7 @@ def test_a_full_disk_degrades_the_tier_instead_of_failing_it(small_fs: Any) -> N
     # it, as for any full tier) make room for others, once LMDB may reuse their pages.
     while tier.used + (1 << 20) > tier.capacity:
         tier.delete(K(stored.pop(0)))
-    for _ in range(3):
+    for _ in range(6):
         if tier.store(K("again"), memoryview(blocks["b0"]), 0, 2):
             break
         tier.delete(K(stored.pop(0)))
