@@ -29,6 +29,7 @@ from kvstore.errors import ConnectionFailed, KVStoreError, Timeout
 from kvstore.protocol import Stats, StatsReply
 from kvstore.tiers.dram import DramArena
 from kvstore_cli.certs import CertFiles, make_certs
+from kvstore_client.compat.segment import die_with_parent
 from transfer.discovery import MasterLocator
 from transfer.rpc import Connection
 from transfer.tls import contexts
@@ -77,13 +78,16 @@ class LocalCluster:
         authenticate: bool = False,
         tls: bool = False,
         tls_data: bool = False,
+        die_with_parent: bool = False,
     ) -> None:
         """``etcd``: run ``masters`` HA masters electing a leader in that etcd (host:port[,...]);
         clients and daemons then reach the leader at :attr:`master_address`, an etcd:// URL.
         ``authenticate``: a new cluster secret (in :attr:`secret_file`) and a tenants file
         (:attr:`tenants_file`, filled by :meth:`add_tenant`): every connection authenticates.
         ``tls``: a new CA and a certificate for 127.0.0.1 (:attr:`certs`); RPC and the admin API run
-        over TLS, and with ``tls_data`` the daemons' ports too."""
+        over TLS, and with ``tls_data`` the daemons' ports too. ``die_with_parent``: every process
+        gets SIGTERM when the thread that started it ends, however it ends (SIGKILL included)."""
+        self.die_with_parent = die_with_parent and sys.platform == "linux"
         self.etcd = etcd
         self.cluster_id = cluster_id
         self.masters: list[subprocess.Popen[str] | None] = [None] * (masters if etcd else 1)
@@ -158,6 +162,7 @@ class LocalCluster:
             text=True,
             env=self.env,
             start_new_session=True,
+            preexec_fn=die_with_parent if self.die_with_parent else None,
         )
 
     def node_name(self, i: int) -> str:

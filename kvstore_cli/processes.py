@@ -273,7 +273,13 @@ def _cluster(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
     with LocalCluster(
-        args.daemons, dram=args.dram, ssd=args.ssd, master_port=args.port, admin=True, admin_port=args.admin_port
+        args.daemons,
+        dram=args.dram,
+        ssd=args.ssd,
+        master_port=args.port,
+        admin=True,
+        admin_port=args.admin_port,
+        die_with_parent=True,  # killed outright, it takes its processes with it (their arenas stay: --list-arenas)
     ) as cluster:
         try:  # from the first line printed: a signal may come as soon as a reader sees the master
             print(f"master  {cluster.master_address}", flush=True)

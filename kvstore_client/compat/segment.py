@@ -52,7 +52,8 @@ def split_hostname(local_hostname: str) -> tuple[str, int | None]:
     return host, int(port) if port is not None else None
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """A ``preexec_fn``: the child gets SIGTERM when the thread that started it ends (Linux)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a crashed client takes its segment with it
 
@@ -106,7 +107,7 @@ class Segment:
         with open(workdir / "daemon.log", "wb") as log:
             proc = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )  # fmt: skip
         return cls(name, proc, workdir)
 
