@@ -25,7 +25,7 @@ from kvstore.protocol import ErrorReply, Message
 from transfer.auth import CredentialSource, authenticate, current
 from transfer.discovery import MasterLocator
 from transfer.tls import wrap_client
-from transfer.wire import NoRequest, connect, io_errors, parse_address, recv_message, send_message
+from transfer.wire import NoRequest, connect, cut, io_errors, parse_address, recv_message, send_message
 
 M = TypeVar("M", bound=Message)
 
@@ -57,6 +57,7 @@ class Connection:
         """The key the handshake of the current connection agreed (empty without a credential)."""
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._aborted = False
         # Ids unique across clients (with overwhelming odds), so the master can tell a retry from a new request.
         self._ids = itertools.count(random.getrandbits(62) + 1)
 
@@ -94,6 +95,8 @@ class Connection:
         backoff = 0.01
         stale = self._sock is not None
         while True:
+            if self._aborted:
+                raise ConnectionFailed(f"{what}: the connection was closed")
             try:
                 if self.locator is not None:
                     self._follow(self.locator.address)
@@ -207,6 +210,19 @@ class Connection:
     def close(self) -> None:
         with self._lock:
             self._close_locked()
+
+    def abort(self) -> None:
+        """Close from another thread, at once: a call blocked in it (a peer that does not answer)
+        ends with ConnectionFailed instead of running out its timeout, and no call starts again."""
+        self._aborted = True
+        sock = self._sock
+        if sock is not None:
+            cut(sock)  # the thread blocked on it then closes it, as after any failure
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_locked()
+            finally:
+                self._lock.release()
 
 
 class PendingReply:

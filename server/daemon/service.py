@@ -815,6 +815,8 @@ class MasterLink:
 
     def stop(self) -> None:
         self._stop.set()
+        for conn in (self._conn, self._reports):  # a master that does not answer must not hold the stop up
+            conn.abort()
         self._thread.join(timeout=5)
         self._reporter.join(timeout=5)
         self._conn.close()

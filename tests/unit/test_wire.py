@@ -184,3 +184,32 @@ def test_dropped_bytes_take_one_scratch_buffer_whatever_size_is_announced() -> N
         finally:
             tracemalloc.stop()
         assert peak < 4 << 20
+
+
+def test_abort_ends_a_call_blocked_on_a_peer_that_never_answers() -> None:
+    """A daemon stopping while its master link waits on a silent master: the call ends at once
+    with ConnectionFailed, not when its 60 s run out, and the connection takes no call after."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
+    conn = Connection(f"127.0.0.1:{server.getsockname()[1]}", timeout=60)
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            conn.call(Stats(), StatsReply)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    while not accepted:  # the request is on its way: the call is blocked on the reply
+        threading.Event().wait(0.01)
+    conn.abort()
+    caller.join(timeout=30)
+    assert not caller.is_alive() and isinstance(outcome[0], ConnectionFailed)
+    with pytest.raises(ConnectionFailed, match="closed"):
+        conn.call(Stats(), StatsReply)
+    server.close()
+    for sock in accepted:
+        sock.close()
