@@ -281,6 +281,12 @@ def load(model: type[ConfigT], component: str, environ: Mapping[str, str] | None
     return model._validate_named(merged, f"{component} config", lambda loc: _setting_name(loc, prefix, overrides))
 
 
+def daemon_dram(environ: Mapping[str, str] | None = None, **overrides: Any) -> DramConfig:
+    """The DRAM tier's config as a daemon reads it (``KVSTORE_DAEMON_DRAM__*``, then ``overrides``):
+    where its arena lives, for tools that find or remove arenas."""
+    return load(DramConfig, "daemon_dram_", environ, **overrides)
+
+
 def _setting_name(loc: Loc, prefix: str, overrides: Mapping[str, Any]) -> str:
     """The name a user wrote: the environment variable, or the dotted keyword path."""
     if loc and loc[0] not in overrides:

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import IO, Self
 
 from kvstore.auth import OPERATIONS, add_admin, add_tenant, cluster_credential, read_secret_file
-from kvstore.config import ClientConfig, DramConfig, TlsConfig, load
+from kvstore.config import ClientConfig, TlsConfig, daemon_dram
 from kvstore.errors import ConnectionFailed, KVStoreError, Timeout
 from kvstore.protocol import Stats, StatsReply
 from kvstore.tiers.dram import DramArena
 from kvstore_cli.certs import CertFiles, make_certs
-from kvstore_client.compat.segment import die_with_parent
+from kvstore_client.children import die_with_parent, terminate
 from transfer.discovery import MasterLocator
 from transfer.rpc import Connection
 from transfer.tls import contexts
@@ -291,28 +291,17 @@ class LocalCluster:
         self.wait_for_nodes(sum(p is not None for p in self.daemons))
 
     # -- teardown --------------------------------------------------------------------------
-    @staticmethod
-    def _terminate(proc: subprocess.Popen[str] | None) -> None:
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
     def stop(self) -> None:
         for i, proc in enumerate(self.daemons):
-            self._terminate(proc)
+            terminate(proc, 10)
             self.daemons[i] = None
-        self._terminate(self.master)
+        terminate(self.master, 10)
         self.master = None
         for m, proc in enumerate(self.masters):
-            self._terminate(proc)
+            terminate(proc, 10)
             self.masters[m] = None
         for i in range(self.num_daemons):  # where the daemons put them (KVSTORE_DAEMON_DRAM__SHM_DIR too)
-            DramArena.remove(load(DramConfig, "daemon_dram_", environ=self.env, name=self.arena_name(i)))
+            DramArena.remove(daemon_dram(self.env, name=self.arena_name(i)))
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -141,12 +141,12 @@ def _daemon_arguments(p: argparse.ArgumentParser) -> None:
 
 def _arenas(args: argparse.Namespace) -> int:
     """--list-arenas and --remove-arena: leftovers of daemons that are gone for good."""
-    from kvstore.config import DramConfig, format_size
+    from kvstore.config import daemon_dram, format_size
     from kvstore.tiers.dram import find_arenas, remove_arena
 
-    shm = load(DramConfig, "daemon_dram_")  # KVSTORE_DAEMON_DRAM__SHM_DIR, as the daemon reads it
+    shm = daemon_dram()
     for name in args.remove_arena:
-        freed = remove_arena(load(DramConfig, "daemon_dram_", name=name))
+        freed = remove_arena(daemon_dram(name=name))
         print(f"removed arena {name}: {format_size(freed)} of memory freed" if freed else f"no arena {name}")
     if args.list_arenas:
         arenas = find_arenas(shm.shm_dir)

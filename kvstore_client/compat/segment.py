@@ -10,12 +10,10 @@ server never import each other (DESIGN.md), so the daemon is a process, stopped 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +22,7 @@ import time
 from pathlib import Path
 
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, Timeout
+from kvstore_client.children import die_with_parent, terminate
 from kvstore_client.store import Store
 
 PORTS = range(12300, 14301)
@@ -50,12 +49,6 @@ def split_hostname(local_hostname: str) -> tuple[str, int | None]:
     if not host or (port is not None and (not port.isdigit() or not 0 < int(port) < 65536)):
         raise InvalidArgument(f"local_hostname {local_hostname!r} is not host or host:port")
     return host, int(port) if port is not None else None
-
-
-def die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """A ``preexec_fn``: the child gets SIGTERM when the thread that started it ends (Linux)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: a crashed client takes its segment with it
 
 
 class Segment:
@@ -131,13 +124,7 @@ class Segment:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stop the daemon: it has the master forget its node, and deletes its arena."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout_s)
+        terminate(self.proc, timeout_s)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

@@ -42,6 +42,7 @@ import pytest
 
 from kvstore.errors import KVStoreError
 from kvstore_client import Store
+from kvstore_client.children import terminate
 from kvstore_client.store import PutOptions, PutStatus
 from tests.conftest import admin_call
 from transfer.discovery import EtcdCluster, read_leader
@@ -142,12 +143,7 @@ def docker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Docker]:
         Docker.figure("docker tests, in all", f"{time.monotonic() - started:.0f} s")
     finally:
         if dockerd is not None:  # ours: stop it as we found it (the images stay on disk)
-            dockerd.send_signal(signal.SIGTERM)
-            try:
-                dockerd.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                dockerd.kill()
-                dockerd.wait(timeout=30)
+            terminate(dockerd, 60)
 
 
 # -- images -------------------------------------------------------------------------------------
