@@ -30,7 +30,7 @@ import msgspec
 
 from kvstore.errors import KVStoreError, ProtocolError, error_from_code
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 FRAME_HEADER = struct.Struct("!I")
 
@@ -519,11 +519,14 @@ class ReturnGrants(Message, tag=72, frozen=True):
 
 
 class AccessReport(Message, tag=73, frozen=True):
-    """Blocks a daemon served by key since its last report (reads that asked the master nothing):
-    the master counts the hits and keeps its LRU order."""
+    """Blocks a daemon served by key since its last report (reads that asked the master nothing),
+    each with the tier it was read from: the master counts the hits and keeps its LRU order. The
+    tier is the one at the read: a report may come after the block moved (a read of a DRAM block
+    demoted since is no SSD hit, and promotes nothing)."""
 
     node_id: str
     keys: list[str]
+    tiers: list[Tier]
 
 
 class CommitGranted(Message, tag=74, frozen=True):

@@ -12,7 +12,9 @@
   its lock; a move that failed and dropped it makes that read a miss), under
   a lease of no replica, which keeps the reply's lease ids one per hit.
 - ``record_access`` counts reads a daemon served by key without the master
-  (the one-trip read path) and touches the LRU as ``get_replicas`` does.
+  (the one-trip read path) and touches the LRU as ``get_replicas`` does. Each
+  counts in the tier it was read from: a report can come after a demotion,
+  and a DRAM read must not then count as an SSD hit that promotes it back.
 - Holds (Mooncake's "KV lease", off unless ``hold_ms`` > 0): a key found by a
   get, an exists or a daemon's access report is held for ``hold_ms`` — a lease
   the reader does not release, so it is neither evicted nor demoted meanwhile,
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvstore.errors import InvalidArgument
 from kvstore.keys import validate_key
 from kvstore.placement.leases import LeaseId
 from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry, ReplicaState
@@ -154,13 +157,17 @@ class Reads:
             leases.release(LeaseId(lease_id))
         return self.tiering.plan_promotions()
 
-    def record_access(self, node_id: str, keys: Iterable[str], now_ms: int = 0) -> None:
-        """Count reads ``node_id``'s daemon served by key (no master round trip) and touch their LRU
-        (and hold them, with ``hold_ms`` and ``now_ms``)."""
+    def record_access(self, node_id: str, keys: Sequence[str], tiers: Sequence[str], now_ms: int = 0) -> None:
+        """Count reads ``node_id``'s daemon served by key (no master round trip) from ``tiers`` and
+        touch their LRU (and hold them, with ``hold_ms`` and ``now_ms``). A hit counts in the tier it
+        was read from, which the block may have left since: only a read from SSD counts towards
+        promoting a block that is on SSD still."""
+        if len(keys) != len(tiers):
+            raise InvalidArgument(f"an access report of {len(keys)} keys with {len(tiers)} tiers")
         cat = self.catalog
         counters = cat.counters
         held: list[ObjectEntry] = []
-        for key in keys:
+        for key, served in zip(keys, tiers, strict=True):
             entry = cat.objects.get(key)
             if entry is None or entry.removing or not entry.committed:
                 continue
@@ -173,13 +180,14 @@ class Reads:
             cat.touch(entry)
             if self.hold_ms and now_ms:
                 held.append(entry)
-            if replica.tier is DRAM:
+            if served != SSD.value:
                 counters["dram_hits"] += 1
             else:
                 counters["ssd_hits"] += 1
-                entry.ssd_hits += 1
-                if self.policy.should_promote(entry.ssd_hits) and not any(r.tier is DRAM for r in entry.replicas):
-                    cat.want_promote.add(key)
+                if replica.tier is SSD:
+                    entry.ssd_hits += 1
+                    if self.policy.should_promote(entry.ssd_hits) and not any(r.tier is DRAM for r in entry.replicas):
+                        cat.want_promote.add(key)
         if held:
             self._hold(held, now_ms)
 

@@ -194,8 +194,8 @@ class PlacementTable:
     def release_leases(self, lease_ids: Iterable[int]) -> list[NodeCommand]:
         return self._reads.release_leases(lease_ids)
 
-    def record_access(self, node_id: str, keys: Iterable[str], now_ms: int = 0) -> None:
-        self._reads.record_access(node_id, keys, now_ms)
+    def record_access(self, node_id: str, keys: Sequence[str], tiers: Sequence[str], now_ms: int = 0) -> None:
+        self._reads.record_access(node_id, keys, tiers, now_ms)
 
     def match_prefix(self, keys: Sequence[str]) -> int:
         return self._reads.match_prefix(keys)

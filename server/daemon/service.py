@@ -630,16 +630,16 @@ class DaemonServer:
             raise InvalidArgument("ReadBlocks with mismatched keys, tiers, offsets and sizes")
         keys = self._keys(msg.keys)
         sums: list[int] = []
-        with self.storage.read_views(keys, sums) as views:
+        tiers: list[str] = []
+        with self.storage.read_views(keys, sums, tiers) as views:
             sizes = [-1 if v is None else v.nbytes for v in views]
             send_message(sock, ReadReply(sizes, sums), request_id, [v for v in views if v is not None])
         self.count("tcp", self._rail(sock), "out", sum(n for n in sizes if n > 0))
         if self.master is not None:
             # A reader that knew the size asked the master, which counted the hit; one that did not
             # (size 0) came here first: the master learns of it from this node's access reports.
-            self.master.note_access(
-                [k for k, want, got in zip(keys, msg.sizes, sizes, strict=True) if not want and got > 0]
-            )
+            served = [(k, tier) for k, want, tier in zip(keys, msg.sizes, tiers, strict=True) if not want and tier]
+            self.master.note_access(served)
 
     def _read_slices(self, msg: ReadSlices, sock: socket.socket, request_id: int) -> None:
         if not len(msg.keys) == len(msg.starts) == len(msg.lengths):
@@ -702,7 +702,8 @@ class MasterLink:
         self._reports = Connection(locator, timeout, credential, tls)
         self.peers: list[str] = []
         """The nodes the master last said were in the cluster (told to the next master we register with)."""
-        self._accessed: deque[str] = deque(maxlen=1 << 20)  # a master too slow to take them loses the oldest
+        # Reads served by key, with the tier each came from; a master too slow to take them loses the oldest.
+        self._accessed: deque[tuple[BlockKey, str]] = deque(maxlen=1 << 20)
         self._report_period = report_period_s
         self.master = master
         self.rails = list(rails)
@@ -736,9 +737,10 @@ class MasterLink:
             raise ProtocolError(f"the master answered {len(reply.codes)} commits for {len(keys)} blocks")
         return list(zip(reply.codes, reply.errors, strict=True))
 
-    def note_access(self, keys: list[BlockKey]) -> None:
-        """Blocks served by key to readers that did not ask the master: reported within a period."""
-        self._accessed.extend(keys)
+    def note_access(self, served: list[tuple[BlockKey, str]]) -> None:
+        """Blocks served by key to readers that did not ask the master, each with the tier it was
+        read from: reported within a period."""
+        self._accessed.extend(served)
 
     def _report_loop(self) -> None:
         while not self._stop.wait(self._report_period):
@@ -746,11 +748,12 @@ class MasterLink:
 
     def flush_reports(self) -> None:
         accessed = self._accessed
-        keys = [accessed.popleft() for _ in range(min(len(accessed), 65536))]
-        if not keys:
+        served = [accessed.popleft() for _ in range(min(len(accessed), 65536))]
+        if not served:
             return
+        keys, tiers = (list(column) for column in zip(*served, strict=True))
         try:
-            self._reports.call(AccessReport(self.node_id, keys), OkReply)
+            self._reports.call(AccessReport(self.node_id, keys, tiers), OkReply)
         except KVStoreError as exc:
             log.debug("access report of %d keys lost: %s", len(keys), exc)  # LRU order only; never data
 

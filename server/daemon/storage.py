@@ -272,10 +272,11 @@ class DaemonStorage:
     # -- reads ---------------------------------------------------------------------
     @contextmanager
     def read_views(
-        self, keys: Sequence[BlockKey], checksums: list[int] | None = None
+        self, keys: Sequence[BlockKey], checksums: list[int] | None = None, tiers: list[str] | None = None
     ) -> Iterator[list[memoryview | None]]:
         """Zero-copy views of the blocks held (None for the others), valid inside the ``with``.
-        ``checksums``, when given, is filled with each block's checksum (0 for those not held)."""
+        ``checksums``, when given, is filled with each block's checksum (0 for those not held);
+        ``tiers`` with the tier each was read from ("dram", "ssd", or "" for those not held)."""
         with self.lock.shared(), ExitStack() as stack:
             views: list[memoryview | None] = [None] * len(keys)
             on_ssd: list[int] = []
@@ -297,6 +298,11 @@ class DaemonStorage:
                 ssd_views = stack.enter_context(self.ssd.views([keys[i] for i in on_ssd]))
                 for i, view in zip(on_ssd, ssd_views, strict=True):
                     views[i] = view
+            if tiers is not None:
+                tiers[:] = ["" if v is None else "dram" for v in views]
+                for i in on_ssd:
+                    if views[i] is not None:
+                        tiers[i] = "ssd"
             yield views
 
     # -- the master's commands -------------------------------------------------------------

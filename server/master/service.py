@@ -946,7 +946,7 @@ class MasterService:
         return PutReply([code for code, _ in outcome], [text for _, text in outcome])
 
     async def _access_report(self, m: AccessReport) -> Message:
-        self.table.record_access(m.node_id, m.keys, _now_ms())
+        self.table.record_access(m.node_id, m.keys, m.tiers, _now_ms())
         return OkReply()
 
     async def _release_leases(self, m: ReleaseLeases) -> Message:

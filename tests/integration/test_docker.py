@@ -352,14 +352,16 @@ class Cluster:
     def diagnosis(self) -> str:
         """What an assertion about the cluster's state should show: the leader's view of the nodes and
         the daemons' and masters' logs (a test's failure does not reach the fixture's own dump)."""
-        try:
-            code, nodes = admin_call(self.leader_admin(), "GET", "/api/v1/nodes")
-            shown = f"nodes ({code}): {json.dumps(nodes)[:3000]}"
-        except (AssertionError, OSError, ValueError) as exc:
-            shown = f"nodes: {exc!r}"
+        shown = []
+        for path in ("/api/v1/nodes", "/api/v1/cluster"):  # the tiers; the counters of moves and hits
+            try:
+                code, body = admin_call(self.leader_admin(), "GET", path)
+                shown.append(f"{path} ({code}): {json.dumps(body)[:3000]}")
+            except (AssertionError, OSError, ValueError) as exc:
+                shown.append(f"{path}: {exc!r}")
         logs = self.compose("logs", "--no-color", "--tail=30", "node1", "node2", "master1", "master2",
                             timeout=120, check=False)  # fmt: skip
-        return f"{shown}\n{logs[-8000:]}"
+        return "\n".join([*shown, logs[-8000:]])
 
     def inspect_many(self, ids: list[str], template: str) -> list[str]:
         return sh("docker", "inspect", "--format", template, *ids, timeout=60).split()

@@ -55,8 +55,10 @@ def test_commands_are_idempotent(storage: DaemonStorage) -> None:
     write(storage, "b", KB, b"b" * KB)
     assert storage.demote([K("a"), K("missing")]) == [True, False]
     assert storage.demote([K("a")]) == [True]  # retried: already on SSD
-    with storage.read_views([K("a")]) as [view]:
+    tiers: list[str] = []
+    with storage.read_views([K("a"), K("b"), K("missing")], tiers=tiers) as [view, _, _]:
         assert view is not None and bytes(view) == b"a" * KB
+    assert tiers == ["ssd", "dram", ""]  # where each was read from, as the access reports say
     assert storage.promote([K("a")], [8 * KB]) == [True]
     assert storage.promote([K("a")], [8 * KB]) == [True]  # retried: already there
     assert storage.arena.extent(K("a")).offset == 8 * KB

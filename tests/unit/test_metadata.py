@@ -3,58 +3,18 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, NoNodes, NotFound, RetryLater
-from kvstore.placement.state import Move, NodeCommand
+from kvstore.placement.state import Move
 from kvstore.placement.table import PlacementTable
-from kvstore.policy import ActionKind, EvictionPolicy, TierName
+from kvstore.policy import ActionKind, EvictionPolicy
 from kvstore.protocol import (
     PUT_EXISTS,
     PUT_STORED,
-    GetReplicasReply,
     InventoryItem,
     NodePrefix,
     PrefixMatch,
-    PutTicket,
     Tier,
 )
-
-KB = 1024
-DRAM, SSD = TierName.DRAM, TierName.SSD
-EXACT = EvictionPolicy(1.0, 1.0, promote_after_hits=2)
-
-
-def table(*nodes: str, dram: int = 4 * KB, ssd: int = 0, policy: EvictionPolicy = EXACT, **kw: int) -> PlacementTable:
-    t = PlacementTable(policy, **kw)  # type: ignore[arg-type]
-    for n in nodes:
-        assert t.register_node(n, f"{n}:1", dram, ssd, 64, [], now_ms=0) == []
-    return t
-
-
-def put(t: PlacementTable, *keys: str, size: int = KB, now: int = 0, **kw: object) -> list[PutTicket | None]:
-    plan = t.put_start(list(keys), [size] * len(keys), int(kw.get("replicas", 1)), kw.get("node"), False, now)  # type: ignore[arg-type]
-    assert plan.commands == [] and plan.waiting == [], plan
-    ok = [k for k, tk in zip(keys, plan.tickets, strict=True) if tk is not None and tk.status == "ok"]
-    assert t.put_end(ok, [7] * len(ok)) == [True] * len(ok)
-    t.check()
-    return plan.tickets
-
-
-def got(reply: GetReplicasReply) -> list[int]:
-    """The lease ids a get's reply hands its reader: consecutive from ``first_lease``, one per hit."""
-    hits = sum(size >= 0 for size in reply.sizes)
-    return list(range(reply.first_lease, reply.first_lease + hits)) if reply.first_lease else []
-
-
-def leased(t: PlacementTable, key: str) -> list[bool]:
-    """Per replica of ``key``, whether the table says it is leased."""
-    described = t.describe(key)
-    assert described is not None
-    return [bool(r["leased"]) for r in described["replicas"]]  # type: ignore[attr-defined]
-
-
-def run(t: PlacementTable, commands: list[NodeCommand], ok: bool = True) -> None:
-    for c in commands:
-        t.apply(c, [ok] * len(c.keys))
-    t.check()
+from tests.unit.placement import DRAM, EXACT, KB, SSD, got, leased, put, run, table
 
 
 def test_put_commit_and_get() -> None:
@@ -113,91 +73,6 @@ def test_revoke_releases_through_the_daemon() -> None:
     assert cmd.keys == ("k1",)
     run(t, [cmd], ok=False)  # nothing had been written: the extent is free all the same
     assert t.nodes["a"].alloc.used == KB
-
-
-def test_full_node_evicts_in_lru_order_before_placing() -> None:
-    t = table("a", dram=4 * KB, ssd=2 * KB)
-    put(t, "k0", "k1", "k2", "k3")
-    t.release_leases(got(t.get_replicas(["k0"], 0)))
-    plan = t.put_start(["k4"], [KB], 1, None, False, 0)
-    assert plan.tickets == [None] and plan.waiting == [0]
-    [cmd] = plan.commands
-    assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.DEMOTE, DRAM, ("k1",))
-    [moving] = t.get_replicas(["k1"], 0).located(["k1"])  # moving: read by key through its daemon
-    assert moving is not None and [(r.tier, r.offset) for r in moving.replicas] == [("ssd", -1)]
-    run(t, plan.commands)
-    [loc] = t.get_replicas(["k1"], 0).located(["k1"])
-    assert loc is not None and loc.replicas[0].tier == "ssd" and loc.replicas[0].offset == -1
-    put(t, "k4")
-    assert list(t.nodes["a"].dram_lru) == ["k2", "k3", "k0", "k4"]
-
-
-def test_full_ssd_drops_its_lru_block_to_take_a_demotion() -> None:
-    t = table("a", dram=2 * KB, ssd=KB)
-    put(t, "k0", "k1")
-    plan = t.put_start(["k2"], [KB], 1, None, False, 0)
-    run(t, plan.commands)
-    put(t, "k2")
-    plan = t.put_start(["k3"], [KB], 1, None, False, 0)
-    assert [(c.kind, c.tier, c.keys) for c in plan.commands] == [
-        (ActionKind.DROP, SSD, ("k0",)),
-        (ActionKind.DEMOTE, DRAM, ("k1",)),
-    ]
-    run(t, plan.commands)
-    assert t.exists(["k0", "k1"]) == [False, True]
-    assert t.counters["evictions"] == 1 and t.counters["demotions"] == 2
-
-
-def test_failed_demotion_means_the_daemon_dropped_it() -> None:
-    t = table("a", dram=KB, ssd=4 * KB)
-    put(t, "k0")
-    plan = t.put_start(["k1"], [KB], 1, None, False, 0)
-    run(t, plan.commands, ok=False)
-    assert t.exists(["k0"]) == [False] and t.nodes["a"].ssd_used == 0
-
-
-def test_a_block_mid_move_stays_readable_through_its_daemon() -> None:
-    """While its demotion is under way the block is neither where it was nor where it goes: a get
-    still finds it, as a replica to read by key (no extent, no lease), and so does exists; a
-    demotion that failed leaves a miss, one that worked the SSD replica."""
-    t = table("a", dram=KB, ssd=4 * KB)
-    put(t, "k0")
-    plan = t.put_start(["k1"], [KB], 1, None, False, 0)
-    assert [c.keys for c in plan.commands] == [("k0",)]  # k0 is being demoted
-    leases = len(t.leases)
-    reply = t.get_replicas(["k0", "nope"], 0)
-    assert reply.sizes == [KB, -1] and reply.tiers == ["ssd"] and reply.offsets == [-1]
-    # One lease per hit, of no replica: the ids the reader releases are its own.
-    assert len(t.leases) == leases + 1
-    assert t.release_leases([reply.first_lease]) == [] and len(t.leases) == leases
-    assert t.exists(["k0"]) == [True]
-    t.check()
-    run(t, plan.commands)
-    reply = t.get_replicas(["k0"], 0)
-    assert reply.tiers == ["ssd"] and t.tier_usage(t.nodes["a"])["ssd"]["blocks"] == 1
-
-
-def test_leased_and_pinned_blocks_are_not_evicted() -> None:
-    t = table("a", dram=2 * KB)
-    put(t, "k0", "k1")
-    t.get_replicas(["k0"], 0).located(["k0"])  # leased for 5 s
-    plan = t.put_start(["k2"], [KB], 1, None, False, now_ms=10)
-    assert [c.keys for c in plan.commands] == [("k1",)]
-    run(t, plan.commands)
-    put(t, "k2", now=10)
-    plan = t.put_start(["k3"], [KB], 1, None, False, now_ms=10)
-    assert [c.keys for c in plan.commands] == [("k2",)]
-    run(t, plan.commands)
-    t.put_start(["p"], [KB], 1, None, True, 10)
-    t.put_end(["p"], [1])
-    t.expire(10_000)  # lease over
-    plan = t.put_start(["k4"], [KB], 1, None, True, now_ms=10_000)
-    assert [c.keys for c in plan.commands] == [("k0",)]
-    run(t, plan.commands)
-    t.put_start(["k4"], [KB], 1, None, True, now_ms=10_000)
-    t.put_end(["k4"], [1])
-    again = t.put_start(["k5"], [KB], 1, None, False, 10_000)
-    assert again.tickets[0] is not None and again.tickets[0].error_code == CapacityError.code  # only pinned left
 
 
 def test_an_early_release_does_not_end_a_later_readers_lease() -> None:
@@ -326,38 +201,6 @@ def test_reregistration_replaces_the_nodes_state() -> None:
     assert loc is not None and loc.replicas[0].address == "a:2" and loc.replicas[0].offset == 2048
 
 
-def test_ssd_block_is_promoted_after_hits_once_unleased() -> None:
-    t = table("a", dram=4 * KB, ssd=4 * KB, policy=EvictionPolicy(0.9, 0.5, promote_after_hits=2))
-    put(t, "k0", "k1", "k2")
-    plan = t.put_start(["k3"], [KB], 1, None, False, 0)  # past 90%: evict down to 50%
-    assert [(c.kind, c.keys) for c in plan.commands] == [(ActionKind.DEMOTE, ("k0", "k1"))]
-    assert plan.tickets[0] is not None and plan.tickets[0].status == "ok"  # placed at once, eviction in background
-    run(t, plan.commands)
-    t.put_end(["k3"], [7])
-    assert t.release_leases(got(t.get_replicas(["k0"], 0))) == []  # one hit
-    second = got(t.get_replicas(["k0"], 0))
-    assert t.expire(1) == []  # second hit, but still leased by this read
-    [cmd] = t.release_leases(second)
-    assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.PROMOTE, SSD, ("k0",)) and cmd.offsets[0] >= 0
-    [moving] = t.get_replicas(["k0"], 0).located(["k0"])  # moving while promoted: by key, no extent
-    assert moving is not None and [(r.tier, r.offset) for r in moving.replicas] == [("ssd", -1)]
-    t.check()
-    run(t, [cmd])
-    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
-    assert loc is not None and loc.replicas[0].tier == "dram" and loc.replicas[0].offset == cmd.offsets[0]
-    assert t.counters["promotions"] == 1 and t.nodes["a"].ssd_used == KB
-
-
-def test_failed_promotion_leaves_the_block_on_ssd() -> None:
-    t = table("a", dram=4 * KB, ssd=4 * KB, policy=EvictionPolicy(0.9, 0.5, promote_after_hits=1))
-    put(t, "k0", "k1", "k2")
-    run(t, t.put_start(["k3"], [KB], 1, None, False, 0).commands)
-    [cmd] = t.release_leases(got(t.get_replicas(["k0"], 0)))
-    run(t, [cmd], ok=False)
-    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
-    assert loc is not None and loc.replicas[0].tier == "ssd"
-
-
 def test_remove_hides_at_once_and_frees_after_the_daemon() -> None:
     t = table("a", dram=4 * KB, ssd=4 * KB)
     put(t, "k0", "k1")
@@ -401,22 +244,6 @@ def test_pins_come_back_with_the_inventory() -> None:
     assert fresh.nodes["a"].dram_lru.is_pinned("p") and not fresh.nodes["a"].dram_lru.is_pinned("q")
     plan = fresh.put_start(["r"], [KB], 1, None, False, 0)
     assert [c.keys for c in plan.commands] == [("q",)]  # the pinned block is not a victim
-
-
-def test_a_node_out_of_index_slots_evicts_to_make_one() -> None:
-    t = PlacementTable(EXACT)
-    assert t.register_node("a", "a:1", 64 * KB, 0, 64, [], 0, max_blocks=3) == []
-    put(t, "k0", "k1", "k2", size=100)  # bytes to spare, but every slot taken
-    plan = t.put_start(["k3"], [100], 1, None, False, 0)
-    assert plan.tickets == [None] and plan.waiting == [0]  # waits for an eviction
-    [drop] = plan.commands
-    assert drop.kind is ActionKind.DROP and drop.keys == ("k0",)  # the least recently used
-    assert t.put_start(["k4"], [100], 1, None, False, 0).tickets == [None]  # in flight: no second eviction
-    run(t, [drop])
-    [ticket] = put(t, "k3", size=100)
-    assert ticket is not None and ticket.status == "ok"
-    assert t.exists(["k0", "k1", "k2", "k3"]) == [False, True, True, True]
-    t.check()
 
 
 # -- per-node prefix match ------------------------------------------------------------------------
@@ -709,7 +536,7 @@ def test_a_read_holds_its_key_against_remove_and_eviction_for_hold_ms() -> None:
     run(t, plan.commands)
     put(t, "k2", now=10)
     assert t.exists(["k2"], now_ms=500) == [True] and t.held(["k2"], 1400) == [0]
-    t.record_access("a", ["k0"], now_ms=900)  # a read the daemon served alone, reported at 900
+    t.record_access("a", ["k0"], ["dram"], now_ms=900)  # a read the daemon served alone, reported at 900
     t.expire(1000)
     assert t.held(["k0"], 1899) == [0] and leased(t, "k0") == [True]
     t.expire(1900)

@@ -1,0 +1,48 @@
+"""Helpers for the placement table's unit tests: a table of empty nodes, puts that commit, and the
+daemons' answers to its commands."""
+
+from __future__ import annotations
+
+from kvstore.placement.state import NodeCommand
+from kvstore.placement.table import PlacementTable
+from kvstore.policy import EvictionPolicy, TierName
+from kvstore.protocol import GetReplicasReply, PutTicket
+
+KB = 1024
+DRAM, SSD = TierName.DRAM, TierName.SSD
+EXACT = EvictionPolicy(1.0, 1.0, promote_after_hits=2)
+
+
+def table(*nodes: str, dram: int = 4 * KB, ssd: int = 0, policy: EvictionPolicy = EXACT, **kw: int) -> PlacementTable:
+    t = PlacementTable(policy, **kw)  # type: ignore[arg-type]
+    for n in nodes:
+        assert t.register_node(n, f"{n}:1", dram, ssd, 64, [], now_ms=0) == []
+    return t
+
+
+def put(t: PlacementTable, *keys: str, size: int = KB, now: int = 0, **kw: object) -> list[PutTicket | None]:
+    plan = t.put_start(list(keys), [size] * len(keys), int(kw.get("replicas", 1)), kw.get("node"), False, now)  # type: ignore[arg-type]
+    assert plan.commands == [] and plan.waiting == [], plan
+    ok = [k for k, tk in zip(keys, plan.tickets, strict=True) if tk is not None and tk.status == "ok"]
+    assert t.put_end(ok, [7] * len(ok)) == [True] * len(ok)
+    t.check()
+    return plan.tickets
+
+
+def got(reply: GetReplicasReply) -> list[int]:
+    """The lease ids a get's reply hands its reader: consecutive from ``first_lease``, one per hit."""
+    hits = sum(size >= 0 for size in reply.sizes)
+    return list(range(reply.first_lease, reply.first_lease + hits)) if reply.first_lease else []
+
+
+def leased(t: PlacementTable, key: str) -> list[bool]:
+    """Per replica of ``key``, whether the table says it is leased."""
+    described = t.describe(key)
+    assert described is not None
+    return [bool(r["leased"]) for r in described["replicas"]]  # type: ignore[attr-defined]
+
+
+def run(t: PlacementTable, commands: list[NodeCommand], ok: bool = True) -> None:
+    for c in commands:
+        t.apply(c, [ok] * len(c.keys))
+    t.check()

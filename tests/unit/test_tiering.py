@@ -1,0 +1,160 @@
+"""The placement table's tiers: evictions (DRAM to SSD, SSD out), promotions back, what a lease or
+a pin keeps, and reads of a block while it moves."""
+
+from __future__ import annotations
+
+from kvstore.errors import CapacityError
+from kvstore.placement.table import PlacementTable
+from kvstore.policy import ActionKind, EvictionPolicy
+from tests.unit.placement import DRAM, EXACT, KB, SSD, got, put, run, table
+
+
+def test_full_node_evicts_in_lru_order_before_placing() -> None:
+    t = table("a", dram=4 * KB, ssd=2 * KB)
+    put(t, "k0", "k1", "k2", "k3")
+    t.release_leases(got(t.get_replicas(["k0"], 0)))
+    plan = t.put_start(["k4"], [KB], 1, None, False, 0)
+    assert plan.tickets == [None] and plan.waiting == [0]
+    [cmd] = plan.commands
+    assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.DEMOTE, DRAM, ("k1",))
+    [moving] = t.get_replicas(["k1"], 0).located(["k1"])  # moving: read by key through its daemon
+    assert moving is not None and [(r.tier, r.offset) for r in moving.replicas] == [("ssd", -1)]
+    run(t, plan.commands)
+    [loc] = t.get_replicas(["k1"], 0).located(["k1"])
+    assert loc is not None and loc.replicas[0].tier == "ssd" and loc.replicas[0].offset == -1
+    put(t, "k4")
+    assert list(t.nodes["a"].dram_lru) == ["k2", "k3", "k0", "k4"]
+
+
+def test_full_ssd_drops_its_lru_block_to_take_a_demotion() -> None:
+    t = table("a", dram=2 * KB, ssd=KB)
+    put(t, "k0", "k1")
+    plan = t.put_start(["k2"], [KB], 1, None, False, 0)
+    run(t, plan.commands)
+    put(t, "k2")
+    plan = t.put_start(["k3"], [KB], 1, None, False, 0)
+    assert [(c.kind, c.tier, c.keys) for c in plan.commands] == [
+        (ActionKind.DROP, SSD, ("k0",)),
+        (ActionKind.DEMOTE, DRAM, ("k1",)),
+    ]
+    run(t, plan.commands)
+    assert t.exists(["k0", "k1"]) == [False, True]
+    assert t.counters["evictions"] == 1 and t.counters["demotions"] == 2
+
+
+def test_failed_demotion_means_the_daemon_dropped_it() -> None:
+    t = table("a", dram=KB, ssd=4 * KB)
+    put(t, "k0")
+    plan = t.put_start(["k1"], [KB], 1, None, False, 0)
+    run(t, plan.commands, ok=False)
+    assert t.exists(["k0"]) == [False] and t.nodes["a"].ssd_used == 0
+
+
+def test_a_block_mid_move_stays_readable_through_its_daemon() -> None:
+    """While its demotion is under way the block is neither where it was nor where it goes: a get
+    still finds it, as a replica to read by key (no extent, no lease), and so does exists; a
+    demotion that failed leaves a miss, one that worked the SSD replica."""
+    t = table("a", dram=KB, ssd=4 * KB)
+    put(t, "k0")
+    plan = t.put_start(["k1"], [KB], 1, None, False, 0)
+    assert [c.keys for c in plan.commands] == [("k0",)]  # k0 is being demoted
+    leases = len(t.leases)
+    reply = t.get_replicas(["k0", "nope"], 0)
+    assert reply.sizes == [KB, -1] and reply.tiers == ["ssd"] and reply.offsets == [-1]
+    # One lease per hit, of no replica: the ids the reader releases are its own.
+    assert len(t.leases) == leases + 1
+    assert t.release_leases([reply.first_lease]) == [] and len(t.leases) == leases
+    assert t.exists(["k0"]) == [True]
+    t.check()
+    run(t, plan.commands)
+    reply = t.get_replicas(["k0"], 0)
+    assert reply.tiers == ["ssd"] and t.tier_usage(t.nodes["a"])["ssd"]["blocks"] == 1
+
+
+def test_leased_and_pinned_blocks_are_not_evicted() -> None:
+    t = table("a", dram=2 * KB)
+    put(t, "k0", "k1")
+    t.get_replicas(["k0"], 0).located(["k0"])  # leased for 5 s
+    plan = t.put_start(["k2"], [KB], 1, None, False, now_ms=10)
+    assert [c.keys for c in plan.commands] == [("k1",)]
+    run(t, plan.commands)
+    put(t, "k2", now=10)
+    plan = t.put_start(["k3"], [KB], 1, None, False, now_ms=10)
+    assert [c.keys for c in plan.commands] == [("k2",)]
+    run(t, plan.commands)
+    t.put_start(["p"], [KB], 1, None, True, 10)
+    t.put_end(["p"], [1])
+    t.expire(10_000)  # lease over
+    plan = t.put_start(["k4"], [KB], 1, None, True, now_ms=10_000)
+    assert [c.keys for c in plan.commands] == [("k0",)]
+    run(t, plan.commands)
+    t.put_start(["k4"], [KB], 1, None, True, now_ms=10_000)
+    t.put_end(["k4"], [1])
+    again = t.put_start(["k5"], [KB], 1, None, False, 10_000)
+    assert again.tickets[0] is not None and again.tickets[0].error_code == CapacityError.code  # only pinned left
+
+
+def test_ssd_block_is_promoted_after_hits_once_unleased() -> None:
+    t = table("a", dram=4 * KB, ssd=4 * KB, policy=EvictionPolicy(0.9, 0.5, promote_after_hits=2))
+    put(t, "k0", "k1", "k2")
+    plan = t.put_start(["k3"], [KB], 1, None, False, 0)  # past 90%: evict down to 50%
+    assert [(c.kind, c.keys) for c in plan.commands] == [(ActionKind.DEMOTE, ("k0", "k1"))]
+    assert plan.tickets[0] is not None and plan.tickets[0].status == "ok"  # placed at once, eviction in background
+    run(t, plan.commands)
+    t.put_end(["k3"], [7])
+    assert t.release_leases(got(t.get_replicas(["k0"], 0))) == []  # one hit
+    second = got(t.get_replicas(["k0"], 0))
+    assert t.expire(1) == []  # second hit, but still leased by this read
+    [cmd] = t.release_leases(second)
+    assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.PROMOTE, SSD, ("k0",)) and cmd.offsets[0] >= 0
+    [moving] = t.get_replicas(["k0"], 0).located(["k0"])  # moving while promoted: by key, no extent
+    assert moving is not None and [(r.tier, r.offset) for r in moving.replicas] == [("ssd", -1)]
+    t.check()
+    run(t, [cmd])
+    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
+    assert loc is not None and loc.replicas[0].tier == "dram" and loc.replicas[0].offset == cmd.offsets[0]
+    assert t.counters["promotions"] == 1 and t.nodes["a"].ssd_used == KB
+
+
+def test_failed_promotion_leaves_the_block_on_ssd() -> None:
+    t = table("a", dram=4 * KB, ssd=4 * KB, policy=EvictionPolicy(0.9, 0.5, promote_after_hits=1))
+    put(t, "k0", "k1", "k2")
+    run(t, t.put_start(["k3"], [KB], 1, None, False, 0).commands)
+    [cmd] = t.release_leases(got(t.get_replicas(["k0"], 0)))
+    run(t, [cmd], ok=False)
+    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
+    assert loc is not None and loc.replicas[0].tier == "ssd"
+
+
+def test_a_node_out_of_index_slots_evicts_to_make_one() -> None:
+    t = PlacementTable(EXACT)
+    assert t.register_node("a", "a:1", 64 * KB, 0, 64, [], 0, max_blocks=3) == []
+    put(t, "k0", "k1", "k2", size=100)  # bytes to spare, but every slot taken
+    plan = t.put_start(["k3"], [100], 1, None, False, 0)
+    assert plan.tickets == [None] and plan.waiting == [0]  # waits for an eviction
+    [drop] = plan.commands
+    assert drop.kind is ActionKind.DROP and drop.keys == ("k0",)  # the least recently used
+    assert t.put_start(["k4"], [100], 1, None, False, 0).tickets == [None]  # in flight: no second eviction
+    run(t, [drop])
+    [ticket] = put(t, "k3", size=100)
+    assert ticket is not None and ticket.status == "ok"
+    assert t.exists(["k0", "k1", "k2", "k3"]) == [False, True, True, True]
+    t.check()
+
+
+def test_a_late_access_report_counts_the_tier_the_block_was_read_from() -> None:
+    """A daemon reports the reads it served alone once a period, so a report can come after the
+    block moved: a read from DRAM reported after the block's demotion is no SSD hit and promotes
+    nothing (an operator's eviction to SSD would be undone); a read from SSD is one."""
+    t = table("a", dram=4 * KB, ssd=4 * KB, policy=EvictionPolicy(0.9, 0.5, promote_after_hits=1))
+    put(t, "k0", "k1")
+    count, commands = t.evict_tier("a", DRAM)
+    assert count == 2
+    run(t, commands)
+    assert t.tier_usage(t.nodes["a"])["ssd"]["blocks"] == 2
+    t.record_access("a", ["k0", "k1"], ["dram", "dram"], now_ms=1)  # read before the demotion
+    assert t.expire(2) == [] and t.counters["dram_hits"] == 2 and t.counters["ssd_hits"] == 0
+    t.record_access("a", ["k1"], ["ssd"], now_ms=3)
+    [cmd] = t.expire(4)
+    assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.PROMOTE, SSD, ("k1",)) and t.counters["ssd_hits"] == 1
+    t.check()
