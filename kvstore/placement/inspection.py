@@ -114,6 +114,7 @@ class Inspection:
             for e in store.values():
                 assert len({r.node_id for r in e.replicas}) == len(e.replicas), f"{e.key}: two replicas on a node"
                 assert all(r.moving for r in e.replicas if r.copying), f"{e.key}: a copy in flight is readable"
+                assert all(r.moving for r in e.replicas if r.dropping), f"{e.key}: a drop in flight is readable"
         for node in cat.nodes.values():
             node.alloc.check()
             extents = sorted(

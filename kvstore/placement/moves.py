@@ -102,7 +102,7 @@ class Moves:
                 entry = cat.objects[key]
                 here = next(r for r in entry.replicas if r.node_id == node_id)
                 if any(r.node_id != node_id and not r.moving for r in entry.replicas):
-                    here.moving = True
+                    here.moving = here.dropping = True
                     node.lru(tier).remove(key)
                     drops.setdefault(tier, []).append(key)
                     continue

@@ -192,19 +192,21 @@ class Reads:
             self._hold(held, now_ms)
 
     def match_prefix(self, keys: Sequence[str]) -> int:
-        """How many leading keys are committed and readable."""
+        """How many leading keys are committed and readable (a block between tiers included, as a
+        get reads it through its daemon; not one being dropped)."""
         objects, nodes = self.catalog.objects, self.catalog.nodes
         for i, key in enumerate(keys):
             entry = objects.get(key)
             if entry is None or entry.removing or not entry.committed:
                 return i
-            if not any(not r.moving and nodes[r.node_id].up for r in entry.replicas):
+            if not any(not (r.copying or r.dropping) and nodes[r.node_id].up for r in entry.replicas):
                 return i
         return len(keys)
 
     def match_prefix_nodes(self, keys: Sequence[str]) -> PrefixMatch:
         """The longest readable prefix of ``keys`` (as :meth:`match_prefix`) and, per node holding
-        the first key, how many leading keys it holds readable: in any tier, and in DRAM.
+        the first key, how many leading keys it holds readable: in any tier, and in DRAM (a block
+        between tiers counts in any tier only: it may be on its way out of DRAM).
 
         One pass, O(keys x replicas): a node's count grows only while it equals the index of the
         key at hand, so a node that missed a key stops; the pass ends at the first key no node
@@ -221,13 +223,13 @@ class Reads:
                 break
             readable = False
             for r in entry.replicas:
-                if r.moving or not nodes[r.node_id].up:
+                if r.copying or r.dropping or not nodes[r.node_id].up:
                     continue
                 readable = True
                 node_id = r.node_id
                 if total.get(node_id, 0) == i:
                     total[node_id] = i + 1
-                    if r.tier is DRAM and dram.get(node_id, 0) == i:
+                    if r.tier is DRAM and not r.moving and dram.get(node_id, 0) == i:
                         dram[node_id] = i + 1
             if not readable:
                 longest = i

@@ -32,6 +32,9 @@ class ReplicaState:
     copying: bool = False
     """Being copied in from another node (a replicate; also ``moving``): its daemon is told nothing
     about it until the copy is answered, so that no drop overtakes the copy."""
+    dropping: bool = False
+    """A drop of this replica is in flight (an eviction, or a drain's where a copy exists; also
+    ``moving``): as far as reads and prefix matches go it is gone already."""
 
 
 @dataclass(slots=True)
@@ -227,13 +230,15 @@ class Catalog:
         return [r for r in entry.replicas if not r.moving and self.nodes[r.node_id].up]
 
     def in_motion(self, entry: ObjectEntry | None) -> list[ReplicaState]:
-        """Replicas of a committed block between tiers (or on their way out) on nodes that are up:
-        not where the table says for long, but their daemon still has the block, in one tier or the
-        other, and reads it by key under its lock. A block is readable through them until its move
-        is done (or has failed, and the block is gone: then a read of it misses)."""
+        """Replicas of a committed block between tiers (a demotion, a promotion, or a drain's copy
+        out) on nodes that are up: not where the table says for long, but their daemon still has
+        the block, in one tier or the other, and reads it by key under its lock. A block is readable
+        through them until its move is done (or has failed, and the block is gone: then a read of it
+        misses). A replica being dropped or copied in is not one."""
         if entry is None or entry.removing or not entry.committed:
             return []
-        return [r for r in entry.replicas if r.moving and not r.copying and self.nodes[r.node_id].up]
+        nodes = self.nodes
+        return [r for r in entry.replicas if r.moving and not (r.copying or r.dropping) and nodes[r.node_id].up]
 
     def touch(self, entry: ObjectEntry) -> None:
         self.clock += 1

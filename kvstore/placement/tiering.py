@@ -75,6 +75,7 @@ class Tiering:
             for r in entry.replicas:
                 if r.node_id == node.node_id:
                     r.moving = True
+                    r.dropping = action.kind is ActionKind.DROP
             node.lru(action.tier).remove(action.key)
             groups.setdefault((action.kind, action.tier), []).append((action.key, action.size))
         return cat.issue(

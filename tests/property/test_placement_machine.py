@@ -126,10 +126,13 @@ class PlacementMachine(RuleBasedStateMachine):
         t = self.t
 
         def held(key: str, node: str, dram_only: bool) -> bool:
+            # A replica between tiers is read by key through its daemon: it counts, though not as
+            # DRAM; one being copied in or dropped does not.
             e = t.objects.get(key)
             return (
                 e is not None and e.committed and not e.removing and t.nodes[node].up
-                and any(r.node_id == node and not r.moving and (r.tier is TierName.DRAM or not dram_only)
+                and any(r.node_id == node and not (r.copying or r.dropping)
+                        and (not dram_only or (r.tier is TierName.DRAM and not r.moving))
                         for r in e.replicas)
             )  # fmt: skip
 

@@ -282,10 +282,17 @@ def test_match_prefix_nodes_counts_only_readable_replicas() -> None:
     t = placed({"a": [("k0", "dram"), ("k1", "dram"), ("k2", "dram")], "b": [("k0", "dram"), ("k1", "ssd")]})
     t.node_ttl_ms = 1000
     keys = ["k0", "k1", "k2"]
-    _, commands = t.evict_tier("a", DRAM)  # demotions in flight: a's replicas are moving
-    assert t.match_prefix_nodes(keys) == PrefixMatch(2, {"b": NodePrefix(1, 2)})
+    # Demotions in flight: a's replicas are read by key through its daemon, as a get reads them, so
+    # they count; in a's DRAM count they do not (they are on their way out of it).
+    _, commands = t.evict_tier("a", DRAM)
+    assert t.match_prefix_nodes(keys) == PrefixMatch(3, {"a": NodePrefix(0, 3), "b": NodePrefix(1, 2)})
+    assert t.match_prefix(keys) == 3 and t.exists(keys) == [True] * 3
     run(t, commands)
     assert t.match_prefix_nodes(keys) == PrefixMatch(3, {"a": NodePrefix(0, 3), "b": NodePrefix(1, 2)})
+    moves = t.plan_replicas(["k2"], "b", 1 << 30)  # a copy on its way to b is not readable there yet
+    assert len(moves) == 1 and t.match_prefix_nodes(keys).nodes["b"] == NodePrefix(1, 2)
+    assert t.finish_replicas(moves, [False]) == ([], [])
+    t.check()
     t.heartbeat("a", 1500)
     t.expire(1500)  # b is down
     assert t.match_prefix_nodes(keys) == PrefixMatch(3, {"a": NodePrefix(0, 3)})

@@ -71,6 +71,20 @@ def test_a_block_mid_move_stays_readable_through_its_daemon() -> None:
     assert reply.tiers == ["ssd"] and t.tier_usage(t.nodes["a"])["ssd"]["blocks"] == 1
 
 
+def test_a_block_being_dropped_is_gone_at_once() -> None:
+    """Unlike a demotion, an eviction that drops the block (no SSD) ends it for readers when it is
+    planned: a get misses, exists says False and a prefix match stops there."""
+    t = table("a", dram=2 * KB)
+    put(t, "k0", "k1")
+    count, [drop] = t.evict_tier("a", DRAM)
+    assert count == 2 and drop.kind is ActionKind.DROP
+    assert t.get_replicas(["k0"], 0).sizes == [-1] and t.exists(["k0", "k1"]) == [False, False]
+    assert t.match_prefix(["k0"]) == 0 and t.match_prefix_nodes(["k0"]).nodes == {}
+    t.check()
+    run(t, [drop])
+    assert t.nodes["a"].alloc.used == 0
+
+
 def test_leased_and_pinned_blocks_are_not_evicted() -> None:
     t = table("a", dram=2 * KB)
     put(t, "k0", "k1")
