@@ -7,6 +7,7 @@ would bury everything else in the log (and cost more than the failure).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ class _Kind:
 class RateLimitedLog:
     """``warning(kind, ...)`` logs the first failure of a kind (one of a small fixed set) at once;
     later ones of the same kind within ``interval_s`` are only counted, and the next line logged
-    for that kind says how many were left out."""
+    for that kind says how many were left out. Safe to call from any thread."""
 
     def __init__(
         self, logger: logging.Logger, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic
@@ -30,17 +31,19 @@ class RateLimitedLog:
         self.interval_s = interval_s
         self._clock = clock
         self._kinds: dict[str, _Kind] = {}
+        self._lock = threading.Lock()
 
     def warning(self, kind: str, msg: str, *args: object) -> bool:
         """Log (or count) one failure of ``kind``; True when a line was written."""
-        now = self._clock()
-        seen = self._kinds.get(kind)
-        if seen is not None and now - seen.since < self.interval_s:
-            seen.suppressed += 1
-            return False
-        if seen is not None and seen.suppressed:
-            msg += " (and %d more like it in the last %.0f s)"
-            args = (*args, seen.suppressed, now - seen.since)
-        self._kinds[kind] = _Kind(now)
+        with self._lock:
+            now = self._clock()
+            seen = self._kinds.get(kind)
+            if seen is not None and now - seen.since < self.interval_s:
+                seen.suppressed += 1
+                return False
+            if seen is not None and seen.suppressed:
+                msg += " (and %d more like it in the last %.0f s)"
+                args = (*args, seen.suppressed, now - seen.since)
+            self._kinds[kind] = _Kind(now)
         self.logger.warning(msg, *args)
         return True

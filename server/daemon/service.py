@@ -71,6 +71,7 @@ from kvstore.protocol import (
     WriteReply,
     WriteSlices,
 )
+from kvstore.ratelog import RateLimitedLog
 from server.daemon.storage import NO_TARGET, DaemonStorage
 from transfer import topology
 from transfer.auth import accept
@@ -166,6 +167,8 @@ class DaemonServer:
         self._per_peer: Counter[str] = Counter()
         self.refused_connections = 0
         """Connections closed at accept because a limit was reached."""
+        self._refusals = RateLimitedLog(log)
+        """Refused connections and handshakes, logged at most once a minute each (with a count)."""
         self._listeners: list[socket.socket] = []
         try:
             for i, h in enumerate([host, *rails]):
@@ -237,12 +240,11 @@ class DaemonServer:
                     refusals = self.refused_connections
             if refused:
                 # No thread, no buffer: a peer that opens connections without end costs a close each.
-                if refusals & (refusals - 1) == 0:  # the 1st, 2nd, 4th, 8th... refusal
-                    log.warning(
-                        "refused connection from %s: %d open (limit %d), %d from it (limit %d); %d refused so far",
-                        host, len(self._conns), self.max_connections, self._per_peer[host], self.max_per_peer,
-                        refusals,
-                    )  # fmt: skip
+                self._refusals.warning(
+                    "connection",
+                    "refused connection from %s: %d open (limit %d), %d from it (limit %d); %d refused so far",
+                    host, len(self._conns), self.max_connections, self._per_peer[host], self.max_per_peer, refusals,
+                )  # fmt: skip
                 sock.close()
                 continue
             set_timeouts(sock, self.io_timeout)
@@ -340,12 +342,11 @@ class DaemonServer:
     auth_failures = 0
 
     def _note_auth_failure(self, host: str, exc: KVStoreError) -> None:
-        """Count a refused handshake; log the 1st, 2nd, 4th... (a peer guessing must not flood the log)."""
+        """Count a refused handshake; log it at most once a minute (a peer guessing must not flood the log)."""
         with self._conns_lock:
             self.auth_failures += 1
             failures = self.auth_failures
-        if failures & (failures - 1) == 0:
-            log.warning("refused a connection from %s: %s (%d refused so far)", host, exc, failures)
+        self._refusals.warning("handshake", "refused a connection from %s: %s (%d refused so far)", host, exc, failures)
 
     def _unauthenticated_hello(self, msg: AuthHello, sock: socket.socket, request_id: int) -> None:
         raise AuthFailed(f"daemon {self.address} does not authenticate (no cluster secret): connect without one")

@@ -182,11 +182,10 @@ class _RpcConnection(asyncio.Protocol):
         service = self.service
         if len(service._connections) >= service.config.max_connections:
             service.refused_connections += 1
-            if service.refused_connections & (service.refused_connections - 1) == 0:  # 1st, 2nd, 4th...
-                log.warning(
-                    "refused a connection: %d open (limit %d); %d refused so far",
-                    len(service._connections), service.config.max_connections, service.refused_connections,
-                )  # fmt: skip
+            service._failures.warning(
+                "refused-connection", "refused a connection: %d open (limit %d); %d refused so far",
+                len(service._connections), service.config.max_connections, service.refused_connections,
+            )  # fmt: skip
             transport.close()
             return
         service._connections.add(self)
@@ -624,10 +623,11 @@ class MasterService:
         return self.authority.issue_ticket(identity, conn.key)
 
     def note_auth_failure(self, peer: object, exc: KVStoreError) -> None:
-        """Count a refused handshake; log the 1st, 2nd, 4th... (a peer guessing must not flood the log)."""
+        """Count a refused handshake; log it at most once a minute (a peer guessing must not flood the log)."""
         self.auth_failures += 1
-        if self.auth_failures & (self.auth_failures - 1) == 0:
-            log.warning("refused a connection from %s: %s (%d refused so far)", peer, exc, self.auth_failures)
+        self._failures.warning(
+            "auth-failure", "refused a connection from %s: %s (%d refused so far)", peer, exc, self.auth_failures
+        )
 
     async def _dispatch(self, message: Message, request_id: int, who: str = "") -> Message:
         handler = self._handlers.get(type(message))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +82,19 @@ def test_repeated_failures_are_one_line_a_minute_with_a_count(caplog: pytest.Log
         "another kind",
         "write failed: ENOSPC (and 500 more like it in the last 61 s)",
     ]
+
+
+def test_failures_from_many_threads_are_counted_once_each(caplog: pytest.LogCaptureFixture) -> None:
+    # A daemon's accept thread and its connection threads log refusals through one RateLimitedLog.
+    limited = RateLimitedLog(logging.getLogger("test.ratelog.threads"), interval_s=3600)
+    with caplog.at_level(logging.WARNING, "test.ratelog.threads"):
+        threads = [
+            threading.Thread(target=lambda: [limited.warning("refused", "refused") for _ in range(1000)])
+            for _ in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert [r.getMessage() for r in caplog.records] == ["refused"]
+    assert limited._kinds["refused"].suppressed == 8 * 1000 - 1
