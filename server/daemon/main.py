@@ -15,7 +15,8 @@ from kvstore.config import DaemonConfig, format_size
 from kvstore.errors import ConfigError, ResourceShortage
 from kvstore.resources import allocated, check_dram, check_ssd
 from kvstore.tiers.dram import DramArena, arena_path, arena_size, capacity_within
-from server.daemon.service import DaemonServer, MasterLink
+from server.daemon.master_link import MasterLink
+from server.daemon.service import DaemonServer
 from server.daemon.storage import DaemonStorage
 from transfer.tls import contexts
 from transfer.topology import warn_if_open

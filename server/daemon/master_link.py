@@ -1,0 +1,204 @@
+"""The daemon's link to the master: registration, heartbeats, access reports, one-trip commits.
+
+A thread registers this node with the master (with its full inventory),
+heartbeats (carrying transfer counters and the SSD tier's health), and
+registers again whenever the master no longer knows the node (a master
+restarted, or a new leader after a failover, found through etcd). Another
+thread reports the blocks this daemon served by key on its own, each with the
+tier it was read from, so that the master counts the hits and keeps its LRU
+order. One-trip commits (blocks written into a grant) go over a pool of their
+own, so that a slow report never holds one up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from kvstore.auth import Credential
+from kvstore.errors import KVStoreError, ProtocolError
+from kvstore.keys import BlockKey
+from kvstore.protocol import (
+    AccessReport,
+    CommitGranted,
+    Heartbeat,
+    HeartbeatReply,
+    LeaveNode,
+    OkReply,
+    PutReply,
+    RegisterNode,
+    RegisterReply,
+)
+from kvstore.ratelog import RateLimitedLog
+from server.daemon.storage import DaemonStorage
+from transfer import topology
+from transfer.discovery import MasterLocator
+from transfer.rpc import Connection, ConnectionPool
+
+log = logging.getLogger("kvstore.daemon")
+
+
+class MasterLink:
+    """Registers this node with the master, heartbeats, and re-registers whenever the master forgot it."""
+
+    def __init__(
+        self,
+        master: str,
+        node_id: str,
+        address: str,
+        storage: DaemonStorage,
+        *,
+        timeout: float = 5.0,
+        rails: Sequence[str] = (),
+        ucx_address: str = "",
+        transfer_stats: Callable[[], dict[str, int]] | None = None,
+        on_registered: Callable[[], None] | None = None,
+        before_register: Callable[[], None] | None = None,
+        report_period_s: float = 0.01,
+        on_epoch: Callable[[int], None] | None = None,
+        credential: Credential | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        """``credential`` and ``tls``: what connections to the master authenticate with and run over."""
+        self._transfer_stats = transfer_stats
+        self._before_register = before_register
+        self._on_epoch = on_epoch
+        self._timeout = timeout
+        locator = MasterLocator(master, timeout)  # etcd://: the leader, followed across failovers
+        self._calls = ConnectionPool(locator, timeout, size=4, credential=credential, tls=tls)  # one-trip commits
+        # Access reports, apart: they never hold up a commit.
+        self._reports = Connection(locator, timeout, credential, tls)
+        self.peers: list[str] = []
+        """The nodes the master last said were in the cluster (told to the next master we register with)."""
+        # Reads served by key, with the tier each came from; a master too slow to take them loses the oldest.
+        self._accessed: deque[tuple[BlockKey, str]] = deque(maxlen=1 << 20)
+        self._report_period = report_period_s
+        self.master = master
+        self.rails = list(rails)
+        self.ucx_address = ucx_address
+        self.node_id = node_id
+        self.address = address
+        self.storage = storage
+        self._conn = Connection(locator, timeout, credential, tls)
+        self._stop = threading.Event()
+        self._failures = RateLimitedLog(log)
+        """A master down (or failing over) logs once, then once a minute with a count."""
+        self._interval = 1.0
+        self._on_registered = on_registered
+        self.registered = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="daemon-master-link", daemon=True)
+        self._reporter = threading.Thread(target=self._report_loop, name="daemon-access-reports", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._reporter.start()
+
+    def commit_granted(
+        self, grant_id: int, keys: list[BlockKey], offsets: list[int], sizes: list[int], checksums: list[int],
+        pinned: bool,
+    ) -> list[tuple[int, str]]:  # fmt: skip
+        """Have the master commit blocks written into a grant; per block (code, text) as in PutReply."""
+        message = CommitGranted(self.node_id, grant_id, list(keys), offsets, sizes, checksums, pinned)
+        with self._calls.connection() as conn:
+            # The same request id on every attempt: a commit the master made but whose answer was
+            # lost is answered again, never made twice nor left unknown for a passing glitch.
+            reply = conn.call(message, PutReply, retry_for=self._timeout)
+        if not len(reply.codes) == len(reply.errors) == len(keys):
+            raise ProtocolError(f"the master answered {len(reply.codes)} commits for {len(keys)} blocks")
+        return list(zip(reply.codes, reply.errors, strict=True))
+
+    def note_access(self, served: list[tuple[BlockKey, str]]) -> None:
+        """Blocks served by key to readers that did not ask the master, each with the tier it was
+        read from: reported within a period."""
+        self._accessed.extend(served)
+
+    def _report_loop(self) -> None:
+        while not self._stop.wait(self._report_period):
+            self.flush_reports()
+
+    def flush_reports(self) -> None:
+        accessed = self._accessed
+        served = [accessed.popleft() for _ in range(min(len(accessed), 65536))]
+        if not served:
+            return
+        keys, tiers = (list(column) for column in zip(*served, strict=True))
+        try:
+            self._reports.call(AccessReport(self.node_id, keys, tiers), OkReply)
+        except KVStoreError as exc:
+            log.debug("access report of %d keys lost: %s", len(keys), exc)  # LRU order only; never data
+
+    def _register(self) -> None:
+        if self._before_register is not None:
+            self._before_register()
+        arena = self.storage.arena
+        ssd_capacity = self.storage.ssd.capacity if self.storage.ssd is not None else 0
+        message = RegisterNode(
+            self.node_id, self.address, arena.capacity, ssd_capacity, arena.alignment, self.storage.inventory(),
+            list(self.rails or [self.address]), topology.host_id(), str(arena.path), os.stat(arena.path).st_ino,
+            topology.local_nics(), topology.has_rdma(), self.ucx_address, arena.num_slots, self.peers,
+        )  # fmt: skip
+        reply = self._conn.call(message, RegisterReply)
+        self.peers = reply.peers
+        if self._on_epoch is not None:
+            self._on_epoch(reply.epoch)
+        self._interval = max(reply.heartbeat_interval_ms, 50) / 1000
+        if not self.registered.is_set():
+            self.registered.set()
+            if self._on_registered is not None:
+                self._on_registered()
+        log.info("registered %s at %s with master %s", self.node_id, self.address, self._conn.address)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        known = False
+        while not self._stop.is_set():
+            try:
+                if not known:
+                    self._register()
+                    known = True
+                else:
+                    stats = self._transfer_stats() if self._transfer_stats is not None else {}
+                    capacity, configured, fault = self.storage.ssd_health()
+                    beat = Heartbeat(self.node_id, stats, capacity, configured, fault)
+                    reply = self._conn.call(beat, HeartbeatReply)
+                    known = reply.known
+                    if known:
+                        self.peers = reply.peers
+                backoff = 0.1
+                self._stop.wait(self._interval if known else 0)
+            except KVStoreError as exc:
+                known = False
+                self._failures.warning(
+                    "unreachable", "master %s unreachable (%s); retrying every %.1f s at most",
+                    self._conn.address, exc, backoff,
+                )  # fmt: skip
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 0.5)  # a new leader is met within half a second
+
+    def leave(self) -> bool:
+        """Tell the master this node leaves for good (it forgets the node's blocks); False when it
+        could not be told (it then marks the node down when its heartbeats stop). Heartbeats end
+        first: one after this would register the node again."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            with self._calls.connection() as conn:
+                conn.call(LeaveNode(self.node_id), OkReply, retry_for=self._timeout)
+        except KVStoreError as exc:
+            log.warning("could not tell the master that node %s leaves: %s", self.node_id, exc)
+            return False
+        return True
+
+    def stop(self) -> None:
+        self._stop.set()
+        for conn in (self._conn, self._reports):  # a master that does not answer must not hold the stop up
+            conn.abort()
+        self._thread.join(timeout=5)
+        self._reporter.join(timeout=5)
+        self._conn.close()
+        self._calls.close()
+        self._reports.close()
