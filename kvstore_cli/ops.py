@@ -249,11 +249,11 @@ def _key(args: argparse.Namespace) -> int:
     k = _client(args).get(f"/api/v1/keys/{urllib.parse.quote(args.key, safe='')}")
     t = Table(title=f"{k['key']}: {format_size(k['size'])}, {k['state']}, checksum {k['checksum']:#018x}"
                     f"{', pinned' if k['pinned'] else ''}")  # fmt: skip
-    for col in ("node", "tier", "offset", "leased", "moving", "node up"):
+    for col in ("node", "tier", "offset", "leased", "moving", "dropping", "node up"):
         t.add_column(col)
     for r in k["replicas"]:
         t.add_row(r["node_id"], r["tier"], str(r["offset"]) if r["offset"] >= 0 else "-", str(r["leased"]),
-                  str(r["moving"]), str(r["node_up"]))  # fmt: skip
+                  str(r["moving"]), str(r.get("dropping", False)), str(r["node_up"]))  # fmt: skip
     return _print(args, k, t)
 
 

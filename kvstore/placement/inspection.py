@@ -59,6 +59,7 @@ class Inspection:
                 "tier": r.tier.value,
                 "offset": r.extent.offset if r.extent is not None and r.tier is DRAM else -1,
                 "moving": r.moving,
+                "dropping": r.dropping,
                 "leased": bool(lru is not None and key in lru and cat.leases.is_leased(r.node_id, r.tier, key)),
                 "node_up": bool(node is not None and node.up),
             })  # fmt: skip

@@ -101,7 +101,7 @@ class Moves:
                     continue
                 entry = cat.objects[key]
                 here = next(r for r in entry.replicas if r.node_id == node_id)
-                if any(r.node_id != node_id and not r.moving for r in entry.replicas):
+                if any(r.node_id != node_id and not r.moving and cat.nodes[r.node_id].up for r in entry.replicas):
                     here.moving = here.dropping = True
                     node.lru(tier).remove(key)
                     drops.setdefault(tier, []).append(key)
@@ -138,6 +138,7 @@ class Moves:
             target.dram_lru.insert(move.key, entry.size)
             if entry.pinned:
                 target.dram_lru.pin(move.key)
+            here.dropping = True  # copied: the new replica serves it from now on
             drops.setdefault(here.tier, []).append(move.key)
         return cat.issue([NodeCommand(source, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()])
 
@@ -216,6 +217,7 @@ class Moves:
                     target.dram_lru.pin(move.key)
                 copied.append(move)
             elif ok or not answered:
+                replica.dropping = True  # neither readable nor counted until the drop is applied
                 drops.setdefault(move.target, []).append(move.key)  # the extent is freed once the drop is applied
             else:
                 cat.drop_replica(move.key, move.target)

@@ -173,9 +173,8 @@ class MasterLink:
             except KVStoreError as exc:
                 known = False
                 self._failures.warning(
-                    "unreachable", "master %s unreachable (%s); retrying every %.1f s at most",
-                    self._conn.address, exc, backoff,
-                )  # fmt: skip
+                    "unreachable", "master %s unreachable (%s); retrying every 0.1 to 0.5 s", self._conn.address, exc
+                )
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 0.5)  # a new leader is met within half a second
 

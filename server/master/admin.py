@@ -138,7 +138,8 @@ class ReplicaModel(BaseModel):
     node_id: str
     tier: Literal["dram", "ssd"]
     offset: int
-    moving: bool
+    moving: bool = Field(description="A demotion, promotion or drop of this replica is in flight.")
+    dropping: bool = Field(description="A drop of this replica is in flight: reads no longer find it.")
     leased: bool
     node_up: bool
 

@@ -443,9 +443,15 @@ def test_a_failed_copy_frees_its_extent_and_an_unanswered_one_is_dropped_first()
     copied, [drop] = t.finish_replicas(moves, [False, False], answered=False)  # b may hold them: drop first
     assert copied == [] and (drop.node_id, drop.keys, drop.release) == ("b", ("k0", "k1"), True)
     assert t.nodes["b"].alloc.used == 2 * KB and t.plan_replicas(["k0"], "b", KB) == []
+    # b's replicas, never confirmed and being dropped, serve nothing meanwhile: not a prefix, not a
+    # block a's eviction can count on.
+    assert t.match_prefix_nodes(["k0", "k1"]).nodes.keys() == {"a"}
+    _, evictions = t.evict_tier("a", DRAM)
+    assert t.exists(["k0", "k1"]) == [True, False] and t.match_prefix(["k1"]) == 0  # k0: leased by the get above
     t.check()
+    run(t, evictions)
     run(t, [drop])
-    assert t.nodes["b"].alloc.used == 0 and t.match_prefix_nodes(["k0", "k1"]).nodes.keys() == {"a"}
+    assert t.nodes["b"].alloc.used == 0 and t.match_prefix_nodes(["k0", "k1"]).nodes == {"a": NodePrefix(1, 1)}
     with pytest.raises(InvalidArgument, match="1 results for 2 copies"):
         t.finish_replicas(moves, [True])
 
@@ -492,9 +498,28 @@ def test_a_drain_does_not_copy_where_a_replica_is_coming() -> None:
     drain, drops = t.plan_moves("a", 10)
     assert drops == [] and [(m.key, m.source, m.target) for m in drain] == [("k0", "a", "c")]
     assert t.finish_replicas(moves, [True])[0] == moves
-    run(t, t.finish_moves("a", drain, [True]))
+    drops = t.finish_moves("a", drain, [True])
+    # Copied: a's replica is on its way out, and no longer counts for a's prefix.
+    assert t.match_prefix_nodes(["k0"]).nodes.keys() == {"b", "c"}
+    run(t, drops)
     [loc] = t.get_replicas(["k0"], 0).located(["k0"])
     assert loc is not None and sorted(r.node_id for r in loc.replicas) == ["b", "c"]
+
+
+def test_a_drain_copies_a_block_whose_other_replica_is_on_a_down_node() -> None:
+    t = table("a", "b", "c", dram=8 * KB, node_ttl_ms=1000)
+    put(t, "k0", node="a", replicas=2)
+    [down] = [r.node_id for r in t.objects["k0"].replicas if r.node_id != "a"]
+    [up] = {"b", "c"} - {down}
+    t.heartbeat("a", 1500)
+    t.heartbeat(up, 1500)
+    t.expire(1500)
+    assert not t.nodes[down].up
+    t.draining.add("a")
+    drain, drops = t.plan_moves("a", 10)
+    # Not dropped on the strength of a copy nobody can read: copied to the node that is up.
+    assert drops == [] and [(m.key, m.target) for m in drain] == [("k0", up)]
+    assert t.exists(["k0"]) == [True] and t.match_prefix(["k0"]) == 1
 
 
 def test_grants_are_carved_committed_and_freed_without_handing_space_out_twice() -> None:

@@ -3,7 +3,9 @@ a pin keeps, and reads of a block while it moves."""
 
 from __future__ import annotations
 
-from kvstore.errors import CapacityError
+import pytest
+
+from kvstore.errors import CapacityError, InvalidArgument
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
 from tests.unit.placement import DRAM, EXACT, KB, SSD, got, put, run, table
@@ -171,4 +173,7 @@ def test_a_late_access_report_counts_the_tier_the_block_was_read_from() -> None:
     t.record_access("a", ["k1"], ["ssd"], now_ms=3)
     [cmd] = t.expire(4)
     assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.PROMOTE, SSD, ("k1",)) and t.counters["ssd_hits"] == 1
+    with pytest.raises(InvalidArgument, match="an access report of 2 keys with 1 tiers"):
+        t.record_access("a", ["k0", "k1"], ["ssd"])
+    assert t.counters["ssd_hits"] == 1
     t.check()
