@@ -5,7 +5,9 @@ hold exactly the readable replicas, SSD bytes add up, and the per-node prefix
 match agrees with a plain count over the replicas. A node may also restart
 and re-register with what it holds; its commands in flight are then lost.
 Blocks are also copied to nodes (replicate), the copies answered in any
-order, before or after the blocks are removed or their target restarts.
+order, before or after the blocks are removed or their target restarts. An
+operator evicts a node's tier, a drain moves a node's blocks away, and a node
+goes quiet (down) and comes back.
 """
 
 from __future__ import annotations
@@ -143,6 +145,35 @@ class PlacementMachine(RuleBasedStateMachine):
             if total:
                 expected[n] = NodePrefix(dram, total)
         assert t.match_prefix_nodes(keys) == PrefixMatch(t.match_prefix(keys), expected)
+
+    @rule(node=st.sampled_from(NODES), tier=st.sampled_from([TierName.DRAM, TierName.SSD]))
+    def evict_tier(self, node: str, tier: TierName) -> None:
+        _, commands = self.t.evict_tier(node, tier)
+        self.commands += commands
+
+    @rule(data=st.data(), node=st.sampled_from(NODES), limit=st.integers(1, 6))
+    def drain_round(self, data: st.DataObject, node: str, limit: int) -> None:
+        """One round of a drain, as MasterService.drain runs it: copies planned, made (or not) at
+        once, the source's drops sent. No block readable before is unreadable meanwhile."""
+        keys = sorted(self.t.objects)
+        readable = [k for k, ok in zip(keys, self.t.exists(keys), strict=True) if ok]
+        self.t.draining.add(node)
+        moves, drops = self.t.plan_moves(node, limit)
+        assert all(self.t.exists(readable))
+        self.commands += drops
+        self.commands += self.t.finish_moves(node, moves, [data.draw(st.booleans()) for _ in moves])
+        assert all(self.t.exists(readable))
+        self.t.draining.discard(node)
+
+    @rule(node=st.sampled_from(NODES))
+    def goes_quiet(self, node: str) -> None:
+        """``node`` misses its heartbeats until it is down (the next ``advance`` brings it back)."""
+        self.now += self.t.node_ttl_ms + 1
+        for n in NODES:
+            if n != node:
+                self.t.heartbeat(n, self.now)
+        self.commands += self.t.expire(self.now)
+        assert not self.t.nodes[node].up
 
     @rule(node=st.sampled_from(NODES))
     def reregister(self, node: str) -> None:
