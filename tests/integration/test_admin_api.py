@@ -14,6 +14,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
 
+from kvstore.config import ClientConfig
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import PutOptions, Store
 from server.master.admin import ROUTES, openapi_document
@@ -75,6 +76,36 @@ def test_keys_pages_and_one_key(cluster: LocalCluster) -> None:
     status, err = call(cluster, "GET", "/api/v1/keys?limit=0")
     assert status == 400 and "limit" in err["message"]
     assert call(cluster, "GET", "/api/v1/keys?limit=many")[0] == 400
+
+
+def test_an_evicted_tier_stays_evicted_and_ssd_reads_promote(cluster: LocalCluster) -> None:
+    """Blocks read just before their tier is evicted stay on SSD (the daemon reports those reads as
+    DRAM reads, whenever the report arrives); a read served from SSD then promotes its block."""
+
+    def tiers(keys: list[str]) -> list[str]:
+        return [call(cluster, "GET", f"/api/v1/keys/{k}")[1]["replicas"][0]["tier"] for k in keys]
+
+    keys = [f"tiered-{i}" for i in range(4)]
+    # Over TCP: a same-host client copies through the arena under leases, which the master grants.
+    with Store.connect(cluster.master_address, ClientConfig(transport="tcp")) as store:
+        for k in keys:
+            store.put(k, k.encode() * 1000, PutOptions(preferred_node="node0"))
+        assert store.get_many(keys) == [k.encode() * 1000 for k in keys]  # one trip: the daemon reports them
+        status, result = call(cluster, "POST", "/api/v1/evict", {"node_id": "node0", "tier": "dram"})
+        assert status == 200 and result["evicted"] >= len(keys)
+        deadline = time.monotonic() + 10
+        while tiers(keys) != ["ssd"] * len(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # many report periods: a late report of the reads above would promote them now
+        assert tiers(keys) == ["ssd"] * len(keys)
+        before = call(cluster, "GET", "/api/v1/cluster")[1]["counters"]
+        assert store.get(keys[0]) == keys[0].encode() * 1000  # remembered: read by key, from SSD
+        deadline = time.monotonic() + 10
+        while tiers(keys[:1]) != ["dram"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tiers(keys) == ["dram", "ssd", "ssd", "ssd"]
+        after = call(cluster, "GET", "/api/v1/cluster")[1]["counters"]
+        assert after["ssd_hits"] == before["ssd_hits"] + 1 and after["promotions"] == before["promotions"] + 1
 
 
 def test_evict_a_key_a_prefix_and_a_tier(cluster: LocalCluster) -> None:
