@@ -194,12 +194,9 @@ class Reads:
     def match_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are committed and readable (a block between tiers included, as a
         get reads it through its daemon; not one being dropped)."""
-        objects, nodes = self.catalog.objects, self.catalog.nodes
+        objects, found = self.catalog.objects, self.catalog.found
         for i, key in enumerate(keys):
-            entry = objects.get(key)
-            if entry is None or entry.removing or not entry.committed:
-                return i
-            if not any(not (r.copying or r.dropping) and nodes[r.node_id].up for r in entry.replicas):
+            if not found(objects.get(key)):
                 return i
         return len(keys)
 
@@ -239,9 +236,8 @@ class Reads:
     def exists(self, keys: Sequence[str], now_ms: int = 0) -> list[bool]:
         """Whether each key is readable (and, with ``hold_ms`` and ``now_ms``, hold those that are)."""
         cat = self.catalog
-        if not (self.hold_ms and now_ms):
-            return [bool(cat.readable(e) or cat.in_motion(e)) for e in map(cat.objects.get, map(validate_key, keys))]
         entries = [cat.objects.get(validate_key(k)) for k in keys]
-        found = [bool(cat.readable(e) or cat.in_motion(e)) for e in entries]
-        self._hold([e for e, ok in zip(entries, found, strict=True) if ok and e is not None], now_ms)
+        found = [cat.found(e) for e in entries]
+        if self.hold_ms and now_ms:
+            self._hold([e for e, ok in zip(entries, found, strict=True) if ok and e is not None], now_ms)
         return found

@@ -240,6 +240,14 @@ class Catalog:
         nodes = self.nodes
         return [r for r in entry.replicas if r.moving and not (r.copying or r.dropping) and nodes[r.node_id].up]
 
+    def found(self, entry: ObjectEntry | None) -> bool:
+        """Whether a read finds the committed block: through a replica :meth:`readable` or
+        :meth:`in_motion` returns (one on an up node, neither being copied in nor dropped)."""
+        if entry is None or entry.removing or not entry.committed:
+            return False
+        nodes = self.nodes
+        return any(not (r.copying or r.dropping) and nodes[r.node_id].up for r in entry.replicas)
+
     def touch(self, entry: ObjectEntry) -> None:
         self.clock += 1
         entry.last_use = self.clock
