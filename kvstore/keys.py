@@ -4,7 +4,13 @@ Prefix hashing chains xxh3-128 over full blocks of tokens::
 
     h_{-1} = xxh3_128("kvstore-prefix-v1" || u32 block_size || namespace)
     h_i    = xxh3_128(h_{i-1} || tokens of block i)
+    h_i    = xxh3_128("kvstore-extra-v1" || h_i || u32 len || extra_i)   (only where block i has an extra)
     key_i  = namespace + "/" + hex(h_i)        (hex(h_i) alone when the namespace is "")
+
+An *extra* is whatever besides the tokens changes a block's contents: for KV, a
+LoRA adapter or a cache salt (on block 0, so that every later block differs too)
+or the images whose placeholders fall in a block. Blocks without one hash as if
+there were no extras at all.
 
 The namespace is spelled out in front of each key so that operators can list
 and evict one namespace by prefix (``kvstore keys --prefix llama-3-8b/fp16/``);
@@ -47,6 +53,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _INT32_MAX = 2**31 - 1
 _SEED_TAG = b"kvstore-prefix-v1"
 _TAIL_TAG = b"kvstore-tail-v1"
+_EXTRA_TAG = b"kvstore-extra-v1"
 
 
 def validate_key(key: object) -> BlockKey:
@@ -159,8 +166,16 @@ def _key(namespace: str, digest: bytes) -> BlockKey:
     return BlockKey(f"{namespace}/{digest.hex()}" if namespace else digest.hex())
 
 
-def _chain(arr: np.ndarray, block_size: int, seed: bytes) -> list[bytes]:
-    """The digests ``h_0 .. h_{n-1}`` of the full blocks of ``arr``."""
+def _check_extras(extras: Sequence[bytes] | None) -> Sequence[bytes]:
+    if extras is None:
+        return ()
+    if isinstance(extras, (bytes, str)) or not all(isinstance(e, bytes) for e in extras):
+        raise InvalidArgument("extras must be a sequence of bytes, one per block (b'' for none)")
+    return extras
+
+
+def _chain(arr: np.ndarray, block_size: int, seed: bytes, extras: Sequence[bytes] = ()) -> list[bytes]:
+    """The digests ``h_0 .. h_{n-1}`` of the full blocks of ``arr``, block ``i`` with ``extras[i]`` if any."""
     num_blocks = arr.size // block_size
     if num_blocks == 0:
         return []
@@ -172,30 +187,40 @@ def _chain(arr: np.ndarray, block_size: int, seed: bytes) -> list[bytes]:
     for i in range(num_blocks):
         row = as32[i] if as32 is not None else (blocks[i].astype("<i4") if narrow[i] else blocks[i].astype("<i8"))
         prev = xxhash.xxh3_128_digest(prev + row.tobytes())
+        if i < len(extras) and extras[i]:
+            prev = xxhash.xxh3_128_digest(_EXTRA_TAG + prev + len(extras[i]).to_bytes(4, "little") + extras[i])
         digests.append(prev)
     return digests
 
 
-def block_keys(token_ids: Any, block_size: int, namespace: str = "") -> list[BlockKey]:
+def block_keys(
+    token_ids: Any, block_size: int, namespace: str = "", *, extras: Sequence[bytes] | None = None
+) -> list[BlockKey]:
     """One key per full block of ``token_ids``, chained by prefix: ``<namespace>/<32 hex digits>``.
 
     Without a namespace a key is the 32 hex digits alone. Keys of a token sequence
     start with the keys of each of its prefixes, so the longest stored prefix of a
-    request is a prefix of its key list. Raises :class:`InvalidKey` for a namespace
-    that :func:`validate_namespace` refuses, :class:`InvalidArgument` for bad tokens.
+    request is a prefix of its key list. ``extras[i]`` (bytes; ``b""`` or past the
+    end: none) goes into block ``i``'s hash and so into every later one. Raises
+    :class:`InvalidKey` for a namespace that :func:`validate_namespace` refuses,
+    :class:`InvalidArgument` for bad tokens or extras.
     """
     seed = prefix_seed(block_size, namespace)
-    return [_key(namespace, digest) for digest in _chain(_tokens_to_array(token_ids), block_size, seed)]
+    chain = _chain(_tokens_to_array(token_ids), block_size, seed, _check_extras(extras))
+    return [_key(namespace, digest) for digest in chain]
 
 
-def tail_key(token_ids: Any, block_size: int, namespace: str = "") -> BlockKey | None:
+def tail_key(
+    token_ids: Any, block_size: int, namespace: str = "", *, extras: Sequence[bytes] | None = None
+) -> BlockKey | None:
     """The key of the trailing partial block of ``token_ids``, or None when the last block is full.
 
     It chains on the key of the last full block (the seed when there is none) under a
     tag of its own, so it never equals a full block's key, and it covers the tail's
     length and tokens: equal token sequences give equal tail keys, any other sequence
     another one. The KV of a partial block is what a prefill hands a decode beside the
-    full blocks; it is never a prefix of another request's blocks.
+    full blocks; it is never a prefix of another request's blocks. ``extras`` as for
+    :func:`block_keys`, the tail's being ``extras[num_full_blocks]``.
     """
     seed = prefix_seed(block_size, namespace)
     arr = _tokens_to_array(token_ids)
@@ -203,10 +228,14 @@ def tail_key(token_ids: Any, block_size: int, namespace: str = "") -> BlockKey |
     tail = arr[num_full * block_size :]
     if tail.size == 0:
         return None
-    digests = _chain(arr[: num_full * block_size], block_size, seed)
+    checked = _check_extras(extras)
+    digests = _chain(arr[: num_full * block_size], block_size, seed, checked)
     prev = digests[-1] if digests else seed
     width = "<i4" if int(tail.max()) <= _INT32_MAX else "<i8"
     body = _TAIL_TAG + tail.size.to_bytes(4, "little") + tail.astype(width).tobytes()
+    extra = checked[num_full] if num_full < len(checked) else b""
+    if extra:  # the tail's own extra (a salt on a prompt shorter than one block)
+        body += _EXTRA_TAG + len(extra).to_bytes(4, "little") + extra
     return _key(namespace, xxhash.xxh3_128_digest(prev + body))
 
 

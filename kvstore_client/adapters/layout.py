@@ -31,8 +31,9 @@ import torch
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, block_keys, tail_key, validate_namespace
 
-LAYOUT_VERSION = 1
-"""Bumped whenever the byte order of an object changes: old objects then never match."""
+LAYOUT_VERSION = 2
+"""Bumped whenever the byte order of an object or the spelling of its namespace changes: old objects then
+never match. Version 1 held vLLM CPU pages as the backend wrote them (K transposed), not in this order."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -86,6 +87,10 @@ class KVLayout:
     """Tokens per stored block."""
     tp_rank: int = 0
     tp_size: int = 1
+    first_layer: int = 0
+    """The model's index of ``layer 0`` here: a pipeline stage holds layers ``first_layer ..`` only."""
+    model_layers: int = 0
+    """Layers of the whole model (0: ``num_layers``, one stage holds them all)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -94,6 +99,13 @@ class KVLayout:
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+        if type(self.first_layer) is not int or type(self.model_layers) is not int or self.first_layer < 0:
+            raise InvalidArgument(f"first_layer and model_layers must be ints >= 0, got {self.first_layer!r}")
+        if self.first_layer + self.num_layers > self.total_layers:
+            raise InvalidArgument(
+                f"layers {self.first_layer}..{self.first_layer + self.num_layers - 1} are past the model's"
+                f" {self.total_layers}"
+            )
         if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_size:
             raise InvalidArgument(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
         if self.dtype not in DTYPES:
@@ -105,25 +117,35 @@ class KVLayout:
 
     # -- identity --------------------------------------------------------------------------
     @property
+    def total_layers(self) -> int:
+        return self.model_layers or self.num_layers
+
+    @property
     def namespace(self) -> str:
         """The key namespace, in front of every key: every field that changes an object's bytes, and the
-        layout version, as ``kv<version>/<model>/<dtype>/<layers>L-<kv heads>H-<head dim>D/tp<rank>of<size>``.
+        layout version, as ``kv<version>/<model>/<dtype>/<layers>L-<kv heads>H-<head dim>D/tp<rank>of<size>``,
+        where ``<layers>`` is the model's layer count, followed by ``[<first>-<last>]`` on a pipeline stage
+        that holds only those layers.
 
-        So ``kvstore keys --prefix kv1/<model>/`` lists one model's blocks. Only the model is free text
+        So ``kvstore keys --prefix kv2/<model>/`` lists one model's blocks. Only the model is free text
         (it may hold ``/``), and the segments after it never do, so no two field lists spell the same string.
         """
+        layers = f"{self.total_layers}L"
+        if self.num_layers != self.total_layers:
+            layers += f"[{self.first_layer}-{self.first_layer + self.num_layers - 1}]"
         return (
             f"kv{LAYOUT_VERSION}/{self.model}/{self.dtype}/"
-            f"{self.num_layers}L-{self.num_kv_heads}H-{self.head_dim}D/tp{self.tp_rank}of{self.tp_size}"
+            f"{layers}-{self.num_kv_heads}H-{self.head_dim}D/tp{self.tp_rank}of{self.tp_size}"
         )
 
-    def keys(self, token_ids: Any) -> list[BlockKey]:
-        """One key per full block of ``token_ids``, chained by prefix."""
-        return block_keys(token_ids, self.block_tokens, self.namespace)
+    def keys(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> list[BlockKey]:
+        """One key per full block of ``token_ids``, chained by prefix; ``extras[i]`` is whatever else
+        changes block ``i``'s KV (an adapter, a salt, an image in it: see :func:`block_keys`)."""
+        return block_keys(token_ids, self.block_tokens, self.namespace, extras=extras)
 
-    def tail_key(self, token_ids: Any) -> BlockKey | None:
+    def tail_key(self, token_ids: Any, extras: Sequence[bytes] | None = None) -> BlockKey | None:
         """The key of the trailing partial block (None when the last block is full)."""
-        return tail_key(token_ids, self.block_tokens, self.namespace)
+        return tail_key(token_ids, self.block_tokens, self.namespace, extras=extras)
 
     # -- sizes -----------------------------------------------------------------------------
     @property
@@ -283,19 +305,66 @@ def _check_layers(layers_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], layout
 
 
 @dataclass(frozen=True, slots=True)
+class HeadInterior:
+    """Where K and V of one head sit inside its page when the tensor's shape does not say it.
+
+    Some backends declare a ``[..., N, C]`` head page but fill it otherwise: vLLM's CPU attention keeps K
+    transposed (``[head_dim, tokens]``) and then V (``[tokens, head_dim]``) in the ``N * C`` elements. For
+    K and V each, ``(offset, token stride, dim stride)`` in elements from the head page's first element.
+    Built from where a backend's own kernel really wrote known values (:meth:`from_offsets`), never
+    from a reading of the shape.
+    """
+
+    name: str
+    """What it was read from, for messages (``cpu_attn/vec``)."""
+    k: tuple[int, int, int]
+    v: tuple[int, int, int]
+
+    @classmethod
+    def from_offsets(cls, name: str, offsets: torch.Tensor) -> HeadInterior:
+        """From ``offsets[part, token, dim]``: the element of the head page holding K (part 0) or V (1).
+
+        Raises :class:`InvalidArgument` unless every element lies at one place, none twice, and each
+        part is affine in token and dim (a strided view can then read it without a copy).
+        """
+        if offsets.dim() != 3 or offsets.shape[0] != 2:
+            raise InvalidArgument(f"{name}: offsets must be [2, tokens, head_dim], got {tuple(offsets.shape)}")
+        flat = offsets.reshape(-1)
+        if flat.numel() != int(torch.unique(flat).numel()) or int(flat.min()) < 0:
+            raise InvalidArgument(f"{name}: the probed page puts two elements at one place, or none")
+        parts = []
+        for part in range(2):
+            grid = offsets[part].to(torch.long)
+            base = int(grid[0, 0])
+            s_n = int(grid[1, 0] - base) if grid.shape[0] > 1 else 0
+            s_d = int(grid[0, 1] - base) if grid.shape[1] > 1 else 0
+            n = torch.arange(grid.shape[0]).view(-1, 1)
+            d = torch.arange(grid.shape[1]).view(1, -1)
+            if not torch.equal(grid, base + n * s_n + d * s_d):
+                raise InvalidArgument(
+                    f"{name}: the backend's page interior is not a strided layout the connector can decode"
+                )
+            parts.append((base, s_n, s_d))
+        return cls(name, parts[0], parts[1])
+
+
+@dataclass(frozen=True, slots=True)
 class PagedFormat:
-    """The dimension order of an engine's per-layer paged KV tensor.
+    """The dimension order of an engine's per-layer paged KV tensor, and what is inside a head's page.
 
     Letters as vLLM's: ``B`` page (block), ``N`` token in the page, ``H`` KV head, ``D`` head
     dim, ``2`` K or V, and ``C`` a fused K|V dimension of ``2 * head_dim`` (K first).
     ``"BHNC"`` is vLLM's standardized per-layer view ``[B, H, N, C]`` (v0.2x on);
     ``"2BNHD"`` older vLLM FlashAttention ``[2, num_blocks, block_size, kv_heads, head_dim]``;
     ``"B2NHD"`` FlashInfer's ``[num_blocks, 2, block_size, kv_heads, head_dim]``.
+    With an ``interior`` the order names only the pages and heads (``"BHNC"``); each head's ``N * C``
+    elements are laid out as the interior says.
     """
 
     order: str = "BHNC"
     block_size: int = 16
     """Tokens per engine page; a stored block spans ``block_tokens // block_size`` pages."""
+    interior: HeadInterior | None = None
 
     def __post_init__(self) -> None:
         if sorted(self.order.replace("C", "2D")) != sorted(CANONICAL_ORDER) or self.order.count("C") > 1:
@@ -304,9 +373,14 @@ class PagedFormat:
             )
         if type(self.block_size) is not int or self.block_size <= 0:
             raise InvalidArgument(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.interior is not None and self.order != "BHNC":
+            raise InvalidArgument(f"a head page interior needs the order BHNC, got {self.order!r}")
 
     def canonical(self, kv: torch.Tensor) -> torch.Tensor:
-        """A ``[pages, 2, page_tokens, heads, dim]`` view of one layer's tensor (no copy)."""
+        """A ``[pages, 2, page_tokens, heads, dim]`` view of one layer's tensor (no copy); formats with
+        an interior have no such single view: use :meth:`parts`."""
+        if self.interior is not None:
+            raise InvalidArgument(f"pages of {self.interior.name} hold K and V in different orders; use parts()")
         order = self.order
         if kv.dim() != len(order):
             raise InvalidArgument(f"a paged KV tensor in order {order} has {len(order)} dims, got {tuple(kv.shape)}")
@@ -318,6 +392,22 @@ class PagedFormat:
             order = order[:at] + "2D" + order[at + 1 :]
         return kv.permute([order.index(c) for c in CANONICAL_ORDER])
 
+    def parts(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer's tensor as two ``[pages, page_tokens, heads, dim]`` views (no copy)."""
+        if self.interior is None:
+            view = self.canonical(kv)
+            return view[:, 0], view[:, 1]
+        if kv.dim() != 4 or kv.shape[3] % 2:
+            raise InvalidArgument(f"a BHNC paged KV tensor has 4 dims and an even C, got {tuple(kv.shape)}")
+        pages, heads, n, c = kv.shape
+        if kv.stride(3) != 1 or kv.stride(2) != c:
+            raise InvalidArgument(f"{self.interior.name}: each head's page must be contiguous, strides {kv.stride()}")
+        out = []
+        for off, s_n, s_d in (self.interior.k, self.interior.v):
+            size, stride = (pages, n, heads, c // 2), (kv.stride(0), s_n, kv.stride(1), s_d)
+            out.append(kv.as_strided(size, stride, kv.storage_offset() + off))
+        return out[0], out[1]
+
     def pages_per_block(self, layout: KVLayout) -> int:
         if layout.block_tokens % self.block_size:
             raise InvalidArgument(
@@ -328,22 +418,22 @@ class PagedFormat:
 
 def _paged_views(
     kv_caches: Sequence[torch.Tensor], layout: KVLayout, fmt: PagedFormat, page_ids: Sequence[int]
-) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int]:
     if len(kv_caches) != layout.num_layers:
         raise InvalidArgument(f"{len(kv_caches)} KV tensors for a layout of {layout.num_layers} layers")
     k = fmt.pages_per_block(layout)
     if len(page_ids) % k:
         raise InvalidArgument(f"{len(page_ids)} pages is not a whole number of {k}-page blocks")
-    views = [fmt.canonical(kv) for kv in kv_caches]
-    want = (2, fmt.block_size, layout.num_kv_heads, layout.head_dim)
-    if tuple(views[0].shape[1:]) != want or views[0].dtype != layout.torch_dtype:
+    views = [fmt.parts(kv) for kv in kv_caches]
+    want = (fmt.block_size, layout.num_kv_heads, layout.head_dim)
+    if tuple(views[0][0].shape[1:]) != want or views[0][0].dtype != layout.torch_dtype:
         raise InvalidArgument(
             f"paged KV tensor is {tuple(kv_caches[0].shape)} {kv_caches[0].dtype} in order {fmt.order};"
-            f" the layout wants pages of {want} {layout.dtype}"
+            f" the layout wants pages of 2 x {want} {layout.dtype}"
         )
     ids = torch.as_tensor(list(page_ids), dtype=torch.long, device=kv_caches[0].device)
-    if ids.numel() and int(ids.max()) >= views[0].shape[0]:
-        raise InvalidArgument(f"page {int(ids.max())} is past the {views[0].shape[0]} pages of the KV tensor")
+    if ids.numel() and int(ids.max()) >= views[0][0].shape[0]:
+        raise InvalidArgument(f"page {int(ids.max())} is past the {views[0][0].shape[0]} pages of the KV tensor")
     return views, ids, k
 
 
@@ -352,16 +442,17 @@ def gather_paged(
 ) -> int:
     """Copy the pages ``page_ids`` (``pages_per_block`` per stored block, in token order) into ``out``.
 
-    Returns the number of blocks written: ``len(page_ids) // pages_per_block``. One gather per layer.
+    Returns the number of blocks written: ``len(page_ids) // pages_per_block``. One gather per layer and K/V.
     """
     views, ids, k = _paged_views(kv_caches, layout, fmt, page_ids)
     n = len(page_ids) // k
     if n > out.shape[0]:
         raise InvalidArgument(f"{n} blocks but staging holds {out.shape[0]}")
-    for layer, view in enumerate(views):
-        pages = view.index_select(0, ids).to(out.device)  # [n*k, 2, page, heads, dim]
-        dst = out[:n, layer].view(n, 2, k, fmt.block_size, layout.num_kv_heads, layout.head_dim)
-        dst.copy_(pages.view(n, k, 2, fmt.block_size, layout.num_kv_heads, layout.head_dim).transpose(1, 2))
+    shape = (n, k * fmt.block_size, layout.num_kv_heads, layout.head_dim)
+    for layer, parts in enumerate(views):
+        for part, view in enumerate(parts):
+            pages = view.index_select(0, ids)  # [n*k, page, heads, dim]: pages of a block follow each other
+            out[:n, layer, part].copy_(pages.view(shape))
     return n
 
 
@@ -382,11 +473,12 @@ def scatter_paged(
         raise InvalidArgument(f"{n} blocks but staging holds {staging.shape[0]}")
     keep = ids >= 0
     every = bool(keep.all())
-    for layer, view in enumerate(views):
-        src = staging[:n, layer].view(n, 2, k, fmt.block_size, layout.num_kv_heads, layout.head_dim)
-        pages = src.transpose(1, 2).reshape(n * k, 2, fmt.block_size, layout.num_kv_heads, layout.head_dim)
-        if every:
-            view.index_copy_(0, ids, pages.to(view.device))
-        else:
-            view.index_copy_(0, ids[keep], pages[keep.to(pages.device)].to(view.device))
+    shape = (n * k, fmt.block_size, layout.num_kv_heads, layout.head_dim)
+    for layer, parts in enumerate(views):
+        for part, view in enumerate(parts):
+            pages = staging[:n, layer, part].reshape(shape).to(view.device)
+            if every:
+                view.index_copy_(0, ids, pages)
+            else:
+                view.index_copy_(0, ids[keep], pages[keep.to(pages.device)])
     return n

@@ -12,24 +12,35 @@ Load it with::
 ``block_tokens`` (tokens per stored block, a multiple of vLLM's block size; default
 256 where it divides, else vLLM's block size), ``model`` (the weights' identity in
 the key namespace; default the served model's name), ``load_async`` (load between
-scheduler steps instead of before the forward pass), ``timeout_s``.
+scheduler steps instead of inside the forward pass), ``layerwise`` (default true:
+each attention layer waits only for its own layer's bytes), ``lookup_timeout_s``
+(default 1: the scheduler's prefix lookup), ``timeout_s`` (default 5: loads and saves),
+``max_pending_save_blocks`` (default 512: saves queued past it are dropped).
 
-Scheduler side: ``get_num_new_matched_tokens`` asks the store for the longest stored
-prefix of the prompt under every tensor-parallel rank's namespace (no side effect
-on vLLM's state); ``build_connector_meta`` tells the workers which stored blocks to
-load into which pages and which newly computed blocks to save. Worker side: loads go
-straight from the store into a staging tensor and from there into vLLM's paged KV
-tensors, one copy per layer (:mod:`kvstore_client.adapters.layout`); a block that
-does not arrive is reported through ``get_block_ids_with_load_errors`` so that vLLM
-recomputes it (with ``kv_load_failure_policy: recompute``). Saves gather each layer's
-pages as its attention layer finishes (``save_kv_layer``) and put the blocks in
-``wait_for_save``. Only full-attention models with one KV cache group are served.
+What goes into a stored block is engine-neutral (:class:`KVLayout`: per layer K then V,
+``[tokens, kv_heads, head_dim]`` each), whatever backend and page size stored it: the
+page interior of vLLM's CPU attention (K transposed, then V) is read from where the
+backend's own kernel writes known values, the GPU backends' fused ``[B, H, N, K|V]``
+views from their tensors; any other backend is refused at start. Keys carry
+everything that changes the KV: model, dtype, shape, TP rank and size, the pipeline
+stage's layers (namespace), and per request the LoRA adapter, cache salt and
+multimodal inputs, exactly as vLLM's own prefix cache hashes them.
+
+A sick store never makes vLLM slower than recomputing: the lookup is bounded by
+``lookup_timeout_s``; after a failure a circuit breaker skips the store (lookups miss,
+saves are dropped) and probes it again in the background. Loads that fail are
+reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them, and a
+stored block of the wrong size is removed so that the next request stores it again.
+Saves are gathered from vLLM's pages inside the step (a copy into staging memory,
+pinned on GPUs) and put by a background thread, never on the forward path.
+Only full-attention models with one KV cache group are served.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,15 +53,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore.config import ClientConfig
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore_client.adapters.health import CircuitBreaker
 from kvstore_client.adapters.layout import (
+    HeadInterior,
     KVLayout,
     PagedFormat,
     dtype_name,
     gather_paged,
     load_blocks,
+    load_layer,
     save_blocks,
     scatter_paged,
 )
@@ -59,6 +74,9 @@ from kvstore_client.store import Store
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_TOKENS = 256
+FUSED_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"})
+"""GPU backends whose ``[B, H, N, C]`` view holds each token's K then V in C (read from their sources:
+they split C at head_size). Any other backend but CPU_ATTN is refused."""
 
 
 @dataclass(slots=True)
@@ -72,6 +90,8 @@ class LoadSpec:
     pages: list[int]
     """Page ids for those blocks, ``pages_per_block`` each; -1 for a page the engine holds already."""
     num_blocks: int
+    extras: list[bytes] | None = None
+    """Per block, what else changes its KV (see :func:`block_extras`); None for nothing."""
 
 
 @dataclass(slots=True)
@@ -83,12 +103,45 @@ class SaveSpec:
     first_block: int
     pages: list[int]
     num_blocks: int
+    extras: list[bytes] | None = None
 
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """The workers' counters since the last report, summed across workers: vLLM logs them and
+    hands them to :meth:`KVStoreConnector.build_prom_metrics`-less loggers as ``kv_connector_stats``."""
+
+    FIELDS = (
+        "loaded_blocks", "loaded_bytes", "load_failed_blocks", "repaired_blocks",
+        "saved_blocks", "saved_bytes", "save_failed_blocks", "save_dropped_blocks", "skipped_ops",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        for name in self.FIELDS:
+            self.data.setdefault(name, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, name: str, value: int = 1) -> None:
+        self.data[name] = self.data.get(name, 0) + value
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: self.data.get(name, 0) for name in self.FIELDS}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name, 0) for name in self.FIELDS)
 
 
 @dataclass(slots=True)
@@ -98,7 +151,21 @@ class _Request:
     tokens: list[int]
     pages: list[int]
     saved_blocks: int
-    """Blocks of the prompt the store holds (loaded, or saved by this connector)."""
+    """Blocks of the prompt the store holds (found by the lookup, loaded, or saved by this connector)."""
+    extras: list[bytes] | None
+
+
+@dataclass(slots=True)
+class _Load:
+    """One request's load on the worker: filled by the loader thread, layer by layer."""
+
+    spec: LoadSpec
+    keys: list[str]
+    staging: torch.Tensor
+    layer_done: list[threading.Event]
+    layer_loaded: list[int]
+    """Leading blocks that arrived, per layer (0 until the layer is read)."""
+    scattered: set[int] = field(default_factory=set)
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -109,12 +176,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not master:
             raise InvalidArgument("KVStoreConnector needs kv_connector_extra_config.master (or $KVSTORE_MASTER)")
         self.master = str(master)
-        self.timeout_s = float(extra.get("timeout_s", 10.0))
+        self.timeout_s = float(extra.get("timeout_s", 5.0))
+        self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 1.0))
         self.load_async = bool(extra.get("load_async", False))
+        self.layerwise = bool(extra.get("layerwise", True)) and not self.load_async
+        self.max_pending_save_blocks = int(extra.get("max_pending_save_blocks", 512))
         self.is_producer = bool(self._kv_transfer_config.is_kv_producer)
         self.is_consumer = bool(self._kv_transfer_config.is_kv_consumer)
         group, self.layer_names = _single_attention_group(kv_cache_config)
         spec = group.kv_cache_spec
+        _check_spec(spec, vllm_config)
         self.page_tokens = int(spec.block_size)
         block_tokens = int(extra.get("block_tokens", 0)) or (
             DEFAULT_BLOCK_TOKENS if DEFAULT_BLOCK_TOKENS % self.page_tokens == 0 else self.page_tokens
@@ -124,58 +195,124 @@ class KVStoreConnector(KVConnectorBase_V1):
                 f"block_tokens {block_tokens} is not a multiple of vLLM's block size {self.page_tokens}"
             )
         model = str(extra.get("model") or vllm_config.model_config.model)
-        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        self.layouts = [
-            KVLayout(
-                model=model, num_layers=len(self.layer_names), num_kv_heads=int(spec.num_kv_heads),
-                head_dim=int(spec.head_size), dtype=dtype_name(spec.dtype), block_tokens=block_tokens,
-                tp_rank=rank, tp_size=self.tp_size,
-            )
-            for rank in range(self.tp_size)
-        ]  # fmt: skip
-        self.layout = self.layouts[_tp_rank() if role == KVConnectorRole.WORKER else 0]
+        parallel = vllm_config.parallel_config
+        self.tp_size = int(parallel.tensor_parallel_size)
+        pp_size = int(getattr(parallel, "pipeline_parallel_size", 1))
+        stages = _stage_layers(self.layer_names, vllm_config, pp_size)
+
+        def layout(rank: int, first: int, count: int, total: int) -> KVLayout:
+            return KVLayout(
+                model=model, num_layers=count, num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
+                dtype=dtype_name(spec.dtype), block_tokens=block_tokens, tp_rank=rank, tp_size=self.tp_size,
+                first_layer=first, model_layers=total,
+            )  # fmt: skip
+
+        # The scheduler asks every rank's and stage's namespace; a worker uses its own.
+        self.layouts = [layout(r, *stage) for stage in stages for r in range(self.tp_size)]
+        if role == KVConnectorRole.WORKER:
+            first, total = _worker_layers(self.layer_names, pp_size, stages)
+            self.layout = layout(_tp_rank(), first, len(self.layer_names), total)
+        else:
+            self.layout = self.layouts[0]
         self.pages_per_block = block_tokens // self.page_tokens
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kv_load_failure_policy is not 'recompute': a block the store loses fails its request")
+        self._vllm_config = vllm_config
         self._store: Store | None = None
         self._store_lock = threading.Lock()
+        self.breaker = CircuitBreaker()
+        self._probe: threading.Thread | None = None
         # Scheduler side.
         self._asked: dict[str, int] = {}  # request -> the local hit it was last asked about
+        self._store_hit: dict[str, int] = {}  # request -> leading prompt blocks the store holds
+        self._extras: dict[str, list[bytes] | None] = {}
         self._loads: dict[str, LoadSpec] = {}
-        self._stored_upto: dict[str, int] = {}  # request -> prompt blocks the store holds (its load's end)
         self._requests: dict[str, _Request] = {}
         # Worker side.
         self._kv_caches: list[torch.Tensor] = []
         self._format: PagedFormat | None = None
         self._layer_index = {name: i for i, name in enumerate(self.layer_names)}
         self._save_staging: list[tuple[SaveSpec, torch.Tensor, set[int]]] = []
+        self._step_loads: list[_Load] = []
         self._load_errors: set[int] = set()
         self._pending: dict[str, Future[None]] = {}
         self._errors_lock = threading.Lock()
         self._loader: ThreadPoolExecutor | None = None
+        self._saves: queue.Queue[tuple[SaveSpec, list[str], torch.Tensor] | None] = queue.Queue()
+        self._pending_save_blocks = 0
+        self._saver: threading.Thread | None = None
+        self._stats = KVStoreConnectorStats()
+        self._stats_lock = threading.Lock()
+        self._saved = threading.Condition(self._stats_lock)  # notified as queued saves finish
+        self._pin = False
+
+    # -- the store, behind the breaker ----------------------------------------------------------
+    def _connect(self) -> Store:
+        with self._store_lock:
+            if self._store is None:
+                timeout = self.lookup_timeout_s if self._role == KVConnectorRole.SCHEDULER else self.timeout_s
+                self._store = Store.connect(self.master, ClientConfig(timeout_s=timeout))
+            return self._store
 
     @property
     def store(self) -> Store:
-        with self._store_lock:
-            if self._store is None:
-                self._store = Store.connect(self.master, ClientConfig(timeout_s=self.timeout_s))
-            return self._store
+        return self._connect()
+
+    def _available(self) -> bool:
+        """Whether to use the store now. While the breaker is open, a background thread probes it."""
+        if self.breaker.is_closed:
+            return True
+        if self.breaker.allow():
+            probe = threading.Thread(target=self._probe_store, name="kvstore-vllm-probe", daemon=True)
+            self._probe = probe
+            probe.start()
+        return False
+
+    def _probe_store(self) -> None:
+        try:
+            self._connect().stats()
+        except KVStoreError as exc:
+            log.info("store still unavailable: %s", exc)
+            self._failed(None)
+        else:
+            log.info("store %s answers again: using it", self.master)
+            self.breaker.success()
+
+    def _failed(self, exc: BaseException | None, what: str = "") -> None:
+        was_closed = self.breaker.is_closed
+        self.breaker.failure()
+        if exc is not None and was_closed:
+            log.warning("%s failed, skipping the store for %.0f s: %s", what, self.breaker.cooldown_s, exc)
 
     # ==============================================================================================
     # Scheduler side
     # ==============================================================================================
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` the store can give: whole stored blocks of the prompt,
-        held under every rank's namespace, never the last token (vLLM computes it to sample)."""
-        if not self.is_consumer:
-            return 0, False
+        held under every rank's and stage's namespace, never the last token (vLLM computes it to sample)."""
         tokens = list(request.prompt_token_ids or [])
-        try:
-            hit = min(self.store.match_prefix(lay.keys(tokens)) for lay in self.layouts) if tokens else 0
-        except KVStoreError as exc:
-            log.warning("store lookup failed, computing request %s: %s", request.request_id, exc)
+        bt = self.layouts[0].block_tokens
+        extras = self._extras.get(request.request_id)
+        if request.request_id not in self._extras:
+            extras = self._extras[request.request_id] = block_extras(request, len(tokens) // bt, bt)
+        if not self.is_consumer or not tokens:
             return 0, False
-        hit_tokens = min(hit * self.layouts[0].block_tokens, request.num_tokens - 1)
+        if not self._available():
+            return 0, False
+        try:
+            # Sizes, not only presence: a block of another size under our key is no hit (and is removed).
+            hit = len(tokens) // bt
+            for lay in self.layouts:
+                keys = lay.keys(tokens, extras)
+                sizes = self.store.sizes(keys)
+                hit = min(hit, _leading_sized(sizes, lay.block_bytes()))
+                self._count("repaired_blocks", _repair(self.store, keys, sizes, lay.block_bytes()))
+        except KVStoreError as exc:
+            self._failed(exc, f"looking up request {request.request_id}")
+            return 0, False
+        self.breaker.success()
+        self._store_hit[request.request_id] = hit
+        hit_tokens = min(hit * bt, request.num_tokens - 1)
         self._asked[request.request_id] = num_computed_tokens  # the hit the count is relative to
         if hit_tokens <= num_computed_tokens:
             return 0, False
@@ -193,17 +330,20 @@ class KVStoreConnector(KVConnectorBase_V1):
             owned = local // self.page_tokens <= page < -(-(local + num_external_tokens) // self.page_tokens)
             load_pages.append(pages[page] if owned and page < len(pages) else -1)
         tokens = list(request.prompt_token_ids)[: end * bt]
-        self._loads[request.request_id] = LoadSpec(request.request_id, tokens, first, load_pages, end - first)
-        self._stored_upto[request.request_id] = (local + num_external_tokens) // bt
+        extras = self._extras.get(request.request_id)
+        self._loads[request.request_id] = LoadSpec(
+            request.request_id, tokens, first, load_pages, end - first, extras[:end] if extras else None
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=list(self._loads.values()))
         self._loads.clear()
         for new in scheduler_output.scheduled_new_reqs:
             tokens = list(new.prompt_token_ids or [])
-            # Blocks of a local prefix-cache hit are saved too (a no-op where the store has them).
-            known = self._stored_upto.pop(new.req_id, 0)
-            self._requests[new.req_id] = _Request(tokens, list(new.block_ids[0]), known)
+            # Blocks the store holds already (a local prefix hit on them included) are not put again.
+            known = self._store_hit.pop(new.req_id, 0)
+            extras = self._extras.pop(new.req_id, None)
+            self._requests[new.req_id] = _Request(tokens, list(new.block_ids[0]), known, extras)
             self._plan_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -221,7 +361,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, computed: int, out: Any) -> None:
         """Save the prompt's blocks this step completes that the store does not hold yet."""
         state = self._requests[req_id]
-        if not self.is_producer:
+        if not self.is_producer or not self.breaker.is_closed:
             return
         bt, k = self.layouts[0].block_tokens, self.pages_per_block
         done = min(computed + out.num_scheduled_tokens.get(req_id, 0), len(state.tokens)) // bt
@@ -229,15 +369,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         first = state.saved_blocks
         pages = state.pages[first * k : done * k]
-        meta.saves.append(SaveSpec(req_id, state.tokens[: done * bt], first, pages, done - first))
+        extras = state.extras[:done] if state.extras else None
+        meta.saves.append(SaveSpec(req_id, state.tokens[: done * bt], first, pages, done - first, extras))
         state.saved_blocks = done
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        self._asked.pop(request.request_id, None)
-        self._loads.pop(request.request_id, None)
-        self._stored_upto.pop(request.request_id, None)
-        return False, None  # saves finish inside the step (wait_for_save): the pages are free to go
+        for known in (self._requests, self._asked, self._loads, self._store_hit, self._extras):
+            known.pop(request.request_id, None)
+        return False, None  # saves copy the pages inside the step: they are free to go
 
     # ==============================================================================================
     # Worker side
@@ -247,43 +386,135 @@ class KVStoreConnector(KVConnectorBase_V1):
         if missing:
             raise InvalidArgument(f"KV caches for layers {missing} were not registered")
         self._kv_caches = [kv_caches[name] for name in self.layer_names]
-        self._format = _paged_format(self._kv_caches[0], self.layout, self.page_tokens)
+        self._format = _paged_format(self._vllm_config, self.layer_names, self._kv_caches[0], self.layout,
+                                     self.page_tokens)  # fmt: skip
+        self._pin = self._kv_caches[0].device.type == "cuda"
+
+    def _staging(self, num_blocks: int) -> torch.Tensor:
+        return self.layout.staging(num_blocks, pin=self._pin)
+
+    def _count(self, name: str, value: int = 1) -> None:
+        with self._stats_lock:
+            self._stats.add(name, value)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        self._save_staging = [
-            (spec, self.layout.staging(spec.num_blocks), set()) for spec in meta.saves
-        ]  # fmt: skip
+        usable = self._available() if meta.loads or meta.saves else False
+        if usable:
+            self._save_staging = [(spec, self._staging(spec.num_blocks), set()) for spec in meta.saves]
+        else:  # the store is sick: this step's saves are dropped, its loads recomputed
+            self._count("save_dropped_blocks", sum(spec.num_blocks for spec in meta.saves))
+            self._save_staging = []
+        self._step_loads = []
         for spec in meta.loads:
+            if not usable:
+                self._count("skipped_ops")
+                self._fail_pages(spec.pages)
+                continue
             if self.load_async:
-                if self._loader is None:
-                    self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-vllm-load")
-                self._pending[spec.req_id] = self._loader.submit(self._load, spec)
+                self._pending[spec.req_id] = self._pool().submit(self._load_whole, spec)
+            elif self.layerwise:
+                load = self._new_load(spec)
+                self._step_loads.append(load)
+                self._pool().submit(self._read_layers, load)
             else:
-                self._load(spec)
+                self._load_whole(spec)
 
-    def _load(self, spec: LoadSpec) -> None:
-        """Load one request's blocks into its pages; pages of blocks that did not arrive are load errors."""
-        assert self._format is not None
-        lay = self.layout
-        keys = lay.keys(spec.tokens)[spec.first_block : spec.first_block + spec.num_blocks]
-        staging = lay.staging(len(keys))
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-vllm-load")
+        return self._loader
+
+    def _keys(self, tokens: list[int], extras: list[bytes] | None, first: int, count: int) -> list[str]:
+        return list(self.layout.keys(tokens, extras)[first : first + count])
+
+    def _new_load(self, spec: LoadSpec) -> _Load:
+        n = self.layout.num_layers
+        keys = self._keys(spec.tokens, spec.extras, spec.first_block, spec.num_blocks)
+        events = [threading.Event() for _ in range(n)]
+        return _Load(spec, keys, self._staging(len(keys)), events, [0] * n)
+
+    def _read_layers(self, load: _Load) -> None:
+        """The loader thread: check the blocks' sizes once, then read layer after layer into staging."""
+        lay, keys = self.layout, load.keys
         try:
-            loaded = load_blocks(self.store, keys, staging)
+            sizes = self.store.sizes(keys)
+            usable = _leading_sized(sizes, lay.block_bytes())
+            self._count("repaired_blocks", _repair(self.store, keys, sizes, lay.block_bytes()))
+            for layer in range(lay.num_layers):
+                if usable:
+                    load.layer_loaded[layer] = load_layer(self.store, keys[:usable], lay, layer, load.staging)
+                load.layer_done[layer].set()
         except KVStoreError as exc:
-            log.warning("loading KV of request %s failed: %s", spec.req_id, exc)
-            loaded = 0
-        k = self.pages_per_block
-        if loaded:
-            scatter_paged(staging, self._kv_caches, lay, self._format, spec.pages[: loaded * k])
-        failed = {p for p in spec.pages[loaded * k :] if p >= 0}
-        if failed:
-            with self._errors_lock:
-                self._load_errors |= failed
+            self._failed(exc, f"loading KV of request {load.spec.req_id}")
+        finally:
+            for event in load.layer_done:
+                event.set()  # a failed read leaves its layers at 0 blocks: recomputed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv (or between steps, with load_async)
+        """Wait for this layer's bytes of this step's loads, and put them into vLLM's pages."""
+        layer = self._layer_index.get(layer_name)
+        if layer is not None:
+            self._scatter_layer(layer)
+
+    def _scatter_layer(self, layer: int) -> None:
+        assert self._format is not None or not self._step_loads
+        for load in self._step_loads:
+            if layer in load.scattered:
+                continue
+            if not load.layer_done[layer].wait(self.timeout_s * 4):
+                log.warning("layer %d of request %s did not arrive in time", layer, load.spec.req_id)
+            load.scattered.add(layer)
+            count = load.layer_loaded[layer] * self.pages_per_block
+            if count and self._format is not None:
+                one = _one_layer(self.layout)
+                scatter_paged(load.staging[:, layer : layer + 1], [self._kv_caches[layer]], one, self._format,
+                              load.spec.pages[:count])  # fmt: skip
+
+    def _finish_loads(self) -> None:
+        """After the forward pass: layers nobody waited for are scattered too, and the pages of blocks that
+        did not arrive in every layer are load errors (vLLM recomputes them)."""
+        for layer in range(self.layout.num_layers):
+            self._scatter_layer(layer)
+        for load in self._step_loads:
+            loaded = min(load.layer_loaded)
+            self._account_load(load.spec, loaded)
+        self._step_loads = []
+
+    def _account_load(self, spec: LoadSpec, loaded: int) -> None:
+        k = self.pages_per_block
+        self._count("loaded_blocks", loaded)
+        self._count("loaded_bytes", loaded * self.layout.block_bytes())
+        failed = [p for p in spec.pages[loaded * k :] if p >= 0]
+        if failed:
+            self._count("load_failed_blocks", spec.num_blocks - loaded)
+            self._fail_pages(failed)
+
+    def _fail_pages(self, pages: Sequence[int]) -> None:
+        with self._errors_lock:
+            self._load_errors |= {p for p in pages if p >= 0}
+
+    def _load_whole(self, spec: LoadSpec) -> None:
+        """Load one request's blocks, every layer at once, into its pages (before the forward pass, or
+        between steps with ``load_async``)."""
+        assert self._format is not None
+        keys = self._keys(spec.tokens, spec.extras, spec.first_block, spec.num_blocks)
+        staging = self._staging(len(keys))
+        try:
+            loaded = load_blocks(self.store, keys, staging)
+            if loaded < len(keys):
+                rest = keys[loaded:]
+                self._count(
+                    "repaired_blocks", _repair(self.store, rest, self.store.sizes(rest), self.layout.block_bytes())
+                )
+        except KVStoreError as exc:
+            self._failed(exc, f"loading KV of request {spec.req_id}")
+            loaded = 0
+        if loaded:
+            pages = spec.pages[: loaded * self.pages_per_block]
+            scatter_paged(staging, self._kv_caches, self.layout, self._format, pages)
+        self._account_load(spec, loaded)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Gather this layer's pages of every block being saved, as soon as the layer has written them."""
@@ -295,19 +526,42 @@ class KVStoreConnector(KVConnectorBase_V1):
             gathered.add(layer)
 
     def wait_for_save(self) -> None:
-        """Put the blocks of this step; layers whose save_kv_layer did not come are gathered now."""
-        assert self._format is not None or not self._save_staging
+        """Finish this step's loads; gather the layers of this step's saves that save_kv_layer did not see,
+        and hand the blocks to the saver thread (the put happens off the forward path)."""
+        self._finish_loads()
         for spec, staging, gathered in self._save_staging:
             assert self._format is not None
-            if len(gathered) < self.layout.num_layers:
-                for layer in set(range(self.layout.num_layers)) - gathered:
-                    _gather_layer(self._kv_caches[layer], self.layout, self._format, spec.pages, staging, layer)
-            keys = self.layout.keys(spec.tokens)[spec.first_block : spec.first_block + spec.num_blocks]
-            try:
-                save_blocks(self.store, keys, staging)
-            except KVStoreError as exc:
-                log.warning("saving KV of request %s failed: %s", spec.req_id, exc)
+            for layer in set(range(self.layout.num_layers)) - gathered:
+                _gather_layer(self._kv_caches[layer], self.layout, self._format, spec.pages, staging, layer)
+            if self._pending_save_blocks + spec.num_blocks > self.max_pending_save_blocks:
+                self._count("save_dropped_blocks", spec.num_blocks)
+                continue
+            keys = self._keys(spec.tokens, spec.extras, spec.first_block, spec.num_blocks)
+            with self._stats_lock:
+                self._pending_save_blocks += spec.num_blocks
+            self._saves.put((spec, keys, staging))
+            if self._saver is None:
+                self._saver = threading.Thread(target=self._save_loop, name="kvstore-vllm-save", daemon=True)
+                self._saver.start()
         self._save_staging = []
+
+    def _save_loop(self) -> None:
+        while (item := self._saves.get()) is not None:
+            spec, keys, staging = item
+            try:
+                if self.breaker.is_closed:
+                    save_blocks(self.store, keys, staging)
+                    self._count("saved_blocks", len(keys))
+                    self._count("saved_bytes", len(keys) * self.layout.block_bytes())
+                else:
+                    self._count("save_dropped_blocks", len(keys))
+            except KVStoreError as exc:
+                self._failed(exc, f"saving KV of request {spec.req_id}")
+                self._count("save_failed_blocks", len(keys))
+            finally:
+                with self._saved:
+                    self._pending_save_blocks -= len(keys)
+                    self._saved.notify_all()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done = {req for req, fut in self._pending.items() if fut.done()}
@@ -316,11 +570,34 @@ class KVStoreConnector(KVConnectorBase_V1):
         return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()
         with self._errors_lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, KVStoreConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    def flush_saves(self, timeout_s: float | None = None) -> bool:
+        """Wait (up to ``timeout_s``, default the store timeout) until every queued save has been put;
+        returns whether they all were."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        with self._saved:
+            return self._saved.wait_for(lambda: self._pending_save_blocks == 0, limit)
+
     def shutdown(self) -> None:
+        if self._saver is not None:
+            self.flush_saves()
+            self._saves.put(None)
+            self._saver.join(timeout=self.timeout_s)
         if self._loader is not None:
             self._loader.shutdown(wait=True)
         with self._store_lock:
@@ -330,6 +607,20 @@ class KVStoreConnector(KVConnectorBase_V1):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def block_extras(request: Any, num_blocks: int, block_tokens: int) -> list[bytes] | None:
+    """Per stored block, what besides its tokens changes its KV, as vLLM's own prefix cache hashes it:
+    the LoRA adapter (name and path), the cache salt (block 0), multimodal inputs placed in the block
+    and prompt embeddings. None when nothing does (the common case: keys are then the tokens' alone)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    out: list[bytes] = []
+    mm_index = 0
+    for i in range(num_blocks + 1):  # + 1: the trailing partial block's, for a prompt shorter than one block
+        keys, mm_index = generate_block_hash_extra_keys(request, i * block_tokens, (i + 1) * block_tokens, mm_index)
+        out.append(repr(keys).encode() if keys else b"")
+    return out if any(out) else None
 
 
 def _single_attention_group(kv_cache_config: Any) -> tuple[Any, list[str]]:
@@ -342,6 +633,55 @@ def _single_attention_group(kv_cache_config: Any) -> tuple[Any, list[str]]:
     return groups[0], list(groups[0].layer_names)
 
 
+def _check_spec(spec: Any, vllm_config: Any) -> None:
+    """Refuse, at start, the KV caches whose blocks this connector cannot store faithfully."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    kind = type(spec).__name__
+    if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+        raise InvalidArgument(f"KVStoreConnector serves full-attention KV caches only, not {kind}")
+    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
+        raise InvalidArgument(
+            "KVStoreConnector cannot serve sliding-window or chunked-local attention layers: their pages do"
+            " not hold every token of a prefix"
+        )
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise InvalidArgument(
+            f"KVStoreConnector does not store quantized KV caches yet (kv_cache_dtype={cache_dtype!r});"
+            " run with kv_cache_dtype 'auto'"
+        )
+
+
+def _stage_layers(layer_names: list[str], vllm_config: Any, pp_size: int) -> list[tuple[int, int, int]]:
+    """(first layer, layers, model layers) of every pipeline stage."""
+    if pp_size <= 1:
+        return [(0, len(layer_names), len(layer_names))]
+    from vllm.distributed.utils import get_pp_indices
+
+    total = int(vllm_config.model_config.hf_text_config.num_hidden_layers)
+    stages = []
+    for rank in range(pp_size):
+        start, end = get_pp_indices(total, rank, pp_size)
+        stages.append((start, end - start, total))
+    return stages
+
+
+def _worker_layers(layer_names: list[str], pp_size: int, stages: list[tuple[int, int, int]]) -> tuple[int, int]:
+    """(first layer, model layers) of this worker's pipeline stage, from its attention layers' names."""
+    if pp_size <= 1:
+        return 0, len(layer_names)
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    indices = sorted(extract_layer_index(name) for name in layer_names)
+    if indices != list(range(indices[0], indices[0] + len(indices))):
+        raise InvalidArgument(f"a pipeline stage's attention layers are not contiguous: {indices}")
+    for first, count, total in stages:
+        if first == indices[0] and count == len(indices):
+            return first, total
+    raise InvalidArgument(f"layers {indices[0]}..{indices[-1]} are no pipeline stage of {stages}")
+
+
 def _tp_rank() -> int:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
@@ -351,17 +691,86 @@ def _tp_rank() -> int:
         return 0
 
 
-def _paged_format(kv: torch.Tensor, layout: KVLayout, page_tokens: int) -> PagedFormat:
-    """The format of vLLM's per-layer tensors: the standardized ``[B, H, N, C]`` view, or an older layout."""
-    h, n, d = layout.num_kv_heads, page_tokens, layout.head_dim
-    candidates = {
-        "BHNC": (h, n, 2 * d), "BNHC": (n, h, 2 * d), "2BNHD": (None, n, h, d), "B2NHD": (2, n, h, d),
-    }  # fmt: skip
-    for order, tail in candidates.items():
-        shape = tuple(kv.shape[1:]) if order[0] != "2" else (None, *kv.shape[2:])
-        if len(order) == kv.dim() and shape == tail and (order[0] != "2" or kv.shape[0] == 2):
-            return PagedFormat(order, page_tokens)
-    raise InvalidArgument(f"vLLM KV tensor of shape {tuple(kv.shape)} matches no known paged layout")
+def _backend_name(vllm_config: Any, layer_names: list[str]) -> str:
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    names = {b.get_name() for b in get_current_attn_backends(vllm_config, layer_names)}
+    if len(names) != 1:
+        raise InvalidArgument(f"KVStoreConnector needs one attention backend for all layers, got {sorted(names)}")
+    return names.pop()
+
+
+def _paged_format(
+    vllm_config: Any, layer_names: list[str], kv: torch.Tensor, layout: KVLayout, page_tokens: int
+) -> PagedFormat:
+    """How this engine's backend really lays out a page: read, not assumed from the tensor's shape."""
+    backend = _backend_name(vllm_config, layer_names)
+    want = (layout.num_kv_heads, page_tokens, 2 * layout.head_dim)
+    if kv.dim() != 4 or tuple(kv.shape[1:]) != want:
+        raise InvalidArgument(f"{backend} KV tensor of shape {tuple(kv.shape)} is not vLLM's [B, H, N, C] {want}")
+    if backend in FUSED_BACKENDS:
+        return PagedFormat("BHNC", page_tokens)
+    if backend == "CPU_ATTN":
+        return PagedFormat("BHNC", page_tokens, cpu_attn_interior(kv.dtype, page_tokens, layout.num_kv_heads,
+                                                                  layout.head_dim, vllm_config))  # fmt: skip
+    raise InvalidArgument(
+        f"KVStoreConnector cannot decode pages of the {backend} attention backend;"
+        f" it serves {', '.join(sorted(FUSED_BACKENDS | {'CPU_ATTN'}))}"
+    )
+
+
+def cpu_attn_interior(
+    dtype: torch.dtype, page_tokens: int, heads: int, head_dim: int, vllm_config: Any
+) -> HeadInterior:
+    """Where vLLM's CPU attention kernel puts K and V inside a head's page, read from where its own
+    ``cpu_attn_reshape_and_cache`` writes known values (the layout depends on the CPU's ISA)."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    isa = _get_attn_isa(vllm_config.model_config.dtype, page_tokens, head_dim, cache_dtype)
+    n, d = page_tokens, head_dim
+    code = torch.arange(n * d, dtype=torch.long).view(n, 1, d).expand(n, heads, d)
+    slots = torch.arange(n, dtype=torch.long)
+
+    def write(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        cache = torch.full((1, heads, n, 2 * d), -1.0, dtype=dtype)
+        k_cache, v_cache = cache.view(1, heads, 2 * n, d).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key.to(dtype).contiguous(), value.to(dtype).contiguous(), k_cache, v_cache,
+                                       slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype=cache_dtype)  # fmt: skip
+        return cache[0].reshape(heads, -1).to(torch.long)
+
+    # Values up to 255 are exact in every float type: write the element's index a byte at a time.
+    value = torch.zeros(heads, 2 * n * d, dtype=torch.long)
+    for byte in range(((n * d - 1).bit_length() + 7) // 8):
+        digit = (code >> (8 * byte)) & 255
+        value |= write(digit, digit) << (8 * byte)
+    part = write(torch.ones(n, heads, d), torch.full((n, heads, d), 2.0))
+    offsets = torch.full((2, n * d), -1, dtype=torch.long)
+    where = torch.arange(2 * n * d)
+    for p in (0, 1):
+        placed = part[0] == p + 1
+        offsets[p, value[0][placed]] = where[placed]
+    if bool((part[1:] != part[0]).any()) or bool((value[1:] != value[0]).any()):
+        raise InvalidArgument(f"CPU attention ({isa}) lays out heads' pages differently: cannot decode it")
+    return HeadInterior.from_offsets(f"cpu_attn/{isa}", offsets.view(2, n, d))
+
+
+def _repair(store: Store, keys: Sequence[str], sizes: Sequence[int | None], want: int) -> int:
+    """Remove stored blocks of the wrong size under our keys, so that the next request saves them anew.
+    Returns how many were removed."""
+    bad = [key for key, size in zip(keys, sizes, strict=True) if size is not None and size != want]
+    if bad:
+        log.warning("removing %d stored blocks of the wrong size (a block is %d bytes)", len(bad), want)
+        store.remove_many(bad)
+    return len(bad)
+
+
+def _leading_sized(sizes: Sequence[int | None], want: int) -> int:
+    for i, size in enumerate(sizes):
+        if size != want:
+            return i
+    return len(sizes)
 
 
 def _gather_layer(

@@ -1,11 +1,13 @@
 """The vLLM connector against vLLM's own classes: a real v1 Scheduler, real Requests and KV cache
 configs, the worker side on CPU tensors in vLLM's paged layout, and a real cluster behind it.
 
-vLLM's engine needs a GPU; its scheduler and connector classes load on CPU. As in vLLM's own
+These drive the scheduler step by step, where a real engine (``test_vllm_engine.py``) cannot
+be steered: a block lost between lookup and load, async loads, preemption. As in vLLM's own
 connector unit tests, a step's forward pass is stood in for: the test writes each scheduled
-token's K and V into its page slots (values derived from the token and its position), calls
-the connector's layer hooks, and hands the scheduler a ModelRunnerOutput. Runs only where
-vLLM imports (see the README for the install); skips with the reason elsewhere.
+token's K and V (values derived from the token and its position) into its page slots through
+the CPU attention backend's own kernel (``cpu_attn_reshape_and_cache``, so pages hold what a
+real forward pass leaves there), calls the connector's layer hooks, and hands the scheduler a
+ModelRunnerOutput. Runs in the vLLM environment (``scripts/vllm-env.sh``); skips elsewhere.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="vLLM is not installed (see the README: vLLM and SGLang)")
 
 from vllm import SamplingParams  # noqa: E402
+from vllm import _custom_ops as ops  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
@@ -33,6 +36,7 @@ from vllm.config import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
@@ -46,7 +50,7 @@ from kvstore_client.store import Store  # noqa: E402
 
 PAGE = 16
 BLOCK = 32  # two vLLM pages per stored block
-HEADS, DIM, LAYERS, PAGES = 2, 16, 2, 64
+HEADS, DIM, LAYERS, PAGES = 2, 32, 2, 64
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 EOS = 2
 
@@ -99,9 +103,10 @@ class Engine:
         )  # fmt: skip
         assert isinstance(self.scheduler.connector, KVStoreConnector)  # vLLM's factory loaded ours
         self.worker = KVStoreConnector(self.config, KVConnectorRole.WORKER, kv_config)
-        # vLLM's standardized per-layer view [B, H, N, C]: pages, heads, tokens, K|V.
+        # vLLM's standardized per-layer view [B, H, N, C]; the CPU backend fills each head's N * C as it likes.
         self.kv = {name: torch.zeros(PAGES, HEADS, PAGE, 2 * DIM) for name in LAYER_NAMES}
         self.worker.register_kv_caches(self.kv)
+        self.isa = _get_attn_isa(torch.float32, PAGE, DIM, "auto")
 
     def add(self, request_id: str, tokens: list[int], max_tokens: int = 4) -> Request:
         params = SamplingParams(max_tokens=max_tokens)
@@ -141,13 +146,23 @@ class Engine:
             request = self.scheduler.requests[req_id]
             start = request.num_computed_tokens - count  # schedule() has already counted this step's tokens
             pages = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-            for pos in range(start, min(start + count, len(request.prompt_token_ids))):
-                page, slot = pages[pos // PAGE], pos % PAGE
-                self.kv[LAYER_NAMES[layer]][page, :, slot] = kv_value(request.prompt_token_ids[pos], pos, layer)
+            positions = range(start, min(start + count, len(request.prompt_token_ids)))
+            if not positions:
+                continue
+            kv = torch.stack([kv_value(request.prompt_token_ids[pos], pos, layer) for pos in positions])
+            slots = torch.tensor([pages[pos // PAGE] * PAGE + pos % PAGE for pos in positions])
+            k_cache, v_cache = self.kv[LAYER_NAMES[layer]].view(PAGES, HEADS, 2 * PAGE, DIM).chunk(2, dim=2)
+            key, value = kv[..., :DIM].contiguous(), kv[..., DIM:].contiguous()
+            ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, self.isa,
+                                           k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
 
     def prompt_kv(self, request: Request, tokens: int, layer: int) -> torch.Tensor:
+        """[tokens, heads, K|V] of a request's prompt, read from its pages as the backend laid them out."""
         pages = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
-        return torch.stack([self.kv[LAYER_NAMES[layer]][pages[p // PAGE], :, p % PAGE] for p in range(tokens)])
+        assert self.worker._format is not None
+        k, v = self.worker._format.parts(self.kv[LAYER_NAMES[layer]])  # [pages, tokens, heads, dim] each
+        return torch.stack([torch.cat((k[pages[p // PAGE], p % PAGE], v[pages[p // PAGE], p % PAGE]), -1)
+                            for p in range(tokens)])  # fmt: skip
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -183,6 +198,7 @@ def computed_elsewhere(
     engines.append(producer)
     request = producer.add(f"producer-{len(engines)}", tokens)
     run_until_prefilled(producer, request)
+    producer.worker.flush_saves()  # saves are put by a background thread, after the step
     engines.append(Engine(model_dir, master, **consumer))
     return producer, request, engines[-1]
 
@@ -267,3 +283,50 @@ def test_a_consumer_saves_nothing_and_keys_follow_the_model(
         consumer.worker.layout.namespace
         != consumer.worker.layouts[0].__class__("other-model", LAYERS, HEADS, DIM, "float32", BLOCK).namespace
     )
+
+
+def lookup_request(request_id: str, tokens: list[int], **fields: Any) -> Request:
+    params = SamplingParams(max_tokens=4)
+    params.update_from_generation_config({}, EOS)
+    return Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params, pooling_params=None,
+                   **fields)  # fmt: skip
+
+
+def test_requests_whose_kv_differs_share_none_of_it(
+    engines: list[Engine], model_dir: Path, cluster: LocalCluster
+) -> None:
+    """A LoRA adapter, a cache salt or an image changes the KV: such requests get none of the plain prompt's
+    blocks (an image only from the block it sits in on)."""
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    tokens = [(i * 41) % 500 + 13 for i in range(130)]  # 4 stored blocks of 32
+    _, _, consumer = computed_elsewhere(engines, model_dir, cluster.master_address, tokens)
+    lookup = consumer.scheduler.connector.get_num_new_matched_tokens
+
+    def image(at: int, name: str) -> list[MultiModalFeatureSpec]:
+        return [MultiModalFeatureSpec(data=None, modality="image", identifier=name,
+                                      mm_position=PlaceholderRange(offset=at, length=8))]  # fmt: skip
+
+    assert lookup(lookup_request("plain", tokens), 0) == (128, False)
+    assert lookup(lookup_request("lora", tokens, lora_request=LoRARequest("a", 1, "/adapters/a")), 0) == (0, False)
+    assert lookup(lookup_request("salt", tokens, cache_salt="tenant-a"), 0) == (0, False)
+    assert lookup(lookup_request("image", tokens, mm_features=image(70, "cat")), 0) == (64, False)  # block 2
+    assert lookup(lookup_request("image-late", tokens, mm_features=image(100, "cat")), 0) == (96, False)  # block 3
+    # (A salted request stores blocks its salt finds again: test_vllm_engine.py, through a real engine.)
+
+
+def test_ranks_and_pipeline_stages_name_their_own_blocks(model_dir: Path) -> None:
+    from types import SimpleNamespace
+
+    from kvstore_client.adapters import vllm as connector
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(8)]
+    config = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=8)))
+    stages = connector._stage_layers(names, config, 2)
+    assert stages == [(0, 4, 8), (4, 4, 8)]
+    assert connector._worker_layers(names[4:], 2, stages) == (4, 8)
+    with pytest.raises(connector.InvalidArgument, match="no pipeline stage"):
+        connector._worker_layers(names[3:7], 2, stages)
+    with pytest.raises(connector.InvalidArgument, match="not contiguous"):
+        connector._worker_layers([names[0], names[2]], 2, stages)

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 from kvstore.errors import InvalidArgument  # noqa: E402
 from kvstore_client.adapters.layout import (  # noqa: E402
+    HeadInterior,
     KVLayout,
     PagedFormat,
     gather_hf,
@@ -35,6 +36,8 @@ def test_every_field_that_changes_bytes_changes_the_keys() -> None:
     variants = [
         layout(model="other"), layout(dtype="bfloat16"), layout(num_layers=4), layout(num_kv_heads=1),
         layout(head_dim=8), layout(tp_rank=1, tp_size=2), layout(tp_size=2), layout(block_tokens=16),
+        # Pipeline stages: the same 3 layers as the first or the last stage of a 6-layer model.
+        layout(model_layers=6), layout(first_layer=3, model_layers=6),
     ]  # fmt: skip
     keys = set(base.keys(tokens))
     for other in variants:
@@ -42,6 +45,29 @@ def test_every_field_that_changes_bytes_changes_the_keys() -> None:
     assert base.keys(tokens) == layout().keys(tokens)
     assert len(base.keys(tokens)) == 4 and base.tail_key(tokens) is None
     assert base.tail_key(tokens[:13]) not in keys
+
+
+def test_the_namespace_spells_every_field_and_a_stage_its_layers() -> None:
+    assert layout().namespace == "kv2/m/float32/3L-2H-4D/tp0of1"
+    assert layout(first_layer=3, model_layers=6, tp_rank=1, tp_size=2).namespace == "kv2/m/float32/6L[3-5]-2H-4D/tp1of2"
+    with pytest.raises(InvalidArgument, match="past the model"):
+        layout(first_layer=4, model_layers=6)
+
+
+def test_extras_separate_keys_from_the_block_they_are_in_on() -> None:
+    """An adapter or salt on block 0 changes every key; an image in block 2 changes keys 2.. only."""
+    lay, tokens = layout(), list(range(32))
+    plain = lay.keys(tokens)
+    assert lay.keys(tokens, [b"", b"", b""]) == plain  # empty extras are none
+    salted = lay.keys(tokens, [b"salt"])
+    assert set(salted).isdisjoint(plain) and lay.keys(tokens, [b"salt"]) == salted
+    imaged = lay.keys(tokens, [b"", b"", b"image-1"])
+    assert imaged[:2] == plain[:2] and set(imaged[2:]).isdisjoint(plain)
+    assert lay.keys(tokens, [b"", b"", b"image-2"])[2:] != imaged[2:]
+    # A prompt shorter than a block: the tail key takes block 0's extra.
+    assert lay.tail_key(tokens[:5], [b"salt"]) != lay.tail_key(tokens[:5])
+    with pytest.raises(InvalidArgument, match="extras"):
+        lay.keys(tokens, b"salt")  # type: ignore[arg-type]
 
 
 def test_each_layer_is_one_contiguous_byte_range() -> None:
@@ -133,6 +159,56 @@ def test_paged_pages_round_trip_in_any_order(order: str) -> None:
         src, dst = fmt.canonical(c), fmt.canonical(f)
         assert torch.equal(dst[[0, 1, 3, 4]], src[pages])
         assert not dst[[2, 5, 6, 7, 8, 9]].any()  # nothing else touched
+
+
+def cpu_attn_like(pages: int, heads: int, n: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [B, H, N, 2D] tensor filled as vLLM's CPU attention does: per head K transposed [D, N], then V [N, D].
+    Returns it with the K and V it holds, each [B, N, H, D]."""
+    k, v = torch.randn(pages, n, heads, d), torch.randn(pages, n, heads, d)
+    head_pages = torch.cat(
+        (k.permute(0, 2, 3, 1).reshape(pages, heads, -1), v.permute(0, 2, 1, 3).reshape(pages, heads, -1)), -1
+    )
+    return head_pages.view(pages, heads, n, 2 * d), k, v
+
+
+def test_a_head_interior_reads_k_transposed_then_v() -> None:
+    n, d = 4, 3
+    offsets = torch.stack([
+        torch.arange(n).view(n, 1) + n * torch.arange(d).view(1, d),  # K^T: token stride 1, dim stride n
+        n * d + d * torch.arange(n).view(n, 1) + torch.arange(d).view(1, d),  # V: token stride d, dim stride 1
+    ])  # fmt: skip
+    interior = HeadInterior.from_offsets("cpu_attn/vec", offsets)
+    assert interior.k == (0, 1, n) and interior.v == (n * d, d, 1)
+    lay = layout(block_tokens=8, head_dim=d)
+    fmt = PagedFormat("BHNC", block_size=n, interior=interior)
+    caches, ks, vs = zip(*(cpu_attn_like(10, 2, n, d) for _ in range(lay.num_layers)), strict=True)
+    staging = lay.staging(2)
+    assert gather_paged(list(caches), lay, fmt, [7, 2, 5, 9], staging) == 2
+    # Stored block 1 = pages 5 and 9: its token 5 is page 9's token 1, K and V alike.
+    assert torch.equal(staging[1, 2, 0, 5], ks[2][9, 1]) and torch.equal(staging[1, 2, 1, 5], vs[2][9, 1])
+    fresh = [torch.zeros_like(c) for c in caches]
+    assert scatter_paged(staging, fresh, lay, fmt, [0, 1, -1, 4]) == 2
+    for c, f in zip(caches, fresh, strict=True):
+        assert torch.equal(f[[0, 1, 4]], c[[7, 2, 9]]) and not f[[2, 3, 5]].any()
+    # Read as if it were per-token K|V (what the shape alone suggests), the same pages give other numbers.
+    wrong = lay.staging(2)
+    gather_paged(list(caches), lay, PagedFormat("BHNC", block_size=n), [7, 2, 5, 9], wrong)
+    assert not torch.equal(wrong, staging)
+
+
+def test_a_head_interior_that_no_strided_view_reads_is_refused() -> None:
+    offsets = torch.arange(2 * 4 * 2).view(2, 4, 2)
+    assert HeadInterior.from_offsets("plain", offsets).k == (0, 2, 1)
+    shuffled = offsets.clone()
+    shuffled[0, 0, 0], shuffled[0, 1, 1] = offsets[0, 1, 1], offsets[0, 0, 0]
+    with pytest.raises(InvalidArgument, match="not a strided layout"):
+        HeadInterior.from_offsets("vnni", shuffled)
+    twice = offsets.clone()
+    twice[1, 0, 0] = 0
+    with pytest.raises(InvalidArgument, match="two elements"):
+        HeadInterior.from_offsets("broken", twice)
+    with pytest.raises(InvalidArgument, match="order BHNC"):
+        PagedFormat("2BNHD", interior=HeadInterior.from_offsets("plain", offsets))
 
 
 def test_paged_rejects_partial_blocks_and_foreign_shapes() -> None:

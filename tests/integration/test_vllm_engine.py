@@ -1,0 +1,328 @@
+"""Real vLLM engines (its CPU build) serving a model through the store's connector.
+
+Each engine is a process of the vLLM environment (``scripts/vllm-env.sh`` builds it in
+``.venv-vllm``; ``$KVSTORE_VLLM_PYTHON`` names another interpreter), driven by
+``vllm_engine.py``. Engines run one after another, never two at once (2 cores). The
+model is a random-weight Llama (4 layers, hidden 256, 8 heads, 2 KV heads, bf16)
+saved with ``save_pretrained``; the reference is the same engine without a connector.
+What is checked against the real thing: the tokens of engines with the store against
+the engine without it, the stored bytes against Hugging Face's own ``past_key_values``
+for the same weights and tokens, and KV crossing between vLLM engines of different page
+sizes and Hugging Face's prefill/decode workers, both ways.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore_cli.cluster import LocalCluster
+from kvstore_client import Store
+from kvstore_client.adapters.layout import KVLayout, load_blocks
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("vllm_engine.py")
+PYTHON = os.environ.get("KVSTORE_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+MODEL_NAME = "tiny-llama"  # the model's identity in the key namespace, shared with the Hugging Face side
+CONFIG = {
+    "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "vocab_size": 8192, "max_position_embeddings": 8192, "initializer_range": 0.05,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+LAYOUT = KVLayout(MODEL_NAME, num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16", block_tokens=256)
+
+if not Path(PYTHON).exists():
+    pytest.skip(
+        f"no vLLM environment at {PYTHON} (scripts/vllm-env.sh builds one; or set KVSTORE_VLLM_PYTHON)",
+        allow_module_level=True,
+    )
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(8192) for _ in range(n)]
+
+
+P, Q, R, S, T = prompt(3000, 1), prompt(700, 2), prompt(1200, 3), prompt(1100, 4), prompt(900, 5)
+
+
+class Engine:
+    """One vLLM engine process; ``run`` sends prompts and returns its answer."""
+
+    def __init__(
+        self, model: Path, workdir: Path, name: str, block: int = 128, master: str = "", dtype: str = "bfloat16",
+        **extra: Any,
+    ) -> None:  # fmt: skip
+        args = [PYTHON, str(DRIVER), "--model", str(model), "--block-size", str(block), "--dtype", dtype]
+        if master:
+            args += ["--master", master, "--extra", json.dumps({"model": MODEL_NAME, **extra})]
+        self.log_path = workdir / f"{name}.log"
+        self.log = self.log_path.open("w")
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
+        )
+        self.ready = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                return dict(json.loads(line[2:]))
+        raise AssertionError(f"the engine died:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        self.log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def run(self, *prompts: list[int], max_tokens: int = 8, salt: str = "") -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        command = {"prompts": list(prompts), "max_tokens": max_tokens, "salt": salt}
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write('{"quit": true}\n')
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def model_dir(workdir: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.bfloat16)
+    model.save_pretrained(workdir / "model")
+    return workdir / "model"
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval()
+    model.generation_config.do_sample = False
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, workdir: Path) -> dict[str, list[int]]:
+    """Greedy tokens of each prompt from the engine without a connector."""
+    engine = Engine(model_dir, workdir, "reference")
+    try:
+        out = engine.run(P, Q, R, S, T)
+    finally:
+        engine.close()
+    return dict(zip("PQRST", out["tokens"], strict=True))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(daemons=1, dram="512MiB") as c:
+        yield c
+
+
+def full(tokens: list[int], block: int = 256) -> int:
+    """Prompt tokens in whole stored blocks: what a second engine can be given."""
+    return len(tokens) // block * block
+
+
+@pytest.fixture(scope="module")
+def stored(model_dir: Path, workdir: Path, cluster: LocalCluster) -> dict[str, Any]:
+    """P, Q, R and S computed and stored by an engine with 128-token pages."""
+    engine = Engine(model_dir, workdir, "pages-128", 128, cluster.master_address)
+    try:
+        return engine.run(P, Q, R, S)
+    finally:
+        engine.close()
+
+
+def test_engines_share_kv_through_the_store_across_page_sizes(
+    model_dir: Path, workdir: Path, reference: dict[str, list[int]], cluster: LocalCluster, stored: dict[str, Any]
+) -> None:
+    assert stored["tokens"] == [reference[p] for p in "PQRS"]
+    assert stored["cached"] == [0, 0, 0, 0]
+    second = Engine(model_dir, workdir, "pages-256", 256, cluster.master_address)
+    try:
+        loaded = second.run(P, Q)
+    finally:
+        second.close()
+    assert loaded["tokens"] == [reference["P"], reference["Q"]], second.tail()
+    assert loaded["cached"] == [full(P), full(Q)]  # every full block came from the store
+    with Store.connect(cluster.master_address) as store:
+        assert store.match_prefix(LAYOUT.keys(P)) == len(P) // 256
+
+
+def test_stored_blocks_decode_to_the_models_own_kv(hf_model: Any, cluster: LocalCluster, stored: object) -> None:
+    """The bytes vLLM's CPU backend stored, read through KVLayout, are Hugging Face's K and V."""
+    with Store.connect(cluster.master_address) as store:
+        keys = LAYOUT.keys(Q)
+        staging = LAYOUT.staging(len(keys))
+        assert load_blocks(store, keys, staging) == len(keys) == 2
+    with torch.inference_mode():
+        cache = hf_model(torch.tensor([Q[:512]]), use_cache=True).past_key_values
+    for layer, hf_layer in enumerate(cache.layers):
+        for part, want in enumerate((hf_layer.keys, hf_layer.values)):
+            got = staging[:, layer, part].reshape(512, 2, 32).permute(1, 0, 2)  # [heads, tokens, dim]
+            cos = torch.nn.functional.cosine_similarity(got.float().flatten(), want[0].float().flatten(), dim=0)
+            assert cos > 0.999, f"layer {layer} {'KV'[part]}: cosine {cos:.4f}"
+            torch.testing.assert_close(got.float(), want[0].float(), atol=0.05, rtol=0.05)
+
+
+def test_hugging_face_workers_and_vllm_read_each_others_kv(
+    hf_model: Any, model_dir: Path, workdir: Path, cluster: LocalCluster, stored: object
+) -> None:
+    """vLLM -> Hugging Face in bf16; Hugging Face -> vLLM in float32, where the two compute the same KV to
+    ~1e-6 (in bf16 their own KV differs by rounding, enough to flip a late greedy token of a random model
+    whichever KV is loaded)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvstore_client.adapters.workers import DecodeWorker, PrefillWorker
+
+    with Store.connect(cluster.master_address) as store:
+        # The decode worker loads what the 128-page engine stored for P and generates what HF alone does.
+        with torch.inference_mode():
+            want = hf_model.generate(torch.tensor([P]), max_new_tokens=8, do_sample=False)[0, len(P) :].tolist()
+        decoded = DecodeWorker(hf_model, LAYOUT, store, save_output=False).decode(P, int(want[0]), 8)
+        assert decoded.loaded_tokens == full(P)
+        assert decoded.tokens == want
+    engine = Engine(model_dir, workdir, "fp32", 128, cluster.master_address, dtype="float32")
+    layout32 = KVLayout(MODEL_NAME, num_layers=4, num_kv_heads=2, head_dim=32, dtype="float32", block_tokens=256)
+    try:
+        own = engine.run(T)  # computes T, and stores its own KV
+        with Store.connect(cluster.master_address) as store:
+            keys = layout32.keys(T)
+            assert own["cached"] == [0] and store.match_prefix(keys) == len(keys)
+            assert store.remove_many(keys) == len(keys)
+            model32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+            model32.generation_config.pad_token_id = model32.generation_config.eos_token_id
+            result = PrefillWorker(model32, layout32, store, load_policy="never", store_tail=False).prefill(T)
+            assert result.stored_blocks == len(keys)
+        loaded = engine.run(T)  # now from Hugging Face's KV
+    finally:
+        engine.close()
+    assert loaded["cached"] == [full(T)]
+    assert loaded["tokens"] == own["tokens"]
+
+
+def test_loaded_kv_is_used_a_bad_block_is_repaired_and_salts_never_mix(
+    model_dir: Path, workdir: Path, reference: dict[str, list[int]], cluster: LocalCluster, stored: object
+) -> None:
+    with Store.connect(cluster.master_address) as store:
+        # R: block 2 overwritten with garbage of the same size; S: block 1 removed; then one of the wrong size.
+        r_keys, s_keys = LAYOUT.keys(R), LAYOUT.keys(S)
+        assert store.match_prefix(r_keys) == len(r_keys) and store.match_prefix(s_keys) == len(s_keys)
+        garbage = (torch.randn(LAYOUT.block_bytes() // 2) * 3).to(torch.bfloat16)
+        assert store.remove(r_keys[2])
+        store.put(r_keys[2], garbage.view(torch.uint8).numpy())
+        assert store.remove(s_keys[1])
+        engine = Engine(model_dir, workdir, "faults", 128, cluster.master_address)
+        try:
+            out = engine.run(R, S)
+            assert out["cached"] == [full(R), 256]
+            assert out["tokens"][0] != reference["R"], "garbage KV left the output unchanged: was it loaded?"
+            assert out["tokens"][1] == reference["S"]  # blocks 1.. recomputed, and stored again
+            assert store.match_prefix(s_keys) == len(s_keys)
+            # A block of the wrong size is refused, removed and recomputed.
+            assert store.remove(s_keys[2])
+            store.put(s_keys[2], b"x" * 1000)
+            again = engine.run(S)
+            assert again["tokens"] == [reference["S"]] and again["cached"] == [512]
+            assert store.sizes([s_keys[2]]) == [LAYOUT.block_bytes()]  # repaired: stored anew
+            # A salted request shares nothing with unsalted ones, and everything with the same salt.
+            salted = engine.run(P, salt="alice")
+            assert salted["cached"] == [0] and salted["tokens"] == [reference["P"]]
+            assert engine.run(P, salt="alice")["cached"] == [full(P)]
+            assert engine.run(P, salt="bob")["cached"] == [0]
+        finally:
+            engine.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_dead_or_frozen_store_costs_nothing_but_its_hits(
+    model_dir: Path, workdir: Path, reference: dict[str, list[int]]
+) -> None:
+    """Down at start, then up (used after the breaker's probe), frozen (SIGSTOP), killed: every answer right."""
+    port = free_port()
+    engine = Engine(model_dir, workdir, "sick-store", 128, f"127.0.0.1:{port}", lookup_timeout_s=1.0, timeout_s=2.0)
+    timings: dict[str, float] = {}
+    try:
+        down = engine.run(P, Q)
+        assert down["tokens"] == [reference["P"], reference["Q"]] and down["cached"] == [0, 0]
+        timings["down"] = down["seconds"]
+        with LocalCluster(daemons=1, dram="256MiB", master_port=port) as c:
+            deadline = time.monotonic() + 120
+            while engine.run(P)["cached"] != [full(P)]:  # the breaker's probe finds it; P is stored, then hit
+                assert time.monotonic() < deadline, engine.tail()
+                time.sleep(1.0)
+            assert c.master is not None and c.daemons[0] is not None
+            frozen = [c.master, c.daemons[0]]
+            for proc in frozen:
+                proc.send_signal(signal.SIGSTOP)
+            try:
+                out = engine.run(Q, R, P)
+                timings["frozen"] = out["seconds"]
+                assert out["tokens"] == [reference["Q"], reference["R"], reference["P"]], engine.tail()
+            finally:
+                for proc in frozen:
+                    proc.send_signal(signal.SIGCONT)
+        out = engine.run(S, P)  # the cluster is gone
+        timings["killed"] = out["seconds"]
+        assert out["tokens"] == [reference["S"], reference["P"]] and out["cached"] == [0, 0]
+    finally:
+        engine.close()
+    print(json.dumps({"sick_store_seconds": timings}), file=sys.stderr)
+
+
+def test_the_connector_against_vllms_scheduler_in_the_vllm_environment() -> None:
+    """test_vllm_connector.py drives vLLM's own Scheduler step by step; it imports vLLM, so it runs there."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [
+        PYTHON,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "vllm",
+        "-p",
+        "no:cacheprovider",
+        "tests/integration/test_vllm_connector.py",
+    ]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout.splitlines()[-1] and "skipped" not in done.stdout.splitlines()[-1]
