@@ -53,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvstore.config import ClientConfig
 from kvstore.errors import InvalidArgument, KVStoreError
@@ -114,13 +114,14 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVStoreConnectorStats(KVConnectorStats):
-    """The workers' counters since the last report, summed across workers: vLLM logs them and
-    hands them to :meth:`KVStoreConnector.build_prom_metrics`-less loggers as ``kv_connector_stats``."""
+    """Counters since the last report, summed across the workers and the scheduler: vLLM logs them
+    ("KV Transfer metrics") and exports each as the Prometheus counter ``vllm:kvstore_<name>``."""
 
     FIELDS = (
-        "loaded_blocks", "loaded_bytes", "load_failed_blocks", "repaired_blocks",
+        "lookups", "lookup_failures", "loaded_blocks", "loaded_bytes", "load_failed_blocks", "repaired_blocks",
         "saved_blocks", "saved_bytes", "save_failed_blocks", "save_dropped_blocks", "skipped_ops",
     )  # fmt: skip
+    """``skipped_ops``: lookups and loads not tried while the breaker was open."""
 
     def __post_init__(self) -> None:
         for name in self.FIELDS:
@@ -142,6 +143,27 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(name, 0) for name in self.FIELDS)
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per :attr:`KVStoreConnectorStats.FIELDS`, ``vllm:kvstore_<name>``."""
+
+    def __init__(
+        self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine: dict[int, list[object]]
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine)
+        counter = self._counter_cls
+        self._counters = {
+            name: counter(name=f"vllm:kvstore_{name}", documentation=f"kvstore: {name}", labelnames=labelnames)
+            for name in KVStoreConnectorStats.FIELDS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.items():
+            counter = self._counters.get(name)
+            if counter is not None and value:
+                counter.labels(*labels).inc(value)
 
 
 @dataclass(slots=True)
@@ -298,7 +320,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not self.is_consumer or not tokens:
             return 0, False
         if not self._available():
+            self._count("skipped_ops")
             return 0, False
+        self._count("lookups")
         try:
             # Sizes, not only presence: a block of another size under our key is no hit (and is removed).
             hit = len(tokens) // bt
@@ -308,6 +332,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 hit = min(hit, _leading_sized(sizes, lay.block_bytes()))
                 self._count("repaired_blocks", _repair(self.store, keys, sizes, lay.block_bytes()))
         except KVStoreError as exc:
+            self._count("lookup_failures")
             self._failed(exc, f"looking up request {request.request_id}")
             return 0, False
         self.breaker.success()
@@ -585,6 +610,12 @@ class KVStoreConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+    ) -> KVConnectorPromMetrics | None:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def flush_saves(self, timeout_s: float | None = None) -> bool:
         """Wait (up to ``timeout_s``, default the store timeout) until every queued save has been put;

@@ -2,7 +2,7 @@
 
 Each engine is a process of the vLLM environment (``scripts/vllm-env.sh`` builds it in
 ``.venv-vllm``; ``$KVSTORE_VLLM_PYTHON`` names another interpreter), driven by
-``vllm_engine.py``. Engines run one after another, never two at once (2 cores). The
+``bench/vllm_engine.py``. Engines run one after another, never two at once (2 cores). The
 model is a random-weight Llama (4 layers, hidden 256, 8 heads, 2 KV heads, bf16)
 saved with ``save_pretrained``; the reference is the same engine without a connector.
 What is checked against the real thing: the tokens of engines with the store against
@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from bench.vllm_serving import VllmEngine, free_port, prompt, save_model, vllm_python
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
 from kvstore_client.adapters.layout import KVLayout, load_blocks
@@ -35,14 +34,8 @@ from kvstore_client.adapters.layout import KVLayout, load_blocks
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
-DRIVER = Path(__file__).with_name("vllm_engine.py")
-PYTHON = os.environ.get("KVSTORE_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+PYTHON = vllm_python()
 MODEL_NAME = "tiny-llama"  # the model's identity in the key namespace, shared with the Hugging Face side
-CONFIG = {
-    "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "vocab_size": 8192, "max_position_embeddings": 8192, "initializer_range": 0.05,
-    "tie_word_embeddings": False,
-}  # fmt: skip
 LAYOUT = KVLayout(MODEL_NAME, num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16", block_tokens=256)
 
 if not Path(PYTHON).exists():
@@ -51,62 +44,15 @@ if not Path(PYTHON).exists():
         allow_module_level=True,
     )
 
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(8192) for _ in range(n)]
-
-
 P, Q, R, S, T = prompt(3000, 1), prompt(700, 2), prompt(1200, 3), prompt(1100, 4), prompt(900, 5)
 
 
-class Engine:
-    """One vLLM engine process; ``run`` sends prompts and returns its answer."""
-
-    def __init__(
-        self, model: Path, workdir: Path, name: str, block: int = 128, master: str = "", dtype: str = "bfloat16",
-        **extra: Any,
-    ) -> None:  # fmt: skip
-        args = [PYTHON, str(DRIVER), "--model", str(model), "--block-size", str(block), "--dtype", dtype]
-        if master:
-            args += ["--master", master, "--extra", json.dumps({"model": MODEL_NAME, **extra})]
-        self.log_path = workdir / f"{name}.log"
-        self.log = self.log_path.open("w")
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env
-        )
-        self.ready = self._read()
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("@@"):
-                return dict(json.loads(line[2:]))
-        raise AssertionError(f"the engine died:\n{self.tail()}")
-
-    def tail(self, lines: int = 40) -> str:
-        self.log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def run(self, *prompts: list[int], max_tokens: int = 8, salt: str = "") -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        command = {"prompts": list(prompts), "max_tokens": max_tokens, "salt": salt}
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write('{"quit": true}\n')
-            self.proc.stdin.flush()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
+def Engine(
+    model: Path, workdir: Path, name: str, block: int = 128, master: str = "", dtype: str = "bfloat16", **extra: Any
+) -> VllmEngine:
+    """An engine with the store's connector when ``master`` is given (keys under :data:`MODEL_NAME`)."""
+    return VllmEngine(model, workdir / f"{name}.log", block=block, master=master, dtype=dtype,
+                      extra={"model": MODEL_NAME, **extra})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +62,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dir(workdir: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).to(torch.bfloat16)
-    model.save_pretrained(workdir / "model")
-    return workdir / "model"
+    return save_model(workdir / "model")
 
 
 @pytest.fixture(scope="module")
@@ -167,18 +108,28 @@ def stored(model_dir: Path, workdir: Path, cluster: LocalCluster) -> dict[str, A
         engine.close()
 
 
+@pytest.fixture(scope="module")
+def reader(model_dir: Path, workdir: Path, cluster: LocalCluster, stored: object) -> Iterator[VllmEngine]:
+    """A second engine, with 256-token pages, after the first stored P, Q, R and S."""
+    engine = Engine(model_dir, workdir, "pages-256", 256, cluster.master_address)
+    yield engine
+    engine.close()
+
+
 def test_engines_share_kv_through_the_store_across_page_sizes(
-    model_dir: Path, workdir: Path, reference: dict[str, list[int]], cluster: LocalCluster, stored: dict[str, Any]
+    reference: dict[str, list[int]], cluster: LocalCluster, stored: dict[str, Any], reader: VllmEngine
 ) -> None:
     assert stored["tokens"] == [reference[p] for p in "PQRS"]
     assert stored["cached"] == [0, 0, 0, 0]
-    second = Engine(model_dir, workdir, "pages-256", 256, cluster.master_address)
-    try:
-        loaded = second.run(P, Q)
-    finally:
-        second.close()
-    assert loaded["tokens"] == [reference["P"], reference["Q"]], second.tail()
+    loaded = reader.run(P, Q)
+    assert loaded["tokens"] == [reference["P"], reference["Q"]], reader.tail()
     assert loaded["cached"] == [full(P), full(Q)]  # every full block came from the store
+    # vLLM's own counters say so too, and the connector's (exported through vLLM's KV connector stats).
+    metrics = loaded["metrics"]
+    assert metrics["vllm:external_prefix_cache_hits"] == full(P) + full(Q)
+    assert metrics["vllm:kvstore_loaded_blocks"] == (full(P) + full(Q)) // 256
+    assert metrics["vllm:kvstore_loaded_bytes"] == (full(P) + full(Q)) // 256 * LAYOUT.block_bytes()
+    assert "vllm:kvstore_load_failed_blocks" not in metrics
     with Store.connect(cluster.master_address) as store:
         assert store.match_prefix(LAYOUT.keys(P)) == len(P) // 256
 
@@ -236,7 +187,7 @@ def test_hugging_face_workers_and_vllm_read_each_others_kv(
 
 
 def test_loaded_kv_is_used_a_bad_block_is_repaired_and_salts_never_mix(
-    model_dir: Path, workdir: Path, reference: dict[str, list[int]], cluster: LocalCluster, stored: object
+    reference: dict[str, list[int]], cluster: LocalCluster, reader: VllmEngine
 ) -> None:
     with Store.connect(cluster.master_address) as store:
         # R: block 2 overwritten with garbage of the same size; S: block 1 removed; then one of the wrong size.
@@ -246,32 +197,30 @@ def test_loaded_kv_is_used_a_bad_block_is_repaired_and_salts_never_mix(
         assert store.remove(r_keys[2])
         store.put(r_keys[2], garbage.view(torch.uint8).numpy())
         assert store.remove(s_keys[1])
-        engine = Engine(model_dir, workdir, "faults", 128, cluster.master_address)
-        try:
-            out = engine.run(R, S)
-            assert out["cached"] == [full(R), 256]
-            assert out["tokens"][0] != reference["R"], "garbage KV left the output unchanged: was it loaded?"
-            assert out["tokens"][1] == reference["S"]  # blocks 1.. recomputed, and stored again
-            assert store.match_prefix(s_keys) == len(s_keys)
-            # A block of the wrong size is refused, removed and recomputed.
-            assert store.remove(s_keys[2])
-            store.put(s_keys[2], b"x" * 1000)
-            again = engine.run(S)
-            assert again["tokens"] == [reference["S"]] and again["cached"] == [512]
-            assert store.sizes([s_keys[2]]) == [LAYOUT.block_bytes()]  # repaired: stored anew
-            # A salted request shares nothing with unsalted ones, and everything with the same salt.
-            salted = engine.run(P, salt="alice")
-            assert salted["cached"] == [0] and salted["tokens"] == [reference["P"]]
-            assert engine.run(P, salt="alice")["cached"] == [full(P)]
-            assert engine.run(P, salt="bob")["cached"] == [0]
-        finally:
-            engine.close()
+        out = reader.run(R, S)
+        assert out["cached"] == [full(R), 256]
+        assert out["tokens"][0] != reference["R"], "garbage KV left the output unchanged: was it loaded?"
+        assert out["tokens"][1] == reference["S"]  # blocks 1.. recomputed, and stored again (in the background)
+        eventually(lambda: store.match_prefix(s_keys) == len(s_keys))
+        # A block of the wrong size is refused, removed and recomputed.
+        assert store.remove(s_keys[2])
+        store.put(s_keys[2], b"x" * 1000)
+        again = reader.run(S)
+        assert again["tokens"] == [reference["S"]] and again["cached"] == [512]
+        eventually(lambda: store.sizes([s_keys[2]]) == [LAYOUT.block_bytes()])  # repaired: stored anew
+        # A salted request shares nothing with unsalted ones, and everything with the same salt.
+        salted = reader.run(P, salt="alice")
+        assert salted["cached"] == [0] and salted["tokens"] == [reference["P"]]
+        eventually(lambda: reader.run(P, salt="alice")["cached"] == [full(P)])
+        assert reader.run(P, salt="bob")["cached"] == [0]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def eventually(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Saves are put by the connector's background thread after the step: wait for what they make true."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.2)
 
 
 def test_a_dead_or_frozen_store_costs_nothing_but_its_hits(

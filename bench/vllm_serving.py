@@ -1,0 +1,222 @@
+"""Real vLLM engines on the store: time to first token with the store against without it, in one run.
+
+Every engine is vLLM's CPU build in its own process (``python -m bench.vllm_engine`` in the
+vLLM environment, ``scripts/vllm-env.sh``), one at a time. The model is a random-weight
+Llama saved with ``save_pretrained`` (``--layers``, hidden 256, 8 heads, 2 KV heads, bf16).
+Each prompt runs alone with ``max_tokens=1`` (prefill and the first token: the TTFT),
+vLLM's own prefix cache reset before each. One JSON line per row, each with its
+baseline from the same run, the engine without a connector on the same prompts:
+
+- ``no_connector``: the baseline, fresh prompts;
+- ``miss``: the connector on, nothing stored: lookups that miss and saves of every
+  block (``overhead`` = miss / baseline - 1, the target is <= 5%);
+- ``stored``: a second engine (another process, other page size) on the same prompts,
+  all full blocks in the store (``speedup`` = baseline / stored); ``stored_whole``:
+  the same with layer-wise loading off (every layer read before the forward pass);
+- ``store_down``: the master's port refuses connections: the first request and the
+  mean of the following ones (``first_s``, ``rest_s``) against the baseline;
+- ``store_frozen``: the master and daemon SIGSTOPped with the engine's connections
+  open: the same.
+
+Times are medians over the prompts (``--prompts``, each ``--prompt-tokens`` long).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL_CONFIG: dict[str, Any] = {
+    "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "vocab_size": 8192, "max_position_embeddings": 8192, "initializer_range": 0.05,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def vllm_python() -> str:
+    """The vLLM environment's interpreter: ``$KVSTORE_VLLM_PYTHON``, else ``.venv-vllm`` in the checkout."""
+    return os.environ.get("KVSTORE_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+
+
+def save_model(path: Path, *, layers: int = 4, seed: int = 0) -> Path:
+    """A random-weight bf16 Llama of :data:`MODEL_CONFIG` (``layers`` deep), saved for vLLM to load."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model: Any = LlamaForCausalLM(LlamaConfig(**{**MODEL_CONFIG, "num_hidden_layers": layers}))
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def prompt(n: int, seed: int, vocab: int = 8192) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+class VllmEngine:
+    """One vLLM engine process; :meth:`run` sends prompts and returns its answer (see ``vllm_engine.py``)."""
+
+    def __init__(
+        self, model: Path, log: Path, *, block: int = 128, master: str = "", dtype: str = "bfloat16",
+        extra: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
+        args = [vllm_python(), "-m", "bench.vllm_engine", "--model", str(model), "--block-size", str(block),
+                "--dtype", dtype]  # fmt: skip
+        if master:
+            args += ["--master", master, "--extra", json.dumps(extra or {})]
+        self.log_path = log
+        self._log = log.open("w")
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env
+        )
+        self.ready = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                return dict(json.loads(line[2:]))
+        raise RuntimeError(f"the vLLM engine died:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def run(self, *prompts: list[int], max_tokens: int = 8, salt: str = "") -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": list(prompts), "max_tokens": max_tokens, "salt": salt}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write('{"quit": true}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (subprocess.TimeoutExpired, BrokenPipeError):
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _row(name: str, times: list[float], base: float, **more: Any) -> dict[str, Any]:
+    median = statistics.median(times)
+    return {"bench": "vllm_serving", "row": name, "ttft_s": round(median, 4), "baseline_ttft_s": round(base, 4),
+            "ratio": round(median / base, 3), **more}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvstore_cli.cluster import LocalCluster
+
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    model = save_model(work / "model", layers=args.layers)
+    prompts = [prompt(args.prompt_tokens, 1000 + i) for i in range(args.prompts)]
+    warm = prompt(args.prompt_tokens, 1)
+    rows: list[dict[str, Any]] = []
+    store = {"model": "bench"}
+    with VllmEngine(model, work / "baseline.log") as engine:
+        engine.run(warm, max_tokens=1)
+        baseline = engine.run(*prompts, max_tokens=1)
+    base = statistics.median(baseline["times"])
+    rows.append(_row("no_connector", baseline["times"], base, prompt_tokens=args.prompt_tokens))
+    with LocalCluster(daemons=1, dram="1GiB") as cluster:
+        with VllmEngine(model, work / "miss.log", master=cluster.master_address, extra=store) as engine:
+            engine.run(warm, max_tokens=1)
+            miss = engine.run(*prompts, max_tokens=1)
+        assert miss["tokens"] == baseline["tokens"], "the connector changed the output"
+        rows.append(_row("miss", miss["times"], base, overhead=round(statistics.median(miss["times"]) / base - 1, 3)))
+        for name, extra in (("stored", {}), ("stored_whole", {"layerwise": False})):
+            log = work / f"{name}.log"
+            with VllmEngine(model, log, block=256, master=cluster.master_address, extra={**store, **extra}) as engine:
+                engine.run(warm, max_tokens=1)
+                hit = engine.run(*prompts, max_tokens=1)
+            assert hit["tokens"] == baseline["tokens"], f"{name}: the loaded KV changed the output"
+            rows.append(_row(name, hit["times"], base, cached_tokens=hit["cached"][0],
+                             speedup=round(base / statistics.median(hit["times"]), 2)))  # fmt: skip
+    rows += _sick_store(args, model, work, prompts, base, baseline["tokens"])
+    return rows
+
+
+def _sick_store(
+    args: argparse.Namespace, model: Path, work: Path, prompts: list[list[int]], base: float, want: list[Any]
+) -> list[dict[str, Any]]:
+    from kvstore_cli.cluster import LocalCluster
+
+    rows = []
+    fresh = [prompt(args.prompt_tokens, 2000 + i) for i in range(args.prompts)]
+    port = free_port()
+    extra = {"model": "bench", "lookup_timeout_s": args.lookup_timeout_s, "timeout_s": args.timeout_s}
+    with VllmEngine(model, work / "sick.log", master=f"127.0.0.1:{port}", extra=extra) as engine:
+        down = engine.run(*prompts, max_tokens=1)
+        assert down["tokens"] == want
+        rows.append(_sick_row("store_down", down["times"], base))
+        with LocalCluster(daemons=1, dram="1GiB", master_port=port) as cluster:
+            for _ in range(60):  # until the breaker's probe has found the store and a prompt hits
+                if engine.run(prompts[0], max_tokens=1)["cached"][0]:
+                    break
+            assert cluster.master is not None and cluster.daemons[0] is not None
+            frozen = [cluster.master, cluster.daemons[0]]
+            for proc in frozen:
+                proc.send_signal(signal.SIGSTOP)
+            try:
+                out = engine.run(*fresh, max_tokens=1)
+            finally:
+                for proc in frozen:
+                    proc.send_signal(signal.SIGCONT)
+        rows.append(_sick_row("store_frozen", out["times"], base))
+    return rows
+
+
+def _sick_row(name: str, times: list[float], base: float) -> dict[str, Any]:
+    rest = statistics.mean(times[1:]) if len(times) > 1 else 0.0
+    return {"bench": "vllm_serving", "row": name, "first_s": round(times[0], 4), "rest_s": round(rest, 4),
+            "baseline_ttft_s": round(base, 4), "first_extra_s": round(times[0] - base, 4),
+            "rest_ratio": round(rest / base, 3)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.vllm_serving", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="JSON lines (the only output format)")
+    p.add_argument("--prompts", type=int, default=5)
+    p.add_argument("--prompt-tokens", type=int, default=3000)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--lookup-timeout-s", type=float, default=1.0)
+    p.add_argument("--timeout-s", type=float, default=2.0)
+    args = p.parse_args(argv)
+    if not Path(vllm_python()).exists():
+        print(f"no vLLM environment at {vllm_python()}: run scripts/vllm-env.sh", file=sys.stderr)
+        return 2
+    for row in run(args):
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
