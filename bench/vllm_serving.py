@@ -18,7 +18,9 @@ baseline from the same run, the engine without a connector on the same prompts:
 - ``store_frozen``: the master and daemon SIGSTOPped with the engine's connections
   open: the same.
 
-Times are medians over the prompts (``--prompts``, each ``--prompt-tokens`` long).
+Times are medians over the prompts (``--prompts``, each ``--prompt-tokens`` long). The
+baseline and ``miss`` engines run side by side, prompt by prompt in turn; the others
+one at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +124,18 @@ class VllmEngine:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the ephemeral range, so that no process's outgoing connection (vLLM's engines make
+    several) takes it before the cluster started later on it binds it."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 30000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-30000")
 
 
 def _row(name: str, times: list[float], base: float, **more: Any) -> dict[str, Any]:
@@ -132,51 +144,57 @@ def _row(name: str, times: list[float], base: float, **more: Any) -> dict[str, A
             "ratio": round(median / base, 3), **more}  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     from kvstore_cli.cluster import LocalCluster
 
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     model = save_model(work / "model", layers=args.layers)
     prompts = [prompt(args.prompt_tokens, 1000 + i) for i in range(args.prompts)]
     warm = prompt(args.prompt_tokens, 1)
-    rows: list[dict[str, Any]] = []
     store = {"model": "bench"}
-    with VllmEngine(model, work / "baseline.log") as engine:
-        engine.run(warm, max_tokens=1)
-        baseline = engine.run(*prompts, max_tokens=1)
-    base = statistics.median(baseline["times"])
-    rows.append(_row("no_connector", baseline["times"], base, prompt_tokens=args.prompt_tokens))
     with LocalCluster(daemons=1, dram="1GiB") as cluster:
-        with VllmEngine(model, work / "miss.log", master=cluster.master_address, extra=store) as engine:
+        # The baseline and the connector with nothing stored, both up, prompt by prompt in turn:
+        # the machine's noise falls on both alike.
+        with (
+            VllmEngine(model, work / "baseline.log") as plain,
+            VllmEngine(model, work / "miss.log", master=cluster.master_address, extra=store) as engine,
+        ):
+            plain.run(warm, max_tokens=1)
             engine.run(warm, max_tokens=1)
-            miss = engine.run(*prompts, max_tokens=1)
+            baseline: dict[str, list[Any]] = {"times": [], "tokens": []}
+            miss: dict[str, list[Any]] = {"times": [], "tokens": []}
+            for p in prompts:
+                for out, eng in ((baseline, plain), (miss, engine)):
+                    got = eng.run(p, max_tokens=1)
+                    out["times"] += got["times"]
+                    out["tokens"] += got["tokens"]
+        base = statistics.median(baseline["times"])
+        yield _row("no_connector", baseline["times"], base, prompt_tokens=args.prompt_tokens)
         assert miss["tokens"] == baseline["tokens"], "the connector changed the output"
-        rows.append(_row("miss", miss["times"], base, overhead=round(statistics.median(miss["times"]) / base - 1, 3)))
+        yield _row("miss", miss["times"], base, overhead=round(statistics.median(miss["times"]) / base - 1, 3))
         for name, extra in (("stored", {}), ("stored_whole", {"layerwise": False})):
             log = work / f"{name}.log"
             with VllmEngine(model, log, block=256, master=cluster.master_address, extra={**store, **extra}) as engine:
                 engine.run(warm, max_tokens=1)
                 hit = engine.run(*prompts, max_tokens=1)
             assert hit["tokens"] == baseline["tokens"], f"{name}: the loaded KV changed the output"
-            rows.append(_row(name, hit["times"], base, cached_tokens=hit["cached"][0],
-                             speedup=round(base / statistics.median(hit["times"]), 2)))  # fmt: skip
-    rows += _sick_store(args, model, work, prompts, base, baseline["tokens"])
-    return rows
+            yield _row(name, hit["times"], base, cached_tokens=hit["cached"][0],
+                       speedup=round(base / statistics.median(hit["times"]), 2))  # fmt: skip
+    yield from _sick_store(args, model, work, prompts, base, baseline["tokens"])
 
 
 def _sick_store(
     args: argparse.Namespace, model: Path, work: Path, prompts: list[list[int]], base: float, want: list[Any]
-) -> list[dict[str, Any]]:
+) -> Iterator[dict[str, Any]]:
     from kvstore_cli.cluster import LocalCluster
 
-    rows = []
     fresh = [prompt(args.prompt_tokens, 2000 + i) for i in range(args.prompts)]
     port = free_port()
     extra = {"model": "bench", "lookup_timeout_s": args.lookup_timeout_s, "timeout_s": args.timeout_s}
     with VllmEngine(model, work / "sick.log", master=f"127.0.0.1:{port}", extra=extra) as engine:
         down = engine.run(*prompts, max_tokens=1)
         assert down["tokens"] == want
-        rows.append(_sick_row("store_down", down["times"], base))
+        yield _sick_row("store_down", down["times"], base)
         with LocalCluster(daemons=1, dram="1GiB", master_port=port) as cluster:
             for _ in range(60):  # until the breaker's probe has found the store and a prompt hits
                 if engine.run(prompts[0], max_tokens=1)["cached"][0]:
@@ -190,8 +208,7 @@ def _sick_store(
             finally:
                 for proc in frozen:
                     proc.send_signal(signal.SIGCONT)
-        rows.append(_sick_row("store_frozen", out["times"], base))
-    return rows
+        yield _sick_row("store_frozen", out["times"], base)
 
 
 def _sick_row(name: str, times: list[float], base: float) -> dict[str, Any]:
