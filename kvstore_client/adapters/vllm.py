@@ -59,7 +59,6 @@ from kvstore.config import ClientConfig
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore_client.adapters.health import CircuitBreaker
 from kvstore_client.adapters.layout import (
-    HeadInterior,
     KVLayout,
     PagedFormat,
     dtype_name,
@@ -69,14 +68,20 @@ from kvstore_client.adapters.layout import (
     save_blocks,
     scatter_paged,
 )
+from kvstore_client.adapters.vllm_inspect import (
+    block_extras,
+    check_spec,
+    paged_format,
+    single_attention_group,
+    stage_layers,
+    tp_rank,
+    worker_layers,
+)
 from kvstore_client.store import Store
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_TOKENS = 256
-FUSED_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"})
-"""GPU backends whose ``[B, H, N, C]`` view holds each token's K then V in C (read from their sources:
-they split C at head_size). Any other backend but CPU_ATTN is refused."""
 
 
 @dataclass(slots=True)
@@ -205,9 +210,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.max_pending_save_blocks = int(extra.get("max_pending_save_blocks", 512))
         self.is_producer = bool(self._kv_transfer_config.is_kv_producer)
         self.is_consumer = bool(self._kv_transfer_config.is_kv_consumer)
-        group, self.layer_names = _single_attention_group(kv_cache_config)
+        group, self.layer_names = single_attention_group(kv_cache_config)
         spec = group.kv_cache_spec
-        _check_spec(spec, vllm_config)
+        check_spec(spec, vllm_config)
         self.page_tokens = int(spec.block_size)
         block_tokens = int(extra.get("block_tokens", 0)) or (
             DEFAULT_BLOCK_TOKENS if DEFAULT_BLOCK_TOKENS % self.page_tokens == 0 else self.page_tokens
@@ -220,7 +225,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         parallel = vllm_config.parallel_config
         self.tp_size = int(parallel.tensor_parallel_size)
         pp_size = int(getattr(parallel, "pipeline_parallel_size", 1))
-        stages = _stage_layers(self.layer_names, vllm_config, pp_size)
+        stages = stage_layers(self.layer_names, vllm_config, pp_size)
 
         def layout(rank: int, first: int, count: int, total: int) -> KVLayout:
             return KVLayout(
@@ -232,8 +237,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         # The scheduler asks every rank's and stage's namespace; a worker uses its own.
         self.layouts = [layout(r, *stage) for stage in stages for r in range(self.tp_size)]
         if role == KVConnectorRole.WORKER:
-            first, total = _worker_layers(self.layer_names, pp_size, stages)
-            self.layout = layout(_tp_rank(), first, len(self.layer_names), total)
+            first, total = worker_layers(self.layer_names, pp_size, stages)
+            self.layout = layout(tp_rank(), first, len(self.layer_names), total)
         else:
             self.layout = self.layouts[0]
         self.pages_per_block = block_tokens // self.page_tokens
@@ -411,7 +416,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if missing:
             raise InvalidArgument(f"KV caches for layers {missing} were not registered")
         self._kv_caches = [kv_caches[name] for name in self.layer_names]
-        self._format = _paged_format(self._vllm_config, self.layer_names, self._kv_caches[0], self.layout,
+        self._format = paged_format(self._vllm_config, self.layer_names, self._kv_caches[0], self.layout,
                                      self.page_tokens)  # fmt: skip
         self._pin = self._kv_caches[0].device.type == "cuda"
 
@@ -638,153 +643,6 @@ class KVStoreConnector(KVConnectorBase_V1):
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def block_extras(request: Any, num_blocks: int, block_tokens: int) -> list[bytes] | None:
-    """Per stored block, what besides its tokens changes its KV, as vLLM's own prefix cache hashes it:
-    the LoRA adapter (name and path), the cache salt (block 0), multimodal inputs placed in the block
-    and prompt embeddings. None when nothing does (the common case: keys are then the tokens' alone)."""
-    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
-
-    out: list[bytes] = []
-    mm_index = 0
-    for i in range(num_blocks + 1):  # + 1: the trailing partial block's, for a prompt shorter than one block
-        keys, mm_index = generate_block_hash_extra_keys(request, i * block_tokens, (i + 1) * block_tokens, mm_index)
-        out.append(repr(keys).encode() if keys else b"")
-    return out if any(out) else None
-
-
-def _single_attention_group(kv_cache_config: Any) -> tuple[Any, list[str]]:
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1 or not hasattr(groups[0].kv_cache_spec, "num_kv_heads"):
-        raise InvalidArgument(
-            "KVStoreConnector serves models with one full-attention KV cache group"
-            " (start vLLM with --disable-hybrid-kv-cache-manager for others)"
-        )
-    return groups[0], list(groups[0].layer_names)
-
-
-def _check_spec(spec: Any, vllm_config: Any) -> None:
-    """Refuse, at start, the KV caches whose blocks this connector cannot store faithfully."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    kind = type(spec).__name__
-    if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
-        raise InvalidArgument(f"KVStoreConnector serves full-attention KV caches only, not {kind}")
-    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-        raise InvalidArgument(
-            "KVStoreConnector cannot serve sliding-window or chunked-local attention layers: their pages do"
-            " not hold every token of a prefix"
-        )
-    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-    if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
-        raise InvalidArgument(
-            f"KVStoreConnector does not store quantized KV caches yet (kv_cache_dtype={cache_dtype!r});"
-            " run with kv_cache_dtype 'auto'"
-        )
-
-
-def _stage_layers(layer_names: list[str], vllm_config: Any, pp_size: int) -> list[tuple[int, int, int]]:
-    """(first layer, layers, model layers) of every pipeline stage."""
-    if pp_size <= 1:
-        return [(0, len(layer_names), len(layer_names))]
-    from vllm.distributed.utils import get_pp_indices
-
-    total = int(vllm_config.model_config.hf_text_config.num_hidden_layers)
-    stages = []
-    for rank in range(pp_size):
-        start, end = get_pp_indices(total, rank, pp_size)
-        stages.append((start, end - start, total))
-    return stages
-
-
-def _worker_layers(layer_names: list[str], pp_size: int, stages: list[tuple[int, int, int]]) -> tuple[int, int]:
-    """(first layer, model layers) of this worker's pipeline stage, from its attention layers' names."""
-    if pp_size <= 1:
-        return 0, len(layer_names)
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    indices = sorted(extract_layer_index(name) for name in layer_names)
-    if indices != list(range(indices[0], indices[0] + len(indices))):
-        raise InvalidArgument(f"a pipeline stage's attention layers are not contiguous: {indices}")
-    for first, count, total in stages:
-        if first == indices[0] and count == len(indices):
-            return first, total
-    raise InvalidArgument(f"layers {indices[0]}..{indices[-1]} are no pipeline stage of {stages}")
-
-
-def _tp_rank() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
-
-        return int(get_tensor_model_parallel_rank()) if model_parallel_is_initialized() else 0
-    except (ImportError, AssertionError):
-        return 0
-
-
-def _backend_name(vllm_config: Any, layer_names: list[str]) -> str:
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-
-    names = {b.get_name() for b in get_current_attn_backends(vllm_config, layer_names)}
-    if len(names) != 1:
-        raise InvalidArgument(f"KVStoreConnector needs one attention backend for all layers, got {sorted(names)}")
-    return names.pop()
-
-
-def _paged_format(
-    vllm_config: Any, layer_names: list[str], kv: torch.Tensor, layout: KVLayout, page_tokens: int
-) -> PagedFormat:
-    """How this engine's backend really lays out a page: read, not assumed from the tensor's shape."""
-    backend = _backend_name(vllm_config, layer_names)
-    want = (layout.num_kv_heads, page_tokens, 2 * layout.head_dim)
-    if kv.dim() != 4 or tuple(kv.shape[1:]) != want:
-        raise InvalidArgument(f"{backend} KV tensor of shape {tuple(kv.shape)} is not vLLM's [B, H, N, C] {want}")
-    if backend in FUSED_BACKENDS:
-        return PagedFormat("BHNC", page_tokens)
-    if backend == "CPU_ATTN":
-        return PagedFormat("BHNC", page_tokens, cpu_attn_interior(kv.dtype, page_tokens, layout.num_kv_heads,
-                                                                  layout.head_dim, vllm_config))  # fmt: skip
-    raise InvalidArgument(
-        f"KVStoreConnector cannot decode pages of the {backend} attention backend;"
-        f" it serves {', '.join(sorted(FUSED_BACKENDS | {'CPU_ATTN'}))}"
-    )
-
-
-def cpu_attn_interior(
-    dtype: torch.dtype, page_tokens: int, heads: int, head_dim: int, vllm_config: Any
-) -> HeadInterior:
-    """Where vLLM's CPU attention kernel puts K and V inside a head's page, read from where its own
-    ``cpu_attn_reshape_and_cache`` writes known values (the layout depends on the CPU's ISA)."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    isa = _get_attn_isa(vllm_config.model_config.dtype, page_tokens, head_dim, cache_dtype)
-    n, d = page_tokens, head_dim
-    code = torch.arange(n * d, dtype=torch.long).view(n, 1, d).expand(n, heads, d)
-    slots = torch.arange(n, dtype=torch.long)
-
-    def write(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        cache = torch.full((1, heads, n, 2 * d), -1.0, dtype=dtype)
-        k_cache, v_cache = cache.view(1, heads, 2 * n, d).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key.to(dtype).contiguous(), value.to(dtype).contiguous(), k_cache, v_cache,
-                                       slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype=cache_dtype)  # fmt: skip
-        return cache[0].reshape(heads, -1).to(torch.long)
-
-    # Values up to 255 are exact in every float type: write the element's index a byte at a time.
-    value = torch.zeros(heads, 2 * n * d, dtype=torch.long)
-    for byte in range(((n * d - 1).bit_length() + 7) // 8):
-        digit = (code >> (8 * byte)) & 255
-        value |= write(digit, digit) << (8 * byte)
-    part = write(torch.ones(n, heads, d), torch.full((n, heads, d), 2.0))
-    offsets = torch.full((2, n * d), -1, dtype=torch.long)
-    where = torch.arange(2 * n * d)
-    for p in (0, 1):
-        placed = part[0] == p + 1
-        offsets[p, value[0][placed]] = where[placed]
-    if bool((part[1:] != part[0]).any()) or bool((value[1:] != value[0]).any()):
-        raise InvalidArgument(f"CPU attention ({isa}) lays out heads' pages differently: cannot decode it")
-    return HeadInterior.from_offsets(f"cpu_attn/{isa}", offsets.view(2, n, d))
 
 
 def _repair(store: Store, keys: Sequence[str], sizes: Sequence[int | None], want: int) -> int:

@@ -319,14 +319,14 @@ def test_requests_whose_kv_differs_share_none_of_it(
 def test_ranks_and_pipeline_stages_name_their_own_blocks(model_dir: Path) -> None:
     from types import SimpleNamespace
 
-    from kvstore_client.adapters import vllm as connector
+    from kvstore_client.adapters import vllm_inspect as connector
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(8)]
     config = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=8)))
-    stages = connector._stage_layers(names, config, 2)
+    stages = connector.stage_layers(names, config, 2)
     assert stages == [(0, 4, 8), (4, 4, 8)]
-    assert connector._worker_layers(names[4:], 2, stages) == (4, 8)
+    assert connector.worker_layers(names[4:], 2, stages) == (4, 8)
     with pytest.raises(connector.InvalidArgument, match="no pipeline stage"):
-        connector._worker_layers(names[3:7], 2, stages)
+        connector.worker_layers(names[3:7], 2, stages)
     with pytest.raises(connector.InvalidArgument, match="not contiguous"):
-        connector._worker_layers([names[0], names[2]], 2, stages)
+        connector.worker_layers([names[0], names[2]], 2, stages)
