@@ -191,10 +191,11 @@ def save_blocks(store: BlockStore, keys: Sequence[str], staging: torch.Tensor) -
     return len(keys)
 
 
-def _leading(sizes: Sequence[int | None]) -> int:
-    """How many results arrived before the first miss."""
-    for i, size in enumerate(sizes):
-        if size is None:
+def leading_blocks(sizes: Sequence[int | None], size: int | None = None) -> int:
+    """How many results arrived before the first miss (None), or with ``size`` before the first of
+    another size."""
+    for i, got in enumerate(sizes):
+        if got is None or (size is not None and got != size):
             return i
     return len(sizes)
 
@@ -210,7 +211,7 @@ def load_blocks(store: BlockStore, keys: Sequence[str], staging: torch.Tensor) -
     if not keys:
         return 0
     sizes = store.get_many_into(keys, staging[: len(keys)].unbind(0), exact_size=True)
-    return _leading(sizes)
+    return leading_blocks(sizes)
 
 
 def load_layer(store: BlockStore, keys: Sequence[str], layout: KVLayout, layer: int, staging: torch.Tensor) -> int:
@@ -225,7 +226,7 @@ def load_layer(store: BlockStore, keys: Sequence[str], layout: KVLayout, layer: 
         return 0
     start, length = layout.layer_range(layer, tokens=staging.shape[3])
     sizes = store.get_range_many_into(keys, start, length, [staging[i, layer] for i in range(len(keys))])
-    return _leading(sizes)
+    return leading_blocks(sizes)
 
 
 # -- Hugging Face DynamicCache: per layer [batch, kv_heads, tokens, head_dim] ---------------------

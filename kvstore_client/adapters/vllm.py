@@ -63,6 +63,7 @@ from kvstore_client.adapters.layout import (
     PagedFormat,
     dtype_name,
     gather_paged,
+    leading_blocks,
     load_blocks,
     load_layer,
     save_blocks,
@@ -242,6 +243,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         else:
             self.layout = self.layouts[0]
         self.pages_per_block = block_tokens // self.page_tokens
+        self._layer_layout = _one_layer(self.layout)  # moves one layer of this rank's blocks at a time
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kv_load_failure_policy is not 'recompute': a block the store loses fails its request")
         self._vllm_config = vllm_config
@@ -334,7 +336,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             for lay in self.layouts:
                 keys = lay.keys(tokens, extras)
                 sizes = self.store.sizes(keys)
-                hit = min(hit, _leading_sized(sizes, lay.block_bytes()))
+                hit = min(hit, leading_blocks(sizes, lay.block_bytes()))
                 self._count("repaired_blocks", _repair(self.store, keys, sizes, lay.block_bytes()))
         except KVStoreError as exc:
             self._count("lookup_failures")
@@ -470,7 +472,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         lay, keys = self.layout, load.keys
         try:
             sizes = self.store.sizes(keys)
-            usable = _leading_sized(sizes, lay.block_bytes())
+            usable = leading_blocks(sizes, lay.block_bytes())
             self._count("repaired_blocks", _repair(self.store, keys, sizes, lay.block_bytes()))
             for layer in range(lay.num_layers):
                 if usable:
@@ -498,9 +500,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             load.scattered.add(layer)
             count = load.layer_loaded[layer] * self.pages_per_block
             if count and self._format is not None:
-                one = _one_layer(self.layout)
-                scatter_paged(load.staging[:, layer : layer + 1], [self._kv_caches[layer]], one, self._format,
-                              load.spec.pages[:count])  # fmt: skip
+                scatter_paged(load.staging[:, layer : layer + 1], [self._kv_caches[layer]], self._layer_layout,
+                              self._format, load.spec.pages[:count])  # fmt: skip
 
     def _finish_loads(self) -> None:
         """After the forward pass: layers nobody waited for are scattered too, and the pages of blocks that
@@ -552,7 +553,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if layer is None or self._format is None:
             return
         for spec, staging, gathered in self._save_staging:
-            _gather_layer(kv_layer, self.layout, self._format, spec.pages, staging, layer)
+            _gather_layer(kv_layer, self._layer_layout, self._format, spec.pages, staging, layer)
             gathered.add(layer)
 
     def wait_for_save(self) -> None:
@@ -562,7 +563,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         for spec, staging, gathered in self._save_staging:
             assert self._format is not None
             for layer in set(range(self.layout.num_layers)) - gathered:
-                _gather_layer(self._kv_caches[layer], self.layout, self._format, spec.pages, staging, layer)
+                _gather_layer(self._kv_caches[layer], self._layer_layout, self._format, spec.pages, staging, layer)
             if self._pending_save_blocks + spec.num_blocks > self.max_pending_save_blocks:
                 self._count("save_dropped_blocks", spec.num_blocks)
                 continue
@@ -655,18 +656,11 @@ def _repair(store: Store, keys: Sequence[str], sizes: Sequence[int | None], want
     return len(bad)
 
 
-def _leading_sized(sizes: Sequence[int | None], want: int) -> int:
-    for i, size in enumerate(sizes):
-        if size != want:
-            return i
-    return len(sizes)
-
-
 def _gather_layer(
-    kv: torch.Tensor, layout: KVLayout, fmt: PagedFormat, pages: Sequence[int], staging: torch.Tensor, layer: int
+    kv: torch.Tensor, one: KVLayout, fmt: PagedFormat, pages: Sequence[int], staging: torch.Tensor, layer: int
 ) -> None:
-    """Copy one layer's pages into ``staging[:, layer]``."""
-    gather_paged([kv], _one_layer(layout), fmt, pages, staging[:, layer : layer + 1])
+    """Copy one layer's pages into ``staging[:, layer]`` (``one``: the layout of a single layer)."""
+    gather_paged([kv], one, fmt, pages, staging[:, layer : layer + 1])
 
 
 def _one_layer(layout: KVLayout) -> KVLayout:
