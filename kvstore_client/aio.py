@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import random
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -96,6 +94,7 @@ from kvstore_client.puts import (
 )
 from transfer.aio import authenticate_stream, open_stream, read_payload
 from transfer.discovery import MasterLocator
+from transfer.rpc import request_ids
 from transfer.tls import contexts
 
 AsyncCredential = Callable[[], Awaitable[Credential]]
@@ -125,8 +124,7 @@ class _Link:
         self.tls = tls
         self.session_key = b""
         """The key the current connection's handshake agreed."""
-        self._ids = itertools.count(random.getrandbits(62) + 1)  # unique across clients: the master
-        # keeps the answers of non-idempotent requests by id, for retries
+        self._ids = request_ids()
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._waiting: dict[int, asyncio.Future[tuple[Message, bytes]]] = {}

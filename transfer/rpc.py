@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import queue
-import random
+import secrets
 import socket
 import ssl
 import threading
@@ -33,6 +33,13 @@ _HA_ATTEMPT_S = 3.0
 
 _NOT_RUN = frozenset({NotLeader.code, NotReady.code})
 """Answers of a master that ran nothing: a call with time left resends the same request."""
+
+
+def request_ids() -> itertools.count[int]:
+    """Request ids for one connection, unique across clients with overwhelming odds (the master keeps
+    the answers of non-idempotent requests by id, for retries). Drawn from the OS, never from
+    ``random``: applications seed that alike in every process (vLLM does)."""
+    return itertools.count(secrets.randbits(62) + 1)
 
 
 class Connection:
@@ -59,7 +66,7 @@ class Connection:
         self._lock = threading.Lock()
         self._aborted = False
         # Ids unique across clients (with overwhelming odds), so the master can tell a retry from a new request.
-        self._ids = itertools.count(random.getrandbits(62) + 1)
+        self._ids = request_ids()
 
     @contextmanager
     def exchange(

@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 from kvstore.protocol import Message
 
-RequestId = tuple[str, int]
+RequestId = tuple[str, int, int]
+"""Who asked, the request's id, and the hash of its bytes (a retry resends the same bytes)."""
 
 
 class Answers:

@@ -97,7 +97,7 @@ from kvstore.protocol import (
     request_id_of,
 )
 from kvstore.ratelog import RateLimitedLog
-from server.master.answers import Answers
+from server.master.answers import Answers, RequestId
 from server.master.election import Election
 from server.master.metrics import LatencyHistogram, Sampler
 from server.master.nodes import NodeRegistry
@@ -594,7 +594,9 @@ class MasterService:
             conn.reply(ErrorReply.from_error(refusal), request_id)
             return
         _caller.set(identity)  # the handler's task (if any) takes a copy
-        coro = self._dispatch(message, request_id, identity.name)
+        # A retry resends the same bytes under the same id: the id and the bytes' hash name a request, so
+        # two clients whose ids collide (ids drawn from a seeded generator) never get each other's answers.
+        coro = self._dispatch(message, request_id, identity.name, hash(payload))
         if type(message) in _WAITS:
             self._spawn(self._reply_later(conn, coro, request_id), f"rpc-{type(message).__name__}")
             return
@@ -629,14 +631,14 @@ class MasterService:
             "auth-failure", "refused a connection from %s: %s (%d refused so far)", peer, exc, self.auth_failures
         )
 
-    async def _dispatch(self, message: Message, request_id: int, who: str = "") -> Message:
+    async def _dispatch(self, message: Message, request_id: int, who: str = "", digest: int = 0) -> Message:
         handler = self._handlers.get(type(message))
         if handler is None:
             self.rpc_errors += 1
             return ErrorReply.from_error(ProtocolError(f"the master does not serve {type(message).__name__}"))
         start = time.perf_counter()
         if type(message) in _NOT_IDEMPOTENT and request_id:
-            reply = await self._once((who, request_id), handler, message)
+            reply = await self._once((who, request_id, digest), handler, message)
         else:
             reply = await self._handle(handler, message)
         op = _TIMED.get(type(message))
@@ -651,7 +653,7 @@ class MasterService:
             self.rpc_errors += 1
             return ErrorReply.from_error(exc)
 
-    async def _once(self, request_id: tuple[str, int], handler: Handler, message: Message) -> Message:
+    async def _once(self, request_id: RequestId, handler: Handler, message: Message) -> Message:
         """Run a request that must not happen twice; a retry with its id gets the first answer.
 
         A client whose connection broke after sending resends the same request id on a new

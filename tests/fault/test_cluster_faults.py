@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -172,6 +173,24 @@ def test_a_reply_always_names_its_request(shared_cluster: LocalCluster) -> None:
         # each names its request.
         replies = dict([recv_message(s), recv_message(s)])
         assert isinstance(replies[4242], PutStartReply) and isinstance(replies[4243], StatsReply)
+
+
+def test_two_clients_whose_request_ids_collide_each_get_their_own_answer(shared_cluster: LocalCluster) -> None:
+    """Seen with two vLLM servers (each seeds `random` alike): their connectors' puts drew the same ids, and the
+    master answered one client's PutStart with the other's kept answer ("9 tickets for 10 keys")."""
+    host, port = shared_cluster.master_address.rsplit(":", 1)
+    replies = []
+    for keys in (["collide-a"], ["collide-b", "collide-c"]):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(encode(PutStart(keys, [4096] * len(keys), 1, None, False), 555000111))
+            replies.append(recv_message(s)[1])
+    assert isinstance(replies[0], PutStartReply) and replies[0].statuses == ["ok"]
+    assert isinstance(replies[1], PutStartReply) and replies[1].statuses == ["ok", "ok"]
+    # Connections draw their ids from the OS, whatever the application did to `random`.
+    random.seed(0)
+    first = next(Connection(shared_cluster.master_address)._ids)
+    random.seed(0)
+    assert next(Connection(shared_cluster.master_address)._ids) != first
 
 
 def test_a_retried_put_start_gets_the_first_answer(shared_cluster: LocalCluster) -> None:

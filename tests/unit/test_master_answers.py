@@ -12,16 +12,16 @@ def test_replies_are_kept_for_their_time_then_dropped() -> None:
     async def run() -> None:
         now = [0.0]
         answers = Answers(ttl_s=30, cap=100, clock=lambda: now[0])
-        future = answers.start(("c", 1))
-        assert answers.get(("c", 1)) is future  # being answered: a retry waits for it
-        answers.finish(("c", 1), future, OkReply())
-        assert future.result() == OkReply() and answers.get(("c", 1)) == OkReply()  # the reply alone now
+        future = answers.start(("c", 1, 0))
+        assert answers.get(("c", 1, 0)) is future  # being answered: a retry waits for it
+        answers.finish(("c", 1, 0), future, OkReply())
+        assert future.result() == OkReply() and answers.get(("c", 1, 0)) == OkReply()  # the reply alone now
         now[0] = 29.0
         answers.prune()
-        assert answers.get(("c", 1)) == OkReply()
+        assert answers.get(("c", 1, 0)) == OkReply()
         now[0] = 31.0
         answers.prune()
-        assert answers.get(("c", 1)) is None and len(answers) == 0
+        assert answers.get(("c", 1, 0)) is None and len(answers) == 0
 
     asyncio.run(run())
 
@@ -30,9 +30,9 @@ def test_the_bound_drops_the_oldest_and_counts_it() -> None:
     async def run() -> None:
         answers = Answers(ttl_s=30, cap=3, clock=lambda: 0.0)
         for i in range(5):
-            answers.finish(("c", i), answers.start(("c", i)), OkReply())
+            answers.finish(("c", i, 0), answers.start(("c", i, 0)), OkReply())
         assert len(answers) == 3 and answers.dropped_early == 2
-        assert answers.get(("c", 0)) is None and answers.get(("c", 4)) == OkReply()
+        assert answers.get(("c", 0, 0)) is None and answers.get(("c", 4, 0)) == OkReply()
 
     asyncio.run(run())
 
@@ -40,10 +40,10 @@ def test_the_bound_drops_the_oldest_and_counts_it() -> None:
 def test_the_bound_never_drops_a_request_still_being_answered() -> None:
     async def run() -> None:
         answers = Answers(ttl_s=30, cap=2, clock=lambda: 0.0)
-        pending = answers.start(("c", 0))
+        pending = answers.start(("c", 0, 0))
         for i in range(1, 4):
-            answers.finish(("c", i), answers.start(("c", i)), OkReply())
-        assert answers.get(("c", 0)) is pending and answers.get(("c", 3)) == OkReply()
+            answers.finish(("c", i, 0), answers.start(("c", i, 0)), OkReply())
+        assert answers.get(("c", 0, 0)) is pending and answers.get(("c", 3, 0)) == OkReply()
 
     asyncio.run(run())
 
@@ -51,8 +51,8 @@ def test_the_bound_never_drops_a_request_still_being_answered() -> None:
 def test_an_abandoned_request_runs_again_on_retry() -> None:
     async def run() -> None:
         answers = Answers(ttl_s=30, cap=3)
-        future = answers.start(("c", 1))
-        answers.abandon(("c", 1), future)
-        assert future.cancelled() and answers.get(("c", 1)) is None
+        future = answers.start(("c", 1, 0))
+        answers.abandon(("c", 1, 0), future)
+        assert future.cancelled() and answers.get(("c", 1, 0)) is None
 
     asyncio.run(run())
