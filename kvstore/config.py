@@ -545,8 +545,16 @@ class ConductorConfig(_Frozen):
         default=None, description="The cluster secret, for a master that authenticates (also KVSTORE_CLUSTER_SECRET)."
     )
     tls: TlsConfig | None = Field(default=None, description="Reach the master over TLS (ca_file; see TlsConfig).")
-    prefill: list[str] = Field(min_length=1, description="Base URLs of the prefill workers.")
-    decode: list[str] = Field(min_length=1, description="Base URLs of the decode workers.")
+    prefill: list[str] = Field(default=[], description="Base URLs of the prefill workers (``kvstore worker``).")
+    decode: list[str] = Field(default=[], description="Base URLs of the decode workers (``kvstore worker``).")
+    openai: list[str] = Field(
+        default=[],
+        description="Base URLs of OpenAI-compatible servers that prefill and decode their own requests (``vllm serve``"
+        " with the KVStoreConnector), instead of prefill and decode workers.",
+    )
+    load_bytes_per_s: float = Field(
+        default=1e9, gt=0, description="OpenAI servers: the rate at which a server loads stored KV (a start value)."
+    )
     policy: Literal["random", "load", "local", "global"] = Field(default="global", description="Scheduling policy.")
     early_rejection: bool = Field(default=True, description="Reject at arrival on predicted TTFT and decode load.")
     decode_load: Literal["none", "current", "predicted"] = Field(
@@ -561,3 +569,11 @@ class ConductorConfig(_Frozen):
     request_timeout_s: float = Field(default=600.0, gt=0, description="Bound on one call to a worker.")
     start_timeout_s: float = Field(default=600.0, gt=0, description="How long to wait for the workers at start.")
     tokenizer: str | None = Field(default=None, description="A local tokenizer directory for text prompts.")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ConductorConfig:
+        if self.openai and (self.prefill or self.decode):
+            raise ValueError("give prefill and decode workers, or OpenAI servers, not both")
+        if not self.openai and not (self.prefill and self.decode):
+            raise ValueError("give at least one prefill and one decode worker, or OpenAI servers (openai)")
+        return self

@@ -276,6 +276,7 @@ class Scheduler:
         replicate_max_tokens: int = 0,
         decode_time_s: float = 10.0,
         seed: int = 0,
+        colocated: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise InvalidArgument(f"unknown scheduling policy {policy!r}; known: {', '.join(POLICIES)}")
@@ -299,6 +300,9 @@ class Scheduler:
         self.decode_time_s = decode_time_s
         """``t_d``: the uniform decode time the predicted decode load assumes (a moving average)."""
         self.rng = random.Random(seed)
+        self.colocated = colocated
+        """Each prefill instance decodes its own requests (an engine serving whole requests): the decode
+        instance is the one of the same name, not the least loaded."""
         self.prefill: dict[str, PrefillInstance] = {}
         self.decode: dict[str, DecodeInstance] = {}
         self._assigned: dict[int, _Assigned] = {}
@@ -327,11 +331,12 @@ class Scheduler:
         return inst
 
     def set_up(self, name: str, up: bool) -> None:
-        """Mark an instance (prefill or decode) up or down; a down one is never chosen."""
-        inst = self.prefill.get(name) or self.decode.get(name)
-        if inst is None:
+        """Mark an instance up or down (both roles of an engine that has both); a down one is never chosen."""
+        found: list[PrefillInstance | DecodeInstance] = [r[name] for r in (self.prefill, self.decode) if name in r]
+        if not found:
             raise InvalidArgument(f"no instance named {name!r}")
-        inst.up = up
+        for inst in found:
+            inst.up = up
         self._refresh()
 
     def max_prompt_tokens(self) -> int | None:
@@ -431,7 +436,12 @@ class Scheduler:
         kv = request.prompt_tokens + request.output_tokens
         ttft = plan.queue_s + plan.transfer_s + plan.prefill_s
         at = now + ttft
-        if pick_random:
+        if self.colocated:
+            d = self.decode.get(plan.prefill)
+            if d is None or not d.up:
+                raise NoNodes(f"instance {plan.prefill} has no decode side up")
+            load, tbt, reason = self._decode_load(d, kv, at)
+        elif pick_random:
             d = self.rng.choice(up)
             load, tbt, reason = self._decode_load(d, kv, at)
         else:

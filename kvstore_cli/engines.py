@@ -75,8 +75,12 @@ def _conductor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--master", default=None, help="the store master: host:port or etcd://H:2379/ID (without: load-only routing)"
     )
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill workers' base URLs")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode workers' base URLs")
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers' base URLs")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers' base URLs")
+    p.add_argument(
+        "--openai", nargs="+", default=[], metavar="URL",
+        help="instead of prefill and decode workers: OpenAI servers (vllm serve with the KVStoreConnector)",
+    )  # fmt: skip
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8600, help="HTTP port (0: any free port)")
     p.add_argument("--policy", choices=["random", "load", "local", "global"], default="global")
@@ -87,18 +91,20 @@ def _conductor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicate-tokens", type=int, default=0, help="fetched tokens copied to the prefill node")
     p.add_argument("--health-period", type=float, default=1.0, help="seconds between worker health checks")
     p.add_argument("--tokenizer", default=None, help="a local tokenizer directory, for text prompts")
+    p.add_argument("--load-bytes-per-s", type=float, default=1e9, help="OpenAI servers: their load rate, to start")
 
 
-@command("conductor", "schedule completion requests over prefill and decode workers by where their KV is stored")
+@command("conductor", "schedule completion requests over prefill/decode workers or vLLM servers by where KV is stored")
 def _conductor(args: argparse.Namespace) -> int:
     from kvstore.config import ConductorConfig
     from server.conductor.main import run_conductor
 
+    workers = {name: urls for name in ("prefill", "decode", "openai") if (urls := getattr(args, name))}
     config = load(
-        ConductorConfig, "conductor", host=args.host, port=args.port, master=args.master, prefill=args.prefill,
-        decode=args.decode, policy=args.policy, early_rejection=not args.no_early_rejection,
-        decode_load=args.decode_load, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-        replicate_tokens=args.replicate_tokens, health_period_s=args.health_period, tokenizer=args.tokenizer,
+        ConductorConfig, "conductor", host=args.host, port=args.port, master=args.master, policy=args.policy,
+        early_rejection=not args.no_early_rejection, decode_load=args.decode_load, ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo, replicate_tokens=args.replicate_tokens, health_period_s=args.health_period,
+        tokenizer=args.tokenizer, load_bytes_per_s=args.load_bytes_per_s, **workers,
     )  # fmt: skip
     return run_conductor(config)
 

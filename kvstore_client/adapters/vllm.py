@@ -11,11 +11,13 @@ Load it with::
 ``kv_connector_extra_config``: ``master`` (host:port, else ``$KVSTORE_MASTER``),
 ``block_tokens`` (tokens per stored block, a multiple of vLLM's block size; default
 256 where it divides, else vLLM's block size), ``model`` (the weights' identity in
-the key namespace; default the served model's name), ``load_async`` (load between
+the key namespace; default the model as vLLM was given it: a path or a hub name), ``load_async`` (load between
 scheduler steps instead of inside the forward pass), ``layerwise`` (default true:
 each attention layer waits only for its own layer's bytes), ``lookup_timeout_s``
 (default 1: the scheduler's prefix lookup), ``timeout_s`` (default 5: loads and saves),
-``max_pending_save_blocks`` (default 512: saves queued past it are dropped).
+``max_pending_save_blocks`` (default 512: saves queued past it are dropped), ``save_decode``
+(default false: also save the blocks a request's answer completes, for the next turn of a
+conversation to load).
 
 What goes into a stored block is engine-neutral (:class:`KVLayout`: per layer K then V,
 ``[tokens, kv_heads, head_dim]`` each), whatever backend and page size stored it: the
@@ -42,6 +44,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -83,6 +86,8 @@ from kvstore_client.store import Store
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_TOKENS = 256
+SCHEME_PERIOD_S = 10.0
+"""How often the scheduler's stats repeat the key scheme (``vllm:kvstore_layout_info``)."""
 
 
 @dataclass(slots=True)
@@ -121,13 +126,20 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class KVStoreConnectorStats(KVConnectorStats):
     """Counters since the last report, summed across the workers and the scheduler: vLLM logs them
-    ("KV Transfer metrics") and exports each as the Prometheus counter ``vllm:kvstore_<name>``."""
+    ("KV Transfer metrics") and exports each as the Prometheus counter ``vllm:kvstore_<name>``.
+
+    The scheduler's reports also carry, now and then, the key scheme (:data:`SCHEME`: the namespace
+    of the first rank and stage, tokens and bytes per block), which becomes the info gauge
+    ``vllm:kvstore_layout_info``: what a router needs to ask the store for a prompt's prefix
+    (``kvstore conductor --openai`` reads it from the server's ``/metrics``)."""
 
     FIELDS = (
         "lookups", "lookup_failures", "loaded_blocks", "loaded_bytes", "load_failed_blocks", "repaired_blocks",
         "saved_blocks", "saved_bytes", "save_failed_blocks", "save_dropped_blocks", "skipped_ops",
     )  # fmt: skip
     """``skipped_ops``: lookups and loads not tried while the breaker was open."""
+    SCHEME = ("namespace", "block_tokens", "block_bytes")
+    data: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in self.FIELDS:
@@ -141,18 +153,22 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
+            if name in self.SCHEME:
+                self.data[name] = value
+            else:
+                self.data[name] = self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
         return {name: self.data.get(name, 0) for name in self.FIELDS}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(name, 0) for name in self.FIELDS)
+        return not any(self.data.get(name, 0) for name in self.FIELDS) and "namespace" not in self.data
 
 
 class KVStorePromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per :attr:`KVStoreConnectorStats.FIELDS`, ``vllm:kvstore_<name>``."""
+    """One Prometheus counter per :attr:`KVStoreConnectorStats.FIELDS`, ``vllm:kvstore_<name>``, and the
+    key scheme as ``vllm:kvstore_layout_info{namespace=..., block_tokens=..., block_bytes=...} 1``."""
 
     def __init__(
         self, vllm_config: Any, metric_types: Any, labelnames: list[str], per_engine: dict[int, list[object]]
@@ -163,6 +179,10 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
             name: counter(name=f"vllm:kvstore_{name}", documentation=f"kvstore: {name}", labelnames=labelnames)
             for name in KVStoreConnectorStats.FIELDS
         }
+        self._layout = self._gauge_cls(
+            name="vllm:kvstore_layout_info", documentation="kvstore: the key scheme of the stored blocks",
+            labelnames=[*labelnames, *KVStoreConnectorStats.SCHEME], multiprocess_mode="mostrecent",
+        )  # fmt: skip
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -170,6 +190,9 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
             counter = self._counters.get(name)
             if counter is not None and value:
                 counter.labels(*labels).inc(value)
+        if "namespace" in transfer_stats_data:
+            scheme = [str(transfer_stats_data.get(name, "")) for name in KVStoreConnectorStats.SCHEME]
+            self._layout.labels(*labels, *scheme).set(1)
 
 
 @dataclass(slots=True)
@@ -179,8 +202,10 @@ class _Request:
     tokens: list[int]
     pages: list[int]
     saved_blocks: int
-    """Blocks of the prompt the store holds (found by the lookup, loaded, or saved by this connector)."""
+    """Leading blocks the store holds (found by the lookup, loaded, or saved by this connector)."""
     extras: list[bytes] | None
+    live: Any = None
+    """vLLM's own request, whose tokens grow as it decodes (``save_decode``); None: the prompt only."""
 
 
 @dataclass(slots=True)
@@ -209,6 +234,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.load_async = bool(extra.get("load_async", False))
         self.layerwise = bool(extra.get("layerwise", True)) and not self.load_async
         self.max_pending_save_blocks = int(extra.get("max_pending_save_blocks", 512))
+        self.save_decode = bool(extra.get("save_decode", False))
         self.is_producer = bool(self._kv_transfer_config.is_kv_producer)
         self.is_consumer = bool(self._kv_transfer_config.is_kv_consumer)
         group, self.layer_names = single_attention_group(kv_cache_config)
@@ -257,6 +283,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._extras: dict[str, list[bytes] | None] = {}
         self._loads: dict[str, LoadSpec] = {}
         self._requests: dict[str, _Request] = {}
+        self._live: dict[str, Any] = {}  # request -> vLLM's request, from its allocation to its first step
         # Worker side.
         self._kv_caches: list[torch.Tensor] = []
         self._format: PagedFormat | None = None
@@ -272,6 +299,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._saver: threading.Thread | None = None
         self._stats = KVStoreConnectorStats()
         self._stats_lock = threading.Lock()
+        self._scheme_due = 0.0  # when the scheduler's next report carries the key scheme
         self._saved = threading.Condition(self._stats_lock)  # notified as queued saves finish
         self._pin = False
 
@@ -351,6 +379,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return hit_tokens - num_computed_tokens, self.load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.save_decode:
+            self._live[request.request_id] = request
         if num_external_tokens <= 0:
             return
         local = self._asked.get(request.request_id, 0)
@@ -375,7 +405,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             # Blocks the store holds already (a local prefix hit on them included) are not put again.
             known = self._store_hit.pop(new.req_id, 0)
             extras = self._extras.pop(new.req_id, None)
-            self._requests[new.req_id] = _Request(tokens, list(new.block_ids[0]), known, extras)
+            live = self._live.pop(new.req_id, None)
+            self._requests[new.req_id] = _Request(tokens, list(new.block_ids[0]), known, extras, live)
             self._plan_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -391,22 +422,26 @@ class KVStoreConnector(KVConnectorBase_V1):
         return meta
 
     def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, computed: int, out: Any) -> None:
-        """Save the prompt's blocks this step completes that the store does not hold yet."""
+        """Save the blocks this step completes that the store does not hold yet: the prompt's, and with
+        ``save_decode`` those its answer fills too (the next turn of a conversation starts with them)."""
         state = self._requests[req_id]
         if not self.is_producer or not self.breaker.is_closed:
             return
         bt, k = self.layouts[0].block_tokens, self.pages_per_block
-        done = min(computed + out.num_scheduled_tokens.get(req_id, 0), len(state.tokens)) // bt
+        tokens = state.tokens if state.live is None else state.live.all_token_ids
+        done = min(computed + out.num_scheduled_tokens.get(req_id, 0), len(tokens)) // bt
         if done <= state.saved_blocks or done * k > len(state.pages):
             return
+        if state.extras is not None and len(state.extras) <= done:  # blocks of the answer: their extras too
+            state.extras = block_extras(state.live, done, bt)
         first = state.saved_blocks
         pages = state.pages[first * k : done * k]
         extras = state.extras[:done] if state.extras else None
-        meta.saves.append(SaveSpec(req_id, state.tokens[: done * bt], first, pages, done - first, extras))
+        meta.saves.append(SaveSpec(req_id, list(tokens[: done * bt]), first, pages, done - first, extras))
         state.saved_blocks = done
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        for known in (self._requests, self._asked, self._loads, self._store_hit, self._extras):
+        for known in (self._requests, self._asked, self._loads, self._store_hit, self._extras, self._live):
             known.pop(request.request_id, None)
         return False, None  # saves copy the pages inside the step: they are free to go
 
@@ -608,6 +643,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         with self._stats_lock:
+            now = time.monotonic()
+            if self._role == KVConnectorRole.SCHEDULER and now >= self._scheme_due:
+                self._scheme_due = now + SCHEME_PERIOD_S
+                lay = self.layouts[0]
+                self._stats.data.update(namespace=lay.namespace, block_tokens=lay.block_tokens,
+                                        block_bytes=lay.block_bytes())  # fmt: skip
             if self._stats.is_empty():
                 return None
             stats, self._stats = self._stats, KVStoreConnectorStats()

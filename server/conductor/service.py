@@ -25,14 +25,17 @@ another worker. A master that cannot be reached turns routing to load-only
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvstore.auth import cluster_credential, secret_from
@@ -41,7 +44,20 @@ from kvstore.costs import PrefillCostModel
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, NoNodes
 from kvstore.keys import block_keys
 from kvstore.protocol import MatchPrefixNodes, MatchPrefixNodesReply, Replicate, ReplicateReply
-from kvstore.scheduling import NO_LOCALITY, DecodeModel, Locality, Request, Scheduler, Slo, TransferModel
+from kvstore.scheduling import NO_LOCALITY, Decision, DecodeModel, Locality, Request, Scheduler, Slo, TransferModel
+from server.conductor.openai import (
+    ENGINE_CACHE_BYTES_PER_S,
+    NOMINAL_PREFILL,
+    UNKEYED_FIELDS,
+    Answer,
+    ClientGone,
+    EngineCache,
+    discover,
+    merge_chunks,
+    relay,
+    sse,
+    upstream_body,
+)
 from transfer.discovery import MasterLocator
 from transfer.rpc import Connection
 from transfer.tls import contexts
@@ -98,6 +114,12 @@ class Conductor:
         self._ids = itertools.count(1)
         self._health_task: asyncio.Task[None] | None = None
         self._tokenizer: Any = None
+        self._caches: dict[str, EngineCache] = {}
+        """OpenAI servers: what each one's own prefix cache probably holds."""
+        self._served: set[str] = set()
+        """OpenAI servers: every model name they serve (LoRA adapters included)."""
+        # A stream may run as long as its answer does: what is bounded is the silence between chunks.
+        self._stream = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=config.request_timeout_s)
         self._step_s = 0.05
         self._measured = PrefillCostModel(track="latest")
         """Prefill times as this conductor measures them (calls, lookup and save included)."""
@@ -129,8 +151,26 @@ class Conductor:
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s))
+        # A vLLM stream's first chunk carries the prompt's token ids: lines far longer than aiohttp's default.
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
+                                              read_bufsize=_STREAM_LINE_BYTES)  # fmt: skip
         deadline = time.monotonic() + self.config.start_timeout_s
+        if self.config.openai:
+            self.scheduler = await self._start_engines(deadline)
+        else:
+            self.scheduler = await self._start_workers(deadline)
+        for w in self.workers.values():
+            self.m_up.labels(w.name, w.role).set(1)
+        if self.config.tokenizer:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer, local_files_only=True)
+        self.m_master.set(1 if self._master is not None else 0)
+        self._health_task = asyncio.create_task(self._health_loop(), name="kvstore-conductor-health")
+        self._health_task.add_done_callback(_log_death)
+
+    async def _start_workers(self, deadline: float) -> Scheduler:
+        """Prefill and decode workers (``kvstore worker``): each says what it serves at ``/info``."""
         for role, urls in (("prefill", self.config.prefill), ("decode", self.config.decode)):
             for i, url in enumerate(urls):
                 info = await self._wait_info(url.rstrip("/"), deadline)
@@ -144,40 +184,65 @@ class Conductor:
                 raise InvalidArgument(f"{w.url} serves another model or layout than {prefill[0].url}")
         self.namespace, self.block_tokens = first["namespace"], int(first["block_tokens"])
         self.vocab, self.model = int(first["vocab_size"]), str(first["model"])
-        self.scheduler = self._build_scheduler(prefill)
-        if self.config.tokenizer:
-            from transformers import AutoTokenizer
+        bandwidth = float(first.get("load_bytes_per_s") or 1e9)
+        top = max(4 * self.block_tokens, int(first.get("max_tokens") or 4096))
+        return self._build_scheduler(
+            first["prefill_coefficients"], top, int(first["block_bytes"]), bandwidth, bandwidth,
+            float(first.get("load_latency_s") or 0.0),
+        )  # fmt: skip
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer, local_files_only=True)
-        self.m_master.set(1 if self._master is not None else 0)
-        self._health_task = asyncio.create_task(self._health_loop(), name="kvstore-conductor-health")
-        self._health_task.add_done_callback(_log_death)
+    async def _start_engines(self, deadline: float) -> Scheduler:
+        """OpenAI servers (``vllm serve`` with the KVStoreConnector): each is its own prefill and decode
+        instance, on a "node" of its own (its prefix cache); the store is where the others load from."""
+        assert self._session is not None
+        urls = [u.rstrip("/") for u in self.config.openai]
+        infos = await asyncio.gather(*(discover(self._session, u, deadline) for u in urls))
+        for i, (url, info) in enumerate(zip(urls, infos, strict=True)):
+            if info.scheme() != infos[0].scheme():
+                raise InvalidArgument(
+                    f"{url} serves {info.model!r} under {info.namespace} in blocks of {info.block_tokens} tokens;"
+                    f" {urls[0]} serves {infos[0].model!r} under {infos[0].namespace} in blocks of"
+                    f" {infos[0].block_tokens}: servers behind one conductor must share their keys"
+                )  # fmt: skip
+            name = f"engine-{i}"
+            self.workers[name] = Worker(name, url, "engine", {"node": name, "max_tokens": info.max_model_len})
+            blocks = info.kv_tokens // info.block_tokens if info.kv_tokens else None
+            self._caches[name] = EngineCache(blocks)
+        first = infos[0]
+        self.namespace, self.block_tokens, self.model = first.namespace, first.block_tokens, first.model
+        self._served = {m for info in infos for m in info.models}
+        top = max(4 * self.block_tokens, first.max_model_len or 4096)
+        # Until four prompt shapes are measured: a nominal CPU engine's cost (learned from then on).
+        return self._build_scheduler(NOMINAL_PREFILL, top, first.block_bytes, self.config.load_bytes_per_s,
+                                     ENGINE_CACHE_BYTES_PER_S, 0.0, colocated=True)  # fmt: skip
 
-    def _build_scheduler(self, prefill: list[Worker]) -> Scheduler:
-        info = prefill[0].info
-        model = PrefillCostModel()  # the worker's own fit, until the conductor has measured enough shapes
-        a, b, c = info["prefill_coefficients"]
-        top = max(4 * self.block_tokens, int(info.get("max_tokens") or 4096))
+    def _build_scheduler(
+        self, coefficients: Sequence[float], top: int, block_bytes: int, remote_bytes_per_s: float,
+        local_bytes_per_s: float, latency_s: float, *, colocated: bool = False,
+    ) -> Scheduler:  # fmt: skip
+        """``colocated``: each instance decodes what it prefilled (a server batching its requests' steps:
+        its step time is the learned ``base_s``, not a per-request share)."""
+        model = PrefillCostModel()  # the seed, until the conductor has measured enough shapes
+        a, b, c = coefficients
         for new in (self.block_tokens // 2, self.block_tokens, top // 4, top // 2, top):
             for past in (0, top // 2):
                 model.observe(max(1, new), past, a + b * new + c * new * (new + 2 * past))
-        per_token = max(1, int(info["block_bytes"]) // self.block_tokens)
-        bandwidth = float(info.get("load_bytes_per_s") or 1e9)
+        per_token = max(1, block_bytes // self.block_tokens)
         sched = Scheduler(
             prefill_model=model,
-            transfer=TransferModel(per_token, bandwidth, bandwidth, float(info.get("load_latency_s") or 0.0)),
-            decode_model=DecodeModel(base_s=0.0, per_request_s=self._step_s),
+            transfer=TransferModel(per_token, remote_bytes_per_s, local_bytes_per_s, latency_s),
+            decode_model=DecodeModel(base_s=self._step_s, per_request_s=0.0) if colocated else
+            DecodeModel(base_s=0.0, per_request_s=self._step_s),
             policy=self.config.policy, slo=Slo(self.config.ttft_slo_s, self.config.tbt_slo_s),
             early_rejection=self.config.early_rejection, decode_load=self.config.decode_load,
             balancing_threshold=self.config.balancing_threshold, replicate_max_tokens=self.config.replicate_tokens,
-            decode_time_s=1.0,
+            decode_time_s=1.0, colocated=colocated,
         )  # fmt: skip
         for w in self.workers.values():
-            if w.role == "prefill":
+            if w.role in ("prefill", "engine"):
                 sched.add_prefill(w.name, node=w.node, max_tokens=w.info.get("max_tokens"))
-            else:
+            if w.role in ("decode", "engine"):
                 sched.add_decode(w.name)
-            self.m_up.labels(w.name, w.role).set(1)
         return sched
 
     async def _wait_info(self, url: str, deadline: float) -> dict[str, Any]:
@@ -227,6 +292,8 @@ class Conductor:
         if inst.up != up:
             log.warning("%s worker %s (%s) is %s", w.role, w.name, w.url, "up" if up else "down")
             self.scheduler.set_up(w.name, up)
+            if w.name in self._caches:
+                self._caches[w.name].clear()  # a server that went away may come back empty
         self.m_up.labels(w.name, w.role).set(1 if up else 0)
 
     # -- locality ----------------------------------------------------------------------------
@@ -280,7 +347,7 @@ class Conductor:
         if not isinstance(body, dict):
             raise InvalidArgument("the body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.model:
+        if model is not None and model != self.model and model not in self._served:
             raise LookupError(f"model {model!r} is not served here (this conductor serves {self.model!r})")
         prompt = body.get("prompt")
         if isinstance(prompt, str):
@@ -289,9 +356,10 @@ class Conductor:
             prompt = list(self._tokenizer.encode(prompt))
         if not isinstance(prompt, list) or not prompt:
             raise InvalidArgument("'prompt' must be a non-empty list of token ids (or text, with a tokenizer)")
-        if not all(type(t) is int and 0 <= t < self.vocab for t in prompt):
-            raise InvalidArgument(f"'prompt' must hold token ids in [0, {self.vocab})")
-        new = body.get("max_tokens", 16)
+        if not all(type(t) is int and 0 <= t < (self.vocab or 1 << 31) for t in prompt):
+            raise InvalidArgument(f"'prompt' must hold token ids in [0, {self.vocab or 1 << 31})")
+        new = body.get("max_tokens")
+        new = 16 if new is None else new
         if type(new) is not int or not 1 <= new <= 1 << 16:
             raise InvalidArgument("'max_tokens' must be an integer in [1, 65536]")
         limit = min((int(w.info["max_tokens"]) for w in self.workers.values() if w.info.get("max_tokens")), default=0)
@@ -317,13 +385,7 @@ class Conductor:
             while True:
                 decision = sched.schedule(request, loc, time.perf_counter(), exclude=tried, policy=policy)
                 if not decision.accepted:
-                    self.m_rejections.labels(decision.reason).inc()
-                    self.m_requests.labels("rejected").inc()
-                    return 429, {"error": {
-                        "type": "rejected", "message": f"predicted to miss its SLO: {decision.reason}",
-                        "reason": decision.reason, "predicted_ttft_s": round(decision.ttft_s, 4),
-                        "predicted_tbt_s": round(decision.tbt_s, 4), "decode_load": round(decision.decode_load, 3),
-                    }}  # fmt: skip
+                    return 429, self._rejected(decision)
                 assert decision.prefill is not None and decision.decode is not None
                 worker = self.workers[decision.prefill]
                 if decision.replicate_tokens:
@@ -377,6 +439,15 @@ class Conductor:
                 "prefill_result": pre, "decode_result": {k: v for k, v in dec.items() if k != "tokens"},
             },
         }  # fmt: skip
+
+    def _rejected(self, decision: Decision) -> dict[str, Any]:
+        self.m_rejections.labels(decision.reason).inc()
+        self.m_requests.labels("rejected").inc()
+        return {"error": {
+            "type": "rejected", "message": f"predicted to miss its SLO: {decision.reason}",
+            "reason": decision.reason, "predicted_ttft_s": round(decision.ttft_s, 4),
+            "predicted_tbt_s": round(decision.tbt_s, 4), "decode_load": round(decision.decode_load, 3),
+        }}  # fmt: skip
 
     async def _decode(
         self, rid: int, name: str, prompt: list[int], first: int, max_new: int
@@ -436,6 +507,158 @@ class Conductor:
             bandwidth = t.remote_bytes_per_s + 0.3 * (rate - t.remote_bytes_per_s)
             sched.transfer = replace(t, remote_bytes_per_s=bandwidth, local_bytes_per_s=bandwidth)
 
+    # -- OpenAI servers ------------------------------------------------------------------------
+    async def _engine_locality(self, keys: list[str]) -> tuple[Locality, int]:
+        """(locality, tokens the store holds): per server, the prefix its own cache probably holds (its
+        "node"); what any server can load is what the store holds (nothing, without the master)."""
+        found = await self.locality(keys)
+        if found is None:
+            self.m_fallback.inc()
+        stored = found.longest if found is not None else 0
+        held = {name: cache.held(keys) * self.block_tokens for name, cache in self._caches.items()}
+        return Locality(stored, held), stored
+
+    async def _forward(self, request: web.Request, body: Any) -> web.StreamResponse:
+        """A completion on an OpenAI server: scheduled by locality and queues, streamed from the server,
+        relayed as a stream or merged into one answer. A server that cannot be reached or is unavailable
+        (502-504) before answering is marked down and the request tried once more on another; whatever
+        happens after scheduling, the request leaves the scheduler's queues."""
+        sched, session = self.scheduler, self._session
+        assert sched is not None and session is not None
+        received = time.perf_counter()
+        try:
+            prompt, new = self.parse(body)
+        except LookupError as exc:
+            self.m_requests.labels("bad_request").inc()
+            return _error(404, str(exc.args[0]))
+        except InvalidArgument as exc:
+            self.m_requests.labels("bad_request").inc()
+            return _error(400, str(exc))
+        upstream, keep = upstream_body(body, self.model, prompt)
+        # The conductor's keys are the tokens' alone: a request whose KV also depends on an adapter, a salt
+        # or embeddings shares no blocks with them, so it is routed by load and teaches the caches nothing.
+        plain = body.get("model") in (None, self.model) and not any(body.get(k) for k in UNKEYED_FIELDS)
+        keys = [str(k) for k in block_keys(prompt, self.block_tokens, self.namespace)] if plain else []
+        loc, stored = await self._engine_locality(keys) if plain else (NO_LOCALITY, 0)
+        rid = next(self._ids)
+        tried: list[str] = []
+        answer: Answer | None = None
+        out: web.StreamResponse | None = None
+        try:
+            while True:
+                try:
+                    decision = sched.schedule(Request(rid, len(prompt), new), loc, time.perf_counter(),
+                                              exclude=tried)  # fmt: skip
+                except NoNodes as exc:
+                    self.m_requests.labels("failed").inc()
+                    return _error(503, f"NoNodes: {exc}")
+                if not decision.accepted:
+                    return web.json_response(self._rejected(decision), status=429)
+                assert decision.prefill is not None
+                worker = self.workers[decision.prefill]
+                self.m_routed.labels(worker.name, "engine").inc()
+                sent = time.perf_counter()
+                try:
+                    reply = await session.post(worker.url + "/v1/completions", json=upstream, timeout=self._stream)
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    failure = f"{worker.name} failed: {type(exc).__name__}: {exc}"
+                else:
+                    if reply.status == 200:
+                        break
+                    data = await reply.read()
+                    reply.release()
+                    if reply.status not in (502, 503, 504):  # the request's fault or the server's: its words
+                        sched.forget(rid, time.perf_counter())
+                        self.m_requests.labels("bad_request" if reply.status < 500 else "failed").inc()
+                        return web.Response(body=data, status=reply.status, content_type="application/json")
+                    failure = f"{worker.name} answered {reply.status}: {data[:200]!r}"
+                sched.forget(rid, time.perf_counter())
+                self._set_up(worker, False)
+                if tried:
+                    self.m_requests.labels("failed").inc()
+                    return _error(503, failure)
+                tried.append(worker.name)
+                self.m_retries.labels("engine").inc()
+            # The server computes or loads the prompt now: requests arriving meanwhile that share the
+            # prefix find it there (its answer's blocks are added when it ends).
+            self._caches[worker.name].touch(keys)
+
+            def first_token(at: float) -> None:
+                sched.prefill_done(rid, at)
+
+            answer = Answer(sent, on_first=first_token)
+            if body.get("stream"):
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                  "X-KVStore-Engine": worker.name})  # fmt: skip
+                await out.prepare(request)
+            try:
+                await relay(reply, answer, out, keep)
+            except (TimeoutError, aiohttp.ClientError, HttpProcessingError, ValueError) as exc:
+                answer.error = f"{worker.name} failed mid-answer: {type(exc).__name__}: {exc}"
+                self._set_up(worker, False)
+            finally:
+                reply.release()
+        except ClientGone:
+            self.m_requests.labels("cancelled").inc()  # released above: the server aborts the request
+            if answer is not None:
+                answer.error = "the client went away"
+            assert out is not None
+            return out
+        finally:
+            if answer is None or answer.first is None or answer.error is not None:
+                sched.forget(rid, time.perf_counter())  # whatever went wrong, the request holds no queue
+        if answer.first is None or answer.error is not None:
+            self.m_requests.labels("failed").inc()
+            message = answer.error or f"{worker.name} answered no token"
+            if out is None:
+                return _error(503, message)
+            with contextlib.suppress(ConnectionError):
+                await out.write(sse({"error": {"message": message, "status": 503}}))
+                await out.write_eof()
+            return out
+        sched.decode_done(rid, time.perf_counter())
+        self._learn_engine(decision, len(prompt), answer, received)
+        self.m_hit.inc(min(stored, len(prompt)))
+        self.m_requests.labels("ok").inc()
+        if plain:
+            self._caches[worker.name].touch(
+                str(k) for k in block_keys(prompt + answer.output, self.block_tokens, self.namespace)
+            )  # fmt: skip
+        if out is not None:
+            with contextlib.suppress(ConnectionError):
+                await out.write(b"data: [DONE]\n\n")
+                await out.write_eof()
+            return out
+        merged = merge_chunks(answer.chunks)
+        merged["kvstore"] = {
+            "engine": worker.name, "retried": bool(tried), "routing": sched.policy_name,
+            "predicted_ttft_s": round(decision.ttft_s, 6), "predicted_queue_s": round(decision.queue_s, 6),
+            "stored_prefix_tokens": stored, "engine_prefix_tokens": decision.local_tokens,
+            "ttft_s": round(answer.first - received, 6),
+        }  # fmt: skip
+        return web.json_response(merged)
+
+    def _learn_engine(self, decision: Decision, prompt_tokens: int, answer: Answer, received: float) -> None:
+        """Follow the server: its time to first token for the tokens it computed (the prefix it reused: what
+        it reports in usage where it does, else what was predicted), and its time per token since."""
+        assert answer.first is not None and self.scheduler is not None
+        sched = self.scheduler
+        ttft = answer.first - answer.sent
+        self.m_ttft.labels("predicted").observe(decision.ttft_s)
+        self.m_ttft.labels("measured").observe(answer.first - received)
+        self.m_error.observe(abs(decision.ttft_s - ttft) / ttft if ttft > 0 else 0.0)
+        self.m_prompt.inc(prompt_tokens)
+        reused = min(answer.cached if answer.cached is not None else decision.prefix_tokens, prompt_tokens - 1)
+        if ttft > 0:
+            self._measured.observe(prompt_tokens - reused, reused, ttft)
+            if self._measured.samples >= 4:
+                sched.prefill_model = self._measured
+        if len(answer.output) > 1 and answer.last is not None:
+            tbt = (answer.last - answer.first) / (len(answer.output) - 1)
+            self._step_s += 0.2 * (tbt - self._step_s)
+            # A server batches its requests' decode steps: the step it gives a request now, whatever the count.
+            sched.decode_model = replace(sched.decode_model, base_s=self._step_s)
+
     # -- HTTP --------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
@@ -445,12 +668,14 @@ class Conductor:
         ])  # fmt: skip
         return app
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
             self.m_requests.labels("bad_request").inc()
             return _error(400, "the body is not JSON")
+        if self.config.openai:
+            return await self._forward(request, body)
         try:
             prompt, new = self.parse(body)
             status, out = await self.complete(prompt, new)
@@ -480,8 +705,11 @@ class Conductor:
         return web.json_response({"ok": True, "master_reachable": self.master_reachable, "workers": up})
 
     async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        names = [self.model, *sorted(self._served - {self.model})]
+        return web.json_response({"object": "list", "data": [{"id": n, "object": "model"} for n in names]})
 
+
+_STREAM_LINE_BYTES = 1 << 22
 
 _PREFILL_FIELDS = {"first_token": int, "computed_tokens": int, "loaded_tokens": int, "matched_tokens": int,
                    "load_s": float, "engine_s": float, "service_s": float, "decision": str}  # fmt: skip

@@ -181,3 +181,17 @@ def test_random_spreads_and_is_seeded() -> None:
         s = scheduler("random", prefill=4, decode=4, seed=7)
         picks.append([s.schedule(Request(i, 100, 1), Locality(0, {}), now=0.0).prefill for i in range(40)])
     assert picks[0] == picks[1] and len(set(picks[0])) == 4
+
+
+def test_an_engine_that_prefills_and_decodes_is_marked_down_in_both_roles() -> None:
+    s = scheduler(prefill=0, decode=0)
+    for name in ("e0", "e1"):  # OpenAI servers: one instance of each role under one name, on a node of its own
+        s.add_prefill(name, node=name)
+        s.add_decode(name)
+    s.set_up("e0", False)
+    assert not s.prefill["e0"].up and not s.decode["e0"].up
+    d = s.schedule(Request(1, 1000, 8), Locality(800, {"e0": 800}), now=0.0)
+    assert (d.prefill, d.decode, d.local_tokens) == ("e1", "e1", 0)
+    s.set_up("e0", True)
+    d = s.schedule(Request(2, 1000, 8), Locality(800, {"e0": 800}), now=0.0)
+    assert (d.prefill, d.local_tokens) == ("e0", 800)  # the server whose own cache holds the prefix
