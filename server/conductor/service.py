@@ -518,7 +518,7 @@ class Conductor:
         held = {name: cache.held(keys) * self.block_tokens for name, cache in self._caches.items()}
         return Locality(stored, held), stored
 
-    async def _forward(self, request: web.Request, body: Any) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, body: Any, prompt: list[int], new: int) -> web.StreamResponse:
         """A completion on an OpenAI server: scheduled by locality and queues, streamed from the server,
         relayed as a stream or merged into one answer. A server that cannot be reached or is unavailable
         (502-504) before answering is marked down and the request tried once more on another; whatever
@@ -526,14 +526,6 @@ class Conductor:
         sched, session = self.scheduler, self._session
         assert sched is not None and session is not None
         received = time.perf_counter()
-        try:
-            prompt, new = self.parse(body)
-        except LookupError as exc:
-            self.m_requests.labels("bad_request").inc()
-            return _error(404, str(exc.args[0]))
-        except InvalidArgument as exc:
-            self.m_requests.labels("bad_request").inc()
-            return _error(400, str(exc))
         upstream, keep = upstream_body(body, self.model, prompt)
         # The conductor's keys are the tokens' alone: a request whose KV also depends on an adapter, a salt
         # or embeddings shares no blocks with them, so it is routed by load and teaches the caches nothing.
@@ -674,10 +666,10 @@ class Conductor:
         except (ValueError, UnicodeDecodeError):
             self.m_requests.labels("bad_request").inc()
             return _error(400, "the body is not JSON")
-        if self.config.openai:
-            return await self._forward(request, body)
         try:
             prompt, new = self.parse(body)
+            if self.config.openai:
+                return await self._forward(request, body, prompt, new)
             status, out = await self.complete(prompt, new)
         except LookupError as exc:
             self.m_requests.labels("bad_request").inc()
