@@ -542,20 +542,17 @@ async def key(api: AdminApi, request: web.Request) -> KeyModel:
 async def evict(api: AdminApi, request: web.Request) -> EvictResult:
     caller: Caller = request["caller"]
     req = (await _json_body(request, EvictRequest)).root
-    service = api.service
+    core = api.service.core
     if isinstance(req, EvictTier):
         if caller.tenant is not None:
             raise PermissionDenied(f"tenant {caller.tenant.name!r} may evict its own keys, not a node's tier")
-        count, commands = service.table.evict_tier(req.node_id, TierName(req.tier))
-        service.run_commands_later(commands, "admin-evict-tier")
-        return EvictResult(evicted=count, skipped_pinned=[])
+        return EvictResult(evicted=core.evict_tier(req.node_id, TierName(req.tier)), skipped_pinned=[])
     if isinstance(req, EvictKey):
         targets = [caller.key(req.key)]
     else:
         prefix = caller.prefix + req.prefix
-        targets = [validate_key(k) for k in service.table.objects if k.startswith(prefix)]
-    evicted, pinned, commands = service.table.evict_keys(targets)
-    service.run_commands_later(commands, "admin-evict")
+        targets = [validate_key(k) for k in core.table.objects if k.startswith(prefix)]
+    evicted, pinned = core.evict_keys(targets)
     return EvictResult(evicted=evicted, skipped_pinned=[caller.shown(k) for k in pinned[:1000]])
 
 
@@ -563,7 +560,7 @@ async def evict(api: AdminApi, request: web.Request) -> EvictResult:
        "Take a node out of placement and move its blocks to other nodes.", errors=(400, 404))  # fmt: skip
 async def drain(api: AdminApi, request: web.Request) -> DrainResult:
     node_id = request.match_info["node_id"]
-    left = await api.service.drain(node_id)
+    left = await api.service.core.drain(node_id)
     return DrainResult(node_id=node_id, draining=True, blocks_left=left)
 
 

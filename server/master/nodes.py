@@ -28,7 +28,8 @@ from transfer.aio import AsyncConnection
 class _Entry:
     info: NodeInfo
     transfer_bytes: dict[str, int] = field(default_factory=dict)
-    link: AsyncConnection | None = None
+    links: dict[str, AsyncConnection] = field(default_factory=dict)
+    """The master's connections to the daemon, one per lane (see :meth:`NodeRegistry.link`)."""
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,11 @@ class NodeRegistry:
             m.ucx_address, True,
         )  # fmt: skip
         old = self._entries.get(m.node_id)
-        link = old.link if old is not None else None
-        if link is not None and link.address != m.address:
-            self._stale.append(link)  # the daemon moved: its old link goes
-            link = None
-        self._entries[m.node_id] = _Entry(info, link=link)
+        links = old.links if old is not None else {}
+        if any(link.address != m.address for link in links.values()):
+            self._stale.extend(links.values())  # the daemon moved: its old links go
+            links = {}
+        self._entries[m.node_id] = _Entry(info, links=links)
         return commands
 
     def leave(self, node_id: str) -> list[NodeCommand]:
@@ -99,8 +100,7 @@ class NodeRegistry:
         entry = self._entries.pop(node_id, None)
         if entry is None:
             return []
-        if entry.link is not None:
-            self._stale.append(entry.link)
+        self._stale.extend(entry.links.values())
         return self.table.leave_node(node_id)
 
     def heartbeat(self, node_id: str, transfer_bytes: dict[str, int], now_ms: int) -> bool:
@@ -113,24 +113,29 @@ class NodeRegistry:
 
     def reset(self, table: PlacementTable) -> list[AsyncConnection]:
         """Start over with ``table`` and no nodes; returns the old links, for the caller to close."""
-        links = [e.link for e in self._entries.values() if e.link is not None] + self.take_stale()
+        links = self.links() + self.take_stale()
         self.table = table
         self._entries = {}
         return links
 
     # -- daemon links ----------------------------------------------------------------------------
-    def link(self, node_id: str) -> AsyncConnection:
-        """The master's connection to the node's daemon, opened on first use."""
+    def link(self, node_id: str, lane: str) -> AsyncConnection:
+        """The master's connection to the node's daemon for ``lane``, opened on first use.
+
+        A connection serves one call at a time, so each kind of command has its own (see
+        :mod:`server.master.commands`): a drop waiting out a slow receiver never delays a grant."""
         entry = self._entries[node_id]
-        if entry.link is None:
+        link = entry.links.get(lane)
+        if link is None:
             address = self.table.nodes[node_id].address
             hello = MasterHello(self.epoch) if self.epoch else None  # fences the commands of older masters
-            entry.link = AsyncConnection(address, self.command_timeout_s, hello=hello, credential=self.credential,
-                                         tls=self.tls)  # fmt: skip
-        return entry.link
+            link = entry.links[lane] = AsyncConnection(
+                address, self.command_timeout_s, hello=hello, credential=self.credential, tls=self.tls
+            )
+        return link
 
     def links(self) -> list[AsyncConnection]:
-        return [e.link for e in self._entries.values() if e.link is not None]
+        return [link for e in self._entries.values() for link in e.links.values()]
 
     def take_stale(self) -> list[AsyncConnection]:
         """Links to addresses their nodes left, for the caller to close."""

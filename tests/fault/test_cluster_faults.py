@@ -23,6 +23,7 @@ from kvstore.errors import ProtocolError
 from kvstore.node_store import PutStatus
 from kvstore.protocol import FRAME_HEADER, PutStart, PutStartReply, Stats, StatsReply, encode
 from kvstore_cli.cluster import LocalCluster
+from kvstore_client.puts import PutOptions
 from kvstore_client.store import Store
 from transfer.rpc import Connection
 from transfer.wire import recv_message
@@ -89,6 +90,42 @@ def test_killed_daemon_reads_as_misses_then_comes_back_byte_exact(cluster: Local
         out[:] = 0
         assert store.get_many_into(keys, list(out), verify=True) == [32 * KB] * len(keys)
         assert np.array_equal(out, data)
+
+
+def test_a_copy_stuck_on_a_frozen_source_does_not_hold_up_puts_to_its_target(cluster: LocalCluster) -> None:
+    """The master's commands to one daemon go on separate connections by kind: a copy waiting on a frozen
+    source (up to the command timeout) must not queue the grant a put to the same target waits for."""
+    source, target = cluster.node_name(0), cluster.node_name(1)
+    data = blocks(4, seed=5)
+    keys = [f"frozen-{i}" for i in range(len(data))]
+    with Store.connect(cluster.master_address, ClientConfig(transport="tcp")) as store:
+        statuses = store.put_many(zip(keys, data, strict=True), PutOptions(preferred_node=source))
+        assert statuses == [PutStatus.STORED] * len(keys)
+    daemon = cluster.daemons[0]
+    assert daemon is not None
+    copied: list[object] = []
+    daemon.send_signal(signal.SIGSTOP)
+    try:
+
+        def replicate() -> None:
+            with Store.connect(cluster.master_address) as copier:
+                try:
+                    copied.append(copier.replicate(keys, target, max_bytes=1 << 20))
+                except Exception as exc:  # the copy fails when the master gives up on it: either is fine
+                    copied.append(exc)
+
+        copying = threading.Thread(target=replicate, daemon=True)
+        copying.start()
+        time.sleep(1.0)  # the copy is with the target's daemon now, which waits on the frozen source
+        assert copying.is_alive()  # (the blocks are on the frozen source: nothing else holds the copy up)
+        with Store.connect(cluster.master_address, ClientConfig(transport="tcp")) as writer:
+            assert writer.put("during-copy", b"w" * 4096, PutOptions(preferred_node=target)) is PutStatus.STORED
+            assert writer.get("during-copy") == b"w" * 4096
+        assert copying.is_alive(), "the put waited for the copy: both went down one connection"
+    finally:
+        daemon.send_signal(signal.SIGCONT)
+    copying.join(timeout=60)
+    assert not copying.is_alive() and copied
 
 
 def test_master_restarted_from_nothing_rebuilds_from_the_daemons(cluster: LocalCluster) -> None:

@@ -19,15 +19,15 @@ KB = 1024
 async def _service() -> MasterService:
     service = MasterService(MasterConfig(port=0))
     for i in range(2):
-        await service._register(RegisterNode(
+        await service.core.register(RegisterNode(
             f"n{i}", f"127.0.0.1:{40000 + i}", 64 * KB, 64 * KB, 64, [], [f"127.0.0.1:{40000 + i}"], "host", "", 0,
             [Nic("lo", "127.0.0.1", -1, -1)], False, "", 0, [],
         ))  # fmt: skip
     keys = [f"r-{i}" for i in range(6)]
-    start = await service._put_start(PutStart(keys, [KB] * 6, 1, None, False))
+    start = await service.core.put_start(PutStart(keys, [KB] * 6, 1, None, False))
     assert isinstance(start, PutStartReply)
-    await service._put_end(PutEnd(keys, [7] * 6))
-    await service._get_replicas(GetReplicas([*keys, "r-missing"], []))
+    await service.core.put_end(PutEnd(keys, [7] * 6))
+    await service.core.get_replicas(GetReplicas([*keys, "r-missing"], []))
     return service
 
 

@@ -26,25 +26,25 @@ KB = 1024
 
 async def _service_with(keys: list[str]) -> MasterService:
     service = MasterService(MasterConfig(port=0))
-    await service._register(RegisterNode(
+    await service.core.register(RegisterNode(
         "n0", "127.0.0.1:40000", 64 * KB, 0, 64, [], [], "host", "", 0, [Nic("lo", "127.0.0.1", -1, -1)], False,
         "", 0, [],
     ))  # fmt: skip
-    start = await service._put_start(PutStart(keys, [KB] * len(keys), 1, None, False))
+    start = await service.core.put_start(PutStart(keys, [KB] * len(keys), 1, None, False))
     assert isinstance(start, PutStartReply)
-    await service._put_end(PutEnd(keys, [7] * len(keys)))
+    await service.core.put_end(PutEnd(keys, [7] * len(keys)))
     return service
 
 
 async def test_a_retried_lookup_releases_its_piggybacked_leases_once() -> None:
     service = await _service_with(["k"])
     leases = service.table.leases
-    a = await service._dispatch(GetReplicas(["k"], []), 1)  # reader A
-    await service._dispatch(GetReplicas(["k"], []), 2)  # reader B
+    a = await service.rpc.dispatch(GetReplicas(["k"], []), 1)  # reader A
+    await service.rpc.dispatch(GetReplicas(["k"], []), 2)  # reader B
     assert len(leases) == 2 and isinstance(a, GetReplicasReply)
     # A is done and says so on its next lookup; the connection breaks and the lookup is resent.
-    await service._dispatch(GetReplicas(["other"], [a.first_lease]), 3)
-    await service._dispatch(GetReplicas(["other"], [a.first_lease]), 3)
+    await service.rpc.dispatch(GetReplicas(["other"], [a.first_lease]), 3)
+    await service.rpc.dispatch(GetReplicas(["other"], [a.first_lease]), 3)
     assert len(leases) == 1  # B's lease is still there
     await service.stop()
 
@@ -52,24 +52,24 @@ async def test_a_retried_lookup_releases_its_piggybacked_leases_once() -> None:
 async def test_a_retried_release_releases_once() -> None:
     service = await _service_with(["k"])
     leases = service.table.leases
-    replies = [await service._dispatch(GetReplicas(["k"], []), request_id) for request_id in (1, 2)]
+    replies = [await service.rpc.dispatch(GetReplicas(["k"], []), request_id) for request_id in (1, 2)]
     assert isinstance(replies[0], GetReplicasReply)
-    await service._dispatch(ReleaseLeases([replies[0].first_lease]), 9)
-    await service._dispatch(ReleaseLeases([replies[0].first_lease]), 9)
+    await service.rpc.dispatch(ReleaseLeases([replies[0].first_lease]), 9)
+    await service.rpc.dispatch(ReleaseLeases([replies[0].first_lease]), 9)
     assert len(leases) == 1
     await service.stop()
 
 
 async def test_a_drain_stops_when_leadership_is_lost_midway() -> None:
     service = await _service_with([])
-    await service._register(RegisterNode(
+    await service.core.register(RegisterNode(
         "n1", "127.0.0.1:40001", 64 * KB, 0, 64, [], [], "host", "", 0, [Nic("lo", "127.0.0.1", -1, -1)], False,
         "", 0, [],
     ))  # fmt: skip
     keys = [f"d{i}" for i in range(4)]
-    start = await service._put_start(PutStart(keys, [KB] * 4, 1, "n0", False))
+    start = await service.core.put_start(PutStart(keys, [KB] * 4, 1, "n0", False))
     assert isinstance(start, PutStartReply)
-    await service._put_end(PutEnd(keys, [7] * 4))
+    await service.core.put_end(PutEnd(keys, [7] * 4))
     old = service.table
     assert old.blocks_on("n0") == 4
     sent: list[str] = []
@@ -79,7 +79,7 @@ async def test_a_drain_stops_when_leadership_is_lost_midway() -> None:
         service._become_standby()  # the lease went while the copy ran
         return [True] * len(group)
 
-    service._fetch = fetch_then_lose_leadership  # type: ignore[method-assign]
+    service.commands.fetch = fetch_then_lose_leadership  # type: ignore[method-assign]
     with pytest.raises(NotLeader):
         await service.drain("n0")
     assert sent == ["n1"] and service.table is not old  # one copy asked; nothing planned on the old table ran on

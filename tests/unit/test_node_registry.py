@@ -74,25 +74,27 @@ def test_heartbeats_keep_transfer_figures_and_tell_unknown_nodes_to_register() -
 def test_a_link_follows_the_nodes_address_and_carries_the_epoch() -> None:
     nodes = _registry()
     nodes.register(_register("n0", "127.0.0.1:1"), now_ms=0)
-    first = nodes.link("n0")
+    first = nodes.link("n0", "blocks")
     assert first.address == "127.0.0.1:1" and first.hello is None  # no epoch: no fence
     nodes.register(_register("n0", "127.0.0.1:1"), now_ms=1)
-    assert nodes.link("n0") is first  # same daemon, same link
+    assert nodes.link("n0", "blocks") is first  # same daemon, same link
+    grants = nodes.link("n0", "grants")
+    assert grants is not first  # a lane of its own: never queued behind a slow drop
     nodes.epoch = 9
     nodes.register(_register("n0", "127.0.0.1:3"), now_ms=2)
-    assert nodes.take_stale() == [first]  # for the service to close
-    moved = nodes.link("n0")
+    assert nodes.take_stale() == [first, grants]  # for the service to close
+    moved = nodes.link("n0", "blocks")
     assert moved is not first and moved.address == "127.0.0.1:3" and moved.hello == MasterHello(9)
     assert nodes.take_stale() == []
     with pytest.raises(KeyError):
-        nodes.link("nope")
+        nodes.link("nope", "blocks")
 
 
 def test_a_new_term_starts_empty_and_hands_back_the_old_links() -> None:
     nodes = _registry()
     for i in range(2):
         nodes.register(_register(f"n{i}", f"127.0.0.1:{i + 1}"), now_ms=0)
-    links = [nodes.link("n0")]
+    links = [nodes.link("n0", "blocks")]
     fresh = PlacementTable(EvictionPolicy(0.9, 0.8, 2), node_ttl_ms=10)
     assert nodes.reset(fresh) == links
     assert nodes.table is fresh and nodes.infos() == [] and nodes.views() == [] and nodes.links() == []

@@ -1,0 +1,61 @@
+"""Tenants' byte quotas as rules over the placement table: what fits, and what of the tenant's own
+blocks to evict so that more fits. Pure: they return the evictions as commands, and the master's
+core carries them out (another tenant's blocks are never touched)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.placement.state import NodeCommand
+from kvstore.placement.table import PlacementTable
+
+
+def fits(room: int, sizes: Sequence[int]) -> list[bool]:
+    """Which blocks, taken in order, fit in ``room`` bytes (a block that does not fit takes none)."""
+    out = []
+    for size in sizes:
+        out.append(size <= room)
+        if size <= room:
+            room -= size
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaPlan:
+    """A tenant's put against its quota: which of its keys are new (only those count), and the
+    evictions of its own least recently used blocks that make room for them."""
+
+    new: list[int]
+    commands: list[NodeCommand]
+
+
+def plan_put(table: PlacementTable, tenant: str, quota: int, keys: Sequence[str], sizes: Sequence[int]) -> QuotaPlan:
+    """Plan a put of ``keys`` by ``tenant`` under ``quota`` bytes (see :func:`refused`)."""
+    new = [i for i, k in enumerate(keys) if k not in table.objects and table.describe(k) is None]
+    over = table.usage(tenant) + sum(sizes[i] for i in new) - quota
+    commands: list[NodeCommand] = []
+    if over > 0:
+        victims = table.tenant_victims(tenant, over, keep=set(keys))
+        if victims:
+            _, _, commands = table.evict_keys(victims)
+    return QuotaPlan(new, commands)
+
+
+def refused(table: PlacementTable, tenant: str, quota: int, sizes: Sequence[int], plan: QuotaPlan) -> list[int]:
+    """Indexes of the new keys of ``plan`` that do not fit ``quota`` once its evictions are done."""
+    ok = fits(quota - table.usage(tenant), [sizes[i] for i in plan.new])
+    return [i for i, fit in zip(plan.new, ok, strict=True) if not fit]
+
+
+def refusal_text(table: PlacementTable, tenant: str, quota: int, key: str, size: int) -> str:
+    return (
+        f"block {key[len(tenant) + 1 :]!r} of {size} bytes would take tenant {tenant!r} past its quota of "
+        f"{quota} bytes ({table.usage(tenant)} held, none of it evictable)"
+    )
+
+
+def granted_fits(table: PlacementTable, tenant: str, quota: int, sizes: Sequence[int]) -> list[bool]:
+    """Which blocks of a one-trip put (written into a grant already) fit the tenant's quota as it is:
+    the rest go the two-trip way, which evicts the tenant's own blocks or refuses them."""
+    return fits(quota - table.usage(tenant), sizes)

@@ -1,0 +1,185 @@
+"""Daemon commands: carrying out what the placement table plans for the daemons.
+
+The table plans (drops, demotions, promotions, copies, grants to open or close); this module sends
+them, applies the answers to the table that planned them, retries what a daemon did not answer, and
+fences what a term that ended planned (a new leader plans its own from the daemons' inventories).
+
+Each node has one connection per :class:`Lane`, because a connection serves one call at a time: a
+drop that waits out a slow receiver (up to the daemon's I/O timeout) or a copy of many blocks must
+never hold up the grant a put is waiting for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from kvstore.errors import KVStoreError
+from kvstore.placement.state import Move, NodeCommand
+from kvstore.placement.table import PlacementTable
+from kvstore.policy import ActionKind
+from kvstore.protocol import CommandReply, DemoteBlocks, DropBlocks, EndGrants, FetchBlocks, Message, PromoteBlocks
+from kvstore.ratelog import RateLimitedLog
+from server.master.nodes import NodeRegistry
+
+log = logging.getLogger("kvstore.master")
+
+Spawn = Callable[[Awaitable[object], str], None]
+M = TypeVar("M", bound=Message)
+
+
+class Lane(enum.StrEnum):
+    """Which of a node's connections a command goes on."""
+
+    GRANTS = "grants"
+    """Opening and closing write grants: on a put's path, never queued behind anything slow."""
+    BLOCKS = "blocks"
+    """Drops, demotions and promotions (a drop may wait for the block's receivers)."""
+    COPIES = "copies"
+    """Copies of blocks between daemons (drain, replicate): the longest calls."""
+
+
+class Room:
+    """Wakes the puts and grants waiting for space whenever some may have been freed (a command's
+    answer applied, a grant closed, reservations expired): room is waited for, not polled."""
+
+    def __init__(self) -> None:
+        self._freed = asyncio.Event()
+
+    def freed(self) -> None:
+        self._freed.set()
+        self._freed = asyncio.Event()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until room is freed, or ``timeout_s`` passed (the caller plans again either way)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._freed.wait(), timeout_s)
+
+
+def _message(command: NodeCommand) -> Message:
+    if command.kind is ActionKind.DEMOTE:
+        return DemoteBlocks(list(command.keys))
+    if command.kind is ActionKind.PROMOTE:
+        return PromoteBlocks(list(command.keys), list(command.offsets))
+    return DropBlocks(list(command.keys))
+
+
+class Commands:
+    """Runs the table's commands on the daemons of :attr:`nodes` (see the module's text)."""
+
+    def __init__(self, nodes: NodeRegistry, spawn: Spawn) -> None:
+        self.nodes = nodes
+        self._spawn = spawn
+        self.retry: list[NodeCommand] = []
+        """Commands a daemon did not answer: sent again at the next tick while their node is up."""
+        self.room = Room()
+        self._failures = RateLimitedLog(log)
+        """Failures that repeat every tick (a command a daemon keeps refusing): a line a minute each."""
+
+    def current(self, table: PlacementTable) -> bool:
+        """Whether ``table`` is this term's (commands planned on another are void)."""
+        return table is self.nodes.table
+
+    async def call(self, node_id: str, lane: Lane, message: Message, expect: type[M]) -> M:
+        return await self.nodes.link(node_id, lane).call(message, expect)
+
+    def later(self, commands: list[NodeCommand], name: str, table: PlacementTable | None = None) -> None:
+        """Carry ``commands`` (planned on ``table``, the current one by default) out in the
+        background (nothing waits for them)."""
+        if commands:
+            self._spawn(self.run(commands, table or self.nodes.table), name)
+
+    async def run(self, commands: list[NodeCommand], table: PlacementTable | None = None) -> bool:
+        """Send commands (each node's in order, nodes in parallel) and apply the answers; whether
+        every node answered (the others' are retried at the next tick)."""
+        table = table or self.nodes.table
+        per_node: dict[str, list[NodeCommand]] = {}
+        for c in commands:
+            per_node.setdefault(c.node_id, []).append(c)
+        return all(await asyncio.gather(*(self._run_node(cs, table) for cs in per_node.values())))
+
+    async def _run_node(self, commands: list[NodeCommand], table: PlacementTable) -> bool:
+        for i, command in enumerate(commands):
+            if not self.current(table):
+                return True  # void: another term's table (nothing to retry)
+            if command.node_id not in table.nodes:
+                continue
+            try:
+                reply = await self.call(command.node_id, Lane.BLOCKS, _message(command), CommandReply)
+            except KVStoreError as exc:
+                self._failures.warning(f"command-{command.kind.value}-{command.node_id}",
+                                       "command %s to %s failed (%s); will retry", command.kind.value,
+                                       command.node_id, exc)  # fmt: skip
+                if self.current(table):
+                    self.retry.extend(commands[i:])
+                return False
+            if not self.current(table):
+                return True  # answered to a term that ended while it ran: the new one rebuilds
+            table.apply(command, reply.done)
+            self.room.freed()
+        return True
+
+    def forget(self, node_id: str) -> None:
+        """Drop the retries of a node that re-registered or left (its inventory supersedes them)."""
+        self.retry = [c for c in self.retry if c.node_id != node_id]
+
+    def tick(self, table: PlacementTable, now_ms: int) -> None:
+        """Expire what ran out of time and send again what was not answered."""
+        commands = table.expire(now_ms)
+        for node_id, grant_ids in table.expired_grants(now_ms).items():
+            self._spawn(self.close_grants(node_id, grant_ids), "grant-expiry")
+        retry, self.retry = self.retry, []
+        live = [c for c in retry if c.node_id in table.nodes and table.nodes[c.node_id].up]
+        self.later(commands + live, "expiry-commands", table)
+        self.room.freed()  # reservations that expired gave their space back
+
+    async def close_grants(self, node_id: str, grant_ids: list[int]) -> None:
+        """Have the daemon stop taking writes into ``grant_ids``, then free what is left of them.
+
+        Unanswered, the grants stay held (nothing can be written into space handed out again);
+        they are asked again at the next tick, and a re-registration of the node drops them."""
+        table = self.nodes.table
+        if node_id in table.nodes:
+            try:
+                await self.call(node_id, Lane.GRANTS, EndGrants(grant_ids), CommandReply)
+            except KVStoreError as exc:
+                log.warning("closing grants on %s failed (%s); will retry", node_id, exc)
+                for grant_id in grant_ids:
+                    grant = table.grants.get(grant_id)
+                    if grant is not None:
+                        grant.ending = False
+                        grant.deadline_ms = 0  # expired again at the next tick
+                return
+        if self.current(table):
+            table.finish_end_grants(node_id, grant_ids)
+            self.room.freed()
+
+    def close_grants_later(self, per_node: dict[str, list[int]], name: str) -> None:
+        for node_id, grant_ids in per_node.items():
+            self._spawn(self.close_grants(node_id, grant_ids), name)
+
+    async def fetch(self, target: str, source_address: str, group: list[Move], why: str) -> list[bool] | None:
+        """Have ``target``'s daemon copy ``group`` from the daemon at ``source_address`` into the extents
+        reserved for it; per block whether it is committed there, None when the target did not answer."""
+        message = FetchBlocks(
+            source_address, [m.key for m in group], [m.extent.offset for m in group], [m.size for m in group],
+            [m.checksum for m in group],
+        )  # fmt: skip
+        try:
+            done = (await self.call(target, Lane.COPIES, message, CommandReply)).done
+        except KVStoreError as exc:
+            log.warning("%s: %s could not copy from %s: %s", why, target, source_address, exc)
+            return None
+        return done if len(done) == len(group) else [False] * len(group)
+
+    async def drop_everywhere(self, keys: list[str]) -> bool:
+        """Have every up node drop ``keys``; whether all of them confirmed."""
+        nodes = [n.node_id for n in self.nodes.table.up_nodes()]
+        answers = await asyncio.gather(
+            *(self.call(n, Lane.BLOCKS, DropBlocks(keys), CommandReply) for n in nodes), return_exceptions=True
+        )
+        return not any(isinstance(a, BaseException) for a in answers)

@@ -1,0 +1,430 @@
+"""The master's operations: what each request does to the placement table and the daemons.
+
+:class:`MasterCore` is the only caller of the placement table. Each operation takes its request
+and the caller's identity and returns its reply; it knows nothing of connections, handshakes,
+idempotency or timing (:mod:`server.master.rpc`) nor of elections (:mod:`server.master.leadership`),
+so it is driven as readily by a test with no sockets as by the RPC server or the admin API. The
+table is synchronous and only this event loop touches it, so an operation's table work between
+two awaits is atomic; what the daemons must do is carried out by :mod:`server.master.commands`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import msgspec
+
+from kvstore.auth import ANYONE, Authority, Identity
+from kvstore.config import MasterConfig
+from kvstore.errors import CapacityError, InvalidArgument, NotFound, NotLeader, QuotaExceeded, RetryLater, Timeout
+from kvstore.placement import quotas
+from kvstore.placement.leases import LeaseId
+from kvstore.placement.state import Grant, Move
+from kvstore.placement.table import PlacementTable
+from kvstore.policy import TierName
+from kvstore.protocol import (
+    AccessReport,
+    CommandReply,
+    CommitGranted,
+    Exists,
+    ExistsReply,
+    GetReplicas,
+    GrantReply,
+    GrantSpace,
+    Heartbeat,
+    HeartbeatReply,
+    KeysReply,
+    LeaveNode,
+    ListKeys,
+    ListNodes,
+    MatchPrefix,
+    MatchPrefixNodes,
+    MatchPrefixNodesReply,
+    MatchPrefixReply,
+    Message,
+    NodesReply,
+    OkReply,
+    OpenGrant,
+    PutEnd,
+    PutEndReply,
+    PutReply,
+    PutRevoke,
+    PutStart,
+    PutStartReply,
+    PutTicket,
+    RegisterNode,
+    RegisterReply,
+    ReleaseLeases,
+    Remove,
+    RemoveReply,
+    Replicate,
+    Replicated,
+    ReplicateReply,
+    ReturnGrants,
+    Stats,
+    StatsReply,
+)
+from server.master.commands import Commands, Lane
+from server.master.leadership import Leadership
+from server.master.nodes import NodeRegistry
+
+log = logging.getLogger("kvstore.master")
+
+# A put waits for at most this many rounds of evictions before its keys fail.
+_MAX_EVICTION_ROUNDS = 64
+_MAX_KEYS_PAGE = 10_000
+"""Most keys one ListKeys answers (a page: the table is scanned once per page)."""
+
+# A daemon's grant deadline runs from when it took the grant; the master's a margin later, so that
+# the daemon has stopped taking writes into a grant before the master frees it. (Freeing waits for
+# the daemon's EndGrants answer anyway; the margin keeps a lost answer from holding space long.)
+_GRANT_MARGIN_MS = 1_000
+
+
+def now_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
+class MasterCore:
+    """The master's operations over :attr:`table` (see the module's text)."""
+
+    def __init__(
+        self,
+        config: MasterConfig,
+        nodes: NodeRegistry,
+        commands: Commands,
+        leadership: Leadership,
+        authority: Authority | None,
+    ) -> None:
+        self.config = config
+        self.nodes = nodes
+        self.commands = commands
+        self.leadership = leadership
+        self.authority = authority
+        """Tenants and their quotas, and the seals of their reservations (None: no tenants)."""
+
+    @property
+    def table(self) -> PlacementTable:
+        """The placement table of this term (a new one each time leadership is lost)."""
+        return self.nodes.table
+
+    def _same_term(self, table: PlacementTable, what: str) -> None:
+        """Raise NotLeader when ``table`` is no longer this master's (leadership lost meanwhile)."""
+        if not self.commands.current(table):
+            raise NotLeader(f"master {self.leadership.address} lost its leadership during {what}; ask the leader")
+
+    async def _until_room(self) -> None:
+        await self.commands.room.wait(self.config.tick_ms / 1000)
+
+    # -- nodes ----------------------------------------------------------------------------------
+    async def register(self, m: RegisterNode, caller: Identity = ANYONE) -> Message:
+        commands = self.nodes.register(m, now_ms())
+        self.commands.forget(m.node_id)  # the inventory superseded them
+        self.commands.later(commands, "register-drops")
+        self.leadership.expect(m.peers)
+        log.info("node %s registered at %s with %d blocks", m.node_id, m.address, len(m.inventory))
+        return RegisterReply(
+            self.config.heartbeat_interval_ms, self.config.node_ttl_ms, self.leadership.epoch, self._peers()
+        )
+
+    async def leave(self, m: LeaveNode, caller: Identity = ANYONE) -> Message:
+        commands = self.nodes.leave(m.node_id)
+        self.commands.forget(m.node_id)
+        self.commands.later(commands, "leave-revokes")
+        log.info("node %s left: its blocks are forgotten", m.node_id)
+        return OkReply()
+
+    def _peers(self) -> list[str]:
+        return [n.node_id for n in self.table.up_nodes()]
+
+    async def heartbeat(self, m: Heartbeat, caller: Identity = ANYONE) -> Message:
+        known = self.nodes.heartbeat(m.node_id, m.transfer_bytes, now_ms())
+        if known:
+            self.table.ssd_health(m.node_id, m.ssd_capacity, m.ssd_configured, m.ssd_fault)
+        return HeartbeatReply(known, self._peers() if known else [])
+
+    async def list_nodes(self, m: ListNodes, caller: Identity = ANYONE) -> Message:
+        """Every registered node with how to reach it, up or down."""
+        return NodesReply(self.nodes.infos())
+
+    async def access_report(self, m: AccessReport, caller: Identity = ANYONE) -> Message:
+        self.table.record_access(m.node_id, m.keys, m.tiers, now_ms())
+        return OkReply()
+
+    # -- puts -------------------------------------------------------------------------------------
+    def quota(self, tenant: str) -> int:
+        """The tenant's byte quota (0: none)."""
+        known = self.authority.tenant(tenant) if self.authority is not None else None
+        return known.quota_bytes if known is not None else 0
+
+    async def put_start(self, m: PutStart, caller: Identity = ANYONE) -> Message:
+        keys, sizes = list(m.keys), list(m.sizes)
+        if len(keys) != len(sizes):
+            raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
+        tickets: list[PutTicket | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        tenant = caller.tenant
+        quota = self.quota(tenant) if tenant is not None else 0
+        if tenant is not None and quota:
+            plan = quotas.plan_put(self.table, tenant, quota, keys, sizes)
+            if plan.commands:
+                await self.commands.run(plan.commands)
+            for i in quotas.refused(self.table, tenant, quota, sizes, plan):
+                text = quotas.refusal_text(self.table, tenant, quota, keys[i], sizes[i])
+                tickets[i] = PutTicket("error", [], QuotaExceeded.code, text)
+            todo = [i for i in todo if tickets[i] is None]
+        for _ in range(_MAX_EVICTION_ROUNDS):
+            placed = self.table.put_start(
+                [keys[i] for i in todo], [sizes[i] for i in todo], m.replicas, m.preferred_node, m.pin, now_ms()
+            )
+            for j, ticket in zip(todo, placed.tickets, strict=True):
+                tickets[j] = ticket
+            todo = [todo[w] for w in placed.waiting]
+            if not todo:
+                self.commands.later(placed.commands, "background-eviction")
+                break
+            if placed.commands:
+                await self.commands.run(placed.commands)
+            else:
+                await self._until_room()  # room is coming from commands another request sent
+        stuck = PutTicket("error", [], CapacityError.code, "no room after repeated rounds of eviction")
+        final = [t if t is not None else stuck for t in tickets]
+        if tenant is not None and self.authority is not None:
+            final = self._sealed(tenant, keys, sizes, final)
+        return PutStartReply.from_tickets(final)
+
+    def _sealed(self, tenant: str, keys: list[str], sizes: list[int], tickets: list[PutTicket]) -> list[PutTicket]:
+        """``tickets`` with each replica sealed for ``tenant``: daemons take a tenant's writes only
+        into extents the master reserved for it (no squatting on free space or others' reservations)."""
+        assert self.authority is not None
+        expires = int(time.time() * 1000) + self.config.reservation_ms  # wall clock: daemons check it
+        seal = self.authority.seal
+        return [
+            msgspec.structs.replace(t, replicas=[
+                msgspec.structs.replace(r, seal=seal(tenant, r.node_id, key, r.offset, size, expires))
+                for r in t.replicas
+            ]) if t.replicas else t
+            for t, key, size in zip(tickets, keys, sizes, strict=True)
+        ]  # fmt: skip
+
+    async def put_end(self, m: PutEnd, caller: Identity = ANYONE) -> Message:
+        committed = self.table.put_end(m.keys, m.checksums)
+        # A put begun with a master that has since gone: its block came back in its daemon's
+        # inventory when the daemon registered here (the same bytes: the same checksum).
+        objects = self.table.objects
+        return PutEndReply([
+            ok or ((e := objects.get(k)) is not None and e.committed and e.checksum == c)
+            for k, c, ok in zip(m.keys, m.checksums, committed, strict=True)
+        ])  # fmt: skip
+
+    async def put_revoke(self, m: PutRevoke, caller: Identity = ANYONE) -> Message:
+        self.commands.later(self.table.put_revoke(m.keys), "revoke-drops")
+        unknown = [k for k in m.keys if self.table.describe(k) is None]
+        # Reserved by a master that has since gone, so nobody knows where it was written: every
+        # node drops it, before the writer's retry can store it anew.
+        if unknown and not await self.commands.drop_everywhere(unknown):
+            raise RetryLater("a node did not confirm dropping a put begun with an earlier master")
+        return OkReply()
+
+    # -- grants (one-trip puts) ------------------------------------------------------------------
+    async def grant_space(self, m: GrantSpace, caller: Identity = ANYONE) -> Message:
+        """Reserve write space on one node (evicting first where needed) and open it on its daemon."""
+        table = self.table
+        owner = caller.tenant or ""
+        grant: Grant | None = None
+        for _ in range(_MAX_EVICTION_ROUNDS):
+            capped = m.length
+            if table.nodes:
+                largest = max(n.alloc.capacity for n in table.nodes.values())
+                capped = min(m.length, max(int(largest * self.config.grant_fraction), 1))
+            plan = table.grant_space(capped, m.preferred_node, self.config.grant_ttl_ms, now_ms(), owner)
+            if plan.error is not None:
+                raise plan.error
+            if plan.grant is not None:
+                self.commands.later(plan.commands, "background-eviction")
+                grant = plan.grant
+                break
+            if plan.commands:
+                await self.commands.run(plan.commands)
+            else:
+                await self._until_room()
+        if grant is None:
+            raise CapacityError(f"no room for a grant of {m.length} bytes after repeated rounds of eviction")
+        extent = grant.pieces[0]
+        ttl = self.config.grant_ttl_ms
+        try:
+            message = OpenGrant(grant.grant_id, extent.offset, extent.length, ttl, owner)
+            await self.commands.call(grant.node_id, Lane.GRANTS, message, CommandReply)
+        except BaseException:
+            # The daemon may have taken it: close it there before the space is reused.
+            self.commands.close_grants_later(table.end_grants([grant.grant_id]), "grant-close")
+            raise
+        if grant.grant_id not in table.grants:
+            # The node re-registered meanwhile (its grants are forgotten, its space maybe handed
+            # out again): the daemon must not keep this one.
+            self.commands.close_grants_later({grant.node_id: [grant.grant_id]}, "grant-close")
+            raise RetryLater(f"node {grant.node_id} re-registered while a grant was opened on it; retry")
+        table.confirm_grant(grant.grant_id, now_ms() + ttl + _GRANT_MARGIN_MS)
+        node = table.nodes[grant.node_id]
+        return GrantReply(
+            grant.grant_id, grant.node_id, node.address, extent.offset, extent.length, ttl, node.alloc.alignment
+        )
+
+    async def return_grants(self, m: ReturnGrants, caller: Identity = ANYONE) -> Message:
+        owner = caller.tenant
+        grants = self.table.grants
+        ids = m.grant_ids if owner is None else [g for g in m.grant_ids if g in grants and grants[g].owner == owner]
+        self.commands.close_grants_later(self.table.end_grants(ids), "grant-return")
+        return OkReply()
+
+    async def commit_granted(self, m: CommitGranted, caller: Identity = ANYONE) -> Message:
+        grant = self.table.grants.get(m.grant_id)
+        owner = grant.owner if grant is not None else ""
+        quota = self.quota(owner) if owner else 0
+        keep = list(range(len(m.keys)))
+        if quota and len(m.keys) == len(m.sizes):
+            # Over its quota, a tenant's one-trip put goes the two-trip way, which evicts its own
+            # blocks for it or refuses it with QuotaExceeded.
+            keep = [i for i, ok in enumerate(quotas.granted_fits(self.table, owner, quota, m.sizes)) if ok]
+        if len(keep) == len(m.keys):
+            outcome = self.table.commit_granted(
+                m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned
+            )
+        else:
+            part = self.table.commit_granted(
+                m.node_id, m.grant_id, [m.keys[i] for i in keep], [m.offsets[i] for i in keep],
+                [m.sizes[i] for i in keep], [m.checksums[i] for i in keep], m.pinned,
+            )  # fmt: skip
+            outcome = [(QuotaExceeded.code, f"tenant {owner!r} is at its quota")] * len(m.keys)
+            for i, result in zip(keep, part, strict=True):
+                outcome[i] = result
+        return PutReply([code for code, _ in outcome], [text for _, text in outcome])
+
+    # -- reads ------------------------------------------------------------------------------------
+    async def get_replicas(self, m: GetReplicas, caller: Identity = ANYONE) -> Message:
+        if m.release:
+            await self.release_leases(ReleaseLeases(m.release), caller)
+        return self.table.get_replicas(m.keys, now_ms(), m.lease)
+
+    async def release_leases(self, m: ReleaseLeases, caller: Identity = ANYONE) -> Message:
+        lease_ids = m.lease_ids
+        tenant = caller.tenant
+        if tenant is not None:  # a tenant ends its own leases only (ids are sequential: guessable)
+            leases, prefix = self.table.leases, f"{tenant}/"
+            lease_ids = [i for i in lease_ids if (leases.key_of(LeaseId(i)) or "").startswith(prefix)]
+        self.commands.later(self.table.release_leases(lease_ids), "promotions")
+        return OkReply()
+
+    async def match_prefix(self, m: MatchPrefix, caller: Identity = ANYONE) -> Message:
+        return MatchPrefixReply(self.table.match_prefix(m.keys))
+
+    async def match_prefix_nodes(self, m: MatchPrefixNodes, caller: Identity = ANYONE) -> Message:
+        return MatchPrefixNodesReply.from_match(self.table.match_prefix_nodes(m.keys))
+
+    async def exists(self, m: Exists, caller: Identity = ANYONE) -> Message:
+        return ExistsReply(self.table.exists(m.keys, now_ms()))
+
+    async def list_keys(self, m: ListKeys, caller: Identity = ANYONE) -> Message:
+        if not 1 <= m.limit <= _MAX_KEYS_PAGE:
+            raise InvalidArgument(f"ListKeys.limit must be from 1 to {_MAX_KEYS_PAGE}, got {m.limit}")
+        scope = caller.prefix  # a tenant lists its own namespace, and sees its keys as it named them
+        keys, after = self.table.keys_page(scope + m.prefix, scope + m.after if m.after else None, m.limit)
+        cut = len(scope)
+        return KeysReply([k[cut:] for k in keys], after[cut:] if after is not None else "")
+
+    async def stats(self, m: Stats, caller: Identity = ANYONE) -> Message:
+        return StatsReply(self.table.stats())
+
+    # -- removal and eviction ---------------------------------------------------------------------
+    async def remove(self, m: Remove, caller: Identity = ANYONE) -> Message:
+        """Answered once the daemons dropped the blocks: a reader that goes straight to a daemon
+        (no lease, no master) must find nothing after remove returns. A daemon that does not answer
+        gets its drop retried; it serves nobody meanwhile."""
+        keys, held = m.keys, []
+        if not m.force and self.table.hold_ms:
+            held = self.table.held(keys, now_ms())
+            if held:
+                skip = set(held)
+                keys = [k for i, k in enumerate(keys) if i not in skip]
+        removed, commands = self.table.remove(keys)
+        if not await self.commands.run(commands):
+            # The blocks are out of the table, but a daemon that did not confirm may still serve
+            # them to a reader that goes to it directly: say so (the drop is retried until done).
+            raise Timeout("a node holding removed blocks did not confirm dropping them yet; they are retried")
+        return RemoveReply(removed, held)
+
+    def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str]]:
+        """An operator's eviction of stored blocks from every tier; returns how many went and the
+        pinned ones that stayed (the daemons drop them in the background)."""
+        evicted, pinned, commands = self.table.evict_keys(keys)
+        self.commands.later(commands, "admin-evict")
+        return evicted, pinned
+
+    def evict_tier(self, node_id: str, tier: TierName) -> int:
+        """An operator's emptying of one tier of a node (see PlacementTable.evict_tier)."""
+        count, commands = self.table.evict_tier(node_id, tier)
+        self.commands.later(commands, "admin-evict-tier")
+        return count
+
+    # -- copies between nodes ---------------------------------------------------------------------
+    async def drain(self, node_id: str, batch: int = 256) -> int:
+        """Take ``node_id`` out of placement and move its blocks to other nodes; returns the blocks left on it.
+
+        A block with a copy elsewhere loses this one; another is copied by a node with room
+        (the target reads it from this node's daemon), then dropped here. Blocks nobody has
+        room for stay (and are counted in the answer); a later drain tries again."""
+        table = self.table
+        if node_id not in table.nodes:
+            raise NotFound(f"node {node_id!r} is not registered")
+        table.draining.add(node_id)
+        source = table.nodes[node_id].address
+        failed: set[str] = set()
+        while True:
+            moves, drops = table.plan_moves(node_id, batch, skip=failed)
+            if not moves and not drops:
+                break
+            await self.commands.run(drops, table)
+            self._same_term(table, "the drain")
+            per_target: dict[str, list[Move]] = {}
+            for move in moves:
+                per_target.setdefault(move.target, []).append(move)
+            for target, group in per_target.items():
+                done = await self.commands.fetch(target, source, group, "drain") or [False] * len(group)
+                self._same_term(table, "the drain")
+                failed.update(mv.key for mv, ok in zip(group, done, strict=True) if not ok)
+                await self.commands.run(table.finish_moves(node_id, group, done), table)
+                self._same_term(table, "the drain")
+        return table.blocks_on(node_id)
+
+    async def replicate(self, m: Replicate, caller: Identity = ANYONE) -> Message:
+        return ReplicateReply(*await self.copy_into(m.keys, m.node_id, m.max_bytes))
+
+    async def copy_into(self, keys: list[str], node_id: str, max_bytes: int) -> Replicated:
+        """Copy stored blocks into the DRAM of ``node_id``, keeping their other replicas; returns the
+        blocks and bytes copied. See :meth:`PlacementTable.plan_replicas` for which are taken."""
+        table = self.table
+        moves = table.plan_replicas(keys, node_id, max_bytes)
+        per_source: dict[str, list[Move]] = {}
+        for move in moves:
+            per_source.setdefault(move.source, []).append(move)
+        # Addresses now, before any await: a source that leaves meanwhile fails its copies in its daemon.
+        todo = [(table.nodes[source].address, group) for source, group in per_source.items()]
+        copied: list[Move] = []
+
+        def finish(group: list[Move], done: list[bool] | None) -> None:
+            made, drops = table.finish_replicas(group, done or [False] * len(group), answered=done is not None)
+            copied.extend(made)
+            self.commands.later(drops, "replicate-drops", table)
+
+        try:
+            while todo:  # one source after another: the target's copy lane serialises them anyway
+                address, group = todo[0]
+                done = await self.commands.fetch(node_id, address, group, "replicate")
+                todo.pop(0)
+                finish(group, done)
+        finally:
+            for _, group in todo:  # cancelled: the target may hold what it was copying
+                finish(group, None)
+        return Replicated(len(copied), sum(mv.size for mv in copied))

@@ -1,0 +1,128 @@
+"""Whether this master may answer: leadership (with etcd), terms, and readiness after a takeover.
+
+A master without etcd leads from its start, in term 0. With etcd it serves only while its
+:class:`~server.master.election.Election` says it leads; each time it is elected it starts a new
+term with an empty placement table, rebuilt from the daemons' inventories as they register, and it
+answers reads and puts only once it is *ready*: every node the daemons named is back, or the wait
+for them ran out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.config import MasterConfig
+from kvstore.errors import KVStoreError, NotLeader, NotReady
+from kvstore.protocol import AccessReport, AdminInfo, CommitGranted, Heartbeat, ListNodes, Message, RegisterNode, Stats
+from server.master.election import Election
+from transfer.discovery import EtcdCluster, MasterRecord, parse_endpoints
+
+log = logging.getLogger("kvstore.master")
+
+# What a master answers while it is not ready (taking over: the daemons' inventories still coming in).
+_WHILE_NOT_READY: frozenset[type[Message]] = frozenset(
+    {RegisterNode, Heartbeat, AccessReport, CommitGranted, Stats, ListNodes, AdminInfo}
+)
+
+
+class Leadership:
+    """Terms and readiness of one master; ``on_leader(epoch)`` and ``on_standby()`` are called as
+    terms start and end (the service resets its table and its daemon commands there)."""
+
+    def __init__(self, config: MasterConfig, nodes_up: Callable[[], set[str]]) -> None:
+        """``nodes_up``: the ids of the nodes registered in this term's table."""
+        self.config = config
+        self._nodes = nodes_up
+        self.address = ""
+        self.election: Election | None = None
+        self.epoch = 0
+        self.failovers = 0
+        """Times this master took over as leader (HA), or 1 for a master without etcd."""
+        self._since = 0.0
+        self._ready = False
+        self._expected: set[str] = set()
+        """Nodes the daemons said were in the cluster: a new leader waits for their inventories."""
+
+    def begin_term(self, epoch: int) -> None:
+        """Lead with an empty table; until the nodes it expects are back requests get NotReady."""
+        self.epoch = epoch
+        self._since = time.monotonic()
+        self._ready = False
+        self._expected = set()
+        self.failovers += 1
+
+    def end_term(self) -> None:
+        self._ready = False
+
+    def expect(self, peers: list[str]) -> None:
+        """Nodes a registering daemon named: a master taking over waits for them too."""
+        if not self._ready:
+            self._expected.update(p for p in peers if p)
+
+    def ready(self) -> bool:
+        """Whether reads and puts can be answered truly: every expected node is back, or some node
+        is and the wait for the rest ran out, or none came within three waits (a cluster starting)."""
+        if self._ready:
+            return True
+        nodes = self._nodes()
+        waited = time.monotonic() - self._since
+        # A moment for the first daemons' peer lists to come in before "every expected node" holds.
+        settle = min(2 * self.config.heartbeat_interval_ms / 1000, 0.2)
+        wait = self.config.ready_wait_ms / 1000
+        if (
+            (nodes and self._expected <= nodes and waited >= settle)
+            or (nodes and waited >= wait)
+            or waited >= 3 * wait  # no daemon at all: a cluster still starting (or none left)
+        ):
+            self._ready = True
+            missing = sorted(self._expected - nodes)
+            log.info(
+                "ready after %.2f s with %d nodes%s", waited, len(nodes),
+                f"; still missing {', '.join(missing)}" if missing else "",
+            )  # fmt: skip
+        return self._ready
+
+    def refusal(self, kind: type[Message] | None = None) -> KVStoreError | None:
+        """Why this master must not run a request of ``kind`` now, if it must not (without a
+        kind: why it must not answer reads and puts)."""
+        election = self.election
+        if election is not None and not election.leading():
+            leader = election.leader.address if election.leader is not None else "not elected yet"
+            return NotLeader(
+                f"master {self.address} does not lead cluster {election.cluster.cluster_id} (leader: {leader})"
+            )
+        if not self._ready and (kind is None or kind not in _WHILE_NOT_READY) and not self.ready():
+            return NotReady(
+                f"master {self.address} is taking over: waiting for the inventories of "
+                f"{len(self._expected - self._nodes()) or 'its'} nodes"
+            )
+        return None
+
+    def role(self) -> dict[str, Any]:
+        """Leadership as the admin API and /metrics show it."""
+        base = {"ready": self.refusal() is None, "failovers": self.failovers}
+        if self.election is None:
+            return {
+                **base, "role": "leader", "ha": False, "epoch": 0, "leader": self.address, "elections_won": 0,
+                "leadership_lost": 0, "etcd_errors": 0, "etcd": [], "etcd_reachable": False, "cluster_id": "",
+            }  # fmt: skip
+        return {**base, "ha": True, **self.election.status()}
+
+    def campaign(
+        self, admin_address: str | None, on_leader: Callable[[int], None], on_standby: Callable[[], None]
+    ) -> None:
+        """Campaign in etcd (``config.etcd``); until elected this master answers NotLeader."""
+        assert self.config.etcd is not None and self.config.cluster_id is not None
+        cluster = EtcdCluster(parse_endpoints(self.config.etcd), self.config.cluster_id)
+        self.election = Election(
+            cluster, MasterRecord(self.address, admin_address), self.config.etcd_lease_ttl_s,
+            on_leader=on_leader, on_standby=on_standby,
+        )  # fmt: skip
+        self.election.start()
+
+    async def stop(self) -> None:
+        if self.election is not None:
+            await self.election.stop()  # resigns: a standby takes over without waiting for the lease
