@@ -1,0 +1,120 @@
+"""The master's own cost beside Mooncake's C++ master, in one run: CPU time per key and resident
+memory per key under one client's batched puts, gets and exists of many small objects.
+
+Both masters get the same load (``bench/master_load.py``: puts batched by 512, gets by 64, exists by
+512; every key new): ours behind two daemons with ``--dram`` each, Mooncake's behind one client
+process holding a segment (the bytes move inside it: only the master's work is compared). CPU and
+memory are the master process's, from /proc. Mooncake runs where ../shared/peers is set up (the
+peers' venv, ``setup.sh``); without it only our row is printed.
+
+  python -m bench.master --json [--keys 200000] [--size 256] [--dram 1GiB]
+
+Last line: the ratios ``put_cpu``, ``get_cpu``, ``exists_cpu`` and ``memory`` (ours over
+Mooncake's: below 1 is cheaper).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvstore_cli.cluster import LocalCluster
+
+REPO = Path(__file__).resolve().parents[1]
+PEERS_VENV = Path(os.environ.get("PEERS_VENV", Path(os.environ.get("TMPDIR", "/tmp")) / "kvstore-peers"))
+
+
+def _load(python: str, args: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    done = subprocess.run([python, "-m", "bench.master_load", *args], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            row: dict[str, Any] = json.loads(line)
+            return row
+    return {"bench": "master", "system": args[0], "error": (done.stderr or done.stdout).strip()[-600:]}
+
+
+def run_kvstore(keys: int, size: int, dram: str, timeout: float) -> dict[str, Any]:
+    with LocalCluster(2, dram=dram) as cluster:
+        assert cluster.master is not None
+        env = dict(os.environ)
+        args = ["kvstore", cluster.master_address, str(cluster.master.pid), str(keys), str(size)]
+        return _load(sys.executable, args, env, timeout)
+
+
+def run_mooncake(keys: int, size: int, timeout: float) -> dict[str, Any] | None:
+    python, master_bin = PEERS_VENV / "bin" / "python", PEERS_VENV / "bin" / "mooncake_master"
+    if not python.exists() or not master_bin.exists():
+        return None
+    cuda = next(iter(PEERS_VENV.glob("lib/python3*/site-packages/nvidia/cuda_runtime/lib")), None)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{PEERS_VENV / 'stub'}:{cuda or ''}"}
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "kvstore-bench-mc-master.log"
+    with open(log_path, "w") as log:
+        return _mooncake_with_master(python, master_bin, env, log, keys, size, timeout)
+
+
+def _mooncake_with_master(
+    python: Path, master_bin: Path, env: dict[str, str], log: Any, keys: int, size: int, timeout: float
+) -> dict[str, Any]:
+    rpc, http = 50151, 8181
+    master = subprocess.Popen(
+        [str(master_bin), "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+         f"--http_metadata_server_port={http}", f"--rpc_port={rpc}", "--enable_metric_reporting=false"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        time.sleep(2)
+        args = [
+            "mooncake",
+            f"127.0.0.1:{rpc}",
+            str(master.pid),
+            str(keys),
+            str(size),
+            f"http://127.0.0.1:{http}/metadata",
+        ]
+        return _load(str(python), args, env, timeout)
+    finally:
+        master.terminate()
+        master.wait(10)
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    def r(a: float, b: float) -> float | None:
+        return round(a / b, 3) if b else None
+
+    return {
+        "bench": "master", "ratio": "kvstore/mooncake",
+        **{f"{op}_cpu": r(ours[op]["master_cpu_us_per_key"], theirs[op]["master_cpu_us_per_key"])
+           for op in ("put", "get", "exists")},
+        "memory": r(ours["master_bytes_per_key"], theirs["master_bytes_per_key"]),
+        "readable": [ours["readable"], theirs["readable"]],
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.master", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="JSON lines (the only output format)")
+    parser.add_argument("--keys", type=int, default=200_000)
+    parser.add_argument("--size", type=int, default=256, help="bytes per object")
+    parser.add_argument("--dram", default="1GiB", help="DRAM of each of our two daemons")
+    parser.add_argument("--peers", choices=["auto", "no"], default="auto")
+    parser.add_argument("--timeout", type=float, default=3600)
+    args = parser.parse_args(argv)
+    ours = run_kvstore(args.keys, args.size, args.dram, args.timeout)
+    print(json.dumps(ours), flush=True)
+    theirs = run_mooncake(args.keys, args.size, args.timeout) if args.peers == "auto" else None
+    if theirs is not None:
+        print(json.dumps(theirs), flush=True)
+        if "error" not in ours and "error" not in theirs:
+            print(json.dumps(ratios(ours, theirs)), flush=True)
+    return 0 if "error" not in ours else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
