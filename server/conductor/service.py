@@ -30,13 +30,13 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvstore.auth import cluster_credential, secret_from
 from kvstore.config import ConductorConfig
@@ -45,6 +45,7 @@ from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, NoNo
 from kvstore.keys import block_keys
 from kvstore.protocol import MatchPrefixNodes, MatchPrefixNodesReply, Replicate, ReplicateReply
 from kvstore.scheduling import NO_LOCALITY, Decision, DecodeModel, Locality, Request, Scheduler, Slo, TransferModel
+from server.conductor.metrics import ConductorMetrics
 from server.conductor.openai import (
     ENGINE_CACHE_BYTES_PER_S,
     NOMINAL_PREFILL,
@@ -58,31 +59,12 @@ from server.conductor.openai import (
     sse,
     upstream_body,
 )
+from server.conductor.workers import DECODE_FIELDS, PREFILL_FIELDS, Worker, WorkerError, check_fields
 from transfer.discovery import MasterLocator
 from transfer.rpc import Connection
 from transfer.tls import contexts
 
 log = logging.getLogger(__name__)
-
-
-class WorkerError(KVStoreError):
-    """A worker answered with an error of its own (``status``) or could not be reached (``status`` 0)."""
-
-    def __init__(self, message: str, status: int = 0) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass(slots=True)
-class Worker:
-    name: str
-    url: str
-    role: str
-    info: dict[str, Any]
-
-    @property
-    def node(self) -> str | None:
-        return self.info.get("node")
 
 
 class Conductor:
@@ -123,31 +105,7 @@ class Conductor:
         self._step_s = 0.05
         self._measured = PrefillCostModel(track="latest")
         """Prefill times as this conductor measures them (calls, lookup and save included)."""
-        self._metrics()
-
-    # -- metrics -----------------------------------------------------------------------------
-    def _metrics(self) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
-        p = "kvstore_conductor_"
-        self.m_requests = Counter(p + "requests", "Completion requests by outcome", ["outcome"], registry=r)
-        self.m_rejections = Counter(p + "rejections", "Requests rejected at arrival, by reason", ["reason"], registry=r)
-        self.m_routed = Counter(p + "routed", "Requests sent to each worker", ["instance", "role"], registry=r)
-        self.m_retries = Counter(p + "retries", "Calls retried on another worker", ["role"], registry=r)
-        self.m_fallback = Counter(p + "load_only_routing", "Requests routed without locality (master unreachable)",
-                                  registry=r)  # fmt: skip
-        self.m_up = Gauge(p + "instance_up", "Whether a worker is up", ["instance", "role"], registry=r)
-        self.m_queue = Gauge(p + "instance_queue_seconds", "Predicted seconds queued on a worker", ["instance"],
-                             registry=r)  # fmt: skip
-        self.m_master = Gauge(p + "master_reachable", "Whether the last prefix lookup reached the master",
-                              registry=r)  # fmt: skip
-        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        self.m_ttft = Histogram(p + "ttft_seconds", "Time to first token", ["kind"], buckets=buckets, registry=r)
-        self.m_error = Histogram(p + "ttft_prediction_error_ratio", "|predicted - measured| / measured TTFT",
-                                 buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5), registry=r)  # fmt: skip
-        self.m_prompt = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests", registry=r)
-        self.m_hit = Counter(p + "prefix_hit_tokens", "Prompt tokens the store held when scheduled", registry=r)
-        self.m_loaded = Counter(p + "loaded_tokens", "Prompt tokens prefill workers loaded from the store", registry=r)
-        self.m_replicated = Counter(p + "replicated_blocks", "Fetched blocks copied to a prefill node", registry=r)
+        self.metrics = ConductorMetrics()
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -160,12 +118,12 @@ class Conductor:
         else:
             self.scheduler = await self._start_workers(deadline)
         for w in self.workers.values():
-            self.m_up.labels(w.name, w.role).set(1)
+            self.metrics.up.labels(w.name, w.role).set(1)
         if self.config.tokenizer:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer, local_files_only=True)
-        self.m_master.set(1 if self._master is not None else 0)
+        self.metrics.master.set(1 if self._master is not None else 0)
         self._health_task = asyncio.create_task(self._health_loop(), name="kvstore-conductor-health")
         self._health_task.add_done_callback(_log_death)
 
@@ -294,7 +252,7 @@ class Conductor:
             self.scheduler.set_up(w.name, up)
             if w.name in self._caches:
                 self._caches[w.name].clear()  # a server that went away may come back empty
-        self.m_up.labels(w.name, w.role).set(1 if up else 0)
+        self.metrics.up.labels(w.name, w.role).set(1 if up else 0)
 
     # -- locality ----------------------------------------------------------------------------
     async def locality(self, keys: list[str]) -> Locality | None:
@@ -310,11 +268,11 @@ class Conductor:
             if self.master_reachable:
                 log.warning("master %s unreachable, routing by load only: %s", self.config.master, exc)
             self.master_reachable = False
-            self.m_master.set(0)
+            self.metrics.master.set(0)
             self._master_down_until = time.monotonic() + self.config.health_period_s
             return None
         self.master_reachable = True
-        self.m_master.set(1)
+        self.metrics.master.set(1)
         bt = self.block_tokens
         return Locality(match.longest * bt, {node: p.total * bt for node, p in match.nodes.items()})
 
@@ -337,7 +295,7 @@ class Conductor:
         assert self._copier is not None
         try:
             reply = self._copier.call(Replicate(keys, node, max_bytes), ReplicateReply)
-            self.m_replicated.inc(reply.copied)
+            self.metrics.replicated.inc(reply.copied)
         except (KVStoreError, OSError) as exc:
             log.info("copying %d blocks to %s failed: %s", len(keys), node, exc)
 
@@ -377,7 +335,7 @@ class Conductor:
         policy = None
         if loc is None:
             loc, policy = NO_LOCALITY, "load"
-            self.m_fallback.inc()
+            self.metrics.fallback.inc()
         rid = next(self._ids)
         request = Request(rid, len(prompt), max_new)
         tried: list[str] = []
@@ -391,10 +349,10 @@ class Conductor:
                 if decision.replicate_tokens:
                     self._replicate_later(keys, decision.local_tokens // self.block_tokens,
                                           decision.replicate_tokens, worker)  # fmt: skip
-                self.m_routed.labels(worker.name, "prefill").inc()
+                self.metrics.routed.labels(worker.name, "prefill").inc()
                 attempt = time.perf_counter()
                 try:
-                    pre = _fields(await self._call(worker, "/prefill", {"tokens": prompt}), _PREFILL_FIELDS)
+                    pre = check_fields(await self._call(worker, "/prefill", {"tokens": prompt}), PREFILL_FIELDS)
                     break
                 except WorkerError as exc:
                     sched.forget(rid, time.perf_counter())
@@ -404,16 +362,16 @@ class Conductor:
                     if tried:
                         raise
                     tried.append(worker.name)
-                    self.m_retries.labels("prefill").inc()
+                    self.metrics.retries.labels("prefill").inc()
             done = time.perf_counter()
             ttft = done - received
             self._learn_prefill(pre, done - attempt)  # this attempt only: a failed one is not the model's
-            self.m_ttft.labels("predicted").observe(decision.ttft_s)
-            self.m_ttft.labels("measured").observe(ttft)
-            self.m_error.observe(abs(decision.ttft_s - ttft) / ttft if ttft > 0 else 0.0)
-            self.m_prompt.inc(len(prompt))
-            self.m_hit.inc(min(loc.longest, len(prompt)))
-            self.m_loaded.inc(pre["loaded_tokens"])
+            self.metrics.ttft.labels("predicted").observe(decision.ttft_s)
+            self.metrics.ttft.labels("measured").observe(ttft)
+            self.metrics.error.observe(abs(decision.ttft_s - ttft) / ttft if ttft > 0 else 0.0)
+            self.metrics.prompt.inc(len(prompt))
+            self.metrics.hit.inc(min(loc.longest, len(prompt)))
+            self.metrics.loaded.inc(pre["loaded_tokens"])
             decode_name = sched.prefill_done(rid, time.perf_counter())
             dec, decode_name = await self._decode(rid, decode_name, prompt, pre["first_token"], max_new)
             sched.decode_done(rid, time.perf_counter())
@@ -422,7 +380,7 @@ class Conductor:
             raise
         self._step_s += 0.2 * (float(dec.get("tbt_s") or self._step_s) - self._step_s)
         sched.decode_model = replace(sched.decode_model, per_request_s=self._step_s)
-        self.m_requests.labels("ok").inc()
+        self.metrics.requests.labels("ok").inc()
         tokens = dec["tokens"]
         text = self._tokenizer.decode(tokens) if self._tokenizer is not None else ""
         return 200, {
@@ -441,8 +399,8 @@ class Conductor:
         }  # fmt: skip
 
     def _rejected(self, decision: Decision) -> dict[str, Any]:
-        self.m_rejections.labels(decision.reason).inc()
-        self.m_requests.labels("rejected").inc()
+        self.metrics.rejections.labels(decision.reason).inc()
+        self.metrics.requests.labels("rejected").inc()
         return {"error": {
             "type": "rejected", "message": f"predicted to miss its SLO: {decision.reason}",
             "reason": decision.reason, "predicted_ttft_s": round(decision.ttft_s, 4),
@@ -458,9 +416,9 @@ class Conductor:
         body = {"tokens": prompt, "first_token": first, "max_new_tokens": max_new}
         for attempt in range(2):
             worker = self.workers[name]
-            self.m_routed.labels(name, "decode").inc()
+            self.metrics.routed.labels(name, "decode").inc()
             try:
-                return _fields(await self._call(worker, "/decode", body), _DECODE_FIELDS), name
+                return check_fields(await self._call(worker, "/decode", body), DECODE_FIELDS), name
             except WorkerError as exc:
                 if 400 <= exc.status < 500:
                     raise InvalidArgument(str(exc)) from None
@@ -470,7 +428,7 @@ class Conductor:
                     raise
             name = min(others, key=lambda d: d.active_count).name
             sched.move_decode(rid, name, time.perf_counter())
-            self.m_retries.labels("decode").inc()
+            self.metrics.retries.labels("decode").inc()
         raise AssertionError("unreachable")
 
     async def _call(self, worker: Worker, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -513,7 +471,7 @@ class Conductor:
         "node"); what any server can load is what the store holds (nothing, without the master)."""
         found = await self.locality(keys)
         if found is None:
-            self.m_fallback.inc()
+            self.metrics.fallback.inc()
         stored = found.longest if found is not None else 0
         held = {name: cache.held(keys) * self.block_tokens for name, cache in self._caches.items()}
         return Locality(stored, held), stored
@@ -542,13 +500,13 @@ class Conductor:
                     decision = sched.schedule(Request(rid, len(prompt), new), loc, time.perf_counter(),
                                               exclude=tried)  # fmt: skip
                 except NoNodes as exc:
-                    self.m_requests.labels("failed").inc()
+                    self.metrics.requests.labels("failed").inc()
                     return _error(503, f"NoNodes: {exc}")
                 if not decision.accepted:
                     return web.json_response(self._rejected(decision), status=429)
                 assert decision.prefill is not None
                 worker = self.workers[decision.prefill]
-                self.m_routed.labels(worker.name, "engine").inc()
+                self.metrics.routed.labels(worker.name, "engine").inc()
                 sent = time.perf_counter()
                 try:
                     reply = await session.post(worker.url + "/v1/completions", json=upstream, timeout=self._stream)
@@ -561,16 +519,16 @@ class Conductor:
                     reply.release()
                     if reply.status not in (502, 503, 504):  # the request's fault or the server's: its words
                         sched.forget(rid, time.perf_counter())
-                        self.m_requests.labels("bad_request" if reply.status < 500 else "failed").inc()
+                        self.metrics.requests.labels("bad_request" if reply.status < 500 else "failed").inc()
                         return web.Response(body=data, status=reply.status, content_type="application/json")
                     failure = f"{worker.name} answered {reply.status}: {data[:200]!r}"
                 sched.forget(rid, time.perf_counter())
                 self._set_up(worker, False)
                 if tried:
-                    self.m_requests.labels("failed").inc()
+                    self.metrics.requests.labels("failed").inc()
                     return _error(503, failure)
                 tried.append(worker.name)
-                self.m_retries.labels("engine").inc()
+                self.metrics.retries.labels("engine").inc()
             # The server computes or loads the prompt now: requests arriving meanwhile that share the
             # prefix find it there (its answer's blocks are added when it ends).
             self._caches[worker.name].touch(keys)
@@ -591,7 +549,7 @@ class Conductor:
             finally:
                 reply.release()
         except ClientGone:
-            self.m_requests.labels("cancelled").inc()  # released above: the server aborts the request
+            self.metrics.requests.labels("cancelled").inc()  # released above: the server aborts the request
             if answer is not None:
                 answer.error = "the client went away"
             assert out is not None
@@ -600,7 +558,7 @@ class Conductor:
             if answer is None or answer.first is None or answer.error is not None:
                 sched.forget(rid, time.perf_counter())  # whatever went wrong, the request holds no queue
         if answer.first is None or answer.error is not None:
-            self.m_requests.labels("failed").inc()
+            self.metrics.requests.labels("failed").inc()
             message = answer.error or f"{worker.name} answered no token"
             if out is None:
                 return _error(503, message)
@@ -610,8 +568,8 @@ class Conductor:
             return out
         sched.decode_done(rid, time.perf_counter())
         self._learn_engine(decision, len(prompt), answer, received)
-        self.m_hit.inc(min(stored, len(prompt)))
-        self.m_requests.labels("ok").inc()
+        self.metrics.hit.inc(min(stored, len(prompt)))
+        self.metrics.requests.labels("ok").inc()
         if plain:
             self._caches[worker.name].touch(
                 str(k) for k in block_keys(prompt + answer.output, self.block_tokens, self.namespace)
@@ -636,10 +594,10 @@ class Conductor:
         assert answer.first is not None and self.scheduler is not None
         sched = self.scheduler
         ttft = answer.first - answer.sent
-        self.m_ttft.labels("predicted").observe(decision.ttft_s)
-        self.m_ttft.labels("measured").observe(answer.first - received)
-        self.m_error.observe(abs(decision.ttft_s - ttft) / ttft if ttft > 0 else 0.0)
-        self.m_prompt.inc(prompt_tokens)
+        self.metrics.ttft.labels("predicted").observe(decision.ttft_s)
+        self.metrics.ttft.labels("measured").observe(answer.first - received)
+        self.metrics.error.observe(abs(decision.ttft_s - ttft) / ttft if ttft > 0 else 0.0)
+        self.metrics.prompt.inc(prompt_tokens)
         reused = min(answer.cached if answer.cached is not None else decision.prefix_tokens, prompt_tokens - 1)
         if ttft > 0:
             self._measured.observe(prompt_tokens - reused, reused, ttft)
@@ -664,7 +622,7 @@ class Conductor:
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
-            self.m_requests.labels("bad_request").inc()
+            self.metrics.requests.labels("bad_request").inc()
             return _error(400, "the body is not JSON")
         try:
             prompt, new = self.parse(body)
@@ -672,13 +630,13 @@ class Conductor:
                 return await self._forward(request, body, prompt, new)
             status, out = await self.complete(prompt, new)
         except LookupError as exc:
-            self.m_requests.labels("bad_request").inc()
+            self.metrics.requests.labels("bad_request").inc()
             return _error(404, str(exc.args[0]))
         except InvalidArgument as exc:
-            self.m_requests.labels("bad_request").inc()
+            self.metrics.requests.labels("bad_request").inc()
             return _error(400, str(exc))
         except (NoNodes, WorkerError, KVStoreError) as exc:
-            self.m_requests.labels("failed").inc()
+            self.metrics.requests.labels("failed").inc()
             return _error(503, f"{type(exc).__name__}: {exc}")
         return web.json_response(out, status=status)
 
@@ -687,8 +645,8 @@ class Conductor:
         if sched is not None:
             now = time.perf_counter()
             for p in sched.prefill.values():
-                self.m_queue.labels(p.name).set(p.queue_s(now))
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+                self.metrics.queue.labels(p.name).set(p.queue_s(now))
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _health(self, _: web.Request) -> web.Response:
         sched = self.scheduler
@@ -702,20 +660,6 @@ class Conductor:
 
 
 _STREAM_LINE_BYTES = 1 << 22
-
-_PREFILL_FIELDS = {"first_token": int, "computed_tokens": int, "loaded_tokens": int, "matched_tokens": int,
-                   "load_s": float, "engine_s": float, "service_s": float, "decision": str}  # fmt: skip
-_DECODE_FIELDS = {"tokens": list, "tbt_s": float, "tail": str}
-
-
-def _fields(data: dict[str, Any], fields: dict[str, type]) -> dict[str, Any]:
-    """``data`` with each of ``fields`` present and of its type (an int passes for a float), else WorkerError."""
-    for name, kind in fields.items():
-        value: Any = data.get(name)
-        ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
-        if not ok or isinstance(value, bool) or (kind in (int, float) and value < 0):
-            raise WorkerError(f"a worker's answer has {name}={value!r}, expected a non-negative {kind.__name__}")
-    return data
 
 
 def _error(status: int, message: str) -> web.Response:
