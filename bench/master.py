@@ -27,6 +27,7 @@ from typing import Any
 from kvstore_cli.cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[1]
+PEERS_BENCH = REPO.parent / "shared" / "peers" / "mooncake_bench.py"
 PEERS_VENV = Path(os.environ.get("PEERS_VENV", Path(os.environ.get("TMPDIR", "/tmp")) / "kvstore-peers"))
 
 
@@ -50,7 +51,7 @@ def run_kvstore(keys: int, size: int, dram: str, timeout: float) -> dict[str, An
 
 def run_mooncake(keys: int, size: int, timeout: float) -> dict[str, Any] | None:
     python, master_bin = PEERS_VENV / "bin" / "python", PEERS_VENV / "bin" / "mooncake_master"
-    if not python.exists() or not master_bin.exists():
+    if not python.exists() or not master_bin.exists() or not PEERS_BENCH.exists():
         return None
     cuda = next(iter(PEERS_VENV.glob("lib/python3*/site-packages/nvidia/cuda_runtime/lib")), None)
     env = {**os.environ, "LD_LIBRARY_PATH": f"{PEERS_VENV / 'stub'}:{cuda or ''}"}
@@ -68,8 +69,16 @@ def _mooncake_with_master(
          f"--http_metadata_server_port={http}", f"--rpc_port={rpc}", "--enable_metric_reporting=false"],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
+    storage: subprocess.Popen[str] | None = None
     try:
         time.sleep(2)
+        storage = subprocess.Popen(
+            [str(python), str(PEERS_BENCH), "storage"], env={**env, "SEG": str(4 << 30), **_mc(rpc, http)},
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        assert storage.stdout is not None
+        if "ready" not in storage.stdout.readline():
+            return {"bench": "master", "system": "mooncake", "error": "Mooncake's storage process did not start"}
         args = [
             "mooncake",
             f"127.0.0.1:{rpc}",
@@ -80,8 +89,14 @@ def _mooncake_with_master(
         ]
         return _load(str(python), args, env, timeout)
     finally:
-        master.terminate()
-        master.wait(10)
+        for proc in (storage, master):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
+
+
+def _mc(rpc: int, http: int) -> dict[str, str]:
+    return {"MC_MASTER": f"127.0.0.1:{rpc}", "MC_META": f"http://127.0.0.1:{http}/metadata"}
 
 
 def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:

@@ -681,6 +681,8 @@ class _Collector:
                                   value=service.rpc_errors)  # fmt: skip
         yield GaugeMetricFamily("kvstore_master_answers_kept", "Replies kept for clients' retries (at most "
                                 "KVSTORE_MASTER_ANSWER_CACHE).", value=len(service.answers))  # fmt: skip
+        yield GaugeMetricFamily("kvstore_master_answers_bytes", "Encoded bytes of the replies kept for retries.",
+                                value=service.answers.bytes)  # fmt: skip
         yield CounterMetricFamily("kvstore_master_answers_dropped_early", "Replies dropped for the bound before "
                                   "their time: a retry of one runs again.",
                                   value=service.answers.dropped_early)  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvstore.protocol import OkReply
+from kvstore.protocol import OkReply, PutEndReply, encode
 from server.master.answers import Answers
 
 
@@ -54,5 +54,20 @@ def test_an_abandoned_request_runs_again_on_retry() -> None:
         future = answers.start(("c", 1, 0))
         answers.abandon(("c", 1, 0), future)
         assert future.cancelled() and answers.get(("c", 1, 0)) is None
+
+    asyncio.run(run())
+
+
+def test_replies_are_kept_encoded_and_bounded_in_bytes() -> None:
+    async def run() -> None:
+        reply = PutEndReply([True] * 512)
+        size = len(encode(reply, 0))
+        answers = Answers(ttl_s=30, cap=100, max_bytes=3 * size, clock=lambda: 0.0)
+        for i in range(5):
+            answers.finish(("c", i, 0), answers.start(("c", i, 0)), reply)
+        assert len(answers) == 3 and answers.bytes == 3 * size and answers.dropped_early == 2
+        assert answers.get(("c", 4, 0)) == reply and answers.get(("c", 1, 0)) is None  # decoded again for a retry
+        answers.clear()
+        assert answers.bytes == 0 and len(answers) == 0
 
     asyncio.run(run())
