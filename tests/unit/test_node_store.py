@@ -278,6 +278,20 @@ def test_a_promotion_whose_ssd_delete_fails_keeps_the_block_readable(
     again.destroy()
 
 
+def test_small_blocks_stay_readable_while_dram_has_room(tmp_path: Path) -> None:
+    # 1 MiB of DRAM used to index 1024 blocks (one slot per 16 KiB): 3000 blocks of 256 bytes
+    # fill three quarters of its bytes, and every one of them must stay readable, also after a reopen.
+    config = node_config(tmp_path, dram="1MiB")
+    store = NodeStore(config)
+    for i in range(3000):
+        store.put(f"s{i}", block(i, 256))
+    assert store.stats().dram.blocks == 3000 and store.stats().dram_drops == 0
+    store.close()
+    again = NodeStore(config)
+    assert all(again.get(f"s{i}", verify=True) == block(i, 256) for i in range(3000))
+    again.destroy()
+
+
 def test_closed_store_raises_and_second_opener_is_refused(tmp_path: Path) -> None:
     config = node_config(tmp_path)
     store = NodeStore(config)
