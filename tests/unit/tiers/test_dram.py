@@ -19,14 +19,13 @@ from kvstore.errors import (
     StoreClosed,
 )
 from kvstore.keys import BlockKey
+from kvstore.tiers.arena_files import find_arenas, remove_arena
 from kvstore.tiers.dram import (
     HEADER_SIZE,
     SLOT_SIZE,
     ArenaMapping,
     DramArena,
     arena_path,
-    find_arenas,
-    remove_arena,
 )
 
 K = BlockKey
