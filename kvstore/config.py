@@ -148,6 +148,10 @@ class _Frozen(BaseModel):
             return super().model_validate(obj)
 
 
+MIN_BLOCK_BYTES = 256
+"""Blocks this large or larger never run out of DRAM index slots before the arena's bytes run out."""
+
+
 class DramConfig(_Frozen):
     """The DRAM tier: an arena in a named shared-memory file."""
 
@@ -167,7 +171,9 @@ class DramConfig(_Frozen):
     max_blocks: int = Field(
         default=0,
         ge=0,
-        description="Index slots, i.e. most blocks held at once; 0 means one per 16 KiB of capacity (at least 1024).",
+        description="Most blocks held at once (index slots, 320 bytes each, made as blocks need them); 0 means"
+        " one per 256 bytes of capacity (at least 1024), so that blocks of 256 bytes or more fill the bytes"
+        " before the index.",
     )
 
     @model_validator(mode="after")
@@ -177,8 +183,15 @@ class DramConfig(_Frozen):
         return self
 
     @property
+    def max_slots(self) -> int:
+        """The most index slots: blocks held at once."""
+        return self.max_blocks or max(1024, self.capacity // MIN_BLOCK_BYTES)
+
+    @property
     def num_slots(self) -> int:
-        return self.max_blocks or max(1024, self.capacity // (16 * 1024))
+        """Index slots of a new arena: one per 16 KiB of capacity (at least 1024, at most ``max_slots``);
+        the table doubles from there as blocks need slots."""
+        return min(self.max_slots, max(1024, self.capacity // (16 * 1024)))
 
 
 class SsdConfig(_Frozen):

@@ -14,9 +14,11 @@ Rules (the policy in :mod:`kvstore.policy` decides, this class carries out):
   (without counting a hit or promoting it) and returns :attr:`PutStatus.EXISTS`.
 - Every block has an xxh3-64 checksum; reads verify it on request.
 - Re-opening with the same config recovers both tiers, with DRAM's LRU order
-  (DRAM persists each access) and SSD's write order. A move between tiers
-  writes the new copy before deleting the old, so a crash mid-move leaves two
-  copies, and recovery keeps the DRAM one.
+  (DRAM persists each access) and SSD's write order.
+- Commits, moves between tiers, drops and crash recovery (a crash mid-move
+  leaves two copies: the DRAM one is the block) are the
+  :class:`kvstore.tiers.engine.TierEngine`'s, the same code as the storage
+  daemon's; this class adds the policy, the LRUs and the counters.
 
 Thread-safe: public methods hold one lock. Invariants: a key is in exactly one
 tier; each tier's LRU holds exactly that tier's keys with their sizes.
@@ -37,8 +39,9 @@ from kvstore.errors import CapacityError, CorruptBlock, InvalidArgument, NotFoun
 from kvstore.keys import BlockKey, checksum, validate_key
 from kvstore.lru import LRU
 from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
-from kvstore.tiers.base import Tier, drop_ssd_twins
+from kvstore.tiers.base import Tier
 from kvstore.tiers.dram import DramArena
+from kvstore.tiers.engine import TierEngine
 from kvstore.tiers.ssd import SsdTier
 
 
@@ -103,31 +106,21 @@ class NodeStore:
         self._counters = _Counters()
         self._ssd_hits: dict[str, int] = {}
         self._closed = False
-        self.dram = DramArena(self.config.dram)
-        try:
-            self.ssd: SsdTier | None = SsdTier(self.config.ssd) if self.config.ssd.capacity > 0 else None
-        except BaseException:
-            self.dram.close()
-            raise
+        self.engine = TierEngine(self.config.dram, self.config.ssd, managed=True)
+        self.dram: DramArena = self.engine.arena
+        self.ssd: SsdTier | None = self.engine.ssd
         self._dram_lru: LRU[str] = LRU()
         self._ssd_lru: LRU[str] = LRU()
-        self._seq = self._recover()
+        self._recover()
 
     # -- recovery ------------------------------------------------------------
-    def _recover(self) -> int:
-        dram_entries = sorted(self.dram.entries(), key=lambda e: e.seq)
-        drop_ssd_twins(self.dram, self.ssd)
-        ssd_entries = sorted(self.ssd.entries(), key=lambda e: e.seq) if self.ssd is not None else []
-        for lru, entries in ((self._dram_lru, dram_entries), (self._ssd_lru, ssd_entries)):
-            for e in entries:
+    def _recover(self) -> None:
+        """Rebuild both LRUs from what the tiers hold (the engine has resolved twins), oldest use first."""
+        for lru, tier in ((self._dram_lru, self.dram), (self._ssd_lru, self.ssd)):
+            for e in sorted(tier.entries(), key=lambda e: e.seq) if tier is not None else []:
                 lru.insert(e.key, e.size)
                 if e.pinned:
                     lru.pin(e.key)
-        return max((e.seq for e in dram_entries + ssd_entries), default=0) + 1
-
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
 
     # -- writes ----------------------------------------------------------------
     def put(self, key: Any, data: Any, *, pin: bool = False) -> PutStatus:
@@ -179,10 +172,10 @@ class NodeStore:
             fill(dst)
         except BaseException:
             dst.release()
-            self.dram.abort(key)
+            self.engine.abort(key)
             raise
         dst.release()
-        self.dram.commit(key, check, self._next_seq(), pinned)
+        self.engine.commit(key, check, pinned=pinned)
         self._dram_lru.insert(key, size)
         if pinned:
             self._dram_lru.pin(key)
@@ -217,51 +210,41 @@ class NodeStore:
         ssd_drops = [BlockKey(a.key) for a in actions if a.kind is ActionKind.DROP and a.tier is TierName.SSD]
         demotes = [BlockKey(a.key) for a in actions if a.kind is ActionKind.DEMOTE]
         dram_drops = [BlockKey(a.key) for a in actions if a.kind is ActionKind.DROP and a.tier is TierName.DRAM]
-        if ssd_drops and self.ssd is not None:
-            self.ssd.delete_many(ssd_drops)
+        if ssd_drops:
+            self.engine.drop(ssd_drops)
             for key in ssd_drops:
                 self._ssd_lru.remove(key)
                 self._ssd_hits.pop(key, None)
             self._counters.ssd_drops += len(ssd_drops)
         if demotes and self.ssd is not None:
-            self._demote(demotes, dram_drops)
-        for key in dram_drops:
-            self.dram.delete(key)
-            self._dram_lru.remove(key)
-        self._counters.dram_drops += len(dram_drops)
-
-    def _demote(self, keys: list[BlockKey], dram_drops: list[BlockKey]) -> None:
-        assert self.ssd is not None
-        items = []
-        for key in keys:
-            e = self.dram.entry(key)
-            items.append((key, self.dram.view(key), e.checksum, self._next_seq(), e.pinned))
-        try:
-            stored = self.ssd.store_many(items)
-        finally:
-            for item in items:
-                item[1].release()
-        for key, ok in zip(keys, stored, strict=True):
-            if not ok:
-                dram_drops.append(key)
-                continue
-            self._ssd_lru.insert(key, self.dram.delete(key))
-            self._dram_lru.remove(key)
-            self._counters.demotions += 1
+            for key, moved in zip(demotes, self.engine.demote(demotes), strict=True):
+                size = self._dram_lru.remove(key)
+                if moved:
+                    self._ssd_lru.insert(key, size)
+                    self._counters.demotions += 1
+                else:  # SSD could not take it: the engine dropped it
+                    self._counters.dram_drops += 1
+        else:
+            dram_drops += demotes
+        if dram_drops:
+            self.engine.drop(dram_drops)
+            for key in dram_drops:
+                self._dram_lru.remove(key)
+            self._counters.dram_drops += len(dram_drops)
 
     def _promote(self, key: BlockKey) -> bool:
         """Move an SSD block to DRAM; False (block stays on SSD) when DRAM cannot make room."""
-        assert self.ssd is not None
-        ssd = self.ssd
-        entry = ssd.entry(key)
         self._ssd_lru.lease(key)  # keep it out of SSD victims while DRAM makes room
         try:
-            self._write_dram(key, entry.size, entry.checksum, entry.pinned, lambda dst: ssd.read_into(key, dst))
-        except CapacityError:
-            return False
+            # _reserve_dram raises CapacityError when nothing is left to evict: the engine answers False.
+            if not self.engine.promote(key, lambda size: self._reserve_dram(key, size)):
+                return False
         finally:
             self._ssd_lru.release(key)
-        ssd.delete(key)
+        entry = self.dram.entry(key)
+        self._dram_lru.insert(key, entry.size)
+        if entry.pinned:
+            self._dram_lru.pin(key)
         self._ssd_lru.remove(key)
         self._ssd_hits.pop(key, None)
         self._counters.promotions += 1
@@ -269,12 +252,8 @@ class NodeStore:
 
     # -- reads -----------------------------------------------------------------
     def _touch(self, key: BlockKey) -> None:
-        if key in self._dram_lru:
-            self._dram_lru.touch(key)
-            self.dram.touch(key, self._next_seq())
-        elif self.ssd is not None:
-            self._ssd_lru.touch(key)
-            self.ssd.touch(key, self._next_seq())
+        (self._dram_lru if key in self._dram_lru else self._ssd_lru).touch(key)
+        self.engine.touch(key)
 
     def _locate(self, key: BlockKey) -> Tier | None:
         """The tier that serves ``key`` now (after touching and maybe promoting it), or None on a miss."""
@@ -413,21 +392,15 @@ class NodeStore:
         checked = [validate_key(k) for k in keys]
         with self._lock:
             self._check_open()
-            in_ssd: list[BlockKey] = []
-            removed = 0
-            for k in dict.fromkeys(checked):
+            held = [k for k in dict.fromkeys(checked) if k in self._dram_lru or k in self._ssd_lru]
+            self.engine.drop(held)
+            for k in held:
                 if k in self._dram_lru:
-                    self.dram.delete(k)
                     self._dram_lru.remove(k)
-                    removed += 1
-                elif k in self._ssd_lru:
-                    in_ssd.append(k)
-            if in_ssd and self.ssd is not None:
-                self.ssd.delete_many(in_ssd)
-                for k in in_ssd:
+                else:
                     self._ssd_lru.remove(k)
                     self._ssd_hits.pop(k, None)
-            return removed + len(in_ssd)
+            return len(held)
 
     def pin(self, key: Any) -> None:
         """Exempt a block from eviction until :meth:`unpin`; raises :class:`NotFound` if absent."""
@@ -471,16 +444,7 @@ class NodeStore:
             if self._closed:
                 return
             self._closed = True
-            errors: list[BaseException] = []
-            for tier in (self.ssd, self.dram):
-                if tier is None:
-                    continue
-                try:
-                    tier.close()
-                except Exception as exc:  # close both tiers even if one fails
-                    errors.append(exc)
-            if errors:
-                raise errors[0]
+            self.engine.close()
 
     def destroy(self) -> None:
         """Close and delete both tiers' files and every block in them."""

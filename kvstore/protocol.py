@@ -163,7 +163,8 @@ class RegisterNode(Message, tag=10, frozen=True):
     rdma: bool
     ucx_address: str
     max_blocks: int
-    """Blocks the DRAM arena can index (its slot table); 0: no limit but capacity."""
+    """Blocks the DRAM arena can index at most (its slot table grows to this as blocks arrive); 0: no
+    limit but capacity."""
     peers: list[str]
     """Node ids a master last told this daemon were in the cluster: a master that has just taken
     over waits for them (their inventories) before it answers reads and puts."""

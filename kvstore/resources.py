@@ -129,12 +129,12 @@ def check_ssd(directory: Path, capacity: int, used: int = 0, *, clamp: bool = Fa
     return _fit(f"SSD tier {directory}", "--ssd", capacity, need, [(f"{directory} (free)", fs_free(directory))], clamp)
 
 
-def reserve(fd: int, length: int, what: str, *, chunk: int = RESERVE_CHUNK) -> None:
-    """Allocate every byte of the first ``length`` of the file at ``fd``, so that no later write to
-    it can fault for want of a page. In chunks: a signal's Python handler runs between two, so
-    SIGTERM stops a reservation of many GiB promptly. Raises :class:`ResourceShortage` when the
-    filesystem or memory runs out."""
-    done = 0
+def reserve(fd: int, length: int, what: str, *, start: int = 0, chunk: int = RESERVE_CHUNK) -> None:
+    """Allocate every byte of the first ``length`` of the file at ``fd`` (from ``start`` on: the bytes
+    before are allocated already), so that no later write to it can fault for want of a page. In
+    chunks: a signal's Python handler runs between two, so SIGTERM stops a reservation of many GiB
+    promptly. Raises :class:`ResourceShortage` when the filesystem or memory runs out."""
+    done = start
     while done < length:
         step = min(chunk, length - done)
         try:

@@ -142,7 +142,7 @@ def _daemon_arguments(p: argparse.ArgumentParser) -> None:
 def _arenas(args: argparse.Namespace) -> int:
     """--list-arenas and --remove-arena: leftovers of daemons that are gone for good."""
     from kvstore.config import daemon_dram, format_size
-    from kvstore.tiers.dram import find_arenas, remove_arena
+    from kvstore.tiers.arena_files import find_arenas, remove_arena
 
     shm = daemon_dram()
     for name in args.remove_arena:

@@ -108,16 +108,3 @@ class IndexedTier(Generic[R]):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosed(f"{self.description} is closed")
-
-
-def drop_ssd_twins(dram: Tier, ssd: Tier | None) -> None:
-    """Delete the SSD copy of every key that is in both tiers.
-
-    A move between tiers writes the new copy before deleting the old one, so a
-    crash in between leaves two; the DRAM copy is the one kept.
-    """
-    if ssd is None:
-        return
-    twins = [e.key for e in ssd.entries() if e.key in dram]
-    if twins:
-        ssd.delete_many(twins)

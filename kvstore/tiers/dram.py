@@ -3,11 +3,18 @@
 File layout (``<shm_dir>/kvstore-<name>.arena``, little-endian)::
 
     [0, 4096)             header: magic, version, geometry, xxh3 of the header
-    [4096, data_offset)   slot table: num_slots x 320-byte slots
+    [4096, data_offset)   base slot table: num_slots x 320-byte slots
     [data_offset, +cap)   data region, carved by :class:`kvstore.allocator.Allocator`
+    [page past it, EOF)   overflow slot table: grown on demand, the file's size says how many
 
-A slot is ``state u8, flags u8, key_len u16, pad u32, offset u64, size u64,
-checksum u64, seq u64, key[256]``. A block is written in this order: slot fields
+The slot table (:mod:`kvstore.tiers.slots`) starts small and doubles as blocks
+need slots, up to ``DramConfig.max_slots``, so the index is sized by the blocks
+held, not by a fixed count per byte; a growth only extends the file, so it is
+crash-safe as it stands (see that module). An arena made before the table
+could grow is the same file with no overflow slots; an older kvstore refuses
+(as truncated or corrupt) one that grew, and never misreads it.
+
+A block is written in this order: slot fields
 with state WRITING, then its bytes, then the single state byte COMMITTED. The
 file is a MAP_SHARED mapping of a tmpfs file, so every store has reached the
 file when the process dies, however it dies; re-opening keeps COMMITTED slots
@@ -29,6 +36,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -46,34 +54,28 @@ from kvstore.errors import (
 )
 from kvstore.keys import MAX_KEY_BYTES, BlockKey
 from kvstore.resources import RESERVE_CHUNK, reserve
+from kvstore.tiers.arena_files import arena_path
 from kvstore.tiers.base import BlockRecord, IndexedTier
+from kvstore.tiers.slots import (
+    COMMITTED,
+    FLAG_PINNED,
+    FREE,
+    HEADER_SIZE,
+    KEY_OFFSET,
+    SEQ,
+    SEQ_OFFSET,
+    SLOT,
+    SLOT_SIZE,
+    WRITING,
+    SlotTable,
+    overflow_slots,
+)
+from kvstore.tiers.slots import page_round as _page_round
 
 MAGIC = b"KVSARENA"
 VERSION = 1
-HEADER_SIZE = 4096
-SLOT_SIZE = 320
 _HEADER = struct.Struct("<8sIIQQIIQ")  # magic, version, slot_size, capacity, num_slots, alignment, pad, data_offset
 _HEADER_SUM = struct.Struct("<Q")
-_SLOT = struct.Struct("<BBHIQQQQ")  # state, flags, key_len, pad, offset, size, checksum, seq
-_SEQ = struct.Struct("<Q")
-_SEQ_OFFSET = 32
-_KEY_OFFSET = _SLOT.size
-
-FREE, WRITING, COMMITTED = 0, 1, 2
-FLAG_PINNED = 1
-
-_SLOT_DTYPE = np.dtype(
-    {
-        "names": ["state", "flags", "key_len", "offset", "size", "checksum", "seq"],
-        "formats": ["u1", "u1", "<u2", "<u8", "<u8", "<u8", "<u8"],
-        "offsets": [0, 1, 2, 8, 16, 24, 32],
-        "itemsize": SLOT_SIZE,
-    }
-)
-
-
-def _page_round(n: int) -> int:
-    return (n + 4095) & ~4095
 
 
 @dataclass(slots=True)
@@ -82,12 +84,9 @@ class _Slot(BlockRecord):
     extent: Extent
 
 
-def arena_path(config: DramConfig) -> Path:
-    return config.shm_dir / f"kvstore-{config.name}.arena"
-
-
 def arena_size(config: DramConfig) -> int:
-    """Bytes of the arena file of ``config``: header, slot table and data region."""
+    """Bytes of a new arena file of ``config``: header, base slot table and data region (the slot
+    table may grow past it later, by 320 bytes a slot)."""
     return _page_round(HEADER_SIZE + config.num_slots * SLOT_SIZE) + config.capacity
 
 
@@ -107,109 +106,17 @@ def backed(fd: int, total: int) -> bool:
     return os.fstat(fd).st_blocks * 512 >= _page_round(total)
 
 
-@dataclass(frozen=True, slots=True)
-class ArenaFile:
-    """An arena file found in a shared-memory directory (:func:`find_arenas`)."""
-
-    name: str
-    """The daemon's arena name (``--arena``, by default its node id); "" for a temporary file."""
-    path: Path
-    size: int
-    allocated: int
-    """Bytes of memory it holds (its allocated pages)."""
-    in_use: bool
-    """A daemon has it open (holds its lock); otherwise it is a leftover, to re-attach or remove."""
+class _Geometry(NamedTuple):
+    capacity: int
+    base_slots: int
+    alignment: int
+    data_offset: int
+    data_end: int
+    overflow_slots: int
 
 
-def _flocked() -> set[tuple[int, int, int]] | None:
-    """(device major, minor, inode) of every file some process holds a flock on, from /proc/locks;
-    None where it cannot be read."""
-    try:
-        text = Path("/proc/locks").read_text()
-    except OSError:
-        return None
-    out = set()
-    for line in text.splitlines():
-        parts = line.split()
-        if "FLOCK" not in parts:
-            continue
-        where = next((p for p in parts if p.count(":") == 2), None)
-        if where is not None:
-            major, minor, inode = where.split(":")
-            out.add((int(major, 16), int(minor, 16), int(inode)))
-    return out
-
-
-def _in_use(path: Path, st: os.stat_result, flocked: set[tuple[int, int, int]] | None) -> bool:
-    """Whether a daemon holds the arena's lock. Read from /proc/locks: trying the lock would make a
-    daemon that starts at that moment find it taken (StoreBusy) and exit."""
-    if flocked is not None:
-        return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in flocked
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def find_arenas(shm_dir: Path) -> list[ArenaFile]:
-    """Every arena file in ``shm_dir``, with temporary files of creations cut short (name "")."""
-    out = []
-    flocked = _flocked()
-    for path in sorted(shm_dir.glob("kvstore-*.arena*")):
-        name = path.name.removeprefix("kvstore-")
-        if name.endswith(".arena"):
-            name = name.removesuffix(".arena")
-        elif name.endswith(".tmp"):
-            pid = name.rsplit(".", 2)[-2]
-            if pid.isdigit() and Path(f"/proc/{pid}").exists():
-                continue  # being created now
-            name = ""
-        else:
-            continue
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            continue
-        out.append(ArenaFile(name, path, st.st_size, st.st_blocks * 512, _in_use(path, st, flocked)))
-    return out
-
-
-def remove_arena(config: DramConfig) -> int:
-    """Delete the arena file of ``config`` unless a daemon has it open (StoreBusy); returns the
-    bytes of memory that frees (0 when there was no file). Its blocks are gone for good."""
-    path = arena_path(config)
-    freed = 0
-    for stray in find_arenas(config.shm_dir):  # temporary files of this name's creations cut short
-        if not stray.name and stray.path.name.startswith(f"{path.name}."):
-            stray.path.unlink(missing_ok=True)
-            freed += stray.allocated
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return freed
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreBusy(f"DRAM arena {path} is open in a running daemon: stop it first") from None
-        freed += os.fstat(fd).st_blocks * 512
-        # Under the lock no daemon holds it. One that opened it before this unlink and locks it
-        # after serves a file no client can find by its name: clients read from it over TCP.
-        path.unlink()
-        return freed
-    finally:
-        os.close(fd)
-
-
-def _check_header(path: Path | str, fd: int) -> tuple[int, int, int, int, int]:
-    """Capacity, slots, alignment, data offset and total size of the arena open at ``fd``, all checked."""
+def _check_header(path: Path | str, fd: int) -> _Geometry:
+    """The geometry of the arena open at ``fd``, all checked."""
     size = os.fstat(fd).st_size
     if size < HEADER_SIZE:
         raise CorruptStore(f"DRAM arena {path} is truncated: {size} bytes, smaller than its header")
@@ -225,10 +132,8 @@ def _check_header(path: Path | str, fd: int) -> tuple[int, int, int, int, int]:
     expected_data_offset = _page_round(HEADER_SIZE + num_slots * SLOT_SIZE)
     if data_offset != expected_data_offset:
         raise CorruptStore(f"DRAM arena {path} has an inconsistent header (data offset {data_offset})")
-    total = data_offset + capacity
-    if size != total:
-        raise CorruptStore(f"DRAM arena {path} is {size} bytes; its header says {total} (truncated?)")
-    return capacity, num_slots, alignment, data_offset, total
+    data_end = data_offset + capacity
+    return _Geometry(capacity, num_slots, alignment, data_offset, data_end, overflow_slots(path, data_end, size))
 
 
 class ArenaMapping:
@@ -245,7 +150,13 @@ class ArenaMapping:
         except OSError as exc:
             raise CorruptStore(f"cannot open DRAM arena {self.path}: {exc.strerror}") from None
         try:
-            self.capacity, _, self.alignment, self.data_offset, total = _check_header(self.path, fd)
+            geometry = _check_header(self.path, fd)
+            self.capacity, self.alignment, self.data_offset = (
+                geometry.capacity,
+                geometry.alignment,
+                geometry.data_offset,
+            )
+            total = geometry.data_end  # the data region only: the slots are the daemon's
             if not backed(fd, total):  # a write to a page tmpfs cannot back would kill this process (SIGBUS)
                 raise ResourceShortage(f"DRAM arena {self.path} is not wholly backed by memory: not mapped")
             self.inode = os.fstat(fd).st_ino
@@ -286,11 +197,11 @@ class DramArena(IndexedTier[_Slot]):
         self.managed = managed
         self.path = arena_path(config)
         self.capacity = config.capacity
-        self.num_slots = config.num_slots
         self.description = f"DRAM arena {config.name}"
         self._index: dict[str, _Slot] = {}
         self._pending: dict[str, _Slot] = {}
         self._closed = False
+        self._index_shortage = ""
         created = False
         if not self.path.exists():
             if not create:
@@ -312,6 +223,8 @@ class DramArena(IndexedTier[_Slot]):
                 for slot in self._index.values():
                     self._placed.add(slot.extent)
         except BaseException:
+            if hasattr(self, "_slots"):
+                self._slots.close()
             with contextlib.suppress(BufferError):
                 if hasattr(self, "_buf"):
                     self._buf.release()
@@ -335,7 +248,7 @@ class DramArena(IndexedTier[_Slot]):
             # Every page now, or a write to a page tmpfs cannot back kills the writer with SIGBUS.
             reserve(fd, total, f"DRAM arena {self.path}")
             header = _HEADER.pack(
-                MAGIC, VERSION, SLOT_SIZE, self.capacity, self.num_slots, self.config.alignment, 0, data_offset
+                MAGIC, VERSION, SLOT_SIZE, self.capacity, self.config.num_slots, self.config.alignment, 0, data_offset
             )
             os.pwrite(fd, header + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(header)), 0)
         except BaseException:
@@ -359,14 +272,16 @@ class DramArena(IndexedTier[_Slot]):
         return fd
 
     def _map_and_check(self) -> mmap.mmap:
-        capacity, num_slots, alignment, data_offset, total = _check_header(self.path, self._fd)
-        if (capacity, num_slots, alignment) != (self.capacity, self.num_slots, self.config.alignment):
+        g = _check_header(self.path, self._fd)
+        indexed = g.base_slots + g.overflow_slots
+        if (g.capacity, g.alignment) != (self.capacity, self.config.alignment) or indexed > self.config.max_slots:
             raise ConfigError(
-                f"DRAM arena {self.path} was created with capacity={capacity}, slots={num_slots}, "
-                f"alignment={alignment}; the config asks for capacity={self.capacity}, "
-                f"slots={self.num_slots}, alignment={self.config.alignment}"
+                f"DRAM arena {self.path} was created with capacity={g.capacity}, alignment={g.alignment} and has "
+                f"{indexed} index slots; the config asks for capacity={self.capacity}, "
+                f"alignment={self.config.alignment}, at most {self.config.max_slots} slots"
             )
-        self._data_offset = data_offset
+        self._data_offset = g.data_offset
+        total = os.fstat(self._fd).st_size
         if not backed(self._fd, total):  # an arena of an older kvstore, or one whose creation was cut short
             try:
                 reserve(self._fd, total, f"DRAM arena {self.path}")
@@ -376,7 +291,14 @@ class DramArena(IndexedTier[_Slot]):
                     f"can no longer back; its blocks cannot be served. Remove it with "
                     f"`kvstore daemon --remove-arena {self.config.name}` (or start under another --name)"
                 ) from None
-        return mmap.mmap(self._fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(self._fd, g.data_end, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self._slots = SlotTable(self.path, self._fd, mm, g.base_slots, g.data_end, g.overflow_slots,
+                                    self.config.max_slots)  # fmt: skip
+        except BaseException:
+            mm.close()
+            raise
+        return mm
 
     def _prefault(self) -> None:
         """Write one byte in every page of the data region, so that no write pays a page fault later.
@@ -388,29 +310,17 @@ class DramArena(IndexedTier[_Slot]):
         finally:
             del pages
 
-    def _read_slot_table(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-        """Copies of the slot states, the COMMITTED slot numbers and their fields.
-
-        Copies, so that no numpy view of the mapping outlives this call (a live
-        view would keep the mapping from closing).
-        """
-        slots = np.frombuffer(self._mm, dtype=_SLOT_DTYPE, count=self.num_slots, offset=HEADER_SIZE)
-        try:
-            states = slots["state"].copy()
-            used = np.flatnonzero(states == COMMITTED)
-            rows = {name: slots[name][used] for name in _SLOT_DTYPE.names or ()}
-        finally:
-            del slots
-        return states, used, rows
-
     def _recover(self) -> tuple[Allocator, list[int]]:
         """Rebuild the index from COMMITTED slots; free WRITING ones (puts cut short by a crash)."""
-        states, used, rows = self._read_slot_table()
+        table = self._slots.read()
+        states = table["state"]
         if int(states.max(initial=0)) > COMMITTED:
             bad = int(np.argmax(states > COMMITTED))
             raise CorruptStore(f"DRAM arena {self.path}: slot {bad} has invalid state {int(states[bad])}")
         for index in np.flatnonzero(states == WRITING).tolist():
-            self._mm[HEADER_SIZE + index * SLOT_SIZE] = FREE
+            self._slots.set_state(index, FREE)
+        used = np.flatnonzero(states == COMMITTED)
+        rows = {name: column[used] for name, column in table.items()}
         extents: list[tuple[int, int]] = []
         for index, key_len, flags, offset, size, check, seq in zip(
             used.tolist(),
@@ -422,11 +332,10 @@ class DramArena(IndexedTier[_Slot]):
             rows["seq"].tolist(),
             strict=True,
         ):
-            base = HEADER_SIZE + index * SLOT_SIZE + _KEY_OFFSET
             if not 0 < key_len <= MAX_KEY_BYTES:
                 raise CorruptStore(f"DRAM arena {self.path}: slot {index} has key length {key_len}")
             try:
-                key = bytes(self._mm[base : base + key_len]).decode("utf-8")
+                key = self._slots.key(index, key_len).decode("utf-8")
             except UnicodeDecodeError:
                 raise CorruptStore(f"DRAM arena {self.path}: slot {index} holds a key that is not UTF-8") from None
             if key in self._index:
@@ -439,7 +348,7 @@ class DramArena(IndexedTier[_Slot]):
         except InvalidArgument as exc:
             raise CorruptStore(f"DRAM arena {self.path}: {exc}") from None
         used_set = set(used.tolist())
-        free_slots = [i for i in range(self.num_slots - 1, -1, -1) if i not in used_set]
+        free_slots = [i for i in range(self._slots.num_slots - 1, -1, -1) if i not in used_set]
         return alloc, free_slots
 
     # -- Tier interface -----------------------------------------------------
@@ -457,6 +366,16 @@ class DramArena(IndexedTier[_Slot]):
     def alignment(self) -> int:
         return self.config.alignment
 
+    @property
+    def num_slots(self) -> int:
+        """Index slots now (the table grows up to :attr:`max_slots` as blocks need them)."""
+        return self._slots.num_slots
+
+    @property
+    def max_slots(self) -> int:
+        """The most blocks this arena indexes at once: what a master may place on it."""
+        return self._slots.max_slots
+
     def extent(self, key: BlockKey) -> Extent:
         """Where the block lives in the data region (for zero-copy transports)."""
         return self._record(key).extent
@@ -468,7 +387,7 @@ class DramArena(IndexedTier[_Slot]):
         crash) releases it.
         """
         self._check_new(key, size)
-        if not self._free_slots:
+        if not self._free_slots and not self._grow_slots():
             return None
         extent = self.allocator.alloc(size)
         if extent is None:
@@ -483,8 +402,9 @@ class DramArena(IndexedTier[_Slot]):
         length = align_up(size, self.alignment)
         if offset < 0 or offset % self.alignment or offset + length > self.capacity:
             raise InvalidArgument(f"extent ({offset}, {size}) is misaligned or outside {self.description}")
-        if not self._free_slots:
-            raise CapacityError(f"{self.description} has no free index slot (max_blocks={self.num_slots})")
+        if not self._free_slots and not self._grow_slots():
+            why = f"; {self._index_shortage}" if self.num_slots < self.max_slots else ""
+            raise CapacityError(f"{self.description} has no free index slot (max_blocks={self.max_slots}{why})")
         extent = Extent(offset, length)
         assert self._placed is not None
         self._placed.add(extent)  # raises when it overlaps a block stored or being written
@@ -497,13 +417,23 @@ class DramArena(IndexedTier[_Slot]):
         if size <= 0:
             raise InvalidArgument(f"block size must be positive, got {size}")
 
+    def _grow_slots(self) -> bool:
+        """Add index slots; False when the table is at ``max_slots`` or its memory cannot be had."""
+        try:
+            added = self._slots.grow()
+        except ResourceShortage as exc:
+            self._index_shortage = str(exc)
+            return False
+        self._free_slots[:0] = reversed(added)  # lowest first, after any freed meanwhile
+        return bool(added)
+
     def _begin_slot(self, key: BlockKey, extent: Extent, size: int) -> memoryview:
         index = self._free_slots.pop()
         self._used += extent.length
         raw = key.encode("utf-8")
-        base = HEADER_SIZE + index * SLOT_SIZE
-        _SLOT.pack_into(self._mm, base, WRITING, 0, len(raw), 0, extent.offset, size, 0, 0)
-        self._mm[base + _KEY_OFFSET : base + _KEY_OFFSET + len(raw)] = raw
+        mm, base = self._slots.locate(index)
+        SLOT.pack_into(mm, base, WRITING, 0, len(raw), 0, extent.offset, size, 0, 0)
+        mm[base + KEY_OFFSET : base + KEY_OFFSET + len(raw)] = raw
         self._pending[key] = _Slot(size, 0, 0, False, index, extent)
         start = self._data_offset + extent.offset
         return self._buf[start : start + size]
@@ -523,12 +453,12 @@ class DramArena(IndexedTier[_Slot]):
     def commit(self, key: BlockKey, checksum: int, seq: int, pinned: bool = False) -> None:
         slot = self._pending.pop(key)
         slot.checksum, slot.seq, slot.pinned = checksum, seq, pinned
-        base = HEADER_SIZE + slot.index * SLOT_SIZE
-        _SLOT.pack_into(
-            self._mm, base, WRITING, FLAG_PINNED if pinned else 0, len(key.encode("utf-8")), 0,
+        mm, base = self._slots.locate(slot.index)
+        SLOT.pack_into(
+            mm, base, WRITING, FLAG_PINNED if pinned else 0, len(key.encode("utf-8")), 0,
             slot.extent.offset, slot.size, checksum, seq,
         )  # fmt: skip
-        self._mm[base] = COMMITTED
+        mm[base] = COMMITTED
         self._index[key] = slot
 
     def abort(self, key: BlockKey) -> None:
@@ -536,7 +466,7 @@ class DramArena(IndexedTier[_Slot]):
         self._release(slot)
 
     def _release(self, slot: _Slot) -> None:
-        self._mm[HEADER_SIZE + slot.index * SLOT_SIZE] = FREE
+        self._slots.set_state(slot.index, FREE)
         if self._alloc is not None:
             self._alloc.free(slot.extent)
         if self._placed is not None:
@@ -593,12 +523,14 @@ class DramArena(IndexedTier[_Slot]):
     def touch(self, key: BlockKey, seq: int) -> None:
         slot = self._record(key)
         slot.seq = seq
-        _SEQ.pack_into(self._mm, HEADER_SIZE + slot.index * SLOT_SIZE + _SEQ_OFFSET, seq)
+        mm, base = self._slots.locate(slot.index)
+        SEQ.pack_into(mm, base + SEQ_OFFSET, seq)
 
     def set_pinned(self, key: BlockKey, pinned: bool) -> None:
         slot = self._record(key)
         slot.pinned = pinned
-        self._mm[HEADER_SIZE + slot.index * SLOT_SIZE + 1] = FLAG_PINNED if pinned else 0
+        mm, base = self._slots.locate(slot.index)
+        mm[base + 1] = FLAG_PINNED if pinned else 0
 
     # -- lifecycle ----------------------------------------------------------
     def close(self) -> None:
@@ -613,6 +545,7 @@ class DramArena(IndexedTier[_Slot]):
         with contextlib.suppress(BufferError):
             self._buf.release()
             self._mm.close()
+        self._slots.close()
         os.close(self._fd)
 
     def destroy(self) -> None:

@@ -139,7 +139,7 @@ class MasterLink:
         message = RegisterNode(
             self.node_id, self.address, arena.capacity, ssd_capacity, arena.alignment, self.storage.inventory(),
             list(self.rails or [self.address]), topology.host_id(), str(arena.path), os.stat(arena.path).st_ino,
-            topology.local_nics(), topology.has_rdma(), self.ucx_address, arena.num_slots, self.peers,
+            topology.local_nics(), topology.has_rdma(), self.ucx_address, arena.max_slots, self.peers,
         )  # fmt: skip
         reply = self._conn.call(message, RegisterReply)
         self.peers = reply.peers

@@ -1,28 +1,27 @@
 """A daemon's tiers under a readers-writer lock, with the operations the network asks for.
 
 The master places blocks (it owns the arena's allocator), so the arena runs
-unmanaged. Readers hold the shared lock while their bytes go out, so that no
-command frees an extent that is being sent; commands and the short steps of
-a write take it exclusively.
+unmanaged. Commits, moves between tiers, drops and crash recovery are the
+:class:`kvstore.tiers.engine.TierEngine`'s, the same as an embedded NodeStore's;
+this class adds the checks a write from the network needs and the locking.
+
+Readers hold the shared lock while their bytes go out, so that no command
+frees an extent that is being sent; commands and the short steps of a write
+take it exclusively.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from functools import partial
 
-from kvstore.config import DramConfig, SsdConfig, format_size
+from kvstore.config import DramConfig, SsdConfig
 from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import InventoryItem
-from kvstore.ratelog import RateLimitedLog
-from kvstore.tiers.base import drop_ssd_twins
-from kvstore.tiers.dram import DramArena
-from kvstore.tiers.ssd import SsdTier
-
-log = logging.getLogger("kvstore.daemon")
+from kvstore.tiers.engine import TierEngine
 
 
 class RWLock:
@@ -132,17 +131,10 @@ NO_TARGET = memoryview(b"")
 
 class DaemonStorage:
     def __init__(self, dram: DramConfig, ssd: SsdConfig) -> None:
-        self.arena = DramArena(dram, managed=False)
-        try:
-            self.ssd = SsdTier(ssd) if ssd.capacity > 0 else None
-        except BaseException:
-            self.arena.close()
-            raise
+        self.engine = TierEngine(dram, ssd, managed=False)
+        self.arena = self.engine.arena
+        self.ssd = self.engine.ssd
         self.lock = RWLock()
-        self._failures = RateLimitedLog(log)
-        drop_ssd_twins(self.arena, self.ssd)
-        entries = [*self.arena.entries(), *(self.ssd.entries() if self.ssd else [])]
-        self._seq = max((e.seq for e in entries), default=0)
 
     def ssd_health(self) -> tuple[int, int, str]:
         """The SSD tier's capacity now (checked against its disk's free space), its configured one and
@@ -151,10 +143,6 @@ class DaemonStorage:
             return -1, -1, ""
         # Without the storage lock: a heartbeat must not wait behind a demotion to a slow disk.
         return self.ssd.refresh_capacity(), self.ssd.config.capacity, self.ssd.fault
-
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
 
     def inventory(self) -> list[InventoryItem]:
         """Everything held, oldest use first, as the master rebuilds its table from it."""
@@ -240,8 +228,7 @@ class DaemonStorage:
             for i, ((key, view, expected), actual) in enumerate(zip(blocks, sums, strict=True)):
                 view.release()
                 if accept is not None and not accept[i]:
-                    if self.arena.is_pending(key):
-                        self.arena.abort(key)
+                    self.engine.abort(key)
                     out.append(None)
                     continue
                 if not self.arena.is_pending(key):
@@ -249,12 +236,12 @@ class DaemonStorage:
                     stored = key in self.arena and self.arena.entry(key).checksum == expected
                     out.append(None if stored else InvalidArgument(f"block {key!r} is no longer being written"))
                 elif actual != expected:
-                    self.arena.abort(key)
+                    self.engine.abort(key)
                     out.append(
                         CorruptBlock(f"block {key!r} does not match the checksum its writer sent ({expected:#x})")
                     )
                 else:
-                    self.arena.commit(key, expected, self._next_seq(), pinned)
+                    self.engine.commit(key, expected, pinned=pinned)
                     out.append(None)
         return out
 
@@ -262,8 +249,7 @@ class DaemonStorage:
         with self.lock.exclusive():
             for key, view in blocks:
                 view.release()
-                if self.arena.is_pending(key):
-                    self.arena.abort(key)
+                self.engine.abort(key)
 
     def holds(self, key: BlockKey) -> bool:
         """Whether a committed block ``key`` is here, in either tier."""
@@ -307,63 +293,18 @@ class DaemonStorage:
 
     # -- the master's commands -------------------------------------------------------------
     def demote(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Move DRAM blocks to SSD; False for a block that SSD could not take (dropped instead) or that is absent."""
+        """Move DRAM blocks to SSD; False for a block that SSD could not take (dropped instead) or that is absent.
+
+        A block being written is given up: committed at the master (a one-trip put) and not yet
+        here, it is evicted before it lands, so it must not land in the extent the master frees now."""
         with self.lock.exclusive():
-            for key in keys:
-                if self.arena.is_pending(key):
-                    # Committed at the master (a one-trip put) and not yet here: it is evicted
-                    # before it lands, so it must not land in the extent the master frees now.
-                    self.arena.abort(key)
-            present = [k for k in dict.fromkeys(keys) if k in self.arena]
-            moved: set[str] = set()
-            if self.ssd is not None and present:
-                entries = {key: self.arena.entry(key) for key in present}
-                items = [
-                    (key, self.arena.view(key), entries[key].checksum, self._next_seq(), entries[key].pinned)
-                    for key in present
-                    if key not in self.ssd
-                ]
-                failed = self.ssd.failed_writes
-                try:
-                    results = self.ssd.store_many(items)
-                finally:
-                    for item in items:
-                        item[1].release()
-                if self.ssd.failed_writes > failed:
-                    self._failures.warning(
-                        "ssd-write", "%s: %d blocks dropped instead of demoted (%s); it holds %s now",
-                        self.ssd.description, self.ssd.failed_writes - failed, self.ssd.fault,
-                        format_size(self.ssd.capacity),
-                    )  # fmt: skip
-                moved = {item[0] for item, ok in zip(items, results, strict=True) if ok}
-                moved.update(k for k in present if k in self.ssd)  # a copy left by a crash mid-demotion
-            for key in present:
-                self.arena.delete(key)
-            if self.ssd is not None:
-                # Already moved: a retry of a command whose answer the master never got.
-                moved.update(k for k in keys if k not in self.arena and k in self.ssd)
-            return [k in moved for k in keys]
+            return self.engine.demote(keys)
 
     def drop(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Delete blocks from whichever tier holds them; False for a block that was not held."""
+        """Delete blocks from whichever tier holds them (and reservations given up, revoked or
+        expired, with slices written); False for a block that was not held."""
         with self.lock.exclusive():
-            out = []
-            on_ssd = []
-            for key in keys:
-                if key in self.arena:
-                    self.arena.delete(key)
-                    out.append(True)
-                elif self.arena.is_pending(key):
-                    self.arena.abort(key)  # a reservation given up (revoked or expired) with slices written
-                    out.append(True)
-                elif self.ssd is not None and key in self.ssd:
-                    on_ssd.append(key)
-                    out.append(True)
-                else:
-                    out.append(False)
-            if on_ssd and self.ssd is not None:
-                self.ssd.delete_many(list(dict.fromkeys(on_ssd)))
-            return out
+            return self.engine.drop(keys)
 
     def promote(self, keys: Sequence[BlockKey], offsets: Sequence[int]) -> list[bool]:
         """Move SSD blocks into the arena at the master's offsets; False where that failed (block stays on SSD)."""
@@ -375,31 +316,13 @@ class DaemonStorage:
                 if key in self.arena and (self.ssd is None or key not in self.ssd):
                     out.append(self.arena.extent(key).offset == offset)  # a retried command, already done
                     continue
-                if self.ssd is None or key not in self.ssd or key in self.arena:
-                    out.append(False)
-                    continue
-                entry = self.ssd.entry(key)
-                try:
-                    dst = self.arena.begin_at(key, offset, entry.size)
-                except KVStoreError:
-                    out.append(False)
-                    continue
-                try:
-                    self.ssd.read_into(key, dst)
-                except BaseException:
-                    dst.release()
-                    self.arena.abort(key)  # its extent free again: the master reuses it after a False
-                    raise
-                dst.release()
-                self.arena.commit(key, entry.checksum, self._next_seq(), entry.pinned)
-                self.ssd.delete(key)
-                out.append(True)
+                # An extent the master chose that cannot be taken reports False; the master reuses it.
+                out.append(self.engine.promote(key, partial(self._begin_at, key, offset)))
             return out
+
+    def _begin_at(self, key: BlockKey, offset: int, size: int) -> memoryview:
+        return self.arena.begin_at(key, offset, size)
 
     def close(self) -> None:
         with self.lock.exclusive():
-            try:
-                if self.ssd is not None:
-                    self.ssd.close()
-            finally:
-                self.arena.close()
+            self.engine.close()

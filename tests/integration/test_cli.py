@@ -187,7 +187,7 @@ def test_cluster_up_killed_outright_takes_its_processes_and_leaves_listed_arenas
         proc.wait(timeout=10)
     # Its arenas stay (a daemon that is stopped keeps its blocks): listed as leftovers, then removed.
     from kvstore.config import DramConfig
-    from kvstore.tiers.dram import find_arenas, remove_arena
+    from kvstore.tiers.arena_files import find_arenas, remove_arena
 
     left = [a for a in find_arenas(Path("/dev/shm")) if a.name.startswith(f"cluster-{proc.pid}-")]
     assert left and not any(a.in_use for a in left)

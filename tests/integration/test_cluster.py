@@ -268,3 +268,15 @@ def test_a_daemon_out_of_index_slots_evicts_instead_of_refusing() -> None:
         assert store.get_many([f"slot-{i}" for i in range(290, 300)]) == [
             bytes([i % 256]) * 1000 for i in range(290, 300)
         ]
+
+
+def test_small_blocks_stay_readable_while_dram_has_room() -> None:
+    # 4 MiB of DRAM: its index once had 1024 slots (one per 16 KiB), and the master evicted by
+    # that count. 4000 blocks of 256 bytes fill a quarter of the bytes: none is evicted.
+    with LocalCluster(1, dram="4MiB") as c, Store.connect(c.master_address) as store:
+        keys = [f"small-{i}" for i in range(4000)]
+        for start in range(0, len(keys), 500):
+            batch = keys[start : start + 500]
+            assert store.put_many([(k, k.encode().ljust(256, b".")) for k in batch]) == [PutStatus.STORED] * 500
+        assert store.stats()["evictions"] == 0
+        assert store.get_many(keys, verify=True) == [k.encode().ljust(256, b".") for k in keys]

@@ -7,12 +7,14 @@ from kvstore.errors import (
     BufferTooSmall,
     CapacityError,
     CorruptBlock,
+    CorruptStore,
     InvalidArgument,
     InvalidKey,
     NotFound,
     StoreBusy,
     StoreClosed,
 )
+from kvstore.keys import BlockKey, checksum
 from kvstore.node_store import NodeStore, PutStatus
 from kvstore.policy import TierName
 from kvstore.tiers.dram import arena_path
@@ -20,6 +22,7 @@ from tests.conftest import node_config
 
 KB = 1024
 DRAM, SSD = TierName.DRAM, TierName.SSD
+K = BlockKey
 EXACT = {"high_watermark": 1.0, "low_watermark": 1.0, "promote_after_hits": 2}
 
 
@@ -232,6 +235,60 @@ def test_a_key_left_in_both_tiers_by_a_crash_keeps_its_dram_copy(tmp_path: Path)
     store.close()
     again = NodeStore(config)
     assert again.tier_of("a") is DRAM and again.ssd is not None and "a" not in again.ssd
+    again.destroy()
+
+
+def test_a_demotion_that_finds_a_copy_left_on_ssd_reuses_it(tmp_path: Path) -> None:
+    # A move that died half-way (here: as if after its SSD write) leaves the block in both tiers
+    # while the store runs on; demoting it later must not fail every put that needs room.
+    store = NodeStore(node_config(tmp_path, dram=4 * KB, ssd=8 * KB, eviction=EXACT))
+    store.put("a", block(1))
+    assert store.ssd is not None
+    store.ssd.store(K("a"), memoryview(block(1)), checksum(block(1)), 0)
+    for i in range(2, 6):
+        store.put(f"k{i}", block(i))  # DRAM holds four: "a", its oldest, is demoted
+    assert store.tier_of("a") is SSD and store.get("a", verify=True) == block(1)
+    assert store.stats().demotions == 1
+    store.destroy()
+
+
+def test_a_promotion_whose_ssd_delete_fails_keeps_the_block_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = NodeStore(node_config(tmp_path, dram=2 * KB, ssd=4 * KB, eviction=EXACT))
+    for i in range(3):
+        store.put(f"k{i}", block(i))
+    assert store.tier_of("k0") is SSD and store.ssd is not None
+
+    def failing_delete(key: BlockKey) -> int:
+        raise CorruptStore("SSD tier: delete failed: injected")
+
+    monkeypatch.setattr(store.ssd, "delete", failing_delete)
+    store.get("k0")
+    assert store.get("k0", verify=True) == block(0) and store.tier_of("k0") is DRAM  # promoted, old copy left
+    monkeypatch.undo()
+    for i in range(3, 6):
+        store.put(f"k{i}", block(i))  # k0 is demoted again, onto the copy it left
+    assert store.tier_of("k0") is SSD and store.get("k0", verify=True) == block(0)
+    store.close()
+    again = NodeStore(store.config)
+    assert again.tier_of("k0") is SSD
+    for key in again.lru_keys(DRAM) + again.lru_keys(SSD):
+        assert again.get(key, verify=True) == block(int(key[1:]))
+    again.destroy()
+
+
+def test_small_blocks_stay_readable_while_dram_has_room(tmp_path: Path) -> None:
+    # 1 MiB of DRAM used to index 1024 blocks (one slot per 16 KiB): 3000 blocks of 256 bytes
+    # fill three quarters of its bytes, and every one of them must stay readable, also after a reopen.
+    config = node_config(tmp_path, dram="1MiB")
+    store = NodeStore(config)
+    for i in range(3000):
+        store.put(f"s{i}", block(i, 256))
+    assert store.stats().dram.blocks == 3000 and store.stats().dram_drops == 0
+    store.close()
+    again = NodeStore(config)
+    assert all(again.get(f"s{i}", verify=True) == block(i, 256) for i in range(3000))
     again.destroy()
 
 

@@ -9,6 +9,7 @@ import pytest
 from kvstore.config import DramConfig
 from kvstore.errors import (
     BufferTooSmall,
+    CapacityError,
     ConfigError,
     CorruptStore,
     InvalidArgument,
@@ -18,14 +19,13 @@ from kvstore.errors import (
     StoreClosed,
 )
 from kvstore.keys import BlockKey
+from kvstore.tiers.arena_files import find_arenas, remove_arena
 from kvstore.tiers.dram import (
     HEADER_SIZE,
     SLOT_SIZE,
     ArenaMapping,
     DramArena,
     arena_path,
-    find_arenas,
-    remove_arena,
 )
 
 K = BlockKey
@@ -307,3 +307,64 @@ def test_leftovers_are_listed_and_removed_but_never_one_in_use(config: DramConfi
     assert not arena_path(other).exists() and not stray.exists()
     assert remove_arena(other) == 0  # nothing left to remove
     arena.destroy()
+
+
+def _crash(arena: DramArena) -> None:
+    """Drop the mappings without close(), which would abort pending writes: as if the process died."""
+    arena._buf.release()
+    arena._mm.close()
+    arena._slots.close()
+    os.close(arena._fd)
+
+
+def test_the_index_grows_with_small_blocks_and_survives_a_crash(tmp_path: Path) -> None:
+    # 1 MiB of data: a new arena has 1024 slots; blocks of 200 bytes take 256, so 4096 fit.
+    config = DramConfig(capacity=1024**2, name="grow", shm_dir=tmp_path, prefault=False)
+    arena = DramArena(config)
+    assert (arena.num_slots, arena.max_slots) == (1024, 4096)
+    size = arena_path(config).stat().st_size
+    for i in range(3000):
+        assert arena.store(K(f"k{i}"), memoryview(bytes([i % 251]) * 200), i, i + 1), f"k{i} refused"
+    assert arena.num_slots == 4096 and arena_path(config).stat().st_size > size
+    half = arena.begin(K("half"), 100)  # in an overflow slot, never committed
+    assert half is not None
+    half.release()
+    _crash(arena)
+    again = DramArena(config)
+    assert len(again) == 3000 and not again.is_pending(K("half")) and again.used == 3000 * 256
+    assert all(again.read(K(f"k{i}")) == bytes([i % 251]) * 200 for i in range(3000))
+    assert [e.key for e in sorted(again.entries(), key=lambda e: e.seq)][-1] == "k2999"
+    for i in range(3000, 4096):
+        assert again.store(K(f"k{i}"), memoryview(b"x"), 0, 0)
+    assert not again.store(K("one-too-many"), memoryview(b"x"), 0, 0)  # max_slots: bytes to spare, no slot
+    mapping = ArenaMapping(arena_path(config))  # a same-host client maps the data region of a grown file
+    assert bytes(mapping.extent(again.extent(K("k7")).offset, 200)) == bytes([7]) * 200
+    mapping.close()
+    again.close()
+    with open(arena_path(config), "r+b") as f:
+        f.truncate(arena_path(config).stat().st_size - 100)  # not a whole slot table
+    with pytest.raises(CorruptStore, match="not a whole slot table"):
+        DramArena(config)
+    DramArena.remove(config)
+
+
+def test_an_index_that_cannot_grow_refuses_the_block_and_keeps_the_others(small_fs: Any) -> None:
+    fs = small_fs("2m")
+    config = DramConfig(capacity=1024**2, name="tight", shm_dir=fs, prefault=False, max_blocks=1024 * 1024)
+    arena = DramArena(config, managed=False)
+    offsets = iter(range(0, 1024**2, 64))
+    stored = 0
+    while True:
+        try:
+            view = arena.begin_at(K(f"k{stored}"), next(offsets), 10)
+        except CapacityError as exc:
+            assert "no free index slot" in str(exc) and "could be reserved" in str(exc)
+            break
+        view.release()
+        arena.commit(K(f"k{stored}"), 0, stored)
+        stored += 1
+    assert stored > 2048 and len(arena) == stored  # the last doublings did not fit: smaller steps did
+    arena.close()
+    again = DramArena(config, managed=False)
+    assert len(again) == stored
+    again.destroy()
