@@ -6,7 +6,7 @@
   another node (or dropped where a copy exists already), then dropped here.
 - ``plan_replicas`` reserves DRAM on a node for copies of stored blocks whose
   other replicas stay (hot blocks near their readers). A copy's replica is
-  ``copying`` (not readable, in no LRU, sent no drop) until ``finish_replicas``
+  COPYING (not readable, in no LRU, sent no drop) until ``finish_replicas``
   applies the target's answer; a block removed meanwhile loses it by a drop.
   A node holds at most one replica of a block.
 """
@@ -18,7 +18,18 @@ from collections.abc import Collection, Iterable, Sequence
 
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import validate_key
-from kvstore.placement.state import DRAM, SSD, Catalog, Move, NodeCommand, ReplicaState
+from kvstore.placement.state import (
+    COPYING,
+    DRAM,
+    DROPPING,
+    MOVING,
+    READY,
+    SSD,
+    Catalog,
+    Move,
+    NodeCommand,
+    ReplicaState,
+)
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import Writes
 from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName
@@ -101,8 +112,8 @@ class Moves:
                     continue
                 entry = cat.objects[key]
                 here = next(r for r in entry.replicas if r.node_id == node_id)
-                if any(r.node_id != node_id and not r.moving and cat.nodes[r.node_id].up for r in entry.replicas):
-                    here.moving = here.dropping = True
+                if any(r.node_id != node_id and r.status is READY and cat.nodes[r.node_id].up for r in entry.replicas):
+                    here.to(DROPPING)
                     node.lru(tier).remove(key)
                     drops.setdefault(tier, []).append(key)
                     continue
@@ -111,7 +122,7 @@ class Moves:
                         continue  # one replica per node: a copy is coming in there already
                     extent = target.alloc.alloc(entry.size)
                     if extent is not None:
-                        here.moving = True
+                        here.to(MOVING)
                         node.lru(tier).remove(key)
                         moves.append(Move(key, entry.size, entry.checksum, tier, target.node_id, extent, node_id))
                         break
@@ -131,14 +142,14 @@ class Moves:
                 if target is not None:
                     target.alloc.free(move.extent)
                 if entry is not None and here is not None and not entry.removing and source in cat.nodes:
-                    here.moving = False
+                    here.to(READY)
                     cat.nodes[source].lru(here.tier).insert(move.key, entry.size)
                 continue
             entry.replicas.append(ReplicaState(move.target, DRAM, move.extent))
             target.dram_lru.insert(move.key, entry.size)
             if entry.pinned:
                 target.dram_lru.pin(move.key)
-            here.dropping = True  # copied: the new replica serves it from now on
+            here.to(DROPPING)  # copied: the new replica serves it from now on
             drops.setdefault(here.tier, []).append(move.key)
         return cat.issue([NodeCommand(source, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()])
 
@@ -149,7 +160,7 @@ class Moves:
         the target, is skipped. Each copy reserves an extent on the target without evicting
         anything and without filling it past the high watermark; planning stops at the first key
         that does not fit, or that would take the copied bytes past ``max_bytes``. A down or
-        draining target gets nothing. The reserved replica is ``copying`` (not readable, in no
+        draining target gets nothing. The reserved replica is COPYING (not readable, in no
         LRU) until :meth:`finish_replicas`; each move's source is a readable replica, DRAM first.
         """
         cat = self.catalog
@@ -178,7 +189,7 @@ class Moves:
                 break
             budget -= entry.size
             source = min(sources, key=lambda r: r.tier is not DRAM)
-            entry.replicas.append(ReplicaState(target_node_id, DRAM, extent, moving=True, copying=True))
+            entry.replicas.append(ReplicaState(target_node_id, DRAM, extent, COPYING))
             moves.append(Move(key, entry.size, entry.checksum, source.tier, target_node_id, extent, source.node_id))
         return moves
 
@@ -204,20 +215,23 @@ class Moves:
             replica = None
             if entry is not None:
                 replica = next(
-                    (r for r in entry.replicas if r.node_id == move.target and r.copying and r.extent == move.extent),
+                    (
+                        r
+                        for r in entry.replicas
+                        if r.node_id == move.target and r.status is COPYING and r.extent == move.extent
+                    ),
                     None,
                 )
             if entry is None or target is None or replica is None:
                 continue  # the target left or re-registered: its inventory replaced this copy
-            replica.copying = False
             if ok and not entry.removing:
-                replica.moving = False
+                replica.to(READY)
                 target.dram_lru.insert(move.key, entry.size)
                 if entry.pinned:
                     target.dram_lru.pin(move.key)
                 copied.append(move)
             elif ok or not answered:
-                replica.dropping = True  # neither readable nor counted until the drop is applied
+                replica.to(DROPPING)  # neither readable nor counted until the drop is applied
                 drops.setdefault(move.target, []).append(move.key)  # the extent is freed once the drop is applied
             else:
                 cat.drop_replica(move.key, move.target)

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from kvstore.allocator import Allocator, Extent
 from kvstore.errors import InvalidArgument, InvalidKey
 from kvstore.keys import validate_key
+from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
 from kvstore.policy import ActionKind, TierName
-from kvstore.protocol import InventoryItem
 
 MAX_NODE_BYTES = 1 << 50
 """Bound on a node's tier capacities and block sizes (1 PiB): beyond it a registration is refused."""
@@ -57,7 +57,7 @@ class Membership:
         dram_capacity: int,
         ssd_capacity: int,
         alignment: int,
-        inventory: Sequence[InventoryItem],
+        inventory: Sequence[HeldBlock],
         now_ms: int,
         max_blocks: int = 0,
     ) -> list[NodeCommand]:
@@ -75,7 +75,7 @@ class Membership:
         alloc = Allocator(dram_capacity, alignment)
         node = NodeState(node_id, address, alloc, ssd_capacity, last_seen_ms=now_ms, max_blocks=max_blocks)
         conflicts: dict[TierName, list[str]] = {DRAM: [], SSD: []}
-        dram_items = sorted((i for i in inventory if i.tier == "dram"), key=lambda i: i.offset)
+        dram_items = sorted((i for i in inventory if i.tier is DRAM), key=lambda i: i.offset)
         extents: list[tuple[int, int]] = []
         end = 0
         adopted: set[str] = set()
@@ -89,7 +89,7 @@ class Membership:
         node.alloc = Allocator.rebuild(dram_capacity, alignment, extents)
         cat.nodes[node_id] = node
         for item in inventory:
-            tier = DRAM if item.tier == "dram" else SSD
+            tier = item.tier
             if tier is DRAM and item.key not in adopted:
                 continue
             entry = cat.objects.get(item.key) or cat.pending.get(item.key)

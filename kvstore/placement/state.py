@@ -8,6 +8,7 @@ issuing commands, revoking puts, dropping a replica once a daemon confirmed).
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,21 +21,61 @@ from kvstore.policy import ActionKind, TierName
 DRAM, SSD = TierName.DRAM, TierName.SSD
 
 
+class ReplicaStatus(enum.Enum):
+    """Where a replica is in its life; :data:`TRANSITIONS` lists the steps it may take.
+
+    Only READY replicas of committed keys are in their node's tier LRU and handed out with
+    their extent; every other status is out of the LRU, so no policy picks it twice.
+    """
+
+    READY = "ready"
+    """Where the table says: readable once its key is committed."""
+    MOVING = "moving"
+    """A demotion or promotion is in flight, or a drain is copying it to another node: readable
+    only by key through its daemon, which holds it in one tier or the other (:meth:`Catalog.in_motion`)."""
+    COPYING = "copying"
+    """Being copied in from another node (a replicate or a drain): its daemon is told nothing about
+    it until the copy is answered, and nothing reads it."""
+    DROPPING = "dropping"
+    """A drop is in flight: as far as reads and prefix matches go it is gone already; its room is
+    freed, and it leaves its key, once the daemon confirms."""
+
+
+TRANSITIONS: dict[ReplicaStatus, frozenset[ReplicaStatus]] = {
+    ReplicaStatus.READY: frozenset({ReplicaStatus.MOVING, ReplicaStatus.DROPPING}),
+    ReplicaStatus.MOVING: frozenset({ReplicaStatus.READY, ReplicaStatus.DROPPING}),
+    ReplicaStatus.COPYING: frozenset({ReplicaStatus.READY, ReplicaStatus.DROPPING}),
+    ReplicaStatus.DROPPING: frozenset(),
+}
+"""A replica starts READY (placed by a put, found in an inventory) or COPYING (a copy planned);
+a DROPPING one only ever leaves its key, when its daemon confirms the drop."""
+
+
 @dataclass(slots=True)
 class ReplicaState:
+    """One replica of a key on one node. ``status`` changes only through :meth:`to`."""
+
     node_id: str
     tier: TierName
     extent: Extent | None
     """The DRAM extent; None on SSD (during a promotion: the extent it will land in)."""
-    moving: bool = False
-    """A demotion, drop or promotion of this replica is in flight: not in an LRU, and readable only
-    by key through its daemon (see :meth:`Catalog.in_motion`)."""
-    copying: bool = False
-    """Being copied in from another node (a replicate; also ``moving``): its daemon is told nothing
-    about it until the copy is answered, so that no drop overtakes the copy."""
-    dropping: bool = False
-    """A drop of this replica is in flight (an eviction, or a drain's where a copy exists; also
-    ``moving``): as far as reads and prefix matches go it is gone already."""
+    status: ReplicaStatus = ReplicaStatus.READY
+
+    def to(self, status: ReplicaStatus) -> None:
+        assert status in TRANSITIONS[self.status], f"replica on {self.node_id}: {self.status} -> {status}"
+        self.status = status
+
+    @property
+    def ready(self) -> bool:
+        return self.status is ReplicaStatus.READY
+
+
+READY, MOVING, COPYING, DROPPING = (
+    ReplicaStatus.READY,
+    ReplicaStatus.MOVING,
+    ReplicaStatus.COPYING,
+    ReplicaStatus.DROPPING,
+)
 
 
 @dataclass(slots=True)
@@ -227,7 +268,7 @@ class Catalog:
     def readable(self, entry: ObjectEntry | None) -> list[ReplicaState]:
         if entry is None or entry.removing or not entry.committed:
             return []
-        return [r for r in entry.replicas if not r.moving and self.nodes[r.node_id].up]
+        return [r for r in entry.replicas if r.status is READY and self.nodes[r.node_id].up]
 
     def in_motion(self, entry: ObjectEntry | None) -> list[ReplicaState]:
         """Replicas of a committed block between tiers (a demotion, a promotion, or a drain's copy
@@ -238,7 +279,7 @@ class Catalog:
         if entry is None or entry.removing or not entry.committed:
             return []
         nodes = self.nodes
-        return [r for r in entry.replicas if r.moving and not (r.copying or r.dropping) and nodes[r.node_id].up]
+        return [r for r in entry.replicas if r.status is MOVING and nodes[r.node_id].up]
 
     def found(self, entry: ObjectEntry | None) -> bool:
         """Whether a read finds the committed block: through a replica :meth:`readable` or
@@ -246,7 +287,7 @@ class Catalog:
         if entry is None or entry.removing or not entry.committed:
             return False
         nodes = self.nodes
-        return any(not (r.copying or r.dropping) and nodes[r.node_id].up for r in entry.replicas)
+        return any(r.status in (READY, MOVING) and nodes[r.node_id].up for r in entry.replicas)
 
     def touch(self, entry: ObjectEntry) -> None:
         self.clock += 1

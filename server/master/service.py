@@ -56,6 +56,7 @@ from kvstore.protocol import (
     FetchBlocks,
     FrameDecoder,
     GetReplicas,
+    GetReplicasReply,
     GetTicket,
     GrantReply,
     GrantSpace,
@@ -422,7 +423,7 @@ class MasterService:
         table = self.table
         if node_id not in table.nodes:
             raise NotFound(f"node {node_id!r} is not registered")
-        table.draining.add(node_id)
+        table.start_drain(node_id)
         source = table.nodes[node_id].address
         failed: set[str] = set()
         while True:
@@ -788,7 +789,7 @@ class MasterService:
                 [keys[i] for i in todo], [sizes[i] for i in todo], m.replicas, m.preferred_node, m.pin, _now_ms()
             )
             for j, ticket in zip(todo, plan.tickets, strict=True):
-                tickets[j] = ticket
+                tickets[j] = PutTicket.from_ticket(ticket) if ticket is not None else None
             todo = [todo[w] for w in plan.waiting]
             if not todo:
                 self._run_later(plan.commands, "background-eviction")
@@ -871,7 +872,7 @@ class MasterService:
     async def _get_replicas(self, m: GetReplicas) -> Message:
         if m.release:
             await self._release_leases(ReleaseLeases(m.release))
-        return self.table.get_replicas(m.keys, _now_ms(), m.lease)
+        return GetReplicasReply.from_lookup(self.table.get_replicas(m.keys, _now_ms(), m.lease))
 
     async def _grant_space(self, m: GrantSpace) -> Message:
         """Reserve write space on one node (evicting first where needed) and open it on its daemon."""

@@ -15,10 +15,10 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.placement.state import Move, NodeCommand
+from kvstore.placement.results import HeldBlock, NodePrefix, PrefixMatch
+from kvstore.placement.state import Move, NodeCommand, ReplicaStatus
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy, TierName
-from kvstore.protocol import InventoryItem, NodePrefix, PrefixMatch
 
 KEYS = st.sampled_from([f"k{i}" for i in range(12)])
 SIZES = st.sampled_from([512, 1024, 1500, 2048])
@@ -115,7 +115,9 @@ class PlacementMachine(RuleBasedStateMachine):
         moves = data.draw(st.sampled_from(self.copies))
         key = data.draw(st.sampled_from([m.key for m in moves]))
         entry = self.t.objects.get(key)
-        copying = {r.node_id for r in entry.replicas if r.copying} if entry is not None else set()
+        copying = (
+            {r.node_id for r in entry.replicas if r.status is ReplicaStatus.COPYING} if entry is not None else set()
+        )
         _, commands = self.t.remove([key])
         self.commands += commands
         assert all(key not in c.keys for c in commands if c.node_id in copying)  # told once the copy is answered
@@ -133,8 +135,8 @@ class PlacementMachine(RuleBasedStateMachine):
             e = t.objects.get(key)
             return (
                 e is not None and e.committed and not e.removing and t.nodes[node].up
-                and any(r.node_id == node and not (r.copying or r.dropping)
-                        and (not dram_only or (r.tier is TierName.DRAM and not r.moving))
+                and any(r.node_id == node and r.status in (ReplicaStatus.READY, ReplicaStatus.MOVING)
+                        and (not dram_only or (r.tier is TierName.DRAM and r.ready))
                         for r in e.replicas)
             )  # fmt: skip
 
@@ -157,13 +159,13 @@ class PlacementMachine(RuleBasedStateMachine):
         once, the source's drops sent. No block readable before is unreadable meanwhile."""
         keys = sorted(self.t.objects)
         readable = [k for k, ok in zip(keys, self.t.exists(keys), strict=True) if ok]
-        self.t.draining.add(node)
+        self.t.start_drain(node)
         moves, drops = self.t.plan_moves(node, limit)
         assert all(self.t.exists(readable))
         self.commands += drops
         self.commands += self.t.finish_moves(node, moves, [data.draw(st.booleans()) for _ in moves])
         assert all(self.t.exists(readable))
-        self.t.draining.discard(node)
+        self.t.stop_drain(node)
 
     @rule(node=st.sampled_from(NODES))
     def goes_quiet(self, node: str) -> None:
@@ -178,9 +180,9 @@ class PlacementMachine(RuleBasedStateMachine):
     @rule(node=st.sampled_from(NODES))
     def reregister(self, node: str) -> None:
         held = [
-            InventoryItem(e.key, r.tier.value, r.extent.offset if r.tier is TierName.DRAM and r.extent else -1,
+            HeldBlock(e.key, r.tier, r.extent.offset if r.tier is TierName.DRAM and r.extent else -1,
                           e.size, e.checksum)
-            for store in (self.t.objects, self.t._pending)
+            for store in (self.t.objects, self.t.pending)
             for e in store.values()
             for r in e.replicas
             if r.node_id == node

@@ -8,7 +8,7 @@ import pytest
 from kvstore.errors import CapacityError, InvalidArgument
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
-from tests.unit.placement import DRAM, EXACT, KB, SSD, got, put, run, table
+from tests.unit.placement import DRAM, EXACT, KB, SSD, got, located, put, run, table
 
 
 def test_full_node_evicts_in_lru_order_before_placing() -> None:
@@ -19,10 +19,10 @@ def test_full_node_evicts_in_lru_order_before_placing() -> None:
     assert plan.tickets == [None] and plan.waiting == [0]
     [cmd] = plan.commands
     assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.DEMOTE, DRAM, ("k1",))
-    [moving] = t.get_replicas(["k1"], 0).located(["k1"])  # moving: read by key through its daemon
+    [moving] = located(t.get_replicas(["k1"], 0), ["k1"])  # moving: read by key through its daemon
     assert moving is not None and [(r.tier, r.offset) for r in moving.replicas] == [("ssd", -1)]
     run(t, plan.commands)
-    [loc] = t.get_replicas(["k1"], 0).located(["k1"])
+    [loc] = located(t.get_replicas(["k1"], 0), ["k1"])
     assert loc is not None and loc.replicas[0].tier == "ssd" and loc.replicas[0].offset == -1
     put(t, "k4")
     assert list(t.nodes["a"].dram_lru) == ["k2", "k3", "k0", "k4"]
@@ -90,7 +90,7 @@ def test_a_block_being_dropped_is_gone_at_once() -> None:
 def test_leased_and_pinned_blocks_are_not_evicted() -> None:
     t = table("a", dram=2 * KB)
     put(t, "k0", "k1")
-    t.get_replicas(["k0"], 0).located(["k0"])  # leased for 5 s
+    located(t.get_replicas(["k0"], 0), ["k0"])  # leased for 5 s
     plan = t.put_start(["k2"], [KB], 1, None, False, now_ms=10)
     assert [c.keys for c in plan.commands] == [("k1",)]
     run(t, plan.commands)
@@ -123,11 +123,11 @@ def test_ssd_block_is_promoted_after_hits_once_unleased() -> None:
     assert t.expire(1) == []  # second hit, but still leased by this read
     [cmd] = t.release_leases(second)
     assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.PROMOTE, SSD, ("k0",)) and cmd.offsets[0] >= 0
-    [moving] = t.get_replicas(["k0"], 0).located(["k0"])  # moving while promoted: by key, no extent
+    [moving] = located(t.get_replicas(["k0"], 0), ["k0"])  # moving while promoted: by key, no extent
     assert moving is not None and [(r.tier, r.offset) for r in moving.replicas] == [("ssd", -1)]
     t.check()
     run(t, [cmd])
-    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
+    [loc] = located(t.get_replicas(["k0"], 0), ["k0"])
     assert loc is not None and loc.replicas[0].tier == "dram" and loc.replicas[0].offset == cmd.offsets[0]
     assert t.counters["promotions"] == 1 and t.nodes["a"].ssd_used == KB
 
@@ -138,7 +138,7 @@ def test_failed_promotion_leaves_the_block_on_ssd() -> None:
     run(t, t.put_start(["k3"], [KB], 1, None, False, 0).commands)
     [cmd] = t.release_leases(got(t.get_replicas(["k0"], 0)))
     run(t, [cmd], ok=False)
-    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
+    [loc] = located(t.get_replicas(["k0"], 0), ["k0"])
     assert loc is not None and loc.replicas[0].tier == "ssd"
 
 
