@@ -640,14 +640,16 @@ class PromoteBlocks(Message, tag=52, frozen=True):
 
 
 class FetchBlocks(Message, tag=54, frozen=True):
-    """Copy blocks from another daemon (a drain): read them by key from ``source`` into the given
-    reserved DRAM extents here, check their checksums and commit them. Answered by a CommandReply."""
+    """Copy blocks from another daemon (a drain, a replicate): read them by key from ``source`` into
+    the given reserved DRAM extents here, check their checksums and commit them, each pinned as
+    ``pinned`` says (empty: none; a master before it sent none). Answered by a CommandReply."""
 
     source: str
     keys: list[str]
     offsets: list[int]
     sizes: list[int]
     checksums: list[int]
+    pinned: list[bool] = []
 
 
 class OpenGrant(Message, tag=55, frozen=True):

@@ -124,7 +124,9 @@ class Moves:
                     if extent is not None:
                         here.to(MOVING)
                         node.lru(tier).remove(key)
-                        moves.append(Move(key, entry.size, entry.checksum, tier, target.node_id, extent, node_id))
+                        moves.append(
+                            Move(key, entry.size, entry.checksum, tier, target.node_id, extent, node_id, entry.pinned)
+                        )
                         break
         commands = [NodeCommand(node_id, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()]
         return moves, cat.issue(commands)
@@ -190,7 +192,9 @@ class Moves:
             budget -= entry.size
             source = min(sources, key=lambda r: r.tier is not DRAM)
             entry.replicas.append(ReplicaState(target_node_id, DRAM, extent, COPYING))
-            moves.append(Move(key, entry.size, entry.checksum, source.tier, target_node_id, extent, source.node_id))
+            moves.append(
+                Move(key, entry.size, entry.checksum, source.tier, target_node_id, extent, source.node_id, entry.pinned)
+            )
         return moves
 
     def finish_replicas(

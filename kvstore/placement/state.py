@@ -161,6 +161,9 @@ class Move:
     target: str
     extent: Extent
     source: str
+    pinned: bool = False
+    """The block is pinned: its copy must be pinned on the target's daemon too (its inventory is
+    what a new master rebuilds from)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -372,9 +372,12 @@ class DaemonServer:
         return self._conns.get(sock, "?")
 
     def _fetch(self, msg: FetchBlocks) -> list[bool]:
-        """Copy blocks from the daemon at ``msg.source`` into reserved extents here (a drain)."""
+        """Copy blocks from the daemon at ``msg.source`` into reserved extents here (a drain, a replicate),
+        pinned as they are there."""
         keys = self._keys(msg.keys)
-        batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums)
+        if msg.pinned and len(msg.pinned) != len(keys):
+            raise InvalidArgument(f"FetchBlocks of {len(keys)} blocks with {len(msg.pinned)} pins")
+        batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned or False)
         try:
             conn = Connection(msg.source, self.io_timeout, self.credential, self.peer_tls)
             try:

@@ -74,13 +74,17 @@ class WriteBatch:
         offsets: Sequence[int],
         sizes: Sequence[int],
         checksums: Sequence[int],
-        pinned: bool,
+        pinned: bool | Sequence[bool],
         join: bool = False,
     ) -> None:
+        """``pinned``: for every block, or per block (a drain's copies: each as its source holds it)."""
         if not len(offsets) == len(sizes) == len(checksums) == len(keys) or any(s <= 0 for s in sizes):
             raise InvalidArgument("a write batch with mismatched or non-positive sizes")
         self._storage = storage
-        self._keys, self._checksums, self._pinned = list(keys), list(checksums), pinned
+        self._keys, self._checksums = list(keys), list(checksums)
+        self._pinned = [pinned] * len(keys) if isinstance(pinned, bool) else list(pinned)
+        if len(self._pinned) != len(keys):
+            raise InvalidArgument(f"a write batch of {len(keys)} blocks with {len(self._pinned)} pins")
         self._reserved = storage.begin_writes(list(zip(keys, offsets, sizes, strict=True)), checksums, join=join)
         self.targets = [r if isinstance(r, memoryview) else NO_TARGET for r in self._reserved]
         self._open = True
@@ -114,7 +118,7 @@ class WriteBatch:
                     for k, r, c in zip(self._keys, self._reserved, self._checksums, strict=True)
                     if isinstance(r, memoryview)
                 ],
-                self._pinned,
+                [p for p, r in zip(self._pinned, self._reserved, strict=True) if isinstance(r, memoryview)],
                 sums=[s for s, r in zip(sums, self._reserved, strict=True) if isinstance(r, memoryview)]
                 if sums is not None
                 else None,
@@ -190,7 +194,7 @@ class DaemonStorage:
         offsets: Sequence[int],
         sizes: Sequence[int],
         checksums: Sequence[int],
-        pinned: bool = False,
+        pinned: bool | Sequence[bool] = False,
         join: bool = False,
     ) -> WriteBatch:
         """``join``: a block already being written at the same extent (by WriteSlices) is committed as it is."""
@@ -226,7 +230,7 @@ class DaemonStorage:
     def finish_writes(
         self,
         blocks: Sequence[tuple[BlockKey, memoryview, int]],
-        pinned: bool = False,
+        pinned: bool | Sequence[bool] = False,
         sums: Sequence[int | None] | None = None,
         accept: Sequence[bool] | None = None,
     ) -> list[KVStoreError | None]:
@@ -235,6 +239,7 @@ class DaemonStorage:
         ``sums``: the checksums of the views, computed already."""
         if sums is None:
             sums = [checksum(view) for _, view, _ in blocks]  # outside the lock: readers go on meanwhile
+        pins = [pinned] * len(blocks) if isinstance(pinned, bool) else pinned
         out: list[KVStoreError | None] = []
         with self.lock.exclusive():
             for i, ((key, view, expected), actual) in enumerate(zip(blocks, sums, strict=True)):
@@ -254,7 +259,7 @@ class DaemonStorage:
                         CorruptBlock(f"block {key!r} does not match the checksum its writer sent ({expected:#x})")
                     )
                 else:
-                    self.arena.commit(key, expected, self._next_seq(), pinned)
+                    self.arena.commit(key, expected, self._next_seq(), pins[i])
                     out.append(None)
         return out
 

@@ -90,6 +90,16 @@ def test_pins_are_recorded_for_the_next_master(storage: DaemonStorage) -> None:
     assert [(i.key, i.pinned) for i in storage.inventory()] == [("p", True), ("q", False)]
 
 
+def test_a_batch_pins_each_block_as_asked(storage: DaemonStorage) -> None:
+    batch = storage.write_batch(
+        [K("p"), K("q")], [0, KB], [10, 10], [checksum(b"p" * 10), checksum(b"q" * 10)], [True, False]
+    )
+    for target, data in zip(batch.targets, (b"p" * 10, b"q" * 10), strict=True):
+        target[:] = data
+    assert batch.finish() == [None, None]
+    assert [(i.key, i.pinned) for i in storage.inventory()] == [("p", True), ("q", False)]
+
+
 def test_a_retried_write_batch_succeeds_without_its_bytes_and_an_aborted_one_frees_its_extents(
     storage: DaemonStorage,
 ) -> None:

@@ -594,3 +594,17 @@ def test_a_node_that_leaves_takes_its_blocks_and_revokes_its_puts() -> None:
     assert "a" not in t.nodes and t.exists(["only-a", "both"]) == [False, True]
     run(t, [revoke])
     assert t.leave_node("a") == [] and t.put_end(["inflight"], [7]) == [False]
+
+
+def test_drain_and_replicate_copies_carry_the_blocks_pin() -> None:
+    for drain in (True, False):
+        t = table("a", "b")
+        put(t, "p", node="a")
+        t.put_start(["q"], [KB], 1, "a", True, 0)
+        assert t.put_end(["q"], [7]) == [True]
+        if drain:
+            t.start_drain("a")
+            moves, _ = t.plan_moves("a", 10)
+        else:
+            moves = t.plan_replicas(["p", "q"], "b", 10 * KB)
+        assert {m.key: m.pinned for m in moves} == {"p": False, "q": True}
