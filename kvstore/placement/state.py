@@ -9,9 +9,10 @@ issuing commands, revoking puts, dropping a replica once a daemon confirmed).
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstore.allocator import Allocator, Extent
 from kvstore.lru import LRU
@@ -19,6 +20,14 @@ from kvstore.placement.leases import Leases
 from kvstore.policy import ActionKind, TierName
 
 DRAM, SSD = TierName.DRAM, TierName.SSD
+
+
+_GENERATIONS = itertools.count(1)
+"""Generations of replicas and of nodes' registrations: unique in the process, never 0."""
+
+
+def new_generation() -> int:
+    return next(_GENERATIONS)
 
 
 class ReplicaStatus(enum.Enum):
@@ -60,6 +69,10 @@ class ReplicaState:
     extent: Extent | None
     """The DRAM extent; None on SSD (during a promotion: the extent it will land in)."""
     status: ReplicaStatus = ReplicaStatus.READY
+    gen: int = field(default_factory=new_generation)
+    """This replica's own number: a command names the replicas it was planned for by it, so an
+    answer that comes back after the key was removed and put again (or its node re-registered)
+    is not taken for the new replica's."""
 
     def to(self, status: ReplicaStatus) -> None:
         assert status in TRANSITIONS[self.status], f"replica on {self.node_id}: {self.status} -> {status}"
@@ -124,6 +137,9 @@ class NodeState:
     """The SSD tier's configured capacity; ``ssd_capacity`` is lower while its disk is short (-1: the same)."""
     ssd_fault: str = ""
     """Why the SSD tier holds less than configured, as its daemon reports it ("" while healthy)."""
+    gen: int = field(default_factory=new_generation)
+    """This registration's number: answers to commands planned before the node re-registered are
+    void (its inventory replaced what they were planned on)."""
 
     def lru(self, tier: TierName) -> LRU[str]:
         return self.dram_lru if tier is DRAM else self.ssd_lru
@@ -182,6 +198,11 @@ class NodeCommand:
     conflicting inventory, or the replicas a drain copied elsewhere; not counted as evictions."""
     sizes: tuple[int, ...] = ()
     """Block sizes, for an eviction (its bytes are counted as leaving until it is applied)."""
+    gens: tuple[int, ...] = ()
+    """Per key, the generation of the replica the command was planned for (0: none in the table,
+    as for inventory it could not adopt); set by :meth:`Catalog.issue`."""
+    node_gen: int = 0
+    """The generation of the node's registration it was planned on; set by :meth:`Catalog.issue`."""
 
 
 COUNTERS = (
@@ -307,12 +328,30 @@ class Catalog:
         return any(r.node_id == node.node_id for e in self.pending.values() for r in e.replicas)
 
     def issue(self, commands: list[NodeCommand]) -> list[NodeCommand]:
-        """Count commands as in flight on their nodes until :meth:`PlacementTable.apply` sees their answers."""
+        """Name the replicas and the node registration each command is planned for (the replicas
+        the keys have on its node now), and count the commands as in flight on their nodes until
+        :meth:`PlacementTable.apply` sees their answers."""
+        out = []
         for c in commands:
             node = self.nodes.get(c.node_id)
             if node is not None:
                 node.inflight += len(c.keys)
-        return commands
+            gens = tuple(self._replica_gen(key, c.node_id) for key in c.keys)
+            out.append(replace(c, gens=gens, node_gen=node.gen if node is not None else 0))
+        return out
+
+    def _replica_gen(self, key: str, node_id: str) -> int:
+        entry = self.objects.get(key) or self.pending.get(key)
+        replica = next((r for r in entry.replicas if r.node_id == node_id), None) if entry is not None else None
+        return replica.gen if replica is not None else 0
+
+    def replica(self, key: str, node_id: str, gen: int) -> tuple[ObjectEntry, ReplicaState] | None:
+        """The key's replica of generation ``gen`` on ``node_id``, with its entry; None when it is gone."""
+        entry = self.objects.get(key) or self.pending.get(key)
+        if entry is None:
+            return None
+        replica = next((r for r in entry.replicas if r.node_id == node_id and r.gen == gen), None)
+        return (entry, replica) if replica is not None else None
 
     def revoke(self, entries: Sequence[ObjectEntry]) -> list[NodeCommand]:
         """Give up puts: their daemons must drop whatever was written before the extents are reused."""
@@ -325,13 +364,14 @@ class Catalog:
             [NodeCommand(n, ActionKind.DROP, DRAM, tuple(keys), release=True) for n, keys in per_node.items()]
         )
 
-    def drop_replica(self, key: str, node_id: str, evicted: bool = False) -> None:
-        """The daemon confirmed the replica on ``node_id`` gone: free its room; the key goes with its last."""
+    def drop_replica(self, key: str, node_id: str, evicted: bool = False, gen: int = 0) -> None:
+        """The daemon confirmed the replica on ``node_id`` (of generation ``gen``; 0: whichever it
+        is) gone: free its room; the key goes with its last."""
         entry = self.objects.get(key) or self.pending.get(key)
         node = self.nodes.get(node_id)
         if entry is None:
             return
-        for r in [r for r in entry.replicas if r.node_id == node_id]:
+        for r in [r for r in entry.replicas if r.node_id == node_id and gen in (0, r.gen)]:
             entry.replicas.remove(r)
             if node is not None:
                 lru = node.lru(r.tier)

@@ -141,16 +141,16 @@ class Tiering:
         if len(done) != len(command.keys):
             raise InvalidArgument(f"{len(done)} results for a command of {len(command.keys)} keys")
         node = cat.nodes.get(command.node_id)
-        if node is None:
-            return  # the node left; its inventory will replace this state
+        if node is None or node.gen != command.node_gen:
+            return  # the node left or re-registered: its inventory replaced what this was planned on
         node.inflight = max(0, node.inflight - len(command.keys))
         for size in command.sizes:
             self._count_eviction(node, command.kind, command.tier, size, -1)
-        for key, ok in zip(command.keys, done, strict=True):
-            entry = cat.objects.get(key) or cat.pending.get(key)
-            replica = next((r for r in entry.replicas if r.node_id == node.node_id), None) if entry else None
-            if entry is None or replica is None:
-                continue
+        for key, gen, ok in zip(command.keys, command.gens, done, strict=True):
+            found = cat.replica(key, node.node_id, gen)
+            if found is None:
+                continue  # not the replica it was planned for: that one is gone already
+            entry, replica = found
             if command.kind is ActionKind.PROMOTE:
                 self._finish_promote(node, entry, replica, ok)
             elif command.kind is ActionKind.DEMOTE and ok:
@@ -165,7 +165,7 @@ class Tiering:
             else:
                 # A failed demotion: the daemon dropped the block instead (its SSD is full or failing).
                 cat.counters["demotions_failed"] += command.kind is ActionKind.DEMOTE
-                cat.drop_replica(key, node.node_id, evicted=not command.release)
+                cat.drop_replica(key, node.node_id, evicted=not command.release, gen=gen)
 
     def _finish_promote(self, node: NodeState, entry: ObjectEntry, replica: ReplicaState, ok: bool) -> None:
         replica.to(READY)

@@ -22,7 +22,7 @@ from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes
 from kvstore.keys import BlockKey, validate_key
 from kvstore.placement.leases import LeaseId
 from kvstore.placement.results import PlacedReplica, Ticket
-from kvstore.placement.state import COPYING, DRAM, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
+from kvstore.placement.state import COPYING, DRAM, DROPPING, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import ActionKind, TierName
 
@@ -217,6 +217,8 @@ class Writes:
             for r in entry.replicas:
                 if r.status is COPYING:
                     continue  # the daemon may not hold it yet: finish_replicas drops it once answered
+                if r.status is DROPPING:
+                    continue  # its drop is in flight already; a second could reach a block put again since
                 lru = cat.nodes[r.node_id].lru(r.tier)
                 if key in lru:
                     lru.remove(key)

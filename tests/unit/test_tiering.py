@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import CapacityError, InvalidArgument
+from kvstore.placement.results import HeldBlock
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
 from tests.unit.placement import DRAM, EXACT, KB, SSD, got, located, put, run, table
@@ -177,3 +178,32 @@ def test_a_late_access_report_counts_the_tier_the_block_was_read_from() -> None:
         t.record_access("a", ["k0", "k1"], ["ssd"])
     assert t.counters["ssd_hits"] == 1
     t.check()
+
+
+def test_an_answer_planned_before_its_node_re_registered_is_void() -> None:
+    t = table("a", ssd=4 * KB)
+    put(t, "k0")
+    _, [demote] = t.evict_tier("a", DRAM)
+    assert (demote.kind, demote.keys) == (ActionKind.DEMOTE, ("k0",))
+    # The daemon restarted before it demoted: its inventory has k0 in DRAM still.
+    assert t.register_node("a", "a:1", 4 * KB, 4 * KB, 64, [HeldBlock("k0", DRAM, 0, KB, 7)], 0) == []
+    t.apply(demote, [True])  # the old daemon's answer, late
+    t.check()
+    [loc] = located(t.get_replicas(["k0"], 0), ["k0"])
+    assert loc is not None and [(r.tier, r.offset) for r in loc.replicas] == [("dram", 0)]
+    assert t.nodes["a"].dram_freeing == 0 and t.nodes["a"].ssd_used == 0
+
+
+def test_a_stale_drop_answer_does_not_drop_the_key_put_again() -> None:
+    t = table("a")
+    put(t, "k0")
+    _, [evict] = t.evict_tier("a", DRAM)  # no SSD: a drop
+    _, removal = t.remove(["k0"])
+    run(t, [evict])  # the eviction's drop is answered: k0 is gone
+    assert t.describe("k0") is None
+    plan = t.put_start(["k0"], [KB], 1, None, False, 0)  # put again, at the same extent
+    for c in removal:  # the removal's answer (if it sent a drop) comes after
+        t.apply(c, [True] * len(c.keys))
+    t.check()
+    assert plan.tickets[0] is not None and t.put_end(["k0"], [7]) == [True]
+    assert located(t.get_replicas(["k0"], 0), ["k0"])[0] is not None
