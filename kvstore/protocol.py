@@ -629,7 +629,11 @@ class DemoteBlocks(Message, tag=50, frozen=True):
 
 
 class DropBlocks(Message, tag=51, frozen=True):
+    """Delete blocks: from whichever tier holds them, or with ``tier`` only from that one (a key
+    held in both tiers keeps its other copy)."""
+
     keys: list[str]
+    tier: Literal["", "dram", "ssd"] = ""
 
 
 class PromoteBlocks(Message, tag=52, frozen=True):

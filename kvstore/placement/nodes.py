@@ -64,7 +64,11 @@ class Membership:
         """(Re)build what the table knows of ``node_id`` from its inventory (oldest use first).
 
         Returns drops for blocks the table cannot adopt: a key that another
-        node holds with other bytes, or an extent that overlaps another.
+        node holds with other bytes, an extent that overlaps another, or the
+        second copy of a key the daemon holds in both tiers (a demotion or
+        promotion cut short): the DRAM one is kept unless it disagrees with the
+        bytes other nodes hold. Each drop names its tier, so that the daemon
+        drops that copy and not the one kept.
         """
         cat = self.catalog
         validate_key(node_id)
@@ -88,13 +92,18 @@ class Membership:
                 adopted.add(item.key)
         node.alloc = Allocator.rebuild(dram_capacity, alignment, extents)
         cat.nodes[node_id] = node
-        for item in inventory:
+        # DRAM first: of a key in both tiers, the DRAM copy is kept when it agrees with the table.
+        for item in [i for i in inventory if i.tier is DRAM] + [i for i in inventory if i.tier is SSD]:
             tier = item.tier
             if tier is DRAM and item.key not in adopted:
                 continue
             entry = cat.objects.get(item.key) or cat.pending.get(item.key)
             if entry is not None and (
-                not entry.committed or entry.removing or entry.size != item.size or entry.checksum != item.checksum
+                not entry.committed
+                or entry.removing
+                or entry.size != item.size
+                or entry.checksum != item.checksum
+                or any(r.node_id == node_id for r in entry.replicas)  # its copy in the other tier is kept
             ):
                 conflicts[tier].append(item.key)
                 if tier is DRAM:
@@ -113,7 +122,9 @@ class Membership:
                 node.ssd_used += item.size
         return commands + cat.issue(
             [
-                NodeCommand(node_id, ActionKind.DROP, tier, tuple(keys), release=True)
+                NodeCommand(
+                    node_id, ActionKind.DROP, tier, tuple(keys), release=True, tier_only=True, gens=(0,) * len(keys)
+                )
                 for tier, keys in conflicts.items()
                 if keys
             ]

@@ -198,9 +198,12 @@ class NodeCommand:
     conflicting inventory, or the replicas a drain copied elsewhere; not counted as evictions."""
     sizes: tuple[int, ...] = ()
     """Block sizes, for an eviction (its bytes are counted as leaving until it is applied)."""
+    tier_only: bool = False
+    """A DROP of the copy in ``tier`` only (the daemon may hold another, in the other tier, that
+    stays); otherwise a drop takes the block from whichever tier holds it."""
     gens: tuple[int, ...] = ()
     """Per key, the generation of the replica the command was planned for (0: none in the table,
-    as for inventory it could not adopt); set by :meth:`Catalog.issue`."""
+    as for inventory it could not adopt); set by :meth:`Catalog.issue` unless given."""
     node_gen: int = 0
     """The generation of the node's registration it was planned on; set by :meth:`Catalog.issue`."""
 
@@ -336,7 +339,7 @@ class Catalog:
             node = self.nodes.get(c.node_id)
             if node is not None:
                 node.inflight += len(c.keys)
-            gens = tuple(self._replica_gen(key, c.node_id) for key in c.keys)
+            gens = c.gens or tuple(self._replica_gen(key, c.node_id) for key in c.keys)
             out.append(replace(c, gens=gens, node_gen=node.gen if node is not None else 0))
         return out
 

@@ -196,7 +196,7 @@ class DaemonServer:
             ReadSlices: self._read_slices,
             WriteSlices: self._write_slices,
             DemoteBlocks: lambda m, s, r: self._command(s, r, self.storage.demote(self._keys(m.keys))),
-            DropBlocks: lambda m, s, r: self._command(s, r, self._drop(self._keys(m.keys))),
+            DropBlocks: lambda m, s, r: self._command(s, r, self._drop(self._keys(m.keys), m.tier)),
             PromoteBlocks: lambda m, s, r: self._command(s, r, self.storage.promote(self._keys(m.keys), m.offsets)),
             FetchBlocks: lambda m, s, r: self._command(s, r, self._fetch(m)),
             MasterHello: lambda m, s, r: send_message(s, OkReply(), r),
@@ -582,9 +582,10 @@ class DaemonServer:
         self._cut_receivers(keys)  # slices still coming for a committed block: stale
         self._write_reply(sock, request_id, outcome)
 
-    def _drop(self, keys: list[BlockKey]) -> list[bool]:
-        self._cut_receivers(keys, wait_s=self.io_timeout)
-        return self.storage.drop(keys)
+    def _drop(self, keys: list[BlockKey], tier: str = "") -> list[bool]:
+        if tier != "ssd":
+            self._cut_receivers(keys, wait_s=self.io_timeout)
+        return self.storage.drop(keys, tier)
 
     @contextlib.contextmanager
     def _receiving(self, sock: socket.socket, keys: Sequence[BlockKey]) -> Iterator[None]:

@@ -349,19 +349,21 @@ class DaemonStorage:
                 moved.update(k for k in keys if k not in self.arena and k in self.ssd)
             return [k in moved for k in keys]
 
-    def drop(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Delete blocks from whichever tier holds them; False for a block that was not held."""
+    def drop(self, keys: Sequence[BlockKey], tier: str = "") -> list[bool]:
+        """Delete blocks from whichever tier holds them (DRAM first), or from ``tier`` only ("dram"
+        or "ssd"); False for a block that was not held there."""
+        dram, ssd = tier != "ssd", tier != "dram"
         with self.lock.exclusive():
             out = []
             on_ssd = []
             for key in keys:
-                if key in self.arena:
+                if dram and key in self.arena:
                     self.arena.delete(key)
                     out.append(True)
-                elif self.arena.is_pending(key):
+                elif dram and self.arena.is_pending(key):
                     self.arena.abort(key)  # a reservation given up (revoked or expired) with slices written
                     out.append(True)
-                elif self.ssd is not None and key in self.ssd:
+                elif ssd and self.ssd is not None and key in self.ssd:
                     on_ssd.append(key)
                     out.append(True)
                 else:

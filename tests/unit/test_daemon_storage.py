@@ -173,3 +173,13 @@ def test_no_write_lands_on_the_bytes_of_another_block(tmp_path: Path, storage: D
         assert isinstance(refused, InvalidArgument)
     finally:
         again.close()
+
+
+def test_a_drop_of_one_tier_keeps_the_copy_in_the_other(storage: DaemonStorage) -> None:
+    write(storage, "k", 0, b"k" * 100)
+    assert storage.demote([K("k")]) == [True]
+    write(storage, "k", 0, b"k" * 100)  # in both tiers, as a demotion cut short leaves it
+    assert sorted((i.key, i.tier) for i in storage.inventory()) == [("k", "dram"), ("k", "ssd")]
+    assert storage.drop([K("k")], "ssd") == [True] and storage.drop([K("k")], "ssd") == [False]
+    assert [(i.key, i.tier) for i in storage.inventory()] == [("k", "dram")]
+    assert storage.drop([K("k")], "dram") == [True] and storage.inventory() == []

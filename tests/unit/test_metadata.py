@@ -608,3 +608,27 @@ def test_drain_and_replicate_copies_carry_the_blocks_pin() -> None:
         else:
             moves = t.plan_replicas(["p", "q"], "b", 10 * KB)
         assert {m.key: m.pinned for m in moves} == {"p": False, "q": True}
+
+
+@pytest.mark.parametrize("ssd_first", [False, True])
+def test_a_key_reported_in_both_tiers_keeps_its_dram_copy_and_drops_the_other(ssd_first: bool) -> None:
+    t = table("a", ssd=4 * KB)
+    both = [HeldBlock("k", DRAM, 0, KB, 7), HeldBlock("k", SSD, -1, KB, 7)]
+    [drop] = t.register_node("b", "b:1", 4 * KB, 4 * KB, 64, both[::-1] if ssd_first else both, 0)
+    assert (drop.node_id, drop.kind, drop.tier, drop.keys, drop.tier_only) == ("b", ActionKind.DROP, SSD, ("k",), True)
+    t.check()
+    [loc] = located(t.get_replicas(["k"], 0), ["k"])
+    assert loc is not None and [(r.node_id, r.tier, r.offset) for r in loc.replicas] == [("b", "dram", 0)]
+    run(t, [drop])  # the SSD copy is gone: the DRAM one stays
+    assert t.describe("k")["replicas"][0]["tier"] == "dram"  # type: ignore[index]
+
+
+def test_of_a_key_in_both_tiers_the_copy_that_agrees_with_other_nodes_is_kept() -> None:
+    t = table("a", ssd=4 * KB)
+    put(t, "k")  # checksum 7 on node a
+    both = [HeldBlock("k", DRAM, 0, KB, 9), HeldBlock("k", SSD, -1, KB, 7)]
+    [drop] = t.register_node("b", "b:1", 4 * KB, 4 * KB, 64, both, 0)
+    assert (drop.tier, drop.keys, drop.tier_only) == (DRAM, ("k",), True)
+    t.check()
+    run(t, [drop])
+    assert sorted((r["node_id"], r["tier"]) for r in t.describe("k")["replicas"]) == [("a", "dram"), ("b", "ssd")]  # type: ignore[index]
