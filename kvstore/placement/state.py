@@ -180,6 +180,10 @@ class Move:
     pinned: bool = False
     """The block is pinned: its copy must be pinned on the target's daemon too (its inventory is
     what a new master rebuilds from)."""
+    gen: int = 0
+    """The generation of the COPYING replica reserved on ``target``."""
+    source_gen: int = 0
+    """The generation of the replica on ``source`` it is copied from."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +196,8 @@ class NodeCommand:
     """The tier the blocks are in now."""
     keys: tuple[str, ...]
     offsets: tuple[int, ...] = ()
-    """DRAM offsets for PROMOTE."""
+    """DRAM offsets for PROMOTE; for a DROP of copies, the extents they were planned into (the
+    daemon refuses a copy into one of them that comes after the drop found nothing there)."""
     release: bool = False
     """A DROP that evicts nothing: it frees reservations (revoked or expired puts), removed keys,
     conflicting inventory, or the replicas a drain copied elsewhere; not counted as evictions."""

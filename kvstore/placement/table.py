@@ -245,8 +245,10 @@ class PlacementTable:
     def plan_moves(self, node_id: str, limit: int, skip: Collection[str] = ()) -> tuple[list[Move], list[NodeCommand]]:
         return self._moves.plan_moves(node_id, limit, skip)
 
-    def finish_moves(self, source: str, moves: Sequence[Move], done: Sequence[bool]) -> list[NodeCommand]:
-        return self._moves.finish_moves(source, moves, done)
+    def finish_moves(
+        self, source: str, moves: Sequence[Move], done: Sequence[bool], *, answered: bool = True
+    ) -> list[NodeCommand]:
+        return self._moves.finish_moves(source, moves, done, answered=answered)
 
     def plan_replicas(self, keys: Sequence[str], target_node_id: str, max_bytes: int) -> list[Move]:
         return self._moves.plan_replicas(keys, target_node_id, max_bytes)

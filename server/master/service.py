@@ -436,10 +436,11 @@ class MasterService:
             for move in moves:
                 per_target.setdefault(move.target, []).append(move)
             for target, group in per_target.items():
-                done = await self._fetch(target, source, group, "drain") or [False] * len(group)
+                got = await self._fetch(target, source, group, "drain")
+                done = got or [False] * len(group)
                 self._same_term(table, "the drain")
                 failed.update(m.key for m, ok in zip(group, done, strict=True) if not ok)
-                await self._run_commands(table.finish_moves(node_id, group, done), table)
+                await self._run_commands(table.finish_moves(node_id, group, done, answered=got is not None), table)
                 self._same_term(table, "the drain")
         return table.blocks_on(node_id)
 

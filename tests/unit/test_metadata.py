@@ -632,3 +632,45 @@ def test_of_a_key_in_both_tiers_the_copy_that_agrees_with_other_nodes_is_kept() 
     t.check()
     run(t, [drop])
     assert sorted((r["node_id"], r["tier"]) for r in t.describe("k")["replicas"]) == [("a", "dram"), ("b", "ssd")]  # type: ignore[index]
+
+
+def test_a_drain_copy_of_a_key_removed_meanwhile_keeps_its_extent_until_the_target_drops_it() -> None:
+    t = table("a", "b")
+    put(t, "k", node="a")
+    t.start_drain("a")
+    [move], _ = t.plan_moves("a", 10)
+    _, removal = t.remove(["k"])  # while the target copies it
+    drops = t.finish_moves("a", [move], [True])  # the target committed the copy
+    [to_b] = [c for c in drops if c.node_id == "b"]
+    assert (to_b.kind, to_b.keys, to_b.offsets) == (ActionKind.DROP, ("k",), (move.extent.offset,))
+    assert t.nodes["b"].alloc.used == KB  # the target holds the block there until it drops it
+    t.stop_drain("a")
+    [ticket] = put(t, "x", node="b")
+    assert ticket is not None and ticket.replicas[0].offset != move.extent.offset
+    run(t, removal + drops)
+    assert t.describe("k") is None and t.nodes["b"].alloc.used == KB  # only x's
+
+
+def test_an_unanswered_drain_copy_is_dropped_before_its_extent_is_reused() -> None:
+    t = table("a", "b")
+    put(t, "k", node="a")
+    t.start_drain("a")
+    [move], _ = t.plan_moves("a", 10)
+    [drop] = t.finish_moves("a", [move], [False], answered=False)  # the target never answered
+    assert (drop.node_id, drop.keys, drop.offsets) == ("b", ("k",), (move.extent.offset,))
+    t.check()
+    assert t.nodes["b"].alloc.used == KB
+    [loc] = located(t.get_replicas(["k"], 0), ["k"])
+    assert loc is not None and [r.node_id for r in loc.replicas] == ["a"]  # still served from the source
+    run(t, [drop], ok=False)  # the target had nothing there (and will refuse the copy if it comes)
+    assert t.nodes["b"].alloc.used == 0 and t.describe("k")["replicas"][0]["node_id"] == "a"  # type: ignore[index]
+
+
+def test_an_answered_failed_drain_copy_frees_its_extent_and_the_block_stays() -> None:
+    t = table("a", "b")
+    put(t, "k", node="a")
+    t.start_drain("a")
+    [move], _ = t.plan_moves("a", 10)
+    assert t.finish_moves("a", [move], [False]) == []
+    t.check()
+    assert t.nodes["b"].alloc.used == 0 and located(t.get_replicas(["k"], 0), ["k"])[0] is not None
