@@ -634,6 +634,9 @@ class DropBlocks(Message, tag=51, frozen=True):
 
     keys: list[str]
     tier: Literal["", "dram", "ssd"] = ""
+    fences: list[int] = []
+    """For copies the master gave up on (a drain's or a replicate's), per key the DRAM offset the
+    copy was planned into: one that has not arrived is refused when it comes (empty: none)."""
 
 
 class PromoteBlocks(Message, tag=52, frozen=True):

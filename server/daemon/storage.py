@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
@@ -23,6 +24,9 @@ from kvstore.tiers.dram import DramArena
 from kvstore.tiers.ssd import SsdTier
 
 log = logging.getLogger("kvstore.daemon")
+
+MAX_FENCES = 65_536
+"""Copies a daemon remembers as given up (see :meth:`DaemonStorage.drop`)."""
 
 
 class RWLock:
@@ -76,6 +80,7 @@ class WriteBatch:
         checksums: Sequence[int],
         pinned: bool | Sequence[bool],
         join: bool = False,
+        fenced: bool = False,
     ) -> None:
         """``pinned``: for every block, or per block (a drain's copies: each as its source holds it)."""
         if not len(offsets) == len(sizes) == len(checksums) == len(keys) or any(s <= 0 for s in sizes):
@@ -85,7 +90,9 @@ class WriteBatch:
         self._pinned = [pinned] * len(keys) if isinstance(pinned, bool) else list(pinned)
         if len(self._pinned) != len(keys):
             raise InvalidArgument(f"a write batch of {len(keys)} blocks with {len(self._pinned)} pins")
-        self._reserved = storage.begin_writes(list(zip(keys, offsets, sizes, strict=True)), checksums, join=join)
+        self._reserved = storage.begin_writes(
+            list(zip(keys, offsets, sizes, strict=True)), checksums, join=join, fenced=fenced
+        )
         self.targets = [r if isinstance(r, memoryview) else NO_TARGET for r in self._reserved]
         self._open = True
 
@@ -147,6 +154,10 @@ class DaemonStorage:
         drop_ssd_twins(self.arena, self.ssd)
         entries = [*self.arena.entries(), *(self.ssd.entries() if self.ssd else [])]
         self._seq = max((e.seq for e in entries), default=0)
+        self._fences: OrderedDict[tuple[BlockKey, int], None] = OrderedDict()
+        """Copies the master gave up on before they arrived: (key, offset) a fetch must not commit.
+        At most ``MAX_FENCES``, oldest forgotten first (a copy is fetched within seconds of its
+        command, or never)."""
 
     def ssd_health(self) -> tuple[int, int, str]:
         """The SSD tier's capacity now (checked against its disk's free space), its configured one and
@@ -196,12 +207,18 @@ class DaemonStorage:
         checksums: Sequence[int],
         pinned: bool | Sequence[bool] = False,
         join: bool = False,
+        fenced: bool = False,
     ) -> WriteBatch:
-        """``join``: a block already being written at the same extent (by WriteSlices) is committed as it is."""
-        return WriteBatch(self, keys, offsets, sizes, checksums, pinned, join)
+        """``join``: a block already being written at the same extent (by WriteSlices) is committed as it is.
+        ``fenced``: a copy from another daemon, refused where a drop fenced it off (see :meth:`drop`)."""
+        return WriteBatch(self, keys, offsets, sizes, checksums, pinned, join, fenced)
 
     def begin_writes(
-        self, blocks: Sequence[tuple[BlockKey, int, int]], checksums: Sequence[int] | None = None, join: bool = False
+        self,
+        blocks: Sequence[tuple[BlockKey, int, int]],
+        checksums: Sequence[int] | None = None,
+        join: bool = False,
+        fenced: bool = False,
     ) -> list[memoryview | KVStoreError | None]:
         """Reserve each (key, offset, size) in the arena: a writable view, or the error that refused it.
 
@@ -211,6 +228,11 @@ class DaemonStorage:
         out: list[memoryview | KVStoreError | None] = []
         with self.lock.exclusive():
             for i, (key, offset, size) in enumerate(blocks):
+                if fenced and self._fences.pop((key, offset), False) is None:
+                    out.append(
+                        InvalidArgument(f"the copy of block {key!r} into {offset} was dropped before it arrived")
+                    )
+                    continue
                 if join and self.arena.is_pending(key):
                     view = self.arena.pending_view(key, offset, size)
                     out.append(view if view is not None else InvalidArgument(
@@ -349,9 +371,16 @@ class DaemonStorage:
                 moved.update(k for k in keys if k not in self.arena and k in self.ssd)
             return [k in moved for k in keys]
 
-    def drop(self, keys: Sequence[BlockKey], tier: str = "") -> list[bool]:
+    def drop(self, keys: Sequence[BlockKey], tier: str = "", fences: Sequence[int] = ()) -> list[bool]:
         """Delete blocks from whichever tier holds them (DRAM first), or from ``tier`` only ("dram"
-        or "ssd"); False for a block that was not held there."""
+        or "ssd"); False for a block that was not held there.
+
+        ``fences`` (per key, a DRAM offset): these are copies from other daemons that the master
+        gave up on. One that has not arrived (neither stored nor being written in DRAM) is fenced
+        off: a fetch of that key into that offset that comes later is refused, so a copy whose drop
+        was answered never becomes a stored block in an extent the master reuses."""
+        if fences and len(fences) != len(keys):
+            raise InvalidArgument(f"a drop of {len(keys)} blocks with {len(fences)} fences")
         dram, ssd = tier != "ssd", tier != "dram"
         with self.lock.exclusive():
             out = []
@@ -363,14 +392,23 @@ class DaemonStorage:
                 elif dram and self.arena.is_pending(key):
                     self.arena.abort(key)  # a reservation given up (revoked or expired) with slices written
                     out.append(True)
-                elif ssd and self.ssd is not None and key in self.ssd:
-                    on_ssd.append(key)
-                    out.append(True)
                 else:
-                    out.append(False)
+                    if fences:
+                        self._fence(key, fences[len(out)])
+                    if ssd and self.ssd is not None and key in self.ssd:
+                        on_ssd.append(key)
+                        out.append(True)
+                    else:
+                        out.append(False)
             if on_ssd and self.ssd is not None:
                 self.ssd.delete_many(list(dict.fromkeys(on_ssd)))
             return out
+
+    def _fence(self, key: BlockKey, offset: int) -> None:
+        self._fences[(key, offset)] = None
+        self._fences.move_to_end((key, offset))
+        while len(self._fences) > MAX_FENCES:
+            self._fences.popitem(last=False)
 
     def promote(self, keys: Sequence[BlockKey], offsets: Sequence[int]) -> list[bool]:
         """Move SSD blocks into the arena at the master's offsets; False where that failed (block stays on SSD)."""

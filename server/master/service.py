@@ -709,7 +709,9 @@ class MasterService:
             elif command.kind is ActionKind.PROMOTE:
                 message = PromoteBlocks(list(command.keys), list(command.offsets))
             else:
-                message = DropBlocks(list(command.keys), command.tier.value if command.tier_only else "")
+                message = DropBlocks(
+                    list(command.keys), command.tier.value if command.tier_only else "", list(command.offsets)
+                )
             try:
                 reply = await self._daemon(command.node_id).call(message, CommandReply)
             except KVStoreError as exc:

@@ -183,3 +183,16 @@ def test_a_drop_of_one_tier_keeps_the_copy_in_the_other(storage: DaemonStorage) 
     assert storage.drop([K("k")], "ssd") == [True] and storage.drop([K("k")], "ssd") == [False]
     assert [(i.key, i.tier) for i in storage.inventory()] == [("k", "dram")]
     assert storage.drop([K("k")], "dram") == [True] and storage.inventory() == []
+
+
+def test_a_fenced_copy_is_refused_once_and_a_drop_of_one_being_written_aborts_it(storage: DaemonStorage) -> None:
+    data = b"f" * 100
+    assert storage.drop([K("f")], "", [KB]) == [False]  # the copy had not arrived: fenced off
+    other = storage.write_batch([K("f")], [0], [100], [checksum(data)], fenced=True)  # another extent: not fenced
+    other.abort()
+    batch = storage.write_batch([K("f")], [KB], [100], [checksum(data)], fenced=True)
+    assert batch.targets[0].nbytes == 0 and isinstance(batch.finish()[0], InvalidArgument)
+    batch = storage.write_batch([K("f")], [KB], [100], [checksum(data)], fenced=True)  # the fence is spent
+    batch.targets[0][:] = data
+    assert storage.drop([K("f")], "", [KB]) == [True]  # being written: aborted, no fence needed
+    assert isinstance(batch.finish()[0], InvalidArgument) and storage.inventory() == []

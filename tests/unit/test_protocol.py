@@ -104,7 +104,7 @@ def test_a_fetch_from_a_master_that_sends_no_pins_pins_nothing() -> None:
 
 
 def test_a_drop_from_a_master_that_names_no_tier_drops_from_either() -> None:
-    assert P.decode_payload(raw(P.PROTOCOL_VERSION, 1, [P.DropBlocks.KIND, ["k"]]))[1] == P.DropBlocks(["k"], "")
+    assert P.decode_payload(raw(P.PROTOCOL_VERSION, 1, [P.DropBlocks.KIND, ["k"]]))[1] == P.DropBlocks(["k"], "", [])
 
 
 def test_error_reply_carries_the_typed_error() -> None:
