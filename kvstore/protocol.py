@@ -29,6 +29,11 @@ from typing import Any, ClassVar, Literal, NamedTuple, Union
 import msgspec
 
 from kvstore.errors import KVStoreError, ProtocolError, error_from_code
+from kvstore.placement.results import PUT_EXISTS as PUT_EXISTS  # the table's, re-exported
+from kvstore.placement.results import PUT_STORED as PUT_STORED
+from kvstore.placement.results import NodePrefix as NodePrefix
+from kvstore.placement.results import PrefixMatch as PrefixMatch
+from kvstore.placement.results import ReplicaLookup, Ticket
 
 PROTOCOL_VERSION = 10
 MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -81,6 +86,14 @@ class PutTicket(Struct, frozen=True):
     replicas: list[Replica]
     error_code: int
     error: str
+
+    @classmethod
+    def from_ticket(cls, ticket: Ticket) -> PutTicket:
+        """The wire form of the placement table's answer for one key."""
+        return cls(
+            ticket.status, [Replica(r.node_id, r.address, r.tier.value, r.offset, r.size) for r in ticket.replicas],
+            ticket.error_code, ticket.error,
+        )  # fmt: skip
 
 
 class InventoryItem(Struct, frozen=True):
@@ -305,6 +318,14 @@ class GetReplicasReply(Message, tag=31, frozen=True):
     """The lease id of the first hit when the get asked for leases (0 when it did not): the hits'
     leases are consecutive from there, and a reader releases those ids."""
 
+    @classmethod
+    def from_lookup(cls, lookup: ReplicaLookup) -> GetReplicasReply:
+        """The wire form of the placement table's lookup (its lists, as they are)."""
+        return cls(
+            lookup.sizes, lookup.checksums, lookup.counts, lookup.nodes, lookup.addresses, lookup.tiers,
+            lookup.offsets, lookup.lease_ms, lookup.first_lease,
+        )  # fmt: skip
+
     def located(self, keys: Sequence[str]) -> list[LocatedRef | None]:
         """Each key's location (None for a miss), checked for consistency with ``keys``."""
         if not len(self.sizes) == len(self.checksums) == len(self.counts) == len(keys):
@@ -355,25 +376,6 @@ class MatchPrefix(Message, tag=32, frozen=True):
 
 class MatchPrefixReply(Message, tag=33, frozen=True):
     matched: int
-
-
-class NodePrefix(NamedTuple):
-    """How much of a key list one node holds, counted from its first key."""
-
-    dram: int
-    """Leading keys with a readable replica on this node in DRAM."""
-    total: int
-    """Leading keys with a readable replica on this node in any tier (at least ``dram``)."""
-
-
-class PrefixMatch(NamedTuple):
-    """Where the stored prefix of a key list lies: across the cluster, and node by node."""
-
-    longest: int
-    """The cluster-wide longest stored prefix, as ``match_prefix`` answers it: its blocks may be
-    spread over several nodes, so it can exceed every node's ``total``."""
-    nodes: dict[str, NodePrefix]
-    """Each node that holds at least the first key readable; a node absent from it holds 0."""
 
 
 class MatchPrefixNodes(Message, tag=45, frozen=True):
@@ -544,8 +546,7 @@ class CommitGranted(Message, tag=74, frozen=True):
     pinned: bool
 
 
-PUT_STORED, PUT_EXISTS = 0, 1
-"""Per-block codes of a one-trip put in :class:`PutReply` (else an error code of :mod:`kvstore.errors`)."""
+# PUT_STORED, PUT_EXISTS (from the placement table): per-block codes of a one-trip put in :class:`PutReply`.
 
 
 class PutReply(Message, tag=75, frozen=True):
@@ -629,7 +630,14 @@ class DemoteBlocks(Message, tag=50, frozen=True):
 
 
 class DropBlocks(Message, tag=51, frozen=True):
+    """Delete blocks: from whichever tier holds them, or with ``tier`` only from that one (a key
+    held in both tiers keeps its other copy)."""
+
     keys: list[str]
+    tier: Literal["", "dram", "ssd"] = ""
+    fences: list[int] = []
+    """For copies the master gave up on (a drain's or a replicate's), per key the DRAM offset the
+    copy was planned into: one that has not arrived is refused when it comes (empty: none)."""
 
 
 class PromoteBlocks(Message, tag=52, frozen=True):
@@ -640,14 +648,16 @@ class PromoteBlocks(Message, tag=52, frozen=True):
 
 
 class FetchBlocks(Message, tag=54, frozen=True):
-    """Copy blocks from another daemon (a drain): read them by key from ``source`` into the given
-    reserved DRAM extents here, check their checksums and commit them. Answered by a CommandReply."""
+    """Copy blocks from another daemon (a drain, a replicate): read them by key from ``source`` into
+    the given reserved DRAM extents here, check their checksums and commit them, each pinned as
+    ``pinned`` says (empty: none; a master before it sent none). Answered by a CommandReply."""
 
     source: str
     keys: list[str]
     offsets: list[int]
     sizes: list[int]
     checksums: list[int]
+    pinned: list[bool] = []
 
 
 class OpenGrant(Message, tag=55, frozen=True):

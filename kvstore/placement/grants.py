@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from kvstore.allocator import Extent
 from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, KVStoreError, NoNodes, RetryLater
 from kvstore.keys import validate_key
+from kvstore.placement.results import PUT_EXISTS, PUT_STORED
 from kvstore.placement.state import DRAM, Catalog, Grant, NodeCommand, ObjectEntry, ReplicaState
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import Strategy
-from kvstore.protocol import PUT_EXISTS, PUT_STORED
 
 
 @dataclass(slots=True)

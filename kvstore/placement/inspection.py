@@ -3,7 +3,7 @@ counters, and the table's invariants.
 
 Invariants (:meth:`Inspection.check`): a committed, readable replica is in
 exactly its node's tier LRU; each node's allocator holds exactly the extents of
-that node's DRAM replicas (committed, pending, moving or copying) and the
+that node's DRAM replicas (in whatever status) and the
 pieces of its grants; no node holds two replicas of a block; a copy in flight
 is not readable; SSD bytes add up; the leases agree with themselves.
 """
@@ -14,7 +14,7 @@ import heapq
 from collections import Counter
 
 from kvstore.keys import validate_key
-from kvstore.placement.state import DRAM, SSD, Catalog, NodeState, owner_of
+from kvstore.placement.state import DRAM, DROPPING, READY, SSD, Catalog, NodeState, owner_of
 
 
 class Inspection:
@@ -58,14 +58,18 @@ class Inspection:
                 "node_id": r.node_id,
                 "tier": r.tier.value,
                 "offset": r.extent.offset if r.extent is not None and r.tier is DRAM else -1,
-                "moving": r.moving,
-                "dropping": r.dropping,
+                "status": r.status.value,
+                "moving": r.status is not READY,
+                "dropping": r.status is DROPPING,
                 "leased": bool(lru is not None and key in lru and cat.leases.is_leased(r.node_id, r.tier, key)),
                 "node_up": bool(node is not None and node.up),
             })  # fmt: skip
         state = "removing" if entry.removing else "committed" if entry.committed else "writing"
         return {"key": entry.key, "size": entry.size, "checksum": entry.checksum, "pinned": entry.pinned,
                 "state": state, "replicas": replicas}  # fmt: skip
+
+    def stored_keys(self, prefix: str) -> list[str]:
+        return [k for k, e in self.catalog.objects.items() if k.startswith(prefix) and not e.removing]
 
     def keys_page(self, prefix: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
         """Stored keys starting with ``prefix``, in order, after ``after``: one page and the next page's cursor."""
@@ -114,8 +118,6 @@ class Inspection:
         for store in (cat.objects, cat.pending):
             for e in store.values():
                 assert len({r.node_id for r in e.replicas}) == len(e.replicas), f"{e.key}: two replicas on a node"
-                assert all(r.moving for r in e.replicas if r.copying), f"{e.key}: a copy in flight is readable"
-                assert all(r.moving for r in e.replicas if r.dropping), f"{e.key}: a drop in flight is readable"
         for node in cat.nodes.values():
             node.alloc.check()
             extents = sorted(
@@ -133,7 +135,9 @@ class Inspection:
                 for key in node.lru(tier):
                     entry = cat.objects[key]
                     assert entry.committed and not entry.removing, f"{key} in an LRU while not readable"
-                    assert any(r.node_id == node.node_id and r.tier is tier and not r.moving for r in entry.replicas)
+                    assert any(
+                        r.node_id == node.node_id and r.tier is tier and r.status is READY for r in entry.replicas
+                    )
             ssd_bytes = sum(
                 e.size for e in cat.objects.values() for r in e.replicas if r.node_id == node.node_id and r.tier is SSD
             )

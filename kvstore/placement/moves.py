@@ -6,7 +6,7 @@
   another node (or dropped where a copy exists already), then dropped here.
 - ``plan_replicas`` reserves DRAM on a node for copies of stored blocks whose
   other replicas stay (hot blocks near their readers). A copy's replica is
-  ``copying`` (not readable, in no LRU, sent no drop) until ``finish_replicas``
+  COPYING (not readable, in no LRU, sent no drop) until ``finish_replicas``
   applies the target's answer; a block removed meanwhile loses it by a drop.
   A node holds at most one replica of a block.
 """
@@ -16,9 +16,22 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Iterable, Sequence
 
+from kvstore.allocator import Extent
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import validate_key
-from kvstore.placement.state import DRAM, SSD, Catalog, Move, NodeCommand, ReplicaState
+from kvstore.placement.state import (
+    COPYING,
+    DRAM,
+    DROPPING,
+    MOVING,
+    READY,
+    SSD,
+    Catalog,
+    Move,
+    NodeCommand,
+    ObjectEntry,
+    ReplicaState,
+)
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import Writes
 from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName
@@ -84,8 +97,10 @@ class Moves:
         return len(actions), tiering.start_actions(node, actions)
 
     def plan_moves(self, node_id: str, limit: int, skip: Collection[str] = ()) -> tuple[list[Move], list[NodeCommand]]:
-        """Up to ``limit`` blocks of a draining node: copies to make on other nodes (extents reserved
-        there), and drops of replicas that have copies elsewhere already."""
+        """Up to ``limit`` blocks of a draining node: copies to make on other nodes, and drops of
+        replicas that have copies elsewhere already. Each copy reserves an extent on its target for
+        a COPYING replica there (see :meth:`plan_replicas`); the replica here is MOVING (still read
+        by key through its daemon) until :meth:`finish_moves`."""
         cat = self.catalog
         node = cat.nodes.get(node_id)
         if node is None:
@@ -101,8 +116,8 @@ class Moves:
                     continue
                 entry = cat.objects[key]
                 here = next(r for r in entry.replicas if r.node_id == node_id)
-                if any(r.node_id != node_id and not r.moving and cat.nodes[r.node_id].up for r in entry.replicas):
-                    here.moving = here.dropping = True
+                if any(r.node_id != node_id and r.status is READY and cat.nodes[r.node_id].up for r in entry.replicas):
+                    here.to(DROPPING)
                     node.lru(tier).remove(key)
                     drops.setdefault(tier, []).append(key)
                     continue
@@ -111,36 +126,50 @@ class Moves:
                         continue  # one replica per node: a copy is coming in there already
                     extent = target.alloc.alloc(entry.size)
                     if extent is not None:
-                        here.moving = True
+                        here.to(MOVING)
                         node.lru(tier).remove(key)
-                        moves.append(Move(key, entry.size, entry.checksum, tier, target.node_id, extent, node_id))
+                        moves.append(self._copy(entry, here, target.node_id, extent))
                         break
         commands = [NodeCommand(node_id, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()]
         return moves, cat.issue(commands)
 
-    def finish_moves(self, source: str, moves: Sequence[Move], done: Sequence[bool]) -> list[NodeCommand]:
-        """Record the copies a target made: a copied block gains its new replica and the source's is
-        dropped; a failed one frees the reserved extent and stays where it was."""
+    @staticmethod
+    def _copy(entry: ObjectEntry, source: ReplicaState, target: str, extent: Extent) -> Move:
+        """Reserve ``extent`` of ``target`` for a copy of ``entry`` from ``source``: a COPYING replica."""
+        copy = ReplicaState(target, DRAM, extent, COPYING)
+        entry.replicas.append(copy)
+        return Move(
+            entry.key, entry.size, entry.checksum, source.tier, target, extent, source.node_id, entry.pinned,
+            copy.gen, source.gen,
+        )  # fmt: skip
+
+    def finish_moves(
+        self, source: str, moves: Sequence[Move], done: Sequence[bool], *, answered: bool = True
+    ) -> list[NodeCommand]:
+        """Record the copies a drain's target made (``done[i]``: the block is committed there): a
+        copied block gains its new replica and the source's is dropped; one that was not copied
+        stays where it was. What becomes of the copy itself is :meth:`finish_replicas`'s rule: an
+        extent that the target may hold a block in (the copy was made but its key removed meanwhile,
+        or the target never answered) is freed only once the target confirms a drop of it."""
         cat = self.catalog
-        drops: dict[TierName, list[str]] = {}
-        for move, ok in zip(moves, done, strict=True):
-            entry = cat.objects.get(move.key)
-            target = cat.nodes.get(move.target)
-            here = next((r for r in entry.replicas if r.node_id == source), None) if entry else None
-            if entry is None or here is None or entry.removing or target is None or not ok:
-                if target is not None:
-                    target.alloc.free(move.extent)
-                if entry is not None and here is not None and not entry.removing and source in cat.nodes:
-                    here.moving = False
-                    cat.nodes[source].lru(here.tier).insert(move.key, entry.size)
-                continue
-            entry.replicas.append(ReplicaState(move.target, DRAM, move.extent))
-            target.dram_lru.insert(move.key, entry.size)
-            if entry.pinned:
-                target.dram_lru.pin(move.key)
-            here.dropping = True  # copied: the new replica serves it from now on
-            drops.setdefault(here.tier, []).append(move.key)
-        return cat.issue([NodeCommand(source, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()])
+        copied, drops = self.finish_replicas(moves, done, answered=answered)
+        made = {id(m) for m in copied}
+        per_tier: dict[TierName, list[str]] = {}
+        for move in moves:
+            found = cat.replica(move.key, source, move.source_gen)
+            if found is None:
+                continue  # the source left or re-registered, or the block was removed and its drop is done
+            entry, here = found
+            if here.status is not MOVING or entry.removing:
+                continue  # removed meanwhile: its drop is on its way
+            if id(move) in made:
+                here.to(DROPPING)  # copied: the new replica serves it from now on
+                per_tier.setdefault(here.tier, []).append(move.key)
+            else:
+                here.to(READY)
+                cat.nodes[source].lru(here.tier).insert(move.key, entry.size)
+        back = [NodeCommand(source, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in per_tier.items()]
+        return drops + cat.issue(back)
 
     def plan_replicas(self, keys: Sequence[str], target_node_id: str, max_bytes: int) -> list[Move]:
         """Copies of stored blocks to add in the DRAM of ``target_node_id``, other replicas kept.
@@ -149,8 +178,9 @@ class Moves:
         the target, is skipped. Each copy reserves an extent on the target without evicting
         anything and without filling it past the high watermark; planning stops at the first key
         that does not fit, or that would take the copied bytes past ``max_bytes``. A down or
-        draining target gets nothing. The reserved replica is ``copying`` (not readable, in no
-        LRU) until :meth:`finish_replicas`; each move's source is a readable replica, DRAM first.
+        draining target gets nothing. The reserved replica is COPYING (not readable, in no LRU,
+        sent no drop) until :meth:`finish_replicas`; each move's source is a readable replica,
+        DRAM first.
         """
         cat = self.catalog
         target = cat.nodes.get(target_node_id)
@@ -177,9 +207,7 @@ class Moves:
             if extent is None:
                 break
             budget -= entry.size
-            source = min(sources, key=lambda r: r.tier is not DRAM)
-            entry.replicas.append(ReplicaState(target_node_id, DRAM, extent, moving=True, copying=True))
-            moves.append(Move(key, entry.size, entry.checksum, source.tier, target_node_id, extent, source.node_id))
+            moves.append(self._copy(entry, min(sources, key=lambda r: r.tier is not DRAM), target_node_id, extent))
         return moves
 
     def finish_replicas(
@@ -189,38 +217,41 @@ class Moves:
 
         A copied block gains its replica: readable, in the target's DRAM LRU (pinned if the block
         is). A copy that failed frees its extent at once; with ``answered=False`` (the target never
-        answered, and may yet hold the block) the target is told to drop it instead, and the
-        extent is freed when it confirms. A block removed meanwhile gains nothing: a copy that was
-        made is dropped the same way. Returns the copies that became replicas, and the drops to send.
+        answered, and may yet hold the block, or commit it later) the target is told to drop it
+        instead, and the extent is freed when it confirms. A block removed meanwhile gains
+        nothing: a copy that was made is dropped the same way. A drop of a copy names the extent
+        it was planned into: a daemon that does not hold the block there yet refuses the copy if
+        it comes later, so a copy whose drop was planned never becomes a committed block. Returns
+        the copies that became replicas, and the drops to send.
         """
         cat = self.catalog
         if len(done) != len(moves):
             raise InvalidArgument(f"{len(done)} results for {len(moves)} copies")
         copied: list[Move] = []
-        drops: dict[str, list[str]] = {}
+        drops: dict[str, list[Move]] = {}
         for move, ok in zip(moves, done, strict=True):
-            entry = cat.objects.get(move.key)
+            found = cat.replica(move.key, move.target, move.gen)
             target = cat.nodes.get(move.target)
-            replica = None
-            if entry is not None:
-                replica = next(
-                    (r for r in entry.replicas if r.node_id == move.target and r.copying and r.extent == move.extent),
-                    None,
-                )
-            if entry is None or target is None or replica is None:
+            if found is None or target is None or found[1].status is not COPYING:
                 continue  # the target left or re-registered: its inventory replaced this copy
-            replica.copying = False
+            entry, replica = found
             if ok and not entry.removing:
-                replica.moving = False
+                replica.to(READY)
                 target.dram_lru.insert(move.key, entry.size)
                 if entry.pinned:
                     target.dram_lru.pin(move.key)
                 copied.append(move)
             elif ok or not answered:
-                replica.dropping = True  # neither readable nor counted until the drop is applied
-                drops.setdefault(move.target, []).append(move.key)  # the extent is freed once the drop is applied
+                replica.to(DROPPING)  # neither readable nor counted until the drop is applied
+                drops.setdefault(move.target, []).append(move)  # the extent is freed once the drop is applied
             else:
-                cat.drop_replica(move.key, move.target)
+                cat.drop_replica(move.key, move.target, gen=move.gen)
         return copied, cat.issue(
-            [NodeCommand(n, ActionKind.DROP, DRAM, tuple(ks), release=True) for n, ks in drops.items()]
-        )
+            [
+                NodeCommand(
+                    n, ActionKind.DROP, DRAM, tuple(m.key for m in ms), tuple(m.extent.offset for m in ms),
+                    release=True, gens=tuple(m.gen for m in ms),
+                )
+                for n, ms in drops.items()
+            ]
+        )  # fmt: skip

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from kvstore.allocator import Allocator, Extent
 from kvstore.errors import InvalidArgument, InvalidKey
 from kvstore.keys import validate_key
+from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
 from kvstore.policy import ActionKind, TierName
-from kvstore.protocol import InventoryItem
 
 MAX_NODE_BYTES = 1 << 50
 """Bound on a node's tier capacities and block sizes (1 PiB): beyond it a registration is refused."""
@@ -57,14 +57,18 @@ class Membership:
         dram_capacity: int,
         ssd_capacity: int,
         alignment: int,
-        inventory: Sequence[InventoryItem],
+        inventory: Sequence[HeldBlock],
         now_ms: int,
         max_blocks: int = 0,
     ) -> list[NodeCommand]:
         """(Re)build what the table knows of ``node_id`` from its inventory (oldest use first).
 
         Returns drops for blocks the table cannot adopt: a key that another
-        node holds with other bytes, or an extent that overlaps another.
+        node holds with other bytes, an extent that overlaps another, or the
+        second copy of a key the daemon holds in both tiers (a demotion or
+        promotion cut short): the DRAM one is kept unless it disagrees with the
+        bytes other nodes hold. Each drop names its tier, so that the daemon
+        drops that copy and not the one kept.
         """
         cat = self.catalog
         validate_key(node_id)
@@ -75,7 +79,7 @@ class Membership:
         alloc = Allocator(dram_capacity, alignment)
         node = NodeState(node_id, address, alloc, ssd_capacity, last_seen_ms=now_ms, max_blocks=max_blocks)
         conflicts: dict[TierName, list[str]] = {DRAM: [], SSD: []}
-        dram_items = sorted((i for i in inventory if i.tier == "dram"), key=lambda i: i.offset)
+        dram_items = sorted((i for i in inventory if i.tier is DRAM), key=lambda i: i.offset)
         extents: list[tuple[int, int]] = []
         end = 0
         adopted: set[str] = set()
@@ -88,13 +92,18 @@ class Membership:
                 adopted.add(item.key)
         node.alloc = Allocator.rebuild(dram_capacity, alignment, extents)
         cat.nodes[node_id] = node
-        for item in inventory:
-            tier = DRAM if item.tier == "dram" else SSD
+        # DRAM first: of a key in both tiers, the DRAM copy is kept when it agrees with the table.
+        for item in [i for i in inventory if i.tier is DRAM] + [i for i in inventory if i.tier is SSD]:
+            tier = item.tier
             if tier is DRAM and item.key not in adopted:
                 continue
             entry = cat.objects.get(item.key) or cat.pending.get(item.key)
             if entry is not None and (
-                not entry.committed or entry.removing or entry.size != item.size or entry.checksum != item.checksum
+                not entry.committed
+                or entry.removing
+                or entry.size != item.size
+                or entry.checksum != item.checksum
+                or any(r.node_id == node_id for r in entry.replicas)  # its copy in the other tier is kept
             ):
                 conflicts[tier].append(item.key)
                 if tier is DRAM:
@@ -113,7 +122,9 @@ class Membership:
                 node.ssd_used += item.size
         return commands + cat.issue(
             [
-                NodeCommand(node_id, ActionKind.DROP, tier, tuple(keys), release=True)
+                NodeCommand(
+                    node_id, ActionKind.DROP, tier, tuple(keys), release=True, tier_only=True, gens=(0,) * len(keys)
+                )
                 for tier, keys in conflicts.items()
                 if keys
             ]

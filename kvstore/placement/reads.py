@@ -30,10 +30,10 @@ from collections.abc import Iterable, Sequence
 from kvstore.errors import InvalidArgument
 from kvstore.keys import validate_key
 from kvstore.placement.leases import LeaseId
-from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry, ReplicaState
+from kvstore.placement.results import NodePrefix, PrefixMatch, ReplicaLookup
+from kvstore.placement.state import COPYING, DRAM, DROPPING, READY, SSD, Catalog, NodeCommand, ObjectEntry, ReplicaState
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import EvictionPolicy
-from kvstore.protocol import GetReplicasReply, NodePrefix, PrefixMatch
 
 
 class Reads:
@@ -48,17 +48,17 @@ class Reads:
         self.lease_ms = lease_ms
         self.hold_ms = hold_ms
 
-    def get_replicas(self, keys: Sequence[str], now_ms: int, lease: bool = True) -> GetReplicasReply:
+    def get_replicas(self, keys: Sequence[str], now_ms: int, lease: bool = True) -> ReplicaLookup:
         """Readable replicas of each key (DRAM first), leased for ``lease_ms`` when ``lease``; a miss
         has size -1. (A reader through the daemon needs no lease: the daemon copies under its lock.)
 
-        Built straight in the flat wire form: this is the hottest call of the master.
+        Built flat, as the wire form is: this is the hottest call of the master.
         """
         cat = self.catalog
         checked = [validate_key(k) for k in keys]
         # One get's leases are consecutive ids: the reply names the first, the reader releases them.
         first = cat.leases.next_id if lease else 0
-        reply = GetReplicasReply([], [], [], [], [], [], [], self.lease_ms, first)
+        reply = ReplicaLookup(lease_ms=self.lease_ms, first_lease=first)
         sizes, checksums, counts = reply.sizes, reply.checksums, reply.counts
         expiry = now_ms + self.lease_ms
         counters = cat.counters
@@ -110,7 +110,7 @@ class Reads:
             self._hold(held, now_ms)  # after the reader's own leases, whose ids must be consecutive
         return reply
 
-    def _by_key(self, reply: GetReplicasReply, entry: ObjectEntry, moving: list[ReplicaState]) -> None:
+    def _by_key(self, reply: ReplicaLookup, entry: ObjectEntry, moving: list[ReplicaState]) -> None:
         """Answer a hit on a block whose replicas are all mid-move: as replicas with no extent (a
         reader then asks the daemon for the key, and it copies from whichever tier holds it under
         its lock), unleased (a lease could not stop a move under way)."""
@@ -171,7 +171,7 @@ class Reads:
             entry = cat.objects.get(key)
             if entry is None or entry.removing or not entry.committed:
                 continue
-            replica = next((r for r in entry.replicas if r.node_id == node_id and not r.moving), None)
+            replica = next((r for r in entry.replicas if r.node_id == node_id and r.status is READY), None)
             if replica is None:
                 continue
             counters["gets"] += 1
@@ -220,13 +220,13 @@ class Reads:
                 break
             readable = False
             for r in entry.replicas:
-                if r.copying or r.dropping or not nodes[r.node_id].up:
+                if r.status is COPYING or r.status is DROPPING or not nodes[r.node_id].up:
                     continue
                 readable = True
                 node_id = r.node_id
                 if total.get(node_id, 0) == i:
                     total[node_id] = i + 1
-                    if r.tier is DRAM and not r.moving and dram.get(node_id, 0) == i:
+                    if r.tier is DRAM and r.status is READY and dram.get(node_id, 0) == i:
                         dram[node_id] = i + 1
             if not readable:
                 longest = i

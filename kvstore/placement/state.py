@@ -8,9 +8,11 @@ issuing commands, revoking puts, dropping a replica once a daemon confirmed).
 
 from __future__ import annotations
 
+import enum
+import itertools
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstore.allocator import Allocator, Extent
 from kvstore.lru import LRU
@@ -20,21 +22,73 @@ from kvstore.policy import ActionKind, TierName
 DRAM, SSD = TierName.DRAM, TierName.SSD
 
 
+_GENERATIONS = itertools.count(1)
+"""Generations of replicas and of nodes' registrations: unique in the process, never 0."""
+
+
+def new_generation() -> int:
+    return next(_GENERATIONS)
+
+
+class ReplicaStatus(enum.Enum):
+    """Where a replica is in its life; :data:`TRANSITIONS` lists the steps it may take.
+
+    Only READY replicas of committed keys are in their node's tier LRU and handed out with
+    their extent; every other status is out of the LRU, so no policy picks it twice.
+    """
+
+    READY = "ready"
+    """Where the table says: readable once its key is committed."""
+    MOVING = "moving"
+    """A demotion or promotion is in flight, or a drain is copying it to another node: readable
+    only by key through its daemon, which holds it in one tier or the other (:meth:`Catalog.in_motion`)."""
+    COPYING = "copying"
+    """Being copied in from another node (a replicate or a drain): its daemon is told nothing about
+    it until the copy is answered, and nothing reads it."""
+    DROPPING = "dropping"
+    """A drop is in flight: as far as reads and prefix matches go it is gone already; its room is
+    freed, and it leaves its key, once the daemon confirms."""
+
+
+TRANSITIONS: dict[ReplicaStatus, frozenset[ReplicaStatus]] = {
+    ReplicaStatus.READY: frozenset({ReplicaStatus.MOVING, ReplicaStatus.DROPPING}),
+    ReplicaStatus.MOVING: frozenset({ReplicaStatus.READY, ReplicaStatus.DROPPING}),
+    ReplicaStatus.COPYING: frozenset({ReplicaStatus.READY, ReplicaStatus.DROPPING}),
+    ReplicaStatus.DROPPING: frozenset(),
+}
+"""A replica starts READY (placed by a put, found in an inventory) or COPYING (a copy planned);
+a DROPPING one only ever leaves its key, when its daemon confirms the drop."""
+
+
 @dataclass(slots=True)
 class ReplicaState:
+    """One replica of a key on one node. ``status`` changes only through :meth:`to`."""
+
     node_id: str
     tier: TierName
     extent: Extent | None
     """The DRAM extent; None on SSD (during a promotion: the extent it will land in)."""
-    moving: bool = False
-    """A demotion, drop or promotion of this replica is in flight: not in an LRU, and readable only
-    by key through its daemon (see :meth:`Catalog.in_motion`)."""
-    copying: bool = False
-    """Being copied in from another node (a replicate; also ``moving``): its daemon is told nothing
-    about it until the copy is answered, so that no drop overtakes the copy."""
-    dropping: bool = False
-    """A drop of this replica is in flight (an eviction, or a drain's where a copy exists; also
-    ``moving``): as far as reads and prefix matches go it is gone already."""
+    status: ReplicaStatus = ReplicaStatus.READY
+    gen: int = field(default_factory=new_generation)
+    """This replica's own number: a command names the replicas it was planned for by it, so an
+    answer that comes back after the key was removed and put again (or its node re-registered)
+    is not taken for the new replica's."""
+
+    def to(self, status: ReplicaStatus) -> None:
+        assert status in TRANSITIONS[self.status], f"replica on {self.node_id}: {self.status} -> {status}"
+        self.status = status
+
+    @property
+    def ready(self) -> bool:
+        return self.status is ReplicaStatus.READY
+
+
+READY, MOVING, COPYING, DROPPING = (
+    ReplicaStatus.READY,
+    ReplicaStatus.MOVING,
+    ReplicaStatus.COPYING,
+    ReplicaStatus.DROPPING,
+)
 
 
 @dataclass(slots=True)
@@ -83,6 +137,9 @@ class NodeState:
     """The SSD tier's configured capacity; ``ssd_capacity`` is lower while its disk is short (-1: the same)."""
     ssd_fault: str = ""
     """Why the SSD tier holds less than configured, as its daemon reports it ("" while healthy)."""
+    gen: int = field(default_factory=new_generation)
+    """This registration's number: answers to commands planned before the node re-registered are
+    void (its inventory replaced what they were planned on)."""
 
     def lru(self, tier: TierName) -> LRU[str]:
         return self.dram_lru if tier is DRAM else self.ssd_lru
@@ -120,6 +177,13 @@ class Move:
     target: str
     extent: Extent
     source: str
+    pinned: bool = False
+    """The block is pinned: its copy must be pinned on the target's daemon too (its inventory is
+    what a new master rebuilds from)."""
+    gen: int = 0
+    """The generation of the COPYING replica reserved on ``target``."""
+    source_gen: int = 0
+    """The generation of the replica on ``source`` it is copied from."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,12 +196,21 @@ class NodeCommand:
     """The tier the blocks are in now."""
     keys: tuple[str, ...]
     offsets: tuple[int, ...] = ()
-    """DRAM offsets for PROMOTE."""
+    """DRAM offsets for PROMOTE; for a DROP of copies, the extents they were planned into (the
+    daemon refuses a copy into one of them that comes after the drop found nothing there)."""
     release: bool = False
     """A DROP that evicts nothing: it frees reservations (revoked or expired puts), removed keys,
     conflicting inventory, or the replicas a drain copied elsewhere; not counted as evictions."""
     sizes: tuple[int, ...] = ()
     """Block sizes, for an eviction (its bytes are counted as leaving until it is applied)."""
+    tier_only: bool = False
+    """A DROP of the copy in ``tier`` only (the daemon may hold another, in the other tier, that
+    stays); otherwise a drop takes the block from whichever tier holds it."""
+    gens: tuple[int, ...] = ()
+    """Per key, the generation of the replica the command was planned for (0: none in the table,
+    as for inventory it could not adopt); set by :meth:`Catalog.issue` unless given."""
+    node_gen: int = 0
+    """The generation of the node's registration it was planned on; set by :meth:`Catalog.issue`."""
 
 
 COUNTERS = (
@@ -227,7 +300,7 @@ class Catalog:
     def readable(self, entry: ObjectEntry | None) -> list[ReplicaState]:
         if entry is None or entry.removing or not entry.committed:
             return []
-        return [r for r in entry.replicas if not r.moving and self.nodes[r.node_id].up]
+        return [r for r in entry.replicas if r.status is READY and self.nodes[r.node_id].up]
 
     def in_motion(self, entry: ObjectEntry | None) -> list[ReplicaState]:
         """Replicas of a committed block between tiers (a demotion, a promotion, or a drain's copy
@@ -238,7 +311,7 @@ class Catalog:
         if entry is None or entry.removing or not entry.committed:
             return []
         nodes = self.nodes
-        return [r for r in entry.replicas if r.moving and not (r.copying or r.dropping) and nodes[r.node_id].up]
+        return [r for r in entry.replicas if r.status is MOVING and nodes[r.node_id].up]
 
     def found(self, entry: ObjectEntry | None) -> bool:
         """Whether a read finds the committed block: through a replica :meth:`readable` or
@@ -246,7 +319,7 @@ class Catalog:
         if entry is None or entry.removing or not entry.committed:
             return False
         nodes = self.nodes
-        return any(not (r.copying or r.dropping) and nodes[r.node_id].up for r in entry.replicas)
+        return any(r.status in (READY, MOVING) and nodes[r.node_id].up for r in entry.replicas)
 
     def touch(self, entry: ObjectEntry) -> None:
         self.clock += 1
@@ -263,12 +336,30 @@ class Catalog:
         return any(r.node_id == node.node_id for e in self.pending.values() for r in e.replicas)
 
     def issue(self, commands: list[NodeCommand]) -> list[NodeCommand]:
-        """Count commands as in flight on their nodes until :meth:`PlacementTable.apply` sees their answers."""
+        """Name the replicas and the node registration each command is planned for (the replicas
+        the keys have on its node now), and count the commands as in flight on their nodes until
+        :meth:`PlacementTable.apply` sees their answers."""
+        out = []
         for c in commands:
             node = self.nodes.get(c.node_id)
             if node is not None:
                 node.inflight += len(c.keys)
-        return commands
+            gens = c.gens or tuple(self._replica_gen(key, c.node_id) for key in c.keys)
+            out.append(replace(c, gens=gens, node_gen=node.gen if node is not None else 0))
+        return out
+
+    def _replica_gen(self, key: str, node_id: str) -> int:
+        entry = self.objects.get(key) or self.pending.get(key)
+        replica = next((r for r in entry.replicas if r.node_id == node_id), None) if entry is not None else None
+        return replica.gen if replica is not None else 0
+
+    def replica(self, key: str, node_id: str, gen: int) -> tuple[ObjectEntry, ReplicaState] | None:
+        """The key's replica of generation ``gen`` on ``node_id``, with its entry; None when it is gone."""
+        entry = self.objects.get(key) or self.pending.get(key)
+        if entry is None:
+            return None
+        replica = next((r for r in entry.replicas if r.node_id == node_id and r.gen == gen), None)
+        return (entry, replica) if replica is not None else None
 
     def revoke(self, entries: Sequence[ObjectEntry]) -> list[NodeCommand]:
         """Give up puts: their daemons must drop whatever was written before the extents are reused."""
@@ -281,13 +372,14 @@ class Catalog:
             [NodeCommand(n, ActionKind.DROP, DRAM, tuple(keys), release=True) for n, keys in per_node.items()]
         )
 
-    def drop_replica(self, key: str, node_id: str, evicted: bool = False) -> None:
-        """The daemon confirmed the replica on ``node_id`` gone: free its room; the key goes with its last."""
+    def drop_replica(self, key: str, node_id: str, evicted: bool = False, gen: int = 0) -> None:
+        """The daemon confirmed the replica on ``node_id`` (of generation ``gen``; 0: whichever it
+        is) gone: free its room; the key goes with its last."""
         entry = self.objects.get(key) or self.pending.get(key)
         node = self.nodes.get(node_id)
         if entry is None:
             return
-        for r in [r for r in entry.replicas if r.node_id == node_id]:
+        for r in [r for r in entry.replicas if r.node_id == node_id and gen in (0, r.gen)]:
             entry.replicas.remove(r)
             if node is not None:
                 lru = node.lru(r.tier)

@@ -25,25 +25,26 @@ another key. The invariants are those of :mod:`kvstore.placement.inspection`.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from types import MappingProxyType
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, NotFound
 from kvstore.placement.grants import GrantPlan, Grants
 from kvstore.placement.inspection import Inspection
 from kvstore.placement.moves import Moves
 from kvstore.placement.nodes import Membership
 from kvstore.placement.reads import Reads
-from kvstore.placement.state import Catalog, Move, NodeCommand, NodeState
+from kvstore.placement.results import HeldBlock, PrefixMatch, ReplicaLookup
+from kvstore.placement.state import Catalog, Grant, Move, NodeCommand, NodeState, ObjectEntry
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import PLACEMENT_STRATEGIES, PutPlan, Writes
 from kvstore.policy import EvictionPolicy, TierName
-from kvstore.protocol import GetReplicasReply, InventoryItem, PrefixMatch
 
 
 class PlacementTable:
-    """The parts of the table, composed over one catalog; its containers (``nodes``, ``objects``,
-    ``grants``, ``draining``, ``counters``, ``leases``) are the catalog's own, for readers. Only an
-    operator's drain changes ``draining`` from outside."""
+    """The parts of the table, composed over one catalog. Readers get read-only views of its
+    containers (``nodes``, ``objects``, ``grants``, ``counters``) and query methods; every change
+    goes through a verb (an operator's drain: :meth:`start_drain`)."""
 
     def __init__(
         self,
@@ -63,12 +64,11 @@ class PlacementTable:
         rng = random.Random(seed)  # one stream for puts and grants alike
         catalog = Catalog(lease_ms=lease_ms)
         self._catalog = catalog
-        self.nodes = catalog.nodes
-        self.objects = catalog.objects
-        self._pending = catalog.pending
-        self.grants = catalog.grants
-        self.draining = catalog.draining
-        self.counters = catalog.counters
+        self.nodes: Mapping[str, NodeState] = MappingProxyType(catalog.nodes)
+        self.objects: Mapping[str, ObjectEntry] = MappingProxyType(catalog.objects)
+        self.pending: Mapping[str, ObjectEntry] = MappingProxyType(catalog.pending)
+        self.grants: Mapping[int, Grant] = MappingProxyType(catalog.grants)
+        self.counters: Mapping[str, int] = MappingProxyType(catalog.counters)
         self.leases = catalog.leases
         self._tiering = Tiering(catalog, policy)
         self._membership = Membership(catalog, ttl_ms=node_ttl_ms)
@@ -110,7 +110,7 @@ class PlacementTable:
         dram_capacity: int,
         ssd_capacity: int,
         alignment: int,
-        inventory: Sequence[InventoryItem],
+        inventory: Sequence[HeldBlock],
         now_ms: int,
         max_blocks: int = 0,
     ) -> list[NodeCommand]:
@@ -129,6 +129,21 @@ class PlacementTable:
 
     def up_nodes(self) -> list[NodeState]:
         return self._catalog.up_nodes()
+
+    def start_drain(self, node_id: str) -> None:
+        """Take ``node_id`` out of placement: no new block or grant goes there, and
+        :meth:`plan_moves` moves its blocks elsewhere. It stays out until :meth:`stop_drain`
+        (or until it leaves)."""
+        if node_id not in self._catalog.nodes:
+            raise NotFound(f"node {node_id!r} is not registered")
+        self._catalog.draining.add(node_id)
+
+    def stop_drain(self, node_id: str) -> None:
+        """Put a drained node back into placement."""
+        self._catalog.draining.discard(node_id)
+
+    def is_draining(self, node_id: str) -> bool:
+        return node_id in self._catalog.draining
 
     def expire(self, now_ms: int) -> list[NodeCommand]:
         """Mark silent nodes down, end expired leases and reservations; returns the drops and promotions due."""
@@ -188,7 +203,7 @@ class PlacementTable:
         return self._grants.commit_granted(node_id, grant_id, keys, offsets, sizes, checksums, pinned)
 
     # -- reads ---------------------------------------------------------------------------------
-    def get_replicas(self, keys: Sequence[str], now_ms: int, lease: bool = True) -> GetReplicasReply:
+    def get_replicas(self, keys: Sequence[str], now_ms: int, lease: bool = True) -> ReplicaLookup:
         return self._reads.get_replicas(keys, now_ms, lease)
 
     def release_leases(self, lease_ids: Iterable[int]) -> list[NodeCommand]:
@@ -230,8 +245,10 @@ class PlacementTable:
     def plan_moves(self, node_id: str, limit: int, skip: Collection[str] = ()) -> tuple[list[Move], list[NodeCommand]]:
         return self._moves.plan_moves(node_id, limit, skip)
 
-    def finish_moves(self, source: str, moves: Sequence[Move], done: Sequence[bool]) -> list[NodeCommand]:
-        return self._moves.finish_moves(source, moves, done)
+    def finish_moves(
+        self, source: str, moves: Sequence[Move], done: Sequence[bool], *, answered: bool = True
+    ) -> list[NodeCommand]:
+        return self._moves.finish_moves(source, moves, done, answered=answered)
 
     def plan_replicas(self, keys: Sequence[str], target_node_id: str, max_bytes: int) -> list[Move]:
         return self._moves.plan_replicas(keys, target_node_id, max_bytes)
@@ -247,6 +264,18 @@ class PlacementTable:
 
     def describe(self, key: str) -> dict[str, object] | None:
         return self._inspection.describe(key)
+
+    def num_objects(self) -> int:
+        """Stored keys (committed, and being removed until their daemons confirm)."""
+        return len(self._catalog.objects)
+
+    def stored_keys(self, prefix: str) -> list[str]:
+        """Every stored key (not being removed) that starts with ``prefix``, in no order."""
+        return self._inspection.stored_keys(prefix)
+
+    def node_usage(self) -> list[dict[str, dict[str, int]]]:
+        """:meth:`tier_usage` of every registered node."""
+        return [self._inspection.tier_usage(n) for n in self._catalog.nodes.values()]
 
     def keys_page(self, prefix: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
         return self._inspection.keys_page(prefix, after, limit)

@@ -2,7 +2,7 @@
 promoting SSD blocks read often, and recording what daemons did with the commands.
 
 An extent is reused only after its daemon has confirmed that the block in it
-is gone: an evicted or promoted replica is ``moving`` (not readable, in no
+is gone: an evicted or promoted replica is MOVING or DROPPING (not readable, in no
 LRU) until the daemon's answer is applied. So a daemon never holds a block in
 an extent that the master gave to another key. A leased replica is never
 evicted, demoted or promoted: the policy sees the leases through its tier views.
@@ -14,7 +14,18 @@ from collections.abc import Sequence
 
 from kvstore.allocator import Extent
 from kvstore.errors import InvalidArgument
-from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
+from kvstore.placement.state import (
+    DRAM,
+    DROPPING,
+    MOVING,
+    READY,
+    SSD,
+    Catalog,
+    NodeCommand,
+    NodeState,
+    ObjectEntry,
+    ReplicaState,
+)
 from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
 
 
@@ -74,8 +85,7 @@ class Tiering:
             entry = cat.objects[action.key]
             for r in entry.replicas:
                 if r.node_id == node.node_id:
-                    r.moving = True
-                    r.dropping = action.kind is ActionKind.DROP
+                    r.to(DROPPING if action.kind is ActionKind.DROP else MOVING)
             node.lru(action.tier).remove(action.key)
             groups.setdefault((action.kind, action.tier), []).append((action.key, action.size))
         return cat.issue(
@@ -113,7 +123,7 @@ class Tiering:
             extent = node.alloc.alloc(entry.size)
             if extent is None:
                 continue
-            ssd[0].moving = True
+            ssd[0].to(MOVING)
             node.ssd_lru.remove(key)
             ssd[0].extent = extent  # where it will land; the tier changes when the daemon confirms
             per_node.setdefault(node.node_id, []).append((key, extent.offset))
@@ -131,16 +141,16 @@ class Tiering:
         if len(done) != len(command.keys):
             raise InvalidArgument(f"{len(done)} results for a command of {len(command.keys)} keys")
         node = cat.nodes.get(command.node_id)
-        if node is None:
-            return  # the node left; its inventory will replace this state
+        if node is None or node.gen != command.node_gen:
+            return  # the node left or re-registered: its inventory replaced what this was planned on
         node.inflight = max(0, node.inflight - len(command.keys))
         for size in command.sizes:
             self._count_eviction(node, command.kind, command.tier, size, -1)
-        for key, ok in zip(command.keys, done, strict=True):
-            entry = cat.objects.get(key) or cat.pending.get(key)
-            replica = next((r for r in entry.replicas if r.node_id == node.node_id), None) if entry else None
-            if entry is None or replica is None:
-                continue
+        for key, gen, ok in zip(command.keys, command.gens, done, strict=True):
+            found = cat.replica(key, node.node_id, gen)
+            if found is None:
+                continue  # not the replica it was planned for: that one is gone already
+            entry, replica = found
             if command.kind is ActionKind.PROMOTE:
                 self._finish_promote(node, entry, replica, ok)
             elif command.kind is ActionKind.DEMOTE and ok:
@@ -150,15 +160,15 @@ class Tiering:
                 node.ssd_used += entry.size
                 if not entry.removing:
                     node.ssd_lru.insert(key, entry.size)
-                replica.moving = False
+                replica.to(READY)
                 cat.counters["demotions"] += 1
             else:
                 # A failed demotion: the daemon dropped the block instead (its SSD is full or failing).
                 cat.counters["demotions_failed"] += command.kind is ActionKind.DEMOTE
-                cat.drop_replica(key, node.node_id, evicted=not command.release)
+                cat.drop_replica(key, node.node_id, evicted=not command.release, gen=gen)
 
     def _finish_promote(self, node: NodeState, entry: ObjectEntry, replica: ReplicaState, ok: bool) -> None:
-        replica.moving = False
+        replica.to(READY)
         assert replica.extent is not None
         if ok:
             replica.tier = DRAM

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, RetryLater
 from kvstore.keys import BlockKey, validate_key
 from kvstore.placement.leases import LeaseId
-from kvstore.placement.state import DRAM, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
+from kvstore.placement.results import PlacedReplica, Ticket
+from kvstore.placement.state import COPYING, DRAM, DROPPING, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import ActionKind, TierName
-from kvstore.protocol import PutTicket, Replica
 
 Strategy = Callable[[list[NodeState], str | None, random.Random], list[NodeState]]
 """Orders the nodes a put or a grant may go to, most preferred first."""
@@ -53,15 +53,15 @@ PLACEMENT_STRATEGIES: dict[str, Strategy] = {
 
 @dataclass(slots=True)
 class PutPlan:
-    tickets: list[PutTicket | None]
+    tickets: list[Ticket | None]
     """One per key; None for a key waiting for evictions."""
     commands: list[NodeCommand]
     waiting: list[int]
     """Indexes of keys to ask again for once ``commands`` are applied."""
 
 
-def _ticket_error(exc: KVStoreError) -> PutTicket:
-    return PutTicket("error", [], exc.code, str(exc))
+def _ticket_error(exc: KVStoreError) -> Ticket:
+    return Ticket("error", [], exc.code, str(exc))
 
 
 class Writes:
@@ -111,7 +111,7 @@ class Writes:
         now_ms: int,
         plan: PutPlan,
         i: int,
-    ) -> PutTicket | None:
+    ) -> Ticket | None:
         cat = self.catalog
         existing = cat.objects.get(key) or cat.pending.get(key)
         if existing is not None:
@@ -120,7 +120,7 @@ class Writes:
             cat.counters["put_exists"] += 1
             if existing.committed:
                 cat.touch(existing)
-            return PutTicket("exists", [], 0, "")
+            return Ticket("exists", [], 0, "")
         nodes = [n for n in ordered if n.alloc.capacity >= size]
         if not nodes:
             if not cat.up_nodes():
@@ -159,11 +159,11 @@ class Writes:
         cat.pending[key] = entry
         cat.track(entry)
         cat.counters["puts"] += 1
-        return PutTicket("ok", [self._wire_replica(entry, r) for r in chosen], 0, "")
+        return Ticket("ok", [self._placed(entry, r) for r in chosen], 0, "")
 
-    def _wire_replica(self, entry: ObjectEntry, r: ReplicaState) -> Replica:
+    def _placed(self, entry: ObjectEntry, r: ReplicaState) -> PlacedReplica:
         offset = r.extent.offset if r.extent is not None and r.tier is DRAM else -1
-        return Replica(r.node_id, self.catalog.nodes[r.node_id].address, r.tier.value, offset, entry.size)
+        return PlacedReplica(r.node_id, self.catalog.nodes[r.node_id].address, r.tier, offset, entry.size)
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
         """Commit reserved keys; False for a key whose reservation is gone (expired or revoked)."""
@@ -215,8 +215,10 @@ class Writes:
                 entry.hold = 0
             cat.want_promote.discard(key)
             for r in entry.replicas:
-                if r.copying:
+                if r.status is COPYING:
                     continue  # the daemon may not hold it yet: finish_replicas drops it once answered
+                if r.status is DROPPING:
+                    continue  # its drop is in flight already; a second could reach a block put again since
                 lru = cat.nodes[r.node_id].lru(r.tier)
                 if key in lru:
                     lru.remove(key)

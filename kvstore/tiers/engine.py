@@ -167,17 +167,19 @@ class TierEngine:
             self._failures.warning("ssd-delete", "%s: a promoted block's old copy stays: %s", ssd.description, exc)
         return True
 
-    def drop(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Delete blocks from every tier that holds them, and give up pending writes of them;
-        per key, whether there was anything to delete."""
+    def drop(self, keys: Sequence[BlockKey], tier: str = "") -> list[bool]:
+        """Delete blocks from every tier that holds them, and give up pending writes of them, or
+        from ``tier`` only ("dram": with pending writes, or "ssd"); per key, whether there was
+        anything to delete."""
+        dram, ssd = tier != "ssd", tier != "dram"
         out = []
         on_ssd: dict[BlockKey, None] = {}
         for key in keys:
-            held = self.abort(key)
-            if key in self.arena:
+            held = self.abort(key) if dram else False
+            if dram and key in self.arena:
                 self.arena.delete(key)
                 held = True
-            if self.ssd is not None and key in self.ssd:
+            if ssd and self.ssd is not None and key in self.ssd:
                 on_ssd[key] = None
                 held = True
             out.append(held)

@@ -196,7 +196,7 @@ class DaemonServer:
             ReadSlices: self._read_slices,
             WriteSlices: self._write_slices,
             DemoteBlocks: lambda m, s, r: self._command(s, r, self.storage.demote(self._keys(m.keys))),
-            DropBlocks: lambda m, s, r: self._command(s, r, self._drop(self._keys(m.keys))),
+            DropBlocks: lambda m, s, r: self._command(s, r, self._drop(self._keys(m.keys), m.tier, m.fences)),
             PromoteBlocks: lambda m, s, r: self._command(s, r, self.storage.promote(self._keys(m.keys), m.offsets)),
             FetchBlocks: lambda m, s, r: self._command(s, r, self._fetch(m)),
             MasterHello: lambda m, s, r: send_message(s, OkReply(), r),
@@ -372,9 +372,12 @@ class DaemonServer:
         return self._conns.get(sock, "?")
 
     def _fetch(self, msg: FetchBlocks) -> list[bool]:
-        """Copy blocks from the daemon at ``msg.source`` into reserved extents here (a drain)."""
+        """Copy blocks from the daemon at ``msg.source`` into reserved extents here (a drain, a replicate),
+        pinned as they are there."""
         keys = self._keys(msg.keys)
-        batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums)
+        if msg.pinned and len(msg.pinned) != len(keys):
+            raise InvalidArgument(f"FetchBlocks of {len(keys)} blocks with {len(msg.pinned)} pins")
+        batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned or False, fenced=True)
         try:
             conn = Connection(msg.source, self.io_timeout, self.credential, self.peer_tls)
             try:
@@ -579,9 +582,10 @@ class DaemonServer:
         self._cut_receivers(keys)  # slices still coming for a committed block: stale
         self._write_reply(sock, request_id, outcome)
 
-    def _drop(self, keys: list[BlockKey]) -> list[bool]:
-        self._cut_receivers(keys, wait_s=self.io_timeout)
-        return self.storage.drop(keys)
+    def _drop(self, keys: list[BlockKey], tier: str = "", fences: Sequence[int] = ()) -> list[bool]:
+        if tier != "ssd":
+            self._cut_receivers(keys, wait_s=self.io_timeout)
+        return self.storage.drop(keys, tier, fences)
 
     @contextlib.contextmanager
     def _receiving(self, sock: socket.socket, keys: Sequence[BlockKey]) -> Iterator[None]:

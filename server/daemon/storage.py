@@ -13,6 +13,7 @@ take it exclusively.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from functools import partial
@@ -22,6 +23,9 @@ from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError
 from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import InventoryItem
 from kvstore.tiers.engine import TierEngine
+
+MAX_FENCES = 65_536
+"""Copies a daemon remembers as given up (see :meth:`DaemonStorage.drop`)."""
 
 
 class RWLock:
@@ -73,14 +77,21 @@ class WriteBatch:
         offsets: Sequence[int],
         sizes: Sequence[int],
         checksums: Sequence[int],
-        pinned: bool,
+        pinned: bool | Sequence[bool],
         join: bool = False,
+        fenced: bool = False,
     ) -> None:
+        """``pinned``: for every block, or per block (a drain's copies: each as its source holds it)."""
         if not len(offsets) == len(sizes) == len(checksums) == len(keys) or any(s <= 0 for s in sizes):
             raise InvalidArgument("a write batch with mismatched or non-positive sizes")
         self._storage = storage
-        self._keys, self._checksums, self._pinned = list(keys), list(checksums), pinned
-        self._reserved = storage.begin_writes(list(zip(keys, offsets, sizes, strict=True)), checksums, join=join)
+        self._keys, self._checksums = list(keys), list(checksums)
+        self._pinned = [pinned] * len(keys) if isinstance(pinned, bool) else list(pinned)
+        if len(self._pinned) != len(keys):
+            raise InvalidArgument(f"a write batch of {len(keys)} blocks with {len(self._pinned)} pins")
+        self._reserved = storage.begin_writes(
+            list(zip(keys, offsets, sizes, strict=True)), checksums, join=join, fenced=fenced
+        )
         self.targets = [r if isinstance(r, memoryview) else NO_TARGET for r in self._reserved]
         self._open = True
 
@@ -113,7 +124,7 @@ class WriteBatch:
                     for k, r, c in zip(self._keys, self._reserved, self._checksums, strict=True)
                     if isinstance(r, memoryview)
                 ],
-                self._pinned,
+                [p for p, r in zip(self._pinned, self._reserved, strict=True) if isinstance(r, memoryview)],
                 sums=[s for s, r in zip(sums, self._reserved, strict=True) if isinstance(r, memoryview)]
                 if sums is not None
                 else None,
@@ -135,6 +146,10 @@ class DaemonStorage:
         self.arena = self.engine.arena
         self.ssd = self.engine.ssd
         self.lock = RWLock()
+        self._fences: OrderedDict[tuple[BlockKey, int], None] = OrderedDict()
+        """Copies the master gave up on before they arrived: (key, offset) a fetch must not commit.
+        At most ``MAX_FENCES``, oldest forgotten first (a copy is fetched within seconds of its
+        command, or never)."""
 
     def ssd_health(self) -> tuple[int, int, str]:
         """The SSD tier's capacity now (checked against its disk's free space), its configured one and
@@ -178,14 +193,20 @@ class DaemonStorage:
         offsets: Sequence[int],
         sizes: Sequence[int],
         checksums: Sequence[int],
-        pinned: bool = False,
+        pinned: bool | Sequence[bool] = False,
         join: bool = False,
+        fenced: bool = False,
     ) -> WriteBatch:
-        """``join``: a block already being written at the same extent (by WriteSlices) is committed as it is."""
-        return WriteBatch(self, keys, offsets, sizes, checksums, pinned, join)
+        """``join``: a block already being written at the same extent (by WriteSlices) is committed as it is.
+        ``fenced``: a copy from another daemon, refused where a drop fenced it off (see :meth:`drop`)."""
+        return WriteBatch(self, keys, offsets, sizes, checksums, pinned, join, fenced)
 
     def begin_writes(
-        self, blocks: Sequence[tuple[BlockKey, int, int]], checksums: Sequence[int] | None = None, join: bool = False
+        self,
+        blocks: Sequence[tuple[BlockKey, int, int]],
+        checksums: Sequence[int] | None = None,
+        join: bool = False,
+        fenced: bool = False,
     ) -> list[memoryview | KVStoreError | None]:
         """Reserve each (key, offset, size) in the arena: a writable view, or the error that refused it.
 
@@ -195,6 +216,11 @@ class DaemonStorage:
         out: list[memoryview | KVStoreError | None] = []
         with self.lock.exclusive():
             for i, (key, offset, size) in enumerate(blocks):
+                if fenced and self._fences.pop((key, offset), False) is None:
+                    out.append(
+                        InvalidArgument(f"the copy of block {key!r} into {offset} was dropped before it arrived")
+                    )
+                    continue
                 if join and self.arena.is_pending(key):
                     view = self.arena.pending_view(key, offset, size)
                     out.append(view if view is not None else InvalidArgument(
@@ -214,7 +240,7 @@ class DaemonStorage:
     def finish_writes(
         self,
         blocks: Sequence[tuple[BlockKey, memoryview, int]],
-        pinned: bool = False,
+        pinned: bool | Sequence[bool] = False,
         sums: Sequence[int | None] | None = None,
         accept: Sequence[bool] | None = None,
     ) -> list[KVStoreError | None]:
@@ -223,6 +249,7 @@ class DaemonStorage:
         ``sums``: the checksums of the views, computed already."""
         if sums is None:
             sums = [checksum(view) for _, view, _ in blocks]  # outside the lock: readers go on meanwhile
+        pins = [pinned] * len(blocks) if isinstance(pinned, bool) else pinned
         out: list[KVStoreError | None] = []
         with self.lock.exclusive():
             for i, ((key, view, expected), actual) in enumerate(zip(blocks, sums, strict=True)):
@@ -241,7 +268,7 @@ class DaemonStorage:
                         CorruptBlock(f"block {key!r} does not match the checksum its writer sent ({expected:#x})")
                     )
                 else:
-                    self.engine.commit(key, expected, pinned=pinned)
+                    self.engine.commit(key, expected, pinned=pins[i])
                     out.append(None)
         return out
 
@@ -300,11 +327,29 @@ class DaemonStorage:
         with self.lock.exclusive():
             return self.engine.demote(keys)
 
-    def drop(self, keys: Sequence[BlockKey]) -> list[bool]:
+    def drop(self, keys: Sequence[BlockKey], tier: str = "", fences: Sequence[int] = ()) -> list[bool]:
         """Delete blocks from whichever tier holds them (and reservations given up, revoked or
-        expired, with slices written); False for a block that was not held."""
+        expired, with slices written), or from ``tier`` only ("dram" or "ssd"); False for a block
+        that was not held there.
+
+        ``fences`` (per key, a DRAM offset): these are copies from other daemons that the master
+        gave up on. One that has not arrived (neither stored nor being written in DRAM) is fenced
+        off: a fetch of that key into that offset that comes later is refused, so a copy whose drop
+        was answered never becomes a stored block in an extent the master reuses."""
+        if fences and len(fences) != len(keys):
+            raise InvalidArgument(f"a drop of {len(keys)} blocks with {len(fences)} fences")
         with self.lock.exclusive():
-            return self.engine.drop(keys)
+            if fences:
+                for key, offset in zip(keys, fences, strict=True):
+                    if key not in self.arena and not self.arena.is_pending(key):
+                        self._fence(key, offset)
+            return self.engine.drop(keys, tier)
+
+    def _fence(self, key: BlockKey, offset: int) -> None:
+        self._fences[(key, offset)] = None
+        self._fences.move_to_end((key, offset))
+        while len(self._fences) > MAX_FENCES:
+            self._fences.popitem(last=False)
 
     def promote(self, keys: Sequence[BlockKey], offsets: Sequence[int]) -> list[bool]:
         """Move SSD blocks into the arena at the master's offsets; False where that failed (block stays on SSD)."""

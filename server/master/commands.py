@@ -65,7 +65,7 @@ def _message(command: NodeCommand) -> Message:
         return DemoteBlocks(list(command.keys))
     if command.kind is ActionKind.PROMOTE:
         return PromoteBlocks(list(command.keys), list(command.offsets))
-    return DropBlocks(list(command.keys))
+    return DropBlocks(list(command.keys), command.tier.value if command.tier_only else "", list(command.offsets))
 
 
 class Commands:
@@ -167,7 +167,7 @@ class Commands:
         reserved for it; per block whether it is committed there, None when the target did not answer."""
         message = FetchBlocks(
             source_address, [m.key for m in group], [m.extent.offset for m in group], [m.size for m in group],
-            [m.checksum for m in group],
+            [m.checksum for m in group], [m.pinned for m in group],
         )  # fmt: skip
         try:
             done = (await self.call(target, Lane.COPIES, message, CommandReply)).done

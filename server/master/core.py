@@ -31,6 +31,7 @@ from kvstore.protocol import (
     Exists,
     ExistsReply,
     GetReplicas,
+    GetReplicasReply,
     GrantReply,
     GrantSpace,
     Heartbeat,
@@ -180,7 +181,7 @@ class MasterCore:
                 [keys[i] for i in todo], [sizes[i] for i in todo], m.replicas, m.preferred_node, m.pin, now_ms()
             )
             for j, ticket in zip(todo, placed.tickets, strict=True):
-                tickets[j] = ticket
+                tickets[j] = PutTicket.from_ticket(ticket) if ticket is not None else None
             todo = [todo[w] for w in placed.waiting]
             if not todo:
                 self.commands.later(placed.commands, "background-eviction")
@@ -306,7 +307,7 @@ class MasterCore:
     async def get_replicas(self, m: GetReplicas, caller: Identity = ANYONE) -> Message:
         if m.release:
             await self.release_leases(ReleaseLeases(m.release), caller)
-        return self.table.get_replicas(m.keys, now_ms(), m.lease)
+        return GetReplicasReply.from_lookup(self.table.get_replicas(m.keys, now_ms(), m.lease))
 
     async def release_leases(self, m: ReleaseLeases, caller: Identity = ANYONE) -> Message:
         lease_ids = m.lease_ids
@@ -378,7 +379,7 @@ class MasterCore:
         table = self.table
         if node_id not in table.nodes:
             raise NotFound(f"node {node_id!r} is not registered")
-        table.draining.add(node_id)
+        table.start_drain(node_id)
         source = table.nodes[node_id].address
         failed: set[str] = set()
         while True:
@@ -391,10 +392,11 @@ class MasterCore:
             for move in moves:
                 per_target.setdefault(move.target, []).append(move)
             for target, group in per_target.items():
-                done = await self.commands.fetch(target, source, group, "drain") or [False] * len(group)
+                got = await self.commands.fetch(target, source, group, "drain")
+                done = got or [False] * len(group)
                 self._same_term(table, "the drain")
                 failed.update(mv.key for mv, ok in zip(group, done, strict=True) if not ok)
-                await self.commands.run(table.finish_moves(node_id, group, done), table)
+                await self.commands.run(table.finish_moves(node_id, group, done, answered=got is not None), table)
                 self._same_term(table, "the drain")
         return table.blocks_on(node_id)
 

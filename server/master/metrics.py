@@ -11,7 +11,7 @@ import bisect
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 HISTORY_SECONDS = 300
@@ -69,7 +69,7 @@ class Sampler:
         """Whether a second has passed since the last sample."""
         return not self.points or self.clock() - self.points[-1][0] >= 1.0
 
-    def sample(self, counters: dict[str, int], dram_used: int, ssd_used: int) -> None:
+    def sample(self, counters: Mapping[str, int], dram_used: int, ssd_used: int) -> None:
         self.points.append((self.clock(), dict(counters), dram_used, ssd_used))
 
     @staticmethod

@@ -18,10 +18,17 @@ from types import MappingProxyType
 from msgspec.structs import replace
 
 from kvstore.auth import Credential
+from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import NodeCommand, NodeState
 from kvstore.placement.table import PlacementTable
-from kvstore.protocol import MasterHello, NodeInfo, RegisterNode
+from kvstore.policy import TierName
+from kvstore.protocol import InventoryItem, MasterHello, NodeInfo, RegisterNode
 from transfer.aio import AsyncConnection
+
+
+def held_blocks(inventory: list[InventoryItem]) -> list[HeldBlock]:
+    """A daemon's inventory as the placement table takes it."""
+    return [HeldBlock(i.key, TierName(i.tier), i.offset, i.size, i.checksum, i.pinned) for i in inventory]
 
 
 @dataclass
@@ -80,7 +87,14 @@ class NodeRegistry:
         """(Re)register a node from its daemon's message; returns drops for blocks the table
         could not adopt. A node that comes back at another address gets a new link."""
         commands = self.table.register_node(
-            m.node_id, m.address, m.dram_capacity, m.ssd_capacity, m.alignment, m.inventory, now_ms, m.max_blocks
+            m.node_id,
+            m.address,
+            m.dram_capacity,
+            m.ssd_capacity,
+            m.alignment,
+            held_blocks(m.inventory),
+            now_ms,
+            m.max_blocks,
         )
         info = NodeInfo(
             m.node_id, m.address, m.rails or [m.address], m.host_id, m.arena_path, m.arena_inode, m.nics, m.rdma,
@@ -155,7 +169,7 @@ class NodeRegistry:
     def _view(self, node_id: str, entry: _Entry) -> NodeView:
         state = self.table.nodes[node_id]
         return NodeView(
-            node_id, replace(entry.info, up=state.up), state, node_id in self.table.draining,
+            node_id, replace(entry.info, up=state.up), state, self.table.is_draining(node_id),
             MappingProxyType(dict(entry.transfer_bytes)), MappingProxyType(self.table.tier_usage(state)),
         )  # fmt: skip
 

@@ -15,7 +15,15 @@ import pytest
 
 from kvstore.config import DramConfig, SsdConfig
 from kvstore.keys import BlockKey, checksum
-from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, CommandReply, DropBlocks, WriteBlocks, WriteReply
+from kvstore.protocol import (
+    FRAME_HEADER,
+    MAX_FRAME_BYTES,
+    CommandReply,
+    DropBlocks,
+    FetchBlocks,
+    WriteBlocks,
+    WriteReply,
+)
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
 from server.daemon.service import DaemonServer
@@ -156,3 +164,39 @@ def test_a_dropped_block_cuts_its_stalled_writer_before_its_extent_is_reused(tmp
     finally:
         server.stop()
         storage.close()
+
+
+def test_a_copy_whose_drop_came_first_is_never_committed(tmp_path: Path) -> None:
+    # The master gave a copy up (its FetchBlocks went unanswered) and dropped it before the target
+    # began it; the late fetch must not commit the block into an extent the master reuses.
+    def daemon(name: str) -> tuple[DaemonStorage, DaemonServer]:
+        storage = DaemonStorage(
+            DramConfig(capacity=1 * MB, name=name, shm_dir=tmp_path, prefault=False), SsdConfig(capacity=0)
+        )
+        server = DaemonServer(storage)
+        server.start()
+        return storage, server
+
+    (source_storage, source), (target_storage, target) = daemon("fence-src"), daemon("fence-dst")
+    try:
+        block = b"c" * 4096
+        fetch = FetchBlocks(source.address, ["k"], [0], [len(block)], [checksum(block)])
+        with connect(source.address, 5.0) as master:
+            send_message(master, WriteBlocks(["k"], [0], [len(block)], [checksum(block)], False), 1, [block])
+            _, stored = recv_message(master)
+            assert isinstance(stored, WriteReply) and stored.codes == [0]
+        with connect(target.address, 5.0) as master:
+            send_message(master, DropBlocks(["k"], "", [0]), 2)  # nothing there yet
+            _, dropped = recv_message(master)
+            assert isinstance(dropped, CommandReply) and dropped.done == [False]
+            send_message(master, fetch, 3)  # the copy, late
+            _, copied = recv_message(master)
+            assert isinstance(copied, CommandReply) and copied.done == [False]
+            assert target_storage.inventory() == []
+            send_message(master, fetch, 4)  # a copy asked for again, later: the fence is spent
+            _, again = recv_message(master)
+            assert isinstance(again, CommandReply) and again.done == [True]
+    finally:
+        for server, storage in ((source, source_storage), (target, target_storage)):
+            server.stop()
+            storage.close()

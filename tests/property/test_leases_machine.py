@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvstore.placement.leases import Holder, LeaseId, Leases
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy, TierName
+from kvstore.protocol import GetReplicasReply
 
 KEYS = ("k0", "k1", "k2", "k3")
 HOLDERS: tuple[Holder, ...] = (("a", TierName.DRAM), ("a", TierName.SSD), ("b", TierName.DRAM))
@@ -125,7 +126,7 @@ class ReadersMachine(RuleBasedStateMachine):
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
     def get(self, keys: list[str]) -> None:
-        reply = self.t.get_replicas(keys, self.now)
+        reply = GetReplicasReply.from_lookup(self.t.get_replicas(keys, self.now))
         for i, loc in enumerate(reply.located(keys)):
             assert loc is not None
             holders = frozenset((r.node_id, TierName(r.tier)) for r in loc.replicas)

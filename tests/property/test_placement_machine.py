@@ -15,10 +15,10 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.placement.state import Move, NodeCommand
+from kvstore.placement.results import HeldBlock, NodePrefix, PrefixMatch
+from kvstore.placement.state import Move, NodeCommand, ReplicaStatus
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy, TierName
-from kvstore.protocol import InventoryItem, NodePrefix, PrefixMatch
 
 KEYS = st.sampled_from([f"k{i}" for i in range(12)])
 SIZES = st.sampled_from([512, 1024, 1500, 2048])
@@ -35,6 +35,8 @@ class PlacementMachine(RuleBasedStateMachine):
         self.commands: list[NodeCommand] = []
         self.pending: set[str] = set()
         self.copies: list[list[Move]] = []
+        self.drains: list[tuple[str, list[Move], dict[str, int]]] = []
+        """Drain rounds planned whose copies are not answered yet: (source, moves, registrations)."""
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=3, unique=True), size=SIZES, replicas=st.integers(1, 2))
     def put_start(self, keys: list[str], size: int, replicas: int) -> None:
@@ -109,13 +111,15 @@ class PlacementMachine(RuleBasedStateMachine):
             assert self.t.exists([move.key]) == [True]
         self.commands += commands
 
-    @precondition(lambda self: bool(self.copies))
+    @precondition(lambda self: bool(self.copies or self.drains))
     @rule(data=st.data())
     def remove_while_copying(self, data: st.DataObject) -> None:
-        moves = data.draw(st.sampled_from(self.copies))
+        moves = data.draw(st.sampled_from(self.copies + [m for _, m, _ in self.drains]))
         key = data.draw(st.sampled_from([m.key for m in moves]))
         entry = self.t.objects.get(key)
-        copying = {r.node_id for r in entry.replicas if r.copying} if entry is not None else set()
+        copying = (
+            {r.node_id for r in entry.replicas if r.status is ReplicaStatus.COPYING} if entry is not None else set()
+        )
         _, commands = self.t.remove([key])
         self.commands += commands
         assert all(key not in c.keys for c in commands if c.node_id in copying)  # told once the copy is answered
@@ -133,8 +137,8 @@ class PlacementMachine(RuleBasedStateMachine):
             e = t.objects.get(key)
             return (
                 e is not None and e.committed and not e.removing and t.nodes[node].up
-                and any(r.node_id == node and not (r.copying or r.dropping)
-                        and (not dram_only or (r.tier is TierName.DRAM and not r.moving))
+                and any(r.node_id == node and r.status in (ReplicaStatus.READY, ReplicaStatus.MOVING)
+                        and (not dram_only or (r.tier is TierName.DRAM and r.ready))
                         for r in e.replicas)
             )  # fmt: skip
 
@@ -151,19 +155,45 @@ class PlacementMachine(RuleBasedStateMachine):
         _, commands = self.t.evict_tier(node, tier)
         self.commands += commands
 
-    @rule(data=st.data(), node=st.sampled_from(NODES), limit=st.integers(1, 6))
-    def drain_round(self, data: st.DataObject, node: str, limit: int) -> None:
-        """One round of a drain, as MasterService.drain runs it: copies planned, made (or not) at
-        once, the source's drops sent. No block readable before is unreadable meanwhile."""
+    @rule(node=st.sampled_from(NODES), limit=st.integers(1, 6))
+    def drain_round(self, node: str, limit: int) -> None:
+        """One round of a drain, as MasterService.drain runs it: copies planned, the source's drops
+        sent; the copies are answered by ``drain_answered``. No block readable before is unreadable."""
         keys = sorted(self.t.objects)
         readable = [k for k, ok in zip(keys, self.t.exists(keys), strict=True) if ok]
-        self.t.draining.add(node)
+        self.t.start_drain(node)
         moves, drops = self.t.plan_moves(node, limit)
         assert all(self.t.exists(readable))
         self.commands += drops
-        self.commands += self.t.finish_moves(node, moves, [data.draw(st.booleans()) for _ in moves])
+        if moves:
+            self.drains.append((node, moves, {n.node_id: n.gen for n in self.t.nodes.values()}))
+        self.t.stop_drain(node)
+
+    @precondition(lambda self: bool(self.drains))
+    @rule(data=st.data())
+    def drain_answered(self, data: st.DataObject) -> None:
+        """A drain's copies answered (or not: the target may hold them, and gets drops that name
+        their extents); no block readable before is unreadable after."""
+        node, moves, registered = self.drains.pop(data.draw(st.integers(0, len(self.drains) - 1)))
+        keys = sorted(self.t.objects)
+        readable = [k for k, ok in zip(keys, self.t.exists(keys), strict=True) if ok]
+        answered = data.draw(st.booleans())
+        done = [answered and data.draw(st.booleans()) for _ in moves]
+        commands = self.t.finish_moves(node, moves, done, answered=answered)
+        for m, ok in zip(moves, done, strict=True):
+            entry = self.t.objects.get(m.key)
+            held = entry is not None and any(r.gen == m.gen for r in entry.replicas)
+            if self.t.nodes[m.target].gen != registered[m.target]:
+                continue  # the target re-registered: its inventory replaced the copy
+            copy_dropped = any(m.key in c.keys and c.node_id == m.target for c in commands)
+            # The extent a copy may be in stays reserved until its drop is answered; a copy that
+            # was refused frees it now.
+            assert held == (ok or not answered or copy_dropped), (m, ok, answered)
+            if copy_dropped:
+                [c] = [c for c in commands if c.node_id == m.target and m.key in c.keys]
+                assert c.offsets[c.keys.index(m.key)] == m.extent.offset  # the drop names the copy's extent
+        self.commands += commands
         assert all(self.t.exists(readable))
-        self.t.draining.discard(node)
 
     @rule(node=st.sampled_from(NODES))
     def goes_quiet(self, node: str) -> None:
@@ -178,9 +208,9 @@ class PlacementMachine(RuleBasedStateMachine):
     @rule(node=st.sampled_from(NODES))
     def reregister(self, node: str) -> None:
         held = [
-            InventoryItem(e.key, r.tier.value, r.extent.offset if r.tier is TierName.DRAM and r.extent else -1,
+            HeldBlock(e.key, r.tier, r.extent.offset if r.tier is TierName.DRAM and r.extent else -1,
                           e.size, e.checksum)
-            for store in (self.t.objects, self.t._pending)
+            for store in (self.t.objects, self.t.pending)
             for e in store.values()
             for r in e.replicas
             if r.node_id == node

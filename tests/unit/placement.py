@@ -3,10 +3,11 @@ daemons' answers to its commands."""
 
 from __future__ import annotations
 
+from kvstore.placement.results import ReplicaLookup, Ticket
 from kvstore.placement.state import NodeCommand
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import EvictionPolicy, TierName
-from kvstore.protocol import GetReplicasReply, PutTicket
+from kvstore.protocol import GetReplicasReply, LocatedRef
 
 KB = 1024
 DRAM, SSD = TierName.DRAM, TierName.SSD
@@ -20,7 +21,7 @@ def table(*nodes: str, dram: int = 4 * KB, ssd: int = 0, policy: EvictionPolicy 
     return t
 
 
-def put(t: PlacementTable, *keys: str, size: int = KB, now: int = 0, **kw: object) -> list[PutTicket | None]:
+def put(t: PlacementTable, *keys: str, size: int = KB, now: int = 0, **kw: object) -> list[Ticket | None]:
     plan = t.put_start(list(keys), [size] * len(keys), int(kw.get("replicas", 1)), kw.get("node"), False, now)  # type: ignore[arg-type]
     assert plan.commands == [] and plan.waiting == [], plan
     ok = [k for k, tk in zip(keys, plan.tickets, strict=True) if tk is not None and tk.status == "ok"]
@@ -29,7 +30,7 @@ def put(t: PlacementTable, *keys: str, size: int = KB, now: int = 0, **kw: objec
     return plan.tickets
 
 
-def got(reply: GetReplicasReply) -> list[int]:
+def got(reply: ReplicaLookup) -> list[int]:
     """The lease ids a get's reply hands its reader: consecutive from ``first_lease``, one per hit."""
     hits = sum(size >= 0 for size in reply.sizes)
     return list(range(reply.first_lease, reply.first_lease + hits)) if reply.first_lease else []
@@ -46,3 +47,8 @@ def run(t: PlacementTable, commands: list[NodeCommand], ok: bool = True) -> None
     for c in commands:
         t.apply(c, [ok] * len(c.keys))
     t.check()
+
+
+def located(lookup: ReplicaLookup, keys: list[str]) -> list[LocatedRef | None]:
+    """A lookup as a reader sees it, through the wire reply the master makes of it."""
+    return GetReplicasReply.from_lookup(lookup).located(keys)

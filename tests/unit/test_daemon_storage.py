@@ -90,6 +90,16 @@ def test_pins_are_recorded_for_the_next_master(storage: DaemonStorage) -> None:
     assert [(i.key, i.pinned) for i in storage.inventory()] == [("p", True), ("q", False)]
 
 
+def test_a_batch_pins_each_block_as_asked(storage: DaemonStorage) -> None:
+    batch = storage.write_batch(
+        [K("p"), K("q")], [0, KB], [10, 10], [checksum(b"p" * 10), checksum(b"q" * 10)], [True, False]
+    )
+    for target, data in zip(batch.targets, (b"p" * 10, b"q" * 10), strict=True):
+        target[:] = data
+    assert batch.finish() == [None, None]
+    assert [(i.key, i.pinned) for i in storage.inventory()] == [("p", True), ("q", False)]
+
+
 def test_a_retried_write_batch_succeeds_without_its_bytes_and_an_aborted_one_frees_its_extents(
     storage: DaemonStorage,
 ) -> None:
@@ -163,3 +173,26 @@ def test_no_write_lands_on_the_bytes_of_another_block(tmp_path: Path, storage: D
         assert isinstance(refused, InvalidArgument)
     finally:
         again.close()
+
+
+def test_a_drop_of_one_tier_keeps_the_copy_in_the_other(storage: DaemonStorage) -> None:
+    write(storage, "k", 0, b"k" * 100)
+    assert storage.demote([K("k")]) == [True]
+    write(storage, "k", 0, b"k" * 100)  # in both tiers, as a demotion cut short leaves it
+    assert sorted((i.key, i.tier) for i in storage.inventory()) == [("k", "dram"), ("k", "ssd")]
+    assert storage.drop([K("k")], "ssd") == [True] and storage.drop([K("k")], "ssd") == [False]
+    assert [(i.key, i.tier) for i in storage.inventory()] == [("k", "dram")]
+    assert storage.drop([K("k")], "dram") == [True] and storage.inventory() == []
+
+
+def test_a_fenced_copy_is_refused_once_and_a_drop_of_one_being_written_aborts_it(storage: DaemonStorage) -> None:
+    data = b"f" * 100
+    assert storage.drop([K("f")], "", [KB]) == [False]  # the copy had not arrived: fenced off
+    other = storage.write_batch([K("f")], [0], [100], [checksum(data)], fenced=True)  # another extent: not fenced
+    other.abort()
+    batch = storage.write_batch([K("f")], [KB], [100], [checksum(data)], fenced=True)
+    assert batch.targets[0].nbytes == 0 and isinstance(batch.finish()[0], InvalidArgument)
+    batch = storage.write_batch([K("f")], [KB], [100], [checksum(data)], fenced=True)  # the fence is spent
+    batch.targets[0][:] = data
+    assert storage.drop([K("f")], "", [KB]) == [True]  # being written: aborted, no fence needed
+    assert isinstance(batch.finish()[0], InvalidArgument) and storage.inventory() == []

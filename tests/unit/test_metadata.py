@@ -3,28 +3,21 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, NoNodes, NotFound, RetryLater
+from kvstore.placement.results import PUT_EXISTS, PUT_STORED, HeldBlock, NodePrefix, PrefixMatch
 from kvstore.placement.state import Move
 from kvstore.placement.table import PlacementTable
-from kvstore.policy import ActionKind, EvictionPolicy
-from kvstore.protocol import (
-    PUT_EXISTS,
-    PUT_STORED,
-    InventoryItem,
-    NodePrefix,
-    PrefixMatch,
-    Tier,
-)
-from tests.unit.placement import DRAM, EXACT, KB, SSD, got, leased, put, run, table
+from kvstore.policy import ActionKind, EvictionPolicy, TierName
+from tests.unit.placement import DRAM, EXACT, KB, SSD, got, leased, located, put, run, table
 
 
 def test_put_commit_and_get() -> None:
     t = table("a", "b")
     [ticket] = put(t, "k1", node="b")
     assert ticket is not None and ticket.status == "ok"
-    assert [(r.node_id, r.tier, r.offset) for r in ticket.replicas] == [("b", "dram", 0)]
-    [loc] = t.get_replicas(["k1"], 1).located(["k1"])
+    assert [(r.node_id, r.tier, r.offset) for r in ticket.replicas] == [("b", DRAM, 0)]
+    [loc] = located(t.get_replicas(["k1"], 1), ["k1"])
     assert loc is not None and loc.size == KB and loc.checksum == 7 and loc.replicas[0].address == "b:1"
-    assert t.get_replicas(["nope"], 1).located(["nope"]) == [None]
+    assert located(t.get_replicas(["nope"], 1), ["nope"]) == [None]
     assert t.exists(["k1", "nope"]) == [True, False]
 
 
@@ -46,7 +39,7 @@ def test_replicas_land_on_distinct_nodes() -> None:
     [ticket] = put(t, "k", replicas=2)
     assert ticket is not None
     assert len({r.node_id for r in ticket.replicas}) == 2
-    [loc] = t.get_replicas(["k"], 0).located(["k"])
+    [loc] = located(t.get_replicas(["k"], 0), ["k"])
     assert loc is not None and len(loc.replicas) == 2
 
 
@@ -129,7 +122,7 @@ def test_down_nodes_serve_nothing_until_they_heartbeat() -> None:
     assert t.heartbeat("b", 900)
     t.expire(1500)
     assert [n.node_id for n in t.up_nodes()] == ["b"]
-    assert t.get_replicas(["k"], 1500).located(["k"]) == [None] and t.match_prefix(["k"]) == 0
+    assert located(t.get_replicas(["k"], 1500), ["k"]) == [None] and t.match_prefix(["k"]) == 0
     [ticket] = put(t, "k2", node="a", now=1500)
     assert ticket is not None and ticket.replicas[0].node_id == "b"
     assert t.heartbeat("a", 1600)
@@ -160,14 +153,14 @@ def test_a_new_table_rebuilds_from_inventories() -> None:
     put(t, "k0", "k1", node="a")
     put(t, "k2", node="b")
     inventory = {
-        "a": [InventoryItem("k0", "dram", 0, KB, 7), InventoryItem("k1", "ssd", -1, KB, 7)],
-        "b": [InventoryItem("k2", "dram", 0, KB, 7)],
+        "a": [HeldBlock("k0", DRAM, 0, KB, 7), HeldBlock("k1", SSD, -1, KB, 7)],
+        "b": [HeldBlock("k2", DRAM, 0, KB, 7)],
     }
     fresh = PlacementTable(EXACT)
     for n, items in inventory.items():
         assert fresh.register_node(n, f"{n}:1", 8 * KB, 8 * KB, 64, items, 0) == []
     assert fresh.match_prefix(["k0", "k1", "k2"]) == 3
-    [loc] = fresh.get_replicas(["k1"], 0).located(["k1"])
+    [loc] = located(fresh.get_replicas(["k1"], 0), ["k1"])
     assert loc is not None and loc.replicas[0].tier == "ssd"
     fresh.check()
 
@@ -176,10 +169,10 @@ def test_registration_drops_what_it_cannot_adopt() -> None:
     t = table("a", dram=8 * KB)
     put(t, "k", node="a")
     items = [
-        InventoryItem("k", "dram", 0, KB, 999),  # same key, other bytes than node a's copy
-        InventoryItem("x", "dram", 1024, 2 * KB, 1),
-        InventoryItem("y", "dram", 2048, KB, 1),  # overlaps x
-        InventoryItem("z", "dram", 3000, KB, 1),  # misaligned
+        HeldBlock("k", DRAM, 0, KB, 999),  # same key, other bytes than node a's copy
+        HeldBlock("x", DRAM, 1024, 2 * KB, 1),
+        HeldBlock("y", DRAM, 2048, KB, 1),  # overlaps x
+        HeldBlock("z", DRAM, 3000, KB, 1),  # misaligned
     ]
     [cmd] = t.register_node("b", "b:1", 8 * KB, 0, 64, items, 0)
     assert set(cmd.keys) == {"k", "y", "z"} and cmd.release
@@ -192,12 +185,12 @@ def test_reregistration_replaces_the_nodes_state() -> None:
     put(t, "k0", "k1", node="a")
     pending = t.put_start(["p"], [KB], 2, None, False, 0)
     assert pending.tickets[0] is not None and len(pending.tickets[0].replicas) == 2
-    commands = t.register_node("a", "a:2", 4 * KB, 0, 64, [InventoryItem("k1", "dram", 2048, KB, 7)], 0)
+    commands = t.register_node("a", "a:2", 4 * KB, 0, 64, [HeldBlock("k1", DRAM, 2048, KB, 7)], 0)
     assert t.exists(["k0", "k1"]) == [False, True]
     # The pending put lost its replica on a: its other replica is revoked through b.
     assert [(c.node_id, c.keys) for c in commands] == [("b", ("p",))]
     run(t, commands)
-    [loc] = t.get_replicas(["k1"], 0).located(["k1"])
+    [loc] = located(t.get_replicas(["k1"], 0), ["k1"])
     assert loc is not None and loc.replicas[0].address == "a:2" and loc.replicas[0].offset == 2048
 
 
@@ -231,7 +224,7 @@ def test_placement_strategies() -> None:
 def test_stats() -> None:
     t = table("a", "b", dram=4 * KB, ssd=KB)
     put(t, "k")
-    t.get_replicas(["k", "x"], 0).located(["k", "x"])
+    located(t.get_replicas(["k", "x"], 0), ["k", "x"])
     s = t.stats()
     assert (s["nodes"], s["objects"], s["hits"], s["misses"], s["dram_used"]) == (2, 1, 1, 1, KB)
     assert s["dram_capacity"] == 8 * KB and s["ssd_capacity"] == 2 * KB
@@ -239,7 +232,7 @@ def test_stats() -> None:
 
 def test_pins_come_back_with_the_inventory() -> None:
     fresh = PlacementTable(EXACT)
-    items = [InventoryItem("p", "dram", 0, KB, 1, pinned=True), InventoryItem("q", "dram", KB, KB, 1)]
+    items = [HeldBlock("p", DRAM, 0, KB, 1, pinned=True), HeldBlock("q", DRAM, KB, KB, 1)]
     fresh.register_node("a", "a:1", 2 * KB, 0, 64, items, 0)
     assert fresh.nodes["a"].dram_lru.is_pinned("p") and not fresh.nodes["a"].dram_lru.is_pinned("q")
     plan = fresh.put_start(["r"], [KB], 1, None, False, 0)
@@ -249,12 +242,12 @@ def test_pins_come_back_with_the_inventory() -> None:
 # -- per-node prefix match ------------------------------------------------------------------------
 
 
-def placed(layout: dict[str, list[tuple[str, Tier]]], dram: int = 8 * KB, ssd: int = 8 * KB) -> PlacementTable:
+def placed(layout: dict[str, list[tuple[str, str]]], dram: int = 8 * KB, ssd: int = 8 * KB) -> PlacementTable:
     """A table rebuilt from inventories: per node, (key, tier) in order, each block KB bytes."""
     t = PlacementTable(EXACT)
     for node, items in layout.items():
         inventory = [
-            InventoryItem(k, tier, i * KB if tier == "dram" else -1, KB, 7) for i, (k, tier) in enumerate(items)
+            HeldBlock(k, TierName(tier), i * KB if tier == "dram" else -1, KB, 7) for i, (k, tier) in enumerate(items)
         ]
         assert t.register_node(node, f"{node}:1", dram, ssd, 64, inventory, 0) == []
     t.check()
@@ -325,7 +318,7 @@ def test_replicate_copies_blocks_in_order_and_keeps_their_sources() -> None:
     ]  # fmt: skip
     assert t.nodes["b"].alloc.used == 3 * KB
     # In flight: reserved on b, not readable there, not in its LRU; the source serves as before.
-    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
+    [loc] = located(t.get_replicas(["k0"], 0), ["k0"])
     assert loc is not None and [r.node_id for r in loc.replicas] == ["a"]
     assert len(t.nodes["b"].dram_lru) == 0 and t.match_prefix_nodes(["k0"]).nodes.keys() == {"a"}
     described = t.describe("k0")
@@ -337,7 +330,7 @@ def test_replicate_copies_blocks_in_order_and_keeps_their_sources() -> None:
     assert copied == moves and drops == []
     t.check()
     assert list(t.nodes["b"].dram_lru) == ["k0", "k1", "k2"]
-    [loc] = t.get_replicas(["k1"], 0).located(["k1"])
+    [loc] = located(t.get_replicas(["k1"], 0), ["k1"])
     assert loc is not None and sorted(r.node_id for r in loc.replicas) == ["a", "b"]
     assert t.match_prefix_nodes(["k0", "k1", "k2"]) == PrefixMatch(3, {"a": NodePrefix(3, 3), "b": NodePrefix(3, 3)})
     assert t.plan_replicas(["k0", "k1", "k2"], "b", 10 * KB) == []  # already there
@@ -389,9 +382,9 @@ def test_replicate_refuses_unknown_nodes_and_bad_budgets_and_skips_unusable_targ
         t.plan_replicas(["k"], "b", -1)
     with pytest.raises(InvalidArgument):
         t.plan_replicas([""], "b", KB)
-    t.draining.add("b")
+    t.start_drain("b")
     assert t.plan_replicas(["k"], "b", KB) == []
-    t.draining.clear()
+    t.stop_drain("b")
     t.heartbeat("a", 1500)
     t.expire(1500)  # b is down
     assert t.plan_replicas(["k"], "b", KB) == []
@@ -405,7 +398,7 @@ def test_each_replica_of_a_block_is_evicted_alone_and_remove_drops_them_all() ->
     copy(t, ["k0", "k1"], "b")
     _, commands = t.evict_tier("a", DRAM)  # a demotes its replicas; b's stay readable meanwhile
     assert [(c.node_id, c.kind, c.keys) for c in commands] == [("a", ActionKind.DEMOTE, ("k0", "k1"))]
-    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
+    [loc] = located(t.get_replicas(["k0"], 0), ["k0"])
     assert loc is not None and [(r.node_id, r.tier) for r in loc.replicas] == [("b", "dram")]
     run(t, commands)
     t.expire(10_000)  # leases over
@@ -414,7 +407,7 @@ def test_each_replica_of_a_block_is_evicted_alone_and_remove_drops_them_all() ->
     plan = t.put_start(["x0", "x1", "x2"], [KB] * 3, 1, "b", False, 10_000)
     assert [(c.node_id, c.kind, c.keys) for c in plan.commands] == [("b", ActionKind.DROP, ("k1",))]
     run(t, plan.commands)
-    [loc] = t.get_replicas(["k1"], 10_000).located(["k1"])
+    [loc] = located(t.get_replicas(["k1"], 10_000), ["k1"])
     assert loc is not None and [(r.node_id, r.tier) for r in loc.replicas] == [("a", "ssd")]
     described = t.describe("k0")
     assert described is not None
@@ -438,7 +431,7 @@ def test_a_failed_copy_frees_its_extent_and_an_unanswered_one_is_dropped_first()
     t = table("a", "b")
     put(t, "k0", "k1", node="a")
     copy(t, ["k0"], "b", ok=False)
-    assert t.nodes["b"].alloc.used == 0 and t.get_replicas(["k0"], 0).located(["k0"])[0] is not None
+    assert t.nodes["b"].alloc.used == 0 and located(t.get_replicas(["k0"], 0), ["k0"])[0] is not None
     moves = t.plan_replicas(["k0", "k1"], "b", 1 << 30)
     copied, [drop] = t.finish_replicas(moves, [False, False], answered=False)  # b may hold them: drop first
     assert copied == [] and (drop.node_id, drop.keys, drop.release) == ("b", ("k0", "k1"), True)
@@ -483,7 +476,7 @@ def test_a_copy_to_a_node_that_re_registered_is_left_to_its_inventory() -> None:
     t = table("a", "b")
     put(t, "k0", "k1", node="a")
     moves = t.plan_replicas(["k0", "k1"], "b", 1 << 30)
-    t.register_node("b", "b:1", 4 * KB, 0, 64, [InventoryItem("k0", "dram", 2048, KB, 7)], 0)  # k0 arrived
+    t.register_node("b", "b:1", 4 * KB, 0, 64, [HeldBlock("k0", DRAM, 2048, KB, 7)], 0)  # k0 arrived
     assert t.finish_replicas(moves, [True, True]) == ([], [])
     t.check()
     assert t.match_prefix_nodes(["k0", "k1"]).nodes == {"a": NodePrefix(2, 2), "b": NodePrefix(1, 1)}
@@ -494,7 +487,7 @@ def test_a_drain_does_not_copy_where_a_replica_is_coming() -> None:
     put(t, "k0", node="a")
     put(t, "x", size=2 * KB, node="c")
     moves = t.plan_replicas(["k0"], "b", KB)  # b stays the roomiest node
-    t.draining.add("a")
+    t.start_drain("a")
     drain, drops = t.plan_moves("a", 10)
     assert drops == [] and [(m.key, m.source, m.target) for m in drain] == [("k0", "a", "c")]
     assert t.finish_replicas(moves, [True])[0] == moves
@@ -502,7 +495,7 @@ def test_a_drain_does_not_copy_where_a_replica_is_coming() -> None:
     # Copied: a's replica is on its way out, and no longer counts for a's prefix.
     assert t.match_prefix_nodes(["k0"]).nodes.keys() == {"b", "c"}
     run(t, drops)
-    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
+    [loc] = located(t.get_replicas(["k0"], 0), ["k0"])
     assert loc is not None and sorted(r.node_id for r in loc.replicas) == ["b", "c"]
 
 
@@ -515,7 +508,7 @@ def test_a_drain_copies_a_block_whose_other_replica_is_on_a_down_node() -> None:
     t.heartbeat(up, 1500)
     t.expire(1500)
     assert not t.nodes[down].up
-    t.draining.add("a")
+    t.start_drain("a")
     drain, drops = t.plan_moves("a", 10)
     # Not dropped on the strength of a copy nobody can read: copied to the node that is up.
     assert drops == [] and [(m.key, m.target) for m in drain] == [("k0", up)]
@@ -601,3 +594,83 @@ def test_a_node_that_leaves_takes_its_blocks_and_revokes_its_puts() -> None:
     assert "a" not in t.nodes and t.exists(["only-a", "both"]) == [False, True]
     run(t, [revoke])
     assert t.leave_node("a") == [] and t.put_end(["inflight"], [7]) == [False]
+
+
+def test_drain_and_replicate_copies_carry_the_blocks_pin() -> None:
+    for drain in (True, False):
+        t = table("a", "b")
+        put(t, "p", node="a")
+        t.put_start(["q"], [KB], 1, "a", True, 0)
+        assert t.put_end(["q"], [7]) == [True]
+        if drain:
+            t.start_drain("a")
+            moves, _ = t.plan_moves("a", 10)
+        else:
+            moves = t.plan_replicas(["p", "q"], "b", 10 * KB)
+        assert {m.key: m.pinned for m in moves} == {"p": False, "q": True}
+
+
+@pytest.mark.parametrize("ssd_first", [False, True])
+def test_a_key_reported_in_both_tiers_keeps_its_dram_copy_and_drops_the_other(ssd_first: bool) -> None:
+    t = table("a", ssd=4 * KB)
+    both = [HeldBlock("k", DRAM, 0, KB, 7), HeldBlock("k", SSD, -1, KB, 7)]
+    [drop] = t.register_node("b", "b:1", 4 * KB, 4 * KB, 64, both[::-1] if ssd_first else both, 0)
+    assert (drop.node_id, drop.kind, drop.tier, drop.keys, drop.tier_only) == ("b", ActionKind.DROP, SSD, ("k",), True)
+    t.check()
+    [loc] = located(t.get_replicas(["k"], 0), ["k"])
+    assert loc is not None and [(r.node_id, r.tier, r.offset) for r in loc.replicas] == [("b", "dram", 0)]
+    run(t, [drop])  # the SSD copy is gone: the DRAM one stays
+    assert t.describe("k")["replicas"][0]["tier"] == "dram"  # type: ignore[index]
+
+
+def test_of_a_key_in_both_tiers_the_copy_that_agrees_with_other_nodes_is_kept() -> None:
+    t = table("a", ssd=4 * KB)
+    put(t, "k")  # checksum 7 on node a
+    both = [HeldBlock("k", DRAM, 0, KB, 9), HeldBlock("k", SSD, -1, KB, 7)]
+    [drop] = t.register_node("b", "b:1", 4 * KB, 4 * KB, 64, both, 0)
+    assert (drop.tier, drop.keys, drop.tier_only) == (DRAM, ("k",), True)
+    t.check()
+    run(t, [drop])
+    assert sorted((r["node_id"], r["tier"]) for r in t.describe("k")["replicas"]) == [("a", "dram"), ("b", "ssd")]  # type: ignore[index]
+
+
+def test_a_drain_copy_of_a_key_removed_meanwhile_keeps_its_extent_until_the_target_drops_it() -> None:
+    t = table("a", "b")
+    put(t, "k", node="a")
+    t.start_drain("a")
+    [move], _ = t.plan_moves("a", 10)
+    _, removal = t.remove(["k"])  # while the target copies it
+    drops = t.finish_moves("a", [move], [True])  # the target committed the copy
+    [to_b] = [c for c in drops if c.node_id == "b"]
+    assert (to_b.kind, to_b.keys, to_b.offsets) == (ActionKind.DROP, ("k",), (move.extent.offset,))
+    assert t.nodes["b"].alloc.used == KB  # the target holds the block there until it drops it
+    t.stop_drain("a")
+    [ticket] = put(t, "x", node="b")
+    assert ticket is not None and ticket.replicas[0].offset != move.extent.offset
+    run(t, removal + drops)
+    assert t.describe("k") is None and t.nodes["b"].alloc.used == KB  # only x's
+
+
+def test_an_unanswered_drain_copy_is_dropped_before_its_extent_is_reused() -> None:
+    t = table("a", "b")
+    put(t, "k", node="a")
+    t.start_drain("a")
+    [move], _ = t.plan_moves("a", 10)
+    [drop] = t.finish_moves("a", [move], [False], answered=False)  # the target never answered
+    assert (drop.node_id, drop.keys, drop.offsets) == ("b", ("k",), (move.extent.offset,))
+    t.check()
+    assert t.nodes["b"].alloc.used == KB
+    [loc] = located(t.get_replicas(["k"], 0), ["k"])
+    assert loc is not None and [r.node_id for r in loc.replicas] == ["a"]  # still served from the source
+    run(t, [drop], ok=False)  # the target had nothing there (and will refuse the copy if it comes)
+    assert t.nodes["b"].alloc.used == 0 and t.describe("k")["replicas"][0]["node_id"] == "a"  # type: ignore[index]
+
+
+def test_an_answered_failed_drain_copy_frees_its_extent_and_the_block_stays() -> None:
+    t = table("a", "b")
+    put(t, "k", node="a")
+    t.start_drain("a")
+    [move], _ = t.plan_moves("a", 10)
+    assert t.finish_moves("a", [move], [False]) == []
+    t.check()
+    assert t.nodes["b"].alloc.used == 0 and located(t.get_replicas(["k"], 0), ["k"])[0] is not None

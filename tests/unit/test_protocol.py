@@ -98,6 +98,15 @@ def test_a_trailing_field_with_a_default_may_be_left_out_and_no_other() -> None:
         P.decode_payload(raw(P.PROTOCOL_VERSION, 1, [P.GetReplicas.KIND, ["a"]]))
 
 
+def test_a_fetch_from_a_master_that_sends_no_pins_pins_nothing() -> None:
+    old = [P.FetchBlocks.KIND, "a:1", ["k"], [0], [10], [7]]
+    assert P.decode_payload(raw(P.PROTOCOL_VERSION, 1, old))[1] == P.FetchBlocks("a:1", ["k"], [0], [10], [7], [])
+
+
+def test_a_drop_from_a_master_that_names_no_tier_drops_from_either() -> None:
+    assert P.decode_payload(raw(P.PROTOCOL_VERSION, 1, [P.DropBlocks.KIND, ["k"]]))[1] == P.DropBlocks(["k"], "", [])
+
+
 def test_error_reply_carries_the_typed_error() -> None:
     reply = P.ErrorReply.from_error(NotFound("key 'x' is not stored"))
     _, decoded = P.decode_payload(P.encode(reply, 3)[4:])

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import CapacityError, InvalidArgument
+from kvstore.placement.results import HeldBlock
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
-from tests.unit.placement import DRAM, EXACT, KB, SSD, got, put, run, table
+from tests.unit.placement import DRAM, EXACT, KB, SSD, got, located, put, run, table
 
 
 def test_full_node_evicts_in_lru_order_before_placing() -> None:
@@ -19,10 +20,10 @@ def test_full_node_evicts_in_lru_order_before_placing() -> None:
     assert plan.tickets == [None] and plan.waiting == [0]
     [cmd] = plan.commands
     assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.DEMOTE, DRAM, ("k1",))
-    [moving] = t.get_replicas(["k1"], 0).located(["k1"])  # moving: read by key through its daemon
+    [moving] = located(t.get_replicas(["k1"], 0), ["k1"])  # moving: read by key through its daemon
     assert moving is not None and [(r.tier, r.offset) for r in moving.replicas] == [("ssd", -1)]
     run(t, plan.commands)
-    [loc] = t.get_replicas(["k1"], 0).located(["k1"])
+    [loc] = located(t.get_replicas(["k1"], 0), ["k1"])
     assert loc is not None and loc.replicas[0].tier == "ssd" and loc.replicas[0].offset == -1
     put(t, "k4")
     assert list(t.nodes["a"].dram_lru) == ["k2", "k3", "k0", "k4"]
@@ -90,7 +91,7 @@ def test_a_block_being_dropped_is_gone_at_once() -> None:
 def test_leased_and_pinned_blocks_are_not_evicted() -> None:
     t = table("a", dram=2 * KB)
     put(t, "k0", "k1")
-    t.get_replicas(["k0"], 0).located(["k0"])  # leased for 5 s
+    located(t.get_replicas(["k0"], 0), ["k0"])  # leased for 5 s
     plan = t.put_start(["k2"], [KB], 1, None, False, now_ms=10)
     assert [c.keys for c in plan.commands] == [("k1",)]
     run(t, plan.commands)
@@ -123,11 +124,11 @@ def test_ssd_block_is_promoted_after_hits_once_unleased() -> None:
     assert t.expire(1) == []  # second hit, but still leased by this read
     [cmd] = t.release_leases(second)
     assert (cmd.kind, cmd.tier, cmd.keys) == (ActionKind.PROMOTE, SSD, ("k0",)) and cmd.offsets[0] >= 0
-    [moving] = t.get_replicas(["k0"], 0).located(["k0"])  # moving while promoted: by key, no extent
+    [moving] = located(t.get_replicas(["k0"], 0), ["k0"])  # moving while promoted: by key, no extent
     assert moving is not None and [(r.tier, r.offset) for r in moving.replicas] == [("ssd", -1)]
     t.check()
     run(t, [cmd])
-    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
+    [loc] = located(t.get_replicas(["k0"], 0), ["k0"])
     assert loc is not None and loc.replicas[0].tier == "dram" and loc.replicas[0].offset == cmd.offsets[0]
     assert t.counters["promotions"] == 1 and t.nodes["a"].ssd_used == KB
 
@@ -138,7 +139,7 @@ def test_failed_promotion_leaves_the_block_on_ssd() -> None:
     run(t, t.put_start(["k3"], [KB], 1, None, False, 0).commands)
     [cmd] = t.release_leases(got(t.get_replicas(["k0"], 0)))
     run(t, [cmd], ok=False)
-    [loc] = t.get_replicas(["k0"], 0).located(["k0"])
+    [loc] = located(t.get_replicas(["k0"], 0), ["k0"])
     assert loc is not None and loc.replicas[0].tier == "ssd"
 
 
@@ -177,3 +178,32 @@ def test_a_late_access_report_counts_the_tier_the_block_was_read_from() -> None:
         t.record_access("a", ["k0", "k1"], ["ssd"])
     assert t.counters["ssd_hits"] == 1
     t.check()
+
+
+def test_an_answer_planned_before_its_node_re_registered_is_void() -> None:
+    t = table("a", ssd=4 * KB)
+    put(t, "k0")
+    _, [demote] = t.evict_tier("a", DRAM)
+    assert (demote.kind, demote.keys) == (ActionKind.DEMOTE, ("k0",))
+    # The daemon restarted before it demoted: its inventory has k0 in DRAM still.
+    assert t.register_node("a", "a:1", 4 * KB, 4 * KB, 64, [HeldBlock("k0", DRAM, 0, KB, 7)], 0) == []
+    t.apply(demote, [True])  # the old daemon's answer, late
+    t.check()
+    [loc] = located(t.get_replicas(["k0"], 0), ["k0"])
+    assert loc is not None and [(r.tier, r.offset) for r in loc.replicas] == [("dram", 0)]
+    assert t.nodes["a"].dram_freeing == 0 and t.nodes["a"].ssd_used == 0
+
+
+def test_a_stale_drop_answer_does_not_drop_the_key_put_again() -> None:
+    t = table("a")
+    put(t, "k0")
+    _, [evict] = t.evict_tier("a", DRAM)  # no SSD: a drop
+    _, removal = t.remove(["k0"])
+    run(t, [evict])  # the eviction's drop is answered: k0 is gone
+    assert t.describe("k0") is None
+    plan = t.put_start(["k0"], [KB], 1, None, False, 0)  # put again, at the same extent
+    for c in removal:  # the removal's answer (if it sent a drop) comes after
+        t.apply(c, [True] * len(c.keys))
+    t.check()
+    assert plan.tickets[0] is not None and t.put_end(["k0"], [7]) == [True]
+    assert located(t.get_replicas(["k0"], 0), ["k0"])[0] is not None

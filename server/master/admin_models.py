@@ -1,0 +1,170 @@
+"""The REST admin API's request and response models (pydantic): the OpenAPI document is made of them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, RootModel
+
+
+class ErrorBody(BaseModel):
+    code: int = Field(description="Stable error code of kvstore.errors (0 for HTTP-level errors).")
+    error: str = Field(description="Error type.")
+    message: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    uptime_s: float
+
+
+class Ready(BaseModel):
+    ready: bool
+    nodes_up: int
+    reason: str
+
+
+class Leadership(BaseModel):
+    role: str = Field(description='"leader", "standby", or "leader (lease unconfirmed)" while it may not serve.')
+    ha: bool = Field(description="Whether the master runs with etcd (leader election, standbys).")
+    ready: bool = Field(description="Whether it answers reads and puts (a new leader waits for the daemons).")
+    epoch: int = Field(description="Leadership epoch: the revision of the leader key in etcd (0 without etcd).")
+    leader: str | None = Field(description="The leader's RPC address as this master last saw it.")
+    failovers: int = Field(description="Times this master took over as leader.")
+    elections_won: int
+    leadership_lost: int
+    etcd_errors: int = Field(description="etcd requests that failed (the election retries them).")
+    etcd: list[str] = Field(description="etcd endpoints.")
+    etcd_reachable: bool
+    cluster_id: str
+
+
+class TierUsage(BaseModel):
+    capacity: int = Field(description="Bytes the tier can hold now (below `configured` while its disk is short).")
+    configured: int = Field(description="Bytes the tier was configured with.")
+    used: int
+    blocks: int
+    pinned: int
+    leased: int
+
+
+class Rates(BaseModel):
+    gets_per_s: float
+    puts_per_s: float
+    hits_per_s: float
+    read_bytes_per_s: float
+    written_bytes_per_s: float
+
+
+class ClusterSummary(BaseModel):
+    nodes: int
+    nodes_up: int
+    nodes_down: int
+    objects: int
+    pending: int
+    dram: TierUsage
+    ssd: TierUsage
+    hit_rate: float = Field(description="Hits over lookups since the master started (0 before any).")
+    rates: Rates
+    counters: dict[str, int]
+
+
+class NicModel(BaseModel):
+    name: str
+    address: str
+    speed_mbps: int
+    numa_node: int
+
+
+class NodeModel(BaseModel):
+    node_id: str
+    address: str
+    rails: list[str]
+    up: bool
+    draining: bool
+    last_heartbeat_ms_ago: int
+    host_id: str
+    ucx_address: str
+    nics: list[NicModel]
+    tiers: dict[str, TierUsage]
+    faults: dict[str, str] = Field(description="By tier: why it holds less than configured (a full or failing disk).")
+    commands_in_flight: int
+    transfer_bytes: dict[str, int] = Field(description="Bytes the daemon moved, by transport:rail:direction.")
+
+
+class NodeList(BaseModel):
+    nodes: list[NodeModel]
+
+
+class ReplicaModel(BaseModel):
+    node_id: str
+    tier: Literal["dram", "ssd"]
+    offset: int
+    status: Literal["ready", "moving", "copying", "dropping"] = Field(description="See ReplicaStatus.")
+    moving: bool = Field(description="Not ready: a demotion, promotion, copy or drop of this replica is in flight.")
+    dropping: bool = Field(description="A drop of this replica is in flight: reads no longer find it.")
+    leased: bool
+    node_up: bool
+
+
+class KeyModel(BaseModel):
+    key: str
+    size: int
+    checksum: int
+    pinned: bool
+    state: Literal["committed", "writing", "removing"]
+    replicas: list[ReplicaModel]
+
+
+class KeyPage(BaseModel):
+    keys: list[str]
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
+
+
+_KEY = Field(min_length=1, max_length=256, description="A block key: 1 to 256 bytes of UTF-8.")
+
+
+class EvictKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    key: str = _KEY
+
+
+class EvictPrefix(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prefix: str = Field(description="Every stored key that starts with this ('' is every key).")
+
+
+class EvictTier(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    node_id: str
+    tier: Literal["dram", "ssd"] = Field(description="dram: demote to SSD where it has room, else drop; ssd: drop.")
+
+
+class EvictRequest(RootModel[EvictKey | EvictPrefix | EvictTier]):
+    """Exactly one of: a key; a prefix; a node's tier."""
+
+
+class EvictResult(BaseModel):
+    evicted: int = Field(description="Blocks evicted (or, for a node's tier, demoted or dropped).")
+    skipped_pinned: list[str]
+
+
+class DrainResult(BaseModel):
+    node_id: str
+    draining: bool
+    blocks_left: int = Field(description="Blocks still on the node; it is out of placement from now on.")
+
+
+class HistoryPoint(BaseModel):
+    t: float = Field(description="Seconds since the epoch.")
+    hit_rate: float | None = Field(description="Hits over lookups in this second; null when there were none.")
+    gets_per_s: float
+    puts_per_s: float
+    read_bytes_per_s: float
+    written_bytes_per_s: float
+    dram_used: int
+    ssd_used: int
+
+
+class History(BaseModel):
+    points: list[HistoryPoint]
