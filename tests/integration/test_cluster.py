@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,8 @@ from kvstore.keys import block_keys
 from kvstore.node_store import PutStatus
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.aio import AsyncStore
+from kvstore_client.core import ClientCore
+from kvstore_client.effects import Job, ReadLocated
 from kvstore_client.store import PutOptions, Store
 
 KB = 1024
@@ -193,10 +195,10 @@ def _one_trip_reads(stack: contextlib.ExitStack, cluster: LocalCluster, monkeypa
     assert store.put_many(zip(keys, blocks, strict=True)) == [PutStatus.STORED] * len(keys)
     before = store.stats()
 
-    def no_master(self: Store, keys: list[str]) -> list[Any]:
+    def no_master(self: ClientCore, keys: list[str]) -> Any:
         raise AssertionError(f"the master was asked where {keys} are")
 
-    monkeypatch.setattr(Store, "_located", no_master)
+    monkeypatch.setattr(ClientCore, "locate", no_master)
     assert store.get_many(keys, verify=True) == blocks
     out = bytearray(8 * KB)
     assert store.get_into(keys[3], out) == len(blocks[3]) and out[: len(blocks[3])] == blocks[3]
@@ -220,15 +222,16 @@ def test_a_readers_leases_are_released_after_its_reads_not_before(
     keys = [f"leased-{i}" for i in range(4)]
     store.put_many((k, bytes([i]) * 5000) for i, k in enumerate(keys))
     assert store._paths.may_lease
-    seen: list[list[str]] = []
-    read = Store._read
+    seen: list[list[int]] = []
+    fan_out = Store._fan_out
 
-    def watching(self: Store, blocks: Any, verify: bool) -> dict[int, int]:
-        seen.append(list(self._leases._pending))  # queued for release while this read runs
-        return read(self, blocks, verify)
+    def watching(self: Store, jobs: Sequence[Job]) -> list[Any]:
+        if any(isinstance(job, ReadLocated) for job in jobs):
+            seen.append(list(self._leases._pending))  # queued for release while this read runs
+        return fan_out(self, jobs)
 
-    monkeypatch.setattr(Store, "_read", watching)
-    store._hints.forget(keys)  # through the master, under leases
+    monkeypatch.setattr(Store, "_fan_out", watching)
+    store._core.hints.forget(keys)  # through the master, under leases
     assert store.get_many(keys) == [bytes([i]) * 5000 for i in range(4)]
     assert seen == [[]]  # nothing of this get queued for release while it reads
 
@@ -239,7 +242,7 @@ def test_stale_or_dead_hints_never_change_an_answer(store: Store, cluster: Local
     with Store.connect(cluster.master_address) as other:
         other.remove("gone")
         assert other.put("gone", b"G" * 6000) is PutStatus.STORED  # same key, other bytes and size
-    hints = store._hints
+    hints = store._core.hints
     place = hints.get("moved")
     assert place is not None
     other_node = next(n for n in store.nodes() if n.node_id != place[0])
@@ -252,7 +255,7 @@ def test_stale_or_dead_hints_never_change_an_answer(store: Store, cluster: Local
     assert hints.get("moved") is None
     with Store.connect(cluster.master_address) as other:
         other.put("dropped", b"d" * 100)
-        hint = other._hints.get("dropped")
+        hint = other._core.hints.get("dropped")
         other.remove("dropped")  # removed by someone else: once remove returns, no daemon serves it
     hints.note([("dropped", hint)])
     assert store.get("dropped") is None
