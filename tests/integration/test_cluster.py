@@ -20,6 +20,7 @@ from kvstore_client.aio import AsyncStore
 from kvstore_client.core import ClientCore
 from kvstore_client.effects import Job, ReadLocated
 from kvstore_client.store import PutOptions, Store
+from tests.conftest import FACES, connect_client
 
 KB = 1024
 
@@ -30,8 +31,15 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
+@pytest.fixture(params=FACES)
+def store(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Store]:
+    """A Store, or an AsyncStore called as one: both faces of the client pass the same tests."""
+    with connect_client(request.param, cluster.master_address) as s:
+        yield s
+
+
 @pytest.fixture
-def store(cluster: LocalCluster) -> Iterator[Store]:
+def sync_store(cluster: LocalCluster) -> Iterator[Store]:
     with Store.connect(cluster.master_address) as s:
         yield s
 
@@ -66,9 +74,10 @@ def test_zero_copy_numpy_batches_and_prefix_match(store: Store) -> None:
 def test_torch_tensors(store: Store) -> None:
     torch = pytest.importorskip("torch")
     t = torch.randn(128, 64, dtype=torch.bfloat16)
-    store.put("tensor", t)
+    key = f"tensor-{type(store).__name__}"  # random bytes: a key of each face's own
+    store.put(key, t)
     out = torch.empty_like(t)
-    assert store.get_into("tensor", out) == t.numel() * 2
+    assert store.get_into(key, out) == t.numel() * 2
     assert torch.equal(t, out)
 
 
@@ -115,15 +124,16 @@ def test_exact_size_reads_a_block_of_another_size_as_a_miss(store: Store) -> Non
     assert store.get_many_into(["exact-b"], [bytearray(100)]) == [50]  # without it, a smaller block is read
 
 
-@pytest.mark.parametrize("transport", ["tcp", "auto"])
-def test_a_byte_range_of_each_block_reads_alone(cluster: LocalCluster, transport: str) -> None:
+@pytest.mark.parametrize(("face", "transport"), [("Store", "tcp"), ("Store", "auto"), ("AsyncStore", "tcp")])
+def test_a_byte_range_of_each_block_reads_alone(cluster: LocalCluster, face: str, transport: str) -> None:
     blocks = np.random.default_rng(3).integers(0, 256, (6, 4 * KB), dtype=np.uint8)
-    keys = [f"range-{transport}-{i}" for i in range(6)]
-    with Store.connect(cluster.master_address, ClientConfig(transport=transport)) as s:  # auto: shm on this host
+    name = f"range-{face}-{transport}"
+    keys = [f"{name}-{i}" for i in range(6)]
+    with connect_client(face, cluster.master_address, ClientConfig(transport=transport)) as s:  # auto: shm here
         s.put_many(zip(keys, blocks, strict=True))
-        s.put(f"range-{transport}-short", b"z" * 100)
+        s.put(f"{name}-short", b"z" * 100)
         out = np.zeros((7, 1000), dtype=np.uint8)
-        got = s.get_range_many_into([*keys, f"range-{transport}-short"], 1500, 1000, list(out))
+        got = s.get_range_many_into([*keys, f"{name}-short"], 1500, 1000, list(out))
         assert got == [1000] * 6 + [None]
         assert np.array_equal(out[:6], blocks[:, 1500:2500]) and not out[6].any()
         assert s.get_range_many_into(["range-missing"], 0, 10, [bytearray(10)]) == [None]
@@ -215,8 +225,9 @@ def _one_trip_reads(stack: contextlib.ExitStack, cluster: LocalCluster, monkeypa
 
 
 def test_a_readers_leases_are_released_after_its_reads_not_before(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    sync_store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    store = sync_store  # the face that reads the arena without the daemon, under leases
     # A lease released while the arena copy is still running would let the block be evicted
     # (and its space rewritten) under the reader.
     keys = [f"leased-{i}" for i in range(4)]

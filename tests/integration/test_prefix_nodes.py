@@ -14,6 +14,7 @@ from kvstore.keys import block_keys
 from kvstore.protocol import NodePrefix, PrefixMatch, Replicated
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import PutOptions, Store
+from tests.conftest import FACES, connect_client
 
 KB = 1024
 BLOCK = 64 * KB
@@ -27,9 +28,10 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-@pytest.fixture
-def store(cluster: LocalCluster) -> Iterator[Store]:
-    with Store.connect(cluster.master_address) as s:
+@pytest.fixture(params=FACES)
+def store(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Store]:
+    """A Store, or an AsyncStore called as one: both faces replicate and match alike."""
+    with connect_client(request.param, cluster.master_address) as s:
         yield s
 
 
