@@ -60,7 +60,7 @@ from kvstore_client.effects import (
 from kvstore_client.links import AsyncCredential, AsyncLink, ReadBatcher
 from kvstore_client.puts import PutOptions, write_codes
 from transfer.discovery import MasterLocator
-from transfer.rpc import Retry, after_failure
+from transfer.rpc import Retry, after_failure, attempt_timeout
 from transfer.tls import contexts
 
 R = TypeVar("R", bound=Message)
@@ -90,7 +90,7 @@ class AsyncStore:
         self._ticket_lock = asyncio.Lock()
         self._tls = contexts(self.config.tls)
         # For etcd://, re-pointed at the leader.
-        self._master = self._new_link(master, self._master_credential, self._tls[0])
+        self._master = self._master_link(master)
         self._links: dict[str, AsyncLink] = {}
         self._readers: dict[str, ReadBatcher] = {}
         self._core = ClientCore(self.config, _OverTcp())
@@ -220,7 +220,7 @@ class AsyncStore:
         except KVStoreError:
             return
         if address != self._master.address:
-            old, self._master = self._master, self._new_link(address, self._master_credential, self._tls[0])
+            old, self._master = self._master, self._master_link(address)
             await old.close()
 
     def _link(self, address: str) -> AsyncLink:
@@ -229,8 +229,17 @@ class AsyncStore:
             link = self._links[address] = self._new_link(address, self._daemon_credential, self._tls[1])
         return link
 
-    def _new_link(self, address: str, credential: AsyncCredential, tls: ssl.SSLContext | None) -> AsyncLink:
-        return AsyncLink(address, self.config.timeout_s, credential if self._credential is not None else None, tls)
+    def _master_link(self, address: str) -> AsyncLink:
+        # One attempt is bounded as the blocking client bounds it: an HA leader gone silent is given up in time
+        # to ask its successor within the call's timeout.
+        timeout = attempt_timeout(self.config.timeout_s, dynamic=self._locator.dynamic)
+        return self._new_link(address, self._master_credential, self._tls[0], timeout)
+
+    def _new_link(
+        self, address: str, credential: AsyncCredential, tls: ssl.SSLContext | None, timeout: float | None = None
+    ) -> AsyncLink:
+        timeout = self.config.timeout_s if timeout is None else timeout
+        return AsyncLink(address, timeout, credential if self._credential is not None else None, tls)
 
     async def _master_credential(self) -> Credential:
         assert self._credential is not None

@@ -57,6 +57,12 @@ def after_failure(error: KVStoreError, *, dynamic: bool) -> Retry:
     return Retry.GIVE_UP
 
 
+def attempt_timeout(timeout: float, *, dynamic: bool) -> float:
+    """Bound on one attempt of a master call: for an HA master (``dynamic``) a short one, so that a
+    silent leader is given up and its successor asked within the call's overall time."""
+    return min(timeout, _HA_ATTEMPT_S) if dynamic else timeout
+
+
 def request_ids() -> itertools.count[int]:
     """Request ids for one connection, unique across clients with overwhelming odds (the master keeps
     the answers of non-idempotent requests by id, for retries). Drawn from the OS, never from
@@ -174,9 +180,7 @@ class Connection:
         return sock
 
     def _attempt_timeout(self) -> float:
-        """Bound on one attempt: for an HA master a short one (a silent leader is given up and its
-        successor asked, within the call's overall ``retry_for``)."""
-        return min(self.timeout, _HA_ATTEMPT_S) if self.locator is not None and self.locator.dynamic else self.timeout
+        return attempt_timeout(self.timeout, dynamic=self.locator is not None and self.locator.dynamic)
 
     def _follow(self, address: str) -> None:
         if address != self.address:
