@@ -188,11 +188,14 @@ class AsyncStore:
         batcher = self._readers.get(job.address)
         if batcher is None:
             batcher = self._readers[job.address] = ReadBatcher(self._link(job.address))
-        answers = await asyncio.gather(*(batcher.read(key) for key in job.keys))
+        answers = await asyncio.gather(*(batcher.read(key) for key in job.keys), return_exceptions=True)
+        failure = next((a for a in answers if isinstance(a, BaseException)), None)
+        if failure is not None:
+            raise failure  # the batch's: one answer for the job (every future was given it, and retrieved)
         hits: list[Direct | None] = [None] * len(job.keys)
         made: list[Any] = [None] * len(job.keys)
         for i, (answer, view) in enumerate(zip(answers, job.views, strict=True)):
-            if answer is None:
+            if answer is None or isinstance(answer, BaseException):
                 continue
             size, check, data = answer
             if view is None:

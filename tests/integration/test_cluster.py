@@ -155,6 +155,7 @@ def test_async_store(cluster: LocalCluster) -> None:
             keys = [f"async-many-{i}" for i in range(64)]
             blocks = [bytes([i]) * (100 + i) for i in range(64)]
             assert await s.put_many(zip(keys, blocks, strict=True)) == [PutStatus.STORED] * 64
+            assert [k async for k in s.iter_keys("async-many-", page=10)] == sorted(keys)  # in pages, in order
             async with await AsyncStore.connect(cluster.master_address) as fresh:  # no hints: via the master
                 assert await asyncio.gather(*(fresh.get(k, verify=True) for k in keys)) == blocks
                 assert await asyncio.gather(*(fresh.get(k, verify=True) for k in keys)) == blocks  # by hint
@@ -176,6 +177,19 @@ def test_async_store(cluster: LocalCluster) -> None:
             await s.get("async")
 
     asyncio.run(main())
+
+
+def test_sizes_listing_and_remove_reports(store: Store) -> None:
+    name = f"listed-{type(store).__name__}"
+    keys = [f"{name}-{i}" for i in range(5)]
+    store.put_many((k, bytes([i]) * (100 + i)) for i, k in enumerate(keys))
+    assert store.sizes([*keys[:2], f"{name}-none"]) == [100, 101, None]  # no bytes move
+    assert store.list_keys(name, limit=3) == (keys[:3], keys[2])
+    assert store.list_keys(name, after=keys[2]) == (keys[3:], "")
+    with pytest.raises(InvalidArgument, match="limit"):
+        store.list_keys(name, limit=0)
+    assert store.remove_report([*keys, f"{name}-none"]) == (5, [])
+    assert store.sizes(keys) == [None] * 5
 
 
 def test_bad_put_input_is_a_typed_error(store: Store) -> None:
