@@ -172,8 +172,12 @@ class ClientCore:
         step = self.grants.carve(sizes, preferred)
         if not isinstance(step, NeedGrant):
             return step
-        yield from self._give_back(step.retired)
-        reply = yield from call(GrantSpace(self.grants.size, preferred), GrantReply)
+        try:
+            yield from self._give_back(step.retired)
+            reply = yield from call(GrantSpace(self.grants.size, preferred), GrantReply)
+        except BaseException:
+            self.grants.abandon(preferred)
+            raise
         carved, back = self.grants.install(reply, preferred, sizes)
         yield from self._give_back(back)
         return carved

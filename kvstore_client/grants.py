@@ -85,12 +85,16 @@ class GrantPool:
 
     Without I/O: :meth:`carve` answers offsets, or that a grant must be asked for, or None (put
     the two-trip way); the caller talks to the master and gives back the ids these methods
-    return. Thread-safe: every change is one short critical section, never held across I/O."""
+    return. One grant is asked for at a time per preferred node: meanwhile other puts (threads, or
+    tasks on an event loop) go the two-trip way rather than each asking for a grant of its own.
+    Thread-safe: every change is one short critical section, never held across I/O."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         """Bytes to ask for; lowered to the master's cap once it answers with less."""
         self._grants: dict[str | None, Grant] = {}
+        self._asking: set[str | None] = set()
+        """Preferred nodes a grant is being asked for (until :meth:`install` or :meth:`abandon`)."""
         self._lock = threading.Lock()
 
     def carve(self, sizes: Sequence[int], preferred: str | None) -> Carved | NeedGrant | None:
@@ -100,13 +104,21 @@ class GrantPool:
             return None
         with self._lock:
             grant = self._grants.get(preferred)
+            if grant is not None and grant.usable(sizes):
+                offsets = grant.take(sizes)
+                return (grant, offsets) if offsets is not None else None
+            if preferred in self._asking:
+                return None  # another put is asking for one now
+            self._asking.add(preferred)
             if grant is None:
                 return NeedGrant([])
-            if not grant.usable(sizes):
-                del self._grants[preferred]
-                return NeedGrant([grant.grant_id])  # its rest returns to the pool (an early end)
-            offsets = grant.take(sizes)
-        return (grant, offsets) if offsets is not None else None
+            del self._grants[preferred]
+            return NeedGrant([grant.grant_id])  # its rest returns to the pool (an early end)
+
+    def abandon(self, preferred: str | None) -> None:
+        """The grant asked for after a NeedGrant did not come (the master refused, or did not answer)."""
+        with self._lock:
+            self._asking.discard(preferred)
 
     def install(
         self, reply: GrantReply, preferred: str | None, sizes: Sequence[int]
@@ -118,8 +130,10 @@ class GrantPool:
         self.size = min(self.size, reply.length)
         fresh = Grant.from_reply(reply)
         if not fresh.usable(sizes):
+            self.abandon(preferred)
             return None, [reply.grant_id]
         with self._lock:
+            self._asking.discard(preferred)
             old = self._grants.get(preferred)
             self._grants[preferred] = fresh
             offsets = fresh.take(sizes)

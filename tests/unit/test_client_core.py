@@ -82,6 +82,17 @@ def test_grant_pool_asks_installs_carves_and_gives_back() -> None:
     assert pool.close() == []
 
 
+def test_grant_pool_asks_for_one_grant_at_a_time() -> None:
+    pool = GrantPool(4096)
+    assert pool.carve([100], None) == NeedGrant([])
+    assert pool.carve([100], None) is None  # asked for already: this put goes the two-trip way
+    assert pool.carve([100], "node1") == NeedGrant([])  # another preferred node: its own grant
+    pool.abandon(None)  # the master did not answer
+    assert pool.carve([100], None) == NeedGrant([])
+    carved, _ = pool.install(grant_reply(3), None, [100])
+    assert carved is not None and pool.carve([100], None) == (carved[0], [128])
+
+
 def test_grant_pool_drop_returns_a_grant_once() -> None:
     pool = GrantPool(4096)
     carved, _ = pool.install(grant_reply(7), "node0", [10])
