@@ -14,120 +14,39 @@ from __future__ import annotations
 import ssl
 import threading
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import Any
 
 from kvstore.config import ClientConfig
 from kvstore.errors import ProtocolError
-from kvstore.protocol import (
-    CommitBlocks,
-    LocatedRef,
-    Message,
-    NodeInfo,
-    PutReply,
-    ReadBlocks,
-    ReadReply,
-    ReadSlices,
-    ReplicaRef,
-    WriteBlocks,
-    WriteGranted,
-    WriteReply,
-)
+from kvstore.protocol import NodeInfo, PutReply, ReadReply, ReplicaRef, WriteReply
 from kvstore.tiers.dram import ArenaMapping
+from kvstore_client.effects import (
+    Block,
+    Direct,
+    Job,
+    Located,
+    PutGranted,
+    ReadDirect,
+    ReadLocated,
+    ReadRanges,
+    WriteReserved,
+    commit_message,
+    granted_message,
+    ranges_message,
+    read_by_key_message,
+    read_message,
+    seals,
+    write_message,
+)
 from kvstore_client.puts import write_codes
 from transfer import topology
 from transfer.auth import CredentialSource
-from transfer.discovery import MasterLocator
 from transfer.rails import RailSet
-from transfer.rpc import Connection
+from transfer.rpc import ConnectionPool
 from transfer.transports import ucx
 from transfer.transports.shm import ShmTransport
 from transfer.transports.ucx import UcxClient
 from transfer.wire import recv_parts, recv_read_reply
-
-M = TypeVar("M", bound=Message)
-
-Located = tuple[LocatedRef, ReplicaRef, memoryview]
-"""A block the master located, the replica to read, and the buffer to read it into."""
-
-
-class Direct(NamedTuple):
-    """A block a daemon served by key: its size and checksum."""
-
-    size: int
-    checksum: int
-
-
-class Block(NamedTuple):
-    """A block to write: key, bytes, the extent offset to write it at, its checksum."""
-
-    key: str
-    view: memoryview
-    offset: int
-    checksum: int
-    seal: bytes = b""
-    """The master's seal of the extent (a tenant's two-trip put); empty otherwise."""
-
-
-def _columns(blocks: Sequence[Block]) -> tuple[list[str], list[int], list[int], list[int]]:
-    """The keys, offsets, sizes and checksums of ``blocks``, as a write message carries them."""
-    return (
-        [b.key for b in blocks],
-        [b.offset for b in blocks],
-        [b.view.nbytes for b in blocks],
-        [b.checksum for b in blocks],
-    )
-
-
-def _seals(blocks: Sequence[Block]) -> list[bytes]:
-    """The seals of ``blocks`` as a write message carries them: none when none is sealed."""
-    return [b.seal for b in blocks] if any(b.seal for b in blocks) else []
-
-
-class ConnectionPool:
-    """Connections to one peer, one caller at a time each; idle ones are kept (up to ``keep``).
-
-    A list and its atomic ``pop``/``append``: no queue, condition or timeout object per call."""
-
-    def __init__(
-        self,
-        address: str | MasterLocator,
-        timeout: float,
-        keep: int = 4,
-        credential: CredentialSource | None = None,
-        tls: ssl.SSLContext | None = None,
-    ) -> None:
-        self.target = address
-        self.address = address if isinstance(address, str) else address.spec
-        self.timeout = timeout
-        self.credential = credential
-        self.tls = tls
-        self._keep = keep
-        self._idle: list[Connection] = []
-        self._closed = False
-
-    def acquire(self) -> Connection:
-        try:
-            return self._idle.pop()
-        except IndexError:
-            return Connection(self.target, self.timeout, self.credential, self.tls)
-
-    def release(self, conn: Connection) -> None:
-        if self._closed or len(self._idle) >= self._keep:
-            conn.close()
-        else:
-            self._idle.append(conn)
-
-    def call(self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = ()) -> M:
-        conn = self.acquire()
-        try:
-            return conn.call(message, expect, payload)
-        finally:
-            self.release(conn)
-
-    def close(self) -> None:
-        self._closed = True
-        while self._idle:
-            self._idle.pop().close()
 
 
 class DataPath:
@@ -144,10 +63,7 @@ class DataPath:
     def read(self, blocks: Sequence[Located]) -> list[int | None]:
         """Read located blocks into their buffers; per block its size, None for a miss (a block of
         another size than the master described is a stale copy: a miss)."""
-        message = ReadBlocks(
-            [loc.key for loc, _, _ in blocks], [r.tier for _, r, _ in blocks], [r.offset for _, r, _ in blocks],
-            [loc.size for loc, _, _ in blocks],
-        )  # fmt: skip
+        message = read_message(blocks)
         targets = [view[: loc.size] for loc, _, view in blocks]
         conn = self.pool.acquire()
         try:
@@ -163,7 +79,7 @@ class DataPath:
         """Read blocks by key alone, in one round trip: per key its (size, checksum) or None for a
         miss; a None view gets a new buffer (returned beside). A block larger than its view, or of
         another size with ``exact_size``, is skipped as a miss."""
-        message = ReadBlocks(list(keys), ["dram"] * len(keys), [0] * len(keys), [0] * len(keys))
+        message = read_by_key_message(keys)
         out: list[Direct | None] = [None] * len(keys)
         made: list[bytearray | None] = [None] * len(keys)
         conn = self.pool.acquire()
@@ -189,26 +105,25 @@ class DataPath:
             self.pool.release(conn)
         return out, made
 
-    def read_ranges(self, keys: list[str], start: int, length: int, targets: list[memoryview]) -> list[bool]:
-        message = ReadSlices(keys, [start] * len(keys), [length] * len(keys))
+    def read_ranges(self, blocks: Sequence[Located], start: int, length: int) -> list[bool]:
+        """Read bytes ``[start, start + length)`` of blocks into their buffers (each ``length`` long)."""
+        message = ranges_message([loc.key for loc, _, _ in blocks], start, length)
         conn = self.pool.acquire()
         try:
             with conn.exchange(message) as (reply, sock):
-                return recv_read_reply(reply, sock, targets, f"ReadSlices from {self.address}")
+                return recv_read_reply(reply, sock, [v for _, _, v in blocks], f"ReadSlices from {self.address}")
         finally:
             self.pool.release(conn)
 
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
         """Write blocks into extents the master reserved and have the daemon commit them;
         per block (0, "") or an error's (code, text)."""
-        message = WriteBlocks(*_columns(blocks), pinned, _seals(blocks))
-        reply = self.pool.call(message, WriteReply, [b.view for b in blocks])
+        reply = self.pool.call(write_message(blocks, pinned), WriteReply, [b.view for b in blocks])
         return write_codes(reply.codes, reply.errors, len(blocks), self.address)
 
     def write_granted(self, grant_id: int, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
         """A put in one round trip: write into a grant; per block PUT_STORED, PUT_EXISTS or an error code."""
-        message = WriteGranted(grant_id, *_columns(blocks), pinned)
-        reply = self.pool.call(message, PutReply, [b.view for b in blocks])
+        reply = self.pool.call(granted_message(grant_id, blocks, pinned), PutReply, [b.view for b in blocks])
         return write_codes(reply.codes, reply.errors, len(blocks), self.address)
 
     def close(self) -> None:
@@ -233,10 +148,17 @@ class ShmPath(DataPath):
         from_ssd = iter(super().read(ssd) if ssd else [])
         return [loc.size if r.tier == "dram" else next(from_ssd) for loc, r, _ in blocks]
 
+    def read_ranges(self, blocks: Sequence[Located], start: int, length: int) -> list[bool]:
+        dram = [(loc, r, v) for loc, r, v in blocks if r.tier == "dram"]
+        for _, r, view in dram:
+            ShmTransport.read(self.arena, r.offset + start, length, view)
+        ssd = [(loc, r, v) for loc, r, v in blocks if r.tier != "dram"]
+        from_ssd = iter(super().read_ranges(ssd, start, length) if ssd else [])
+        return [True if r.tier == "dram" else next(from_ssd) for _, r, _ in blocks]
+
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
         self.shm.write_many(self.arena, [(b.offset, b.view) for b in blocks])
-        message = CommitBlocks(*_columns(blocks), pinned, _seals(blocks))
-        reply = self.pool.call(message, WriteReply)
+        reply = self.pool.call(commit_message(blocks, pinned), WriteReply)
         return write_codes(reply.codes, reply.errors, len(blocks), self.address)
 
 
@@ -257,8 +179,7 @@ class UcxPath(DataPath):
         )  # fmt: skip
 
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
-        message = WriteBlocks(*_columns(blocks), pinned, _seals(blocks))
-        reply = self.client.write(message, self.ucx_address, [b.view for b in blocks])
+        reply = self.client.write(write_message(blocks, pinned), self.ucx_address, [b.view for b in blocks])
         return write_codes(reply.codes, reply.errors, len(blocks), self.ucx_address)
 
 
@@ -281,7 +202,7 @@ class RailPath(DataPath):
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
         return self.railset.write(
             [b.key for b in blocks], [b.offset for b in blocks], [b.checksum for b in blocks],
-            [b.view for b in blocks], pinned, _seals(blocks),
+            [b.view for b in blocks], pinned, seals(blocks),
         )  # fmt: skip
 
     def close(self) -> None:
@@ -318,8 +239,9 @@ class PathSelector:
                 pool = self._pools.get(address)
                 if pool is None:
                     pool = ConnectionPool(
-                        address, self.config.timeout_s, self.config.connections_per_daemon, self.credential, self.tls
-                    )
+                        address, self.config.timeout_s, self.config.connections_per_daemon, self.credential, self.tls,
+                        bounded=False,
+                    )  # fmt: skip
                     self._pools[address] = pool
         return pool
 
@@ -362,6 +284,28 @@ class PathSelector:
             )  # fmt: skip
             return RailPath(node_id, address, pool, railset)
         return DataPath(node_id, address, pool)
+
+    def one_trip(self, node_id: str, address: str) -> bool:
+        """Whether reads by key and writes into grants of this node go through its daemon's socket."""
+        return self.path(node_id, address).direct
+
+    def local(self, replica: ReplicaRef) -> bool:
+        """Whether this client copies ``replica`` out of a mapped arena, without its daemon."""
+        return replica.tier == "dram" and isinstance(self.path(replica.node_id, replica.address), ShmPath)
+
+    def run(self, job: Job) -> Any:
+        """Carry out one daemon job of the client core (see :mod:`kvstore_client.effects`)."""
+        path = self.path(job.node_id, job.address)
+        if isinstance(job, ReadLocated):
+            return path.read(job.blocks)
+        if isinstance(job, ReadDirect):
+            return path.read_direct(job.keys, job.views, job.exact_size)
+        if isinstance(job, ReadRanges):
+            return path.read_ranges(job.blocks, job.start, job.length)
+        if isinstance(job, WriteReserved):
+            return path.write(job.blocks, job.pinned)
+        assert isinstance(job, PutGranted)
+        return path.write_granted(job.grant_id, job.blocks, job.pinned)
 
     @property
     def may_lease(self) -> bool:

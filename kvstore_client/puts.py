@@ -1,7 +1,6 @@
-"""The put protocols without I/O: what :class:`~kvstore_client.store.Store` and
-:class:`~kvstore_client.aio.AsyncStore` share of them — checking a put's items, sorting the
-master's tickets, reading the daemons' and the master's answers into statuses and the first
-failure. Each client only moves the messages (blocking or on the event loop).
+"""The put protocols' decisions without I/O, used by :class:`~kvstore_client.core.ClientCore`:
+checking a put's items, sorting the master's tickets, reading the daemons' and the master's
+answers into statuses and the first failure.
 """
 
 from __future__ import annotations

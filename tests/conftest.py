@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import itertools
 import json
 import os
@@ -89,3 +91,45 @@ def small_fs(tmp_path: Path) -> Iterator[Any]:
     yield make
     for where in mounts:
         subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
+
+
+FACES = ["Store", "AsyncStore"]
+"""The two faces of the client, for tests that check both behave alike."""
+
+
+class BlockingAsyncStore:
+    """An AsyncStore called from a test's thread as a Store is: each call runs to its end on the
+    store's own event loop. So one test body checks both faces of the client, method by method."""
+
+    def __init__(self, master: str, config: Any = None) -> None:
+        from kvstore_client.aio import AsyncStore
+
+        self._loop = asyncio.new_event_loop()
+        try:
+            self.store = self._loop.run_until_complete(AsyncStore.connect(master, config))
+        except BaseException:
+            self._loop.close()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        if inspect.iscoroutinefunction(attr):
+            return lambda *args, **kwargs: self._loop.run_until_complete(attr(*args, **kwargs))
+        return attr
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self.store.close())
+        self._loop.close()
+
+    def __enter__(self) -> BlockingAsyncStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect_client(face: str, master: str, config: Any = None) -> Any:
+    """A client of ``face`` ("Store" or "AsyncStore"), connected to ``master``, used as a Store is."""
+    from kvstore_client.store import Store
+
+    return Store.connect(master, config) if face == "Store" else BlockingAsyncStore(master, config)

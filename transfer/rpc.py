@@ -9,8 +9,8 @@ An :class:`~kvstore.protocol.ErrorReply` comes back as its typed
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
-import queue
 import secrets
 import socket
 import ssl
@@ -33,6 +33,34 @@ _HA_ATTEMPT_S = 3.0
 
 _NOT_RUN = frozenset({NotLeader.code, NotReady.code})
 """Answers of a master that ran nothing: a call with time left resends the same request."""
+
+
+class Retry(enum.Enum):
+    """What a call to the master does after a failure, while its time lasts."""
+
+    GIVE_UP = "give up"
+    AGAIN = "again"
+    """The same request to the same master (one that is starting and ran nothing)."""
+    ELSEWHERE = "elsewhere"
+    """Ask where the master is now, then the same request again (same id: a master that ran it
+    answers as the first time)."""
+
+
+def after_failure(error: KVStoreError, *, dynamic: bool) -> Retry:
+    """The one rule for riding out a master restart or failover, for the blocking and asyncio
+    clients alike. ``dynamic``: the master is found through etcd, so a leader that went silent
+    (partitioned, stopped) may have a successor that answers."""
+    if isinstance(error, NotReady):
+        return Retry.AGAIN
+    if isinstance(error, NotLeader | ConnectionFailed) or (isinstance(error, Timeout) and dynamic):
+        return Retry.ELSEWHERE
+    return Retry.GIVE_UP
+
+
+def attempt_timeout(timeout: float, *, dynamic: bool) -> float:
+    """Bound on one attempt of a master call: for an HA master (``dynamic``) a short one, so that a
+    silent leader is given up and its successor asked within the call's overall time."""
+    return min(timeout, _HA_ATTEMPT_S) if dynamic else timeout
 
 
 def request_ids() -> itertools.count[int]:
@@ -118,25 +146,19 @@ class Connection:
                         raise Timeout(f"{what}: no reply within {self.timeout} s") from None
                 if not (isinstance(reply, ErrorReply) and reply.code in _NOT_RUN):
                     return reply_id, reply, sock
-                if reply.code == NotLeader.code:
+                if after_failure(reply.to_error(), dynamic=False) is Retry.ELSEWHERE:
                     self._relocate()
                 if time.monotonic() + backoff > deadline:
                     return reply_id, reply, sock  # the caller raises it
-            except (ConnectionFailed, NotLeader):
+            except (ConnectionFailed, NotLeader, Timeout) as exc:
                 self._close_locked()
+                dynamic = self.locator is not None and self.locator.dynamic
+                if after_failure(exc, dynamic=dynamic) is Retry.GIVE_UP:
+                    raise
                 self._relocate()
-                if stale:
-                    stale = False
+                if stale and not isinstance(exc, Timeout):
+                    stale = False  # a pooled socket the peer closed meanwhile: replaced at once
                     continue
-                if time.monotonic() + backoff > deadline:
-                    raise
-            except Timeout:
-                # A leader that went silent (partitioned, stopped): its successor may answer. The same
-                # request id again, so a master that did run it answers as the first time.
-                self._close_locked()
-                if self.locator is None or not self.locator.dynamic:
-                    raise
-                self._relocate()
                 if time.monotonic() + backoff > deadline:
                     raise
             time.sleep(backoff)
@@ -158,9 +180,7 @@ class Connection:
         return sock
 
     def _attempt_timeout(self) -> float:
-        """Bound on one attempt: for an HA master a short one (a silent leader is given up and its
-        successor asked, within the call's overall ``retry_for``)."""
-        return min(self.timeout, _HA_ATTEMPT_S) if self.locator is not None and self.locator.dynamic else self.timeout
+        return attempt_timeout(self.timeout, dynamic=self.locator is not None and self.locator.dynamic)
 
     def _follow(self, address: str) -> None:
         if address != self.address:
@@ -267,29 +287,61 @@ class PendingReply:
 
 
 class ConnectionPool:
-    """Up to ``size`` connections to one peer, handed to one caller at a time."""
+    """Connections to one peer, one caller at a time each; up to ``size`` idle ones are kept.
+
+    ``bounded``: at most ``size`` are in use at once and a caller waits (up to four timeouts) for
+    one to come free: a rail's slices in flight, a daemon's commits to its master. Unbounded, a
+    caller that finds none idle opens another (a client's calls to a daemon never queue behind
+    each other) and the ones beyond ``size`` are closed when given back. The one pool of both the
+    client and the server side; the asyncio client pipelines one connection per peer instead
+    (:class:`kvstore_client.links.AsyncLink`)."""
 
     def __init__(
         self, address: str | MasterLocator, timeout: float = 5.0, size: int = 4,
-        credential: CredentialSource | None = None, tls: ssl.SSLContext | None = None,
+        credential: CredentialSource | None = None, tls: ssl.SSLContext | None = None, *, bounded: bool = True,
     ) -> None:  # fmt: skip
+        self.target = address
         self.address = address if isinstance(address, str) else address.spec
-        self._idle: queue.LifoQueue[Connection] = queue.LifoQueue()
-        for _ in range(size):
-            self._idle.put(Connection(address, timeout, credential, tls))
         self.timeout = timeout
+        self.credential = credential
+        self.tls = tls
+        self.size = size
+        self._idle: list[Connection] = []  # a list's pop/append are atomic: no lock on the hot path
+        self._free = threading.BoundedSemaphore(size) if bounded else None
+        self._closed = False
+
+    def acquire(self) -> Connection:
+        """A connection for this caller alone, until :meth:`release`."""
+        if self._free is not None and not self._free.acquire(timeout=4 * self.timeout):
+            raise Timeout(f"no free connection to {self.address} within {4 * self.timeout:.0f} s")
+        try:
+            return self._idle.pop()
+        except IndexError:
+            return Connection(self.target, self.timeout, self.credential, self.tls)
+
+    def release(self, conn: Connection) -> None:
+        if self._closed or len(self._idle) >= self.size:
+            conn.close()
+        else:
+            self._idle.append(conn)
+        if self._free is not None:
+            self._free.release()
 
     @contextmanager
     def connection(self) -> Iterator[Connection]:
-        try:
-            conn = self._idle.get(timeout=4 * self.timeout)
-        except queue.Empty:
-            raise Timeout(f"no free connection to {self.address} within {4 * self.timeout:.0f} s") from None
+        conn = self.acquire()
         try:
             yield conn
         finally:
-            self._idle.put(conn)
+            self.release(conn)
+
+    def call(
+        self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0
+    ) -> M:
+        with self.connection() as conn:
+            return conn.call(message, expect, payload, retry_for=retry_for)
 
     def close(self) -> None:
-        while not self._idle.empty():
-            self._idle.get_nowait().close()
+        self._closed = True
+        while self._idle:
+            self._idle.pop().close()

@@ -69,7 +69,7 @@ def test_a_grant_used_after_it_ended_is_refused_and_the_put_goes_the_two_trip_wa
         assert store.get("late") is None
         # A client whose grant ended meanwhile still stores: the daemon refuses, the master places.
         assert store.put("late-put", b"1" * 100) is PutStatus.STORED
-        [held] = store._grants._grants.values()
+        [held] = store._core.grants.held()
         held.usable_until = time.monotonic() + 60  # as if this client's clock were behind
         time.sleep(grant.ttl_ms / 1000 + 0.2)
         assert store.put("late-put-2", b"2" * 100) is PutStatus.STORED

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,10 @@ from kvstore.keys import block_keys
 from kvstore.node_store import PutStatus
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.aio import AsyncStore
+from kvstore_client.core import ClientCore
+from kvstore_client.effects import Job, ReadLocated
 from kvstore_client.store import PutOptions, Store
+from tests.conftest import FACES, connect_client
 
 KB = 1024
 
@@ -28,8 +31,15 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
+@pytest.fixture(params=FACES)
+def store(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[Store]:
+    """A Store, or an AsyncStore called as one: both faces of the client pass the same tests."""
+    with connect_client(request.param, cluster.master_address) as s:
+        yield s
+
+
 @pytest.fixture
-def store(cluster: LocalCluster) -> Iterator[Store]:
+def sync_store(cluster: LocalCluster) -> Iterator[Store]:
     with Store.connect(cluster.master_address) as s:
         yield s
 
@@ -64,9 +74,10 @@ def test_zero_copy_numpy_batches_and_prefix_match(store: Store) -> None:
 def test_torch_tensors(store: Store) -> None:
     torch = pytest.importorskip("torch")
     t = torch.randn(128, 64, dtype=torch.bfloat16)
-    store.put("tensor", t)
+    key = f"tensor-{type(store).__name__}"  # random bytes: a key of each face's own
+    store.put(key, t)
     out = torch.empty_like(t)
-    assert store.get_into("tensor", out) == t.numel() * 2
+    assert store.get_into(key, out) == t.numel() * 2
     assert torch.equal(t, out)
 
 
@@ -113,15 +124,16 @@ def test_exact_size_reads_a_block_of_another_size_as_a_miss(store: Store) -> Non
     assert store.get_many_into(["exact-b"], [bytearray(100)]) == [50]  # without it, a smaller block is read
 
 
-@pytest.mark.parametrize("transport", ["tcp", "auto"])
-def test_a_byte_range_of_each_block_reads_alone(cluster: LocalCluster, transport: str) -> None:
+@pytest.mark.parametrize(("face", "transport"), [("Store", "tcp"), ("Store", "auto"), ("AsyncStore", "tcp")])
+def test_a_byte_range_of_each_block_reads_alone(cluster: LocalCluster, face: str, transport: str) -> None:
     blocks = np.random.default_rng(3).integers(0, 256, (6, 4 * KB), dtype=np.uint8)
-    keys = [f"range-{transport}-{i}" for i in range(6)]
-    with Store.connect(cluster.master_address, ClientConfig(transport=transport)) as s:  # auto: shm on this host
+    name = f"range-{face}-{transport}"
+    keys = [f"{name}-{i}" for i in range(6)]
+    with connect_client(face, cluster.master_address, ClientConfig(transport=transport)) as s:  # auto: shm here
         s.put_many(zip(keys, blocks, strict=True))
-        s.put(f"range-{transport}-short", b"z" * 100)
+        s.put(f"{name}-short", b"z" * 100)
         out = np.zeros((7, 1000), dtype=np.uint8)
-        got = s.get_range_many_into([*keys, f"range-{transport}-short"], 1500, 1000, list(out))
+        got = s.get_range_many_into([*keys, f"{name}-short"], 1500, 1000, list(out))
         assert got == [1000] * 6 + [None]
         assert np.array_equal(out[:6], blocks[:, 1500:2500]) and not out[6].any()
         assert s.get_range_many_into(["range-missing"], 0, 10, [bytearray(10)]) == [None]
@@ -143,6 +155,7 @@ def test_async_store(cluster: LocalCluster) -> None:
             keys = [f"async-many-{i}" for i in range(64)]
             blocks = [bytes([i]) * (100 + i) for i in range(64)]
             assert await s.put_many(zip(keys, blocks, strict=True)) == [PutStatus.STORED] * 64
+            assert [k async for k in s.iter_keys("async-many-", page=10)] == sorted(keys)  # in pages, in order
             async with await AsyncStore.connect(cluster.master_address) as fresh:  # no hints: via the master
                 assert await asyncio.gather(*(fresh.get(k, verify=True) for k in keys)) == blocks
                 assert await asyncio.gather(*(fresh.get(k, verify=True) for k in keys)) == blocks  # by hint
@@ -164,6 +177,19 @@ def test_async_store(cluster: LocalCluster) -> None:
             await s.get("async")
 
     asyncio.run(main())
+
+
+def test_sizes_listing_and_remove_reports(store: Store) -> None:
+    name = f"listed-{type(store).__name__}"
+    keys = [f"{name}-{i}" for i in range(5)]
+    store.put_many((k, bytes([i]) * (100 + i)) for i, k in enumerate(keys))
+    assert store.sizes([*keys[:2], f"{name}-none"]) == [100, 101, None]  # no bytes move
+    assert store.list_keys(name, limit=3) == (keys[:3], keys[2])
+    assert store.list_keys(name, after=keys[2]) == (keys[3:], "")
+    with pytest.raises(InvalidArgument, match="limit"):
+        store.list_keys(name, limit=0)
+    assert store.remove_report([*keys, f"{name}-none"]) == (5, [])
+    assert store.sizes(keys) == [None] * 5
 
 
 def test_bad_put_input_is_a_typed_error(store: Store) -> None:
@@ -193,10 +219,10 @@ def _one_trip_reads(stack: contextlib.ExitStack, cluster: LocalCluster, monkeypa
     assert store.put_many(zip(keys, blocks, strict=True)) == [PutStatus.STORED] * len(keys)
     before = store.stats()
 
-    def no_master(self: Store, keys: list[str]) -> list[Any]:
+    def no_master(self: ClientCore, keys: list[str]) -> Any:
         raise AssertionError(f"the master was asked where {keys} are")
 
-    monkeypatch.setattr(Store, "_located", no_master)
+    monkeypatch.setattr(ClientCore, "locate", no_master)
     assert store.get_many(keys, verify=True) == blocks
     out = bytearray(8 * KB)
     assert store.get_into(keys[3], out) == len(blocks[3]) and out[: len(blocks[3])] == blocks[3]
@@ -213,22 +239,24 @@ def _one_trip_reads(stack: contextlib.ExitStack, cluster: LocalCluster, monkeypa
 
 
 def test_a_readers_leases_are_released_after_its_reads_not_before(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+    sync_store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    store = sync_store  # the face that reads the arena without the daemon, under leases
     # A lease released while the arena copy is still running would let the block be evicted
     # (and its space rewritten) under the reader.
     keys = [f"leased-{i}" for i in range(4)]
     store.put_many((k, bytes([i]) * 5000) for i, k in enumerate(keys))
     assert store._paths.may_lease
-    seen: list[list[str]] = []
-    read = Store._read
+    seen: list[list[int]] = []
+    fan_out = Store._fan_out
 
-    def watching(self: Store, blocks: Any, verify: bool) -> dict[int, int]:
-        seen.append(list(self._leases._pending))  # queued for release while this read runs
-        return read(self, blocks, verify)
+    def watching(self: Store, jobs: Sequence[Job]) -> list[Any]:
+        if any(isinstance(job, ReadLocated) for job in jobs):
+            seen.append(list(self._leases._pending))  # queued for release while this read runs
+        return fan_out(self, jobs)
 
-    monkeypatch.setattr(Store, "_read", watching)
-    store._hints.forget(keys)  # through the master, under leases
+    monkeypatch.setattr(Store, "_fan_out", watching)
+    store._core.hints.forget(keys)  # through the master, under leases
     assert store.get_many(keys) == [bytes([i]) * 5000 for i in range(4)]
     assert seen == [[]]  # nothing of this get queued for release while it reads
 
@@ -239,7 +267,7 @@ def test_stale_or_dead_hints_never_change_an_answer(store: Store, cluster: Local
     with Store.connect(cluster.master_address) as other:
         other.remove("gone")
         assert other.put("gone", b"G" * 6000) is PutStatus.STORED  # same key, other bytes and size
-    hints = store._hints
+    hints = store._core.hints
     place = hints.get("moved")
     assert place is not None
     other_node = next(n for n in store.nodes() if n.node_id != place[0])
@@ -252,7 +280,7 @@ def test_stale_or_dead_hints_never_change_an_answer(store: Store, cluster: Local
     assert hints.get("moved") is None
     with Store.connect(cluster.master_address) as other:
         other.put("dropped", b"d" * 100)
-        hint = other._hints.get("dropped")
+        hint = other._core.hints.get("dropped")
         other.remove("dropped")  # removed by someone else: once remove returns, no daemon serves it
     hints.note([("dropped", hint)])
     assert store.get("dropped") is None

@@ -25,6 +25,7 @@ from kvstore.errors import ConfigError, ConnectionFailed, KVStoreError, NotLeade
 from kvstore.protocol import Stats, StatsReply
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
+from tests.conftest import FACES, connect_client
 from transfer.discovery import EtcdCluster, read_leader, read_masters
 from transfer.rpc import Connection
 
@@ -248,8 +249,9 @@ def test_etcd_restart_keeps_the_leader_serving(ha: LocalCluster, etcd: Etcd) -> 
             Connection(ha.master_rpc[standby], 5.0).call(Stats(), StatsReply)
 
 
-def test_a_partitioned_leader_stops_serving_once_its_lease_is_gone(ha: LocalCluster) -> None:
-    with Store.connect(ha.master_address, ClientConfig(timeout_s=15.0)) as store:
+@pytest.mark.parametrize("face", FACES)
+def test_a_partitioned_leader_stops_serving_once_its_lease_is_gone(ha: LocalCluster, face: str) -> None:
+    with connect_client(face, ha.master_address, ClientConfig(timeout_s=15.0)) as store:
         store.put("k", b"v" * 100)
         old = _leader_index(ha)
         proc = ha.masters[old]
@@ -261,6 +263,7 @@ def test_a_partitioned_leader_stops_serving_once_its_lease_is_gone(ha: LocalClus
                 assert time.monotonic() < deadline, "the standby never took over"
                 time.sleep(0.05)
             assert store.get("k") == b"v" * 100
+            assert store.exists("k")  # from the master: the silent leader given up, its successor asked
         finally:
             proc.send_signal(signal.SIGCONT)
         # Woken up, the old leader knows its lease ran out: it refuses at once, writes above all.

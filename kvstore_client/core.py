@@ -1,0 +1,481 @@
+"""The client's operations, written once: :class:`ClientCore`, driven by both faces.
+
+Every public operation of :class:`~kvstore_client.store.Store` and
+:class:`~kvstore_client.aio.AsyncStore` is a generator here that checks its arguments, decides
+what to send, yields the I/O as :mod:`effects <kvstore_client.effects>`, and decides what each
+answer means. The faces only carry the effects out (blocking, or on the event loop), so both
+offer the same methods, with the same failover and the same errors.
+
+Reads: a key whose node the client remembers (from its own put or an earlier get) is read from
+that node's daemon in one round trip, by key: the daemon is authoritative for the committed,
+checksummed blocks it holds, and reports the hit to the master later. Other keys (and hint
+misses) ask the master where they are, then read each block from its replicas in turn
+(:class:`~kvstore_client.reads.Failover`): a replica on a dead or stalled node is followed by the
+next, and a block is a miss only when none serves it, never an error or a hang. Readers that
+copy memory without the daemon (shared memory, UCX) get leases from the master.
+
+Writes: with granted space (``ClientConfig.grant_bytes``), a put is one round trip to a daemon,
+which checks the bytes and has the master commit them before it answers. Otherwise (several
+replicas, blocks too large for a grant, a node that is not reached through its daemon's socket)
+the master reserves extents, the bytes go to the daemons, and the master commits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+from kvstore.buffers import as_view
+from kvstore.config import ClientConfig
+from kvstore.errors import (
+    BufferTooSmall,
+    ConnectionFailed,
+    CorruptBlock,
+    GrantExpired,
+    InvalidArgument,
+    KVStoreError,
+    RetryLater,
+    Timeout,
+)
+from kvstore.keys import BlockKey, checksum, validate_key
+from kvstore.node_store import PutStatus
+from kvstore.protocol import (
+    Exists,
+    ExistsReply,
+    GetReplicas,
+    GetReplicasReply,
+    GrantReply,
+    GrantSpace,
+    KeysReply,
+    ListKeys,
+    ListNodes,
+    LocatedRef,
+    MatchPrefix,
+    MatchPrefixNodes,
+    MatchPrefixNodesReply,
+    MatchPrefixReply,
+    NodeInfo,
+    NodesReply,
+    OkReply,
+    PrefixMatch,
+    PutEnd,
+    PutEndReply,
+    PutRevoke,
+    PutStart,
+    PutStartReply,
+    Remove,
+    RemoveReply,
+    ReplicaRef,
+    Replicate,
+    Replicated,
+    ReplicateReply,
+    ReturnGrants,
+    Stats,
+    StatsReply,
+)
+from kvstore_client.effects import (
+    Block,
+    Notify,
+    Op,
+    Pause,
+    PutGranted,
+    ReadDirect,
+    ReadLocated,
+    ReadRanges,
+    WriteReserved,
+    call,
+    daemons,
+)
+from kvstore_client.grants import Carved, GrantPool, NeedGrant
+from kvstore_client.hints import LocationHints
+from kvstore_client.puts import (
+    Items,
+    PutOptions,
+    checked_options,
+    checked_pairs,
+    sort_tickets,
+    take_commits,
+    take_granted,
+    take_write_codes,
+)
+from kvstore_client.reads import Failover, raise_failure, unreachable
+
+_GRANTS_PAUSE_S = 10.0
+"""After a grant on a node this client does not reach through its daemon, how long puts skip grants."""
+
+
+class Transport(Protocol):
+    """What the core asks a face about its data paths (answered without talking to daemons)."""
+
+    @property
+    def may_lease(self) -> bool:
+        """Whether some path reads without the daemon (shared memory, UCX), so gets are leased."""
+
+    def one_trip(self, node_id: str, address: str) -> bool:
+        """Whether reads by key and writes into grants of this node go through its daemon's socket."""
+
+    def local(self, replica: ReplicaRef) -> bool:
+        """Whether this client copies ``replica`` without its daemon (its DRAM mapped on this host)."""
+
+
+class LeaseQueue(Protocol):
+    """Ids of read leases to end (see :class:`~kvstore_client.leases.LeaseReleaser`)."""
+
+    def take(self) -> list[int]: ...
+
+    def add(self, ids: Iterable[int]) -> None: ...
+
+
+class ClientCore:
+    """One client's operations and the state they share: its location hints and its grants.
+
+    Owns ``hints`` and ``grants``; the face that drives it owns the connections and sets
+    ``closed``. Thread-safe where the state is (hints and grants lock briefly, never across I/O)."""
+
+    def __init__(self, config: ClientConfig, transport: Transport, leases: LeaseQueue | None = None) -> None:
+        self.config = config
+        self.transport = transport
+        self.leases = leases
+        self.hints = LocationHints(config.location_hints)
+        self.grants = GrantPool(int(config.grant_bytes))
+        self._grants_paused_until = 0.0
+        self.closed = False
+
+    # -- writes ------------------------------------------------------------------------------
+    def put_many(self, items: Iterable[tuple[Any, Any]], options: PutOptions | None) -> Op[list[PutStatus]]:
+        """Store several blocks. Raises the first failure (after giving back what it reserved)."""
+        opts = checked_options(options)
+        checked = checked_pairs(items)
+        statuses: list[PutStatus | None] = [None] * len(checked)
+        todo = list(range(len(checked)))
+        if (
+            (opts.replicas or self.config.replicas) == 1
+            and self.config.grant_bytes
+            and todo
+            and time.monotonic() >= self._grants_paused_until
+        ):
+            todo = yield from self._put_granted(checked, todo, opts, statuses)
+        for attempt in range(self.config.put_retries + 1):
+            if not todo:
+                break
+            retry = yield from self._put_round(checked, todo, opts, statuses)
+            if not retry:
+                break
+            if attempt == self.config.put_retries:
+                raise RetryLater(f"key {checked[retry[0]][0]!r} stayed busy through {attempt} retries")
+            yield Pause(min(0.01 * 2**attempt, 0.5))
+            todo = retry
+        return [s if s is not None else PutStatus.EXISTS for s in statuses]
+
+    def _carve(self, sizes: list[int], preferred: str | None) -> Op[Carved | None]:
+        step = self.grants.carve(sizes, preferred)
+        if not isinstance(step, NeedGrant):
+            return step
+        try:
+            yield from self._give_back(step.retired)
+            reply = yield from call(GrantSpace(self.grants.size, preferred), GrantReply)
+        except BaseException:
+            self.grants.abandon(preferred)
+            raise
+        carved, back = self.grants.install(reply, preferred, sizes)
+        yield from self._give_back(back)
+        return carved
+
+    def _give_back(self, grant_ids: list[int]) -> Op[None]:
+        if grant_ids:
+            yield Notify(ReturnGrants(grant_ids))  # best effort: a grant also ends by itself
+
+    def _put_granted(
+        self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None]
+    ) -> Op[list[int]]:
+        """Put ``todo`` in one round trip into granted space; returns the indexes left to the two-trip way."""
+        try:
+            carved = yield from self._carve([items[i][1].nbytes for i in todo], opts.preferred_node)
+        except (ConnectionFailed, Timeout):
+            raise
+        except KVStoreError:
+            return todo  # no grant now (no room, no nodes): the two-trip put says why, if it fails too
+        if carved is None:
+            return todo
+        grant, offsets = carved
+        if not self.transport.one_trip(grant.node_id, grant.address):
+            # Granted space on a node this client reaches by shared memory, UCX or rails: those put
+            # the two-trip way (their bytes do not go through the daemon's socket). Ask again later.
+            yield from self._give_back(self.grants.drop(grant))
+            self._grants_paused_until = time.monotonic() + _GRANTS_PAUSE_S
+            return todo
+        blocks = [Block(items[i][0], items[i][1], o, checksum(items[i][1])) for i, o in zip(todo, offsets, strict=True)]
+        [outcome] = yield from daemons([PutGranted(grant.node_id, grant.address, grant.grant_id, blocks, opts.pin)])
+        if unreachable(outcome):
+            yield from self._give_back(self.grants.drop(grant))  # gone or stalled: the master places elsewhere
+            return todo
+        raise_failure(outcome)
+        codes: list[tuple[int, str]] = outcome
+        if any(code == GrantExpired.code for code, _ in codes):
+            yield from self._give_back(self.grants.drop(grant))
+        left, placed = take_granted(items, todo, codes, grant, out)
+        self.hints.note(placed)
+        return left
+
+    def _put_round(self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None]) -> Op[list[int]]:
+        """One put_start/write/put_end round over ``todo``; returns the indexes to retry."""
+        keys: list[str] = [items[i][0] for i in todo]
+        sizes = [items[i][1].nbytes for i in todo]
+        start = PutStart(keys, sizes, opts.replicas or self.config.replicas, opts.preferred_node, opts.pin)
+        plan = sort_tickets((yield from call(start, PutStartReply)), todo, out)
+        sums = {i: checksum(items[i][1]) for group in plan.writes.values() for i, _ in group}
+        jobs = [
+            WriteReserved(group[0][1].node_id, address,
+                  [Block(items[i][0], items[i][1], r.offset, sums[i], r.seal) for i, r in group], opts.pin)
+            for address, group in plan.writes.items()
+        ]  # fmt: skip
+        failed: set[int] = set()
+        for (address, group), outcome in zip(plan.writes.items(), (yield from daemons(jobs)), strict=True):
+            if isinstance(outcome, KVStoreError):
+                codes = [(outcome.code, str(outcome))] * len(group)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                codes = outcome
+            take_write_codes(plan, items, address, group, codes, failed)
+        done = [i for i in sums if i not in failed]
+        if failed:
+            yield from call(PutRevoke([items[i][0] for i in sorted(failed)]), OkReply)
+        if done:
+            committed = yield from call(PutEnd([items[i][0] for i in done], [sums[i] for i in done]), PutEndReply)
+            self.hints.note(take_commits(plan, items, done, committed.committed, out))
+            if plan.lost:
+                yield from call(PutRevoke([items[i][0] for i in plan.lost]), OkReply)
+        if plan.failure is not None:
+            raise plan.failure
+        return plan.retry + plan.lost
+
+    # -- reads ---------------------------------------------------------------------------------
+    def get_many(self, keys: Sequence[Any], *, verify: bool) -> Op[list[bytes | None]]:
+        got = yield from self._get([validate_key(k) for k in keys], None, verify)
+        return [bytes(b) if b is not None else None for b in got]
+
+    def get_many_into(
+        self, keys: Sequence[Any], buffers: Sequence[Any], *, verify: bool, exact_size: bool
+    ) -> Op[list[int | None]]:
+        """Read blocks straight into ``buffers``; each its size, or None for a miss.
+
+        A block larger than its buffer raises :class:`BufferTooSmall`; with ``exact_size`` a block
+        whose size is not exactly its buffer's is a miss instead (a reader that knows what size
+        every block must have, such as a KV layout, never takes a foreign object for one).
+        """
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"get_many_into got {len(keys)} keys but {len(buffers)} buffers")
+        checked = [validate_key(k) for k in keys]
+        views = [as_view(b, writable=True, what="buffer") for b in buffers]
+        got = yield from self._get(checked, views, verify, exact_size=exact_size)
+        return [None if g is None else (g if isinstance(g, int) else len(g)) for g in got]
+
+    def _get(
+        self, keys: list[BlockKey], views: list[memoryview] | None, verify: bool, *, exact_size: bool = False
+    ) -> Op[list[Any]]:
+        """Per key: its size (read into ``views[i]``), or with ``views`` None a new buffer; None for a miss."""
+        out: list[Any] = [None] * len(keys)
+        rest = yield from self._read_hinted(keys, views, verify, exact_size, out)
+        if not rest:
+            return out
+        # The others: where the master says they are.
+        located, first_lease = yield from self.locate([keys[i] for i in rest])
+        try:
+            if views is None:
+                bufs = {i: bytearray(loc.size) for i, loc in zip(rest, located, strict=True) if loc is not None}
+                targets = {i: memoryview(b) for i, b in bufs.items()}
+            else:
+                targets = {i: views[i] for i in rest}
+            found: dict[int, tuple[LocatedRef, memoryview]] = {}
+            for i, loc in zip(rest, located, strict=True):
+                if loc is None or (exact_size and loc.size != targets[i].nbytes):
+                    continue
+                if targets[i].nbytes < loc.size:
+                    raise BufferTooSmall(
+                        f"buffer of {targets[i].nbytes} bytes cannot hold block {loc.key!r} of {loc.size} bytes"
+                    )
+                found[i] = (loc, targets[i])
+            read = yield from self._read_located(found, verify)
+            for i in read:
+                out[i] = found[i][0].size if views is not None else bufs[i]
+            self.hints.note((keys[i], read.get(i)) for i in rest)  # where each was read; the rest forgotten
+            return out
+        finally:
+            self.release(first_lease, located)
+
+    def _read_hinted(
+        self, keys: list[BlockKey], views: list[memoryview] | None, verify: bool, exact_size: bool, out: list[Any]
+    ) -> Op[list[int]]:
+        """Read the keys whose node is remembered, one trip to that node by key; returns the
+        indexes still to read (misses there are forgotten: the master knows better)."""
+        per_node: dict[tuple[str, str], list[int]] = {}
+        for i, key in enumerate(keys):
+            place = self.hints.get(key)
+            if place is not None and self.transport.one_trip(*place):
+                per_node.setdefault(place, []).append(i)
+        if not per_node:
+            return list(range(len(keys)))
+        jobs = [
+            ReadDirect(node_id, address, [keys[i] for i in idx],
+                       [views[i] for i in idx] if views is not None else [None] * len(idx), exact_size)
+            for (node_id, address), idx in per_node.items()
+        ]  # fmt: skip
+        missed: list[str] = []
+        for job, idx, outcome in zip(jobs, per_node.values(), (yield from daemons(jobs)), strict=True):
+            raise_failure(outcome)
+            if unreachable(outcome):
+                missed.extend(keys[i] for i in idx)
+                continue
+            hits, made = outcome
+            for i, hit, buf in zip(idx, hits, made, strict=True):
+                if hit is None:
+                    missed.append(keys[i])
+                    continue
+                target = buf if buf is not None else views[i] if views is not None else None
+                assert target is not None
+                if verify and checksum(memoryview(target)[: hit.size]) != hit.checksum:
+                    raise CorruptBlock(f"block {keys[i]!r} read from {job.address} fails its checksum")
+                out[i] = buf if buf is not None else hit.size
+        self.hints.forget(missed)
+        return [i for i in range(len(keys)) if out[i] is None]
+
+    def locate(self, keys: list[str]) -> Op[tuple[list[LocatedRef | None], int]]:
+        """Where ``keys`` are (None for a miss), and the first of their read leases (0: none), taken
+        when a path may read without the daemon; hand both to :meth:`release` once the reads are over."""
+        lease = self.transport.may_lease
+        taken = self.leases.take() if self.leases is not None else []
+        reply = yield from call(GetReplicas(keys, taken, lease), GetReplicasReply)
+        return reply.located(keys), (reply.first_lease if lease else 0)
+
+    def release(self, first_lease: int, located: Sequence[LocatedRef | None]) -> None:
+        """Queue the leases of a finished read for release (they ride on the next request)."""
+        if first_lease and self.leases is not None:
+            hits = sum(loc is not None for loc in located)
+            self.leases.add(range(first_lease, first_lease + hits))
+
+    def _read_located(
+        self, blocks: dict[int, tuple[LocatedRef, memoryview]], verify: bool
+    ) -> Op[dict[int, tuple[str, str]]]:
+        """Read located blocks, each from its replicas in turn; returns the node each was read from."""
+        plan = Failover({i: loc for i, (loc, _) in blocks.items()})
+        where: dict[int, tuple[str, str]] = {}
+        while plan:
+            rounds = plan.round()
+            jobs = [
+                ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group])
+                for (node_id, address), group in rounds.items()
+            ]
+            for (place, group), outcome in zip(rounds.items(), (yield from daemons(jobs)), strict=True):
+
+                def hit(i: int, size: object, place: tuple[str, str] = place) -> bool:
+                    if size is None:
+                        return False
+                    loc, view = blocks[i]
+                    if verify and checksum(view[: loc.size]) != loc.checksum:
+                        raise CorruptBlock(f"block {loc.key!r} read from {place[1]} fails its checksum")
+                    where[i] = place
+                    return True
+
+                plan.take(group, outcome, hit)
+        return where
+
+    def get_range_many_into(
+        self, keys: Sequence[Any], start: int, length: int, buffers: Sequence[Any]
+    ) -> Op[list[int | None]]:
+        """Read bytes ``[start, start + length)`` of each block into its buffer: ``length`` each, or None.
+
+        One layer of a KV block, say, without the rest of it. A block that is missing or
+        shorter than ``start + length`` is a miss. A copy this client can read locally is read
+        first, then the others in turn. The block checksum covers whole blocks only, so a range
+        is not verified.
+        """
+        if type(start) is not int or type(length) is not int or start < 0 or length <= 0:
+            raise InvalidArgument(f"a range needs start >= 0 and length > 0, got ({start!r}, {length!r})")
+        if len(keys) != len(buffers):
+            raise InvalidArgument(f"get_range_many_into got {len(keys)} keys but {len(buffers)} buffers")
+        views = [as_view(b, writable=True, what="buffer") for b in buffers]
+        for view in views:
+            if view.nbytes < length:
+                raise BufferTooSmall(f"buffer of {view.nbytes} bytes cannot hold a range of {length} bytes")
+        checked: list[str] = [validate_key(k) for k in keys]
+        located, first_lease = yield from self.locate(checked)
+        try:
+            long_enough = {i: loc for i, loc in enumerate(located) if loc is not None and loc.size >= start + length}
+            plan = Failover(long_enough, self.transport.local)
+            while plan:
+                rounds = plan.round()
+                jobs = [
+                    ReadRanges(node_id, address, [(long_enough[i], r, views[i][:length]) for i, r in group],
+                               start, length)
+                    for (node_id, address), group in rounds.items()
+                ]  # fmt: skip
+                for group, outcome in zip(rounds.values(), (yield from daemons(jobs)), strict=True):
+                    plan.take(group, outcome, lambda _, ok: bool(ok))
+            return [length if i in plan.read else None for i in range(len(checked))]
+        finally:
+            self.release(first_lease, located)
+
+    # -- queries -----------------------------------------------------------------------------------
+    def nodes(self) -> Op[list[NodeInfo]]:
+        return (yield from call(ListNodes(), NodesReply)).nodes
+
+    def exists_many(self, keys: Sequence[Any]) -> Op[list[bool]]:
+        return (yield from call(Exists([validate_key(k) for k in keys]), ExistsReply)).exists
+
+    def sizes(self, keys: Sequence[Any]) -> Op[list[int | None]]:
+        """Each key's size in bytes, None for a miss; no bytes move."""
+        checked: list[str] = [validate_key(k) for k in keys]
+        taken = self.leases.take() if self.leases is not None else []
+        reply = yield from call(GetReplicas(checked, taken, False), GetReplicasReply)
+        return [size if size >= 0 else None for size in reply.sizes]
+
+    def match_prefix(self, keys: Sequence[Any]) -> Op[int]:
+        """How many leading keys are stored: the longest stored prefix of a key list."""
+        return (yield from call(MatchPrefix([validate_key(k) for k in keys]), MatchPrefixReply)).matched
+
+    def match_prefix_nodes(self, keys: Sequence[Any]) -> Op[PrefixMatch]:
+        """The longest stored prefix of a key list (as :meth:`match_prefix`), and per node how many
+        leading keys it holds readable, in any tier (``total``) and in DRAM (``dram``)."""
+        checked: list[str] = [validate_key(k) for k in keys]
+        return (yield from call(MatchPrefixNodes(checked), MatchPrefixNodesReply)).prefix_match(len(checked))
+
+    def replicate(self, keys: Sequence[Any], node_id: str, *, max_bytes: int) -> Op[Replicated]:
+        """Copy stored blocks into the DRAM of ``node_id``, keeping their other replicas (hot blocks near
+        their readers). Keys are taken in order while they fit the node's free DRAM (nothing is
+        evicted for them) and ``max_bytes`` in all; keys not stored or already there are skipped.
+        Raises NotFound for a node the master does not know."""
+        if type(max_bytes) is not int or max_bytes < 0:
+            raise InvalidArgument(f"max_bytes must be a non-negative int, got {max_bytes!r}")
+        if not isinstance(node_id, str):
+            raise InvalidArgument(f"node_id must be a str, got {type(node_id).__name__}")
+        checked: list[str] = [validate_key(k) for k in keys]
+        reply = yield from call(Replicate(checked, node_id, max_bytes), ReplicateReply)
+        return Replicated(reply.copied, reply.bytes)
+
+    def remove_report(self, keys: Sequence[Any], *, force: bool) -> Op[tuple[int, list[int]]]:
+        """Remove blocks: how many were stored and removed, and the indexes of the keys left because
+        a recent read holds them (only without ``force``)."""
+        checked: list[str] = [validate_key(k) for k in keys]
+        reply = yield from call(Remove(checked, force), RemoveReply)
+        self.hints.forget(checked)
+        return reply.removed, reply.held
+
+    def list_keys(self, prefix: str, *, after: str, limit: int) -> Op[tuple[list[str], str]]:
+        """One page of stored keys starting with ``prefix``, in order after ``after``, and the cursor of
+        the next page ("" after the last). A tenant lists its own keys."""
+        if not isinstance(prefix, str) or not isinstance(after, str):
+            raise InvalidArgument(f"prefix and after must be str, got {type(prefix).__name__}, {type(after).__name__}")
+        if type(limit) is not int or limit < 1:
+            raise InvalidArgument(f"limit must be a positive int, got {limit!r}")
+        reply = yield from call(ListKeys(prefix, after, limit), KeysReply)
+        return reply.keys, reply.next
+
+    def stats(self) -> Op[dict[str, int | float]]:
+        return (yield from call(Stats(), StatsReply)).stats
+
+    def close(self) -> Op[None]:
+        """Give back every grant; the face then closes its connections."""
+        self.closed = True  # first: no put takes a new grant meanwhile
+        yield from self._give_back(self.grants.close())

@@ -1,0 +1,198 @@
+"""The asyncio client's transport: one pipelined connection per peer (:class:`AsyncLink`), and the
+batching of gets by key per node (:class:`ReadBatcher`).
+
+The blocking client pools connections instead (:class:`transfer.rpc.ConnectionPool`), one caller
+at a time on each; on the event loop one connection carries every request to its peer at once,
+and replies are matched to requests by id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from kvstore.auth import Credential
+from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout
+from kvstore.protocol import ErrorReply, Message, ReadReply, decode_payload, encode
+from kvstore_client.effects import read_by_key_message
+from transfer.aio import authenticate_stream, open_stream, read_payload
+from transfer.rpc import request_ids
+
+AsyncCredential = Callable[[], Awaitable[Credential]]
+R = TypeVar("R", bound=Message)
+
+BACKGROUND: set[asyncio.Future[None]] = set()
+"""Tasks nobody awaits (a batch of reads being sent), kept from the collector."""
+
+
+class AsyncLink:
+    """One pipelined connection: requests go out as they come; a reader task matches replies (and
+    the block bytes behind a ReadReply) to their requests by id. A failure or a timeout closes it
+    and fails every request in flight; the next request reconnects."""
+
+    def __init__(
+        self,
+        address: str,
+        timeout: float,
+        credential: AsyncCredential | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        """``credential``: how to get what each new connection proves itself with (None: nothing);
+        ``tls``: connect over TLS with this context."""
+        self.address = address
+        self.timeout = timeout
+        self.credential = credential
+        self.tls = tls
+        self.session_key = b""
+        """The key the current connection's handshake agreed."""
+        self._ids = request_ids()
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._waiting: dict[int, asyncio.Future[tuple[Message, bytes]]] = {}
+        self._connecting: asyncio.Lock = asyncio.Lock()
+
+    async def _connect(self) -> asyncio.StreamWriter:
+        async with self._connecting:
+            if self._writer is None:
+                reader, writer = await open_stream(self.address, self.timeout, self.tls)
+                if self.credential is not None:
+                    try:
+                        credential = await self.credential()
+                        self.session_key = await asyncio.wait_for(
+                            authenticate_stream(reader, writer, credential), self.timeout
+                        )
+                    except BaseException as exc:
+                        writer.close()
+                        if isinstance(exc, TimeoutError):
+                            raise Timeout(f"authenticating to {self.address}: no answer in {self.timeout} s") from None
+                        if isinstance(exc, OSError | ConnectionError) and not isinstance(exc, KVStoreError):
+                            raise ConnectionFailed(f"authenticating to {self.address}: {exc}") from None
+                        raise
+                self._writer = writer
+                self._reader_task = asyncio.create_task(
+                    self._read_replies(reader, writer), name=f"kvstore-link-{self.address}"
+                )
+            return self._writer
+
+    async def _read_replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        failure: KVStoreError = ConnectionFailed(f"{self.address} closed the connection")
+        try:
+            while True:
+                payload = await read_payload(reader)
+                if payload is None:
+                    break
+                request_id, reply = decode_payload(payload)
+                data = b""
+                if isinstance(reply, ReadReply):
+                    total = sum(n for n in reply.sizes if n > 0)
+                    data = await reader.readexactly(total) if total else b""
+                future = self._waiting.pop(request_id, None)
+                if future is not None and not future.done():
+                    future.set_result((reply, data))
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            failure = ConnectionFailed(f"{self.address}: {exc}")
+        except KVStoreError as exc:
+            failure = exc
+        finally:
+            if self._writer is writer:  # not a connection that was replaced meanwhile
+                self._fail_all(failure)
+            else:
+                writer.close()
+
+    def _fail_all(self, failure: KVStoreError) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(failure)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    async def request(
+        self, message: Message, expect: type[R], payload: Sequence[memoryview | bytes] = (), request_id: int = 0
+    ) -> tuple[R, bytes]:
+        """One request and its reply; a retry passes the first attempt's ``request_id``."""
+        writer = self._writer or await self._connect()
+        request_id = request_id or next(self._ids)
+        future: asyncio.Future[tuple[Message, bytes]] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        frame = encode(message, request_id)
+        if payload:
+            writer.writelines([frame, *payload])
+        else:
+            writer.write(frame)
+        what = f"{type(message).__name__} to {self.address}"
+        try:
+            if writer.transport.get_write_buffer_size() > 1 << 20:
+                await asyncio.wait_for(writer.drain(), self.timeout)
+            reply, data = await asyncio.wait_for(future, self.timeout)
+        except TimeoutError:
+            self._fail_all(Timeout(f"{what}: no reply within {self.timeout} s"))
+            raise Timeout(f"{what}: no reply within {self.timeout} s") from None
+        except (OSError, ConnectionError) as exc:
+            self._fail_all(ConnectionFailed(f"{what}: {exc}"))
+            raise ConnectionFailed(f"{what}: {exc}") from None
+        finally:
+            self._waiting.pop(request_id, None)
+        if isinstance(reply, ErrorReply):
+            raise reply.to_error()
+        if not isinstance(reply, expect):
+            raise ProtocolError(f"{what} got {type(reply).__name__}, expected {expect.__name__}")
+        return reply, data
+
+    async def close(self) -> None:
+        self._fail_all(ConnectionFailed(f"the connection to {self.address} is closed"))
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader_task
+
+
+class ReadBatcher:
+    """Gets of one node issued in the same turn of the event loop, sent as one ReadBlocks by key."""
+
+    def __init__(self, link: AsyncLink) -> None:
+        self.link = link
+        self._pending: list[tuple[str, asyncio.Future[tuple[int, int, memoryview] | None]]] = []
+
+    def read(self, key: str) -> asyncio.Future[tuple[int, int, memoryview] | None]:
+        future: asyncio.Future[tuple[int, int, memoryview] | None] = asyncio.get_running_loop().create_future()
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append((key, future))
+        return future
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.ensure_future(self._send(batch))
+        BACKGROUND.add(task)
+        task.add_done_callback(BACKGROUND.discard)
+
+    async def _send(self, batch: list[tuple[str, asyncio.Future[tuple[int, int, memoryview] | None]]]) -> None:
+        keys = [k for k, _ in batch]
+        try:
+            reply, data = await self.link.request(read_by_key_message(keys), ReadReply)
+            if not len(reply.sizes) == len(reply.checksums) == len(keys):
+                raise ProtocolError(f"{self.link.address} sent a malformed reply to ReadBlocks")
+        except BaseException as exc:
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        view = memoryview(data)
+        at = 0
+        for (_, future), size, check in zip(batch, reply.sizes, reply.checksums, strict=True):
+            if future.done():
+                at += max(size, 0)
+                continue
+            if size < 0:
+                future.set_result(None)
+            else:
+                future.set_result((size, check, view[at : at + size]))
+                at += size

@@ -1,0 +1,90 @@
+"""The read decisions without I/O: which replica of each block is read next, and what a daemon's
+failure means for a read.
+
+Both clients read the same way: a block is read from its first replica (a copy this client can
+read locally first, when it has one); a replica that misses (evicted, a stale copy) or whose
+daemon is gone or stalled is followed by the block's next replica; a block is a miss only when
+every replica failed. Any other error (a malformed reply, a buffer too small) fails the read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvstore.errors import ConnectionFailed, Timeout
+from kvstore.protocol import LocatedRef, ReplicaRef
+
+Place = tuple[str, str]
+"""A node: (node_id, data-plane address)."""
+
+
+def unreachable(outcome: object) -> bool:
+    """Whether a daemon job's outcome says its node is gone or stalled: its blocks are read
+    elsewhere (or are misses), never an error of the read."""
+    return isinstance(outcome, ConnectionFailed | Timeout)
+
+
+def raise_failure(outcome: object) -> None:
+    """Raise an outcome that is an error other than an unreachable node."""
+    if isinstance(outcome, BaseException) and not unreachable(outcome):
+        raise outcome
+
+
+class Failover:
+    """Which replica each located block is read from, round by round.
+
+    Invariants: each block is in exactly one state — waiting for its current replica, read, or
+    missed after its last replica; a block advances only through :meth:`missed`, one replica at a
+    time, in the order fixed at construction (``local`` replicas first, then the master's order,
+    which lists DRAM first). Only the caller that drives the rounds changes it.
+    """
+
+    def __init__(self, blocks: dict[int, LocatedRef], local: Callable[[ReplicaRef], bool] | None = None) -> None:
+        self._order: dict[int, list[ReplicaRef]] = {}
+        for i, loc in blocks.items():
+            replicas = list(loc.replicas)
+            if local is not None:
+                replicas.sort(key=lambda r: not local(r))  # stable: the master's order otherwise
+            if replicas:
+                self._order[i] = replicas
+        self._at = dict.fromkeys(self._order, 0)
+        self.read: set[int] = set()
+
+    def round(self) -> dict[Place, list[tuple[int, ReplicaRef]]]:
+        """Per node, the blocks to read from it now and the replica of each (empty when done)."""
+        out: dict[Place, list[tuple[int, ReplicaRef]]] = {}
+        for i, at in self._at.items():
+            replica = self._order[i][at]
+            out.setdefault((replica.node_id, replica.address), []).append((i, replica))
+        return out
+
+    def done(self, i: int) -> None:
+        """Block ``i`` was read."""
+        del self._at[i]
+        self.read.add(i)
+
+    def missed(self, i: int) -> None:
+        """Block ``i``'s current replica did not serve it: its next replica, if any, is read next round."""
+        at = self._at[i] + 1
+        if at < len(self._order[i]):
+            self._at[i] = at
+        else:
+            del self._at[i]
+
+    def take(self, group: Sequence[tuple[int, ReplicaRef]], outcome: object, ok: Callable[[int, object], bool]) -> None:
+        """Note a node's answer for ``group``: an unreachable node misses them all; otherwise
+        ``ok(i, per_block_result)`` tells a hit. Raises an outcome that is another error."""
+        raise_failure(outcome)
+        if unreachable(outcome):
+            for i, _ in group:
+                self.missed(i)
+            return
+        assert isinstance(outcome, Sequence)
+        for (i, _), got in zip(group, outcome, strict=True):
+            if ok(i, got):
+                self.done(i)
+            else:
+                self.missed(i)
+
+    def __bool__(self) -> bool:
+        return bool(self._at)

@@ -1,0 +1,67 @@
+"""A block with two replicas reads from the second when the first's daemon is killed or stalled, through
+either face of the client (Store and AsyncStore share one core, so one failover)."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvstore.config import ClientConfig
+from kvstore_cli.cluster import LocalCluster
+from kvstore_client.store import PutOptions, Store
+from tests.conftest import FACES, connect_client
+
+KB = 1024
+# The master keeps listing a silent node's replicas for this long: the client meets the dead one.
+SLOW_TTL = ("--node-ttl-ms", "120000")
+# Over the network: a same-host client would copy a dead daemon's blocks from its arena.
+TCP = ClientConfig(transport="tcp")
+
+
+@pytest.fixture
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(2, dram="8MiB", master_args=SLOW_TTL) as c:
+        yield c
+
+
+def put_twice(cluster: LocalCluster, name: str) -> tuple[list[str], list[bytes], int]:
+    """Blocks stored on both nodes; returns them and the index of the daemon the first block's
+    first replica is on (the one a reader without hints asks first)."""
+    data = [bytes(row) for row in np.random.default_rng(7).integers(0, 256, (8, 16 * KB), dtype=np.uint8)]
+    keys = [f"{name}-{i}" for i in range(len(data))]
+    with Store.connect(cluster.master_address, TCP) as writer:
+        writer.put_many(zip(keys, data, strict=True), PutOptions(replicas=2))
+        with writer._located(keys) as located:
+            assert all(loc is not None and len(loc.replicas) == 2 for loc in located)
+            first = located[0].replicas[0].node_id if located[0] is not None else ""
+    return keys, data, [cluster.node_name(i) for i in range(2)].index(first)
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_killed_first_replica_is_read_from_the_second(cluster: LocalCluster, face: str) -> None:
+    keys, data, first = put_twice(cluster, f"killed-{face}")
+    cluster.kill_daemon(first)
+    with connect_client(face, cluster.master_address, TCP) as reader:  # no hints: where the master says
+        assert reader.get_many(keys, verify=True) == data
+        out = np.zeros((len(keys), 16 * KB), dtype=np.uint8)
+        assert reader.get_many_into(keys, list(out), verify=True) == [16 * KB] * len(keys)
+        assert [bytes(row) for row in out] == data
+        part = np.zeros((len(keys), 100), dtype=np.uint8)
+        assert reader.get_range_many_into(keys, 1000, 100, list(part)) == [100] * len(keys)
+        assert [bytes(row) for row in part] == [d[1000:1100] for d in data]
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_stalled_first_replica_times_out_and_is_read_from_the_second(cluster: LocalCluster, face: str) -> None:
+    keys, data, first = put_twice(cluster, f"stalled-{face}")
+    daemon = cluster.daemons[first]
+    assert daemon is not None
+    daemon.send_signal(signal.SIGSTOP)  # it accepts connections (the kernel does) and never answers
+    try:
+        with connect_client(face, cluster.master_address, ClientConfig(transport="tcp", timeout_s=1.0)) as reader:
+            assert reader.get_many(keys, verify=True) == data
+    finally:
+        daemon.send_signal(signal.SIGCONT)

@@ -1,0 +1,175 @@
+"""The client core without I/O: replica failover, the grant pool, the master retry rule, and an
+operation driven by a script of answers (what both Store and AsyncStore carry out)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvstore.config import ClientConfig
+from kvstore.errors import ConnectionFailed, InvalidArgument, NotLeader, NotReady, ProtocolError, Timeout
+from kvstore.keys import checksum
+from kvstore.protocol import GetReplicas, GetReplicasReply, GrantReply, LocatedRef, ReplicaRef
+from kvstore_client.core import ClientCore
+from kvstore_client.effects import Call, Daemons, Effect, Op, ReadLocated
+from kvstore_client.grants import GrantPool, NeedGrant
+from kvstore_client.reads import Failover
+from transfer.rpc import Retry, after_failure
+
+A = ReplicaRef("node0", "10.0.0.1:1", "dram", 0)
+B = ReplicaRef("node1", "10.0.0.2:1", "dram", 64)
+C = ReplicaRef("node2", "10.0.0.3:1", "ssd", 0)
+
+
+def located(key: str, *replicas: ReplicaRef, size: int = 10) -> LocatedRef:
+    return LocatedRef(key, size, 0, list(replicas))
+
+
+# -- Failover ------------------------------------------------------------------------------------
+
+
+def test_failover_reads_each_block_from_its_replicas_in_order_until_one_serves_it() -> None:
+    plan = Failover({0: located("a", A, B, C), 1: located("b", B, A)})
+    assert plan.round() == {("node0", A.address): [(0, A)], ("node1", B.address): [(1, B)]}
+    plan.take([(0, A)], ConnectionFailed("gone"), lambda i, got: True)  # node0 is dead: block 0 to its next
+    plan.take([(1, B)], [None], lambda i, got: got is not None)  # node1 misses block 1: its next
+    assert plan.round() == {("node1", B.address): [(0, B)], ("node0", A.address): [(1, A)]}
+    plan.take([(0, B)], Timeout("stalled"), lambda i, got: True)
+    plan.take([(1, A)], [10], lambda i, got: got is not None)
+    assert plan.round() == {("node2", C.address): [(0, C)]}
+    assert plan.read == {1}
+    plan.take([(0, C)], [None], lambda i, got: got is not None)
+    assert not plan and plan.read == {1}  # block 0 missed on every replica: a miss, not an error
+
+
+def test_failover_puts_local_replicas_first_and_keeps_the_masters_order_otherwise() -> None:
+    plan = Failover({0: located("a", A, B, C)}, local=lambda r: r.node_id == "node2")
+    assert plan.round() == {("node2", C.address): [(0, C)]}
+    plan.missed(0)
+    assert plan.round() == {("node0", A.address): [(0, A)]}
+
+
+def test_failover_raises_a_failure_that_is_not_an_unreachable_node() -> None:
+    plan = Failover({0: located("a", A, B)})
+    with pytest.raises(ProtocolError):
+        plan.take([(0, A)], ProtocolError("malformed"), lambda i, got: True)
+
+
+def test_failover_of_blocks_without_replicas_is_done_at_once() -> None:
+    assert not Failover({0: located("a")})
+
+
+# -- GrantPool -------------------------------------------------------------------------------------
+
+
+def grant_reply(grant_id: int, length: int = 4096) -> GrantReply:
+    return GrantReply(grant_id, "node0", "10.0.0.1:1", 0, length, 60_000, 64)
+
+
+def test_grant_pool_asks_installs_carves_and_gives_back() -> None:
+    pool = GrantPool(4096)
+    assert pool.carve([100], None) == NeedGrant([])
+    carved, back = pool.install(grant_reply(1), None, [100])
+    assert carved is not None and carved[1] == [0] and back == []
+    assert pool.carve([100, 100], None) == (carved[0], [128, 256])  # aligned, from the front
+    assert pool.carve([4000], None) is None  # a batch that would use up a grant: the two-trip way
+    assert [pool.carve([960], None) for _ in range(3)] == [(carved[0], [384 + 960 * i]) for i in range(3)]
+    assert pool.carve([960], None) == NeedGrant([1])  # not room enough: retired, another asked for
+    assert pool.install(grant_reply(2, length=512), None, [960]) == (None, [2])  # too small to use
+    assert pool.size == 512  # the master's cap, from now on
+    assert pool.close() == []
+
+
+def test_grant_pool_asks_for_one_grant_at_a_time() -> None:
+    pool = GrantPool(4096)
+    assert pool.carve([100], None) == NeedGrant([])
+    assert pool.carve([100], None) is None  # asked for already: this put goes the two-trip way
+    assert pool.carve([100], "node1") == NeedGrant([])  # another preferred node: its own grant
+    pool.abandon(None)  # the master did not answer
+    assert pool.carve([100], None) == NeedGrant([])
+    carved, _ = pool.install(grant_reply(3), None, [100])
+    assert carved is not None and pool.carve([100], None) == (carved[0], [128])
+
+
+def test_grant_pool_drop_returns_a_grant_once() -> None:
+    pool = GrantPool(4096)
+    carved, _ = pool.install(grant_reply(7), "node0", [10])
+    assert carved is not None
+    assert pool.drop(carved[0]) == [7]
+    assert pool.drop(carved[0]) == []
+
+
+# -- the master retry rule ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "dynamic", "decision"),
+    [
+        (NotReady("starting"), False, Retry.AGAIN),
+        (NotLeader("standby"), False, Retry.ELSEWHERE),
+        (ConnectionFailed("refused"), False, Retry.ELSEWHERE),
+        (Timeout("silent"), False, Retry.GIVE_UP),  # one fixed master: nobody else to ask
+        (Timeout("silent"), True, Retry.ELSEWHERE),  # through etcd: a successor may answer
+        (InvalidArgument("bad key"), True, Retry.GIVE_UP),
+    ],
+)
+def test_after_failure(error: Exception, dynamic: bool, decision: Retry) -> None:
+    assert after_failure(error, dynamic=dynamic) is decision  # type: ignore[arg-type]
+
+
+# -- an operation, driven by a script ---------------------------------------------------------------
+
+
+class OverTcp:
+    may_lease = False
+
+    def one_trip(self, node_id: str, address: str) -> bool:
+        return True
+
+    def local(self, replica: ReplicaRef) -> bool:
+        return False
+
+
+def drive(op: Op[Any], answer: Callable[[Effect], Any]) -> Any:
+    """Run ``op`` as a face does, with ``answer`` giving each effect's result (or raising)."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            effect = op.throw(error) if error is not None else op.send(value)
+        except StopIteration as stop:
+            return stop.value
+        value, error = None, None
+        try:
+            value = answer(effect)
+        except Exception as exc:
+            error = exc
+
+
+@pytest.mark.parametrize("failure", [ConnectionFailed("node0 is gone"), Timeout("node0 did not answer")])
+def test_a_get_reads_the_next_replica_when_the_first_node_fails(failure: Exception) -> None:
+    core = ClientCore(ClientConfig(), OverTcp())
+    data = b"0123456789"
+    reads: list[str] = []
+
+    def answer(effect: Effect) -> Any:
+        if isinstance(effect, Call):
+            assert isinstance(effect.message, GetReplicas) and effect.message.keys == ["k"]
+            return GetReplicasReply(
+                [10], [checksum(data)], [2], ["node0", "node1"], [A.address, B.address], ["dram", "dram"], [0, 64], 0, 0
+            )
+        assert isinstance(effect, Daemons)
+        [job] = effect.jobs
+        assert isinstance(job, ReadLocated)
+        reads.append(job.node_id)
+        if job.node_id == "node0":
+            return [failure]
+        [(_, _, view)] = job.blocks
+        view[:10] = data
+        return [[10]]
+
+    assert drive(core.get_many(["k"], verify=True), answer) == [data]
+    assert reads == ["node0", "node1"]
+    assert core.hints.get("k") == ("node1", B.address)  # remembered where it was read
