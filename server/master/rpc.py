@@ -55,6 +55,7 @@ from kvstore.protocol import (
 )
 from kvstore.ratelog import RateLimitedLog
 from server.master.answers import Answers, RequestId
+from server.master.commands import Spawn
 from server.master.core import MasterCore
 from server.master.leadership import Leadership
 from server.master.metrics import LatencyHistogram
@@ -64,7 +65,6 @@ from transfer.tls import HANDSHAKE_TIMEOUT_S
 log = logging.getLogger("kvstore.master")
 
 Handler = Callable[[Any, Identity], Awaitable[Message]]
-Spawn = Callable[[Awaitable[object], str], None]
 
 # Requests whose handlers wait for daemons (they run in a task; the others are answered inline).
 _WAITS: frozenset[type[Message]] = frozenset({PutStart, PutRevoke, GrantSpace, Remove, Replicate})

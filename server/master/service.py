@@ -25,7 +25,6 @@ from kvstore.protocol import Message
 from server.master.answers import Answers
 from server.master.commands import Commands
 from server.master.core import MasterCore, now_ms
-from server.master.election import Election
 from server.master.leadership import Leadership
 from server.master.metrics import LatencyHistogram, Sampler
 from server.master.nodes import NodeRegistry
@@ -75,14 +74,6 @@ class MasterService:
         return self.nodes.table
 
     @property
-    def address(self) -> str:
-        return self.leadership.address
-
-    @property
-    def election(self) -> Election | None:
-        return self.leadership.election
-
-    @property
     def answers(self) -> Answers:
         return self.rpc.answers
 
@@ -98,10 +89,6 @@ class MasterService:
     def refused_connections(self) -> int:
         return self.rpc.refused_connections
 
-    @property
-    def auth_failures(self) -> int:
-        return self.rpc.auth_failures
-
     def refusal(self, kind: type[Message] | None = None) -> KVStoreError | None:
         return self.leadership.refusal(kind)
 
@@ -111,12 +98,6 @@ class MasterService:
     @staticmethod
     def now_ms() -> int:
         return now_ms()
-
-    def note_auth_failure(self, peer: object, exc: KVStoreError) -> None:
-        self.rpc.note_auth_failure(peer, exc)
-
-    async def drain(self, node_id: str, batch: int = 256) -> int:
-        return await self.core.drain(node_id, batch)
 
     # -- terms ----------------------------------------------------------------------------------
     def _new_table(self) -> PlacementTable:

@@ -81,6 +81,6 @@ async def test_a_drain_stops_when_leadership_is_lost_midway() -> None:
 
     service.commands.fetch = fetch_then_lose_leadership  # type: ignore[method-assign]
     with pytest.raises(NotLeader):
-        await service.drain("n0")
+        await service.core.drain("n0")
     assert sent == ["n1"] and service.table is not old  # one copy asked; nothing planned on the old table ran on
     await service.stop()
