@@ -55,6 +55,14 @@ class LRU(Generic[K]):
         except KeyError:
             raise NotFound(f"key {key!r} is not in this LRU") from None
 
+    def touch_if_present(self, key: K) -> bool:
+        """Make ``key`` the most recently used if it is here; whether it was (one call on hot paths)."""
+        try:
+            self._order.move_to_end(key)
+        except KeyError:
+            return False
+        return True
+
     def remove(self, key: K) -> int:
         """Forget ``key`` (with its pin and leases); returns its size. Raises :class:`NotFound` if absent."""
         try:

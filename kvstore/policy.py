@@ -43,6 +43,10 @@ class TierName(enum.Enum):
     DRAM = "dram"
     SSD = "ssd"
 
+    # Members are singletons: identity hashing is C, where Enum's own hashes the name in Python (the
+    # master hashes a tier for every replica a get leases).
+    __hash__ = object.__hash__
+
 
 @dataclass(frozen=True, slots=True)
 class Action(Generic[T]):

@@ -87,14 +87,6 @@ class PutTicket(Struct, frozen=True):
     error_code: int
     error: str
 
-    @classmethod
-    def from_ticket(cls, ticket: Ticket) -> PutTicket:
-        """The wire form of the placement table's answer for one key."""
-        return cls(
-            ticket.status, [Replica(r.node_id, r.address, r.tier.value, r.offset, r.size) for r in ticket.replicas],
-            ticket.error_code, ticket.error,
-        )  # fmt: skip
-
 
 class InventoryItem(Struct, frozen=True):
     """One block a daemon holds, as it reports it when (re)registering."""
@@ -249,13 +241,13 @@ class PutStartReply(Message, tag=21, frozen=True):
     """Per replica, the master's seal of the reservation (a tenant's writes must show it); empty unsealed."""
 
     @classmethod
-    def from_tickets(cls, tickets: Sequence[PutTicket]) -> PutStartReply:
+    def from_tickets(cls, tickets: Sequence[Ticket], seals: list[bytes] | None = None) -> PutStartReply:
+        """The wire form of the placement table's answers, one per key; ``seals``: one per replica, in order."""
         replicas = [r for t in tickets for r in t.replicas]
-        seals = [r.seal for r in replicas] if any(r.seal for r in replicas) else []
         return cls(
             [t.status for t in tickets], [t.error_code for t in tickets], [t.error for t in tickets],
             [len(t.replicas) for t in tickets], [r.node_id for r in replicas], [r.address for r in replicas],
-            [r.offset for r in replicas], seals,
+            [r.offset for r in replicas], seals or [],
         )  # fmt: skip
 
     def tickets(self) -> list[PutTicket]:

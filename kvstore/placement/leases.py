@@ -1,7 +1,8 @@
 """Read leases of the placement table: which replicas readers hold, and until when.
 
-A get leases the replicas of a key it hands out as one :class:`Lease` with its
-own identity and expiry. A replica ``(node, tier, key)`` is *leased* while some
+A get leases the replicas of a key it hands out as one lease with its own
+identity and expiry (the leases of one get are kept as one :class:`Grant`, ids
+consecutive, one expiry). A replica ``(node, tier, key)`` is *leased* while some
 live lease covers it: a lease is live from its grant until it is released or
 expires, whichever comes first, and ending it affects that lease alone. Time
 comes in as ``now_ms``; nothing here reads a clock.
@@ -32,32 +33,39 @@ Holder = tuple[str, TierName]
 """A replica's node and tier."""
 
 
-@dataclass(frozen=True, slots=True)
-class Lease:
-    lease_id: LeaseId
-    key: str
-    holders: tuple[Holder, ...]
-    """The replicas the reader was handed (node, tier): leased whatever happens to the key later."""
+@dataclass(slots=True)
+class Grant:
+    """The leases of one grant: consecutive ids from ``first``, one per key (one get's hits, or
+    one hold). A lease is one get of one key; the grant is how its record is kept, so that a get
+    of many keys costs one record and one expiry instead of one of each per key."""
+
+    first: LeaseId
+    keys: list[str]
+    holders: list[tuple[Holder, ...]]
+    """Per key, the replicas the reader was handed (node, tier): leased whatever happens to the key later."""
     expiry_ms: int
+    live: int
+    """Leases of this grant not ended yet."""
 
 
 class Leases:
-    """Every live lease, indexed by id, by key and by replica.
+    """Every live lease, indexed by id and by replica.
 
-    Invariants: ``_live`` holds exactly the live leases; ``_by_key[k]`` maps the
-    id of each live lease of ``k`` to its expiry; ``_held[(node, tier)][k]`` counts
-    the live leases covering that replica, and no count is zero; every live
-    lease has an entry in ``_deadlines`` (entries of ended leases are skipped
-    when they come up, or dropped all at once when they outnumber the live
-    ones: the heap stays within twice the live leases, plus a constant).
+    Invariants: ``_live`` maps exactly the ids of live leases, each to its grant;
+    ``_held[(node, tier)][k]`` counts the live leases covering that replica, and
+    no count is zero; every grant with a live lease has an entry in
+    ``_deadlines`` (entries of grants ended already are skipped when they come
+    up, or dropped all at once when they outnumber the live grants: the heap
+    stays within twice the live grants, plus a constant).
     """
 
     def __init__(self) -> None:
         self._next_id = 1
-        self._live: dict[LeaseId, Lease] = {}
-        self._by_key: dict[str, dict[LeaseId, int]] = {}
+        self._live: dict[LeaseId, Grant] = {}
+        self._grants = 0
+        """Grants with a live lease."""
         self._held: dict[Holder, dict[str, int]] = {}
-        self._deadlines: list[tuple[int, LeaseId]] = []  # heap of (expiry, lease)
+        self._deadlines: list[tuple[int, int, Grant]] = []  # heap of (expiry, first id, grant)
 
     def __len__(self) -> int:
         """Live leases."""
@@ -65,29 +73,41 @@ class Leases:
 
     def grant(self, key: str, holders: Iterable[Holder], expiry_ms: int) -> LeaseId:
         """Lease the replicas ``holders`` of ``key`` until ``expiry_ms``."""
-        lease_id = LeaseId(self._next_id)
-        self._next_id += 1
-        lease = Lease(lease_id, key, tuple(holders), expiry_ms)
-        self._live[lease_id] = lease
-        self._by_key.setdefault(key, {})[lease_id] = expiry_ms
-        for holder in lease.holders:
-            counts = self._held.setdefault(holder, {})
-            counts[key] = counts.get(key, 0) + 1
-        heapq.heappush(self._deadlines, (expiry_ms, lease_id))
-        return lease_id
+        return self.grant_many([key], [tuple(holders)], expiry_ms)
+
+    def grant_many(self, keys: list[str], holders: list[tuple[Holder, ...]], expiry_ms: int) -> LeaseId:
+        """Lease, for each of ``keys``, its replicas in ``holders`` until ``expiry_ms``: one lease per
+        key, with consecutive ids from the one returned."""
+        first = LeaseId(self._next_id)
+        if not keys:
+            return first
+        self._next_id += len(keys)
+        grant = Grant(first, keys, holders, expiry_ms, len(keys))
+        live, held = self._live, self._held
+        for i, (key, replicas) in enumerate(zip(keys, holders, strict=True)):
+            live[LeaseId(first + i)] = grant
+            for holder in replicas:
+                counts = held.get(holder)
+                if counts is None:
+                    held[holder] = {key: 1}
+                else:
+                    counts[key] = counts.get(key, 0) + 1
+        self._grants += 1
+        heapq.heappush(self._deadlines, (expiry_ms, first, grant))
+        return first
 
     def release(self, lease_id: LeaseId) -> bool:
         """End this lease (its reader is done); False when it had ended already (or never was)."""
-        ended = self._end(lease_id) is not None
-        if len(self._deadlines) > 2 * len(self._live) + 1024:  # mostly released: rebuild from the live ones
-            self._deadlines = [(lease.expiry_ms, lease.lease_id) for lease in self._live.values()]
+        ended = self._end(lease_id)
+        if len(self._deadlines) > 2 * self._grants + 1024:  # mostly released: rebuild from the live ones
+            self._deadlines = [(g.expiry_ms, g.first, g) for g in {id(g): g for g in self._live.values()}.values()]
             heapq.heapify(self._deadlines)
         return ended
 
     def key_of(self, lease_id: LeaseId) -> str | None:
         """The key a live lease covers; None when it has ended (or never was)."""
-        lease = self._live.get(lease_id)
-        return lease.key if lease is not None else None
+        grant = self._live.get(lease_id)
+        return grant.keys[lease_id - grant.first] if grant is not None else None
 
     @property
     def next_id(self) -> LeaseId:
@@ -97,30 +117,33 @@ class Leases:
     def expire(self, now_ms: int) -> int:
         """End every lease whose expiry is at or before ``now_ms``; how many ended."""
         ended = 0
-        deadlines = self._deadlines
+        deadlines, live = self._deadlines, self._live
         while deadlines and deadlines[0][0] <= now_ms:
-            _, lease_id = heapq.heappop(deadlines)
-            if self._end(lease_id) is not None:
-                ended += 1  # else released earlier
+            _, first, grant = heapq.heappop(deadlines)
+            for i in range(len(grant.keys)) if grant.live else ():
+                if live.get(LeaseId(first + i)) is grant:
+                    self._end(LeaseId(first + i))
+                    ended += 1  # else released earlier
         return ended
 
-    def _end(self, lease_id: LeaseId) -> Lease | None:
-        lease = self._live.pop(lease_id, None)
-        if lease is None:
-            return None
-        live = self._by_key[lease.key]
-        del live[lease_id]
-        if not live:
-            del self._by_key[lease.key]
-        for holder in lease.holders:
+    def _end(self, lease_id: LeaseId) -> bool:
+        grant = self._live.pop(lease_id, None)
+        if grant is None:
+            return False
+        i = lease_id - grant.first
+        key = grant.keys[i]
+        for holder in grant.holders[i]:
             counts = self._held[holder]
-            if counts[lease.key] == 1:
-                del counts[lease.key]
+            if counts[key] == 1:
+                del counts[key]
                 if not counts:
                     del self._held[holder]
             else:
-                counts[lease.key] -= 1
-        return lease
+                counts[key] -= 1
+        grant.live -= 1
+        if not grant.live:
+            self._grants -= 1
+        return True
 
     # -- reading ----------------------------------------------------------------------------
     def is_leased(self, node_id: str, tier: TierName, key: str) -> bool:
@@ -139,13 +162,16 @@ class Leases:
 
     def check(self) -> None:
         """Assert the invariants of the class docstring (for tests)."""
-        by_key: dict[str, dict[LeaseId, int]] = {}
         held: dict[Holder, dict[str, int]] = {}
-        for lease_id, lease in self._live.items():
-            assert lease.lease_id == lease_id
-            by_key.setdefault(lease.key, {})[lease_id] = lease.expiry_ms
-            for holder in lease.holders:
-                held.setdefault(holder, {})[lease.key] = held.get(holder, {}).get(lease.key, 0) + 1
-        assert by_key == self._by_key, "leases by key drifted"
+        grants: dict[int, Grant] = {}
+        for lease_id, grant in self._live.items():
+            assert 0 <= lease_id - grant.first < len(grant.keys), "a lease outside its grant"
+            grants[id(grant)] = grant
+            key = grant.keys[lease_id - grant.first]
+            for holder in grant.holders[lease_id - grant.first]:
+                held.setdefault(holder, {})[key] = held.get(holder, {}).get(key, 0) + 1
         assert held == self._held, "leased replicas drifted"
-        assert set(self._live) <= {lease_id for _, lease_id in self._deadlines}, "a live lease with no expiry"
+        assert all(g.live == sum(self._live.get(LeaseId(g.first + i)) is g for i in range(len(g.keys)))
+                   for g in grants.values()), "a grant's count of live leases drifted"  # fmt: skip
+        assert len(grants) == self._grants, "live grants miscounted"
+        assert {id(g) for g in grants.values()} <= {id(g) for _, _, g in self._deadlines}, "a live lease with no expiry"

@@ -29,11 +29,14 @@ from collections.abc import Iterable, Sequence
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import validate_key
-from kvstore.placement.leases import LeaseId
+from kvstore.placement.leases import Holder, LeaseId
 from kvstore.placement.results import NodePrefix, PrefixMatch, ReplicaLookup
 from kvstore.placement.state import COPYING, DRAM, DROPPING, READY, SSD, Catalog, NodeCommand, ObjectEntry, ReplicaState
 from kvstore.placement.tiering import Tiering
-from kvstore.policy import EvictionPolicy
+from kvstore.policy import EvictionPolicy, TierName
+
+_TIER_NAMES = {tier: tier.value for tier in TierName}
+"""Each tier's name, as a reply carries it (an Enum's ``value`` is a Python-level property)."""
 
 
 class Reads:
@@ -55,22 +58,32 @@ class Reads:
         Built flat, as the wire form is: this is the hottest call of the master.
         """
         cat = self.catalog
-        checked = [validate_key(k) for k in keys]
+        objects, nodes = cat.objects, cat.nodes
         # One get's leases are consecutive ids: the reply names the first, the reader releases them.
         first = cat.leases.next_id if lease else 0
         reply = ReplicaLookup(lease_ms=self.lease_ms, first_lease=first)
         sizes, checksums, counts = reply.sizes, reply.checksums, reply.counts
         expiry = now_ms + self.lease_ms
         counters = cat.counters
-        grant = cat.leases.grant
+        leased: list[str] = []
+        holders: list[tuple[Holder, ...]] = []
         held: list[ObjectEntry] = []
-        for key in checked:
-            entry = cat.objects.get(key)
-            readable = cat.readable(entry)
+        hits = dram_hits = bytes_read = 0
+        readable: list[ReplicaState]
+        for key in keys:
+            entry = objects.get(key)
+            if entry is None:
+                validate_key(key)  # a miss; a key that could never be stored is named as bad
+                readable = []
+            elif entry.removing or not entry.committed:
+                readable = []
+            else:
+                readable = [r for r in entry.replicas if r.status is READY and nodes[r.node_id].up]
             if entry is not None and not readable and (moving := cat.in_motion(entry)):
                 self._by_key(reply, entry, moving)  # mid-move: read through its daemon, by key
                 if lease:  # a lease of no replica: the reply's lease ids stay consecutive, one per hit
-                    grant(key, [], expiry)
+                    leased.append(key)
+                    holders.append(())
                 if self.hold_ms:
                     held.append(entry)
                 continue
@@ -80,32 +93,38 @@ class Reads:
                 checksums.append(0)
                 counts.append(0)
                 continue
-            counters["hits"] += 1
+            hits += 1
             cat.touch(entry)
             if self.hold_ms:
                 held.append(entry)
             if len(readable) > 1:
                 readable.sort(key=lambda r: r.tier is not DRAM)
             if lease:
-                grant(key, [(r.node_id, r.tier) for r in readable], expiry)
+                leased.append(key)
+                holders.append(tuple([(r.node_id, r.tier) for r in readable]))
             for r in readable:
-                node = cat.nodes[r.node_id]
+                node = nodes[r.node_id]
                 reply.nodes.append(r.node_id)
                 reply.addresses.append(node.address)
-                reply.tiers.append(r.tier.value)
+                reply.tiers.append(_TIER_NAMES[r.tier])
                 reply.offsets.append(r.extent.offset if r.extent is not None and r.tier is DRAM else -1)
             sizes.append(entry.size)
             checksums.append(entry.checksum)
             counts.append(len(readable))
-            counters["bytes_read"] += entry.size
+            bytes_read += entry.size
             if readable[0].tier is DRAM:
-                counters["dram_hits"] += 1
+                dram_hits += 1
             else:
                 counters["ssd_hits"] += 1
                 entry.ssd_hits += 1
                 if self.policy.should_promote(entry.ssd_hits):
                     cat.want_promote.add(key)
-        counters["gets"] += len(checked)
+        counters["gets"] += len(keys)
+        counters["hits"] += hits
+        counters["dram_hits"] += dram_hits
+        counters["bytes_read"] += bytes_read
+        if leased:
+            cat.leases.grant_many(leased, holders, expiry)
         if held:
             self._hold(held, now_ms)  # after the reader's own leases, whose ids must be consecutive
         return reply
@@ -134,11 +153,14 @@ class Reads:
         cat = self.catalog
         leases = cat.leases
         until = now_ms + self.hold_ms
+        entries = list({id(e): e for e in entries}.values())  # a key read twice in one call: one hold
         for entry in entries:
             if entry.hold:
                 leases.release(LeaseId(entry.hold))
-            readable = cat.readable(entry)
-            entry.hold = leases.grant(entry.key, [(r.node_id, r.tier) for r in readable], until)
+        holders = [tuple([(r.node_id, r.tier) for r in cat.readable(entry)]) for entry in entries]
+        first = leases.grant_many([entry.key for entry in entries], holders, until)
+        for i, entry in enumerate(entries):
+            entry.hold = first + i
             entry.held_until_ms = until
 
     def held(self, keys: Sequence[str], now_ms: int) -> list[int]:

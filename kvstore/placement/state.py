@@ -324,10 +324,10 @@ class Catalog:
     def touch(self, entry: ObjectEntry) -> None:
         self.clock += 1
         entry.last_use = self.clock
+        nodes, key = self.nodes, entry.key
         for r in entry.replicas:
-            lru = self.nodes[r.node_id].lru(r.tier)
-            if entry.key in lru:
-                lru.touch(entry.key)
+            node = nodes[r.node_id]
+            (node.dram_lru if r.tier is DRAM else node.ssd_lru).touch_if_present(key)
 
     def busy(self, node: NodeState) -> bool:
         """Whether some of the node's DRAM is held only for now: leased, or reserved by puts in flight."""

@@ -97,8 +97,10 @@ class Writes:
         # One ordering for the whole batch: a batch is usually one request's chain of blocks, and
         # keeping it together on a node keeps a prefix from spanning nodes that evict independently.
         ordered = self.strategy(self.catalog.placeable(), preferred_node, self.rng)
+        smallest = min((n.alloc.capacity for n in ordered), default=0)
         for i, (key, size) in enumerate(zip(checked, sizes, strict=True)):
-            plan.tickets.append(self._place(key, size, replicas, ordered, pin, now_ms, plan, i))
+            fits = ordered if size <= smallest else [n for n in ordered if n.alloc.capacity >= size]
+            plan.tickets.append(self._place(key, size, replicas, fits, pin, now_ms, plan, i))
         return plan
 
     def _place(
@@ -106,7 +108,7 @@ class Writes:
         key: BlockKey,
         size: int,
         replicas: int,
-        ordered: list[NodeState],
+        nodes: list[NodeState],
         pin: bool,
         now_ms: int,
         plan: PutPlan,
@@ -121,8 +123,7 @@ class Writes:
             if existing.committed:
                 cat.touch(existing)
             return Ticket("exists", [], 0, "")
-        nodes = [n for n in ordered if n.alloc.capacity >= size]
-        if not nodes:
+        if not nodes:  # the nodes able to hold ``size`` bytes, most preferred first
             if not cat.up_nodes():
                 return _ticket_error(NoNodes("no storage node is up"))
             return _ticket_error(CapacityError(f"block {key!r} of {size} bytes is larger than every node's DRAM"))
@@ -159,11 +160,10 @@ class Writes:
         cat.pending[key] = entry
         cat.track(entry)
         cat.counters["puts"] += 1
-        return Ticket("ok", [self._placed(entry, r) for r in chosen], 0, "")
-
-    def _placed(self, entry: ObjectEntry, r: ReplicaState) -> PlacedReplica:
-        offset = r.extent.offset if r.extent is not None and r.tier is DRAM else -1
-        return PlacedReplica(r.node_id, self.catalog.nodes[r.node_id].address, r.tier, offset, entry.size)
+        placed = cat.nodes
+        # A new replica is in DRAM, with its extent.
+        return Ticket("ok", [PlacedReplica(r.node_id, placed[r.node_id].address, DRAM, r.extent.offset, size)
+                             for r in chosen if r.extent is not None], 0, "")  # fmt: skip
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
         """Commit reserved keys; False for a key whose reservation is gone (expired or revoked)."""
@@ -171,21 +171,25 @@ class Writes:
         if len(keys) != len(checksums):
             raise InvalidArgument(f"put_end got {len(keys)} keys but {len(checksums)} checksums")
         out = []
+        pending, objects, nodes = cat.pending, cat.objects, cat.nodes
+        written = 0
         for key, check in zip(keys, checksums, strict=True):
-            entry = cat.pending.get(key)
+            entry = pending.get(key)
             if entry is None or entry.removing:
                 out.append(False)
                 continue
-            del cat.pending[key]
-            entry.committed, entry.checksum = True, check
-            cat.objects[key] = entry
+            del pending[key]
+            # Committed: no reservation deadline any more (0 costs no int object of its own).
+            entry.committed, entry.checksum, entry.deadline_ms = True, check, 0
+            objects[key] = entry
             for r in entry.replicas:
-                lru = cat.nodes[r.node_id].dram_lru
+                lru = nodes[r.node_id].dram_lru
                 lru.insert(key, entry.size)
                 if entry.pinned:
                     lru.pin(key)
-            cat.counters["bytes_written"] += entry.size
+            written += entry.size
             out.append(True)
+        cat.counters["bytes_written"] += written
         return out
 
     def put_revoke(self, keys: Iterable[str]) -> list[NodeCommand]:

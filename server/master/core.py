@@ -14,13 +14,12 @@ import logging
 import time
 from collections.abc import Iterable
 
-import msgspec
-
 from kvstore.auth import ANYONE, Authority, Identity
 from kvstore.config import MasterConfig
 from kvstore.errors import CapacityError, InvalidArgument, NotFound, NotLeader, QuotaExceeded, RetryLater, Timeout
 from kvstore.placement import quotas
 from kvstore.placement.leases import LeaseId
+from kvstore.placement.results import Ticket
 from kvstore.placement.state import Grant, Move
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import TierName
@@ -54,7 +53,6 @@ from kvstore.protocol import (
     PutRevoke,
     PutStart,
     PutStartReply,
-    PutTicket,
     RegisterNode,
     RegisterReply,
     ReleaseLeases,
@@ -164,7 +162,7 @@ class MasterCore:
         keys, sizes = list(m.keys), list(m.sizes)
         if len(keys) != len(sizes):
             raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
-        tickets: list[PutTicket | None] = [None] * len(keys)
+        tickets: list[Ticket | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         tenant = caller.tenant
         quota = self.quota(tenant) if tenant is not None else 0
@@ -174,14 +172,14 @@ class MasterCore:
                 await self.commands.run(plan.commands)
             for i in quotas.refused(self.table, tenant, quota, sizes, plan):
                 text = quotas.refusal_text(self.table, tenant, quota, keys[i], sizes[i])
-                tickets[i] = PutTicket("error", [], QuotaExceeded.code, text)
+                tickets[i] = Ticket("error", [], QuotaExceeded.code, text)
             todo = [i for i in todo if tickets[i] is None]
         for _ in range(_MAX_EVICTION_ROUNDS):
             placed = self.table.put_start(
                 [keys[i] for i in todo], [sizes[i] for i in todo], m.replicas, m.preferred_node, m.pin, now_ms()
             )
             for j, ticket in zip(todo, placed.tickets, strict=True):
-                tickets[j] = PutTicket.from_ticket(ticket) if ticket is not None else None
+                tickets[j] = ticket
             todo = [todo[w] for w in placed.waiting]
             if not todo:
                 self.commands.later(placed.commands, "background-eviction")
@@ -190,25 +188,22 @@ class MasterCore:
                 await self.commands.run(placed.commands)
             else:
                 await self._until_room()  # room is coming from commands another request sent
-        stuck = PutTicket("error", [], CapacityError.code, "no room after repeated rounds of eviction")
+        stuck = Ticket("error", [], CapacityError.code, "no room after repeated rounds of eviction")
         final = [t if t is not None else stuck for t in tickets]
-        if tenant is not None and self.authority is not None:
-            final = self._sealed(tenant, keys, sizes, final)
-        return PutStartReply.from_tickets(final)
+        seals = self._seals(tenant, keys, sizes, final) if tenant is not None and self.authority is not None else None
+        return PutStartReply.from_tickets(final, seals)
 
-    def _sealed(self, tenant: str, keys: list[str], sizes: list[int], tickets: list[PutTicket]) -> list[PutTicket]:
-        """``tickets`` with each replica sealed for ``tenant``: daemons take a tenant's writes only
-        into extents the master reserved for it (no squatting on free space or others' reservations)."""
+    def _seals(self, tenant: str, keys: list[str], sizes: list[int], tickets: list[Ticket]) -> list[bytes]:
+        """A seal per replica of ``tickets``, in order, for ``tenant``: daemons take a tenant's writes
+        only into extents the master reserved for it (no squatting on free space or others' reservations)."""
         assert self.authority is not None
         expires = int(time.time() * 1000) + self.config.reservation_ms  # wall clock: daemons check it
         seal = self.authority.seal
         return [
-            msgspec.structs.replace(t, replicas=[
-                msgspec.structs.replace(r, seal=seal(tenant, r.node_id, key, r.offset, size, expires))
-                for r in t.replicas
-            ]) if t.replicas else t
+            seal(tenant, r.node_id, key, r.offset, size, expires)
             for t, key, size in zip(tickets, keys, sizes, strict=True)
-        ]  # fmt: skip
+            for r in t.replicas
+        ]
 
     async def put_end(self, m: PutEnd, caller: Identity = ANYONE) -> Message:
         committed = self.table.put_end(m.keys, m.checksums)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -39,7 +40,15 @@ async def serve(config: MasterConfig) -> None:
     await service.stop()
 
 
+GC_THRESHOLDS = (100_000, 50, 100)
+"""The master holds a few objects per key for millions of keys: at Python's default thresholds
+(700, 10, 10) the collector walks them so often that it cost ~10 µs of the ~23 µs of CPU a put
+takes per key in the placement table (measured in-process over 200,000 keys). Its own records hold
+no cycles the collector must break promptly; collections still run, a hundred times less often."""
+
+
 def run_master(config: MasterConfig) -> int:
+    gc.set_threshold(*GC_THRESHOLDS)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     with contextlib.suppress(ImportError):
         import uvloop
