@@ -5,7 +5,7 @@ One JSON line per (message, keys): ``encode_us``/``decode_us`` of today's
 ``decode_payload`` with its validation), beside the same run's baseline
 (``baseline_encode_us``/``baseline_decode_us``): plain ``msgpack.packb`` plus
 the header, and ``msgpack.unpackb``, of the equivalent untyped lists, which
-validate nothing. With ``--old PATH`` (a copy of an earlier protocol.py) the
+validate nothing. With ``--old PATH`` (a copy of an earlier, single-file protocol.py) the
 lines also carry that codec's figures (``old_encode_us``, ``old_decode_us``,
 ``old_frame_bytes``), measured on the same messages in the same run.
 
@@ -182,7 +182,7 @@ def run(old: types.ModuleType | None, only: str | None, repeat: int, target_ms: 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Wire-codec micro-benchmark.")
-    parser.add_argument("--old", metavar="PATH", help="an earlier protocol.py to measure beside today's")
+    parser.add_argument("--old", metavar="PATH", help="an earlier, single-file protocol.py to measure beside today's")
     parser.add_argument("--only", metavar="MESSAGE", help="measure this message only")
     parser.add_argument("--repeat", type=int, default=7, help="timed loops per figure; the best counts")
     parser.add_argument("--target-ms", type=float, default=20.0, help="about how long each timed loop runs")

@@ -1,0 +1,51 @@
+"""Master -> daemon commands: move blocks between tiers, drop them, copy them from another daemon.
+
+Each is answered by a :class:`CommandReply` (per key, whether it was done).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kvstore.protocol.base import Message
+
+
+class DemoteBlocks(Message, tag=50, frozen=True):
+    """Move blocks from the DRAM arena to the SSD tier, freeing their extents."""
+
+    keys: list[str]
+
+
+class DropBlocks(Message, tag=51, frozen=True):
+    """Delete blocks: from whichever tier holds them, or with ``tier`` only from that one (a key
+    held in both tiers keeps its other copy)."""
+
+    keys: list[str]
+    tier: Literal["", "dram", "ssd"] = ""
+    fences: list[int] = []
+    """For copies the master gave up on (a drain's or a replicate's), per key the DRAM offset the
+    copy was planned into: one that has not arrived is refused when it comes (empty: none)."""
+
+
+class PromoteBlocks(Message, tag=52, frozen=True):
+    """Move SSD blocks into the DRAM arena at the given offsets."""
+
+    keys: list[str]
+    offsets: list[int]
+
+
+class FetchBlocks(Message, tag=54, frozen=True):
+    """Copy blocks from another daemon (a drain, a replicate): read them by key from ``source`` into
+    the given reserved DRAM extents here, check their checksums and commit them, each pinned as
+    ``pinned`` says (empty: none; a master before it sent none). Answered by a CommandReply."""
+
+    source: str
+    keys: list[str]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    pinned: list[bool] = []
+
+
+class CommandReply(Message, tag=53, frozen=True):
+    done: list[bool]

@@ -1,0 +1,46 @@
+"""Authentication: the first frames of a connection to a server that requires it, and tenants' tickets.
+
+See :mod:`kvstore.auth` for what the nonces, proofs and tickets are.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kvstore.protocol.base import Message
+
+
+class AuthHello(Message, tag=80, frozen=True):
+    """A connection's first frame (see :mod:`kvstore.auth`): who the client claims to be and its nonce."""
+
+    kind: Literal["cluster", "tenant", "ticket"]
+    name: str
+    nonce: bytes
+    ticket: bytes
+    """For ``kind="ticket"``: the ticket the master issued (empty otherwise)."""
+
+
+class AuthChallenge(Message, tag=81, frozen=True):
+    nonce: bytes
+
+
+class AuthProof(Message, tag=82, frozen=True):
+    proof: bytes
+
+
+class AuthOk(Message, tag=83, frozen=True):
+    """The server's proof that it knows the client's key too; the connection serves from here on."""
+
+    proof: bytes
+
+
+class GetTicket(Message, tag=84, frozen=True):
+    """A tenant asks the master for a ticket to show the daemons (answered by a TicketReply)."""
+
+
+class TicketReply(Message, tag=85, frozen=True):
+    ticket: bytes
+    sealed_key: bytes
+    """The ticket's session key, masked with a key only this connection's two ends can derive."""
+    expires_ms: int
+    """Unix time (ms) the ticket ends at."""

@@ -1,0 +1,117 @@
+"""Daemon -> master: a node joins (registers its inventory), stays (heartbeats, access reports) and leaves.
+
+Also :class:`MasterHello`, the first frame of a master's connection to a daemon, which fences
+off the commands of a deposed master, and :class:`NodeInfo`, how clients reach a node's data.
+"""
+
+from __future__ import annotations
+
+from kvstore.protocol.base import InventoryItem, Message, Struct, Tier
+
+
+class Nic(Struct, frozen=True):
+    """One network interface of a host, as :mod:`transfer.topology` reads it."""
+
+    name: str
+    address: str
+    speed_mbps: int
+    """-1: the link reports no speed (loopback, veth)."""
+    numa_node: int
+    """-1: unknown or not a NUMA machine."""
+
+
+class NodeInfo(Struct, frozen=True):
+    """How clients reach a node's data: its rails, and whether they share its host (and its arena)."""
+
+    node_id: str
+    address: str
+    rails: list[str]
+    """Data-plane addresses, one per NIC the daemon serves on; ``address`` is the first."""
+    host_id: str
+    arena_path: str
+    """The DRAM arena's shared-memory file: a client on the same host maps it."""
+    arena_inode: int
+    """Tells the same file from one of the same name elsewhere (another container's /dev/shm)."""
+    nics: list[Nic]
+    rdma: bool
+    """The node has an RDMA device (UCX can use verbs rather than TCP)."""
+    ucx_address: str
+    """host:port of the node's UCX data plane; empty when it serves none."""
+    up: bool
+
+
+class RegisterNode(Message, tag=10, frozen=True):
+    node_id: str
+    address: str
+    dram_capacity: int
+    ssd_capacity: int
+    alignment: int
+    inventory: list[InventoryItem]
+    rails: list[str]
+    host_id: str
+    arena_path: str
+    arena_inode: int
+    nics: list[Nic]
+    rdma: bool
+    ucx_address: str
+    max_blocks: int
+    """Blocks the DRAM arena can index at most (its slot table grows to this as blocks arrive); 0: no
+    limit but capacity."""
+    peers: list[str]
+    """Node ids a master last told this daemon were in the cluster: a master that has just taken
+    over waits for them (their inventories) before it answers reads and puts."""
+
+
+class RegisterReply(Message, tag=11, frozen=True):
+    heartbeat_interval_ms: int
+    node_ttl_ms: int
+    epoch: int
+    """The master's leadership epoch (the revision of its etcd leader key; 0 without etcd). The
+    daemon refuses commands from masters of an older epoch (see MasterHello)."""
+    peers: list[str]
+
+
+class Heartbeat(Message, tag=12, frozen=True):
+    node_id: str
+    transfer_bytes: dict[str, int]
+    """Bytes the daemon moved since it started, by "transport|rail|direction" (for /metrics)."""
+    ssd_capacity: int = -1
+    """What the SSD tier can hold now: lowered from ``ssd_configured`` when its disk filled or
+    failed a write (-1: as registered)."""
+    ssd_configured: int = -1
+    """The SSD tier's configured capacity (-1: as registered)."""
+    ssd_fault: str = ""
+    """Why ``ssd_capacity`` is below ``ssd_configured`` ("" while the tier is healthy)."""
+
+
+class HeartbeatReply(Message, tag=13, frozen=True):
+    known: bool
+    """False when the master does not know the node (it restarted): the daemon re-registers."""
+    peers: list[str]
+    """The nodes the master knows now (see RegisterNode.peers)."""
+
+
+class MasterHello(Message, tag=14, frozen=True):
+    """First frame of a master's connection to a daemon: the commands that follow on it are the
+    master's of ``epoch``. A daemon that has registered with a master of a later epoch refuses
+    them (NotLeader): a deposed leader can no longer drop, move or grant anything."""
+
+    epoch: int
+
+
+class AccessReport(Message, tag=73, frozen=True):
+    """Blocks a daemon served by key since its last report (reads that asked the master nothing),
+    each with the tier it was read from: the master counts the hits and keeps its LRU order. The
+    tier is the one at the read: a report may come after the block moved (a read of a DRAM block
+    demoted since is no SSD hit, and promotes nothing)."""
+
+    node_id: str
+    keys: list[str]
+    tiers: list[Tier]
+
+
+class LeaveNode(Message, tag=88, frozen=True):
+    """A daemon leaves for good (``kvstore daemon --leave-on-exit``, as a Mooncake client unmounts
+    its segment at close): the master forgets the node and every replica on it. Answered by OkReply."""
+
+    node_id: str
