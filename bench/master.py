@@ -7,7 +7,10 @@ process holding a segment (the bytes move inside it: only the master's work is c
 memory are the master process's, from /proc. Mooncake runs where ../shared/peers is set up (the
 peers' venv, ``setup.sh``); without it only our row is printed.
 
-  python -m bench.master --json [--keys 200000] [--size 256] [--dram 1GiB]
+  python -m bench.master --json [--keys 200000] [--size 256] [--dram 1GiB] [--sample 0]
+
+``--sample N``: gets and exists over N of the keys, evenly spaced (a table of ten million keys is
+measured at its full size without reading it all back; 0: every key).
 
 Last line: the ratios ``put_cpu``, ``get_cpu``, ``exists_cpu`` and ``memory`` (ours over
 Mooncake's: below 1 is cheaper).
@@ -41,15 +44,15 @@ def _load(python: str, args: list[str], env: dict[str, str], timeout: float) -> 
     return {"bench": "master", "system": args[0], "error": (done.stderr or done.stdout).strip()[-600:]}
 
 
-def run_kvstore(keys: int, size: int, dram: str, timeout: float) -> dict[str, Any]:
+def run_kvstore(keys: int, size: int, dram: str, timeout: float, sample: int = 0) -> dict[str, Any]:
     with LocalCluster(2, dram=dram) as cluster:
         assert cluster.master is not None
         env = dict(os.environ)
-        args = ["kvstore", cluster.master_address, str(cluster.master.pid), str(keys), str(size)]
+        args = ["kvstore", cluster.master_address, str(cluster.master.pid), str(keys), str(size), str(sample)]
         return _load(sys.executable, args, env, timeout)
 
 
-def run_mooncake(keys: int, size: int, timeout: float) -> dict[str, Any] | None:
+def run_mooncake(keys: int, size: int, timeout: float, sample: int = 0) -> dict[str, Any] | None:
     python, master_bin = PEERS_VENV / "bin" / "python", PEERS_VENV / "bin" / "mooncake_master"
     if not python.exists() or not master_bin.exists() or not PEERS_BENCH.exists():
         return None
@@ -57,11 +60,18 @@ def run_mooncake(keys: int, size: int, timeout: float) -> dict[str, Any] | None:
     env = {**os.environ, "LD_LIBRARY_PATH": f"{PEERS_VENV / 'stub'}:{cuda or ''}"}
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "kvstore-bench-mc-master.log"
     with open(log_path, "w") as log:
-        return _mooncake_with_master(python, master_bin, env, log, keys, size, timeout)
+        return _mooncake_with_master(python, master_bin, env, log, keys, size, timeout, sample)
 
 
 def _mooncake_with_master(
-    python: Path, master_bin: Path, env: dict[str, str], log: Any, keys: int, size: int, timeout: float
+    python: Path,
+    master_bin: Path,
+    env: dict[str, str],
+    log: Any,
+    keys: int,
+    size: int,
+    timeout: float,
+    sample: int = 0,
 ) -> dict[str, Any]:
     rpc, http = 50151, 8181
     master = subprocess.Popen(
@@ -85,6 +95,7 @@ def _mooncake_with_master(
             str(master.pid),
             str(keys),
             str(size),
+            str(sample),
             f"http://127.0.0.1:{http}/metadata",
         ]
         return _load(str(python), args, env, timeout)
@@ -118,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=200_000)
     parser.add_argument("--size", type=int, default=256, help="bytes per object")
     parser.add_argument("--dram", default="1GiB", help="DRAM of each of our two daemons")
+    parser.add_argument("--sample", type=int, default=0, help="gets and exists over this many keys (0: all)")
     parser.add_argument("--peers", choices=["auto", "no"], default="auto")
     parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args(argv)
-    ours = run_kvstore(args.keys, args.size, args.dram, args.timeout)
+    ours = run_kvstore(args.keys, args.size, args.dram, args.timeout, args.sample)
     print(json.dumps(ours), flush=True)
-    theirs = run_mooncake(args.keys, args.size, args.timeout) if args.peers == "auto" else None
+    theirs = run_mooncake(args.keys, args.size, args.timeout, args.sample) if args.peers == "auto" else None
     if theirs is not None:
         print(json.dumps(theirs), flush=True)
         if "error" not in ours and "error" not in theirs:

@@ -17,6 +17,7 @@ allocated and free extents tile ``[0, capacity)`` exactly.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -137,6 +138,25 @@ class Allocator:
         self._allocated[start] = length
         self.used += length
         return Extent(start, length)
+
+    def alloc_many(self, sizes: Sequence[int]) -> list[Extent] | None:
+        """Reserve one extent per size (each rounded up to the alignment), back to back in the best
+        fit for their total; None when no free extent holds them all. Each is freed on its own."""
+        mask = self._mask
+        lengths = [(size + mask) & ~mask for size in sizes]
+        if not lengths or any(type(size) is not int or size <= 0 for size in sizes):
+            raise InvalidArgument(f"allocation sizes must be positive ints, got {list(sizes)[:8]!r}")
+        whole = self.alloc(sum(lengths))
+        if whole is None:
+            return None
+        allocated = self._allocated
+        del allocated[whole.offset]
+        out, at = [], whole.offset
+        for length in lengths:
+            allocated[at] = length
+            out.append(Extent(at, length))
+            at += length
+        return out
 
     @classmethod
     def rebuild(cls, capacity: int, alignment: int, allocated: list[tuple[int, int]]) -> Allocator:

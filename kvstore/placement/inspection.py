@@ -57,7 +57,7 @@ class Inspection:
             replicas.append({
                 "node_id": r.node_id,
                 "tier": r.tier.value,
-                "offset": r.extent.offset if r.extent is not None and r.tier is DRAM else -1,
+                "offset": r.offset if r.tier is DRAM else -1,
                 "status": r.status.value,
                 "moving": r.status is not READY,
                 "dropping": r.status is DROPPING,

@@ -107,7 +107,7 @@ class Reads:
                 reply.nodes.append(r.node_id)
                 reply.addresses.append(node.address)
                 reply.tiers.append(_TIER_NAMES[r.tier])
-                reply.offsets.append(r.extent.offset if r.extent is not None and r.tier is DRAM else -1)
+                reply.offsets.append(r.offset if r.tier is DRAM else -1)
             sizes.append(entry.size)
             checksums.append(entry.checksum)
             counts.append(len(readable))
@@ -258,8 +258,12 @@ class Reads:
     def exists(self, keys: Sequence[str], now_ms: int = 0) -> list[bool]:
         """Whether each key is readable (and, with ``hold_ms`` and ``now_ms``, hold those that are)."""
         cat = self.catalog
-        entries = [cat.objects.get(validate_key(k)) for k in keys]
-        found = [cat.found(e) for e in entries]
+        objects = cat.objects
+        entries = [objects.get(k) for k in keys]
+        for key, entry in zip(keys, entries, strict=True):
+            if entry is None:
+                validate_key(key)  # a miss; a key that could never be stored is named as bad
+        found = list(map(cat.found, entries))
         if self.hold_ms and now_ms:
             self._hold([e for e, ok in zip(entries, found, strict=True) if ok and e is not None], now_ms)
         return found

@@ -60,19 +60,48 @@ TRANSITIONS: dict[ReplicaStatus, frozenset[ReplicaStatus]] = {
 a DROPPING one only ever leaves its key, when its daemon confirms the drop."""
 
 
-@dataclass(slots=True)
 class ReplicaState:
-    """One replica of a key on one node. ``status`` changes only through :meth:`to`."""
+    """One replica of a key on one node. ``status`` changes only through :meth:`to`.
 
-    node_id: str
-    tier: TierName
-    extent: Extent | None
-    """The DRAM extent; None on SSD (during a promotion: the extent it will land in)."""
-    status: ReplicaStatus = ReplicaStatus.READY
-    gen: int = field(default_factory=new_generation)
-    """This replica's own number: a command names the replicas it was planned for by it, so an
+    Its DRAM extent is kept as two ints, not an :class:`Extent` (one object less per key: the
+    master holds millions of replicas); :attr:`extent` puts it together when asked (``offset``: -1
+    without one; set both through :attr:`extent`). ``gen`` is
+    this replica's own number: a command names the replicas it was planned for by it, so an
     answer that comes back after the key was removed and put again (or its node re-registered)
-    is not taken for the new replica's."""
+    is not taken for the new replica's.
+    """
+
+    __slots__ = ("_length", "gen", "node_id", "offset", "status", "tier")
+
+    def __init__(
+        self, node_id: str, tier: TierName, extent: Extent | None, status: ReplicaStatus = ReplicaStatus.READY,
+        gen: int = 0,
+    ) -> None:  # fmt: skip
+        self.node_id = node_id
+        self.tier = tier
+        self.offset, self._length = extent if extent is not None else (-1, 0)
+        self.status = status
+        self.gen = gen or new_generation()
+
+    @property
+    def extent(self) -> Extent | None:
+        """The DRAM extent; None on SSD (during a promotion: the extent it will land in)."""
+        return Extent(self.offset, self._length) if self.offset >= 0 else None
+
+    @extent.setter
+    def extent(self, extent: Extent | None) -> None:
+        self.offset, self._length = extent if extent is not None else (-1, 0)
+
+    def __repr__(self) -> str:
+        return f"ReplicaState({self.node_id!r}, {self.tier}, {self.extent}, {self.status}, gen={self.gen})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ReplicaState):
+            return NotImplemented
+        return (self.node_id, self.tier, self.extent, self.status, self.gen) == (
+            other.node_id, other.tier, other.extent, other.status, other.gen)  # fmt: skip
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it was
 
     def to(self, status: ReplicaStatus) -> None:
         assert status in TRANSITIONS[self.status], f"replica on {self.node_id}: {self.status} -> {status}"
@@ -319,7 +348,10 @@ class Catalog:
         if entry is None or entry.removing or not entry.committed:
             return False
         nodes = self.nodes
-        return any(r.status in (READY, MOVING) and nodes[r.node_id].up for r in entry.replicas)
+        for r in entry.replicas:  # noqa: SIM110 - a loop, not any(): this runs for every key of every exists
+            if (r.status is READY or r.status is MOVING) and nodes[r.node_id].up:
+                return True
+        return False
 
     def touch(self, entry: ObjectEntry) -> None:
         self.clock += 1

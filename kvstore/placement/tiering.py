@@ -49,6 +49,18 @@ class Tiering:
         leased = self.catalog.leases.leased_keys(node.node_id, SSD)
         return TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, node.ssd_lru, leased)
 
+    def reserve_many(self, node: NodeState, sizes: list[int]) -> list[Extent] | None:
+        """Extents for all of ``sizes`` on ``node`` at once when they fit with no eviction (below
+        the high watermark and the node's block count, in one free extent); else None, and the
+        caller reserves them one at a time (:meth:`reserve`), evicting as it must."""
+        alloc = node.alloc
+        total = sum(alloc.round_up(size) for size in sizes)
+        if self.policy.over_high_watermark(alloc.used - node.dram_freeing + total, alloc.capacity):
+            return None
+        if node.max_blocks and alloc.num_extents + len(sizes) > node.max_blocks:
+            return None
+        return alloc.alloc_many(sizes)
+
     def reserve(self, node: NodeState, size: int, commands: list[NodeCommand]) -> tuple[Extent | None, bool]:
         """An extent on ``node`` (or None), and whether evictions were added to ``commands`` for it.
 

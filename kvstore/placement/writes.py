@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvstore.allocator import Extent
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, RetryLater
 from kvstore.keys import BlockKey, validate_key
 from kvstore.placement.leases import LeaseId
@@ -98,10 +99,31 @@ class Writes:
         # keeping it together on a node keeps a prefix from spanning nodes that evict independently.
         ordered = self.strategy(self.catalog.placeable(), preferred_node, self.rng)
         smallest = min((n.alloc.capacity for n in ordered), default=0)
+        reserved = self._reserve_run(checked, sizes, ordered[0]) if replicas == 1 and ordered else {}
         for i, (key, size) in enumerate(zip(checked, sizes, strict=True)):
+            extent = reserved.get(i)
+            if extent is not None:
+                first = [ReplicaState(ordered[0].node_id, DRAM, extent)]
+                plan.tickets.append(self._record(key, size, first, pin, now_ms))
+                continue
             fits = ordered if size <= smallest else [n for n in ordered if n.alloc.capacity >= size]
             plan.tickets.append(self._place(key, size, replicas, fits, pin, now_ms, plan, i))
         return plan
+
+    def _reserve_run(self, keys: list[BlockKey], sizes: Sequence[int], node: NodeState) -> dict[int, Extent]:
+        """Extents on ``node``, the batch's first choice, for every new key of the batch at once (by
+        index), when they all fit there without evicting; else none, and each key is placed alone.
+        Either way a key goes where it would have gone alone: the first node, while it has room."""
+        cat = self.catalog
+        objects, pending = cat.objects, cat.pending
+        new: dict[BlockKey, int] = {}
+        for i, key in enumerate(keys):
+            if key not in objects and key not in pending and key not in new:
+                new[key] = i
+        if len(new) < 2 or node.alloc.capacity < max(sizes[i] for i in new.values()):
+            return {}
+        extents = self.tiering.reserve_many(node, [sizes[i] for i in new.values()])
+        return dict(zip(new.values(), extents, strict=True)) if extents is not None else {}
 
     def _place(
         self,
@@ -156,14 +178,18 @@ class Writes:
             return _ticket_error(
                 CapacityError(f"no room for block {key!r} of {size} bytes: every node's DRAM is pinned")
             )
+        return self._record(key, size, chosen[:], pin, now_ms)  # a copy holds no room for appends
+
+    def _record(self, key: BlockKey, size: int, chosen: list[ReplicaState], pin: bool, now_ms: int) -> Ticket:
+        """Record a new key reserved in the DRAM extents of ``chosen``; its ticket."""
+        cat = self.catalog
         entry = ObjectEntry(key, size, 0, chosen, False, now_ms + self.reservation_ms, pin)
         cat.pending[key] = entry
         cat.track(entry)
         cat.counters["puts"] += 1
-        placed = cat.nodes
-        # A new replica is in DRAM, with its extent.
-        return Ticket("ok", [PlacedReplica(r.node_id, placed[r.node_id].address, DRAM, r.extent.offset, size)
-                             for r in chosen if r.extent is not None], 0, "")  # fmt: skip
+        nodes = cat.nodes
+        return Ticket("ok", [PlacedReplica(r.node_id, nodes[r.node_id].address, DRAM, r.offset, size) for r in chosen],
+                      0, "")  # fmt: skip
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
         """Commit reserved keys; False for a key whose reservation is gone (expired or revoked)."""

@@ -128,3 +128,24 @@ def test_an_extent_set_agrees_with_a_byte_map(ops: list[tuple[bool, int, int]]) 
             s.remove(gone)
             owner[gone.offset : gone.offset + gone.length] = [None] * gone.length
     assert len(s) == len(held)
+
+
+def test_alloc_many_reserves_back_to_back_and_each_is_freed_alone() -> None:
+    a = Allocator(4096, alignment=64)
+    hole = a.alloc(128)  # a hole too small for the run below stays unused by it
+    assert hole is not None
+    wall = a.alloc(64)
+    assert wall is not None
+    a.free(hole)
+    run = a.alloc_many([100, 64, 1])
+    assert run == [Extent(192, 128), Extent(320, 64), Extent(384, 64)]
+    assert a.used == 64 + 256
+    a.free(run[1])
+    a.free(run[0])
+    a.free(run[2])
+    a.free(wall)
+    assert a.used == 0 and a.largest_free == 4096
+    a.check()
+    assert a.alloc_many([4096, 64]) is None and a.used == 0
+    with pytest.raises(InvalidArgument):
+        a.alloc_many([64, 0])

@@ -68,3 +68,29 @@ def test_released_leases_do_not_pile_up_in_the_expiry_heap() -> None:
     assert len(leases) == 10 and len(leases._deadlines) <= 2 * 10 + 1025
     assert all(leases.key_of(lease) == f"k{i}" for i, lease in enumerate(keep))
     assert leases.expire(10**9) == 10 and len(leases) == 0
+
+
+def test_one_grant_of_many_keys_ends_lease_by_lease() -> None:
+    # A get of three keys: ids consecutive from the first; releasing one leaves the others' replicas
+    # leased, and the grant's expiry ends only the leases still live.
+    ls = leases()
+    first = ls.grant_many(["x", "y", "z"], [(A,), (A, B), ()], 1000)
+    assert ls.next_id == first + 3
+    assert [ls.key_of(first + i) for i in range(3)] == ["x", "y", "z"]  # type: ignore[arg-type]
+    assert ls.release(first + 1)  # type: ignore[arg-type]
+    assert not ls.is_leased("a", DRAM, "y") and not ls.is_leased("b", SSD, "y")
+    assert ls.is_leased("a", DRAM, "x") and len(ls) == 2
+    ls.check()
+    assert ls.expire(1000) == 2 and len(ls) == 0
+    assert not ls.release(first) and ls.key_of(first) is None
+    ls.check()
+
+
+def test_released_grants_do_not_pile_up_in_the_expiry_heap() -> None:
+    ls = leases()
+    for _ in range(5000):
+        first = ls.grant_many(["k", "j"], [(A,), (A,)], 10**9)
+        ls.release(first)
+        ls.release(first + 1)  # type: ignore[arg-type]
+    assert len(ls) == 0 and len(ls._deadlines) <= 1024 + 1
+    ls.check()
