@@ -65,7 +65,9 @@ class Moves:
         read first, across every node and tier; never a pinned, leased, unfinished or ``keep`` one."""
         cat = self.catalog
         candidates = []
-        for key in cat.owned.get(tenant, ()):
+        prefix = f"{tenant}/"
+        keys = cat.owned.get(tenant, ()) if cat.keys_by_owner else (k for k in cat.objects if k.startswith(prefix))
+        for key in keys:
             entry = cat.objects.get(key)
             if entry is None or entry.removing or entry.pinned or key in keep:
                 continue

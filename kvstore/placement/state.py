@@ -279,7 +279,7 @@ class Catalog:
     the primitives here. ``draining`` is the operator's: nodes out of placement.
     """
 
-    def __init__(self, *, lease_ms: int) -> None:
+    def __init__(self, *, lease_ms: int, keys_by_owner: bool = True) -> None:
         self.nodes: dict[str, NodeState] = {}
         self.objects: dict[str, ObjectEntry] = {}
         self.pending: dict[str, ObjectEntry] = {}
@@ -294,15 +294,17 @@ class Catalog:
         self.usage: Counter[str] = Counter()
         """Bytes of the keys (pending or stored, counted once however many replicas) of each
         first path segment, ``NAME`` of ``NAME/...``: a tenant's bytes, for its quota."""
+        self.keys_by_owner = keys_by_owner
         self.owned: dict[str, set[str]] = {}
-        """The keys of each owner with a name (a tenant), pending or stored."""
+        """The keys of each owner with a name (a tenant), pending or stored; kept only with
+        ``keys_by_owner`` (a master with tenants: their quotas evict by it), else empty."""
         self.clock = 0
 
     def track(self, entry: ObjectEntry) -> None:
         """Count a key that came to exist (reserved by a put, committed into a grant, found in an inventory)."""
         owner = owner_of(entry.key)
         self.usage[owner] += entry.size
-        if owner:
+        if owner and self.keys_by_owner:
             self.owned.setdefault(owner, set()).add(entry.key)
         self.clock += 1
         entry.last_use = self.clock

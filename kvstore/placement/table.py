@@ -56,13 +56,14 @@ class PlacementTable:
         hold_ms: int = 0,
         node_ttl_ms: int = 10_000,
         seed: int = 0,
+        keys_by_owner: bool = True,
     ) -> None:
         if strategy not in PLACEMENT_STRATEGIES:
             raise InvalidArgument(f"unknown placement strategy {strategy!r}; known: {sorted(PLACEMENT_STRATEGIES)}")
         policy = policy or EvictionPolicy()
         order = PLACEMENT_STRATEGIES[strategy]
         rng = random.Random(seed)  # one stream for puts and grants alike
-        catalog = Catalog(lease_ms=lease_ms)
+        catalog = Catalog(lease_ms=lease_ms, keys_by_owner=keys_by_owner)
         self._catalog = catalog
         self.nodes: Mapping[str, NodeState] = MappingProxyType(catalog.nodes)
         self.objects: Mapping[str, ObjectEntry] = MappingProxyType(catalog.objects)

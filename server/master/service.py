@@ -109,6 +109,8 @@ class MasterService:
             lease_ms=self.config.lease_ms,
             hold_ms=self.config.kv_lease_ms,
             node_ttl_ms=self.config.node_ttl_ms,
+            # Tenants' quotas evict by owner; without tenants that index is 40-odd bytes a key for nothing.
+            keys_by_owner=self.authority is not None,
         )
 
     def _become_leader(self, epoch: int) -> None:

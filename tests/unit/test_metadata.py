@@ -674,23 +674,3 @@ def test_an_answered_failed_drain_copy_frees_its_extent_and_the_block_stays() ->
     assert t.finish_moves("a", [move], [False]) == []
     t.check()
     assert t.nodes["b"].alloc.used == 0 and located(t.get_replicas(["k"], 0), ["k"])[0] is not None
-
-
-def test_a_batch_of_new_keys_is_reserved_as_one_run_unless_it_must_evict() -> None:
-    # Three new keys (and one already stored, and a repeat) fit on the preferred node: one run there.
-    t = table("a", "b", dram=8 * KB)
-    put(t, "old", node="a")
-    plan = t.put_start(["k1", "old", "k2", "k1", "k3"], [KB] * 5, 1, "a", False, 0)
-    statuses = [tk.status if tk is not None else None for tk in plan.tickets]
-    assert statuses == ["ok", "exists", "ok", "exists", "ok"] and plan.commands == []
-    offsets = [tk.replicas[0].offset for tk in plan.tickets if tk is not None and tk.status == "ok"]
-    assert offsets == [KB, 2 * KB, 3 * KB] and {
-        tk.replicas[0].node_id for tk in plan.tickets if tk and tk.replicas
-    } == {"a"}
-    t.put_end(["k1", "k2", "k3"], [1, 2, 3])
-    t.check()
-    # A batch that fills the node past its high watermark is placed key by key: the keys that no
-    # longer fit make room by evicting the least recently used, exactly as they would alone.
-    more = t.put_start([f"m{i}" for i in range(5)], [KB] * 5, 1, "a", False, 1)
-    assert more.commands and more.commands[0].kind is ActionKind.DROP and more.commands[0].keys[0] == "old"
-    t.check()
