@@ -142,10 +142,10 @@ class Allocator:
     def alloc_many(self, sizes: Sequence[int]) -> list[Extent] | None:
         """Reserve one extent per size (each rounded up to the alignment), back to back in the best
         fit for their total; None when no free extent holds them all. Each is freed on its own."""
+        if not sizes or any(type(size) is not int or size <= 0 for size in sizes):
+            raise InvalidArgument(f"allocation sizes must be positive ints, got {list(sizes)[:8]!r}")
         mask = self._mask
         lengths = [(size + mask) & ~mask for size in sizes]
-        if not lengths or any(type(size) is not int or size <= 0 for size in sizes):
-            raise InvalidArgument(f"allocation sizes must be positive ints, got {list(sizes)[:8]!r}")
         whole = self.alloc(sum(lengths))
         if whole is None:
             return None

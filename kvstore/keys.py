@@ -31,7 +31,7 @@ block size into the seed keeps keys of different block sizes apart.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NewType
 
 import numpy as np
@@ -54,6 +54,15 @@ _INT32_MAX = 2**31 - 1
 _SEED_TAG = b"kvstore-prefix-v1"
 _TAIL_TAG = b"kvstore-tail-v1"
 _EXTRA_TAG = b"kvstore-extra-v1"
+
+
+def validate_keys(keys: Iterable[object]) -> list[BlockKey]:
+    """:func:`validate_key` of each key, all of them before anything uses one; the common case
+    (an ASCII str of a valid length) checked inline, without a call per key."""
+    return [
+        key if type(key) is str and 0 < len(key) <= MAX_KEY_BYTES and key.isascii() else validate_key(key)  # type: ignore[misc]
+        for key in keys
+    ]
 
 
 def validate_key(key: object) -> BlockKey:

@@ -62,8 +62,8 @@ class Leases:
     def __init__(self) -> None:
         self._next_id = 1
         self._live: dict[LeaseId, Grant] = {}
-        self._grants = 0
-        """Grants with a live lease."""
+        self._grants: dict[LeaseId, Grant] = {}
+        """Grants with a live lease, by their first id (what the expiry heap is rebuilt from)."""
         self._held: dict[Holder, dict[str, int]] = {}
         self._deadlines: list[tuple[int, int, Grant]] = []  # heap of (expiry, first id, grant)
 
@@ -92,15 +92,15 @@ class Leases:
                     held[holder] = {key: 1}
                 else:
                     counts[key] = counts.get(key, 0) + 1
-        self._grants += 1
+        self._grants[first] = grant
         heapq.heappush(self._deadlines, (expiry_ms, first, grant))
         return first
 
     def release(self, lease_id: LeaseId) -> bool:
         """End this lease (its reader is done); False when it had ended already (or never was)."""
         ended = self._end(lease_id)
-        if len(self._deadlines) > 2 * self._grants + 1024:  # mostly released: rebuild from the live ones
-            self._deadlines = [(g.expiry_ms, g.first, g) for g in {id(g): g for g in self._live.values()}.values()]
+        if len(self._deadlines) > 2 * len(self._grants) + 1024:  # mostly released: rebuild from the live ones
+            self._deadlines = [(g.expiry_ms, g.first, g) for g in self._grants.values()]
             heapq.heapify(self._deadlines)
         return ended
 
@@ -142,7 +142,7 @@ class Leases:
                 counts[key] -= 1
         grant.live -= 1
         if not grant.live:
-            self._grants -= 1
+            del self._grants[grant.first]
         return True
 
     # -- reading ----------------------------------------------------------------------------
@@ -173,5 +173,5 @@ class Leases:
         assert held == self._held, "leased replicas drifted"
         assert all(g.live == sum(self._live.get(LeaseId(g.first + i)) is g for i in range(len(g.keys)))
                    for g in grants.values()), "a grant's count of live leases drifted"  # fmt: skip
-        assert len(grants) == self._grants, "live grants miscounted"
+        assert {g.first for g in grants.values()} == set(self._grants), "live grants miscounted"
         assert {id(g) for g in grants.values()} <= {id(g) for _, _, g in self._deadlines}, "a live lease with no expiry"

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import validate_key
+from kvstore.keys import validate_keys
 from kvstore.placement.leases import Holder, LeaseId
 from kvstore.placement.results import NodePrefix, PrefixMatch, ReplicaLookup
 from kvstore.placement.state import COPYING, DRAM, DROPPING, READY, SSD, Catalog, NodeCommand, ObjectEntry, ReplicaState
@@ -59,6 +59,7 @@ class Reads:
         """
         cat = self.catalog
         objects, nodes = cat.objects, cat.nodes
+        keys = validate_keys(keys)  # every key, before any is touched or counted
         # One get's leases are consecutive ids: the reply names the first, the reader releases them.
         first = cat.leases.next_id if lease else 0
         reply = ReplicaLookup(lease_ms=self.lease_ms, first_lease=first)
@@ -72,10 +73,7 @@ class Reads:
         readable: list[ReplicaState]
         for key in keys:
             entry = objects.get(key)
-            if entry is None:
-                validate_key(key)  # a miss; a key that could never be stored is named as bad
-                readable = []
-            elif entry.removing or not entry.committed:
+            if entry is None or entry.removing or not entry.committed:
                 readable = []
             else:
                 readable = [r for r in entry.replicas if r.status is READY and nodes[r.node_id].up]
@@ -259,10 +257,7 @@ class Reads:
         """Whether each key is readable (and, with ``hold_ms`` and ``now_ms``, hold those that are)."""
         cat = self.catalog
         objects = cat.objects
-        entries = [objects.get(k) for k in keys]
-        for key, entry in zip(keys, entries, strict=True):
-            if entry is None:
-                validate_key(key)  # a miss; a key that could never be stored is named as bad
+        entries = [objects.get(k) for k in validate_keys(keys)]
         found = list(map(cat.found, entries))
         if self.hold_ms and now_ms:
             self._hold([e for e, ok in zip(entries, found, strict=True) if ok and e is not None], now_ms)

@@ -3,7 +3,7 @@
 The table knows no wire format: the master's RPC layer turns these into messages
 (and messages into these) at its edge, so a change of the protocol never reaches
 the table, and the table's tests need no codec. Where a wire message carries the
-same facts, :mod:`kvstore.protocol` converts (``PutTicket.from_ticket``,
+same facts, :mod:`kvstore.protocol` converts (``PutStartReply.from_tickets``,
 ``GetReplicasReply.from_lookup``) or re-exports the type as it is.
 """
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvstore.allocator import Extent
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, RetryLater
-from kvstore.keys import BlockKey, validate_key
+from kvstore.keys import BlockKey, validate_key, validate_keys
 from kvstore.placement.leases import LeaseId
 from kvstore.placement.results import PlacedReplica, Ticket
 from kvstore.placement.state import COPYING, DRAM, DROPPING, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
@@ -88,7 +88,7 @@ class Writes:
     ) -> PutPlan:
         if len(keys) != len(sizes):
             raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
-        checked = [validate_key(k) for k in keys]
+        checked = validate_keys(keys)
         for key, size in zip(checked, sizes, strict=True):
             if type(size) is not int or size <= 0:
                 raise InvalidArgument(f"size of {key!r} must be a positive int, got {size!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.errors import InvalidKey
 from kvstore.policy import ActionKind
 from tests.unit.placement import KB, put, table
 
@@ -38,3 +39,15 @@ def test_a_tenants_victims_are_its_own_oldest_keys_with_or_without_the_owner_ind
     assert t.tenant_victims("alice", KB, keep={"alice/2"}) == ["alice/3"]
     assert t.usage("alice") == 3 * KB and bool(t._catalog.owned) is by_owner
     t.check()
+
+
+def test_a_get_or_exists_with_a_bad_key_changes_nothing() -> None:
+    t = table("a")
+    put(t, "x")
+    before = dict(t.counters)
+    clock = t._catalog.clock
+    for call in (lambda: t.get_replicas(["x", "nope", "é" * 300], 1), lambda: t.exists(["x", ""])):
+        with pytest.raises(InvalidKey):
+            call()
+    assert dict(t.counters) == before and t._catalog.clock == clock and len(t.leases) == 0
+    assert t.exists([b"x"]) == [True]  # type: ignore[list-item]  # bytes keys are decoded, as before
