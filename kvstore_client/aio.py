@@ -29,14 +29,13 @@ from kvstore.protocol import (
     PrefixMatch,
     PutReply,
     ReadReply,
-    ReplicaRef,
     Replicated,
     Stats,
     StatsReply,
     TicketReply,
     WriteReply,
 )
-from kvstore_client.core import ClientCore
+from kvstore_client.core import ClientCore, OverTcp
 from kvstore_client.credentials import Tickets, master_credential
 from kvstore_client.effects import (
     Call,
@@ -67,18 +66,6 @@ R = TypeVar("R", bound=Message)
 T = TypeVar("T")
 
 
-class _OverTcp:
-    """The core's view of this face's data paths: every node through its daemon, nothing leased."""
-
-    may_lease = False
-
-    def one_trip(self, node_id: str, address: str) -> bool:
-        return True
-
-    def local(self, replica: ReplicaRef) -> bool:
-        return False
-
-
 class AsyncStore:
     def __init__(self, master: str, config: ClientConfig | None = None) -> None:
         self.master = master
@@ -93,7 +80,7 @@ class AsyncStore:
         self._master = self._master_link(master)
         self._links: dict[str, AsyncLink] = {}
         self._readers: dict[str, ReadBatcher] = {}
-        self._core = ClientCore(self.config, _OverTcp())
+        self._core = ClientCore(self.config, OverTcp())
 
     @classmethod
     async def connect(cls, master: str, config: ClientConfig | None = None) -> Self:

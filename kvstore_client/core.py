@@ -119,6 +119,18 @@ class Transport(Protocol):
         """Whether this client copies ``replica`` without its daemon (its DRAM mapped on this host)."""
 
 
+class OverTcp:
+    """A face's data paths when it has only sockets: every node through its daemon, nothing leased."""
+
+    may_lease = False
+
+    def one_trip(self, node_id: str, address: str) -> bool:
+        return True
+
+    def local(self, replica: ReplicaRef) -> bool:
+        return False
+
+
 class LeaseQueue(Protocol):
     """Ids of read leases to end (see :class:`~kvstore_client.leases.LeaseReleaser`)."""
 

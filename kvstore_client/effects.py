@@ -14,7 +14,7 @@ by None.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, TypeVar
 
@@ -144,6 +144,25 @@ class Daemons:
 Effect = Call[Any] | Notify | Pause | Daemons
 Op = Generator[Effect, Any, T]
 """An operation: yields effects, returns its answer."""
+
+
+def drive(op: Op[T], answer: Callable[[Effect], Any]) -> T:
+    """Carry out ``op``'s effects in turn, each by ``answer``, until it returns; an effect's error
+    (any, cancellation too) is thrown into the operation, whose cleanup runs and which decides.
+    The blocking face's loop; the asyncio face's is this one with ``await answer(effect)``."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            effect = op.throw(error) if error is not None else op.send(value)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+        value, error = None, None
+        try:
+            value = answer(effect)
+        except BaseException as exc:  # into the operation: its cleanup runs, then it decides
+            error = exc
 
 
 def call(message: Message, expect: type[R]) -> Op[R]:

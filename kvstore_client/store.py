@@ -36,7 +36,7 @@ from kvstore.protocol import (
 from kvstore_client.core import ClientCore
 from kvstore_client.credentials import Tickets, master_credential
 from kvstore_client.dataplane import DataPath, PathSelector
-from kvstore_client.effects import Call, Daemons, Effect, Job, Notify, Op, Pause
+from kvstore_client.effects import Call, Daemons, Effect, Job, Notify, Op, Pause, drive
 from kvstore_client.leases import LeaseReleaser
 from kvstore_client.puts import PutOptions
 from transfer.discovery import MasterLocator
@@ -89,19 +89,7 @@ class Store:
         if self._core.closed:
             op.close()
             raise StoreClosed("this Store is closed")
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                effect = op.throw(error) if error is not None else op.send(value)
-            except StopIteration as stop:
-                result: T = stop.value
-                return result
-            value, error = None, None
-            try:
-                value = self._do(effect)
-            except BaseException as exc:  # into the operation: its cleanup runs, then it decides
-                error = exc
+        return drive(op, self._do)
 
     def _do(self, effect: Effect) -> Any:
         if isinstance(effect, Call):

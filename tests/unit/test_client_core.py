@@ -3,7 +3,6 @@ operation driven by a script of answers (what both Store and AsyncStore carry ou
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,8 +11,8 @@ from kvstore.config import ClientConfig
 from kvstore.errors import ConnectionFailed, InvalidArgument, NotLeader, NotReady, ProtocolError, Timeout
 from kvstore.keys import checksum
 from kvstore.protocol import GetReplicas, GetReplicasReply, GrantReply, LocatedRef, ReplicaRef
-from kvstore_client.core import ClientCore
-from kvstore_client.effects import Call, Daemons, Effect, Op, ReadLocated
+from kvstore_client.core import ClientCore, OverTcp
+from kvstore_client.effects import Call, Daemons, Effect, ReadLocated, drive
 from kvstore_client.grants import GrantPool, NeedGrant
 from kvstore_client.reads import Failover
 from transfer.rpc import Retry, after_failure
@@ -120,32 +119,6 @@ def test_after_failure(error: Exception, dynamic: bool, decision: Retry) -> None
 
 
 # -- an operation, driven by a script ---------------------------------------------------------------
-
-
-class OverTcp:
-    may_lease = False
-
-    def one_trip(self, node_id: str, address: str) -> bool:
-        return True
-
-    def local(self, replica: ReplicaRef) -> bool:
-        return False
-
-
-def drive(op: Op[Any], answer: Callable[[Effect], Any]) -> Any:
-    """Run ``op`` as a face does, with ``answer`` giving each effect's result (or raising)."""
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            effect = op.throw(error) if error is not None else op.send(value)
-        except StopIteration as stop:
-            return stop.value
-        value, error = None, None
-        try:
-            value = answer(effect)
-        except Exception as exc:
-            error = exc
 
 
 @pytest.mark.parametrize("failure", [ConnectionFailed("node0 is gone"), Timeout("node0 did not answer")])
