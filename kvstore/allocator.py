@@ -19,6 +19,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple
 
 from kvstore.errors import InvalidArgument
@@ -57,7 +58,7 @@ class AllocatorStats:
 class Allocator:
     """Best-fit allocator over ``[0, capacity)``. Not thread-safe; its owner serialises calls."""
 
-    def __init__(self, capacity: int, alignment: int = 64) -> None:
+    def __init__(self, capacity: int, alignment: int = 64, *, track: bool = True) -> None:
         if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
             raise InvalidArgument(f"alignment must be a positive power of two, got {alignment!r}")
         if type(capacity) is not int or capacity < alignment:
@@ -71,7 +72,11 @@ class Allocator:
         self._free_end: dict[int, int] = {}
         self._by_size: dict[int, dict[int, None]] = {}
         self._sizes: list[int] = []
-        self._allocated: dict[int, int] = {}
+        self._allocated: dict[int, int] | None = {} if track else None
+        """Allocated extents, start -> length; None when the owner keeps them (the master's table,
+        which holds millions): then :meth:`free` and :meth:`carve` trust their caller, and
+        :meth:`check` is given the extents."""
+        self._count = 0
         self.used = 0
         self._add_free(0, self.capacity)
 
@@ -135,37 +140,62 @@ class Allocator:
                 insort(sizes, rest_len)
             else:
                 rest_bucket[rest] = None
-        self._allocated[start] = length
+        if self._allocated is not None:
+            self._allocated[start] = length
+        self._count += 1
         self.used += length
         return Extent(start, length)
 
     def alloc_many(self, sizes: Sequence[int]) -> list[Extent] | None:
         """Reserve one extent per size (each rounded up to the alignment), back to back in the best
         fit for their total; None when no free extent holds them all. Each is freed on its own."""
-        if not sizes or any(type(size) is not int or size <= 0 for size in sizes):
+        offsets = self.alloc_offsets(sizes)
+        if offsets is None:
+            return None
+        mask = self._mask
+        return [Extent(at, (size + mask) & ~mask) for at, size in zip(offsets, sizes, strict=True)]
+
+    def total_length(self, sizes: Sequence[int]) -> int:
+        """The bytes that extents of ``sizes`` take, each rounded up to the alignment."""
+        mask = self._mask
+        if sizes and sizes.count(sizes[0]) == len(sizes):  # a batch of equal blocks, the common case
+            return len(sizes) * ((sizes[0] + mask) & ~mask)
+        return sum((size + mask) & ~mask for size in sizes)
+
+    def alloc_offsets(self, sizes: Sequence[int]) -> list[int] | None:
+        """:meth:`alloc_many`, answered with the extents' offsets only (their lengths are the sizes
+        rounded up): what a caller that keeps millions of them records."""
+        if not sizes or not (set(map(type, sizes)) == {int} and min(sizes) > 0):
             raise InvalidArgument(f"allocation sizes must be positive ints, got {list(sizes)[:8]!r}")
         mask = self._mask
-        lengths = [(size + mask) & ~mask for size in sizes]
-        whole = self.alloc(sum(lengths))
+        n = len(sizes)
+        whole = self.alloc(self.total_length(sizes))
         if whole is None:
             return None
+        if sizes.count(sizes[0]) == n:
+            step = (sizes[0] + mask) & ~mask
+            offsets = list(range(whole.offset, whole.offset + n * step, step))
+            lengths: Sequence[int] = [step] * n
+        else:
+            lengths = [(size + mask) & ~mask for size in sizes]
+            offsets = list(accumulate(lengths[:-1], initial=whole.offset))
         allocated = self._allocated
-        del allocated[whole.offset]
-        out, at = [], whole.offset
-        for length in lengths:
-            allocated[at] = length
-            out.append(Extent(at, length))
-            at += length
-        return out
+        if allocated is not None:
+            del allocated[whole.offset]
+            allocated.update(zip(offsets, lengths, strict=True))
+        self._count += n - 1
+        return offsets
 
     @classmethod
-    def rebuild(cls, capacity: int, alignment: int, allocated: list[tuple[int, int]]) -> Allocator:
+    def rebuild(
+        cls, capacity: int, alignment: int, allocated: list[tuple[int, int]], *, track: bool = True
+    ) -> Allocator:
         """An allocator whose allocated extents are exactly ``allocated`` (offset, size) pairs.
 
         Used when re-attaching an arena. Raises :class:`InvalidArgument` naming
         the first extent that is misaligned, out of bounds or overlapping.
         """
-        alloc = cls(capacity, alignment)
+        alloc = cls(capacity, alignment, track=track)
         alloc._remove_free(0, alloc.capacity)
         pos = 0
         for offset, size in sorted(allocated):
@@ -176,7 +206,9 @@ class Allocator:
                 raise InvalidArgument(f"extent ({offset}, {size}) overlaps the extent that ends at {pos}")
             if offset > pos:
                 alloc._add_free(pos, offset - pos)
-            alloc._allocated[offset] = length
+            if alloc._allocated is not None:
+                alloc._allocated[offset] = length
+            alloc._count += 1
             alloc.used += length
             pos = offset + length
         if pos < alloc.capacity:
@@ -186,9 +218,15 @@ class Allocator:
     def free(self, extent: Extent) -> None:
         """Return an extent from :meth:`alloc` or :meth:`rebuild`; freeing anything else raises."""
         start, length = extent
-        if self._allocated.get(start) != length:
+        if self._allocated is not None:
+            if self._allocated.get(start) != length:
+                raise InvalidArgument(f"extent ({start}, {length}) is not allocated (double free or foreign extent)")
+            del self._allocated[start]
+        elif (
+            start in self._free_start or length <= 0 or (start | length) & self._mask or start + length > self.capacity
+        ):
             raise InvalidArgument(f"extent ({start}, {length}) is not allocated (double free or foreign extent)")
-        del self._allocated[start]
+        self._count -= 1
         self.used -= length
         before = self._free_end.get(start)
         if before is not None:
@@ -205,7 +243,8 @@ class Allocator:
         """Cut the allocated ``extent`` so that ``part`` (aligned, inside it) is an allocated extent of
         its own; returns the allocated rest (zero, one or two extents), left then right. Nothing is freed."""
         start, length = extent
-        if self._allocated.get(start) != length:
+        allocated = self._allocated
+        if allocated is not None and allocated.get(start) != length:
             raise InvalidArgument(f"extent ({start}, {length}) is not allocated")
         p_start, p_len = part
         if (
@@ -217,21 +256,22 @@ class Allocator:
         ):
             raise InvalidArgument(f"({p_start}, {p_len}) is not an aligned part of extent ({start}, {length})")
         rest = []
-        del self._allocated[start]
         if p_start > start:
-            self._allocated[start] = p_start - start
             rest.append(Extent(start, p_start - start))
-        self._allocated[p_start] = p_len
         end, p_end = start + length, p_start + p_len
         if p_end < end:
-            self._allocated[p_end] = end - p_end
             rest.append(Extent(p_end, end - p_end))
+        if allocated is not None:
+            del allocated[start]
+            allocated[p_start] = p_len
+            allocated.update(rest)
+        self._count += len(rest)
         return rest
 
     @property
     def num_extents(self) -> int:
         """Extents handed out and not yet freed."""
-        return len(self._allocated)
+        return self._count
 
     @property
     def free_bytes(self) -> int:
@@ -247,15 +287,18 @@ class Allocator:
             used=self.used,
             free=self.capacity - self.used,
             largest_free=self.largest_free,
-            num_allocated=len(self._allocated),
+            num_allocated=self._count,
             num_free_extents=len(self._free_start),
         )
 
-    def check(self) -> None:
-        """Assert every invariant in the class docstring (for tests)."""
-        spans = sorted(
-            [(s, n, "a") for s, n in self._allocated.items()] + [(s, n, "f") for s, n in self._free_start.items()]
-        )
+    def check(self, allocated: list[tuple[int, int]] | None = None) -> None:
+        """Assert every invariant in the class docstring (for tests); ``allocated``: the extents
+        handed out, as their owner keeps them (required when this allocator does not)."""
+        if allocated is None:
+            assert self._allocated is not None, "an untracked allocator is checked against its owner's extents"
+            allocated = list(self._allocated.items())
+        assert len(allocated) == self._count, f"{len(allocated)} extents held, {self._count} counted"
+        spans = sorted([(s, n, "a") for s, n in allocated] + [(s, n, "f") for s, n in self._free_start.items()])
         pos = 0
         prev_kind = ""
         for start, length, kind in spans:
@@ -265,7 +308,7 @@ class Allocator:
             pos += length
             prev_kind = kind
         assert pos == self.capacity, f"spans cover {pos} of {self.capacity}"
-        assert self.used == sum(self._allocated.values())
+        assert self.used == sum(n for _, n in allocated)
         assert self._sizes == sorted(self._by_size)
         assert all(self._free_end[s + n] == s for s, n in self._free_start.items())
         assert sum(len(b) for b in self._by_size.values()) == len(self._free_start)

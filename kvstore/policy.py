@@ -21,13 +21,21 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-from kvstore.lru import LRU, K
+from kvstore.lru import K
 
 T = TypeVar("T")
+
+
+class Victims(Protocol[K]):
+    """What a policy reads of an LRU: its evictable keys and their sizes, least recently used first,
+    skipping pinned keys and those in ``skip`` (:class:`kvstore.lru.LRU`, the master's
+    :class:`kvstore.placement.records.TierLRU`)."""
+
+    def victims(self, skip: Collection[K] = ...) -> Iterator[tuple[K, int]]: ...
 
 
 class ActionKind(enum.Enum):
@@ -64,7 +72,7 @@ class TierView(Generic[T]):
 
     capacity: int
     used: int
-    lru: LRU[T]
+    lru: Victims[T]
     leased: Collection[T] = ()
 
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from kvstore.allocator import Extent
 from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, KVStoreError, NoNodes, RetryLater
 from kvstore.keys import validate_key
+from kvstore.placement.records import MAX_CHECKSUM
 from kvstore.placement.results import PUT_EXISTS, PUT_STORED
-from kvstore.placement.state import DRAM, Catalog, Grant, NodeCommand, ObjectEntry, ReplicaState
+from kvstore.placement.state import DRAM, Catalog, Grant, NodeCommand
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import Strategy
 
@@ -138,7 +139,7 @@ class Grants:
         out: list[tuple[int, str]] = []
         for key, offset, size, check in zip(keys, offsets, sizes, checksums, strict=True):
             key = validate_key(key)
-            entry = cat.objects.get(key) or cat.pending.get(key)
+            entry = cat.entry(key)
             if entry is not None:
                 same = entry.committed and any(
                     r.node_id == node_id and r.extent is not None and r.extent.offset == offset for r in entry.replicas
@@ -150,7 +151,7 @@ class Grants:
                 else:
                     cat.counters["put_exists"] += 1
                     if entry.committed:
-                        cat.touch(entry)
+                        cat.touch(entry.slot)
                     out.append((PUT_EXISTS, ""))
                 continue
             if grant is None or grant.ending or grant.node_id != node_id or node is None:
@@ -158,6 +159,9 @@ class Grants:
                 continue
             if type(size) is not int or size <= 0 or type(offset) is not int:
                 out.append((InvalidArgument.code, f"block {key!r}: bad extent ({offset!r}, {size!r})"))
+                continue
+            if type(check) is not int or not 0 <= check < MAX_CHECKSUM:
+                out.append((InvalidArgument.code, f"block {key!r}: checksum {check!r} is not in [0, 2**64)"))
                 continue
             extent = Extent(offset, node.alloc.round_up(size))
             at = next((i for i, p in enumerate(grant.pieces) if p.offset <= offset and extent.end <= p.end), None)
@@ -167,12 +171,8 @@ class Grants:
                 )
                 continue
             grant.pieces[at : at + 1] = node.alloc.carve(grant.pieces[at], extent)
-            entry = ObjectEntry(key, size, check, [ReplicaState(node_id, DRAM, extent)], True, 0, pinned)
-            cat.objects[key] = entry
-            cat.track(entry)
-            node.dram_lru.insert(key, size)
-            if pinned:
-                node.dram_lru.pin(key)
+            slot = cat.new_key(key, size, check, committed=True, pinned=pinned)
+            node.dram_lru.insert_row(cat.add_replica(slot, node, DRAM, extent))
             cat.counters["puts"] += 1
             cat.counters["bytes_written"] += size
             out.append((PUT_STORED, ""))

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Iterator
 
 from kvstore.keys import validate_key
+from kvstore.placement.records import COMMITTED, REMOVING, S_READY, T_DRAM, T_SSD
 from kvstore.placement.state import DRAM, DROPPING, READY, SSD, Catalog, NodeState, owner_of
 
 
@@ -68,25 +70,27 @@ class Inspection:
         return {"key": entry.key, "size": entry.size, "checksum": entry.checksum, "pinned": entry.pinned,
                 "state": state, "replicas": replicas}  # fmt: skip
 
+    def _stored(self) -> Iterator[tuple[str, int]]:
+        """(key, slot) of every stored key not being removed."""
+        state = self.catalog.rec.state
+        return ((k, s) for k, s in self.catalog.rec.index.items() if state[s] & (COMMITTED | REMOVING) == COMMITTED)
+
     def stored_keys(self, prefix: str) -> list[str]:
-        return [k for k, e in self.catalog.objects.items() if k.startswith(prefix) and not e.removing]
+        return [k for k, _ in self._stored() if k.startswith(prefix)]
 
     def keys_page(self, prefix: str, after: str | None, limit: int) -> tuple[list[str], str | None]:
         """Stored keys starting with ``prefix``, in order, after ``after``: one page and the next page's cursor."""
         # One pass, keeping the smallest limit + 1 (no sort of every key: the event loop is shared).
         floor = after if after is not None else ""
-        objects = self.catalog.objects
-        candidates = (k for k, e in objects.items() if k > floor and k.startswith(prefix) and not e.removing)
+        candidates = (k for k, _ in self._stored() if k > floor and k.startswith(prefix))
         page = heapq.nsmallest(limit + 1, candidates)
         return page[:limit], (page[limit - 1] if len(page) > limit else None)
 
     def blocks_on(self, node_id: str) -> int:
         """Blocks (stored or being written) with a replica on ``node_id``."""
-        cat = self.catalog
-        return sum(
-            1 for store in (cat.objects, cat.pending) for e in store.values()
-            if any(r.node_id == node_id for r in e.replicas)
-        )  # fmt: skip
+        rec = self.catalog.rec
+        idx = rec.node_index.get(node_id)
+        return 0 if idx is None else sum(1 for slot in rec.index.values() if rec.row_on(slot, idx) >= 0)
 
     def stats(self) -> dict[str, int | float]:
         cat = self.catalog
@@ -107,38 +111,35 @@ class Inspection:
     def check(self) -> None:
         """Assert the invariants of the module docstring (for tests)."""
         cat = self.catalog
+        rec = cat.rec
+        rec.check()
         cat.leases.check()
         usage: Counter[str] = Counter()
-        for store in (cat.objects, cat.pending):
-            for e in store.values():
-                usage[owner_of(e.key)] += e.size
+        for key, slot in rec.index.items():
+            usage[owner_of(key)] += rec.size[slot]
         assert +usage == cat.usage, f"usage drifted: {dict(cat.usage)} != {dict(usage)}"
-        owned = {o: {k for s in (cat.objects, cat.pending) for k in s if owner_of(k) == o} for o in usage if o}
+        owned = {o: {k for k in rec.index if owner_of(k) == o} for o in usage if o}
         assert owned == cat.owned if cat.keys_by_owner else not cat.owned, "the keys by owner drifted"
-        for store in (cat.objects, cat.pending):
-            for e in store.values():
-                assert len({r.node_id for r in e.replicas}) == len(e.replicas), f"{e.key}: two replicas on a node"
+        for slot in rec.index.values():
+            nodes = [rec.r_node[row] for row in rec.rows(slot)]
+            assert nodes and len(set(nodes)) == len(nodes), f"{rec.keys[slot]}: no replica, or two on a node"
         for node in cat.nodes.values():
-            node.alloc.check()
-            extents = sorted(
-                [
-                    (r.extent.offset, r.extent.length)
-                    for store in (cat.objects, cat.pending)
-                    for e in store.values()
-                    for r in e.replicas
-                    if r.node_id == node.node_id and r.extent is not None
-                ]
-                + [(p.offset, p.length) for g in cat.grants.values() if g.node_id == node.node_id for p in g.pieces]
-            )
-            assert extents == sorted(node.alloc._allocated.items()), f"{node.node_id}: extents drifted"
-            for tier in (DRAM, SSD):
-                for key in node.lru(tier):
-                    entry = cat.objects[key]
-                    assert entry.committed and not entry.removing, f"{key} in an LRU while not readable"
-                    assert any(
-                        r.node_id == node.node_id and r.tier is tier and r.status is READY for r in entry.replicas
+            assert cat.node_at[node.idx] is node, f"{node.node_id}: interned under another index"
+            rows = [r for r in range(len(rec.r_slot)) if rec.r_slot[r] >= 0 and rec.r_node[r] == node.idx]
+            extents = [(rec.r_offset[r], rec.length(rec.r_slot[r], node.idx)) for r in rows if rec.r_offset[r] >= 0]
+            extents += [
+                (p.offset, p.length) for g in cat.grants.values() if g.node_id == node.node_id for p in g.pieces
+            ]
+            node.alloc.check(extents)
+            for tier, lru in ((T_DRAM, node.dram_lru), (T_SSD, node.ssd_lru)):
+                lru.check()
+                for r in rows:
+                    readable = rec.state[rec.r_slot[r]] & (COMMITTED | REMOVING) == COMMITTED
+                    member = readable and rec.r_tier[r] == tier and rec.r_status[r] == S_READY
+                    assert bool(rec.r_lru[r]) == member or rec.r_tier[r] != tier, (
+                        f"{rec.keys[rec.r_slot[r]]}: in an LRU while not readable, or readable in none"
                     )
-            ssd_bytes = sum(
-                e.size for e in cat.objects.values() for r in e.replicas if r.node_id == node.node_id and r.tier is SSD
-            )
+            ssd_bytes = sum(rec.size[rec.r_slot[r]] for r in rows if rec.r_tier[r] == T_SSD)
             assert ssd_bytes == node.ssd_used, f"{node.node_id}: ssd_used {node.ssd_used} != {ssd_bytes}"
+        gone = [r for r in range(len(rec.r_slot)) if rec.r_slot[r] >= 0 and cat.node_at[rec.r_node[r]] is None]
+        assert not gone, f"replicas on nodes that left: {gone[:4]}"

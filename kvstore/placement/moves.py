@@ -19,6 +19,7 @@ from collections.abc import Collection, Iterable, Sequence
 from kvstore.allocator import Extent
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import validate_key
+from kvstore.placement.records import COMMITTED, PINNED, REMOVING
 from kvstore.placement.state import (
     COPYING,
     DRAM,
@@ -29,6 +30,7 @@ from kvstore.placement.state import (
     Catalog,
     Move,
     NodeCommand,
+    NodeState,
     ObjectEntry,
     ReplicaState,
 )
@@ -66,14 +68,15 @@ class Moves:
         cat = self.catalog
         candidates = []
         prefix = f"{tenant}/"
-        keys = cat.owned.get(tenant, ()) if cat.keys_by_owner else (k for k in cat.objects if k.startswith(prefix))
+        rec = cat.rec
+        keys = cat.owned.get(tenant, ()) if cat.keys_by_owner else (k for k in rec.index if k.startswith(prefix))
         for key in keys:
-            entry = cat.objects.get(key)
-            if entry is None or entry.removing or entry.pinned or key in keep:
+            slot = rec.index.get(key)
+            if slot is None or rec.state[slot] & (COMMITTED | REMOVING | PINNED) != COMMITTED or key in keep:
                 continue
-            if any(cat.leases.is_leased(r.node_id, r.tier, key) for r in entry.replicas):
+            if any(cat.leases.is_leased(r.node_id, r.tier, key) for r in ObjectEntry(rec, slot).replicas):
                 continue
-            candidates.append((entry.last_use, key, entry.size))
+            candidates.append((rec.last_use[slot], key, rec.size[slot]))
         heapq.heapify(candidates)
         chosen: list[str] = []
         got = 0
@@ -130,18 +133,17 @@ class Moves:
                     if extent is not None:
                         here.to(MOVING)
                         node.lru(tier).remove(key)
-                        moves.append(self._copy(entry, here, target.node_id, extent))
+                        moves.append(self._copy(entry, here, target, extent))
                         break
         commands = [NodeCommand(node_id, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in drops.items()]
         return moves, cat.issue(commands)
 
-    @staticmethod
-    def _copy(entry: ObjectEntry, source: ReplicaState, target: str, extent: Extent) -> Move:
+    def _copy(self, entry: ObjectEntry, source: ReplicaState, target: NodeState, extent: Extent) -> Move:
         """Reserve ``extent`` of ``target`` for a copy of ``entry`` from ``source``: a COPYING replica."""
-        copy = ReplicaState(target, DRAM, extent, COPYING)
-        entry.replicas.append(copy)
+        cat = self.catalog
+        copy = ReplicaState(cat.rec, cat.add_replica(entry.slot, target, DRAM, extent, COPYING))
         return Move(
-            entry.key, entry.size, entry.checksum, source.tier, target, extent, source.node_id, entry.pinned,
+            entry.key, entry.size, entry.checksum, source.tier, target.node_id, extent, source.node_id, entry.pinned,
             copy.gen, source.gen,
         )  # fmt: skip
 
@@ -169,7 +171,7 @@ class Moves:
                 per_tier.setdefault(here.tier, []).append(move.key)
             else:
                 here.to(READY)
-                cat.nodes[source].lru(here.tier).insert(move.key, entry.size)
+                cat.nodes[source].lru(here.tier).insert_row(here.row)
         back = [NodeCommand(source, ActionKind.DROP, t, tuple(ks), release=True) for t, ks in per_tier.items()]
         return drops + cat.issue(back)
 
@@ -209,7 +211,7 @@ class Moves:
             if extent is None:
                 break
             budget -= entry.size
-            moves.append(self._copy(entry, min(sources, key=lambda r: r.tier is not DRAM), target_node_id, extent))
+            moves.append(self._copy(entry, min(sources, key=lambda r: r.tier is not DRAM), target, extent))
         return moves
 
     def finish_replicas(
@@ -239,9 +241,7 @@ class Moves:
             entry, replica = found
             if ok and not entry.removing:
                 replica.to(READY)
-                target.dram_lru.insert(move.key, entry.size)
-                if entry.pinned:
-                    target.dram_lru.pin(move.key)
+                target.dram_lru.insert_row(replica.row)
                 copied.append(move)
             elif ok or not answered:
                 replica.to(DROPPING)  # neither readable nor counted until the drop is applied

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstore.allocator import Allocator, Extent
+from kvstore.allocator import Allocator, Extent, align_up
 from kvstore.errors import InvalidArgument, InvalidKey
 from kvstore.keys import validate_key
+from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING
 from kvstore.placement.results import HeldBlock
-from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
+from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry
 from kvstore.policy import ActionKind, TierName
 
 MAX_NODE_BYTES = 1 << 50
@@ -74,50 +75,47 @@ class Membership:
         validate_key(node_id)
         _check_registration(address, dram_capacity, ssd_capacity, alignment, max_blocks)
         # Items that cannot be blocks (a bad key, a size out of range) are left out: no daemon writes them.
-        inventory = [i for i in inventory if 0 < i.size <= MAX_NODE_BYTES and _is_key(i.key)]
+        inventory = [
+            i for i in inventory if 0 < i.size <= MAX_NODE_BYTES and 0 <= i.checksum < MAX_CHECKSUM and _is_key(i.key)
+        ]  # fmt: skip
         commands = self._forget_node(node_id)
-        alloc = Allocator(dram_capacity, alignment)
-        node = NodeState(node_id, address, alloc, ssd_capacity, last_seen_ms=now_ms, max_blocks=max_blocks)
+        capacity = dram_capacity - dram_capacity % alignment
         conflicts: dict[TierName, list[str]] = {DRAM: [], SSD: []}
         dram_items = sorted((i for i in inventory if i.tier is DRAM), key=lambda i: i.offset)
         extents: list[tuple[int, int]] = []
         end = 0
         adopted: set[str] = set()
         for item in dram_items:
-            if item.offset < end or item.offset % alignment or item.offset + item.size > alloc.capacity:
+            if item.offset < end or item.offset % alignment or item.offset + item.size > capacity:
                 conflicts[DRAM].append(item.key)
             else:
                 extents.append((item.offset, item.size))
-                end = item.offset + alloc.round_up(item.size)
+                end = item.offset + align_up(item.size, alignment)
                 adopted.add(item.key)
-        node.alloc = Allocator.rebuild(dram_capacity, alignment, extents)
-        cat.nodes[node_id] = node
+        # The table keeps every extent it hands out (one per replica): the allocator need not.
+        alloc = Allocator.rebuild(dram_capacity, alignment, extents, track=False)
+        node = cat.add_node(node_id, address, alloc, ssd_capacity, now_ms=now_ms, max_blocks=max_blocks)
+        rec = cat.rec
         # DRAM first: of a key in both tiers, the DRAM copy is kept when it agrees with the table.
         for item in [i for i in inventory if i.tier is DRAM] + [i for i in inventory if i.tier is SSD]:
             tier = item.tier
             if tier is DRAM and item.key not in adopted:
                 continue
-            entry = cat.objects.get(item.key) or cat.pending.get(item.key)
-            if entry is not None and (
-                not entry.committed
-                or entry.removing
-                or entry.size != item.size
-                or entry.checksum != item.checksum
-                or any(r.node_id == node_id for r in entry.replicas)  # its copy in the other tier is kept
+            slot = rec.index.get(item.key)
+            if slot is not None and (
+                rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED
+                or rec.size[slot] != item.size
+                or rec.checksum[slot] != item.checksum
+                or rec.row_on(slot, node.idx) >= 0  # its copy in the other tier is kept
             ):
                 conflicts[tier].append(item.key)
                 if tier is DRAM:
-                    node.alloc.free(Extent(item.offset, node.alloc.round_up(item.size)))
+                    alloc.free(Extent(item.offset, alloc.round_up(item.size)))
                 continue
-            if entry is None:
-                entry = ObjectEntry(item.key, item.size, item.checksum, [], True, 0, item.pinned)
-                cat.objects[item.key] = entry
-                cat.track(entry)
-            extent = Extent(item.offset, node.alloc.round_up(item.size)) if tier is DRAM else None
-            entry.replicas.append(ReplicaState(node_id, tier, extent))
-            node.lru(tier).insert(item.key, item.size)
-            if entry.pinned:
-                node.lru(tier).pin(item.key)
+            if slot is None:
+                slot = cat.new_key(item.key, item.size, item.checksum, committed=True, pinned=item.pinned)
+            extent = Extent(item.offset, alloc.round_up(item.size)) if tier is DRAM else None
+            node.lru(tier).insert_row(cat.add_replica(slot, node, tier, extent))
             if tier is SSD:
                 node.ssd_used += item.size
         return commands + cat.issue(
@@ -133,25 +131,23 @@ class Membership:
     def _forget_node(self, node_id: str) -> list[NodeCommand]:
         """Drop every replica on ``node_id``; returns revocations of its puts' replicas on other nodes."""
         cat = self.catalog
-        if cat.nodes.pop(node_id, None) is None:
+        node = cat.nodes.get(node_id)
+        if node is None:
             return []
         # Its grants go with it: the daemon forgets them when it registers, and the allocator is rebuilt.
         for grant_id in [g.grant_id for g in cat.grants.values() if g.node_id == node_id]:
             del cat.grants[grant_id]
+        rec = cat.rec
         broken: list[ObjectEntry] = []
         # Readable replicas and moving ones alike: the daemon's inventory now tells what it holds.
-        for store in (cat.objects, cat.pending):
-            for key, entry in list(store.items()):
-                kept = [r for r in entry.replicas if r.node_id != node_id]
-                if len(kept) == len(entry.replicas):
-                    continue
-                entry.replicas = kept
-                if not kept:
-                    del store[key]
-                    cat.untrack(entry)
-                    cat.want_promote.discard(key)
-                elif not entry.committed and not entry.removing:
-                    broken.append(entry)
+        for slot in list(rec.index.values()):
+            row = rec.row_on(slot, node.idx)
+            if row < 0:
+                continue
+            cat.drop_row(row)
+            if rec.keys[slot] is not None and not rec.state[slot] & (COMMITTED | REMOVING):
+                broken.append(ObjectEntry(rec, slot))
+        cat.remove_node(node_id)
         # A put that had a replica there cannot complete; its other replicas may hold bytes already.
         return cat.revoke(broken)
 

@@ -30,12 +30,13 @@ from collections.abc import Iterable, Sequence
 from kvstore.errors import InvalidArgument
 from kvstore.keys import validate_keys
 from kvstore.placement.leases import Holder, LeaseId
+from kvstore.placement.records import COMMITTED, REMOVING, S_COPYING, S_READY, T_DRAM, T_SSD, TierLRU
 from kvstore.placement.results import NodePrefix, PrefixMatch, ReplicaLookup
-from kvstore.placement.state import COPYING, DRAM, DROPPING, READY, SSD, Catalog, NodeCommand, ObjectEntry, ReplicaState
+from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry, ReplicaState
 from kvstore.placement.tiering import Tiering
-from kvstore.policy import EvictionPolicy, TierName
+from kvstore.policy import EvictionPolicy
 
-_TIER_NAMES = {tier: tier.value for tier in TierName}
+_DRAM_NAME, _SSD_NAME = DRAM.value, SSD.value
 """Each tier's name, as a reply carries it (an Enum's ``value`` is a Python-level property)."""
 
 
@@ -55,79 +56,149 @@ class Reads:
         """Readable replicas of each key (DRAM first), leased for ``lease_ms`` when ``lease``; a miss
         has size -1. (A reader through the daemon needs no lease: the daemon copies under its lock.)
 
-        Built flat, as the wire form is: this is the hottest call of the master.
+        Built flat, as the wire form is, from the records' columns: this is the hottest call of the master.
         """
         cat = self.catalog
-        objects, nodes = cat.objects, cat.nodes
+        rec = cat.rec
+        index, state, head, nxt, ssd_hits = rec.index, rec.state, rec.head, rec.r_next, rec.ssd_hits
+        r_node, r_tier, r_status, r_offset = rec.r_node, rec.r_tier, rec.r_status, rec.r_offset
+        node_at, holders_of = cat.node_at, cat.holders
         keys = validate_keys(keys)  # every key, before any is touched or counted
         # One get's leases are consecutive ids: the reply names the first, the reader releases them.
         first = cat.leases.next_id if lease else 0
         reply = ReplicaLookup(lease_ms=self.lease_ms, first_lease=first)
         sizes, checksums, counts = reply.sizes, reply.checksums, reply.counts
-        expiry = now_ms + self.lease_ms
+        r_nodes, r_addresses, r_tiers, r_offsets = reply.nodes, reply.addresses, reply.tiers, reply.offsets
         counters = cat.counters
         leased: list[str] = []
         holders: list[tuple[Holder, ...]] = []
-        held: list[ObjectEntry] = []
-        hits = dram_hits = bytes_read = 0
-        readable: list[ReplicaState]
+        held: list[int] = []
+        hits = dram_hits = bytes_read = misses = 0
+        hold = self.hold_ms
+        last_use, in_lru, size_of, checksum_of = rec.last_use, rec.r_lru, rec.size, rec.checksum
+        clock = cat.clock
+        # Touches of one-replica keys, in order, one append per run of the same LRU (a get's keys
+        # are usually on one node); flushed before any other touch, so that each LRU sees the keys
+        # in the order they were read.
+        lru: TierLRU | None = None
+        rows: list[int] = []
         for key in keys:
-            entry = objects.get(key)
-            if entry is None or entry.removing or not entry.committed:
-                readable = []
-            else:
-                readable = [r for r in entry.replicas if r.status is READY and nodes[r.node_id].up]
-            if entry is not None and not readable and (moving := cat.in_motion(entry)):
-                self._by_key(reply, entry, moving)  # mid-move: read through its daemon, by key
-                if lease:  # a lease of no replica: the reply's lease ids stay consecutive, one per hit
-                    leased.append(key)
-                    holders.append(())
-                if self.hold_ms:
-                    held.append(entry)
-                continue
-            if entry is None or not readable:
-                counters["misses"] += 1
+            slot = index.get(key)
+            if slot is None or state[slot] & (COMMITTED | REMOVING) != COMMITTED:
+                misses += 1
                 sizes.append(-1)
                 checksums.append(0)
                 counts.append(0)
                 continue
+            row = head[slot]
+            if nxt[row] < 0 and not r_status[row] and not r_tier[row] and in_lru[row]:
+                node = node_at[r_node[row]]
+                if node is not None and node.up:
+                    # The common case, inline: one replica, READY in DRAM where the table says.
+                    clock += 1
+                    last_use[slot] = clock
+                    if node.dram_lru is not lru:
+                        if lru is not None:
+                            lru.touch_rows(rows)
+                        lru, rows = node.dram_lru, []
+                    rows.append(row)
+                    hits += 1
+                    if hold:
+                        held.append(slot)
+                    if lease:
+                        leased.append(key)
+                        holders.append(holders_of[node.idx][0])
+                    r_nodes.append(node.node_id)
+                    r_addresses.append(node.address)
+                    r_tiers.append(_DRAM_NAME)
+                    r_offsets.append(r_offset[row])
+                    size = size_of[slot]
+                    sizes.append(size)
+                    checksums.append(checksum_of[slot])
+                    counts.append(1)
+                    bytes_read += size
+                    dram_hits += 1
+                    continue
+            # Anything else (replicas on several nodes, on SSD, mid-move, on a down node): the
+            # touches so far first, then this key's, in order.
+            if lru is not None:
+                lru.touch_rows(rows)
+                lru, rows = None, []
+            cat.clock = clock
+            readable = self._readable(slot)
+            if not readable:
+                moving = cat.in_motion(ObjectEntry(rec, slot))
+                if moving:
+                    self._by_key(reply, slot, moving)  # mid-move: read through its daemon, by key
+                    if lease:  # a lease of no replica: the reply's lease ids stay consecutive, one per hit
+                        leased.append(key)
+                        holders.append(())
+                    if hold:
+                        held.append(slot)
+                else:
+                    misses += 1
+                    sizes.append(-1)
+                    checksums.append(0)
+                    counts.append(0)
+                continue
+            cat.touch(slot)
+            clock = cat.clock
             hits += 1
-            cat.touch(entry)
-            if self.hold_ms:
-                held.append(entry)
-            if len(readable) > 1:
-                readable.sort(key=lambda r: r.tier is not DRAM)
+            if hold:
+                held.append(slot)
             if lease:
                 leased.append(key)
-                holders.append(tuple([(r.node_id, r.tier) for r in readable]))
+                holders.append(tuple([holders_of[r_node[r]][1][r_tier[r]] for r in readable]))
             for r in readable:
-                node = nodes[r.node_id]
-                reply.nodes.append(r.node_id)
-                reply.addresses.append(node.address)
-                reply.tiers.append(_TIER_NAMES[r.tier])
-                reply.offsets.append(r.offset if r.tier is DRAM else -1)
-            sizes.append(entry.size)
-            checksums.append(entry.checksum)
+                node = node_at[r_node[r]]
+                assert node is not None
+                r_nodes.append(node.node_id)
+                r_addresses.append(node.address)
+                if r_tier[r]:
+                    r_tiers.append(_SSD_NAME)
+                    r_offsets.append(-1)
+                else:
+                    r_tiers.append(_DRAM_NAME)
+                    r_offsets.append(r_offset[r])
+            size = size_of[slot]
+            sizes.append(size)
+            checksums.append(checksum_of[slot])
             counts.append(len(readable))
-            bytes_read += entry.size
-            if readable[0].tier is DRAM:
+            bytes_read += size
+            if not r_tier[readable[0]]:
                 dram_hits += 1
             else:
                 counters["ssd_hits"] += 1
-                entry.ssd_hits += 1
-                if self.policy.should_promote(entry.ssd_hits):
+                ssd_hits[slot] = n = min(ssd_hits[slot] + 1, 0xFFFFFFFF)
+                if self.policy.should_promote(n):
                     cat.want_promote.add(key)
+        cat.clock = clock
+        if lru is not None:
+            lru.touch_rows(rows)
         counters["gets"] += len(keys)
+        counters["misses"] += misses
         counters["hits"] += hits
         counters["dram_hits"] += dram_hits
         counters["bytes_read"] += bytes_read
         if leased:
-            cat.leases.grant_many(leased, holders, expiry)
+            cat.leases.grant_many(leased, holders, now_ms + self.lease_ms)
         if held:
             self._hold(held, now_ms)  # after the reader's own leases, whose ids must be consecutive
         return reply
 
-    def _by_key(self, reply: ReplicaLookup, entry: ObjectEntry, moving: list[ReplicaState]) -> None:
+    def _readable(self, slot: int) -> list[int]:
+        """Rows of the committed key's READY replicas on up nodes, DRAM first."""
+        rec, node_at = self.catalog.rec, self.catalog.node_at
+        out = []
+        for row in rec.rows(slot):
+            node = node_at[rec.r_node[row]]
+            if rec.r_status[row] == S_READY and node is not None and node.up:
+                out.append(row)
+        if len(out) > 1:
+            out.sort(key=rec.r_tier.__getitem__)
+        return out
+
+    def _by_key(self, reply: ReplicaLookup, slot: int, moving: list[ReplicaState]) -> None:
         """Answer a hit on a block whose replicas are all mid-move: as replicas with no extent (a
         reader then asks the daemon for the key, and it copies from whichever tier holds it under
         its lock), unleased (a lease could not stop a move under way)."""
@@ -137,45 +208,51 @@ class Reads:
             reply.addresses.append(cat.nodes[r.node_id].address)
             reply.tiers.append(SSD.value)  # no extent to read: by key, through the daemon
             reply.offsets.append(-1)
-        reply.sizes.append(entry.size)
-        reply.checksums.append(entry.checksum)
+        size = cat.rec.size[slot]
+        reply.sizes.append(size)
+        reply.checksums.append(cat.rec.checksum[slot])
         reply.counts.append(len(moving))
         counters = cat.counters
         counters["hits"] += 1
         counters["ssd_hits"] += 1  # read by key through the daemon, as an SSD block is
-        counters["bytes_read"] += entry.size
+        counters["bytes_read"] += size
 
-    def _hold(self, entries: Iterable[ObjectEntry], now_ms: int) -> None:
-        """Hold each entry for ``hold_ms`` from ``now_ms``: its readable replicas, under a lease of
-        its own that replaces the entry's earlier hold."""
+    def _hold(self, slots: Iterable[int], now_ms: int) -> None:
+        """Hold each key for ``hold_ms`` from ``now_ms``: its readable replicas, under a lease of
+        its own that replaces the key's earlier hold."""
         cat = self.catalog
-        leases = cat.leases
+        rec, leases = cat.rec, cat.leases
         until = now_ms + self.hold_ms
-        entries = list({id(e): e for e in entries}.values())  # a key read twice in one call: one hold
-        for entry in entries:
-            if entry.hold:
-                leases.release(LeaseId(entry.hold))
-        holders = [tuple([(r.node_id, r.tier) for r in cat.readable(entry)]) for entry in entries]
-        first = leases.grant_many([entry.key for entry in entries], holders, until)
-        for i, entry in enumerate(entries):
-            entry.hold = first + i
-            entry.held_until_ms = until
+        unique = list(dict.fromkeys(slots))  # a key read twice in one call: one hold
+        for slot in unique:
+            old = rec.holds.get(slot)
+            if old is not None:
+                leases.release(LeaseId(old[0]))
+        holders = [
+            tuple([(r.node_id, r.tier) for r in cat.readable(ObjectEntry(rec, slot))]) for slot in unique
+        ]  # fmt: skip
+        keys = [rec.keys[slot] or "" for slot in unique]
+        first = leases.grant_many(keys, holders, until)
+        for i, slot in enumerate(unique):
+            rec.holds[slot] = (first + i, until)
 
     def held(self, keys: Sequence[str], now_ms: int) -> list[int]:
         """Indexes of the keys held at ``now_ms`` (read within ``hold_ms``): a remove without force leaves them."""
-        objects = self.catalog.objects
-        return [
-            i for i, key in enumerate(keys)
-            if (entry := objects.get(key)) is not None and not entry.removing and entry.held_until_ms > now_ms
-        ]  # fmt: skip
+        rec = self.catalog.rec
+        out = []
+        for i, key in enumerate(keys):
+            slot = rec.index.get(key)
+            if slot is None or rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
+                continue
+            if rec.holds.get(slot, (0, 0))[1] > now_ms:
+                out.append(i)
+        return out
 
     def release_leases(self, lease_ids: Iterable[int]) -> list[NodeCommand]:
         """A reader is done with these leases (ids from its gets' replies); one that ended already
         (expired) is skipped. Returns promotions now due."""
-        leases = self.catalog.leases
-        for lease_id in lease_ids:
-            leases.release(LeaseId(lease_id))
-        return self.tiering.plan_promotions()
+        self.catalog.leases.release_many(lease_ids)
+        return self.tiering.plan_promotions() if self.catalog.want_promote else []
 
     def record_access(self, node_id: str, keys: Sequence[str], tiers: Sequence[str], now_ms: int = 0) -> None:
         """Count reads ``node_id``'s daemon served by key (no master round trip) from ``tiers`` and
@@ -185,28 +262,33 @@ class Reads:
         if len(keys) != len(tiers):
             raise InvalidArgument(f"an access report of {len(keys)} keys with {len(tiers)} tiers")
         cat = self.catalog
+        rec = cat.rec
+        idx = rec.node_index.get(node_id)
+        if idx is None:
+            return
         counters = cat.counters
-        held: list[ObjectEntry] = []
+        held: list[int] = []
         for key, served in zip(keys, tiers, strict=True):
-            entry = cat.objects.get(key)
-            if entry is None or entry.removing or not entry.committed:
+            slot = rec.index.get(key)
+            if slot is None or rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
                 continue
-            replica = next((r for r in entry.replicas if r.node_id == node_id and r.status is READY), None)
-            if replica is None:
+            row = rec.row_on(slot, idx)
+            if row < 0 or rec.r_status[row] != S_READY:
                 continue
+            size = rec.size[slot]
             counters["gets"] += 1
             counters["hits"] += 1
-            counters["bytes_read"] += entry.size
-            cat.touch(entry)
+            counters["bytes_read"] += size
+            cat.touch(slot)
             if self.hold_ms and now_ms:
-                held.append(entry)
+                held.append(slot)
             if served != SSD.value:
                 counters["dram_hits"] += 1
             else:
                 counters["ssd_hits"] += 1
-                if replica.tier is SSD:
-                    entry.ssd_hits += 1
-                    if self.policy.should_promote(entry.ssd_hits) and not any(r.tier is DRAM for r in entry.replicas):
+                if rec.r_tier[row] == T_SSD:
+                    rec.ssd_hits[slot] = n = min(rec.ssd_hits[slot] + 1, 0xFFFFFFFF)
+                    if self.policy.should_promote(n) and all(rec.r_tier[r] == T_SSD for r in rec.rows(slot)):
                         cat.want_promote.add(key)
         if held:
             self._hold(held, now_ms)
@@ -214,9 +296,10 @@ class Reads:
     def match_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are committed and readable (a block between tiers included, as a
         get reads it through its daemon; not one being dropped)."""
-        objects, found = self.catalog.objects, self.catalog.found
+        index, found = self.catalog.rec.index, self.catalog.found_slot
         for i, key in enumerate(keys):
-            if not found(objects.get(key)):
+            slot = index.get(key)
+            if slot is None or not found(slot):
                 return i
         return len(keys)
 
@@ -229,24 +312,27 @@ class Reads:
         key at hand, so a node that missed a key stops; the pass ends at the first key no node
         can serve, where every count has stopped too.
         """
-        objects, nodes = self.catalog.objects, self.catalog.nodes
+        cat = self.catalog
+        rec, node_at = cat.rec, cat.node_at
         total: dict[str, int] = {}
         dram: dict[str, int] = {}
         longest = len(keys)
         for i, key in enumerate(keys):
-            entry = objects.get(key)
-            if entry is None or entry.removing or not entry.committed:
+            slot = rec.index.get(key)
+            if slot is None or rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
                 longest = i
                 break
             readable = False
-            for r in entry.replicas:
-                if r.status is COPYING or r.status is DROPPING or not nodes[r.node_id].up:
+            for row in rec.rows(slot):
+                status = rec.r_status[row]
+                node = node_at[rec.r_node[row]]
+                if status >= S_COPYING or node is None or not node.up:
                     continue
                 readable = True
-                node_id = r.node_id
+                node_id = node.node_id
                 if total.get(node_id, 0) == i:
                     total[node_id] = i + 1
-                    if r.tier is DRAM and r.status is READY and dram.get(node_id, 0) == i:
+                    if rec.r_tier[row] == T_DRAM and status == S_READY and dram.get(node_id, 0) == i:
                         dram[node_id] = i + 1
             if not readable:
                 longest = i
@@ -256,9 +342,9 @@ class Reads:
     def exists(self, keys: Sequence[str], now_ms: int = 0) -> list[bool]:
         """Whether each key is readable (and, with ``hold_ms`` and ``now_ms``, hold those that are)."""
         cat = self.catalog
-        objects = cat.objects
-        entries = [objects.get(k) for k in validate_keys(keys)]
-        found = list(map(cat.found, entries))
+        index, found = cat.rec.index, cat.found_slot
+        slots = [index.get(k) for k in validate_keys(keys)]
+        out = [slot is not None and found(slot) for slot in slots]
         if self.hold_ms and now_ms:
-            self._hold([e for e, ok in zip(entries, found, strict=True) if ok and e is not None], now_ms)
-        return found
+            self._hold([s for s, ok in zip(slots, out, strict=True) if ok and s is not None], now_ms)
+        return out

@@ -8,139 +8,34 @@ issuing commands, revoking puts, dropping a replica once a daemon confirmed).
 
 from __future__ import annotations
 
-import enum
-import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 
 from kvstore.allocator import Allocator, Extent
-from kvstore.lru import LRU
-from kvstore.placement.leases import Leases
+from kvstore.placement.leases import Holder, Leases
+from kvstore.placement.records import COMMITTED, PINNED, REMOVING, S_MOVING, S_READY, T_DRAM, T_SSD, Records, TierLRU
+from kvstore.placement.views import (  # noqa: F401  (the table's parts read the views from here)
+    COPYING,
+    DROPPING,
+    MOVING,
+    READY,
+    STATUS_CODE,
+    STATUSES,
+    TIER_CODE,
+    TIERS,
+    TRANSITIONS,
+    Keys,
+    ObjectEntry,
+    ReplicaState,
+    ReplicaStatus,
+    new_generation,
+    new_generations,
+)
 from kvstore.policy import ActionKind, TierName
 
 DRAM, SSD = TierName.DRAM, TierName.SSD
-
-
-_GENERATIONS = itertools.count(1)
-"""Generations of replicas and of nodes' registrations: unique in the process, never 0."""
-
-
-def new_generation() -> int:
-    return next(_GENERATIONS)
-
-
-class ReplicaStatus(enum.Enum):
-    """Where a replica is in its life; :data:`TRANSITIONS` lists the steps it may take.
-
-    Only READY replicas of committed keys are in their node's tier LRU and handed out with
-    their extent; every other status is out of the LRU, so no policy picks it twice.
-    """
-
-    READY = "ready"
-    """Where the table says: readable once its key is committed."""
-    MOVING = "moving"
-    """A demotion or promotion is in flight, or a drain is copying it to another node: readable
-    only by key through its daemon, which holds it in one tier or the other (:meth:`Catalog.in_motion`)."""
-    COPYING = "copying"
-    """Being copied in from another node (a replicate or a drain): its daemon is told nothing about
-    it until the copy is answered, and nothing reads it."""
-    DROPPING = "dropping"
-    """A drop is in flight: as far as reads and prefix matches go it is gone already; its room is
-    freed, and it leaves its key, once the daemon confirms."""
-
-
-TRANSITIONS: dict[ReplicaStatus, frozenset[ReplicaStatus]] = {
-    ReplicaStatus.READY: frozenset({ReplicaStatus.MOVING, ReplicaStatus.DROPPING}),
-    ReplicaStatus.MOVING: frozenset({ReplicaStatus.READY, ReplicaStatus.DROPPING}),
-    ReplicaStatus.COPYING: frozenset({ReplicaStatus.READY, ReplicaStatus.DROPPING}),
-    ReplicaStatus.DROPPING: frozenset(),
-}
-"""A replica starts READY (placed by a put, found in an inventory) or COPYING (a copy planned);
-a DROPPING one only ever leaves its key, when its daemon confirms the drop."""
-
-
-class ReplicaState:
-    """One replica of a key on one node. ``status`` changes only through :meth:`to`.
-
-    Its DRAM extent is kept as two ints, not an :class:`Extent` (one object less per key: the
-    master holds millions of replicas); :attr:`extent` puts it together when asked (``offset``: -1
-    without one; set both through :attr:`extent`). ``gen`` is
-    this replica's own number: a command names the replicas it was planned for by it, so an
-    answer that comes back after the key was removed and put again (or its node re-registered)
-    is not taken for the new replica's.
-    """
-
-    __slots__ = ("_length", "gen", "node_id", "offset", "status", "tier")
-
-    def __init__(
-        self, node_id: str, tier: TierName, extent: Extent | None, status: ReplicaStatus = ReplicaStatus.READY,
-        gen: int = 0,
-    ) -> None:  # fmt: skip
-        self.node_id = node_id
-        self.tier = tier
-        self.offset, self._length = extent if extent is not None else (-1, 0)
-        self.status = status
-        self.gen = gen or new_generation()
-
-    @property
-    def extent(self) -> Extent | None:
-        """The DRAM extent; None on SSD (during a promotion: the extent it will land in)."""
-        return Extent(self.offset, self._length) if self.offset >= 0 else None
-
-    @extent.setter
-    def extent(self, extent: Extent | None) -> None:
-        self.offset, self._length = extent if extent is not None else (-1, 0)
-
-    def __repr__(self) -> str:
-        return f"ReplicaState({self.node_id!r}, {self.tier}, {self.extent}, {self.status}, gen={self.gen})"
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ReplicaState):
-            return NotImplemented
-        return (self.node_id, self.tier, self.extent, self.status, self.gen) == (
-            other.node_id, other.tier, other.extent, other.status, other.gen)  # fmt: skip
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it was
-
-    def to(self, status: ReplicaStatus) -> None:
-        assert status in TRANSITIONS[self.status], f"replica on {self.node_id}: {self.status} -> {status}"
-        self.status = status
-
-    @property
-    def ready(self) -> bool:
-        return self.status is ReplicaStatus.READY
-
-
-READY, MOVING, COPYING, DROPPING = (
-    ReplicaStatus.READY,
-    ReplicaStatus.MOVING,
-    ReplicaStatus.COPYING,
-    ReplicaStatus.DROPPING,
-)
-
-
-@dataclass(slots=True)
-class ObjectEntry:
-    """One key. Fields change only through the table."""
-
-    key: str
-    size: int
-    checksum: int
-    replicas: list[ReplicaState]
-    committed: bool
-    deadline_ms: int
-    """Reservation deadline while uncommitted."""
-    pinned: bool
-    removing: bool = False
-    """Removed, revoked or expired: gone once its daemons confirm; not readable, not placeable."""
-    ssd_hits: int = 0
-    last_use: int = 0
-    """The catalog's clock when the key was last put or read: its tenant's LRU order, across nodes."""
-    hold: int = 0
-    """The lease that holds the key after a read (``hold_ms``, Mooncake's KV lease); 0: none yet."""
-    held_until_ms: int = 0
-    """When that hold ends: until then the key is neither evicted nor removed without force."""
 
 
 @dataclass(slots=True)
@@ -149,9 +44,11 @@ class NodeState:
     address: str
     alloc: Allocator
     ssd_capacity: int
+    idx: int
+    """The node's index in the records (interned: the same across registrations)."""
+    dram_lru: TierLRU
+    ssd_lru: TierLRU
     ssd_used: int = 0
-    dram_lru: LRU[str] = field(default_factory=LRU)
-    ssd_lru: LRU[str] = field(default_factory=LRU)
     up: bool = True
     last_seen_ms: int = 0
     inflight: int = 0
@@ -170,7 +67,7 @@ class NodeState:
     """This registration's number: answers to commands planned before the node re-registered are
     void (its inventory replaced what they were planned on)."""
 
-    def lru(self, tier: TierName) -> LRU[str]:
+    def lru(self, tier: TierName) -> TierLRU:
         return self.dram_lru if tier is DRAM else self.ssd_lru
 
     @property
@@ -274,17 +171,21 @@ class Catalog:
 
     ``nodes`` gains and loses nodes only by registration (:class:`~kvstore.placement.nodes.Membership`);
     ``grants`` changes only in :class:`~kvstore.placement.grants.Grants` and when a node is forgotten;
-    ``leases`` only through its own methods. Keys move between ``pending`` (being written) and
-    ``objects`` (committed) in the writes; every part may mark replicas moving or drop them, through
-    the primitives here. ``draining`` is the operator's: nodes out of placement.
+    ``leases`` only through its own methods. Keys and replicas are rows of ``rec``
+    (:class:`~kvstore.placement.records.Records`): a key is being written until committed, then
+    stored; every part may mark replicas moving or drop them, through the primitives here.
+    ``objects`` and ``pending`` are read-only views of the stored and the written keys.
+    ``draining`` is the operator's: nodes out of placement.
     """
 
     def __init__(self, *, lease_ms: int, keys_by_owner: bool = True) -> None:
+        self.rec = Records()
         self.nodes: dict[str, NodeState] = {}
-        self.objects: dict[str, ObjectEntry] = {}
-        self.pending: dict[str, ObjectEntry] = {}
+        self.node_at: list[NodeState | None] = []
+        """Node index -> the node registered under it now (None once it left)."""
+        self.objects = Keys(self.rec, committed=True)
+        self.pending = Keys(self.rec, committed=False)
         self.grants: dict[int, Grant] = {}
-        # A release that comes up to one lease length after its lease expired is still known as late.
         self.leases = Leases()
         self.want_promote: set[str] = set()
         """SSD-only keys read often enough to be promoted once no reader holds them."""
@@ -299,27 +200,121 @@ class Catalog:
         """The keys of each owner with a name (a tenant), pending or stored; kept only with
         ``keys_by_owner`` (a master with tenants: their quotas evict by it), else empty."""
         self.clock = 0
+        self.holders: list[tuple[tuple[Holder], tuple[Holder, Holder]]] = []
+        """Node index -> ``((its DRAM holder,), (its DRAM holder, its SSD holder))``: the lease holders
+        of its replicas, made once (the first, a lone DRAM replica's holders as a get leases them)."""
 
-    def track(self, entry: ObjectEntry) -> None:
-        """Count a key that came to exist (reserved by a put, committed into a grant, found in an inventory)."""
-        owner = owner_of(entry.key)
-        self.usage[owner] += entry.size
-        if owner and self.keys_by_owner:
-            self.owned.setdefault(owner, set()).add(entry.key)
+    # -- keys ------------------------------------------------------------------------------------
+    def entry(self, key: str) -> ObjectEntry | None:
+        """The key, stored or being written; None when the table does not know it."""
+        slot = self.rec.index.get(key)
+        return ObjectEntry(self.rec, slot) if slot is not None else None
+
+    def new_key(self, key: str, size: int, checksum: int, *, committed: bool, pinned: bool) -> int:
+        """Record a key that came to exist (reserved by a put, committed into a grant, found in an
+        inventory) and count it for its owner; its slot."""
         self.clock += 1
-        entry.last_use = self.clock
+        state = (COMMITTED if committed else 0) | (PINNED if pinned else 0)
+        slot = self.rec.add_key(key, size, checksum, state, self.clock)
+        owner = owner_of(key)
+        self.usage[owner] += size
+        if owner and self.keys_by_owner:
+            self.owned.setdefault(owner, set()).add(key)
+        return slot
 
-    def untrack(self, entry: ObjectEntry) -> None:
-        """Stop counting a key that is gone (its last replica dropped)."""
-        owner = owner_of(entry.key)
-        self.usage[owner] -= entry.size
+    def new_run(self, keys: Sequence[str], sizes: Sequence[int], node: NodeState, offsets: list[int], *, pinned: bool,
+                deadline: int) -> None:  # fmt: skip
+        """Record new keys (distinct, none in the table) reserved at ``offsets`` of ``node``'s DRAM,
+        each with one replica there: what :meth:`new_key` and :meth:`add_replica` do key by key."""
+        n = len(keys)
+        first_clock = self.clock + 1
+        self.clock += n
+        self.rec.add_run(keys, sizes, (PINNED if pinned else 0), range(first_clock, first_clock + n),
+                                 node.idx, offsets, new_generations(n), deadline)  # fmt: skip
+        usage = self.usage
+        owner = owner_of(keys[0])
+        # Usually one owner for the whole batch, checked at C speed.
+        if (
+            all(map(str.startswith, keys, repeat(owner + "/")))
+            if owner
+            else not any(map(str.__contains__, keys, repeat("/")))
+        ):
+            usage[owner] += sum(sizes)
+        else:
+            for key, size in zip(keys, sizes, strict=True):
+                usage[owner_of(key)] += size
+        if self.keys_by_owner:
+            owned = self.owned
+            for key in keys:
+                if owner := owner_of(key):
+                    owned.setdefault(owner, set()).add(key)
+
+    def forget_key(self, slot: int) -> None:
+        """The key's last replica is gone: stop counting it, and reuse its slot."""
+        rec = self.rec
+        key = rec.keys[slot]
+        assert key is not None
+        owner = owner_of(key)
+        self.usage[owner] -= rec.size[slot]
         if not self.usage[owner]:
             del self.usage[owner]
         keys = self.owned.get(owner)
         if keys is not None:
-            keys.discard(entry.key)
+            keys.discard(key)
             if not keys:
                 del self.owned[owner]
+        self.want_promote.discard(key)
+        rec.drop_key(slot)
+
+    def add_replica(self, slot: int, node: NodeState, tier: TierName, extent: Extent | None,
+                    status: ReplicaStatus = ReplicaStatus.READY) -> int:  # fmt: skip
+        """A replica of the key in ``slot`` on ``node`` (in no LRU); its row."""
+        offset = extent.offset if extent is not None else -1
+        return self.rec.add_replica(slot, node.idx, TIER_CODE[tier], offset, STATUS_CODE[status], new_generation())
+
+    def lru_of(self, row: int) -> TierLRU | None:
+        """The LRU the replica in ``row`` belongs in (by its node and tier); None once its node left."""
+        rec = self.rec
+        node = self.node_at[rec.r_node[row]]
+        if node is None:
+            return None
+        return node.ssd_lru if rec.r_tier[row] else node.dram_lru
+
+    def enlist(self, row: int) -> None:
+        """Put the replica in ``row`` into its node's tier LRU, as the most recently used."""
+        lru = self.lru_of(row)
+        assert lru is not None
+        lru.insert_row(row)
+
+    def delist(self, row: int) -> None:
+        """Take the replica in ``row`` out of its LRU, if it is in one."""
+        if self.rec.r_lru[row]:
+            lru = self.lru_of(row)
+            assert lru is not None
+            lru.remove_row(row)
+
+    # -- nodes -----------------------------------------------------------------------------------
+    def add_node(self, node_id: str, address: str, alloc: Allocator, ssd_capacity: int, *, now_ms: int,
+                 max_blocks: int) -> NodeState:  # fmt: skip
+        """Register ``node_id`` (which must not be registered now) with empty LRUs."""
+        rec = self.rec
+        idx = rec.intern_node(node_id, alloc.alignment)
+        while len(self.node_at) <= idx:
+            self.node_at.append(None)
+            n = len(self.holders)
+            dram, ssd = (rec.node_ids[n], DRAM), (rec.node_ids[n], SSD)
+            self.holders.append(((dram,), (dram, ssd)))
+        node = NodeState(node_id, address, alloc, ssd_capacity, idx, TierLRU(rec, idx, T_DRAM),
+                         TierLRU(rec, idx, T_SSD), last_seen_ms=now_ms, max_blocks=max_blocks)  # fmt: skip
+        self.nodes[node_id] = node
+        self.node_at[idx] = node
+        return node
+
+    def remove_node(self, node_id: str) -> NodeState | None:
+        node = self.nodes.pop(node_id, None)
+        if node is not None:
+            self.node_at[node.idx] = None
+        return node
 
     def up_nodes(self) -> list[NodeState]:
         return [n for n in self.nodes.values() if n.up]
@@ -328,10 +323,24 @@ class Catalog:
         """Nodes new blocks and grants may go to: up and not draining."""
         return [n for n in self.up_nodes() if n.node_id not in self.draining]
 
-    def readable(self, entry: ObjectEntry | None) -> list[ReplicaState]:
-        if entry is None or entry.removing or not entry.committed:
+    # -- reading replicas --------------------------------------------------------------------------
+    def _statuses(self, entry: ObjectEntry | None, *codes: int) -> list[ReplicaState]:
+        if entry is None:
             return []
-        return [r for r in entry.replicas if r.status is READY and self.nodes[r.node_id].up]
+        rec = self.rec
+        slot = entry.slot
+        if rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
+            return []
+        node_at, status = self.node_at, rec.r_status
+        out = []
+        for row in rec.rows(slot):
+            node = node_at[rec.r_node[row]]
+            if status[row] in codes and node is not None and node.up:
+                out.append(ReplicaState(rec, row))
+        return out
+
+    def readable(self, entry: ObjectEntry | None) -> list[ReplicaState]:
+        return self._statuses(entry, S_READY)
 
     def in_motion(self, entry: ObjectEntry | None) -> list[ReplicaState]:
         """Replicas of a committed block between tiers (a demotion, a promotion, or a drain's copy
@@ -339,36 +348,49 @@ class Catalog:
         the block, in one tier or the other, and reads it by key under its lock. A block is readable
         through them until its move is done (or has failed, and the block is gone: then a read of it
         misses). A replica being dropped or copied in is not one."""
-        if entry is None or entry.removing or not entry.committed:
-            return []
-        nodes = self.nodes
-        return [r for r in entry.replicas if r.status is MOVING and nodes[r.node_id].up]
+        return self._statuses(entry, S_MOVING)
 
-    def found(self, entry: ObjectEntry | None) -> bool:
-        """Whether a read finds the committed block: through a replica :meth:`readable` or
+    def found_slot(self, slot: int) -> bool:
+        """Whether a read finds the committed block in ``slot``: through a replica :meth:`readable` or
         :meth:`in_motion` returns (one on an up node, neither being copied in nor dropped)."""
-        if entry is None or entry.removing or not entry.committed:
+        rec = self.rec
+        if rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
             return False
-        nodes = self.nodes
-        for r in entry.replicas:  # noqa: SIM110 - a loop, not any(): this runs for every key of every exists
-            if (r.status is READY or r.status is MOVING) and nodes[r.node_id].up:
-                return True
+        node_at, status, nodes, nxt = self.node_at, rec.r_status, rec.r_node, rec.r_next
+        row = rec.head[slot]
+        while row >= 0:
+            if status[row] <= S_MOVING:
+                node = node_at[nodes[row]]
+                if node is not None and node.up:
+                    return True
+            row = nxt[row]
         return False
 
-    def touch(self, entry: ObjectEntry) -> None:
+    def found(self, entry: ObjectEntry | None) -> bool:
+        return entry is not None and self.found_slot(entry.slot)
+
+    def touch(self, slot: int) -> None:
+        """A read or a put of an existing key: it becomes the most recently used, in its owner's
+        order and in the LRU of each of its replicas."""
+        rec = self.rec
         self.clock += 1
-        entry.last_use = self.clock
-        nodes, key = self.nodes, entry.key
-        for r in entry.replicas:
-            node = nodes[r.node_id]
-            (node.dram_lru if r.tier is DRAM else node.ssd_lru).touch_if_present(key)
+        rec.last_use[slot] = self.clock
+        row, nxt, in_lru = rec.head[slot], rec.r_next, rec.r_lru
+        while row >= 0:
+            if in_lru[row]:
+                lru = self.lru_of(row)
+                assert lru is not None
+                lru.touch_row(row)
+            row = nxt[row]
 
     def busy(self, node: NodeState) -> bool:
         """Whether some of the node's DRAM is held only for now: leased, or reserved by puts in flight."""
         if self.leases.num_leased(node.node_id, DRAM) or any(g.node_id == node.node_id for g in self.grants.values()):
             return True
-        return any(r.node_id == node.node_id for e in self.pending.values() for r in e.replicas)
+        rec = self.rec
+        return any(rec.row_on(slot, node.idx) >= 0 for slot in rec.deadlines)
 
+    # -- commands ----------------------------------------------------------------------------------
     def issue(self, commands: list[NodeCommand]) -> list[NodeCommand]:
         """Name the replicas and the node registration each command is planned for (the replicas
         the keys have on its node now), and count the commands as in flight on their nodes until
@@ -383,17 +405,23 @@ class Catalog:
         return out
 
     def _replica_gen(self, key: str, node_id: str) -> int:
-        entry = self.objects.get(key) or self.pending.get(key)
-        replica = next((r for r in entry.replicas if r.node_id == node_id), None) if entry is not None else None
-        return replica.gen if replica is not None else 0
+        rec = self.rec
+        slot, idx = rec.index.get(key), rec.node_index.get(node_id)
+        if slot is None or idx is None:
+            return 0
+        row = rec.row_on(slot, idx)
+        return rec.r_gen[row] if row >= 0 else 0
 
     def replica(self, key: str, node_id: str, gen: int) -> tuple[ObjectEntry, ReplicaState] | None:
         """The key's replica of generation ``gen`` on ``node_id``, with its entry; None when it is gone."""
-        entry = self.objects.get(key) or self.pending.get(key)
-        if entry is None:
+        rec = self.rec
+        slot, idx = rec.index.get(key), rec.node_index.get(node_id)
+        if slot is None or idx is None:
             return None
-        replica = next((r for r in entry.replicas if r.node_id == node_id and r.gen == gen), None)
-        return (entry, replica) if replica is not None else None
+        row = rec.row_on(slot, idx)
+        if row < 0 or rec.r_gen[row] != gen:
+            return None
+        return ObjectEntry(rec, slot), ReplicaState(rec, row)
 
     def revoke(self, entries: Sequence[ObjectEntry]) -> list[NodeCommand]:
         """Give up puts: their daemons must drop whatever was written before the extents are reused."""
@@ -406,25 +434,31 @@ class Catalog:
             [NodeCommand(n, ActionKind.DROP, DRAM, tuple(keys), release=True) for n, keys in per_node.items()]
         )
 
+    def drop_row(self, row: int) -> None:
+        """Forget the replica in ``row`` (its daemon confirmed it gone, or its node left): free its
+        room; the key goes with its last."""
+        rec = self.rec
+        slot = rec.r_slot[row]
+        node = self.node_at[rec.r_node[row]]
+        self.delist(row)
+        if node is not None:
+            if rec.r_offset[row] >= 0:
+                node.alloc.free(Extent(rec.r_offset[row], rec.length(slot, node.idx)))
+            if rec.r_tier[row] == T_SSD:
+                node.ssd_used -= rec.size[slot]
+        rec.remove_replica(row)
+        if rec.head[slot] < 0:
+            self.forget_key(slot)
+
     def drop_replica(self, key: str, node_id: str, evicted: bool = False, gen: int = 0) -> None:
         """The daemon confirmed the replica on ``node_id`` (of generation ``gen``; 0: whichever it
         is) gone: free its room; the key goes with its last."""
-        entry = self.objects.get(key) or self.pending.get(key)
-        node = self.nodes.get(node_id)
-        if entry is None:
+        rec = self.rec
+        slot, idx = rec.index.get(key), rec.node_index.get(node_id)
+        if slot is None:
             return
-        for r in [r for r in entry.replicas if r.node_id == node_id and gen in (0, r.gen)]:
-            entry.replicas.remove(r)
-            if node is not None:
-                lru = node.lru(r.tier)
-                if key in lru:
-                    lru.remove(key)
-                if r.extent is not None:
-                    node.alloc.free(r.extent)
-                if r.tier is SSD:
-                    node.ssd_used -= entry.size
+        row = rec.row_on(slot, idx) if idx is not None else -1
+        if row >= 0 and gen in (0, rec.r_gen[row]):
+            self.drop_row(row)
         if evicted:
             self.counters["evictions"] += 1
-        if not entry.replicas and (self.objects.pop(key, None) is not None or self.pending.pop(key, None) is not None):
-            self.untrack(entry)
-            self.want_promote.discard(key)

@@ -49,17 +49,17 @@ class Tiering:
         leased = self.catalog.leases.leased_keys(node.node_id, SSD)
         return TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, node.ssd_lru, leased)
 
-    def reserve_many(self, node: NodeState, sizes: list[int]) -> list[Extent] | None:
-        """Extents for all of ``sizes`` on ``node`` at once when they fit with no eviction (below
+    def reserve_many(self, node: NodeState, sizes: list[int]) -> list[int] | None:
+        """Extents (their offsets) for all of ``sizes`` on ``node`` at once when they fit with no eviction (below
         the high watermark and the node's block count, in one free extent); else None, and the
         caller reserves them one at a time (:meth:`reserve`), evicting as it must."""
         alloc = node.alloc
-        total = sum(alloc.round_up(size) for size in sizes)
+        total = alloc.total_length(sizes)
         if self.policy.over_high_watermark(alloc.used - node.dram_freeing + total, alloc.capacity):
             return None
         if node.max_blocks and alloc.num_extents + len(sizes) > node.max_blocks:
             return None
-        return alloc.alloc_many(sizes)
+        return alloc.alloc_offsets(sizes)
 
     def reserve(self, node: NodeState, size: int, commands: list[NodeCommand]) -> tuple[Extent | None, bool]:
         """An extent on ``node`` (or None), and whether evictions were added to ``commands`` for it.
@@ -91,14 +91,13 @@ class Tiering:
     def start_actions(self, node: NodeState, actions: Sequence[Action[str]]) -> list[NodeCommand]:
         """Mark the replicas of ``actions`` moving and group them into commands, in execution order."""
         cat = self.catalog
+        rec = cat.rec
         groups: dict[tuple[ActionKind, TierName], list[tuple[str, int]]] = {}
         for action in actions:
             self._count_eviction(node, action.kind, action.tier, action.size, +1)
-            entry = cat.objects[action.key]
-            for r in entry.replicas:
-                if r.node_id == node.node_id:
-                    r.to(DROPPING if action.kind is ActionKind.DROP else MOVING)
-            node.lru(action.tier).remove(action.key)
+            row = rec.row_on(cat.objects[action.key].slot, node.idx)
+            ReplicaState(rec, row).to(DROPPING if action.kind is ActionKind.DROP else MOVING)
+            node.lru(action.tier).remove_row(row)
             groups.setdefault((action.kind, action.tier), []).append((action.key, action.size))
         return cat.issue(
             [
@@ -136,7 +135,7 @@ class Tiering:
             if extent is None:
                 continue
             ssd[0].to(MOVING)
-            node.ssd_lru.remove(key)
+            node.ssd_lru.remove_row(ssd[0].row)
             ssd[0].extent = extent  # where it will land; the tier changes when the daemon confirms
             per_node.setdefault(node.node_id, []).append((key, extent.offset))
         return cat.issue(
@@ -170,9 +169,9 @@ class Tiering:
                 node.alloc.free(replica.extent)
                 replica.tier, replica.extent = SSD, None
                 node.ssd_used += entry.size
-                if not entry.removing:
-                    node.ssd_lru.insert(key, entry.size)
                 replica.to(READY)
+                if not entry.removing:
+                    node.ssd_lru.insert_row(replica.row)
                 cat.counters["demotions"] += 1
             else:
                 # A failed demotion: the daemon dropped the block instead (its SSD is full or failing).
@@ -186,11 +185,11 @@ class Tiering:
             replica.tier = DRAM
             node.ssd_used -= entry.size
             if not entry.removing:
-                node.dram_lru.insert(entry.key, entry.size)
+                node.dram_lru.insert_row(replica.row)
             entry.ssd_hits = 0
             self.catalog.counters["promotions"] += 1
         else:
             node.alloc.free(replica.extent)
             replica.extent = None
             if not entry.removing:
-                node.ssd_lru.insert(entry.key, entry.size)
+                node.ssd_lru.insert_row(replica.row)

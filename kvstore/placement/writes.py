@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.allocator import Extent
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, RetryLater
 from kvstore.keys import BlockKey, validate_key, validate_keys
 from kvstore.placement.leases import LeaseId
+from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_COPYING, TierLRU
 from kvstore.placement.results import PlacedReplica, Ticket
-from kvstore.placement.state import COPYING, DRAM, DROPPING, Catalog, NodeCommand, NodeState, ObjectEntry, ReplicaState
+from kvstore.placement.state import DRAM, TIERS, Catalog, NodeCommand, NodeState, ObjectEntry
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import ActionKind, TierName
 
@@ -54,11 +55,59 @@ PLACEMENT_STRATEGIES: dict[str, Strategy] = {
 
 @dataclass(slots=True)
 class PutPlan:
-    tickets: list[Ticket | None]
-    """One per key; None for a key waiting for evictions."""
-    commands: list[NodeCommand]
-    waiting: list[int]
+    """The table's answer to a put, one entry per key, kept flat as the reply it becomes (a put of
+    a batch of new keys is the master's costliest call): each key's status (None: it waits for
+    evictions), error, and its ``counts[i]`` replicas, the next entries of ``nodes``, ``addresses``
+    and ``offsets``; :attr:`tickets` puts them together."""
+
+    commands: list[NodeCommand] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
     """Indexes of keys to ask again for once ``commands`` are applied."""
+    statuses: list[str | None] = field(default_factory=list)
+    error_codes: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    addresses: list[str] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    """Per key, the size it was placed for."""
+
+    def add(self, ticket: Ticket | None, size: int) -> None:
+        self.sizes.append(size)
+        if ticket is None:
+            self.statuses.append(None)
+            self.error_codes.append(0)
+            self.errors.append("")
+            self.counts.append(0)
+            return
+        self.statuses.append(ticket.status)
+        self.error_codes.append(ticket.error_code)
+        self.errors.append(ticket.error)
+        self.counts.append(len(ticket.replicas))
+        for r in ticket.replicas:
+            self.nodes.append(r.node_id)
+            self.addresses.append(r.address)
+            self.offsets.append(r.offset)
+
+    @property
+    def tickets(self) -> list[Ticket | None]:
+        """One per key; None for a key waiting for evictions."""
+        out: list[Ticket | None] = []
+        at = 0
+        for status, code, error, count, size in zip(
+            self.statuses, self.error_codes, self.errors, self.counts, self.sizes, strict=True
+        ):
+            if status is None:
+                out.append(None)
+                continue
+            replicas = [
+                PlacedReplica(self.nodes[j], self.addresses[j], DRAM, self.offsets[j], size)
+                for j in range(at, at + count)
+            ]  # fmt: skip
+            at += count
+            out.append(Ticket(status, replicas, code, error))  # type: ignore[arg-type]
+        return out
 
 
 def _ticket_error(exc: KVStoreError) -> Ticket:
@@ -89,41 +138,54 @@ class Writes:
         if len(keys) != len(sizes):
             raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
         checked = validate_keys(keys)
-        for key, size in zip(checked, sizes, strict=True):
-            if type(size) is not int or size <= 0:
-                raise InvalidArgument(f"size of {key!r} must be a positive int, got {size!r}")
+        if sizes and not (set(map(type, sizes)) == {int} and min(sizes) > 0):  # the common case at C speed
+            for key, size in zip(checked, sizes, strict=True):
+                if type(size) is not int or size <= 0:
+                    raise InvalidArgument(f"size of {key!r} must be a positive int, got {size!r}")
         if not 1 <= replicas <= 16:
             raise InvalidArgument(f"replicas must be between 1 and 16, got {replicas}")
-        plan = PutPlan([], [], [])
+        plan = PutPlan()
         # One ordering for the whole batch: a batch is usually one request's chain of blocks, and
         # keeping it together on a node keeps a prefix from spanning nodes that evict independently.
         ordered = self.strategy(self.catalog.placeable(), preferred_node, self.rng)
+        run = self._reserve_run(checked, sizes, ordered[0]) if replicas == 1 and ordered else None
+        if run is not None:
+            self._record_run(checked, sizes, ordered[0], run, pin, now_ms, plan)
+            return plan
         smallest = min((n.alloc.capacity for n in ordered), default=0)
-        reserved = self._reserve_run(checked, sizes, ordered[0]) if replicas == 1 and ordered else {}
         for i, (key, size) in enumerate(zip(checked, sizes, strict=True)):
-            extent = reserved.get(i)
-            if extent is not None:
-                first = [ReplicaState(ordered[0].node_id, DRAM, extent)]
-                plan.tickets.append(self._record(key, size, first, pin, now_ms))
-                continue
             fits = ordered if size <= smallest else [n for n in ordered if n.alloc.capacity >= size]
-            plan.tickets.append(self._place(key, size, replicas, fits, pin, now_ms, plan, i))
+            plan.add(self._place(key, size, replicas, fits, pin, now_ms, plan, i), size)
         return plan
 
-    def _reserve_run(self, keys: list[BlockKey], sizes: Sequence[int], node: NodeState) -> dict[int, Extent]:
-        """Extents on ``node``, the batch's first choice, for every new key of the batch at once (by
-        index), when they all fit there without evicting; else none, and each key is placed alone.
-        Either way a key goes where it would have gone alone: the first node, while it has room."""
+    def _reserve_run(self, keys: list[BlockKey], sizes: Sequence[int], node: NodeState) -> list[int] | None:
+        """Extents on ``node``, the batch's first choice, for the whole batch at once, when every key
+        is new (and named once) and all fit there without evicting; else None, and each key is
+        placed alone. Either way a key goes where it would have gone alone: the first node, while it
+        has room."""
+        if len(keys) < 2 or not self.catalog.rec.index.keys().isdisjoint(keys) or len(set(keys)) != len(keys):
+            return None
+        if node.alloc.capacity < max(sizes):
+            return None
+        return self.tiering.reserve_many(node, list(sizes))
+
+    def _record_run(
+        self, keys: list[BlockKey], sizes: Sequence[int], node: NodeState, offsets: list[int], pin: bool, now_ms: int,
+        plan: PutPlan,
+    ) -> None:  # fmt: skip
+        """Record new keys reserved at ``offsets`` of ``node`` (:meth:`_record` for a whole run), into ``plan``."""
         cat = self.catalog
-        objects, pending = cat.objects, cat.pending
-        new: dict[BlockKey, int] = {}
-        for i, key in enumerate(keys):
-            if key not in objects and key not in pending and key not in new:
-                new[key] = i
-        if len(new) < 2 or node.alloc.capacity < max(sizes[i] for i in new.values()):
-            return {}
-        extents = self.tiering.reserve_many(node, [sizes[i] for i in new.values()])
-        return dict(zip(new.values(), extents, strict=True)) if extents is not None else {}
+        n = len(keys)
+        cat.new_run(keys, sizes, node, offsets, pinned=pin, deadline=now_ms + self.reservation_ms)
+        cat.counters["puts"] += n
+        plan.statuses.extend(["ok"] * n)
+        plan.error_codes.extend([0] * n)
+        plan.errors.extend([""] * n)
+        plan.counts.extend([1] * n)
+        plan.nodes.extend([node.node_id] * n)
+        plan.addresses.extend([node.address] * n)
+        plan.offsets.extend(offsets)
+        plan.sizes.extend(sizes)
 
     def _place(
         self,
@@ -137,13 +199,14 @@ class Writes:
         i: int,
     ) -> Ticket | None:
         cat = self.catalog
-        existing = cat.objects.get(key) or cat.pending.get(key)
-        if existing is not None:
-            if existing.removing:
+        slot = cat.rec.index.get(key)
+        if slot is not None:
+            state = cat.rec.state[slot]
+            if state & REMOVING:
                 return _ticket_error(RetryLater(f"key {key!r} is being moved or removed; retry"))
             cat.counters["put_exists"] += 1
-            if existing.committed:
-                cat.touch(existing)
+            if state & COMMITTED:
+                cat.touch(slot)
             return Ticket("exists", [], 0, "")
         if not nodes:  # the nodes able to hold ``size`` bytes, most preferred first
             if not cat.up_nodes():
@@ -154,19 +217,18 @@ class Writes:
             return _ticket_error(
                 NoNodes(f"{replicas} replicas of {key!r} asked for, but only {len(nodes)} nodes can hold it")
             )
-        chosen: list[ReplicaState] = []
+        chosen: list[tuple[NodeState, Extent]] = []
         waiting = False  # some node will have room once its evictions are done
         for node in nodes:
             if len(chosen) == replicas:
                 break
             extent, evicting = self.tiering.reserve(node, size, plan.commands)
             if extent is not None:
-                chosen.append(ReplicaState(node.node_id, DRAM, extent))
+                chosen.append((node, extent))
             waiting = waiting or (extent is None and (evicting or node.inflight > 0))
         if (waiting and len(chosen) < min(replicas, len(nodes))) or not chosen:
-            for r in chosen:
-                assert r.extent is not None
-                cat.nodes[r.node_id].alloc.free(r.extent)
+            for node, extent in chosen:
+                node.alloc.free(extent)
             if waiting:
                 plan.waiting.append(i)
                 return None
@@ -178,43 +240,67 @@ class Writes:
             return _ticket_error(
                 CapacityError(f"no room for block {key!r} of {size} bytes: every node's DRAM is pinned")
             )
-        return self._record(key, size, chosen[:], pin, now_ms)  # a copy holds no room for appends
+        return self._record(key, size, chosen, pin, now_ms)
 
-    def _record(self, key: BlockKey, size: int, chosen: list[ReplicaState], pin: bool, now_ms: int) -> Ticket:
+    def _record(
+        self, key: BlockKey, size: int, chosen: list[tuple[NodeState, Extent]], pin: bool, now_ms: int
+    ) -> Ticket:
         """Record a new key reserved in the DRAM extents of ``chosen``; its ticket."""
         cat = self.catalog
-        entry = ObjectEntry(key, size, 0, chosen, False, now_ms + self.reservation_ms, pin)
-        cat.pending[key] = entry
-        cat.track(entry)
+        slot = cat.new_key(key, size, 0, committed=False, pinned=pin)
+        cat.rec.deadlines[slot] = now_ms + self.reservation_ms
+        for node, extent in chosen:
+            cat.add_replica(slot, node, DRAM, extent)
         cat.counters["puts"] += 1
-        nodes = cat.nodes
-        return Ticket("ok", [PlacedReplica(r.node_id, nodes[r.node_id].address, DRAM, r.offset, size) for r in chosen],
-                      0, "")  # fmt: skip
+        return Ticket("ok", [PlacedReplica(node.node_id, node.address, DRAM, extent.offset, size)
+                             for node, extent in chosen], 0, "")  # fmt: skip
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
         """Commit reserved keys; False for a key whose reservation is gone (expired or revoked)."""
         cat = self.catalog
         if len(keys) != len(checksums):
             raise InvalidArgument(f"put_end got {len(keys)} keys but {len(checksums)} checksums")
+        if checksums and not (
+            set(map(type, checksums)) == {int} and min(checksums) >= 0 and max(checksums) < MAX_CHECKSUM
+        ):
+            bad = next(c for c in checksums if type(c) is not int or not 0 <= c < MAX_CHECKSUM)
+            raise InvalidArgument(f"a checksum must be an int in [0, 2**64), got {bad!r}")
         out = []
-        pending, objects, nodes = cat.pending, cat.objects, cat.nodes
-        written = 0
+        rec = cat.rec
+        index, state, head, nxt, sizes = rec.index, rec.state, rec.head, rec.r_next, rec.size
+        r_node, checksum, deadlines, node_at = rec.r_node, rec.checksum, rec.deadlines, cat.node_at
+        written = committed = 0
+        # Rows to enter each DRAM LRU, in order (a put reserves DRAM only), one append of each run.
+        lru: TierLRU | None = None
+        lru_node = -1
+        rows: list[int] = []
         for key, check in zip(keys, checksums, strict=True):
-            entry = pending.get(key)
-            if entry is None or entry.removing:
+            slot = index.get(key)
+            if slot is None or (bits := state[slot]) & (COMMITTED | REMOVING):
                 out.append(False)
                 continue
-            del pending[key]
-            # Committed: no reservation deadline any more (0 costs no int object of its own).
-            entry.committed, entry.checksum, entry.deadline_ms = True, check, 0
-            objects[key] = entry
-            for r in entry.replicas:
-                lru = nodes[r.node_id].dram_lru
-                lru.insert(key, entry.size)
-                if entry.pinned:
-                    lru.pin(key)
-            written += entry.size
+            state[slot] = bits | COMMITTED
+            checksum[slot] = check
+            del deadlines[slot]
+            committed += 1
+            written += sizes[slot]
             out.append(True)
+            row = head[slot]
+            if r_node[row] == lru_node and nxt[row] < 0:
+                rows.append(row)  # the common case: one replica, on the node of the key before
+                continue
+            while row >= 0:
+                node = node_at[r_node[row]]
+                assert node is not None
+                if node.dram_lru is not lru:
+                    if lru is not None:
+                        lru.insert_rows(rows)
+                    lru, rows, lru_node = node.dram_lru, [], node.idx
+                rows.append(row)
+                row = nxt[row]
+        if lru is not None:
+            lru.insert_rows(rows)
+        rec.committed += committed
         cat.counters["bytes_written"] += written
         return out
 
@@ -225,34 +311,34 @@ class Writes:
 
     def expire_reservations(self, now_ms: int) -> list[NodeCommand]:
         """Revoke the puts not committed by their deadline."""
-        expired = [e for e in self.catalog.pending.values() if e.deadline_ms <= now_ms]
+        rec = self.catalog.rec
+        expired = [ObjectEntry(rec, slot) for slot, deadline in rec.deadlines.items() if deadline <= now_ms]
         self.catalog.counters["expired"] += len(expired)
         return self.catalog.revoke(expired)
 
     def remove(self, keys: Iterable[str]) -> tuple[int, list[NodeCommand]]:
         """Stop serving ``keys`` at once; returns how many were stored and the drops their daemons must do."""
         cat = self.catalog
+        rec = cat.rec
         per: dict[tuple[str, TierName], list[str]] = {}
         removed = 0
         for key in keys:
-            entry = cat.objects.get(validate_key(key))
-            if entry is None or entry.removing:
+            slot = rec.index.get(validate_key(key))
+            if slot is None or rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
                 continue
             removed += 1
-            entry.removing = True
-            if entry.hold:
-                cat.leases.release(LeaseId(entry.hold))  # a forced remove ends the hold of an earlier read
-                entry.hold = 0
+            rec.state[slot] |= REMOVING
+            hold = rec.holds.pop(slot, None)
+            if hold is not None:
+                cat.leases.release(LeaseId(hold[0]))  # a forced remove ends the hold of an earlier read
             cat.want_promote.discard(key)
-            for r in entry.replicas:
-                if r.status is COPYING:
-                    continue  # the daemon may not hold it yet: finish_replicas drops it once answered
-                if r.status is DROPPING:
-                    continue  # its drop is in flight already; a second could reach a block put again since
-                lru = cat.nodes[r.node_id].lru(r.tier)
-                if key in lru:
-                    lru.remove(key)
-                per.setdefault((r.node_id, r.tier), []).append(key)
+            for row in rec.rows(slot):
+                # Copied in: the daemon may not hold it yet, finish_replicas drops it once answered.
+                # Dropped: its drop is in flight already; a second could reach a block put again since.
+                if rec.r_status[row] >= S_COPYING:
+                    continue
+                cat.delist(row)
+                per.setdefault((rec.node_ids[rec.r_node[row]], TIERS[rec.r_tier[row]]), []).append(key)
         return removed, cat.issue(
             [NodeCommand(n, ActionKind.DROP, t, tuple(ks), release=True) for (n, t), ks in per.items()]
         )

@@ -175,9 +175,18 @@ class MasterCore:
                 tickets[i] = Ticket("error", [], QuotaExceeded.code, text)
             todo = [i for i in todo if tickets[i] is None]
         for _ in range(_MAX_EVICTION_ROUNDS):
+            every = len(todo) == len(keys)
             placed = self.table.put_start(
-                [keys[i] for i in todo], [sizes[i] for i in todo], m.replicas, m.preferred_node, m.pin, now_ms()
-            )
+                keys if every else [keys[i] for i in todo], sizes if every else [sizes[i] for i in todo],
+                m.replicas, m.preferred_node, m.pin, now_ms(),
+            )  # fmt: skip
+            if every and not placed.waiting and tenant is None:
+                # Every key answered at the first ask (the common case): the reply is the plan as it is.
+                self.commands.later(placed.commands, "background-eviction")
+                return PutStartReply(
+                    placed.statuses, placed.error_codes, placed.errors, placed.counts,  # type: ignore[arg-type]
+                    placed.nodes, placed.addresses, placed.offsets,
+                )  # fmt: skip
             for j, ticket in zip(todo, placed.tickets, strict=True):
                 tickets[j] = ticket
             todo = [todo[w] for w in placed.waiting]

@@ -149,3 +149,18 @@ def test_alloc_many_reserves_back_to_back_and_each_is_freed_alone() -> None:
     assert a.alloc_many([4096, 64]) is None and a.used == 0
     with pytest.raises(InvalidArgument):
         a.alloc_many([64, 0])
+
+
+def test_an_untracked_allocator_is_checked_against_its_owners_extents() -> None:
+    alloc = Allocator(4096, 64, track=False)
+    a = alloc.alloc(100)
+    offsets = alloc.alloc_offsets([64, 64, 200])
+    assert a is not None and offsets == [128, 192, 256]
+    held = [(a.offset, a.length), (128, 64), (192, 64), (256, 256)]
+    alloc.check(held)
+    with pytest.raises(AssertionError):
+        alloc.check(held[:-1])  # an extent the owner forgot: the spans no longer tile the arena
+    alloc.free(Extent(128, 64))
+    alloc.check([h for h in held if h[0] != 128])
+    with pytest.raises(InvalidArgument):
+        alloc.free(Extent(128, 64))  # its start is free space now

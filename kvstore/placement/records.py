@@ -1,0 +1,444 @@
+"""The placement table's per-key records, kept as columns: one row of arrays per key and per replica.
+
+A master holds millions of keys. As Python objects each key cost an entry, a replica list, a
+replica and a handful of int objects, an LRU node and an allocator entry: ~630 bytes, and as many
+cache misses per lookup. Here a key is one dict entry (its key string to its slot) plus a few
+bytes in each column, and a replica a few bytes in each replica column; node ids are interned as
+small ints. The rules live in the table's parts; this module only stores and links.
+
+- Keys: ``index`` maps a key to its slot; the slot's columns hold its size, checksum, state bits
+  (:data:`COMMITTED`, :data:`PINNED`, :data:`REMOVING`), last use, SSD hits and its first replica's
+  row (``head``). Slots of removed keys are reused.
+- Replicas: rows linked from ``head`` through ``r_next``; each names its key's slot, its node (an
+  index into ``node_ids``), tier, status, DRAM offset (-1 without one; its length is the key's size
+  rounded up to the node's alignment), generation, and its place in its node's tier LRU.
+- :class:`TierLRU`: one node's tier in exact least-recently-used order, kept as an append-only log
+  of (stamp, row): a row is in the LRU while its ``r_lru`` bit is set, at the position of the log
+  entry whose stamp is the row's current one; older entries of the row are skipped and dropped
+  when the log is compacted. Insert and touch are one append each, remove one bit.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Collection, Iterator, Sequence
+
+from kvstore.errors import NotFound
+
+COMMITTED, PINNED, REMOVING = 1, 2, 4
+"""Bits of a key's ``state``: visible to readers once put; never evicted; gone once its daemons confirm."""
+
+T_DRAM, T_SSD = 0, 1
+"""A replica's tier, as its column holds it."""
+
+S_READY, S_MOVING, S_COPYING, S_DROPPING = 0, 1, 2, 3
+"""A replica's status, as its column holds it (:class:`~kvstore.placement.state.ReplicaStatus`)."""
+
+MAX_CHECKSUM = 1 << 64
+
+
+class Records:
+    """Columns of keys and replicas, with slot and row reuse. Not thread-safe; the table owns it."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+        self.keys: list[str | None] = []
+        self.size = array("q")
+        self.checksum = array("Q")
+        self.state = array("B")
+        self.last_use = array("q")
+        self.ssd_hits = array("I")
+        self.head = array("i")
+        self._free_slots: list[int] = []
+        self.deadlines: dict[int, int] = {}
+        """Slots of uncommitted keys -> their reservation's deadline (committed keys have none)."""
+        self.holds: dict[int, tuple[int, int]] = {}
+        """Slots of held keys -> (the hold's lease id, when it ends): only with ``hold_ms``."""
+        self.committed = 0
+        """Keys with COMMITTED set; the rest of ``index`` is being written."""
+        self.r_slot = array("i")
+        self.r_next = array("i")
+        self.r_node = array("H")
+        self.r_tier = array("B")
+        self.r_status = array("B")
+        self.r_lru = array("B")
+        self.r_offset = array("q")
+        self.r_gen = array("q")
+        self.r_stamp = array("q")
+        self._free_rows: list[int] = []
+        self.stamp = 0
+        """The last LRU stamp handed out: stamps grow, so a log's order is its stamps' order."""
+        self.node_ids: list[str] = []
+        """Node index -> node id; a node keeps its index across registrations."""
+        self.node_index: dict[str, int] = {}
+        self.alignment: list[int] = []
+        """Node index -> its arena's alignment (a DRAM replica's extent is its size rounded up to it)."""
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    # -- nodes -------------------------------------------------------------------------------------
+    def intern_node(self, node_id: str, alignment: int) -> int:
+        idx = self.node_index.get(node_id)
+        if idx is None:
+            idx = self.node_index[node_id] = len(self.node_ids)
+            if idx >= 1 << 16:
+                raise OverflowError("more than 65536 node ids seen by one master")
+            self.node_ids.append(node_id)
+            self.alignment.append(alignment)
+        else:
+            self.alignment[idx] = alignment
+        return idx
+
+    def length(self, slot: int, node: int) -> int:
+        """The DRAM extent length of the key in ``slot`` on node index ``node``."""
+        mask = self.alignment[node] - 1
+        return (self.size[slot] + mask) & ~mask
+
+    # -- keys --------------------------------------------------------------------------------------
+    def add_key(self, key: str, size: int, checksum: int, state: int, last_use: int) -> int:
+        """A new key (not in ``index``); its slot."""
+        free = self._free_slots
+        if free:
+            slot = free.pop()
+            self.keys[slot] = key
+            self.size[slot] = size
+            self.checksum[slot] = checksum
+            self.state[slot] = state
+            self.last_use[slot] = last_use
+            self.ssd_hits[slot] = 0
+            self.head[slot] = -1
+        else:
+            slot = len(self.keys)
+            self.keys.append(key)
+            self.size.append(size)
+            self.checksum.append(checksum)
+            self.state.append(state)
+            self.last_use.append(last_use)
+            self.ssd_hits.append(0)
+            self.head.append(-1)
+        self.index[key] = slot
+        if state & COMMITTED:
+            self.committed += 1
+        return slot
+
+    def add_run(self, keys: Sequence[str], sizes: Sequence[int], state: int, last_use: range, node: int,
+                offsets: list[int], gens: range, deadline: int) -> None:  # fmt: skip
+        """New keys (distinct, none in ``index``, not committed), each with one DRAM replica on node
+        index ``node`` at its offset (in no LRU): :meth:`add_key` and :meth:`add_replica` for a whole
+        batch, appended as columns when no slot or row is free to reuse."""
+        assert not state & COMMITTED
+        n = len(keys)
+        if self._free_slots or self._free_rows:
+            for key, size, clock, offset, gen in zip(keys, sizes, last_use, offsets, gens, strict=True):
+                slot = self.add_key(key, size, 0, state, clock)
+                self.add_replica(slot, node, T_DRAM, offset, S_READY, gen)
+                self.deadlines[slot] = deadline
+            return
+        base, rbase = len(self.keys), len(self.r_slot)
+        slots = range(base, base + n)
+        self.keys.extend(keys)
+        self.size.extend(sizes)
+        self.checksum.extend(array("Q", [0]) * n)
+        self.state.extend(array("B", [state]) * n)
+        self.last_use.extend(last_use)
+        self.ssd_hits.extend(array("I", [0]) * n)
+        self.head.extend(range(rbase, rbase + n))
+        self.index.update(zip(keys, slots, strict=True))
+        self.deadlines.update(dict.fromkeys(slots, deadline))
+        self.r_slot.extend(slots)
+        self.r_next.extend(array("i", [-1]) * n)
+        self.r_node.extend(array("H", [node]) * n)
+        zeros = bytes(n)
+        self.r_tier.frombytes(zeros)
+        self.r_status.frombytes(zeros)
+        self.r_lru.frombytes(zeros)
+        self.r_offset.extend(offsets)
+        self.r_gen.extend(gens)
+        self.r_stamp.extend(array("q", [0]) * n)
+
+    def drop_key(self, slot: int) -> None:
+        """Forget the key in ``slot`` (its replicas are gone already); the slot is reused."""
+        assert self.head[slot] == -1, "a key dropped with replicas"
+        key = self.keys[slot]
+        assert key is not None
+        del self.index[key]
+        if self.state[slot] & COMMITTED:
+            self.committed -= 1
+        self.keys[slot] = None
+        self.deadlines.pop(slot, None)
+        self.holds.pop(slot, None)
+        self._free_slots.append(slot)
+
+    def commit(self, slot: int, checksum: int) -> None:
+        self.state[slot] |= COMMITTED
+        self.checksum[slot] = checksum
+        self.committed += 1
+        self.deadlines.pop(slot, None)
+
+    # -- replicas ----------------------------------------------------------------------------------
+    def add_replica(self, slot: int, node: int, tier: int, offset: int, status: int, gen: int) -> int:
+        """A replica of the key in ``slot``, last of its replicas; its row (in no LRU yet)."""
+        free = self._free_rows
+        if free:
+            row = free.pop()
+            self.r_slot[row] = slot
+            self.r_next[row] = -1
+            self.r_node[row] = node
+            self.r_tier[row] = tier
+            self.r_status[row] = status
+            self.r_lru[row] = 0
+            self.r_offset[row] = offset
+            self.r_gen[row] = gen
+            self.r_stamp[row] = 0
+        else:
+            row = len(self.r_slot)
+            self.r_slot.append(slot)
+            self.r_next.append(-1)
+            self.r_node.append(node)
+            self.r_tier.append(tier)
+            self.r_status.append(status)
+            self.r_lru.append(0)
+            self.r_offset.append(offset)
+            self.r_gen.append(gen)
+            self.r_stamp.append(0)
+        at = self.head[slot]
+        if at < 0:
+            self.head[slot] = row
+        else:
+            nxt = self.r_next
+            while nxt[at] >= 0:
+                at = nxt[at]
+            nxt[at] = row
+        return row
+
+    def remove_replica(self, row: int) -> None:
+        """Unlink ``row`` from its key (it must be out of every LRU); the row is reused."""
+        assert not self.r_lru[row], "a replica removed while in an LRU"
+        slot, nxt = self.r_slot[row], self.r_next
+        at = self.head[slot]
+        if at == row:
+            self.head[slot] = nxt[row]
+        else:
+            while nxt[at] != row:
+                at = nxt[at]
+            nxt[at] = nxt[row]
+        self.r_slot[row] = -1
+        self._free_rows.append(row)
+
+    def rows(self, slot: int) -> list[int]:
+        """The rows of the key's replicas, in the order they were added."""
+        out = []
+        row, nxt = self.head[slot], self.r_next
+        while row >= 0:
+            out.append(row)
+            row = nxt[row]
+        return out
+
+    def row_on(self, slot: int, node: int) -> int:
+        """The row of the key's replica on node index ``node``; -1 when it has none there."""
+        row, nxt, nodes = self.head[slot], self.r_next, self.r_node
+        while row >= 0 and nodes[row] != node:
+            row = nxt[row]
+        return row
+
+    def next_stamp(self) -> int:
+        self.stamp += 1
+        return self.stamp
+
+    # -- for tests ---------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Assert that index, slots and replica chains agree."""
+        live = {slot for slot, key in enumerate(self.keys) if key is not None}
+        assert len(live) == len(self.index) and all(self.keys[s] == k for k, s in self.index.items())
+        assert set(self._free_slots) == set(range(len(self.keys))) - live, "free slots drifted"
+        assert self.committed == sum(1 for s in live if self.state[s] & COMMITTED), "committed count drifted"
+        assert set(self.deadlines) <= live and set(self.holds) <= live
+        seen: set[int] = set()
+        for slot in live:
+            for row in self.rows(slot):
+                assert row not in seen and self.r_slot[row] == slot, f"replica row {row} linked twice"
+                seen.add(row)
+        assert seen == {r for r in range(len(self.r_slot)) if self.r_slot[r] >= 0}, "a replica row of no key"
+        assert set(self._free_rows) == set(range(len(self.r_slot))) - seen, "free rows drifted"
+
+
+class TierLRU:
+    """One node's tier: its READY replicas of committed keys in least-recently-used order.
+
+    Order contract (that of :class:`kvstore.lru.LRU`): iteration and :meth:`victims` go from the
+    least recently used key to the most; :meth:`insert_row` and :meth:`touch_row` make a key the
+    most recent. Pinned keys (their key's PINNED bit) are skipped by :meth:`victims`; leases are
+    the table's (:class:`~kvstore.placement.leases.Leases`), passed in as ``skip``.
+    """
+
+    __slots__ = ("_len", "_log_rows", "_log_stamps", "_rec", "_start", "node", "num_pinned", "tier", "total_bytes")
+
+    def __init__(self, records: Records, node: int, tier: int) -> None:
+        self._rec = records
+        self.node = node
+        self.tier = tier
+        self._log_stamps = array("q")
+        self._log_rows = array("i")
+        self._start = 0
+        self._len = 0
+        self.total_bytes = 0
+        self.num_pinned = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    # -- by row: the table's hot paths -----------------------------------------------------------
+    def insert_row(self, row: int) -> None:
+        """Add the replica in ``row`` (of this node and tier, in no LRU) as the most recently used."""
+        rec = self._rec
+        assert not rec.r_lru[row] and rec.r_node[row] == self.node and rec.r_tier[row] == self.tier
+        slot = rec.r_slot[row]
+        rec.stamp += 1
+        rec.r_stamp[row] = rec.stamp
+        rec.r_lru[row] = 1
+        self._log_stamps.append(rec.stamp)
+        self._log_rows.append(row)
+        self._len += 1
+        self.total_bytes += rec.size[slot]
+        if rec.state[slot] & PINNED:
+            self.num_pinned += 1
+        if len(self._log_rows) - self._start > 2 * self._len + 1024:
+            self._compact()  # removals leave entries behind as touches do
+
+    def insert_rows(self, rows: list[int]) -> None:
+        """:meth:`insert_row` of each of ``rows``, in order."""
+        rec = self._rec
+        r_stamp, r_lru, r_slot, size, state = rec.r_stamp, rec.r_lru, rec.r_slot, rec.size, rec.state
+        first = rec.stamp + 1
+        rec.stamp += len(rows)
+        total = pinned = 0
+        for stamp, row in enumerate(rows, first):
+            assert not r_lru[row]
+            r_stamp[row] = stamp
+            r_lru[row] = 1
+            slot = r_slot[row]
+            total += size[slot]
+            if state[slot] & PINNED:
+                pinned += 1
+        self._log_stamps.extend(range(first, first + len(rows)))
+        self._log_rows.extend(rows)
+        self._len += len(rows)
+        self.total_bytes += total
+        self.num_pinned += pinned
+        if len(self._log_rows) - self._start > 2 * self._len + 1024:
+            self._compact()
+
+    def touch_rows(self, rows: list[int]) -> None:
+        """:meth:`touch_row` of each of ``rows`` (all in this LRU), in order."""
+        rec = self._rec
+        r_stamp = rec.r_stamp
+        first = rec.stamp + 1
+        rec.stamp += len(rows)
+        for stamp, row in enumerate(rows, first):
+            r_stamp[row] = stamp
+        self._log_stamps.extend(range(first, first + len(rows)))
+        self._log_rows.extend(rows)
+        if len(self._log_rows) - self._start > 2 * self._len + 1024:
+            self._compact()
+
+    def touch_row(self, row: int) -> None:
+        """Make the replica in ``row`` the most recently used, if it is in this LRU."""
+        rec = self._rec
+        if not rec.r_lru[row]:
+            return
+        rec.stamp += 1
+        rec.r_stamp[row] = rec.stamp
+        self._log_stamps.append(rec.stamp)
+        self._log_rows.append(row)
+        if len(self._log_rows) - self._start > 2 * self._len + 1024:
+            self._compact()
+
+    def remove_row(self, row: int) -> bool:
+        """Take the replica in ``row`` out of this LRU; whether it was in it."""
+        rec = self._rec
+        if not rec.r_lru[row]:
+            return False
+        rec.r_lru[row] = 0
+        slot = rec.r_slot[row]
+        self._len -= 1
+        self.total_bytes -= rec.size[slot]
+        if rec.state[slot] & PINNED:
+            self.num_pinned -= 1
+        return True
+
+    def _live(self) -> Iterator[int]:
+        """Rows in order, least recently used first."""
+        rec = self._rec
+        lru, stamps = rec.r_lru, rec.r_stamp
+        log_stamps, log_rows = self._log_stamps, self._log_rows
+        for i in range(self._start, len(log_rows)):
+            row = log_rows[i]
+            if lru[row] and stamps[row] == log_stamps[i]:
+                yield row
+
+    def _compact(self) -> None:
+        rows = list(self._live())
+        stamps = self._rec.r_stamp
+        self._log_rows = array("i", rows)
+        self._log_stamps = array("q", [stamps[r] for r in rows])
+        self._start = 0
+
+    # -- by key: policies, operators and tests ---------------------------------------------------
+    def row_of(self, key: object) -> int:
+        """The row of ``key``'s replica in this LRU; -1 when it is not in it."""
+        rec = self._rec
+        slot = rec.index.get(key)  # type: ignore[call-overload]
+        if slot is None:
+            return -1
+        row = rec.row_on(slot, self.node)
+        return row if row >= 0 and rec.r_lru[row] and rec.r_tier[row] == self.tier else -1
+
+    def __contains__(self, key: object) -> bool:
+        return self.row_of(key) >= 0
+
+    def __iter__(self) -> Iterator[str]:
+        keys, slots = self._rec.keys, self._rec.r_slot
+        for row in self._live():
+            key = keys[slots[row]]
+            assert key is not None
+            yield key
+
+    def remove(self, key: str) -> int:
+        """Forget ``key``; its size. Raises :class:`NotFound` if absent."""
+        row = self.row_of(key)
+        if row < 0:
+            raise NotFound(f"key {key!r} is not in this LRU")
+        self.remove_row(row)
+        return self._rec.size[self._rec.r_slot[row]]
+
+    def is_pinned(self, key: str) -> bool:
+        row = self.row_of(key)
+        return row >= 0 and bool(self._rec.state[self._rec.r_slot[row]] & PINNED)
+
+    def victims(self, skip: Collection[str] = ()) -> Iterator[tuple[str, int]]:
+        """(key, size) of evictable keys, least recently used first: neither pinned nor in ``skip``.
+        Do not change the LRU while iterating."""
+        rec = self._rec
+        keys, sizes, state, slots = rec.keys, rec.size, rec.state, rec.r_slot
+        for row in self._live():
+            slot = slots[row]
+            key = keys[slot]
+            assert key is not None
+            if not state[slot] & PINNED and key not in skip:
+                yield key, sizes[slot]
+
+    def check(self) -> None:
+        """Assert that the log holds each member once, in stamp order, and that the counts agree."""
+        rec = self._rec
+        rows = list(self._live())
+        assert len(rows) == len(set(rows)) == self._len, "an LRU's count drifted"
+        stamps = [rec.r_stamp[r] for r in rows]
+        assert stamps == sorted(stamps), "an LRU's log is out of order"
+        members = {
+            r for r in range(len(rec.r_slot))
+            if rec.r_slot[r] >= 0 and rec.r_lru[r] and rec.r_node[r] == self.node and rec.r_tier[r] == self.tier
+        }  # fmt: skip
+        assert members == set(rows), "an LRU member is missing from its log"
+        assert self.total_bytes == sum(rec.size[rec.r_slot[r]] for r in rows), "an LRU's bytes drifted"
+        assert self.num_pinned == sum(1 for r in rows if rec.state[rec.r_slot[r]] & PINNED)
