@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Collection, Iterator, Sequence
+from typing import Any
+
+import numpy as np
 
 from kvstore.errors import NotFound
 
@@ -35,6 +38,19 @@ S_READY, S_MOVING, S_COPYING, S_DROPPING = 0, 1, 2, 3
 """A replica's status, as its column holds it (:class:`~kvstore.placement.state.ReplicaStatus`)."""
 
 MAX_CHECKSUM = 1 << 64
+
+_DTYPES = {"q": np.int64, "Q": np.uint64, "B": np.uint8, "I": np.uint32, "i": np.int32, "H": np.uint16}
+
+
+def gather(column: array[int], at: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``column[at]`` for an index array ``at``, as a new array (the column is seen only meanwhile:
+    an array.array cannot grow while a view of it lives)."""
+    return np.frombuffer(column, _DTYPES[column.typecode])[at]
+
+
+def scatter(column: array[int], at: np.ndarray[Any, Any], values: Any) -> None:
+    """``column[at] = values`` for an index array ``at``."""
+    np.frombuffer(column, _DTYPES[column.typecode])[at] = values
 
 
 class Records:
@@ -303,7 +319,7 @@ class TierLRU:
         self.total_bytes += rec.size[slot]
         if rec.state[slot] & PINNED:
             self.num_pinned += 1
-        if len(self._log_rows) - self._start > 2 * self._len + 1024:
+        if self._grown():
             self._compact()  # removals leave entries behind as touches do
 
     def insert_rows(self, rows: list[int]) -> None:
@@ -326,7 +342,7 @@ class TierLRU:
         self._len += len(rows)
         self.total_bytes += total
         self.num_pinned += pinned
-        if len(self._log_rows) - self._start > 2 * self._len + 1024:
+        if self._grown():
             self._compact()
 
     def touch_rows(self, rows: list[int]) -> None:
@@ -339,7 +355,24 @@ class TierLRU:
             r_stamp[row] = stamp
         self._log_stamps.extend(range(first, first + len(rows)))
         self._log_rows.extend(rows)
-        if len(self._log_rows) - self._start > 2 * self._len + 1024:
+        if self._grown():
+            self._compact()
+
+    def insert_run(self, rows: np.ndarray[Any, Any]) -> None:
+        """:meth:`insert_rows` of distinct ``rows`` (an index array), column-wise."""
+        rec = self._rec
+        n = len(rows)
+        first = rec.stamp + 1
+        rec.stamp += n
+        scatter(rec.r_stamp, rows, np.arange(first, first + n, dtype=np.int64))
+        scatter(rec.r_lru, rows, 1)
+        slots = gather(rec.r_slot, rows)
+        self._log_stamps.extend(range(first, first + n))
+        self._log_rows.frombytes(rows.astype(np.int32).tobytes())
+        self._len += n
+        self.total_bytes += int(gather(rec.size, slots).sum())
+        self.num_pinned += int(np.count_nonzero(gather(rec.state, slots) & PINNED))
+        if self._grown():
             self._compact()
 
     def touch_row(self, row: int) -> None:
@@ -351,7 +384,7 @@ class TierLRU:
         rec.r_stamp[row] = rec.stamp
         self._log_stamps.append(rec.stamp)
         self._log_rows.append(row)
-        if len(self._log_rows) - self._start > 2 * self._len + 1024:
+        if self._grown():
             self._compact()
 
     def remove_row(self, row: int) -> bool:
@@ -368,20 +401,35 @@ class TierLRU:
         return True
 
     def _live(self) -> Iterator[int]:
-        """Rows in order, least recently used first."""
+        """Rows in order, least recently used first. Entries of no member at the head of the log
+        are skipped for good (evictions take from the head: the next walk starts past them)."""
         rec = self._rec
         lru, stamps = rec.r_lru, rec.r_stamp
         log_stamps, log_rows = self._log_stamps, self._log_rows
-        for i in range(self._start, len(log_rows)):
+        head, end = self._start, len(log_rows)
+        while head < end and not (lru[log_rows[head]] and stamps[log_rows[head]] == log_stamps[head]):
+            head += 1
+        self._start = head
+        for i in range(head, end):
             row = log_rows[i]
             if lru[row] and stamps[row] == log_stamps[i]:
                 yield row
 
+    def _grown(self) -> bool:
+        """Whether the log holds more than twice its members (plus some): time to compact it."""
+        return len(self._log_rows) > 2 * self._len + 1024
+
     def _compact(self) -> None:
-        rows = list(self._live())
-        stamps = self._rec.r_stamp
-        self._log_rows = array("i", rows)
-        self._log_stamps = array("q", [stamps[r] for r in rows])
+        """Keep only the members' current entries, in order (column-wise: the log can hold millions)."""
+        rec = self._rec
+        rows = np.frombuffer(self._log_rows, np.int32)[self._start :]
+        stamps = np.frombuffer(self._log_stamps, np.int64)[self._start :]
+        keep = (gather(rec.r_lru, rows) == 1) & (gather(rec.r_stamp, rows) == stamps)
+        kept_rows, kept_stamps = rows[keep].tobytes(), stamps[keep].tobytes()
+        del rows, stamps  # the views of the old log go before it does
+        self._log_rows, self._log_stamps = array("i"), array("q")
+        self._log_rows.frombytes(kept_rows)
+        self._log_stamps.frombytes(kept_stamps)
         self._start = 0
 
     # -- by key: policies, operators and tests ---------------------------------------------------
