@@ -36,17 +36,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 import os
-import re
 import secrets
 import time
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
@@ -78,6 +75,7 @@ from kvstore.protocol import (
     Replicate,
     ReturnGrants,
     Stats,
+    TenantsPolicy,
     TicketReply,
     WriteBlocks,
     WriteGranted,
@@ -86,8 +84,22 @@ from kvstore.protocol import (
 
 log = logging.getLogger("kvstore.auth")
 
-Operation = Literal["read", "write", "remove"]
-OPERATIONS: tuple[Operation, ...] = ("read", "write", "remove")
+# The tenants file's side of it, re-exported: callers of this module name them from here.
+from kvstore.tenants import (  # noqa: E402
+    MIN_SECRET_BYTES,
+    OPERATIONS,
+    TENANT_NAME,
+    Access,
+    Admin,
+    Operation,
+    Tenant,
+    _mac,
+    _split_token,
+    client_key,
+    key_fingerprint,
+    load_access,
+    stored_key,
+)
 
 _OPERATION_OF: dict[type[Message], Operation] = {
     GetReplicas: "read", ReleaseLeases: "read", MatchPrefix: "read", MatchPrefixNodes: "read", Exists: "read",
@@ -101,13 +113,6 @@ _OPERATION_OF: dict[type[Message], Operation] = {
 registering, the master's commands to daemons, a daemon's reports)."""
 
 
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-"""A tenant's name: also the first part of its token and of its keys (``NAME/``)."""
-
-_RESERVED = frozenset({"cluster", "anyone"})
-"""Names of the identities that are not tenants."""
-
-MIN_SECRET_BYTES = 16
 TICKET_SKEW_MS = 60_000
 """Clocks of the master and the daemons may differ by this much: a ticket is taken this long past its end."""
 
@@ -116,10 +121,6 @@ _SEAL_MAC = 16
 _MAX_NAME = 64
 _MAX_TICKET = 256
 _TRANSCRIPT_TAG = b"kvstore-auth-1"
-
-
-def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, b"\0".join(parts), hashlib.sha256).digest()
 
 
 def _xor(a: bytes, b: bytes) -> bytes:
@@ -137,6 +138,9 @@ class Identity:
     name: str
     tenant: str | None = None
     operations: frozenset[str] = frozenset(OPERATIONS)
+    key_id: bytes = field(default=b"", repr=False)
+    """What a tenant logged in with: its stored key (a master's session), or its ticket's issue
+    time (a daemon's): a session whose credential the tenants file no longer accepts is over."""
 
     @property
     def prefix(self) -> str:
@@ -205,41 +209,9 @@ def cluster_credential(secret: bytes) -> Credential:
     return Credential("cluster", "cluster", cluster_key(secret))
 
 
-def _split_token(token: str) -> tuple[str, bytes]:
-    name, sep, rest = token.partition(".")
-    if not sep or not TENANT_NAME.match(name) or len(rest) < MIN_SECRET_BYTES:
-        raise ConfigError("a tenant token is NAME.SECRET, as `kvstore tenants add` prints it; this one is not")
-    return name, token.encode()
-
-
-def client_key(token: str) -> bytes:
-    return _mac(_split_token(token)[1], b"kvstore client key")
-
-
-def stored_key(token: str) -> bytes:
-    """What the tenants file keeps of a token (it cannot be turned back into one)."""
-    return hashlib.sha256(client_key(token)).digest()
-
-
 def tenant_credential(token: str) -> Credential:
     name, _ = _split_token(token)
     return Credential("tenant", name, client_key(token))
-
-
-def check_tenant_name(name: str, where: str = "") -> None:
-    """Raise ConfigError unless ``name`` can name a tenant (``where``: the file it came from)."""
-    at = f"{where}: " if where else ""
-    if name in _RESERVED:
-        raise ConfigError(f"{at}{name!r} names the cluster's own identity, not a tenant")
-    if not TENANT_NAME.match(name):
-        raise ConfigError(
-            f"{at}tenant name {name!r}: 1-64 letters, digits, '_' or '-', starting with a letter or digit"
-        )
-
-
-def new_token(name: str) -> str:
-    check_tenant_name(name)
-    return f"{name}.{secrets.token_urlsafe(32)}"
 
 
 def read_secret_file(path: str | os.PathLike[str]) -> bytes:
@@ -316,161 +288,6 @@ def open_ticket(reply: TicketReply, connection_key: bytes, tenant: str) -> Crede
     return Credential("ticket", tenant, _xor(reply.sealed_key, mask), reply.ticket, reply.expires_ms)
 
 
-# -- tenants (the master's file) -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tenant:
-    name: str
-    stored_key: bytes = field(repr=False)
-    quota_bytes: int = 0
-    """Bytes of blocks the tenant may hold, DRAM and SSD together; 0: no quota."""
-    operations: frozenset[str] = frozenset(OPERATIONS)
-
-
-ADMIN_ROLES = ("read-only", "operator")
-"""Roles of the admin API's tokens: read-only may GET every route; operator may also evict and drain."""
-
-
-@dataclass(frozen=True)
-class Admin:
-    """A token of the master's admin API (kept in the tenants file, table ``admins``)."""
-
-    name: str
-    stored_key: bytes = field(repr=False)
-    role: str = "read-only"
-
-
-@dataclass(frozen=True)
-class Access:
-    """What a tenants file says: the tenants (RPC and admin API, each in its namespace) and the
-    admin API's own tokens."""
-
-    tenants: dict[str, Tenant]
-    admins: dict[str, Admin]
-
-
-def _stored_key_of(name: str, entry: dict[str, Any], what: str) -> bytes:
-    try:
-        key = bytes.fromhex(str(entry["token_sha256"]))
-    except (KeyError, ValueError):
-        raise ConfigError(f"{what} {name!r} needs token_sha256, 64 hex digits") from None
-    if len(key) != 32:
-        raise ConfigError(f"{what} {name!r}: token_sha256 must be 64 hex digits")
-    return key
-
-
-def _entry(name: str, entry: Any, where: str, kind: str, settings: set[str]) -> dict[str, Any]:
-    check_tenant_name(name, where)
-    if not isinstance(entry, dict):
-        raise ConfigError(f"{where}: {kind} {name!r} must be a table")
-    unknown = set(entry) - settings
-    if unknown:
-        raise ConfigError(f"{where}: {kind} {name!r} has unknown settings {sorted(unknown)}")
-    return entry
-
-
-def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
-    entry = _entry(name, entry, where, "tenant", {"token_sha256", "quota_bytes", "operations"})
-    key = _stored_key_of(name, entry, f"{where}: tenant")
-    quota = entry.get("quota_bytes", 0)
-    if type(quota) is not int or quota < 0:
-        raise ConfigError(f"{where}: tenant {name!r}: quota_bytes must be a non-negative integer")
-    ops = entry.get("operations", list(OPERATIONS))
-    if not isinstance(ops, list) or not set(ops) <= set(OPERATIONS):
-        raise ConfigError(f"{where}: tenant {name!r}: operations must be a list of {list(OPERATIONS)}")
-    return Tenant(name, key, quota, frozenset(ops))
-
-
-def _admin_from(name: str, entry: Any, where: str) -> Admin:
-    entry = _entry(name, entry, where, "admin", {"token_sha256", "role"})
-    key = _stored_key_of(name, entry, f"{where}: admin")
-    role = entry.get("role", "read-only")
-    if role not in ADMIN_ROLES:
-        raise ConfigError(f"{where}: admin {name!r}: role must be one of {list(ADMIN_ROLES)}, not {role!r}")
-    return Admin(name, key, role)
-
-
-def _read_access_data(p: Path) -> dict[str, Any]:
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ConfigError(f"tenants file {p}: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"tenants file {p}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"tenants file {p}: expected tables 'tenants' and 'admins'")
-    return data
-
-
-def load_access(path: str | os.PathLike[str]) -> Access:
-    """Tenants and admin tokens from a TOML or JSON file: a table ``tenants`` of NAME ->
-    {token_sha256, quota_bytes, operations} and a table ``admins`` of NAME -> {token_sha256, role}.
-    ConfigError names the file and what is wrong."""
-    p = Path(path)
-    data = _read_access_data(p)
-    where = f"tenants file {p}"
-    tables = {}
-    for table in ("tenants", "admins"):
-        tables[table] = data.get(table, {})
-        if not isinstance(tables[table], dict):
-            raise ConfigError(f"{where}: '{table}' must be a table")
-    unknown = set(data) - set(tables)
-    if unknown:
-        raise ConfigError(f"{where}: unknown tables {sorted(unknown)} (there are 'tenants' and 'admins')")
-    return Access(
-        {name: _tenant_from(name, entry, where) for name, entry in tables["tenants"].items()},
-        {name: _admin_from(name, entry, where) for name, entry in tables["admins"].items()},
-    )
-
-
-def _add_entry(path: str | os.PathLike[str], table: str, name: str, entry: dict[str, Any]) -> str:
-    """Add ``entry`` with a new token to ``table`` of the file (created if absent) and return the
-    token (shown once). The file is replaced atomically, so a master reading it never sees half of it."""
-    token = new_token(name)
-    p = Path(path)
-    data: dict[str, Any] = {}
-    if p.exists() and p.read_text().strip():
-        access = load_access(p)  # checks the file first
-        if name in getattr(access, table):
-            raise ConfigError(f"tenants file {p}: {table[:-1]} {name!r} exists already")
-        data = _read_access_data(p)
-    data.setdefault(table, {})[name] = {"token_sha256": stored_key(token).hex(), **entry}
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n" if p.suffix == ".json" else _toml(data))
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, p)
-    return token
-
-
-def add_tenant(path: str | os.PathLike[str], name: str, quota_bytes: int = 0,
-               operations: tuple[str, ...] = OPERATIONS) -> str:  # fmt: skip
-    """Add tenant ``name`` to the file and return its new token (shown once)."""
-    if not set(operations) <= set(OPERATIONS):
-        raise ConfigError(f"operations must be among {list(OPERATIONS)}")
-    return _add_entry(path, "tenants", name, {"quota_bytes": quota_bytes, "operations": list(operations)})
-
-
-def add_admin(path: str | os.PathLike[str], name: str, role: str = "read-only") -> str:
-    """Add an admin API token of ``role`` to the file and return it (shown once)."""
-    if role not in ADMIN_ROLES:
-        raise ConfigError(f"an admin's role is one of {list(ADMIN_ROLES)}, not {role!r}")
-    return _add_entry(path, "admins", name, {"role": role})
-
-
-def _toml(data: dict[str, Any]) -> str:
-    lines = []
-    for table in ("tenants", "admins"):
-        for name, entry in data.get(table, {}).items():
-            lines.append(f"[{table}.{name}]")
-            for setting, value in entry.items():
-                lines.append(f"{setting} = {json.dumps(value)}")  # strings, ints and lists of strings: TOML too
-            lines.append("")
-    return "\n".join(lines)
-
-
 # -- the server's half ---------------------------------------------------------------------------
 
 
@@ -487,6 +304,13 @@ class Authority:
         self._access = Access({}, {})
         self._tenants_stamp: tuple[int, int] | None = None
         self._loaded = False
+        self.file_error = ""
+        """Why the tenants file last failed to load ("" once it loads): the last good one serves meanwhile."""
+        self.file_errors = 0
+        """Loads of the tenants file that failed since the start."""
+        self._policy: dict[str, tuple[frozenset[str], frozenset[bytes]]] | None = None
+        """A daemon's: per tenant, its operations and the fingerprints of its keys (the master's word)."""
+        self._policy_as_of = 0
         self.refresh_tenants()
 
     @property
@@ -513,10 +337,40 @@ class Authority:
             else:
                 try:
                     self._access = load_access(self._tenants_file)
-                except ConfigError as exc:  # the last good tenants serve meanwhile
+                    self.file_error = ""
+                except ConfigError as exc:  # the last good tenants serve meanwhile, the error in view
+                    self.file_errors += 1
+                    self.file_error = str(exc)
                     log.error("%s; keeping the %d tenants read before", exc, len(self._access.tenants))
             self._tenants_stamp = stamp
         return self._access
+
+    def current(self, identity: Identity) -> Identity | None:
+        """A tenant's logged-in ``identity`` as things stand now: its operations as they are now, or
+        None when the tenant is gone or the token it logged in with was replaced (its session is
+        over). On the master, as the tenants file read last says (reads no file:
+        :meth:`refresh_tenants` does, on the server's tick); on a daemon, as the master's last
+        :class:`TenantsPolicy` says (a ticket's operations only narrow; before any policy came,
+        the ticket alone)."""
+        if identity.tenant is None:
+            return identity
+        if self.takes_tokens:
+            tenant = self._access.tenants.get(identity.tenant)
+            if tenant is None or tenant.key_for(identity.key_id) is None:
+                return None
+            operations = tenant.operations
+        elif self._policy is None:
+            return identity
+        else:
+            entry = self._policy.get(identity.tenant)
+            key, issued = identity.key_id[:8], int.from_bytes(identity.key_id[8:16], "big")
+            if entry is None or key not in entry[1]:
+                # Issued after the master's last word: it knew of this tenant (or key) then.
+                return identity if issued > self._policy_as_of else None
+            operations = identity.operations & entry[0]
+        if operations != identity.operations:
+            return Identity(identity.name, identity.tenant, operations, identity.key_id)
+        return identity
 
     def tenant(self, name: str) -> Tenant | None:
         return self.refresh_tenants().get(name)
@@ -531,20 +385,23 @@ class Authority:
         key = stored_key(token)
         access = self._refresh()
         found: Admin | Tenant | None = None
-        for entry in (access.admins.get(name), access.tenants.get(name)):
-            if entry is not None and hmac.compare_digest(entry.stored_key, key):
-                found = entry
+        admin, tenant = access.admins.get(name), access.tenants.get(name)
+        if admin is not None and hmac.compare_digest(admin.stored_key, key):
+            found = admin
+        if tenant is not None and tenant.key_for(key) is not None:
+            found = tenant
         return found
 
     # tickets
     def issue_ticket(self, identity: Identity, connection_key: bytes, now_ms: int | None = None) -> TicketReply:
         """A ticket for a tenant's connection: its name, its operations and when it ends, signed."""
         assert identity.tenant is not None
-        expires = (int(time.time() * 1000) if now_ms is None else now_ms) + self.ticket_ttl_ms
+        issued = int(time.time() * 1000) if now_ms is None else now_ms
+        expires = issued + self.ticket_ttl_ms
         ops = ",".join(sorted(identity.operations)).encode()
-        body = b"\0".join(
-            [identity.tenant.encode(), str(expires).encode(), ops, secrets.token_bytes(12).hex().encode()]
-        )
+        key = key_fingerprint(identity.key_id).hex().encode()
+        body = b"\0".join([identity.tenant.encode(), str(expires).encode(), ops, key, str(issued).encode(),
+                            secrets.token_bytes(12).hex().encode()])  # fmt: skip
         ticket = body + _mac(self._ticket_key, b"ticket", body)
         session = _mac(self._ticket_key, b"session", ticket)
         sealed = _xor(session, _mac(connection_key, b"ticket", ticket))
@@ -586,12 +443,34 @@ class Authority:
         if len(ticket) <= 32 or not hmac.compare_digest(mac, _mac(self._ticket_key, b"ticket", body)):
             raise AuthFailed("the ticket is not one this cluster's master issued")
         parts = body.split(b"\0")
-        if len(parts) != 4 or parts[0] != name.encode():
+        if len(parts) != 6 or parts[0] != name.encode():
             raise AuthFailed("the ticket is not this tenant's")
         if int(parts[1]) + TICKET_SKEW_MS < time.time() * 1000:
             raise AuthFailed(f"the ticket of tenant {name!r} has expired; the client asks the master for a new one")
         operations = frozenset(parts[2].decode().split(",")) - {""}
-        return Identity(name, name, operations), _mac(self._ticket_key, b"session", ticket)
+        key_id = bytes.fromhex(parts[3].decode()) + int(parts[4]).to_bytes(8, "big")  # its key, when it was issued
+        identity = self.current(Identity(name, name, operations, key_id))
+        if identity is None:
+            raise AuthFailed(f"tenant {name!r} was removed or its token replaced since this ticket was issued")
+        return identity, _mac(self._ticket_key, b"session", ticket)
+
+    # what the master tells daemons of its tenants
+    def policy(self, now_ms: int | None = None) -> TenantsPolicy:
+        """The tenants file as daemons need it (a master's): names, operations, fingerprints of the keys taken."""
+        tenants = sorted(self._refresh().tenants.values(), key=lambda t: t.name)
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        return TenantsPolicy([t.name for t in tenants], [sorted(t.operations) for t in tenants],
+                             [t.fingerprints(now) for t in tenants], now)  # fmt: skip
+
+    def take_policy(self, policy: TenantsPolicy) -> None:
+        """A daemon's: the master's word on which tenants' tickets to take, and what they may do."""
+        if not len(policy.names) == len(policy.operations) == len(policy.keys):
+            raise InvalidArgument("a TenantsPolicy whose lists differ in length")
+        self._policy = {
+            name: (frozenset(ops), frozenset(keys))
+            for name, ops, keys in zip(policy.names, policy.operations, policy.keys, strict=True)
+        }
+        self._policy_as_of = policy.as_of_ms
 
 
 def as_refusal(exc: KVStoreError) -> AuthFailed:
@@ -645,11 +524,16 @@ class ServerHandshake:
             if not self.authority.takes_tokens:
                 raise AuthFailed("a daemon takes tenants' tickets, not their tokens (the client asks the master)")
             tenant = self.authority.tenant(hello.name)
-            key = tenant.stored_key if tenant is not None else secrets.token_bytes(32)
-            recovered = _xor(proof.proof, _mac(key, b"client", transcript)) if len(proof.proof) == 32 else b""
-            if not hmac.compare_digest(hashlib.sha256(recovered).digest(), key) or tenant is None:
+            matched: bytes | None = None
+            for key in (tenant.stored_key, tenant.previous_key) if tenant is not None else (secrets.token_bytes(32),):
+                recovered = _xor(proof.proof, _mac(key, b"client", transcript)) if len(proof.proof) == 32 else b""
+                if key and hmac.compare_digest(hashlib.sha256(recovered).digest(), key):
+                    matched = tenant.key_for(key) if tenant is not None else None
+                    break
+            if tenant is None or matched is None:
                 raise AuthFailed(f"unknown tenant or wrong token for {hello.name!r}")
-            identity = Identity(tenant.name, tenant.name, tenant.operations)
+            key = matched
+            identity = Identity(tenant.name, tenant.name, tenant.operations, matched)
         else:
             if self.authority.takes_tokens:
                 raise AuthFailed("the master takes tenants' tokens, not tickets (tickets are for daemons)")

@@ -383,6 +383,19 @@ class MasterConfig(_Frozen):
     grant_ttl_ms: int = Field(
         default=10_000, gt=0, description="Granted write space (one-trip puts) returns to the pool after this."
     )
+    admin_header_timeout_s: float = Field(
+        default=10.0, gt=0, le=600, description="An admin API request's head must arrive within this of its connection."
+    )
+    admin_body_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600, description="An admin API request's body must arrive within this of its head."
+    )
+    admin_max_connections: int = Field(
+        default=256, ge=1, le=65536, description="Admin API connections open at once (more are answered 503)."
+    )
+    tenant_max_grants: int = Field(
+        default=16, ge=1, le=4096,
+        description="Grants a tenant may have open at once (each reserves space its quota counts).",
+    )  # fmt: skip
     grant_fraction: float = Field(
         default=1 / 64, gt=0, le=0.5, description="Largest grant, as a fraction of a node's DRAM."
     )

@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 from typing import IO, Self
 
-from kvstore.auth import OPERATIONS, add_admin, add_tenant, cluster_credential, read_secret_file
+from kvstore.auth import cluster_credential, read_secret_file
 from kvstore.config import ClientConfig, TlsConfig, daemon_dram
 from kvstore.errors import ConnectionFailed, KVStoreError, Timeout
 from kvstore.protocol import Stats, StatsReply
+from kvstore.tenants import OPERATIONS, add_admin, add_tenant
 from kvstore.tiers.dram import DramArena
 from kvstore_cli.certs import CertFiles, make_certs
 from kvstore_client.children import die_with_parent, terminate

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -200,10 +201,16 @@ def _daemon(args: argparse.Namespace) -> int:
 @arguments("tenants")
 def _tenants_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "action", choices=["add", "add-admin"],
-        help="add: a new tenant; add-admin: a new admin API token (--role); the token is printed once",
+        "action", choices=["add", "add-admin", "list", "remove", "rotate", "set-quota", "set-operations"],
+        help="add: a new tenant; add-admin: a new admin API token (--role); list: every tenant and admin;"
+             " remove: a tenant (its open sessions end within seconds); rotate: a new token, the old one"
+             " taken for --grace seconds more; set-quota / set-operations: change them (open sessions"
+             " follow). Tokens are printed once",
     )  # fmt: skip
-    p.add_argument("name", help="the tenant's name (letters, digits, '_' and '-'; its keys live under NAME/)")
+    p.add_argument(
+        "name", nargs="?", help="the tenant's name (letters, digits, '_' and '-'; its keys live under NAME/)"
+    )
+    p.add_argument("--grace", type=float, default=300.0, help="rotate: seconds the old token is still taken")
     p.add_argument("--role", choices=["read-only", "operator"], default="read-only",
                    help="add-admin: read-only (every GET route) or operator (also evict and drain)")  # fmt: skip
     p.add_argument("--file", required=True, type=Path, help="the tenants file the master reads (--tenants)")
@@ -217,14 +224,46 @@ def _tenants_arguments(p: argparse.ArgumentParser) -> None:
 
 @command("tenants", "manage the tenants of a cluster that authenticates")
 def _tenants(args: argparse.Namespace) -> int:
-    from kvstore.auth import add_admin, add_tenant
+    from kvstore.errors import ConfigError
+    from kvstore.tenants import add_admin, add_tenant, load_access, remove_tenant, rotate_tenant, set_tenant
 
+    operations = tuple(o.strip() for o in args.operations.split(",") if o.strip())
+    if args.action == "list":
+        access = load_access(args.file)
+        print(f"{'tenant':<24} {'quota':>14}  operations          token")
+        for t in sorted(access.tenants.values(), key=lambda t: t.name):
+            quota = str(t.quota_bytes) if t.quota_bytes else "none"
+            until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t.previous_until_ms / 1000))
+            rotating = (
+                f"rotated; the old one taken until {until}" if t.previous_until_ms > time.time() * 1000 else "one"
+            )
+            print(f"{t.name:<24} {quota:>14}  {','.join(sorted(t.operations)):<18}  {rotating}")
+        for a in sorted(access.admins.values(), key=lambda a: a.name):
+            print(f"{a.name:<24} {'(admin API)':>14}  {a.role}")
+        return 0
+    if not args.name:
+        raise ConfigError(f"kvstore tenants {args.action} needs the tenant's name")
+    if args.action == "remove":
+        remove_tenant(args.file, args.name)
+        print(f"tenant {args.name} removed from {args.file}: its sessions end within seconds", file=sys.stderr)
+        return 0
+    if args.action == "rotate":
+        print(rotate_tenant(args.file, args.name, args.grace))
+        print(f"tenant {args.name} has a new token, shown this once; the old one is taken for {args.grace:g} s more",
+              file=sys.stderr)  # fmt: skip
+        return 0
+    if args.action in ("set-quota", "set-operations"):
+        if args.action == "set-quota":
+            set_tenant(args.file, args.name, quota_bytes=args.quota)
+        else:
+            set_tenant(args.file, args.name, operations=operations)
+        print(f"tenant {args.name} changed in {args.file}: open sessions follow within seconds", file=sys.stderr)
+        return 0
     if args.action == "add-admin":
         print(add_admin(args.file, args.name, args.role))
         print(f"admin {args.name} ({args.role}) added to {args.file}; its token is shown this once"
               " (the admin API's bearer token: KVSTORE_ADMIN_TOKEN)", file=sys.stderr)  # fmt: skip
         return 0
-    operations = tuple(o.strip() for o in args.operations.split(",") if o.strip())
     token = add_tenant(args.file, args.name, args.quota, operations)
     print(token)
     print(f"tenant {args.name} added to {args.file}; its token is shown this once (clients: KVSTORE_TOKEN)",

@@ -14,7 +14,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from kvstore.errors import ConnectionFailed, ProtocolError, Timeout
+from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout
 from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, Message, decode_payload, encode
 
 # sendmsg takes at most IOV_MAX buffers per call.
@@ -36,6 +36,8 @@ def io_errors(what: str) -> Iterator[None]:
     """Turn socket failures into kvstore's typed errors, naming ``what`` was being done."""
     try:
         yield
+    except KVStoreError:
+        raise  # typed already (AuthFailed is an OSError too: a refusal is not a broken connection)
     except (TimeoutError, BlockingIOError):
         raise Timeout(f"{what}: timed out") from None
     except (ConnectionError, OSError) as exc:

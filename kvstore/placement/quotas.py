@@ -1,6 +1,10 @@
 """Tenants' byte quotas as rules over the placement table: what fits, and what of the tenant's own
 blocks to evict so that more fits. Pure: they return the evictions as commands, and the master's
-core carries them out (another tenant's blocks are never touched)."""
+core carries them out (another tenant's blocks are never touched).
+
+A tenant's quota counts everything it holds or reserves (:meth:`PlacementTable.tenant_held`): its keys,
+stored or being written, and the space of its grants not yet written into. So a tenant can make
+the cache evict other tenants' blocks for no more than its quota."""
 
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ class QuotaPlan:
 def plan_put(table: PlacementTable, tenant: str, quota: int, keys: Sequence[str], sizes: Sequence[int]) -> QuotaPlan:
     """Plan a put of ``keys`` by ``tenant`` under ``quota`` bytes (see :func:`refused`)."""
     new = [i for i, k in enumerate(keys) if k not in table.objects and table.describe(k) is None]
-    over = table.usage(tenant) + sum(sizes[i] for i in new) - quota
+    over = table.tenant_held(tenant) + sum(sizes[i] for i in new) - quota
     commands: list[NodeCommand] = []
     if over > 0:
         victims = table.tenant_victims(tenant, over, keep=set(keys))
@@ -44,18 +48,28 @@ def plan_put(table: PlacementTable, tenant: str, quota: int, keys: Sequence[str]
 
 def refused(table: PlacementTable, tenant: str, quota: int, sizes: Sequence[int], plan: QuotaPlan) -> list[int]:
     """Indexes of the new keys of ``plan`` that do not fit ``quota`` once its evictions are done."""
-    ok = fits(quota - table.usage(tenant), [sizes[i] for i in plan.new])
+    ok = fits(quota - table.tenant_held(tenant), [sizes[i] for i in plan.new])
     return [i for i, fit in zip(plan.new, ok, strict=True) if not fit]
 
 
 def refusal_text(table: PlacementTable, tenant: str, quota: int, key: str, size: int) -> str:
     return (
         f"block {key[len(tenant) + 1 :]!r} of {size} bytes would take tenant {tenant!r} past its quota of "
-        f"{quota} bytes ({table.usage(tenant)} held, none of it evictable)"
+        f"{quota} bytes ({table.tenant_held(tenant)} held or reserved, none of it evictable)"
     )
 
 
 def granted_fits(table: PlacementTable, tenant: str, quota: int, sizes: Sequence[int]) -> list[bool]:
-    """Which blocks of a one-trip put (written into a grant already) fit the tenant's quota as it is:
-    the rest go the two-trip way, which evicts the tenant's own blocks or refuses them."""
-    return fits(quota - table.usage(tenant), sizes)
+    """Which blocks of a one-trip put (written into a grant already, whose space the quota counts
+    already) fit the tenant's quota as it is now (it may have been lowered since the grant): the
+    rest go the two-trip way, which evicts the tenant's own blocks or refuses them."""
+    return fits(quota - table.tenant_held(tenant) + sum(sizes), sizes)
+
+
+def grant_evictions(table: PlacementTable, tenant: str, quota: int, length: int) -> list[NodeCommand]:
+    """Evictions of ``tenant``'s own least recently used blocks that make room under ``quota`` for a
+    grant of ``length`` bytes (none when it fits already); the room is what :meth:`PlacementTable.tenant_held` leaves
+    once they are done."""
+    over = table.tenant_held(tenant) + length - quota
+    victims = table.tenant_victims(tenant, over) if over > 0 else []
+    return table.evict_keys(victims)[2] if victims else []

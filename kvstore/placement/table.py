@@ -240,6 +240,16 @@ class PlacementTable:
         """Bytes of the tenant's keys, pending and stored (each once, however many replicas)."""
         return self._catalog.usage.get(tenant, 0)
 
+    def granted(self, owner: str) -> tuple[int, int]:
+        """The open grants of ``owner`` and the bytes they still reserve (a grant returned or expired
+        takes no more writes: its rest is on its way back to the pool, and counts no more)."""
+        grants = [g for g in self._catalog.grants.values() if g.owner == owner and not g.ending]
+        return len(grants), sum(p.length for g in grants for p in g.pieces)
+
+    def tenant_held(self, tenant: str) -> int:
+        """Everything the tenant holds or reserves: its keys (:meth:`usage`) and its grants' pieces."""
+        return self.usage(tenant) + self.granted(tenant)[1]
+
     def evict_tier(self, node_id: str, tier: TierName) -> tuple[int, list[NodeCommand]]:
         return self._moves.evict_tier(node_id, tier)
 

@@ -59,7 +59,15 @@ from kvstore.protocol.grants import (
     ReturnGrants,
     WriteGranted,
 )
-from kvstore.protocol.handshake import AuthChallenge, AuthHello, AuthOk, AuthProof, GetTicket, TicketReply
+from kvstore.protocol.handshake import (
+    AuthChallenge,
+    AuthHello,
+    AuthOk,
+    AuthProof,
+    GetTicket,
+    TenantsPolicy,
+    TicketReply,
+)
 from kvstore.protocol.membership import (
     AccessReport,
     Heartbeat,
@@ -185,6 +193,7 @@ __all__ = [
     "Stats",
     "StatsReply",
     "Struct",
+    "TenantsPolicy",
     "TicketReply",
     "Tier",
     "WriteBlocks",

@@ -44,3 +44,18 @@ class TicketReply(Message, tag=85, frozen=True):
     """The ticket's session key, masked with a key only this connection's two ends can derive."""
     expires_ms: int
     """Unix time (ms) the ticket ends at."""
+
+
+class TenantsPolicy(Message, tag=89, frozen=True):
+    """Master -> daemon: the tenants whose tickets a daemon may take now, and what each may do
+    (answered by OkReply). A tenant not listed is refused; a ticket whose key is not among its
+    tenant's ``keys`` (fingerprints of the tokens the master takes, a rotated one's during its grace)
+    is refused; a ticket's operations are narrowed to its tenant's. Sent whenever the tenants file
+    changes and every few seconds, so that a removal or a narrowing reaches open sessions at once."""
+
+    names: list[str]
+    operations: list[list[str]]
+    keys: list[list[bytes]]
+    as_of_ms: int = 0
+    """When the master read this (its clock, as tickets' times are): a ticket issued later, of a
+    tenant or key not listed, is newer than this word and taken until the next one comes."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.allocator import align_up
-from kvstore.auth import ANYONE, Authority, Credential, Identity, cluster_credential
+from kvstore.auth import ANYONE, Authority, Credential, cluster_credential
 from kvstore.config import TlsConfig
 from kvstore.errors import (
     AuthFailed,
@@ -56,12 +56,14 @@ from kvstore.protocol import (
     ReadBlocks,
     ReadReply,
     ReadSlices,
+    TenantsPolicy,
     WriteBlocks,
     WriteGranted,
     WriteReply,
     WriteSlices,
 )
 from kvstore.ratelog import RateLimitedLog
+from server.daemon.gate import Gate
 from server.daemon.master_link import MasterLink
 from server.daemon.storage import NO_TARGET, DaemonStorage
 from transfer.auth import accept
@@ -83,7 +85,7 @@ log = logging.getLogger("kvstore.daemon")
 Handler = Callable[[Any, socket.socket, int], None]
 
 _MASTER_COMMANDS: frozenset[type[Message]] = frozenset(
-    {OpenGrant, EndGrants, DemoteBlocks, DropBlocks, PromoteBlocks, FetchBlocks}
+    {OpenGrant, EndGrants, DemoteBlocks, DropBlocks, PromoteBlocks, FetchBlocks, TenantsPolicy}
 )
 """What only a master sends: refused on a connection whose master is older than the latest epoch."""
 
@@ -148,7 +150,7 @@ class DaemonServer:
         self.authority = Authority(secret) if secret is not None else None
         self.credential: Credential | None = cluster_credential(secret) if secret is not None else None
         """What this daemon proves itself with to other daemons (fetches) and the master."""
-        self._identities: dict[socket.socket, Identity] = {}
+        self.gate = Gate(self.authority, node_id)
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
@@ -200,6 +202,7 @@ class DaemonServer:
             PromoteBlocks: lambda m, s, r: self._command(s, r, self.storage.promote(self._keys(m.keys), m.offsets)),
             FetchBlocks: lambda m, s, r: self._command(s, r, self._fetch(m)),
             MasterHello: lambda m, s, r: send_message(s, OkReply(), r),
+            TenantsPolicy: self._tenants_policy,
             AuthHello: self._unauthenticated_hello,
         }
 
@@ -208,6 +211,14 @@ class DaemonServer:
             t = threading.Thread(target=self._accept_loop, args=(listener, rail), name="daemon-accept", daemon=True)
             t.start()
             self._threads.append(t)
+        if self.authority is not None or self._tls is not None:
+            t = threading.Thread(target=self._sweep_loop, name="daemon-sweep", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(0.5):
+            self.sweep()
 
     def _accept_loop(self, listener: socket.socket, rail: str) -> None:
         listener.settimeout(0.2)
@@ -224,6 +235,8 @@ class DaemonServer:
                 if not refused:
                     self._conns[sock] = rail
                     self._per_peer[host] += 1
+                    if self.authority is not None or self._tls is not None:
+                        self.gate.accepted(sock)
                 else:
                     self.refused_connections += 1
                     refusals = self.refused_connections
@@ -263,8 +276,7 @@ class DaemonServer:
                 except AuthFailed as exc:
                     self._note_auth_failure(host, exc)
                     return
-                with self._conns_lock:
-                    self._identities[sock] = identity
+                self.gate.authenticated(sock, identity)
             idle_since = time.monotonic()
             while not self._stop.is_set():
                 try:
@@ -281,17 +293,11 @@ class DaemonServer:
                 idle_since = time.monotonic()
                 if identity.tenant is not None:
                     try:
-                        message = identity.admit(message)
-                        if isinstance(message, WriteBlocks | WriteSlices | CommitBlocks):
-                            assert self.authority is not None
-                            self.authority.check_seals(
-                                identity.tenant, self.node_id, message.keys, message.offsets, message.sizes,
-                                message.seals,
-                            )  # fmt: skip
+                        identity, message = self.gate.admit(identity, message)
                     except KVStoreError as exc:
                         self._reply_error(sock, request_id, exc)
-                        if isinstance(message, WriteBlocks | WriteGranted | WriteSlices):
-                            return  # its payload follows: the stream is out of step
+                        if isinstance(exc, AuthFailed) or isinstance(message, WriteBlocks | WriteGranted | WriteSlices):
+                            return  # the session is over, or a payload follows: the stream is out of step
                         continue
                 if isinstance(message, MasterHello):
                     self.raise_epoch(message.epoch)
@@ -328,22 +334,37 @@ class DaemonServer:
             self._conns[wrapped] = self._conns.pop(sock)
         return wrapped
 
-    auth_failures = 0
-
     def _note_auth_failure(self, host: str, exc: KVStoreError) -> None:
         """Count a refused handshake; log it at most once a minute (a peer guessing must not flood the log)."""
-        with self._conns_lock:
-            self.auth_failures += 1
-            failures = self.auth_failures
+        failures = self.gate.refused()
         self._refusals.warning("handshake", "refused a connection from %s: %s (%d refused so far)", host, exc, failures)
 
     def _unauthenticated_hello(self, msg: AuthHello, sock: socket.socket, request_id: int) -> None:
         raise AuthFailed(f"daemon {self.address} does not authenticate (no cluster secret): connect without one")
 
+    def _tenants_policy(self, m: TenantsPolicy, sock: socket.socket, request_id: int) -> None:
+        """The master's word on tenants: taken, and every session it no longer allows is cut now."""
+        if self.authority is None:
+            raise InvalidArgument("a daemon without a cluster secret has no tenants")
+        self.gate.take_policy(m)
+        self.sweep()
+        send_message(sock, OkReply(), request_id)
+
+    def sweep(self) -> None:
+        """Cut what the gate says must go (see :class:`Gate`)."""
+        late, revoked = self.gate.sweep()
+        for sock in late + revoked:
+            cut(sock)
+        if late:
+            gate = self.gate
+            self._refusals.warning("login-timeout", "cut %d connections that did not authenticate within %.0f s"
+                                   " (%d so far)", len(late), gate.login_timeout, gate.login_timeouts)  # fmt: skip
+
     def _forget(self, sock: socket.socket, host: str) -> None:
         with self._conns_lock:
             self._conns.pop(sock, None)
-            self._identities.pop(sock, None)
+        self.gate.forget(sock)
+        with self._conns_lock:
             self._per_peer[host] -= 1
             if not self._per_peer[host]:
                 del self._per_peer[host]
@@ -473,7 +494,7 @@ class DaemonServer:
         refused: list[KVStoreError | None] = [None] * n
         with self._grants_cond:
             grant = self._grants.get(msg.grant_id)
-            tenant = self._identities.get(sock, ANYONE).tenant
+            tenant = self.gate.identity(sock).tenant
             if grant is not None and tenant is not None and grant.owner != tenant:
                 refused = [PermissionDenied(f"grant {msg.grant_id} is not tenant {tenant!r}'s")] * n
                 grant = None

@@ -31,10 +31,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from kvstore.auth import Admin, Tenant
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound, PermissionDenied
 from kvstore.keys import validate_key
 from kvstore.policy import TierName
+from kvstore.tenants import Admin, Tenant
+from server.master.admin_guard import AdminGuard
 from server.master.admin_models import (
     ClusterSummary,
     DrainResult,
@@ -142,7 +143,11 @@ class AdminApi:
         self.routes = {(r.method, r.path): r for r in ROUTES}
         self.started = time.monotonic()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(service))
+        config = service.config
+        self.guard = AdminGuard(
+            config.admin_header_timeout_s, config.admin_body_timeout_s, config.admin_max_connections
+        )
+        self.registry.register(_Collector(service, self.guard))
         self.app = web.Application(middlewares=[self._errors, self._auth], client_max_size=1 << 20)
         for r in ROUTES:
             self.app.router.add_route(r.method, r.path, self._wrap(r))
@@ -156,8 +161,13 @@ class AdminApi:
     async def start(self, host: str, port: int) -> str:
         """Serve on ``host:port`` (0: any free port); returns host:port, which the service then
         tells tools that ask it by RPC (AdminInfo)."""
-        self._runner = web.AppRunner(self.app, access_log=None)
+        guard = self.guard
+        # aiohttp's own idle timeout (between kept-alive requests) just above the guard's head deadline.
+        self._runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=guard.header_timeout_s + 1,
+                                     lingering_time=0)  # fmt: skip
         await self._runner.setup()
+        assert self._runner.server is not None
+        guard.install(self._runner.server)
         site = web.TCPSite(self._runner, host, port, ssl_context=self.service.tls)
         await site.start()
         self.address = f"{host}:{self._runner.addresses[0][1]}"
@@ -485,8 +495,9 @@ def _path_params(path: str) -> list[str]:
 class _Collector:
     """Reads the master's state at each scrape: nothing to keep in step."""
 
-    def __init__(self, service: MasterService) -> None:
+    def __init__(self, service: MasterService, guard: AdminGuard) -> None:
         self.service = service
+        self.guard = guard
 
     def collect(self) -> Any:
         service = self.service
@@ -537,6 +548,23 @@ class _Collector:
                                   value=service.refused_connections)  # fmt: skip
         yield CounterMetricFamily("kvstore_rpc_errors", "RPC requests answered with an error.",
                                   value=service.rpc_errors)  # fmt: skip
+        security = service.security()
+        guard = self.guard
+        yield CounterMetricFamily("kvstore_admin_refused_connections", "Admin API connections answered 503 and "
+                                  "closed: the cap was reached.", value=guard.refused)  # fmt: skip
+        yield CounterMetricFamily("kvstore_admin_header_timeouts", "Admin API connections closed: no request head "
+                                  "in time.", value=guard.header_timeouts)  # fmt: skip
+        yield CounterMetricFamily("kvstore_admin_body_timeouts", "Admin API requests failed 408: no body in time.",
+                                  value=guard.body_timeouts)  # fmt: skip
+        yield GaugeMetricFamily("kvstore_admin_connections", "Open admin API connections.", value=guard.open)
+        yield CounterMetricFamily("kvstore_auth_failures", "Handshakes refused (wrong or unknown credentials).",
+                                  value=security["auth_failures"])  # fmt: skip
+        yield CounterMetricFamily("kvstore_revoked_sessions", "Tenants' open sessions ended because the tenant was "
+                                  "removed or its token replaced.", value=security["revoked_sessions"])  # fmt: skip
+        yield CounterMetricFamily("kvstore_tenants_file_errors", "Reloads of the tenants file that failed (the last"
+                                  " good one serves meanwhile).", value=security["tenants_file_errors"])  # fmt: skip
+        yield GaugeMetricFamily("kvstore_tenants_file_bad", "1 while the tenants file on disk does not load.",
+                                value=security["tenants_file_bad"])  # fmt: skip
         yield GaugeMetricFamily("kvstore_master_answers_kept", "Replies kept for clients' retries (at most "
                                 "KVSTORE_MASTER_ANSWER_CACHE).", value=len(service.answers))  # fmt: skip
         yield GaugeMetricFamily("kvstore_master_answers_bytes", "Encoded bytes of the replies kept for retries.",

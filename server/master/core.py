@@ -16,7 +16,16 @@ from collections.abc import Iterable
 
 from kvstore.auth import ANYONE, Authority, Identity
 from kvstore.config import MasterConfig
-from kvstore.errors import CapacityError, InvalidArgument, NotFound, NotLeader, QuotaExceeded, RetryLater, Timeout
+from kvstore.errors import (
+    AuthFailed,
+    CapacityError,
+    InvalidArgument,
+    NotFound,
+    NotLeader,
+    QuotaExceeded,
+    RetryLater,
+    Timeout,
+)
 from kvstore.placement import quotas
 from kvstore.placement.leases import LeaseId
 from kvstore.placement.results import Ticket
@@ -154,9 +163,12 @@ class MasterCore:
 
     # -- puts -------------------------------------------------------------------------------------
     def quota(self, tenant: str) -> int:
-        """The tenant's byte quota (0: none)."""
+        """The tenant's byte quota (0: none). A tenant no longer in the tenants file has none to
+        spend: AuthFailed (never "no quota", which would be unlimited)."""
         known = self.authority.tenant(tenant) if self.authority is not None else None
-        return known.quota_bytes if known is not None else 0
+        if known is None:
+            raise AuthFailed(f"tenant {tenant!r} is not in the tenants file (removed since it logged in)")
+        return known.quota_bytes
 
     async def put_start(self, m: PutStart, caller: Identity = ANYONE) -> Message:
         keys, sizes = list(m.keys), list(m.sizes)
@@ -238,12 +250,13 @@ class MasterCore:
         """Reserve write space on one node (evicting first where needed) and open it on its daemon."""
         table = self.table
         owner = caller.tenant or ""
+        length = await self._grant_quota(owner, m.length) if owner else m.length
         grant: Grant | None = None
         for _ in range(_MAX_EVICTION_ROUNDS):
-            capped = m.length
+            capped = length
             if table.nodes:
                 largest = max(n.alloc.capacity for n in table.nodes.values())
-                capped = min(m.length, max(int(largest * self.config.grant_fraction), 1))
+                capped = min(length, max(int(largest * self.config.grant_fraction), 1))
             plan = table.grant_space(capped, m.preferred_node, self.config.grant_ttl_ms, now_ms(), owner)
             if plan.error is not None:
                 raise plan.error
@@ -277,6 +290,31 @@ class MasterCore:
             grant.grant_id, grant.node_id, node.address, extent.offset, extent.length, ttl, node.alloc.alignment
         )
 
+    async def _grant_quota(self, tenant: str, length: int) -> int:
+        """How much of a grant of ``length`` bytes the tenant may have: at most
+        ``config.tenant_max_grants`` grants open, and within its quota once its own least recently
+        used blocks are evicted (its grants count as held until returned); QuotaExceeded when none."""
+        quota = self.quota(tenant)
+        table = self.table
+        open_grants, _ = table.granted(tenant)
+        if open_grants >= self.config.tenant_max_grants:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} has {open_grants} grants open, the most a tenant may: return or fill one first"
+            )
+        if not quota:
+            return length
+        commands = quotas.grant_evictions(table, tenant, quota, length)
+        if commands:
+            await self.commands.run(commands)
+        alignment = max((n.alloc.alignment for n in table.nodes.values()), default=1)
+        room = (quota - table.tenant_held(tenant)) // alignment * alignment
+        if room <= 0:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} holds or reserves {table.tenant_held(tenant)} bytes of its {quota}-byte quota,"
+                " none of it evictable: no room for a grant"
+            )
+        return min(length, room)
+
     async def return_grants(self, m: ReturnGrants, caller: Identity = ANYONE) -> Message:
         owner = caller.tenant
         grants = self.table.grants
@@ -287,7 +325,11 @@ class MasterCore:
     async def commit_granted(self, m: CommitGranted, caller: Identity = ANYONE) -> Message:
         grant = self.table.grants.get(m.grant_id)
         owner = grant.owner if grant is not None else ""
-        quota = self.quota(owner) if owner else 0
+        try:
+            quota = self.quota(owner) if owner else 0
+        except AuthFailed as exc:  # the grant's tenant was removed: nothing of it is committed
+            self.commands.close_grants_later(self.table.end_grants([m.grant_id]), "grant-revoked")
+            return PutReply([exc.code] * len(m.keys), [str(exc)] * len(m.keys))
         keep = list(range(len(m.keys)))
         if quota and len(m.keys) == len(m.sizes):
             # Over its quota, a tenant's one-trip put goes the two-trip way, which evicts its own

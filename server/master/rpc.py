@@ -161,6 +161,11 @@ class _Connection(asyncio.Protocol):
         self.server.connections.discard(self)
 
 
+def _revoked(conn: _Connection) -> AuthFailed:
+    tenant = conn.identity.tenant if conn.identity is not None else None
+    return AuthFailed(f"tenant {tenant!r} was removed from the tenants file or its token replaced: the session is over")
+
+
 class RpcServer:
     """The RPC port of one master over ``core`` (see the module's text)."""
 
@@ -185,6 +190,8 @@ class RpcServer:
         self.rpc_errors = 0
         self.auth_failures = 0
         self.refused_connections = 0
+        self.revoked_sessions = 0
+        """Tenants' sessions closed because the tenant was removed or its token replaced."""
         """Connections closed at accept: ``config.max_connections`` were open."""
         self.latency: dict[str, LatencyHistogram] = {}
         self.answers = Answers(config.answer_ttl_s, config.answer_cache)
@@ -229,11 +236,28 @@ class RpcServer:
         self.connections.add(conn)
 
     def reap(self, now: float) -> None:
-        """Close connections idle for ``config.idle_timeout_s``, or not authenticated in time."""
+        """Close connections idle for ``config.idle_timeout_s``, not authenticated in time, or of a
+        tenant removed from the tenants file (or whose token was replaced) since it logged in."""
         idle_since, unproven_since = now - self.config.idle_timeout_s, now - HANDSHAKE_TIMEOUT_S
-        for conn in [c for c in self.connections
-                     if c.last < idle_since or (c.identity is None and c.opened < unproven_since)]:  # fmt: skip
-            conn.transport.close()
+        if self.authority is not None:
+            self.authority.refresh_tenants()
+        for conn in list(self.connections):
+            identity = conn.identity
+            if identity is not None and identity.tenant is not None and self._revalidate(conn, identity) is None:
+                self.revoked_sessions += 1
+                log.info("closed a session of tenant %r: %s", identity.tenant, _revoked(conn))
+                conn.transport.close()
+            elif conn.last < idle_since or (identity is None and conn.opened < unproven_since):
+                conn.transport.close()
+
+    def _revalidate(self, conn: _Connection, identity: Identity) -> Identity | None:
+        """The tenant's identity as the tenants file says it is now (its operations narrowed or
+        widened in place); None when its session is over."""
+        assert self.authority is not None
+        now = self.authority.current(identity)
+        if now is not None and now is not identity:
+            conn.identity = now
+        return now
 
     def note_auth_failure(self, peer: object, exc: KVStoreError) -> None:
         """Count a refused handshake; log it at most once a minute (a peer guessing must not flood the log)."""
@@ -256,6 +280,11 @@ class RpcServer:
         identity = conn.identity
         assert identity is not None
         if identity.tenant is not None:
+            identity = self._revalidate(conn, identity)
+            if identity is None:
+                conn.reply(ErrorReply.from_error(_revoked(conn)), request_id)
+                conn.transport.close()
+                return
             try:
                 message = identity.admit(message)
             except KVStoreError as exc:

@@ -21,9 +21,9 @@ from kvstore.config import MasterConfig
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import EvictionPolicy
-from kvstore.protocol import Message
+from kvstore.protocol import Message, OkReply, TenantsPolicy
 from server.master.answers import Answers
-from server.master.commands import Commands
+from server.master.commands import Commands, Lane
 from server.master.core import MasterCore, now_ms
 from server.master.leadership import Leadership
 from server.master.metrics import LatencyHistogram, Sampler
@@ -31,6 +31,9 @@ from server.master.nodes import NodeRegistry
 from server.master.rpc import RpcServer
 from transfer.tls import contexts, server_context
 from transfer.topology import warn_if_open
+
+POLICY_EVERY_S = 5.0
+"""Every node is told the tenants' policy again this often, changed or not."""
 
 log = logging.getLogger("kvstore.master")
 
@@ -66,6 +69,10 @@ class MasterService:
                              lambda: self.admin_address)  # fmt: skip
         self.sampler = Sampler()
         self._ticker: asyncio.Task[None] | None = None
+        self._policy: TenantsPolicy | None = None
+        self._policy_at = 0.0
+        self._policy_told: set[str] = set()
+        """Nodes told the current tenants' policy."""
 
     # -- what the admin API and /metrics read ------------------------------------------------------
     @property
@@ -88,6 +95,21 @@ class MasterService:
     @property
     def refused_connections(self) -> int:
         return self.rpc.refused_connections
+
+    def security(self) -> dict[str, int]:
+        """Counters of refusals and revocations, and whether the tenants file loads, for /metrics."""
+        authority = self.rpc.authority
+        return {
+            "auth_failures": self.rpc.auth_failures,
+            "revoked_sessions": self.rpc.revoked_sessions,
+            "tenants_file_errors": authority.file_errors if authority is not None else 0,
+            "tenants_file_bad": 1 if authority is not None and authority.file_error else 0,
+        }
+
+    def tenants_file_error(self) -> str:
+        """Why the tenants file does not load now ("" when it does, or there is none)."""
+        authority = self.rpc.authority
+        return authority.file_error if authority is not None else ""
 
     def refusal(self, kind: type[Message] | None = None) -> KVStoreError | None:
         return self.leadership.refusal(kind)
@@ -171,6 +193,34 @@ class MasterService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _push_policy(self, now: float) -> None:
+        """Tell the daemons which tenants' tickets to take (:class:`TenantsPolicy`): each node that
+        has not heard the current one, and every node again when the tenants file changed or every
+        :data:`POLICY_EVERY_S` (a push lost to a broken link is made good soon)."""
+        authority = self.rpc.authority
+        if authority is None or self.leadership.refusal() is not None:
+            return
+        policy = authority.policy()
+        last = self._policy
+        changed = last is None or (policy.names, policy.operations, policy.keys) != (
+            last.names,
+            last.operations,
+            last.keys,
+        )
+        if changed or now - self._policy_at > POLICY_EVERY_S:
+            self._policy, self._policy_at, self._policy_told = policy, now, set()
+        for node in [n.node_id for n in self.table.up_nodes() if n.node_id not in self._policy_told]:
+            self._policy_told.add(node)
+            self._spawn(self._send_policy(node, policy), "tenants-policy")
+
+    async def _send_policy(self, node_id: str, policy: TenantsPolicy) -> None:
+        try:
+            await self.commands.call(node_id, Lane.GRANTS, policy, OkReply)
+        except KVStoreError as exc:
+            log.warning("could not tell node %s the tenants' policy (retried): %s", node_id, exc)
+            if policy is self._policy:
+                self._policy_told.discard(node_id)
+
     async def _tick_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.tick_ms / 1000)
@@ -180,6 +230,7 @@ class MasterService:
                     self._spawn(link.close(), "close-daemon-link")
                 self.rpc.answers.prune()  # an idle master too keeps no reply past its time
                 self.rpc.reap(time.monotonic())
+                self._push_policy(time.monotonic())
                 if self.sampler.due():
                     stats = self.table.stats()
                     self.sampler.sample(self.table.counters, int(stats["dram_used"]), int(stats["ssd_used"]))

@@ -10,19 +10,14 @@ import pytest
 
 from kvstore.auth import (
     CLUSTER,
-    Admin,
     Authority,
     ClientHandshake,
     Credential,
     Identity,
     ServerHandshake,
-    add_admin,
-    add_tenant,
     cluster_credential,
-    load_access,
     open_ticket,
     secret_from,
-    stored_key,
     tenant_credential,
 )
 from kvstore.errors import AuthFailed, ConfigError, InvalidArgument, InvalidKey, PermissionDenied
@@ -41,6 +36,7 @@ from kvstore.protocol import (
     decode_payload,
     encode,
 )
+from kvstore.tenants import Admin, add_admin, add_tenant, load_access, stored_key
 
 SECRET = b"s" * 32
 

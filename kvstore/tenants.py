@@ -1,0 +1,313 @@
+"""Tenants and their tokens: what the master's tenants file says, and the verbs that change it.
+
+A tenant token is ``NAME.SECRET``. The file keeps only each token's stored key,
+``sha256(client_key)`` with ``client_key = HMAC(token, "kvstore client key")``, never a token; the
+handshake (:mod:`kvstore.auth`) checks a client's proof against it. The file is TOML or JSON: a
+table ``tenants`` of NAME -> {token_sha256, quota_bytes, operations, and while a rotation's grace
+lasts previous_token_sha256 and previous_until_ms} and a table ``admins`` of NAME -> {token_sha256,
+role}. Every change replaces the file atomically (a master reading it never sees half of it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kvstore.errors import ConfigError
+
+Operation = Literal["read", "write", "remove"]
+OPERATIONS: tuple[Operation, ...] = ("read", "write", "remove")
+
+
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+"""A tenant's name: also the first part of its token and of its keys (``NAME/``)."""
+
+_RESERVED = frozenset({"cluster", "anyone"})
+"""Names of the identities that are not tenants."""
+
+MIN_SECRET_BYTES = 16
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"\0".join(parts), hashlib.sha256).digest()
+
+
+def _split_token(token: str) -> tuple[str, bytes]:
+    name, sep, rest = token.partition(".")
+    if not sep or not TENANT_NAME.match(name) or len(rest) < MIN_SECRET_BYTES:
+        raise ConfigError("a tenant token is NAME.SECRET, as `kvstore tenants add` prints it; this one is not")
+    return name, token.encode()
+
+
+def client_key(token: str) -> bytes:
+    return _mac(_split_token(token)[1], b"kvstore client key")
+
+
+def key_fingerprint(stored: bytes) -> bytes:
+    """A short name of a stored key, which tickets carry and daemons are told (not the key: it
+    cannot stand in for it)."""
+    return hashlib.sha256(b"kvstore key fingerprint\0" + stored).digest()[:8]
+
+
+def stored_key(token: str) -> bytes:
+    """What the tenants file keeps of a token (it cannot be turned back into one)."""
+    return hashlib.sha256(client_key(token)).digest()
+
+
+def check_tenant_name(name: str, where: str = "") -> None:
+    """Raise ConfigError unless ``name`` can name a tenant (``where``: the file it came from)."""
+    at = f"{where}: " if where else ""
+    if name in _RESERVED:
+        raise ConfigError(f"{at}{name!r} names the cluster's own identity, not a tenant")
+    if not TENANT_NAME.match(name):
+        raise ConfigError(
+            f"{at}tenant name {name!r}: 1-64 letters, digits, '_' or '-', starting with a letter or digit"
+        )
+
+
+def new_token(name: str) -> str:
+    check_tenant_name(name)
+    return f"{name}.{secrets.token_urlsafe(32)}"
+
+
+# -- tenants (the master's file) -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    stored_key: bytes = field(repr=False)
+    quota_bytes: int = 0
+    """Bytes of blocks the tenant may hold, DRAM and SSD together; 0: no quota."""
+    operations: frozenset[str] = frozenset(OPERATIONS)
+    previous_key: bytes = field(default=b"", repr=False)
+    """The stored key of the token a rotation replaced, taken until ``previous_until_ms``."""
+    previous_until_ms: int = 0
+
+    def fingerprints(self, now_ms: int | None = None) -> list[bytes]:
+        """:func:`key_fingerprint` of each stored key still taken (the previous one while its grace lasts)."""
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        keys = [self.stored_key] + ([self.previous_key] if self.previous_key and now < self.previous_until_ms else [])
+        return [key_fingerprint(k) for k in keys]
+
+    def key_for(self, key: bytes, now_ms: int | None = None) -> bytes | None:
+        """Which of this tenant's stored keys ``key`` is, if it is still taken: the current one, or
+        the one a rotation replaced while its grace lasts; None otherwise (constant-time compares)."""
+        current = hmac.compare_digest(self.stored_key, key)
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        previous = bool(self.previous_key) and hmac.compare_digest(self.previous_key, key)
+        if current:
+            return self.stored_key
+        return self.previous_key if previous and now < self.previous_until_ms else None
+
+
+ADMIN_ROLES = ("read-only", "operator")
+"""Roles of the admin API's tokens: read-only may GET every route; operator may also evict and drain."""
+
+
+@dataclass(frozen=True)
+class Admin:
+    """A token of the master's admin API (kept in the tenants file, table ``admins``)."""
+
+    name: str
+    stored_key: bytes = field(repr=False)
+    role: str = "read-only"
+
+
+@dataclass(frozen=True)
+class Access:
+    """What a tenants file says: the tenants (RPC and admin API, each in its namespace) and the
+    admin API's own tokens."""
+
+    tenants: dict[str, Tenant]
+    admins: dict[str, Admin]
+
+
+def _stored_key_of(name: str, entry: dict[str, Any], what: str) -> bytes:
+    try:
+        key = bytes.fromhex(str(entry["token_sha256"]))
+    except (KeyError, ValueError):
+        raise ConfigError(f"{what} {name!r} needs token_sha256, 64 hex digits") from None
+    if len(key) != 32:
+        raise ConfigError(f"{what} {name!r}: token_sha256 must be 64 hex digits")
+    return key
+
+
+def _entry(name: str, entry: Any, where: str, kind: str, settings: set[str]) -> dict[str, Any]:
+    check_tenant_name(name, where)
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: {kind} {name!r} must be a table")
+    unknown = set(entry) - settings
+    if unknown:
+        raise ConfigError(f"{where}: {kind} {name!r} has unknown settings {sorted(unknown)}")
+    return entry
+
+
+def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
+    entry = _entry(name, entry, where, "tenant", {"token_sha256", "quota_bytes", "operations",
+                                                   "previous_token_sha256", "previous_until_ms"})  # fmt: skip
+    key = _stored_key_of(name, entry, f"{where}: tenant")
+    previous, until = b"", entry.get("previous_until_ms", 0)
+    if "previous_token_sha256" in entry:
+        previous = _stored_key_of(name, {"token_sha256": entry["previous_token_sha256"]}, f"{where}: tenant")
+        if type(until) is not int or until < 0:
+            raise ConfigError(f"{where}: tenant {name!r}: previous_until_ms must be a non-negative integer")
+    quota = entry.get("quota_bytes", 0)
+    if type(quota) is not int or quota < 0:
+        raise ConfigError(f"{where}: tenant {name!r}: quota_bytes must be a non-negative integer")
+    ops = entry.get("operations", list(OPERATIONS))
+    if not isinstance(ops, list) or not set(ops) <= set(OPERATIONS):
+        raise ConfigError(f"{where}: tenant {name!r}: operations must be a list of {list(OPERATIONS)}")
+    return Tenant(name, key, quota, frozenset(ops), previous, until if previous else 0)
+
+
+def _admin_from(name: str, entry: Any, where: str) -> Admin:
+    entry = _entry(name, entry, where, "admin", {"token_sha256", "role"})
+    key = _stored_key_of(name, entry, f"{where}: admin")
+    role = entry.get("role", "read-only")
+    if role not in ADMIN_ROLES:
+        raise ConfigError(f"{where}: admin {name!r}: role must be one of {list(ADMIN_ROLES)}, not {role!r}")
+    return Admin(name, key, role)
+
+
+def _read_access_data(p: Path) -> dict[str, Any]:
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"tenants file {p}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"tenants file {p}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"tenants file {p}: expected tables 'tenants' and 'admins'")
+    return data
+
+
+def load_access(path: str | os.PathLike[str]) -> Access:
+    """Tenants and admin tokens from a TOML or JSON file: a table ``tenants`` of NAME ->
+    {token_sha256, quota_bytes, operations} and a table ``admins`` of NAME -> {token_sha256, role}.
+    ConfigError names the file and what is wrong."""
+    p = Path(path)
+    data = _read_access_data(p)
+    where = f"tenants file {p}"
+    tables = {}
+    for table in ("tenants", "admins"):
+        tables[table] = data.get(table, {})
+        if not isinstance(tables[table], dict):
+            raise ConfigError(f"{where}: '{table}' must be a table")
+    unknown = set(data) - set(tables)
+    if unknown:
+        raise ConfigError(f"{where}: unknown tables {sorted(unknown)} (there are 'tenants' and 'admins')")
+    return Access(
+        {name: _tenant_from(name, entry, where) for name, entry in tables["tenants"].items()},
+        {name: _admin_from(name, entry, where) for name, entry in tables["admins"].items()},
+    )
+
+
+def _write_access(p: Path, data: dict[str, Any]) -> None:
+    """Replace the file with ``data`` atomically (a master reading it never sees half of it), 0600."""
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n" if p.suffix == ".json" else _toml(data))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, p)
+
+
+def _edit(path: str | os.PathLike[str], table: str, name: str, create: bool = False) -> tuple[Path, dict[str, Any]]:
+    """The file's data, checked, with ``name`` in ``table`` (or absent from it, with ``create``)."""
+    p = Path(path)
+    data: dict[str, Any] = {}
+    if p.exists() and p.read_text().strip():
+        load_access(p)  # checks the file first
+        data = _read_access_data(p)
+    known = name in data.get(table, {})
+    if create and known:
+        raise ConfigError(f"tenants file {p}: {table[:-1]} {name!r} exists already")
+    if not create and not known:
+        raise ConfigError(f"tenants file {p}: no {table[:-1]} {name!r}")
+    return p, data
+
+
+def _add_entry(path: str | os.PathLike[str], table: str, name: str, entry: dict[str, Any]) -> str:
+    """Add ``entry`` with a new token to ``table`` of the file (created if absent) and return the
+    token (shown once)."""
+    token = new_token(name)
+    p, data = _edit(path, table, name, create=True)
+    data.setdefault(table, {})[name] = {"token_sha256": stored_key(token).hex(), **entry}
+    _write_access(p, data)
+    return token
+
+
+def remove_tenant(path: str | os.PathLike[str], name: str) -> None:
+    """Take tenant ``name`` out of the file: a master ends its open sessions within a tick or two,
+    and its daemons refuse its tickets once the master tells them (its keys stay until evicted or
+    removed by an operator)."""
+    p, data = _edit(path, "tenants", name)
+    del data["tenants"][name]
+    _write_access(p, data)
+
+
+def set_tenant(path: str | os.PathLike[str], name: str, quota_bytes: int | None = None,
+               operations: tuple[str, ...] | None = None) -> None:  # fmt: skip
+    """Change a tenant's quota or operations; open sessions follow within a tick or two."""
+    p, data = _edit(path, "tenants", name)
+    entry = data["tenants"][name]
+    if quota_bytes is not None:
+        if type(quota_bytes) is not int or quota_bytes < 0:
+            raise ConfigError(f"a quota is a non-negative number of bytes, not {quota_bytes!r}")
+        entry["quota_bytes"] = quota_bytes
+    if operations is not None:
+        if not set(operations) <= set(OPERATIONS):
+            raise ConfigError(f"operations must be among {list(OPERATIONS)}")
+        entry["operations"] = list(operations)
+    _write_access(p, data)
+
+
+def rotate_tenant(path: str | os.PathLike[str], name: str, grace_s: float = 300.0) -> str:
+    """A new token for tenant ``name`` (returned, shown once); the old one logs in for ``grace_s``
+    more seconds, then is refused, and sessions opened with it end."""
+    if grace_s < 0:
+        raise ConfigError(f"a rotation's grace is a non-negative number of seconds, not {grace_s!r}")
+    token = new_token(name)
+    p, data = _edit(path, "tenants", name)
+    entry = data["tenants"][name]
+    entry["previous_token_sha256"] = entry["token_sha256"]
+    entry["previous_until_ms"] = int(time.time() * 1000 + grace_s * 1000)
+    entry["token_sha256"] = stored_key(token).hex()
+    _write_access(p, data)
+    return token
+
+
+def add_tenant(path: str | os.PathLike[str], name: str, quota_bytes: int = 0,
+               operations: tuple[str, ...] = OPERATIONS) -> str:  # fmt: skip
+    """Add tenant ``name`` to the file and return its new token (shown once)."""
+    if not set(operations) <= set(OPERATIONS):
+        raise ConfigError(f"operations must be among {list(OPERATIONS)}")
+    return _add_entry(path, "tenants", name, {"quota_bytes": quota_bytes, "operations": list(operations)})
+
+
+def add_admin(path: str | os.PathLike[str], name: str, role: str = "read-only") -> str:
+    """Add an admin API token of ``role`` to the file and return it (shown once)."""
+    if role not in ADMIN_ROLES:
+        raise ConfigError(f"an admin's role is one of {list(ADMIN_ROLES)}, not {role!r}")
+    return _add_entry(path, "admins", name, {"role": role})
+
+
+def _toml(data: dict[str, Any]) -> str:
+    lines = []
+    for table in ("tenants", "admins"):
+        for name, entry in data.get(table, {}).items():
+            lines.append(f"[{table}.{name}]")
+            for setting, value in entry.items():
+                lines.append(f"{setting} = {json.dumps(value)}")  # strings, ints and lists of strings: TOML too
+            lines.append("")
+    return "\n".join(lines)
