@@ -13,11 +13,22 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
-from kvstore.auth import ANYONE, Authority, Identity
-from kvstore.errors import AuthFailed
+from kvstore.auth import ANYONE, TICKET_SKEW_MS, Authority, Identity
+from kvstore.errors import AuthFailed, PermissionDenied
 from kvstore.protocol import CommitBlocks, Message, TenantsPolicy, WriteBlocks, WriteSlices
 from transfer.tls import HANDSHAKE_TIMEOUT_S
+
+
+@dataclass(slots=True)
+class _Use:
+    """A seal used here: the block it reserved, when it ends, and whether its slices may still come."""
+
+    key: str
+    offset: int
+    expires_ms: int
+    open: bool
 
 
 class Gate:
@@ -35,6 +46,12 @@ class Gate:
         """Tenants' sessions cut because the master's policy no longer takes their tickets."""
         self.auth_failures = 0
         """Handshakes refused."""
+        self._seals: dict[bytes, _Use] = {}
+        """Seals of tenants' reservations used here, until they expire: each is written once."""
+        self._sealed: dict[str, list[bytes]] = {}
+        """The seals of each key's reservations, to close when the block is dropped."""
+        self.replayed_seals = 0
+        """Writes refused because their reservation was written already (a replay)."""
 
     def accepted(self, sock: socket.socket) -> None:
         """A connection came in: it has ``login_timeout`` to authenticate."""
@@ -77,7 +94,48 @@ class Gate:
             self.authority.check_seals(
                 current.tenant, self.node_id, message.keys, message.offsets, message.sizes, message.seals
             )
+            self._claim(message)
         return current, message
+
+    def _claim(self, message: WriteBlocks | WriteSlices | CommitBlocks) -> None:
+        """Use each seal of a tenant's write once: a WriteBlocks takes its reservation whole; the
+        slices of one block (WriteSlices) share it until their CommitBlocks closes it; a drop of the
+        block closes it too. A seal used already is refused (PermissionDenied): no replay of a
+        reservation can write a block the master no longer expects there."""
+        slices = isinstance(message, WriteSlices)
+        with self._lock:
+            for key, offset, seal in zip(message.keys, message.offsets, message.seals, strict=True):
+                use = self._seals.get(seal)
+                if use is not None and not (use.open and not isinstance(message, WriteBlocks)
+                                            and (use.key, use.offset) == (key, offset)):  # fmt: skip
+                    self.replayed_seals += 1
+                    raise PermissionDenied(
+                        f"the reservation for {key!r} at offset {offset} was written already: each is written once"
+                    )
+            for key, offset, seal in zip(message.keys, message.offsets, message.seals, strict=True):
+                if seal not in self._seals:
+                    self._sealed.setdefault(key, []).append(seal)
+                self._seals[seal] = _Use(key, offset, int.from_bytes(seal[:8], "big"), slices)
+
+    def dropped(self, keys: list[str]) -> None:
+        """Blocks were dropped: their reservations are closed (their seals write nothing more)."""
+        with self._lock:
+            for key in keys:
+                for seal in self._sealed.pop(key, ()):
+                    use = self._seals.get(seal)
+                    if use is not None:
+                        use.open = False
+
+    def _prune(self, now_ms: int) -> None:
+        """Forget seals past their end (and the skew): the daemon refuses them as expired anyway."""
+        gone = [seal for seal, use in self._seals.items() if use.expires_ms + TICKET_SKEW_MS < now_ms]
+        for seal in gone:
+            use = self._seals.pop(seal)
+            seals = self._sealed.get(use.key)
+            if seals is not None:
+                seals.remove(seal)
+                if not seals:
+                    del self._sealed[use.key]
 
     def take_policy(self, policy: TenantsPolicy) -> None:
         """The master's word on tenants (the caller then sweeps, to cut what it no longer allows)."""
@@ -90,6 +148,7 @@ class Gate:
         now = time.monotonic() if now is None else now
         authority = self.authority
         with self._lock:
+            self._prune(int(time.time() * 1000))
             late = [s for s, t in self._opened.items() if now - t > self.login_timeout]
             for sock in late:
                 del self._opened[sock]

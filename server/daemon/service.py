@@ -606,6 +606,7 @@ class DaemonServer:
     def _drop(self, keys: list[BlockKey], tier: str = "", fences: Sequence[int] = ()) -> list[bool]:
         if tier != "ssd":
             self._cut_receivers(keys, wait_s=self.io_timeout)
+        self.gate.dropped(list(keys))  # their reservations write nothing more
         return self.storage.drop(keys, tier, fences)
 
     @contextlib.contextmanager
