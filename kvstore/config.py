@@ -492,6 +492,12 @@ class DaemonConfig(_Frozen):
         description="Reach the master over TLS; with data_plane, also serve the data port over TLS (needs"
         " cert_file). See TlsConfig.",
     )
+    tenant_shm_writes: bool = Field(
+        default=False,
+        description="Take tenants' writes through the shared-memory arena (CommitBlocks of bytes a same-host"
+        " client copied in). Off: a tenant writes through the socket, its seal checked, and maps the arena"
+        " read-only; the cluster's own clients are not affected.",
+    )
     leave_on_exit: bool = Field(
         default=False,
         description="On a clean stop, have the master forget this node and its blocks, and delete the arena"

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstore.auth import Credential
 from kvstore.config import ClientConfig
 from kvstore.errors import ProtocolError
 from kvstore.protocol import NodeInfo, PutReply, ReadReply, ReplicaRef, WriteReply
@@ -157,6 +158,8 @@ class ShmPath(DataPath):
         return [True if r.tier == "dram" else next(from_ssd) for _, r, _ in blocks]
 
     def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
+        if not self.arena.writable:
+            return super().write(blocks, pinned)  # a tenant's: through the daemon's socket
         self.shm.write_many(self.arena, [(b.offset, b.view) for b in blocks])
         reply = self.pool.call(commit_message(blocks, pinned), WriteReply)
         return write_codes(reply.codes, reply.errors, len(blocks), self.address)
@@ -228,7 +231,9 @@ class PathSelector:
         self._lock = threading.RLock()
         self._pools: dict[str, ConnectionPool] = {}
         self._paths: dict[str, tuple[NodeInfo | None, DataPath]] = {}
-        self._shm = ShmTransport() if config.transport == "auto" else None
+        # A tenant's client maps same-host arenas read-only: other tenants' bytes are there too.
+        cluster = credential is None or (isinstance(credential, Credential) and credential.kind == "cluster")
+        self._shm = ShmTransport(writable=cluster) if config.transport == "auto" else None
         self._ucx: UcxClient | None = None
         self._checked: dict[str, float] = {}
 

@@ -240,6 +240,13 @@ class PlacementTable:
         """Bytes of the tenant's keys, pending and stored (each once, however many replicas)."""
         return self._catalog.usage.get(tenant, 0)
 
+    def num_objects_of(self, owner: str) -> int:
+        """Stored keys (not being removed) of ``owner``: its keys by owner when kept, else a scan."""
+        cat = self._catalog
+        keys = cat.owned.get(owner, ()) if cat.keys_by_owner else self._inspection.stored_keys(f"{owner}/")
+        objects = cat.objects
+        return sum(1 for k in keys if (e := objects.get(k)) is not None and not e.removing)
+
     def granted(self, owner: str) -> tuple[int, int]:
         """The open grants of ``owner`` and the bytes they still reserve (a grant returned or expired
         takes no more writes: its rest is on its way back to the pool, and counts no more)."""

@@ -143,10 +143,13 @@ class ArenaMapping:
     when they are safe to touch (leases for reads, reservations for writes).
     """
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, writable: bool = True) -> None:
+        """``writable``: map it for writes too (the cluster's own clients); a tenant's client maps
+        it read-only and writes through the daemon's socket."""
         self.path = str(path)
+        self.writable = writable
         try:
-            fd = os.open(self.path, os.O_RDWR)
+            fd = os.open(self.path, os.O_RDWR if writable else os.O_RDONLY)
         except OSError as exc:
             raise CorruptStore(f"cannot open DRAM arena {self.path}: {exc.strerror}") from None
         try:
@@ -163,7 +166,7 @@ class ArenaMapping:
             # MAP_POPULATE: map every page now, or each first touch of a page costs a fault (measured:
             # same-host puts of fresh extents ran at 2 GB/s with faults, against memcpy's 15-25 GB/s).
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mm = mmap.mmap(fd, total, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mm = mmap.mmap(fd, total, flags, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         finally:
             os.close(fd)
         self._buf = memoryview(self._mm)

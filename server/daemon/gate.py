@@ -32,8 +32,14 @@ class _Use:
 
 
 class Gate:
-    def __init__(self, authority: Authority | None, node_id: str, login_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
+    def __init__(
+        self, authority: Authority | None, node_id: str, login_timeout: float = HANDSHAKE_TIMEOUT_S,
+        shm_writes: bool = False,
+    ) -> None:  # fmt: skip
         self.authority = authority
+        self.shm_writes = shm_writes
+        """Whether tenants may write through the shared-memory arena (a CommitBlocks of bytes copied
+        in by a same-host client, not slices): off, a tenant's bytes come through the socket."""
         self.node_id = node_id
         self.login_timeout = login_timeout
         self._opened: dict[socket.socket, float] = {}
@@ -106,6 +112,11 @@ class Gate:
         with self._lock:
             for key, offset, seal in zip(message.keys, message.offsets, message.seals, strict=True):
                 use = self._seals.get(seal)
+                if use is None and isinstance(message, CommitBlocks) and not self.shm_writes:
+                    raise PermissionDenied(
+                        f"daemon {self.node_id} takes no shared-memory writes from tenants ({key!r}): write through"
+                        " its socket (tenant_shm_writes is off)"
+                    )
                 if use is not None and not (use.open and not isinstance(message, WriteBlocks)
                                             and (use.key, use.offset) == (key, offset)):  # fmt: skip
                     self.replayed_seals += 1

@@ -95,7 +95,7 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
     server = DaemonServer(
         storage, config.host, config.port, rails=config.rails, io_timeout=config.io_timeout_s,
         max_connections=config.max_connections, max_per_peer=config.max_connections_per_peer, secret=secret,
-        tls=config.tls, node_id=config.name,
+        tls=config.tls, node_id=config.name, tenant_shm_writes=config.tenant_shm_writes,
     )  # fmt: skip
     server.start()
     undo.callback(server.stop)

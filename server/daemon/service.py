@@ -135,6 +135,7 @@ class DaemonServer:
         secret: bytes | None = None,
         tls: TlsConfig | None = None,
         node_id: str = "",
+        tenant_shm_writes: bool = False,
     ) -> None:
         """Serve on ``host:port`` and on each further rail host (one per NIC; free ports), at most
         ``max_connections`` connections at once and ``max_per_peer`` from one address. With the
@@ -150,7 +151,7 @@ class DaemonServer:
         self.authority = Authority(secret) if secret is not None else None
         self.credential: Credential | None = cluster_credential(secret) if secret is not None else None
         """What this daemon proves itself with to other daemons (fetches) and the master."""
-        self.gate = Gate(self.authority, node_id)
+        self.gate = Gate(self.authority, node_id, shm_writes=tenant_shm_writes)
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections

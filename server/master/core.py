@@ -382,7 +382,15 @@ class MasterCore:
         return KeysReply([k[cut:] for k in keys], after[cut:] if after is not None else "")
 
     async def stats(self, m: Stats, caller: Identity = ANYONE) -> Message:
-        return StatsReply(self.table.stats())
+        """The cluster's counters; for a tenant, its own only (what it holds, its quota, its grants)."""
+        tenant = caller.tenant
+        if tenant is None:
+            return StatsReply(self.table.stats())
+        grants, granted = self.table.granted(tenant)
+        return StatsReply({
+            "objects": self.table.num_objects_of(tenant), "bytes": self.table.usage(tenant),
+            "quota_bytes": self.quota(tenant), "grants": grants, "granted_bytes": granted,
+        })  # fmt: skip
 
     # -- removal and eviction ---------------------------------------------------------------------
     async def remove(self, m: Remove, caller: Identity = ANYONE) -> Message:

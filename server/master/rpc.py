@@ -375,7 +375,8 @@ class RpcServer:
     async def _stats(self, m: Stats, caller: Identity) -> Message:
         reply = await self.core.stats(m, caller)
         assert isinstance(reply, StatsReply)
-        reply.stats["rpc_errors"] = self.rpc_errors
+        if caller.tenant is None:  # the cluster's own figure: a tenant sees only its own
+            reply.stats["rpc_errors"] = self.rpc_errors
         return reply
 
     async def _admin_info(self, m: AdminInfo, caller: Identity) -> Message:

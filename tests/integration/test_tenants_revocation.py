@@ -18,6 +18,7 @@ from kvstore.config import ClientConfig
 from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied, QuotaExceeded
 from kvstore.keys import checksum
 from kvstore.protocol import (
+    CommitBlocks,
     ErrorReply,
     GetTicket,
     GrantReply,
@@ -293,3 +294,40 @@ def test_a_reservation_is_written_once(cluster: LocalCluster) -> None:
         again = _ask(replica.address, write, ticket, b"evil")
         if isinstance(again, WriteReply) and again.codes[0]:
             raise KVStoreError(again.errors[0])
+
+
+def test_a_tenants_stats_are_its_own(cluster: LocalCluster) -> None:
+    token = cluster.add_tenant("counted", quota=1 * MiB)
+    other = cluster.add_tenant("uncounted")
+    with _client(cluster, other) as o:
+        o.put_many([(f"o{i}", b"o" * KiB) for i in range(5)])
+    with _client(cluster, token) as s:
+        s.put_many([(f"c{i}", b"c" * KiB) for i in range(3)])
+        stats = s.stats()
+    assert stats["objects"] == 3 and stats["bytes"] == 3 * KiB and stats["quota_bytes"] == MiB, stats
+    assert "dram_used" not in stats and "hits" not in stats and "rpc_errors" not in stats, stats
+
+
+def test_tenants_write_through_the_socket_not_the_shared_arena(cluster: LocalCluster) -> None:
+    token = cluster.add_tenant("same-host")
+    block = b"s" * (64 * KiB)
+    with Store.connect(cluster.master_address, ClientConfig(token=token, transport="auto", timeout_s=5.0)) as s:
+        s.put("via-socket", block)  # the client maps the arena read-only and writes through the daemon
+        assert s.get("via-socket") == block
+    # A same-host tenant that maps the arena itself, copies its bytes in and asks for a commit in place:
+    credential = tenant_credential(token)
+    reserved = _ask(cluster.master_address, PutStart(["in-place"], [4], 1, None, False), credential)
+    assert isinstance(reserved, PutStartReply)
+    [replica] = reserved.tickets()[0].replicas
+    sock = connect(cluster.master_address, 5.0)
+    with sock:
+        key = authenticate(sock, credential, "test")
+        send_message(sock, GetTicket(), 1)
+        reply = recv_message(sock)[1]
+    assert isinstance(reply, TicketReply)
+    ticket = open_ticket(reply, key, "same-host")
+    commit = CommitBlocks(["in-place"], [replica.offset], [4], [checksum(b"shm!")], False, [replica.seal])
+    with pytest.raises(PermissionDenied, match="shared-memory writes"):
+        answer = _ask(replica.address, commit, ticket)
+        if isinstance(answer, WriteReply) and answer.codes[0]:
+            raise KVStoreError(answer.errors[0])

@@ -77,7 +77,10 @@ class Copier:
 class ShmTransport:
     """The arenas of the daemons on this host, mapped on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, writable: bool = True) -> None:
+        """``writable``: map arenas for writes too; a tenant's client maps them read-only (its writes
+        go through the daemon's socket, checked against the master's seals)."""
+        self.writable = writable
         self.host_id = topology.host_id()
         self._maps: dict[tuple[str, int], ArenaMapping | None] = {}
         self._lock = threading.Lock()
@@ -94,7 +97,7 @@ class ShmTransport:
             mapping: ArenaMapping | None = None
             if topology.same_file(node.arena_path, node.arena_inode):
                 try:
-                    mapping = ArenaMapping(node.arena_path)
+                    mapping = ArenaMapping(node.arena_path, self.writable)
                 except KVStoreError as exc:
                     log.info("node %s shares this host but its arena cannot be mapped: %s", node.node_id, exc)
                 if mapping is not None and mapping.inode != node.arena_inode:
