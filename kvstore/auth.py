@@ -46,6 +46,10 @@ from pathlib import Path
 from typing import Literal
 
 import msgspec
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from kvstore.errors import AuthFailed, ConfigError, InvalidArgument, InvalidKey, KVStoreError, PermissionDenied
 from kvstore.keys import MAX_KEY_BYTES
@@ -86,6 +90,7 @@ log = logging.getLogger("kvstore.auth")
 
 # The tenants file's side of it, re-exported: callers of this module name them from here.
 from kvstore.tenants import (  # noqa: E402
+    ED25519,
     MIN_SECRET_BYTES,
     OPERATIONS,
     TENANT_NAME,
@@ -96,9 +101,12 @@ from kvstore.tenants import (  # noqa: E402
     _mac,
     _split_token,
     client_key,
+    is_legacy,
     key_fingerprint,
     load_access,
+    signing_seed,
     stored_key,
+    verifier,
 )
 
 _OPERATION_OF: dict[type[Message], Operation] = {
@@ -238,9 +246,20 @@ def secret_from(path: str | None, environ: Mapping[str, str] | None = None) -> b
 # -- the client's half of the handshake --------------------------------------------------------------
 
 
-def _transcript(hello: AuthHello, server_nonce: bytes) -> bytes:
-    return b"\0".join([_TRANSCRIPT_TAG, hello.kind.encode(), hello.name.encode(), hello.nonce, server_nonce,
-                       hello.ticket])  # fmt: skip
+def _transcript(hello: AuthHello, challenge: AuthChallenge) -> bytes:
+    legacy = b"legacy" if challenge.legacy else b""
+    return b"\0".join([_TRANSCRIPT_TAG, hello.kind.encode(), hello.name.encode(), hello.nonce, challenge.nonce,
+                       hello.ticket, hello.ephemeral, challenge.ephemeral, legacy])  # fmt: skip
+
+
+def _session(private: X25519PrivateKey, peer: bytes, transcript: bytes) -> bytes:
+    """A tenant connection's key: from the two ephemeral X25519 keys (nothing in the tenants file
+    derives it, nor anything on the wire), bound to the transcript."""
+    try:
+        shared = private.exchange(X25519PublicKey.from_public_bytes(peer))
+    except ValueError:
+        raise AuthFailed("a malformed ephemeral key in the handshake") from None
+    return _mac(shared, b"kvstore tenant session", transcript)
 
 
 class ClientHandshake:
@@ -249,8 +268,13 @@ class ClientHandshake:
 
     def __init__(self, credential: Credential) -> None:
         self.credential = credential
-        self._hello = AuthHello(credential.kind, credential.name, secrets.token_bytes(_NONCE_BYTES), credential.ticket)
+        self._ephemeral = X25519PrivateKey.generate() if credential.kind == "tenant" else None
+        public = self._ephemeral.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw) if self._ephemeral else b""
+        self._hello = AuthHello(
+            credential.kind, credential.name, secrets.token_bytes(_NONCE_BYTES), credential.ticket, public
+        )
         self._transcript = b""
+        self._session = b""
 
     def hello(self) -> AuthHello:
         return self._hello
@@ -258,26 +282,33 @@ class ClientHandshake:
     def proof(self, challenge: Message) -> AuthProof:
         if not isinstance(challenge, AuthChallenge) or len(challenge.nonce) != _NONCE_BYTES:
             raise AuthFailed(f"the server answered the handshake with {type(challenge).__name__}, not a challenge")
-        self._transcript = _transcript(self._hello, challenge.nonce)
+        self._transcript = _transcript(self._hello, challenge)
         c = self.credential
         if c.kind == "tenant":
+            assert self._ephemeral is not None
+            if len(challenge.ephemeral) != 32:
+                raise AuthFailed("the server's challenge carries no ephemeral key: not a server of this version")
+            self._session = _session(self._ephemeral, challenge.ephemeral, self._transcript)
+            signature = Ed25519PrivateKey.from_private_bytes(signing_seed(c.key)).sign(self._transcript)
+            # The legacy proof only when the server holds a legacy verifier of this tenant (see is_legacy).
             stored = hashlib.sha256(c.key).digest()
-            return AuthProof(_xor(c.key, _mac(stored, b"client", self._transcript)))
+            legacy = _xor(c.key, _mac(stored, b"client", self._transcript)) if challenge.legacy else b""
+            return AuthProof(legacy, signature)
         return AuthProof(_mac(c.key, b"client", self._transcript))
 
     def finish(self, ok: Message) -> bytes:
         """Check the server's proof; the key only this connection's two ends know."""
         if not isinstance(ok, AuthOk):
             raise AuthFailed(f"the server answered the proof with {type(ok).__name__}")
-        key = _server_side_key(self.credential)
+        key = self._session or _server_side_key(self.credential)
         if not hmac.compare_digest(ok.proof, _mac(key, b"server", self._transcript)):
             raise AuthFailed("the server could not prove it knows this credential: not the server it claims to be")
         return _mac(key, b"connection", self._transcript)
 
 
 def _server_side_key(c: Credential) -> bytes:
-    """The key both ends hold: the tenant's stored key, else the credential's own."""
-    return hashlib.sha256(c.key).digest() if c.kind == "tenant" else c.key
+    """The key both ends hold: the credential's own (a tenant's session key comes from the exchange)."""
+    return c.key
 
 
 def open_ticket(reply: TicketReply, connection_key: bytes, tenant: str) -> Credential:
@@ -308,6 +339,9 @@ class Authority:
         """Why the tenants file last failed to load ("" once it loads): the last good one serves meanwhile."""
         self.file_errors = 0
         """Loads of the tenants file that failed since the start."""
+        self.loads = 0
+        """Loads of the tenants file that succeeded (a change that restores earlier contents counts:
+        tickets issued in between must be refused, so daemons must hear of it)."""
         self._policy: dict[str, tuple[frozenset[str], frozenset[bytes]]] | None = None
         """A daemon's: per tenant, its operations and the fingerprints of its keys (the master's word)."""
         self._policy_as_of = 0
@@ -334,10 +368,12 @@ class Authority:
             if not self._loaded:
                 self._access = load_access(self._tenants_file)  # at start: a bad file is an error
                 self._loaded = True
+                self.loads += 1
             else:
                 try:
                     self._access = load_access(self._tenants_file)
                     self.file_error = ""
+                    self.loads += 1
                 except ConfigError as exc:  # the last good tenants serve meanwhile, the error in view
                     self.file_errors += 1
                     self.file_error = str(exc)
@@ -384,11 +420,12 @@ class Authority:
             return None
         key = stored_key(token)
         access = self._refresh()
+        tenant_key = verifier(token)
         found: Admin | Tenant | None = None
         admin, tenant = access.admins.get(name), access.tenants.get(name)
         if admin is not None and hmac.compare_digest(admin.stored_key, key):
             found = admin
-        if tenant is not None and tenant.key_for(key) is not None:
+        if tenant is not None and (tenant.key_for(tenant_key) is not None or tenant.key_for(key) is not None):
             found = tenant
         return found
 
@@ -473,6 +510,19 @@ class Authority:
         self._policy_as_of = policy.as_of_ms
 
 
+def _proves(key: bytes, proof: AuthProof, transcript: bytes) -> bool:
+    """Whether ``proof`` shows the token of the verifier ``key``: its Ed25519 signature of the
+    transcript, or for a legacy verifier the SCRAM-style proof of its client key."""
+    if not is_legacy(key):
+        try:
+            Ed25519PublicKey.from_public_bytes(key[len(ED25519) :]).verify(proof.signature, transcript)
+        except (InvalidSignature, ValueError):
+            return False
+        return True
+    recovered = _xor(proof.proof, _mac(key, b"client", transcript)) if len(proof.proof) == 32 else b""
+    return hmac.compare_digest(hashlib.sha256(recovered).digest(), key)
+
+
 def as_refusal(exc: KVStoreError) -> AuthFailed:
     """What a server answers a handshake that failed with ``exc`` (a wrong proof, a frame that is
     not the handshake's): an AuthFailed naming why."""
@@ -487,6 +537,8 @@ class ServerHandshake:
         self.authority = authority
         self._hello: AuthHello | None = None
         self._nonce = b""
+        self._challenge = AuthChallenge(b"")
+        self._ephemeral: X25519PrivateKey | None = None
 
     @property
     def expects_proof(self) -> bool:
@@ -505,7 +557,17 @@ class ServerHandshake:
             raise AuthFailed("one AuthHello per connection")
         self._hello = hello
         self._nonce = secrets.token_bytes(_NONCE_BYTES)
-        return AuthChallenge(self._nonce)
+        if hello.kind != "tenant":
+            self._challenge = AuthChallenge(self._nonce)
+            return self._challenge
+        if len(hello.ephemeral) != 32:
+            raise AuthFailed("a tenant's AuthHello carries no ephemeral key: a client of an older version")
+        tenant = self.authority.tenant(hello.name) if self.authority.takes_tokens else None
+        legacy = tenant is not None and any(is_legacy(k) for k in tenant.taken())
+        self._ephemeral = X25519PrivateKey.generate()
+        public = self._ephemeral.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self._challenge = AuthChallenge(self._nonce, public, legacy)
+        return self._challenge
 
     def verify(self, proof: Message) -> tuple[Identity, AuthOk, bytes]:
         """The peer's identity, the AuthOk to send, and the connection's key."""
@@ -513,7 +575,7 @@ class ServerHandshake:
         if hello is None or not isinstance(proof, AuthProof):
             raise AuthFailed(f"expected the handshake's proof, got {type(proof).__name__}")
         self._hello = None  # one proof per challenge
-        transcript = _transcript(hello, self._nonce)
+        transcript = _transcript(hello, self._challenge)
         identity: Identity
         if hello.kind == "cluster":
             key = self.authority.cluster_key
@@ -524,15 +586,11 @@ class ServerHandshake:
             if not self.authority.takes_tokens:
                 raise AuthFailed("a daemon takes tenants' tickets, not their tokens (the client asks the master)")
             tenant = self.authority.tenant(hello.name)
-            matched: bytes | None = None
-            for key in (tenant.stored_key, tenant.previous_key) if tenant is not None else (secrets.token_bytes(32),):
-                recovered = _xor(proof.proof, _mac(key, b"client", transcript)) if len(proof.proof) == 32 else b""
-                if key and hmac.compare_digest(hashlib.sha256(recovered).digest(), key):
-                    matched = tenant.key_for(key) if tenant is not None else None
-                    break
+            matched = next((k for k in tenant.taken() if _proves(k, proof, transcript)), None) if tenant else None
             if tenant is None or matched is None:
                 raise AuthFailed(f"unknown tenant or wrong token for {hello.name!r}")
-            key = matched
+            assert self._ephemeral is not None
+            key = _session(self._ephemeral, hello.ephemeral, transcript)
             identity = Identity(tenant.name, tenant.name, tenant.operations, matched)
         else:
             if self.authority.takes_tokens:

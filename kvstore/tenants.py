@@ -3,9 +3,13 @@
 A tenant token is ``NAME.SECRET``. The file keeps only each token's stored key,
 ``sha256(client_key)`` with ``client_key = HMAC(token, "kvstore client key")``, never a token; the
 handshake (:mod:`kvstore.auth`) checks a client's proof against it. The file is TOML or JSON: a
-table ``tenants`` of NAME -> {token_sha256, quota_bytes, operations, and while a rotation's grace
-lasts previous_token_sha256 and previous_until_ms} and a table ``admins`` of NAME -> {token_sha256,
-role}. Every change replaces the file atomically (a master reading it never sees half of it).
+table ``tenants`` of NAME -> {token_ed25519, quota_bytes, operations, and while a rotation's grace
+lasts previous_token_ed25519 and previous_until_ms} and a table ``admins`` of NAME -> {token_sha256,
+role}. A tenant's verifier is the public half of an Ed25519 key derived from its token: a client
+proves its token by signing the handshake, so a stolen file lets nobody log in, with or without
+recorded handshakes. Files written before keep ``token_sha256`` (legacy: a stolen file plus one
+recorded handshake gives the token's client key away); they work on, flagged, until rotated.
+Every change replaces the file atomically (a master reading it never sees half of it).
 """
 
 from __future__ import annotations
@@ -58,6 +62,31 @@ def key_fingerprint(stored: bytes) -> bytes:
     return hashlib.sha256(b"kvstore key fingerprint\0" + stored).digest()[:8]
 
 
+ED25519 = b"ed25519:"
+"""Prefix of a verifier that is an Ed25519 public key (the handshake then checks a signature)."""
+
+
+def signing_seed(client: bytes) -> bytes:
+    """The Ed25519 seed of a tenant's signing key, from its client key (the token's HMAC)."""
+    return hmac.new(client, b"kvstore signing key", hashlib.sha256).digest()
+
+
+def verifier(token: str) -> bytes:
+    """What the tenants file keeps of a token: its signing key's public half (Ed25519), from which
+    neither the token nor anything a handshake keys on can be derived."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    private = Ed25519PrivateKey.from_private_bytes(signing_seed(client_key(token)))
+    return ED25519 + private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def is_legacy(key: bytes) -> bool:
+    """Whether a stored verifier is a token's sha256 (files written before Ed25519 verifiers):
+    a stolen file plus one recorded handshake gives that token's client key away. Rotate it."""
+    return not key.startswith(ED25519)
+
+
 def stored_key(token: str) -> bytes:
     """What the tenants file keeps of a token (it cannot be turned back into one)."""
     return hashlib.sha256(client_key(token)).digest()
@@ -92,6 +121,11 @@ class Tenant:
     previous_key: bytes = field(default=b"", repr=False)
     """The stored key of the token a rotation replaced, taken until ``previous_until_ms``."""
     previous_until_ms: int = 0
+
+    def taken(self, now_ms: int | None = None) -> list[bytes]:
+        """The verifiers a login may match now: the current one, and a rotated one during its grace."""
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        return [self.stored_key] + ([self.previous_key] if self.previous_key and now < self.previous_until_ms else [])
 
     def fingerprints(self, now_ms: int | None = None) -> list[bytes]:
         """:func:`key_fingerprint` of each stored key still taken (the previous one while its grace lasts)."""
@@ -132,14 +166,26 @@ class Access:
     admins: dict[str, Admin]
 
 
-def _stored_key_of(name: str, entry: dict[str, Any], what: str) -> bytes:
+def _stored_key_of(name: str, entry: dict[str, Any], what: str, prefix: str = "") -> bytes:
+    """The verifier in ``entry``: ``{prefix}token_ed25519`` (an Ed25519 public key), else the legacy
+    ``{prefix}token_sha256``; each 64 hex digits."""
+    field_name = f"{prefix}token_ed25519" if f"{prefix}token_ed25519" in entry else f"{prefix}token_sha256"
     try:
-        key = bytes.fromhex(str(entry["token_sha256"]))
+        key = bytes.fromhex(str(entry[field_name]))
     except (KeyError, ValueError):
-        raise ConfigError(f"{what} {name!r} needs token_sha256, 64 hex digits") from None
+        raise ConfigError(
+            f"{what} {name!r} needs {prefix}token_ed25519 (or {prefix}token_sha256), 64 hex digits"
+        ) from None
     if len(key) != 32:
-        raise ConfigError(f"{what} {name!r}: token_sha256 must be 64 hex digits")
-    return key
+        raise ConfigError(f"{what} {name!r}: {field_name} must be 64 hex digits")
+    return ED25519 + key if field_name.endswith("ed25519") else key
+
+
+def _key_fields(prefix: str, key: bytes) -> dict[str, str]:
+    """A verifier as the file writes it."""
+    if key.startswith(ED25519):
+        return {f"{prefix}token_ed25519": key[len(ED25519) :].hex()}
+    return {f"{prefix}token_sha256": key.hex()}
 
 
 def _entry(name: str, entry: Any, where: str, kind: str, settings: set[str]) -> dict[str, Any]:
@@ -153,12 +199,13 @@ def _entry(name: str, entry: Any, where: str, kind: str, settings: set[str]) -> 
 
 
 def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
-    entry = _entry(name, entry, where, "tenant", {"token_sha256", "quota_bytes", "operations",
-                                                   "previous_token_sha256", "previous_until_ms"})  # fmt: skip
+    entry = _entry(name, entry, where, "tenant", {"token_ed25519", "token_sha256", "quota_bytes", "operations",
+                                                   "previous_token_ed25519", "previous_token_sha256",
+                                                   "previous_until_ms"})  # fmt: skip
     key = _stored_key_of(name, entry, f"{where}: tenant")
     previous, until = b"", entry.get("previous_until_ms", 0)
-    if "previous_token_sha256" in entry:
-        previous = _stored_key_of(name, {"token_sha256": entry["previous_token_sha256"]}, f"{where}: tenant")
+    if "previous_token_ed25519" in entry or "previous_token_sha256" in entry:
+        previous = _stored_key_of(name, entry, f"{where}: tenant", "previous_")
         if type(until) is not int or until < 0:
             raise ConfigError(f"{where}: tenant {name!r}: previous_until_ms must be a non-negative integer")
     quota = entry.get("quota_bytes", 0)
@@ -242,7 +289,8 @@ def _add_entry(path: str | os.PathLike[str], table: str, name: str, entry: dict[
     token (shown once)."""
     token = new_token(name)
     p, data = _edit(path, table, name, create=True)
-    data.setdefault(table, {})[name] = {"token_sha256": stored_key(token).hex(), **entry}
+    key = verifier(token) if table == "tenants" else stored_key(token)  # admins' bearer tokens: over https only
+    data.setdefault(table, {})[name] = {**_key_fields("", key), **entry}
     _write_access(p, data)
     return token
 
@@ -280,9 +328,12 @@ def rotate_tenant(path: str | os.PathLike[str], name: str, grace_s: float = 300.
     token = new_token(name)
     p, data = _edit(path, "tenants", name)
     entry = data["tenants"][name]
-    entry["previous_token_sha256"] = entry["token_sha256"]
+    old = _stored_key_of(name, entry, f"tenants file {p}: tenant")
+    for stale in ("token_ed25519", "token_sha256", "previous_token_ed25519", "previous_token_sha256"):
+        entry.pop(stale, None)
+    entry.update(_key_fields("previous_", old))
     entry["previous_until_ms"] = int(time.time() * 1000 + grace_s * 1000)
-    entry["token_sha256"] = stored_key(token).hex()
+    entry.update(_key_fields("", verifier(token)))
     _write_access(p, data)
     return token
 

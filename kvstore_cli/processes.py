@@ -225,7 +225,14 @@ def _tenants_arguments(p: argparse.ArgumentParser) -> None:
 @command("tenants", "manage the tenants of a cluster that authenticates")
 def _tenants(args: argparse.Namespace) -> int:
     from kvstore.errors import ConfigError
-    from kvstore.tenants import add_admin, add_tenant, load_access, remove_tenant, rotate_tenant, set_tenant
+    from kvstore.tenants import (
+        add_admin,
+        add_tenant,
+        load_access,
+        remove_tenant,
+        rotate_tenant,
+        set_tenant,
+    )
 
     operations = tuple(o.strip() for o in args.operations.split(",") if o.strip())
     if args.action == "list":

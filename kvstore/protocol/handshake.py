@@ -18,14 +18,22 @@ class AuthHello(Message, tag=80, frozen=True):
     nonce: bytes
     ticket: bytes
     """For ``kind="ticket"``: the ticket the master issued (empty otherwise)."""
+    ephemeral: bytes = b""
+    """For ``kind="tenant"``: the client's ephemeral X25519 public key (the session's key comes from it)."""
 
 
 class AuthChallenge(Message, tag=81, frozen=True):
     nonce: bytes
+    ephemeral: bytes = b""
+    """For a tenant: the server's ephemeral X25519 public key."""
+    legacy: bool = False
+    """For a tenant: one of its verifiers is a legacy sha256 one, so the proof of that scheme is asked too."""
 
 
 class AuthProof(Message, tag=82, frozen=True):
     proof: bytes
+    signature: bytes = b""
+    """For a tenant: its Ed25519 signature of the handshake's transcript."""
 
 
 class AuthOk(Message, tag=83, frozen=True):

@@ -82,6 +82,9 @@ class Heartbeat(Message, tag=12, frozen=True):
     """The SSD tier's configured capacity (-1: as registered)."""
     ssd_fault: str = ""
     """Why ``ssd_capacity`` is below ``ssd_configured`` ("" while the tier is healthy)."""
+    refusals: dict[str, int] = {}
+    """What the daemon refused since it started, by kind (connections over a limit, logins that
+    failed or came too late, tenants' sessions cut, replayed reservations): for /metrics."""
 
 
 class HeartbeatReply(Message, tag=13, frozen=True):

@@ -116,6 +116,7 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
         rails=server.rails,
         ucx_address=ucx_address,
         transfer_stats=server.transfer_bytes,
+        refusals=server.refusals,
         before_register=server.reset_grants,
         on_epoch=server.raise_epoch,
         credential=server.credential,

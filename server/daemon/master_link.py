@@ -56,6 +56,7 @@ class MasterLink:
         rails: Sequence[str] = (),
         ucx_address: str = "",
         transfer_stats: Callable[[], dict[str, int]] | None = None,
+        refusals: Callable[[], dict[str, int]] | None = None,
         on_registered: Callable[[], None] | None = None,
         before_register: Callable[[], None] | None = None,
         report_period_s: float = 0.01,
@@ -65,6 +66,7 @@ class MasterLink:
     ) -> None:
         """``credential`` and ``tls``: what connections to the master authenticate with and run over."""
         self._transfer_stats = transfer_stats
+        self._refusals = refusals
         self._before_register = before_register
         self._on_epoch = on_epoch
         self._timeout = timeout
@@ -163,7 +165,8 @@ class MasterLink:
                 else:
                     stats = self._transfer_stats() if self._transfer_stats is not None else {}
                     capacity, configured, fault = self.storage.ssd_health()
-                    beat = Heartbeat(self.node_id, stats, capacity, configured, fault)
+                    refused = self._refusals() if self._refusals is not None else {}
+                    beat = Heartbeat(self.node_id, stats, capacity, configured, fault, refused)
                     reply = self._conn.call(beat, HeartbeatReply)
                     known = reply.known
                     if known:

@@ -385,6 +385,15 @@ class DaemonServer:
             with self._transfer_lock:
                 self._transfer[f"{transport}|{rail}|{direction}"] += nbytes
 
+    def refusals(self) -> dict[str, int]:
+        """What this daemon refused since it started, by kind (reported in heartbeats)."""
+        gate = self.gate
+        return {
+            "connections": self.refused_connections, "auth_failures": gate.auth_failures,
+            "login_timeouts": gate.login_timeouts, "revoked_sessions": gate.revoked_sessions,
+            "replayed_seals": gate.replayed_seals,
+        }  # fmt: skip
+
     def transfer_bytes(self) -> dict[str, int]:
         with self._transfer_lock:
             return dict(self._transfer)

@@ -565,6 +565,9 @@ class _Collector:
                                   " good one serves meanwhile).", value=security["tenants_file_errors"])  # fmt: skip
         yield GaugeMetricFamily("kvstore_tenants_file_bad", "1 while the tenants file on disk does not load.",
                                 value=security["tenants_file_bad"])  # fmt: skip
+        yield GaugeMetricFamily("kvstore_tenants_legacy_verifiers", "Tenants whose token the file keeps as a sha256 "
+                                "(rotate them: a stolen file plus a recorded login gives those away).",
+                                value=security["legacy_verifiers"])  # fmt: skip
         yield GaugeMetricFamily("kvstore_master_answers_kept", "Replies kept for clients' retries (at most "
                                 "KVSTORE_MASTER_ANSWER_CACHE).", value=len(service.answers))  # fmt: skip
         yield GaugeMetricFamily("kvstore_master_answers_bytes", "Encoded bytes of the replies kept for retries.",
@@ -572,6 +575,13 @@ class _Collector:
         yield CounterMetricFamily("kvstore_master_answers_dropped_early", "Replies dropped for the bound before "
                                   "their time: a retry of one runs again.",
                                   value=service.answers.dropped_early)  # fmt: skip
+        refused = CounterMetricFamily("kvstore_daemon_refusals", "What daemons refused, by kind: connections over a "
+                                      "limit, failed or late logins, tenants' sessions cut, replayed reservations.",
+                                      labels=["node", "kind"])  # fmt: skip
+        for view in views:
+            for kind, value in sorted(view.refusals.items()):
+                refused.add_metric([view.node_id, kind], value)
+        yield refused
         transfer = CounterMetricFamily("kvstore_transfer_bytes", "Bytes moved by daemons, by transport and rail.",
                                        labels=["node", "transport", "rail", "direction"])  # fmt: skip
         for view in views:

@@ -148,7 +148,7 @@ class MasterCore:
         return [n.node_id for n in self.table.up_nodes()]
 
     async def heartbeat(self, m: Heartbeat, caller: Identity = ANYONE) -> Message:
-        known = self.nodes.heartbeat(m.node_id, m.transfer_bytes, now_ms())
+        known = self.nodes.heartbeat(m.node_id, m.transfer_bytes, now_ms(), m.refusals)
         if known:
             self.table.ssd_health(m.node_id, m.ssd_capacity, m.ssd_configured, m.ssd_fault)
         return HeartbeatReply(known, self._peers() if known else [])

@@ -35,6 +35,7 @@ def held_blocks(inventory: list[InventoryItem]) -> list[HeldBlock]:
 class _Entry:
     info: NodeInfo
     transfer_bytes: dict[str, int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
     links: dict[str, AsyncConnection] = field(default_factory=dict)
     """The master's connections to the daemon, one per lane (see :meth:`NodeRegistry.link`)."""
 
@@ -51,6 +52,8 @@ class NodeView:
     transfer_bytes: Mapping[str, int]
     """Bytes the node's daemon moved by "transport|rail|direction" (from its heartbeats)."""
     tiers: Mapping[str, Mapping[str, int]]
+    refusals: Mapping[str, int] = field(default_factory=dict)
+    """What the node's daemon refused, by kind (from its heartbeats)."""
 
 
 class NodeRegistry:
@@ -117,12 +120,15 @@ class NodeRegistry:
         self._stale.extend(entry.links.values())
         return self.table.leave_node(node_id)
 
-    def heartbeat(self, node_id: str, transfer_bytes: dict[str, int], now_ms: int) -> bool:
+    def heartbeat(
+        self, node_id: str, transfer_bytes: dict[str, int], now_ms: int, refusals: dict[str, int] | None = None
+    ) -> bool:  # fmt: skip
         """Whether the node is known (a daemon that is not must register again)."""
         entry = self._entries.get(node_id)
         if entry is None or not self.table.heartbeat(node_id, now_ms):
             return False
         entry.transfer_bytes = transfer_bytes
+        entry.refusals = refusals or {}
         return True
 
     def reset(self, table: PlacementTable) -> list[AsyncConnection]:
@@ -171,6 +177,7 @@ class NodeRegistry:
         return NodeView(
             node_id, replace(entry.info, up=state.up), state, self.table.is_draining(node_id),
             MappingProxyType(dict(entry.transfer_bytes)), MappingProxyType(self.table.tier_usage(state)),
+            MappingProxyType(dict(entry.refusals)),
         )  # fmt: skip
 
     def views(self) -> list[NodeView]:

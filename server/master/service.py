@@ -22,6 +22,7 @@ from kvstore.errors import ConfigError, KVStoreError
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import EvictionPolicy
 from kvstore.protocol import Message, OkReply, TenantsPolicy
+from kvstore.tenants import is_legacy
 from server.master.answers import Answers
 from server.master.commands import Commands, Lane
 from server.master.core import MasterCore, now_ms
@@ -71,6 +72,7 @@ class MasterService:
         self._ticker: asyncio.Task[None] | None = None
         self._policy: TenantsPolicy | None = None
         self._policy_at = 0.0
+        self._policy_loads = 0
         self._policy_told: set[str] = set()
         """Nodes told the current tenants' policy."""
 
@@ -104,6 +106,9 @@ class MasterService:
             "revoked_sessions": self.rpc.revoked_sessions,
             "tenants_file_errors": authority.file_errors if authority is not None else 0,
             "tenants_file_bad": 1 if authority is not None and authority.file_error else 0,
+            "legacy_verifiers": sum(is_legacy(t.stored_key) for t in authority.refresh_tenants().values())
+            if authority is not None and authority.takes_tokens
+            else 0,
         }
 
     def tenants_file_error(self) -> str:
@@ -201,14 +206,12 @@ class MasterService:
         if authority is None or self.leadership.refusal() is not None:
             return
         policy = authority.policy()
-        last = self._policy
-        changed = last is None or (policy.names, policy.operations, policy.keys) != (
-            last.names,
-            last.operations,
-            last.keys,
-        )
+        # Every load of the file is pushed, even one that restores what daemons heard last: a
+        # tenant added and removed in between may hold tickets issued after that word.
+        changed = self._policy is None or authority.loads != self._policy_loads
         if changed or now - self._policy_at > POLICY_EVERY_S:
             self._policy, self._policy_at, self._policy_told = policy, now, set()
+            self._policy_loads = authority.loads
         for node in [n.node_id for n in self.table.up_nodes() if n.node_id not in self._policy_told]:
             self._policy_told.add(node)
             self._spawn(self._send_policy(node, policy), "tenants-policy")

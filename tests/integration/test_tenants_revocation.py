@@ -44,7 +44,7 @@ KiB, MiB = 1024, 1024 * 1024
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(2, dram="16MiB", authenticate=True) as c:
+    with LocalCluster(2, dram="16MiB", authenticate=True, admin=True) as c:
         yield c
 
 
@@ -159,13 +159,13 @@ def test_a_rotated_token_is_taken_for_its_grace_only(cluster: LocalCluster) -> N
 def test_a_daemon_cuts_a_connection_that_trickles_its_login(cluster: LocalCluster) -> None:
     sock = socket.create_connection(tuple(cluster.daemon_addresses[0].rsplit(":", 1)), timeout=30)  # type: ignore[arg-type]
     with sock:
-        sock.sendall(b"\x00\x00\x00")  # part of a frame header, then a byte now and then
+        sock.sendall(b"\x00\x00\x01\x00")  # a frame header (256 bytes to come), then a byte now and then
         start = time.monotonic()
         closed = False
         while time.monotonic() - start < 25:
             time.sleep(2)
             try:
-                sock.sendall(b"\x00")
+                sock.sendall(b"\x91")
                 sock.settimeout(0.05)
                 if sock.recv(1) == b"":
                     closed = True
@@ -176,6 +176,18 @@ def test_a_daemon_cuts_a_connection_that_trickles_its_login(cluster: LocalCluste
                 closed = True
                 break
         assert closed and time.monotonic() - start < 15, "an unauthenticated connection held its slot"
+    # The daemon counts it, and its heartbeats bring the count to the master's /metrics.
+    token = cluster.add_admin("watcher")
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = _http(cluster.admin_address, "/metrics", token)
+        counted = [line for line in metrics.splitlines()
+                   if line.startswith("kvstore_daemon_refusals_total") and 'kind="login_timeouts"' in line
+                   and not line.endswith(" 0.0")]  # fmt: skip
+        if counted or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert counted, "the daemon's refusal of a late login is not in /metrics"
 
 
 def test_the_tenants_command_lists_rotates_sets_and_removes(cluster: LocalCluster) -> None:
@@ -249,10 +261,11 @@ def test_the_admin_port_cuts_trickled_requests_and_caps_connections() -> None:
         )
 
 
-def _http(address: str, path: str) -> str:
+def _http(address: str, path: str, token: str = "") -> str:
     import urllib.request
 
-    with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as r:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(f"http://{address}{path}", headers=headers), timeout=10) as r:
         return r.read().decode()
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvstore import auth as auth_module
 from kvstore.auth import (
     CLUSTER,
     Authority,
@@ -22,6 +23,7 @@ from kvstore.auth import (
 )
 from kvstore.errors import AuthFailed, ConfigError, InvalidArgument, InvalidKey, PermissionDenied
 from kvstore.protocol import (
+    AuthChallenge,
     AuthHello,
     AuthOk,
     AuthProof,
@@ -36,7 +38,7 @@ from kvstore.protocol import (
     decode_payload,
     encode,
 )
-from kvstore.tenants import Admin, add_admin, add_tenant, load_access, stored_key
+from kvstore.tenants import Admin, add_admin, add_tenant, is_legacy, load_access, new_token, rotate_tenant, stored_key
 
 SECRET = b"s" * 32
 
@@ -165,7 +167,7 @@ def test_the_tenants_file_is_checked_and_reloaded(tmp_path: Path) -> None:
         add_tenant(path, "alice")
     add_tenant(path, "bob")
     assert auth.tenant("bob") is not None  # read again: the file changed
-    assert json.loads(path.read_text())["tenants"]["alice"]["token_sha256"] != token
+    assert json.loads(path.read_text())["tenants"]["alice"]["token_ed25519"] != token
     path.write_text("{not json")
     assert auth.tenant("bob") is not None  # a file that turned bad keeps the last good tenants
     for text, match in [
@@ -210,8 +212,10 @@ def test_a_malformed_hello_or_proof_is_refused(authority: tuple[Authority, dict]
         ServerHandshake(auth).challenge(Stats())
     with pytest.raises(AuthFailed, match="malformed"):
         ServerHandshake(auth).challenge(AuthHello("tenant", "alice", b"short", b""))
+    with pytest.raises(AuthFailed, match="no ephemeral key"):
+        ServerHandshake(auth).challenge(AuthHello("tenant", "alice", b"n" * 16, b""))
     server = ServerHandshake(auth)
-    server.challenge(AuthHello("tenant", "alice", b"n" * 16, b""))
+    server.challenge(AuthHello("tenant", "alice", b"n" * 16, b"", b"e" * 32))
     with pytest.raises(AuthFailed):
         server.verify(AuthProof(b""))
 
@@ -262,3 +266,47 @@ def test_seals_bind_a_tenant_to_the_extents_the_master_reserved() -> None:
         auth.check_seals("alice", "node1", ["alice/k"], [4096], [512], [seal], now + 30_000 + 61_000)
     with pytest.raises(InvalidArgument, match="malformed"):  # found by bench.fuzz: lists of other lengths
         auth.check_seals("alice", "node1", ["alice/k"], [4096, 0], [512], [seal], now)
+
+
+def _recorded(authority: Authority, token: str) -> tuple[AuthHello, AuthChallenge, AuthProof, bytes]:
+    """One handshake of ``token`` as an eavesdropper records it, and the key both ends agreed."""
+    client, server = ClientHandshake(tenant_credential(token)), ServerHandshake(authority)
+    hello = client.hello()
+    challenge = server.challenge(hello)
+    proof = client.proof(challenge)
+    _, ok, key = server.verify(proof)
+    assert client.finish(ok) == key
+    return hello, challenge, proof, key
+
+
+def test_a_stolen_tenants_file_and_a_recorded_handshake_log_nobody_in(
+    authority: tuple[Authority, dict], tmp_path: Path
+) -> None:
+    """Issue 27, item 4: with the file's verifier and a recorded handshake, the old scheme gave the
+    client key away (proof XOR HMAC(verifier, transcript)). The verifier is now a public key: the
+    same recovery yields nothing that logs in, and nothing that is the session's key."""
+    auth, tokens = authority
+    stolen = load_access(tmp_path / "tenants.toml").tenants["alice"].stored_key
+    hello, challenge, proof, session = _recorded(auth, tokens["alice"])
+    transcript = auth_module._transcript(hello, challenge)
+    recovered = auth_module._xor(proof.proof.ljust(32, b"\0"), auth_module._mac(stolen, b"client", transcript))
+    for guess in (recovered, stolen, stolen[-32:]):
+        with pytest.raises(AuthFailed):
+            handshake(auth, Credential("tenant", "alice", guess))
+        assert auth_module._mac(guess, b"connection", transcript) != session
+
+
+def test_a_legacy_verifier_logs_in_is_flagged_and_rotation_replaces_it(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.json"
+    token = new_token("old")
+    path.write_text(json.dumps({"tenants": {"old": {"token_sha256": stored_key(token).hex()}}}))
+    auth = Authority(SECRET, path)
+    identity, server_key, client_key = handshake(auth, tenant_credential(token))
+    assert identity.tenant == "old" and server_key == client_key
+    tenant = auth.tenant("old")
+    assert tenant is not None and is_legacy(tenant.stored_key)
+    new = rotate_tenant(path, "old", grace_s=60)
+    tenant = auth.tenant("old")
+    assert tenant is not None and not is_legacy(tenant.stored_key) and is_legacy(tenant.previous_key)
+    assert handshake(auth, tenant_credential(new))[0].tenant == "old"
+    assert handshake(auth, tenant_credential(token))[0].tenant == "old"  # the old one, in its grace
