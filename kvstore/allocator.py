@@ -215,6 +215,29 @@ class Allocator:
             alloc._add_free(pos, alloc.capacity - pos)
         return alloc
 
+    def take(self, extent: Extent) -> bool:
+        """Reserve exactly ``extent`` (aligned) if it lies wholly in free space; False otherwise.
+        Rare (an extent held by a block nobody placed): a scan of the free extents."""
+        start, length = extent
+        if length <= 0 or (start | length) & self._mask or start < 0 or start + length > self.capacity:
+            return False
+        end = start + length
+        for f_start, f_len in self._free_start.items():
+            if f_start <= start and end <= f_start + f_len:
+                break
+        else:
+            return False
+        self._remove_free(f_start, f_len)
+        if f_start < start:
+            self._add_free(f_start, start - f_start)
+        if end < f_start + f_len:
+            self._add_free(end, f_start + f_len - end)
+        if self._allocated is not None:
+            self._allocated[start] = length
+        self._count += 1
+        self.used += length
+        return True
+
     def free(self, extent: Extent) -> None:
         """Return an extent from :meth:`alloc` or :meth:`rebuild`; freeing anything else raises."""
         start, length = extent

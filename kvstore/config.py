@@ -498,6 +498,18 @@ class DaemonConfig(_Frozen):
         " client copied in). Off: a tenant writes through the socket, its seal checked, and maps the arena"
         " read-only; the cluster's own clients are not affected.",
     )
+    orphan_check_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Ask the master this long after a two-trip write whether it knows the block (one whose"
+        " put was given up before its bytes came is an orphan: dropped).",
+    )
+    inventory_sweep_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="Ask the master about every block held here once per this period (orphans from any"
+        " cause are dropped); 0: only blocks of two-trip writes are asked about.",
+    )
     leave_on_exit: bool = Field(
         default=False,
         description="On a clean stop, have the master forget this node and its blocks, and delete the arena"

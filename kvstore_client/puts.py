@@ -115,11 +115,17 @@ def take_write_codes(
     plan: Placement, items: Items, address: str, group: Sequence[tuple[int, Replica]],
     codes: Sequence[tuple[int, str]], failed: set[int],
 ) -> None:  # fmt: skip
-    """Note the blocks a daemon refused (into ``failed``, the first as the plan's failure)."""
+    """Note the blocks a daemon refused (into ``failed``, the first as the plan's failure). One
+    refused for RetryLater (another block, which the daemon is dropping, holds its key or extent)
+    is revoked and put again."""
     for (i, _), (code, text) in zip(group, codes, strict=True):
         if code:
             failed.add(i)
-            plan.fail(error_from_code(code, f"writing {items[i][0]!r} to {address}: {text}"))
+            if code == RetryLater.code:
+                if i not in plan.retry:
+                    plan.retry.append(i)
+            else:
+                plan.fail(error_from_code(code, f"writing {items[i][0]!r} to {address}: {text}"))
 
 
 def take_commits(

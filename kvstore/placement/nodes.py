@@ -128,6 +128,52 @@ class Membership:
             ]
         )
 
+    def check_blocks(
+        self, node_id: str, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int],
+        checksums: Sequence[int],
+    ) -> list[bool]:  # fmt: skip
+        """Per block a daemon holds (at its DRAM offset, -1 on SSD), whether it is an orphan: no put
+        the table knows placed that key on that node (the put was given up before its bytes came, or
+        the block has other bytes than the key's). An orphan's DRAM extent is taken out of the free
+        space, where it still lies in it, until :meth:`release_quarantine`: the daemon drops the
+        block, and nothing is placed over it meanwhile. An unknown node: nothing is an orphan (it
+        registers again, and its inventory is adopted)."""
+        if not len(keys) == len(offsets) == len(sizes) == len(checksums):
+            raise InvalidArgument("a CheckBlocks whose lists differ in length")
+        cat = self.catalog
+        node = cat.nodes.get(node_id)
+        if node is None:
+            return [False] * len(keys)
+        rec = cat.rec
+        out: list[bool] = []
+        for key, offset, size, csum in zip(keys, offsets, sizes, checksums, strict=True):
+            slot = rec.index.get(key)
+            known = (
+                slot is not None
+                and rec.row_on(slot, node.idx) >= 0
+                and not rec.state[slot] & REMOVING
+                and rec.size[slot] == size
+                and (not rec.state[slot] & COMMITTED or rec.checksum[slot] == csum)
+            )
+            out.append(not known)
+            if known or offset < 0 or key in node.quarantine or not 0 < size <= MAX_NODE_BYTES:
+                continue
+            cat.counters["orphans"] += 1
+            extent = Extent(offset, node.alloc.round_up(size))
+            if node.alloc.take(extent):
+                node.quarantine[key] = extent
+        return out
+
+    def release_quarantine(self, node_id: str, keys: Sequence[str]) -> None:
+        """The daemon dropped these orphans: their extents are free again."""
+        node = self.catalog.nodes.get(node_id)
+        if node is None:
+            return
+        for key in keys:
+            extent = node.quarantine.pop(key, None)
+            if extent is not None:
+                node.alloc.free(extent)
+
     def _forget_node(self, node_id: str) -> list[NodeCommand]:
         """Drop every replica on ``node_id``; returns revocations of its puts' replicas on other nodes."""
         cat = self.catalog

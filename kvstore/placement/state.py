@@ -63,6 +63,9 @@ class NodeState:
     """The SSD tier's configured capacity; ``ssd_capacity`` is lower while its disk is short (-1: the same)."""
     ssd_fault: str = ""
     """Why the SSD tier holds less than configured, as its daemon reports it ("" while healthy)."""
+    quarantine: dict[str, Extent] = field(default_factory=dict)
+    """DRAM extents held by blocks the daemon has but no put placed (orphans it is dropping), by
+    key: out of the free space until the daemon says they are gone."""
     gen: int = field(default_factory=new_generation)
     """This registration's number: answers to commands planned before the node re-registered are
     void (its inventory replaced what they were planned on)."""
@@ -156,6 +159,7 @@ COUNTERS = (
     "bytes_written",
     "grants",
     "grants_expired",
+    "orphans",
 )
 
 

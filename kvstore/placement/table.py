@@ -119,6 +119,15 @@ class PlacementTable:
             node_id, address, dram_capacity, ssd_capacity, alignment, inventory, now_ms, max_blocks
         )
 
+    def check_blocks(
+        self, node_id: str, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int],
+        checksums: Sequence[int],
+    ) -> list[bool]:  # fmt: skip
+        return self._membership.check_blocks(node_id, keys, offsets, sizes, checksums)
+
+    def release_quarantine(self, node_id: str, keys: Sequence[str]) -> None:
+        self._membership.release_quarantine(node_id, keys)
+
     def leave_node(self, node_id: str) -> list[NodeCommand]:
         return self._membership.leave(node_id)
 

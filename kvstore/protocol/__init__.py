@@ -70,6 +70,8 @@ from kvstore.protocol.handshake import (
 )
 from kvstore.protocol.membership import (
     AccessReport,
+    CheckBlocks,
+    CheckBlocksReply,
     Heartbeat,
     HeartbeatReply,
     LeaveNode,
@@ -131,6 +133,8 @@ __all__ = [
     "AuthHello",
     "AuthOk",
     "AuthProof",
+    "CheckBlocks",
+    "CheckBlocksReply",
     "CommandReply",
     "CommitBlocks",
     "CommitGranted",

@@ -94,6 +94,26 @@ class HeartbeatReply(Message, tag=13, frozen=True):
     """The nodes the master knows now (see RegisterNode.peers)."""
 
 
+class CheckBlocks(Message, tag=90, frozen=True):
+    """A daemon asks whether the master knows blocks it holds (written by puts the master may have
+    given up on before their bytes came: orphans). Each as the daemon holds it: its DRAM offset (-1
+    on SSD), size and checksum. ``dropped``: orphans of an earlier answer, now dropped (the master
+    gives their extents back)."""
+
+    node_id: str
+    keys: list[str]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    dropped: list[str] = []
+
+
+class CheckBlocksReply(Message, tag=91, frozen=True):
+    orphans: list[bool]
+    """Per block, True when the master does not know it on that node: the daemon drops it (its
+    DRAM extent is kept out of the master's free space until ``dropped`` says it is gone)."""
+
+
 class MasterHello(Message, tag=14, frozen=True):
     """First frame of a master's connection to a daemon: the commands that follow on it are the
     master's of ``epoch``. A daemon that has registered with a master of a later epoch refuses

@@ -50,6 +50,7 @@ from kvstore.errors import (
     CorruptStore,
     InvalidArgument,
     ResourceShortage,
+    RetryLater,
     StoreBusy,
 )
 from kvstore.keys import MAX_KEY_BYTES, BlockKey
@@ -398,7 +399,11 @@ class DramArena(IndexedTier[_Slot]):
         return self._begin_slot(key, extent, size)
 
     def begin_at(self, key: BlockKey, offset: int, size: int) -> memoryview:
-        """Like :meth:`begin`, at an extent the master chose; raises when it is out of bounds or no slot is free."""
+        """Like :meth:`begin`, at an extent the master chose; raises when it is out of bounds or no slot
+        is free, and RetryLater when a block here holds the key or overlaps the extent (one no put
+        the master knows placed: its daemon finds and drops such orphans)."""
+        if key in self._index or key in self._pending:
+            raise RetryLater(f"key {key!r} is held in {self.description} by another block (being dropped)")
         self._check_new(key, size)
         if self.managed:
             raise InvalidArgument(f"{self.description} is managed: it chooses its own extents")
@@ -410,7 +415,13 @@ class DramArena(IndexedTier[_Slot]):
             raise CapacityError(f"{self.description} has no free index slot (max_blocks={self.max_slots}{why})")
         extent = Extent(offset, length)
         assert self._placed is not None
-        self._placed.add(extent)  # raises when it overlaps a block stored or being written
+        other = self._placed.overlapping(extent)
+        if other is not None:
+            raise RetryLater(
+                f"extent ({offset}, {size}) overlaps the block at ({other.offset}, {other.length}) in"
+                f" {self.description}, which no put placed there (being dropped)"
+            )
+        self._placed.add(extent)
         return self._begin_slot(key, extent, size)
 
     def _check_new(self, key: BlockKey, size: int) -> None:
@@ -444,6 +455,11 @@ class DramArena(IndexedTier[_Slot]):
     def is_pending(self, key: BlockKey) -> bool:
         """Whether ``key`` is being written (begun, not yet committed or aborted)."""
         return key in self._pending
+
+    def pending(self, key: BlockKey) -> tuple[int, int] | None:
+        """(offset, size) of ``key`` while it is being written; None otherwise."""
+        slot = self._pending.get(key)
+        return None if slot is None else (slot.extent.offset, slot.size)
 
     def pending_view(self, key: BlockKey, offset: int, size: int) -> memoryview | None:
         """A writable view of ``key`` while it is being written at exactly (offset, size); None otherwise."""

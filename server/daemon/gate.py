@@ -59,6 +59,11 @@ class Gate:
         self.replayed_seals = 0
         """Writes refused because their reservation was written already (a replay)."""
 
+    def counts(self) -> dict[str, int]:
+        """What the gate refused since the start, by kind."""
+        return {"auth_failures": self.auth_failures, "login_timeouts": self.login_timeouts,
+                "revoked_sessions": self.revoked_sessions, "replayed_seals": self.replayed_seals}  # fmt: skip
+
     def accepted(self, sock: socket.socket) -> None:
         """A connection came in: it has ``login_timeout`` to authenticate."""
         with self._lock:

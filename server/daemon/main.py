@@ -96,6 +96,7 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
         storage, config.host, config.port, rails=config.rails, io_timeout=config.io_timeout_s,
         max_connections=config.max_connections, max_per_peer=config.max_connections_per_peer, secret=secret,
         tls=config.tls, node_id=config.name, tenant_shm_writes=config.tenant_shm_writes,
+        orphan_check_s=config.orphan_check_s, inventory_sweep_s=config.inventory_sweep_s,
     )  # fmt: skip
     server.start()
     undo.callback(server.stop)
@@ -117,6 +118,7 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
         ucx_address=ucx_address,
         transfer_stats=server.transfer_bytes,
         refusals=server.refusals,
+        orphans=server.orphans,
         before_register=server.reset_grants,
         on_epoch=server.raise_epoch,
         credential=server.credential,

@@ -24,6 +24,7 @@ from kvstore.errors import KVStoreError, ProtocolError
 from kvstore.keys import BlockKey
 from kvstore.protocol import (
     AccessReport,
+    CheckBlocksReply,
     CommitGranted,
     Heartbeat,
     HeartbeatReply,
@@ -34,6 +35,7 @@ from kvstore.protocol import (
     RegisterReply,
 )
 from kvstore.ratelog import RateLimitedLog
+from server.daemon.orphans import Orphans
 from server.daemon.storage import DaemonStorage
 from transfer import topology
 from transfer.discovery import MasterLocator
@@ -57,6 +59,7 @@ class MasterLink:
         ucx_address: str = "",
         transfer_stats: Callable[[], dict[str, int]] | None = None,
         refusals: Callable[[], dict[str, int]] | None = None,
+        orphans: Orphans | None = None,
         on_registered: Callable[[], None] | None = None,
         before_register: Callable[[], None] | None = None,
         report_period_s: float = 0.01,
@@ -67,6 +70,7 @@ class MasterLink:
         """``credential`` and ``tls``: what connections to the master authenticate with and run over."""
         self._transfer_stats = transfer_stats
         self._refusals = refusals
+        self._orphans = orphans
         self._before_register = before_register
         self._on_epoch = on_epoch
         self._timeout = timeout
@@ -171,6 +175,8 @@ class MasterLink:
                     known = reply.known
                     if known:
                         self.peers = reply.peers
+                        if self._orphans is not None:
+                            self._orphans.check(lambda m: self._conn.call(m, CheckBlocksReply))
                 backoff = 0.1
                 self._stop.wait(self._interval if known else 0)
             except KVStoreError as exc:

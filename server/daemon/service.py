@@ -65,6 +65,7 @@ from kvstore.protocol import (
 from kvstore.ratelog import RateLimitedLog
 from server.daemon.gate import Gate
 from server.daemon.master_link import MasterLink
+from server.daemon.orphans import Orphans
 from server.daemon.storage import NO_TARGET, DaemonStorage
 from transfer.auth import accept
 from transfer.rpc import Connection
@@ -136,6 +137,8 @@ class DaemonServer:
         tls: TlsConfig | None = None,
         node_id: str = "",
         tenant_shm_writes: bool = False,
+        orphan_check_s: float = 2.0,
+        inventory_sweep_s: float = 600.0,
     ) -> None:
         """Serve on ``host:port`` and on each further rail host (one per NIC; free ports), at most
         ``max_connections`` connections at once and ``max_per_peer`` from one address. With the
@@ -152,6 +155,7 @@ class DaemonServer:
         self.credential: Credential | None = cluster_credential(secret) if secret is not None else None
         """What this daemon proves itself with to other daemons (fetches) and the master."""
         self.gate = Gate(self.authority, node_id, shm_writes=tenant_shm_writes)
+        self.orphans = Orphans(storage, node_id, delay_s=orphan_check_s, sweep_s=inventory_sweep_s)
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
@@ -387,12 +391,7 @@ class DaemonServer:
 
     def refusals(self) -> dict[str, int]:
         """What this daemon refused since it started, by kind (reported in heartbeats)."""
-        gate = self.gate
-        return {
-            "connections": self.refused_connections, "auth_failures": gate.auth_failures,
-            "login_timeouts": gate.login_timeouts, "revoked_sessions": gate.revoked_sessions,
-            "replayed_seals": gate.replayed_seals,
-        }  # fmt: skip
+        return {"connections": self.refused_connections, "orphans_dropped": self.orphans.dropped, **self.gate.counts()}
 
     def transfer_bytes(self) -> dict[str, int]:
         with self._transfer_lock:
@@ -428,6 +427,7 @@ class DaemonServer:
 
     def _write(self, msg: WriteBlocks, sock: socket.socket, request_id: int) -> None:
         keys = self._keys(msg.keys)
+        self.orphans.wrote(keys)
         try:
             batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned)
         except InvalidArgument as exc:
@@ -595,6 +595,7 @@ class DaemonServer:
         ):
             raise ConnectionFailed("WriteSlices with mismatched or non-positive lengths")  # payload unknowable
         keys = self._keys(msg.keys)
+        self.orphans.wrote(keys)
         views = self.storage.slice_views(list(zip(keys, msg.offsets, msg.sizes, msg.starts, msg.lengths, strict=True)))
         targets = [v if isinstance(v, memoryview) else NO_TARGET for v in views]
         # A failure here leaves the blocks being written: the master's revoke or expiry drops them.
@@ -607,6 +608,7 @@ class DaemonServer:
         """Blocks whose bytes are in their extents already (copied by a same-host client, or written in
         slices): reserve where needed, check in place, commit."""
         keys = self._keys(msg.keys)
+        self.orphans.wrote(keys)
         batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned, join=True)
         outcome = batch.finish()
         self.count("shm", self.address, "in", sum(n for n, err in zip(msg.sizes, outcome, strict=True) if err is None))

@@ -14,15 +14,27 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from functools import partial
+from typing import NamedTuple
 
 from kvstore.config import DramConfig, SsdConfig
-from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError
+from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, RetryLater
 from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import InventoryItem
 from kvstore.tiers.engine import TierEngine
+
+
+class BlockState(NamedTuple):
+    """A block as a daemon holds it (what an orphan check asks the master about)."""
+
+    offset: int
+    """Its DRAM offset; -1 on SSD."""
+    size: int
+    checksum: int
+    """-1 while it is being written."""
+
 
 MAX_FENCES = 65_536
 """Copies a daemon remembers as given up (see :meth:`DaemonStorage.drop`)."""
@@ -150,6 +162,11 @@ class DaemonStorage:
         """Copies the master gave up on before they arrived: (key, offset) a fetch must not commit.
         At most ``MAX_FENCES``, oldest forgotten first (a copy is fetched within seconds of its
         command, or never)."""
+        self.on_conflict: Callable[[], None] | None = None
+        """Called when a write is refused because another block holds its key or extent (an orphan,
+        most likely: see :class:`server.daemon.orphans.Orphans`)."""
+        self._watch: set[BlockKey] | None = None
+        """While an orphan check is in flight: the keys whose writes began meanwhile (not its to drop)."""
 
     def ssd_health(self) -> tuple[int, int, str]:
         """The SSD tier's capacity now (checked against its disk's free space), its configured one and
@@ -214,6 +231,7 @@ class DaemonStorage:
         first answer was lost), which needs no bytes. With ``join``: a block already being
         written at the same extent gives its view again (the slices of one block)."""
         out: list[memoryview | KVStoreError | None] = []
+        conflict = False
         with self.lock.exclusive():
             for i, (key, offset, size) in enumerate(blocks):
                 if fenced and self._fences.pop((key, offset), False) is None:
@@ -231,10 +249,17 @@ class DaemonStorage:
                     if (self.arena.extent(key).offset, entry.size, entry.checksum) == (offset, size, checksums[i]):
                         out.append(None)
                         continue
+                if self._watch is not None:
+                    self._watch.add(key)
                 try:
                     out.append(self.arena.begin_at(key, offset, size))
+                except RetryLater as exc:
+                    out.append(exc)
+                    conflict = True
                 except KVStoreError as exc:
                     out.append(exc)
+        if conflict and self.on_conflict is not None:
+            self.on_conflict()
         return out
 
     def finish_writes(
@@ -277,6 +302,53 @@ class DaemonStorage:
             for key, view in blocks:
                 view.release()
                 self.engine.abort(key)
+
+    # -- orphans (see server.daemon.orphans) ------------------------------------------------
+    def held_keys(self) -> list[BlockKey]:
+        """Every block committed here, both tiers."""
+        with self.lock.shared():
+            return [e.key for e in self.arena.entries()] + [e.key for e in (self.ssd.entries() if self.ssd else [])]
+
+    def describe(self, keys: Sequence[BlockKey]) -> list[BlockState | None]:
+        """Each block as held now: (DRAM offset or -1 on SSD, size, checksum or -1 while it is being
+        written); None for a key not held."""
+        out: list[BlockState | None] = []
+        with self.lock.shared():
+            for key in keys:
+                out.append(self._state(key))
+        return out
+
+    def _state(self, key: BlockKey) -> BlockState | None:
+        arena = self.arena
+        if key in arena:
+            entry = arena.entry(key)
+            return BlockState(arena.extent(key).offset, entry.size, entry.checksum)
+        pending = arena.pending(key)
+        if pending is not None:
+            return BlockState(pending[0], pending[1], -1)
+        if self.ssd is not None and key in self.ssd:
+            entry = self.ssd.entry(key)
+            return BlockState(-1, entry.size, entry.checksum)
+        return None
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """While an orphan check is in flight: note the keys whose writes begin (see :meth:`drop_orphans`)."""
+        with self.lock.exclusive():
+            self._watch = set()
+        try:
+            yield
+        finally:
+            self._watch = None
+
+    def drop_orphans(self, blocks: Sequence[tuple[BlockKey, BlockState]]) -> list[BlockKey]:
+        """Drop each block still held exactly as it was described (and not written anew since the
+        check began: call inside :meth:`watching`); returns those dropped."""
+        with self.lock.exclusive():
+            watch = self._watch or set()
+            gone = [k for k, state in blocks if k not in watch and self._state(k) == state]
+            self.engine.drop(gone)
+        return gone
 
     def holds(self, key: BlockKey) -> bool:
         """Whether a committed block ``key`` is here, in either tier."""

@@ -528,7 +528,8 @@ class _Collector:
                                 ("promotions", "Blocks moved SSD to DRAM."), ("puts", "Blocks put."),
                                 ("gets", "Blocks looked up."), ("expired", "Reservations expired."),
                                 ("bytes_read", "Bytes of blocks handed to readers."),
-                                ("bytes_written", "Bytes of blocks committed.")):  # fmt: skip
+                                ("bytes_written", "Bytes of blocks committed."),
+                                ("orphans", "Blocks daemons held that no put placed there.")):  # fmt: skip
             yield CounterMetricFamily(f"kvstore_{name}", help_text, value=c[name])
         role = service.role()
         yield GaugeMetricFamily("kvstore_master_leading", "1 while this master leads (and may serve).",

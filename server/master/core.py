@@ -34,6 +34,8 @@ from kvstore.placement.table import PlacementTable
 from kvstore.policy import TierName
 from kvstore.protocol import (
     AccessReport,
+    CheckBlocks,
+    CheckBlocksReply,
     CommandReply,
     CommitGranted,
     Exists,
@@ -146,6 +148,14 @@ class MasterCore:
 
     def _peers(self) -> list[str]:
         return [n.node_id for n in self.table.up_nodes()]
+
+    async def check_blocks(self, m: CheckBlocks, caller: Identity = ANYONE) -> Message:
+        """A daemon asks which of its blocks no put placed (orphans: it drops them), and tells which
+        orphans of an earlier answer it dropped (their extents are free again)."""
+        if m.dropped:
+            self.table.release_quarantine(m.node_id, m.dropped)
+            self.commands.room.freed()
+        return CheckBlocksReply(self.table.check_blocks(m.node_id, m.keys, m.offsets, m.sizes, m.checksums))
 
     async def heartbeat(self, m: Heartbeat, caller: Identity = ANYONE) -> Message:
         known = self.nodes.heartbeat(m.node_id, m.transfer_bytes, now_ms(), m.refusals)

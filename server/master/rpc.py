@@ -25,6 +25,7 @@ from kvstore.protocol import (
     AdminInfo,
     AdminInfoReply,
     AuthHello,
+    CheckBlocks,
     CommitGranted,
     ErrorReply,
     Exists,
@@ -205,7 +206,7 @@ class RpcServer:
             CommitGranted: core.commit_granted, AccessReport: core.access_report, MatchPrefix: core.match_prefix,
             MatchPrefixNodes: core.match_prefix_nodes, Replicate: core.replicate, Exists: core.exists,
             Remove: core.remove, ListKeys: core.list_keys, ListNodes: core.list_nodes, Stats: self._stats,
-            AdminInfo: self._admin_info, AuthHello: self._unauthenticated_hello,
+            AdminInfo: self._admin_info, AuthHello: self._unauthenticated_hello, CheckBlocks: core.check_blocks,
         }  # fmt: skip
 
     async def start(self) -> int:

@@ -164,3 +164,17 @@ def test_an_untracked_allocator_is_checked_against_its_owners_extents() -> None:
     alloc.check([h for h in held if h[0] != 128])
     with pytest.raises(InvalidArgument):
         alloc.free(Extent(128, 64))  # its start is free space now
+
+
+def test_take_reserves_exactly_a_free_extent_or_nothing() -> None:
+    a = Allocator(4096, alignment=64)
+    first = a.alloc(1024)
+    assert first == Extent(0, 1024)
+    assert not a.take(Extent(512, 1024))  # overlaps an allocated extent
+    assert not a.take(Extent(1000, 64))  # misaligned
+    assert not a.take(Extent(4032, 128))  # past the end
+    assert a.take(Extent(2048, 512))
+    a.check([(0, 1024), (2048, 512)])
+    assert a.alloc(1024) == Extent(1024, 1024) and a.alloc(1536) == Extent(2560, 1536)
+    a.free(Extent(2048, 512))
+    a.check([(0, 1024), (1024, 1024), (2560, 1536)])

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvstore.config import DramConfig, SsdConfig
-from kvstore.errors import CorruptBlock, InvalidArgument
+from kvstore.errors import ConnectionFailed, CorruptBlock, InvalidArgument, RetryLater
 from kvstore.keys import BlockKey, checksum
-from server.daemon.storage import DaemonStorage
+from kvstore.protocol import CheckBlocks, CheckBlocksReply
+from server.daemon.orphans import Orphans
+from server.daemon.storage import BlockState, DaemonStorage
 
 K = BlockKey
 KB = 1024
@@ -114,7 +117,7 @@ def test_a_retried_write_batch_succeeds_without_its_bytes_and_an_aborted_one_fre
     assert "s" not in storage.arena and "r" in storage.arena
     other = storage.write_batch([K("r")], [0], [KB], [checksum(b"x" * KB)])  # other bytes: refused
     [err] = other.finish()
-    assert isinstance(err, InvalidArgument) and "already" in str(err)
+    assert isinstance(err, RetryLater) and "held" in str(err)  # an orphan in the way: dropped soon
     with pytest.raises(InvalidArgument, match="mismatched"):
         storage.write_batch([K("t")], [0, 1], [KB], [0])
 
@@ -152,10 +155,11 @@ def test_no_write_lands_on_the_bytes_of_another_block(tmp_path: Path, storage: D
         [(K("w"), 8 * KB, 100), (K("a"), 4 * KB, 10), (K("b"), 5 * KB - 64, 200), (K("c"), 9 * KB, 100)]
     )
     assert isinstance(pending, memoryview) and isinstance(clear, memoryview)
-    assert isinstance(overlap, InvalidArgument) and "overlaps the block at (4096, 2048)" in str(overlap)
-    assert isinstance(inside, InvalidArgument)
+    # Retryable: the block in the way is most likely an orphan its daemon is about to drop.
+    assert isinstance(overlap, RetryLater) and "overlaps the block at (4096, 2048)" in str(overlap)
+    assert isinstance(inside, RetryLater)
     [late] = storage.begin_writes([(K("d"), 8 * KB - 64, 128)])  # over the one being written
-    assert isinstance(late, InvalidArgument)
+    assert isinstance(late, RetryLater)
     with storage.read_views([K("victim")]) as [view]:
         assert view is not None and bytes(view) == b"v" * 2000
     # Once a block is gone its extent takes a new one.
@@ -170,7 +174,7 @@ def test_no_write_lands_on_the_bytes_of_another_block(tmp_path: Path, storage: D
     )
     try:
         [refused] = again.begin_writes([(K("x"), 6 * KB, 64)])
-        assert isinstance(refused, InvalidArgument)
+        assert isinstance(refused, RetryLater)
     finally:
         again.close()
 
@@ -196,3 +200,70 @@ def test_a_fenced_copy_is_refused_once_and_a_drop_of_one_being_written_aborts_it
     batch.targets[0][:] = data
     assert storage.drop([K("f")], "", [KB]) == [True]  # being written: aborted, no fence needed
     assert isinstance(batch.finish()[0], InvalidArgument) and storage.inventory() == []
+
+
+def test_orphans_are_asked_about_after_their_delay_and_only_those_unchanged_are_dropped(
+    storage: DaemonStorage,
+) -> None:
+    orphans = Orphans(storage, "n", delay_s=2.0, sweep_s=0)
+    write(storage, "kept", 0, b"k" * 100)
+    write(storage, "lost", 4 * KB, b"l" * 100)
+    write(storage, "rewritten", 8 * KB, b"r" * 100)
+    orphans.wrote([K("kept"), K("lost"), K("rewritten")])
+    asked: list[CheckBlocks] = []
+
+    def master(m: CheckBlocks) -> CheckBlocksReply:
+        asked.append(m)
+        if m.keys:  # meanwhile "rewritten" is dropped and written anew (a new put of the key)
+            storage.drop([K("rewritten")])
+            write(storage, "rewritten", 8 * KB, b"R" * 100)
+        return CheckBlocksReply([k != "kept" for k in m.keys])
+
+    assert orphans.check(master, now=time.monotonic()) == 0 and not asked  # not due yet
+    assert orphans.check(master, now=time.monotonic() + 3) == 1
+    [question] = asked
+    assert (question.keys, question.offsets, question.sizes) == (
+        ["kept", "lost", "rewritten"],
+        [0, 4096, 8192],
+        [100] * 3,
+    )
+    assert question.checksums[0] == checksum(b"k" * 100)
+    assert storage.holds(K("kept")) and not storage.holds(K("lost")) and storage.holds(K("rewritten"))
+    # The master is told at the next check that their extents are free.
+    orphans.check(master, now=time.monotonic() + 4)
+    assert asked[-1].dropped == ["lost", "rewritten"] and asked[-1].keys == []
+
+
+def test_a_refused_write_has_the_blocks_written_checked_at_once(storage: DaemonStorage) -> None:
+    orphans = Orphans(storage, "n", delay_s=60.0, sweep_s=0)
+    write(storage, "orphan", 0, b"o" * 100)
+    orphans.wrote([K("orphan")])
+    [refused] = storage.begin_writes([(K("new"), 0, 64)])
+    assert isinstance(refused, RetryLater)
+    assert orphans.check(lambda m: CheckBlocksReply([True] * len(m.keys))) == 1
+    assert storage.describe([K("orphan")]) == [None]
+    [view] = storage.begin_writes([(K("new"), 0, 64)])
+    assert isinstance(view, memoryview)
+    view.release()
+
+
+def test_the_sweep_asks_about_every_block_and_a_master_that_fails_is_asked_again(storage: DaemonStorage) -> None:
+    orphans = Orphans(storage, "n", delay_s=2.0, sweep_s=10.0, batch=2)
+    for i in range(3):
+        write(storage, f"b{i}", i * 4 * KB, bytes([i]) * 10)
+    seen: list[str] = []
+
+    def down(m: CheckBlocks) -> CheckBlocksReply:
+        raise ConnectionFailed("master away")
+
+    def master(m: CheckBlocks) -> CheckBlocksReply:
+        seen.extend(m.keys)
+        return CheckBlocksReply([False] * len(m.keys))
+
+    now = time.monotonic()
+    assert orphans.check(master, now) == 0 and seen == []  # the first sweep starts sweep_s after the start
+    orphans.check(down, now + 11)  # two asked, not answered: asked again
+    for step in range(4):
+        orphans.check(master, now + 12 + step)
+    assert sorted(seen) == ["b0", "b1", "b2"]
+    assert storage.describe([K("b0")]) == [BlockState(0, 10, checksum(bytes([0]) * 10))]

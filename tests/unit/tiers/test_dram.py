@@ -15,6 +15,7 @@ from kvstore.errors import (
     InvalidArgument,
     NotFound,
     ResourceShortage,
+    RetryLater,
     StoreBusy,
     StoreClosed,
 )
@@ -233,7 +234,7 @@ def test_unmanaged_arena_writes_where_the_master_says(config: DramConfig) -> Non
         arena.begin_at(K("b"), 10, 10)
     with pytest.raises(InvalidArgument, match="outside"):
         arena.begin_at(K("b"), 64 * 1024 - 64, 128)
-    with pytest.raises(InvalidArgument, match="already"):
+    with pytest.raises(RetryLater, match="held"):
         arena.begin_at(K("a"), 0, 10)
     arena.close()
     again = DramArena(config, managed=False)

@@ -1,0 +1,143 @@
+"""Orphans: blocks a daemon holds that no put the master knows placed there, found and dropped.
+
+A two-trip put reserves its extent at the master, then writes the bytes to the daemon. If the
+master gives the put up first (its reservation expired, its writer revoked it, the key was
+removed, or a new leader never knew it), the drop it sends can reach the daemon before the bytes
+do: the block lands after its drop, and nobody knows of it. It holds DRAM the master hands out
+again, so puts there are refused (RetryLater: "overlaps the block"), and it is counted in no
+quota. Tenants' seals are taken once and closed by the drop, which stops a tenant replaying one;
+this stops the rest, whatever the cause:
+
+- every block a two-trip write began here is asked about ``delay_s`` after (a put commits at the
+  master within seconds, or is given up); at once when a write was refused for another block in
+  its key or extent;
+- every block here is asked about again each ``sweep_s`` (a slow walk, ``batch`` a heartbeat).
+
+The master answers, per block, whether a put it knows placed that key on this node with these
+bytes (:class:`~kvstore.protocol.CheckBlocks`); an orphan's DRAM extent is kept out of its free
+space until the daemon says the block is gone. The daemon drops an orphan only if it is still
+held exactly as described and was not written anew while the question was out. A block still
+being written is asked about only once it has been so for ``stale_s`` (a grant's write waits for
+its commit at the master, which the master does not know of until then).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockKey
+from kvstore.protocol import CheckBlocks, CheckBlocksReply
+from kvstore.ratelog import RateLimitedLog
+from server.daemon.storage import BlockState, DaemonStorage
+
+log = logging.getLogger("kvstore.daemon")
+
+Ask = Callable[[CheckBlocks], CheckBlocksReply]
+
+
+class Orphans:
+    """Which blocks to ask the master about, and dropping those it does not know (see the module)."""
+
+    def __init__(
+        self, storage: DaemonStorage, node_id: str, *, delay_s: float = 2.0, sweep_s: float = 600.0,
+        batch: int = 4096, stale_s: float = 120.0,
+    ) -> None:  # fmt: skip
+        self.storage = storage
+        self.node_id = node_id
+        self.delay_s = delay_s
+        self.sweep_s = sweep_s
+        self.batch = batch
+        self.stale_s = stale_s
+        self._lock = threading.Lock()
+        self._written: dict[BlockKey, float] = {}
+        """Keys written by two-trip puts, oldest first, with when their write began."""
+        self._urgent = False
+        self._sweep: list[BlockKey] = []
+        self._next_sweep = time.monotonic() + sweep_s
+        self._release: list[BlockKey] = []
+        """Orphans dropped (or found gone) whose extents the master has not yet been told are free."""
+        self.dropped = 0
+        """Orphans dropped since the start."""
+        self._log = RateLimitedLog(log)
+        storage.on_conflict = self.conflict
+
+    def wrote(self, keys: list[BlockKey]) -> None:
+        """A two-trip write of ``keys`` began."""
+        now = time.monotonic()
+        with self._lock:
+            for key in keys:
+                self._written.pop(key, None)
+                self._written[key] = now
+
+    def conflict(self) -> None:
+        """A write was refused for a block in its key or extent: ask about what was written, now."""
+        self._urgent = True
+
+    def _due(self, now: float) -> list[tuple[BlockKey, float]]:
+        with self._lock:
+            cutoff = now if self._urgent else now - self.delay_s
+            self._urgent = False
+            due: list[tuple[BlockKey, float]] = []
+            for key, began in self._written.items():
+                if began > cutoff or len(due) == self.batch:
+                    break
+                due.append((key, began))
+            for key, _ in due:
+                del self._written[key]
+        if len(due) < self.batch and self.sweep_s > 0:
+            if not self._sweep and now >= self._next_sweep:
+                self._sweep = self.storage.held_keys()
+                self._next_sweep = now + self.sweep_s
+            take = self._sweep[-(self.batch - len(due)) :]
+            del self._sweep[-len(take) :]
+            due += [(key, now) for key in take]
+        return due
+
+    def check(self, ask: Ask, now: float | None = None) -> int:
+        """Ask the master about the blocks due and drop the orphans; how many were dropped. A master
+        that does not answer: the blocks are asked about again at the next check."""
+        now = time.monotonic() if now is None else now
+        due = self._due(now)
+        release, self._release = self._release, []
+        if not due and not release:
+            return 0
+        states = self.storage.describe([k for k, _ in due])
+        asked: list[tuple[BlockKey, BlockState]] = []
+        later: list[tuple[BlockKey, float]] = []
+        for (key, began), state in zip(due, states, strict=True):
+            if state is None:
+                continue  # dropped already, or never written
+            if state.checksum < 0 and now - began < self.stale_s:
+                later.append((key, began))  # still being written: asked once it is stale
+            else:
+                asked.append((key, state))
+        dropped: list[BlockKey] = []
+        try:
+            with self.storage.watching():
+                reply = ask(CheckBlocks(
+                    self.node_id, [k for k, _ in asked], [s.offset for _, s in asked], [s.size for _, s in asked],
+                    [max(s.checksum, 0) for _, s in asked], [str(k) for k in release],
+                ))  # fmt: skip
+                if len(reply.orphans) != len(asked):
+                    raise KVStoreError(f"the master answered {len(reply.orphans)} of {len(asked)} orphan checks")
+                orphans = [b for b, orphan in zip(asked, reply.orphans, strict=True) if orphan]
+                dropped = self.storage.drop_orphans(orphans) if orphans else []
+        except KVStoreError as exc:
+            self._log.warning("orphan-check", "could not check %d blocks with the master (%s); will retry",
+                              len(asked), exc)  # fmt: skip
+            later += [(k, now - self.delay_s) for k, _ in asked]
+            self._release = release + self._release
+            orphans = []
+        with self._lock:
+            for key, began in later:
+                self._written.setdefault(key, began)
+        if orphans:
+            self._release += [k for k, _ in orphans]  # dropped, or gone meanwhile: either way free
+            self._urgent = True  # tell the master at once
+            self.dropped += len(dropped)
+            log.warning("dropped %d blocks that no put the master knows placed here (orphans)", len(dropped))
+        return len(dropped)
