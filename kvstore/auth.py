@@ -5,10 +5,13 @@ connections). Three kinds of credential:
 
 - the **cluster secret**, shared by the master, the daemons and operators' tools: identity
   ``cluster``, allowed everything, keys unscoped;
-- a **tenant token** ``NAME.SECRET``, a client of tenant NAME. The master keeps only the
-  stored key ``sha256(client_key)``, where ``client_key = HMAC(token, "kvstore client key")``;
-  the client proves it knows ``client_key`` as SCRAM does (``client_key XOR
-  HMAC(stored_key, transcript)``), so a stolen tenants file logs nobody in;
+- a **tenant token** ``NAME.SECRET``, a client of tenant NAME. ``client_key = HMAC(token,
+  "kvstore client key")`` seeds an Ed25519 signing key; the master keeps only its public half
+  (the verifier). The client signs the handshake's transcript, and the connection's key comes
+  from an X25519 exchange of ephemeral keys mixed with the verifier: a stolen tenants file,
+  even with recorded handshakes, logs nobody in, and a server without the file cannot prove
+  itself to the tenant. (Files written before keep ``sha256(client_key)``: still taken, with a
+  SCRAM-style proof, and flagged: rotate them.)
 - a **ticket**, the master's word to the daemons that its holder is tenant NAME until a
   time: ``NAME \\0 EXPIRES_MS \\0 RANDOM`` and its HMAC under a key derived from the cluster
   secret. Its session key (an HMAC of the ticket under that key) reaches the client masked
@@ -23,8 +26,9 @@ trips, on connect only; pooled connections pay it once)::
     client -> AuthProof(proof over the transcript)
     server <- AuthOk(server proof)   or ErrorReply(AuthFailed), and the server closes
 
-The server's fresh nonce makes a replayed proof worthless; the server's proof lets the client
-refuse an impostor; checks are constant-time (:func:`hmac.compare_digest`). The handshake
+The server's fresh nonce makes a replayed proof worthless; the server's proof (under a key only
+the real server can derive: the cluster secret, the tenant's verifier, the ticket's key) lets
+the client refuse an impostor; checks are constant-time (:func:`hmac.compare_digest`). The handshake
 authenticates the peers, not each later frame: on an untrusted network, TLS keeps the stream
 itself from being read or hijacked.
 
@@ -252,14 +256,26 @@ def _transcript(hello: AuthHello, challenge: AuthChallenge) -> bytes:
                        hello.ticket, hello.ephemeral, challenge.ephemeral, legacy])  # fmt: skip
 
 
-def _session(private: X25519PrivateKey, peer: bytes, transcript: bytes) -> bytes:
-    """A tenant connection's key: from the two ephemeral X25519 keys (nothing in the tenants file
-    derives it, nor anything on the wire), bound to the transcript."""
+def _shared(private: X25519PrivateKey, peer: bytes) -> bytes:
     try:
-        shared = private.exchange(X25519PublicKey.from_public_bytes(peer))
+        return private.exchange(X25519PublicKey.from_public_bytes(peer))
     except ValueError:
         raise AuthFailed("a malformed ephemeral key in the handshake") from None
-    return _mac(shared, b"kvstore tenant session", transcript)
+
+
+def _session(shared: bytes, verifier: bytes, transcript: bytes) -> bytes:
+    """A tenant connection's key: from the two ephemeral X25519 keys (nothing on the wire derives
+    it) and the tenant's verifier (the server's proof under it shows the client a server that
+    holds the tenants file: an impostor or a relay in the middle cannot make it), bound to the
+    transcript."""
+    return _mac(shared + verifier, b"kvstore tenant session", transcript)
+
+
+def _verifiers(client: bytes) -> list[bytes]:
+    """The verifiers a tenants file may keep of the token whose client key is ``client``: its
+    Ed25519 public key, or (a file written before those) the legacy sha256."""
+    public = Ed25519PrivateKey.from_private_bytes(signing_seed(client)).public_key()
+    return [ED25519 + public.public_bytes(Encoding.Raw, PublicFormat.Raw), hashlib.sha256(client).digest()]
 
 
 class ClientHandshake:
@@ -274,7 +290,8 @@ class ClientHandshake:
             credential.kind, credential.name, secrets.token_bytes(_NONCE_BYTES), credential.ticket, public
         )
         self._transcript = b""
-        self._session = b""
+        self._shared = b""
+        self._legacy = False
 
     def hello(self) -> AuthHello:
         return self._hello
@@ -288,7 +305,8 @@ class ClientHandshake:
             assert self._ephemeral is not None
             if len(challenge.ephemeral) != 32:
                 raise AuthFailed("the server's challenge carries no ephemeral key: not a server of this version")
-            self._session = _session(self._ephemeral, challenge.ephemeral, self._transcript)
+            self._shared = _shared(self._ephemeral, challenge.ephemeral)
+            self._legacy = challenge.legacy
             signature = Ed25519PrivateKey.from_private_bytes(signing_seed(c.key)).sign(self._transcript)
             # The legacy proof only when the server holds a legacy verifier of this tenant (see is_legacy).
             stored = hashlib.sha256(c.key).digest()
@@ -300,15 +318,15 @@ class ClientHandshake:
         """Check the server's proof; the key only this connection's two ends know."""
         if not isinstance(ok, AuthOk):
             raise AuthFailed(f"the server answered the proof with {type(ok).__name__}")
-        key = self._session or _server_side_key(self.credential)
-        if not hmac.compare_digest(ok.proof, _mac(key, b"server", self._transcript)):
-            raise AuthFailed("the server could not prove it knows this credential: not the server it claims to be")
-        return _mac(key, b"connection", self._transcript)
-
-
-def _server_side_key(c: Credential) -> bytes:
-    """The key both ends hold: the credential's own (a tenant's session key comes from the exchange)."""
-    return c.key
+        if self._shared:  # a tenant: the server proves it holds this token's verifier
+            candidates = _verifiers(self.credential.key)[: 2 if self._legacy else 1]
+            keys = [_session(self._shared, v, self._transcript) for v in candidates]
+        else:
+            keys = [self.credential.key]
+        for key in keys:
+            if hmac.compare_digest(ok.proof, _mac(key, b"server", self._transcript)):
+                return _mac(key, b"connection", self._transcript)
+        raise AuthFailed("the server could not prove it knows this credential: not the server it claims to be")
 
 
 def open_ticket(reply: TicketReply, connection_key: bytes, tenant: str) -> Credential:
@@ -590,7 +608,7 @@ class ServerHandshake:
             if tenant is None or matched is None:
                 raise AuthFailed(f"unknown tenant or wrong token for {hello.name!r}")
             assert self._ephemeral is not None
-            key = _session(self._ephemeral, hello.ephemeral, transcript)
+            key = _session(_shared(self._ephemeral, hello.ephemeral), matched, transcript)
             identity = Identity(tenant.name, tenant.name, tenant.operations, matched)
         else:
             if self.authority.takes_tokens:

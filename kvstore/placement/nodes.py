@@ -148,15 +148,26 @@ class Membership:
         out: list[bool] = []
         for key, offset, size, csum in zip(keys, offsets, sizes, checksums, strict=True):
             slot = rec.index.get(key)
+            row = rec.row_on(slot, node.idx) if slot is not None else -1
             known = (
                 slot is not None
-                and rec.row_on(slot, node.idx) >= 0
+                and row >= 0
                 and not rec.state[slot] & REMOVING
                 and rec.size[slot] == size
-                and (not rec.state[slot] & COMMITTED or rec.checksum[slot] == csum)
+                and (
+                    rec.checksum[slot] == csum
+                    if rec.state[slot] & COMMITTED
+                    # A put in flight is placed where it was reserved (it cannot move meanwhile).
+                    else rec.r_offset[row] < 0 or rec.r_offset[row] == offset
+                )
             )
             out.append(not known)
-            if known or offset < 0 or key in node.quarantine or not 0 < size <= MAX_NODE_BYTES:
+            if known:
+                # The key is placed here now: an orphan of it kept out earlier is gone (a daemon
+                # holds one block a key), so is its extent.
+                self.release_quarantine(node_id, [key])
+                continue
+            if offset < 0 or key in node.quarantine or not 0 < size <= MAX_NODE_BYTES:
                 continue
             cat.counters["orphans"] += 1
             extent = Extent(offset, node.alloc.round_up(size))

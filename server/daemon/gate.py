@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.auth import ANYONE, TICKET_SKEW_MS, Authority, Identity
@@ -133,7 +134,7 @@ class Gate:
                     self._sealed.setdefault(key, []).append(seal)
                 self._seals[seal] = _Use(key, offset, int.from_bytes(seal[:8], "big"), slices)
 
-    def dropped(self, keys: list[str]) -> None:
+    def dropped(self, keys: Sequence[str]) -> None:
         """Blocks were dropped: their reservations are closed (their seals write nothing more)."""
         with self._lock:
             for key in keys:

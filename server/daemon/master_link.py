@@ -98,10 +98,22 @@ class MasterLink:
         self.registered = threading.Event()
         self._thread = threading.Thread(target=self._run, name="daemon-master-link", daemon=True)
         self._reporter = threading.Thread(target=self._report_loop, name="daemon-access-reports", daemon=True)
+        # Orphan checks, apart: they take the storage lock, which a heartbeat must never wait for.
+        self._checks = Connection(locator, timeout, credential, tls)
+        self._checker = threading.Thread(target=self._check_loop, name="daemon-orphan-checks", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
         self._reporter.start()
+        if self._orphans is not None:
+            self._checker.start()
+
+    def _check_loop(self) -> None:
+        orphans = self._orphans
+        assert orphans is not None
+        while not self._stop.wait(self._interval):
+            if self.registered.is_set():
+                orphans.check(lambda m: self._checks.call(m, CheckBlocksReply))
 
     def commit_granted(
         self, grant_id: int, keys: list[BlockKey], offsets: list[int], sizes: list[int], checksums: list[int],
@@ -175,8 +187,7 @@ class MasterLink:
                     known = reply.known
                     if known:
                         self.peers = reply.peers
-                        if self._orphans is not None:
-                            self._orphans.check(lambda m: self._conn.call(m, CheckBlocksReply))
+
                 backoff = 0.1
                 self._stop.wait(self._interval if known else 0)
             except KVStoreError as exc:
@@ -203,10 +214,14 @@ class MasterLink:
 
     def stop(self) -> None:
         self._stop.set()
-        for conn in (self._conn, self._reports):  # a master that does not answer must not hold the stop up
+        # A master that does not answer must not hold the stop up.
+        for conn in (self._conn, self._reports, self._checks):
             conn.abort()
         self._thread.join(timeout=5)
         self._reporter.join(timeout=5)
+        if self._checker.is_alive():
+            self._checker.join(timeout=5)
         self._conn.close()
         self._calls.close()
         self._reports.close()
+        self._checks.close()

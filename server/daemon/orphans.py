@@ -37,6 +37,10 @@ from server.daemon.storage import BlockState, DaemonStorage
 log = logging.getLogger("kvstore.daemon")
 
 Ask = Callable[[CheckBlocks], CheckBlocksReply]
+Drop = Callable[[list[tuple[BlockKey, BlockState]]], list[BlockKey]]
+
+MAX_TRACKED = 1 << 20
+"""Two-trip writes remembered for a check at most (the oldest beyond are left to the sweep)."""
 
 
 class Orphans:
@@ -44,14 +48,17 @@ class Orphans:
 
     def __init__(
         self, storage: DaemonStorage, node_id: str, *, delay_s: float = 2.0, sweep_s: float = 600.0,
-        batch: int = 4096, stale_s: float = 120.0,
+        batch: int = 4096, stale_s: float = 120.0, drop: Drop | None = None,
     ) -> None:  # fmt: skip
+        """``drop``: how orphans are dropped (the server's, which first cuts their receivers);
+        by default the storage's own."""
         self.storage = storage
         self.node_id = node_id
         self.delay_s = delay_s
         self.sweep_s = sweep_s
         self.batch = batch
         self.stale_s = stale_s
+        self._drop = drop or storage.drop_orphans
         self._lock = threading.Lock()
         self._written: dict[BlockKey, float] = {}
         """Keys written by two-trip puts, oldest first, with when their write began."""
@@ -72,6 +79,8 @@ class Orphans:
             for key in keys:
                 self._written.pop(key, None)
                 self._written[key] = now
+            while len(self._written) > MAX_TRACKED:
+                del self._written[next(iter(self._written))]
 
     def conflict(self) -> None:
         """A write was refused for a block in its key or extent: ask about what was written, now."""
@@ -94,7 +103,8 @@ class Orphans:
                 self._next_sweep = now + self.sweep_s
             take = self._sweep[-(self.batch - len(due)) :]
             del self._sweep[-len(take) :]
-            due += [(key, now) for key in take]
+            asked = {key for key, _ in due}
+            due += [(key, now) for key in take if key not in asked]
         return due
 
     def check(self, ask: Ask, now: float | None = None) -> int:
@@ -110,7 +120,8 @@ class Orphans:
         later: list[tuple[BlockKey, float]] = []
         for (key, began), state in zip(due, states, strict=True):
             if state is None:
-                continue  # dropped already, or never written
+                release.append(key)  # gone: if an earlier answer kept its extent out, give it back
+                continue
             if state.checksum < 0 and now - began < self.stale_s:
                 later.append((key, began))  # still being written: asked once it is stale
             else:
@@ -125,11 +136,13 @@ class Orphans:
                 if len(reply.orphans) != len(asked):
                     raise KVStoreError(f"the master answered {len(reply.orphans)} of {len(asked)} orphan checks")
                 orphans = [b for b, orphan in zip(asked, reply.orphans, strict=True) if orphan]
-                dropped = self.storage.drop_orphans(orphans) if orphans else []
+                dropped = self._drop(orphans) if orphans else []
         except KVStoreError as exc:
+            # Asked again after the delay (an answer lost after the master kept an extent out is
+            # answered again, and given back then).
             self._log.warning("orphan-check", "could not check %d blocks with the master (%s); will retry",
                               len(asked), exc)  # fmt: skip
-            later += [(k, now - self.delay_s) for k, _ in asked]
+            later += [(k, now) for k, _ in asked]
             self._release = release + self._release
             orphans = []
         with self._lock:

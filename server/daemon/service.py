@@ -16,7 +16,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,8 @@ from kvstore.ratelog import RateLimitedLog
 from server.daemon.gate import Gate
 from server.daemon.master_link import MasterLink
 from server.daemon.orphans import Orphans
-from server.daemon.storage import NO_TARGET, DaemonStorage
+from server.daemon.receivers import Receivers
+from server.daemon.storage import NO_TARGET, BlockState, DaemonStorage
 from transfer.auth import accept
 from transfer.rpc import Connection
 from transfer.tls import contexts, server_context, wrap_server
@@ -155,7 +156,9 @@ class DaemonServer:
         self.credential: Credential | None = cluster_credential(secret) if secret is not None else None
         """What this daemon proves itself with to other daemons (fetches) and the master."""
         self.gate = Gate(self.authority, node_id, shm_writes=tenant_shm_writes)
-        self.orphans = Orphans(storage, node_id, delay_s=orphan_check_s, sweep_s=inventory_sweep_s)
+        self.orphans = Orphans(
+            storage, node_id, delay_s=orphan_check_s, sweep_s=inventory_sweep_s, drop=self._drop_orphans
+        )
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
@@ -180,11 +183,7 @@ class DaemonServer:
         self._conns: dict[socket.socket, str] = {}
         """Open connections and the rail (listening address) each came in on."""
         self._conns_lock = threading.Lock()
-        # Connections receiving bytes into a block's extent, by key: a drop of the block cuts them and
-        # waits for their receives to end before the extent is given back, so that a stalled writer
-        # never writes into an extent the master placed another block in; a commit cuts late slices.
-        self._receivers: dict[str, set[socket.socket]] = {}
-        self._receivers_done = threading.Condition(self._conns_lock)
+        self.receivers = Receivers()
         self._transfer: Counter[str] = Counter()
         self._transfer_lock = threading.Lock()
         self._grants: dict[int, _Grant] = {}
@@ -434,7 +433,7 @@ class DaemonServer:
             # The payload length is unknowable: the stream is out of step, so the connection must go.
             raise ConnectionFailed(f"WriteBlocks: {exc}") from None
         try:
-            with self._receiving(sock, keys):
+            with self.receivers.receiving(sock, keys):
                 recv_parts(sock, keep_or_drop(batch.targets, msg.sizes))  # one scatter receive for the batch
         except BaseException:
             batch.abort()
@@ -550,7 +549,7 @@ class DaemonServer:
         for i in range(len(msg.sizes)):
             targets.append(next(at) if i in wanted else NO_TARGET)
         try:
-            with self._receiving(sock, [keys[i] for i in todo]):
+            with self.receivers.receiving(sock, [keys[i] for i in todo]):
                 recv_parts(sock, keep_or_drop(targets, msg.sizes))
         except BaseException:
             batch.abort()
@@ -599,7 +598,7 @@ class DaemonServer:
         views = self.storage.slice_views(list(zip(keys, msg.offsets, msg.sizes, msg.starts, msg.lengths, strict=True)))
         targets = [v if isinstance(v, memoryview) else NO_TARGET for v in views]
         # A failure here leaves the blocks being written: the master's revoke or expiry drops them.
-        with self._receiving(sock, keys):
+        with self.receivers.receiving(sock, keys):
             recv_parts(sock, keep_or_drop(targets, msg.lengths))
         self.count("tcp", self._rail(sock), "in", sum(msg.lengths))
         self._write_reply(sock, request_id, [v if isinstance(v, KVStoreError) else None for v in views])
@@ -612,43 +611,23 @@ class DaemonServer:
         batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned, join=True)
         outcome = batch.finish()
         self.count("shm", self.address, "in", sum(n for n, err in zip(msg.sizes, outcome, strict=True) if err is None))
-        self._cut_receivers(keys)  # slices still coming for a committed block: stale
+        self.receivers.cut(keys)  # slices still coming for a committed block: stale
         self._write_reply(sock, request_id, outcome)
 
     def _drop(self, keys: list[BlockKey], tier: str = "", fences: Sequence[int] = ()) -> list[bool]:
         if tier != "ssd":
-            self._cut_receivers(keys, wait_s=self.io_timeout)
+            self.receivers.cut(keys, wait_s=self.io_timeout)
         self.gate.dropped(list(keys))  # their reservations write nothing more
         return self.storage.drop(keys, tier, fences)
 
-    @contextlib.contextmanager
-    def _receiving(self, sock: socket.socket, keys: Sequence[BlockKey]) -> Iterator[None]:
-        """While ``sock`` receives bytes into the extents of ``keys`` (see ``_receivers``)."""
-        with self._conns_lock:
-            for key in keys:
-                self._receivers.setdefault(key, set()).add(sock)
-        try:
-            yield
-        finally:
-            with self._receivers_done:
-                for key in keys:
-                    receivers = self._receivers.get(key)
-                    if receivers is not None:
-                        receivers.discard(sock)
-                        if not receivers:
-                            del self._receivers[key]
-                self._receivers_done.notify_all()
-
-    def _cut_receivers(self, keys: Sequence[BlockKey], wait_s: float = 0.0) -> None:
-        """Shut the connections receiving into the extents of ``keys``; with ``wait_s``, wait (that
-        long at most: a receive is bounded by the socket timeout anyway) until their receives ended."""
-        with self._conns_lock:
-            stale = {sock for key in keys for sock in self._receivers.get(key, ())}
-        for sock in stale:
-            cut(sock)
-        if stale and wait_s:
-            with self._receivers_done:
-                self._receivers_done.wait_for(lambda: not any(k in self._receivers for k in keys), wait_s)
+    def _drop_orphans(self, blocks: list[tuple[BlockKey, BlockState]]) -> list[BlockKey]:
+        """Drop orphans as the master's drops are made: their receivers cut first (no bytes land in
+        an extent given back), their seals closed."""
+        blocks = self.storage.unchanged(blocks)
+        keys = [k for k, _ in blocks]
+        self.receivers.cut(keys, wait_s=self.io_timeout)
+        self.gate.dropped(keys)
+        return self.storage.drop_orphans(blocks)
 
     def _write_reply(self, sock: socket.socket, request_id: int, outcome: list[KVStoreError | None]) -> None:
         send_message(sock, WriteReply.from_outcomes(outcome), request_id)

@@ -233,7 +233,10 @@ class DaemonStorage:
         out: list[memoryview | KVStoreError | None] = []
         conflict = False
         with self.lock.exclusive():
+            watch = self._watch
             for i, (key, offset, size) in enumerate(blocks):
+                if watch is not None:
+                    watch.add(key)  # written anew while an orphan check is out: not the orphan asked about
                 if fenced and self._fences.pop((key, offset), False) is None:
                     out.append(
                         InvalidArgument(f"the copy of block {key!r} into {offset} was dropped before it arrived")
@@ -249,8 +252,6 @@ class DaemonStorage:
                     if (self.arena.extent(key).offset, entry.size, entry.checksum) == (offset, size, checksums[i]):
                         out.append(None)
                         continue
-                if self._watch is not None:
-                    self._watch.add(key)
                 try:
                     out.append(self.arena.begin_at(key, offset, size))
                 except RetryLater as exc:
@@ -333,17 +334,25 @@ class DaemonStorage:
 
     @contextmanager
     def watching(self) -> Iterator[None]:
-        """While an orphan check is in flight: note the keys whose writes begin (see :meth:`drop_orphans`)."""
+        """While an orphan check is in flight: note the keys whose writes begin (see :meth:`unchanged`)."""
         with self.lock.exclusive():
             self._watch = set()
         try:
             yield
         finally:
-            self._watch = None
+            with self.lock.exclusive():
+                self._watch = None
+
+    def unchanged(self, blocks: Sequence[tuple[BlockKey, BlockState]]) -> list[tuple[BlockKey, BlockState]]:
+        """Those of ``blocks`` still held exactly as described and not written anew since the check
+        began (call inside :meth:`watching`)."""
+        with self.lock.exclusive():
+            watch = self._watch or set()
+            return [(k, state) for k, state in blocks if k not in watch and self._state(k) == state]
 
     def drop_orphans(self, blocks: Sequence[tuple[BlockKey, BlockState]]) -> list[BlockKey]:
-        """Drop each block still held exactly as it was described (and not written anew since the
-        check began: call inside :meth:`watching`); returns those dropped."""
+        """Drop each of ``blocks`` that is :meth:`unchanged` (checked again under the same lock as the
+        drop); returns those dropped. The caller first stops any receive into them."""
         with self.lock.exclusive():
             watch = self._watch or set()
             gone = [k for k, state in blocks if k not in watch and self._state(k) == state]

@@ -208,7 +208,13 @@ class MasterService:
         policy = authority.policy()
         # Every load of the file is pushed, even one that restores what daemons heard last: a
         # tenant added and removed in between may hold tickets issued after that word.
-        changed = self._policy is None or authority.loads != self._policy_loads
+        last = self._policy
+        changed = (
+            last is None
+            or authority.loads != self._policy_loads
+            # A rotated token's grace ends with no new load of the file.
+            or (policy.names, policy.operations, policy.keys) != (last.names, last.operations, last.keys)
+        )
         if changed or now - self._policy_at > POLICY_EVERY_S:
             self._policy, self._policy_at, self._policy_told = policy, now, set()
             self._policy_loads = authority.loads

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from kvstore import auth as auth_module
 from kvstore.auth import (
@@ -310,3 +312,19 @@ def test_a_legacy_verifier_logs_in_is_flagged_and_rotation_replaces_it(tmp_path:
     assert tenant is not None and not is_legacy(tenant.stored_key) and is_legacy(tenant.previous_key)
     assert handshake(auth, tenant_credential(new))[0].tenant == "old"
     assert handshake(auth, tenant_credential(token))[0].tenant == "old"  # the old one, in its grace
+
+
+def test_a_server_without_the_tenants_verifier_cannot_pass_for_the_master() -> None:
+    """A tenant's session key came from the ephemeral exchange alone, so anyone in the middle could
+    answer its login as the master. The server's proof now needs the token's verifier too."""
+    client = ClientHandshake(tenant_credential(new_token("alice")))
+    hello = client.hello()
+    fake = X25519PrivateKey.generate()
+    challenge = AuthChallenge(b"n" * 16, fake.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw), True)
+    client.proof(challenge)
+    transcript = auth_module._transcript(hello, challenge)
+    shared = fake.exchange(X25519PublicKey.from_public_bytes(hello.ephemeral))
+    for guess in (b"", auth_module._verifiers(b"another client key, not alice's")[0], b"\0" * 32):
+        key = auth_module._session(shared, guess, transcript)
+        with pytest.raises(AuthFailed, match="could not prove"):
+            client.finish(AuthOk(auth_module._mac(key, b"server", transcript)))

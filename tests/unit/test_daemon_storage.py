@@ -267,3 +267,19 @@ def test_the_sweep_asks_about_every_block_and_a_master_that_fails_is_asked_again
         orphans.check(master, now + 12 + step)
     assert sorted(seen) == ["b0", "b1", "b2"]
     assert storage.describe([K("b0")]) == [BlockState(0, 10, checksum(bytes([0]) * 10))]
+
+
+def test_a_block_written_again_with_the_same_bytes_while_asked_about_is_kept(storage: DaemonStorage) -> None:
+    """A retried write of the very bytes held ("stored already") is a new put of the key: the
+    answer about the block before it must not drop it."""
+    orphans = Orphans(storage, "n", delay_s=0.0, sweep_s=0)
+    write(storage, "k", 0, b"k" * 100)
+    orphans.wrote([K("k")])
+
+    def master(m: CheckBlocks) -> CheckBlocksReply:
+        [again] = storage.begin_writes([(K("k"), 0, 100)], [checksum(b"k" * 100)])
+        assert again is None  # stored already: no bytes needed
+        return CheckBlocksReply([True] * len(m.keys))
+
+    assert orphans.check(master, now=time.monotonic() + 1) == 0
+    assert storage.holds(K("k"))

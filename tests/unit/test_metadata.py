@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.allocator import Extent
 from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, NoNodes, NotFound, RetryLater
 from kvstore.placement.results import PUT_EXISTS, PUT_STORED, HeldBlock, NodePrefix, PrefixMatch
 from kvstore.placement.state import Move
@@ -698,3 +699,15 @@ def test_orphans_are_told_apart_and_their_extents_kept_out_of_placement_until_dr
     assert t.stats()["orphans"] == 4
     with pytest.raises(InvalidArgument, match="differ in length"):
         t.check_blocks("a", ["x"], [], [KB], [7])
+
+
+def test_an_orphan_of_a_key_reserved_elsewhere_on_the_node_is_one_and_its_extent_comes_back() -> None:
+    t = table("a", dram=8 * KB)
+    assert t.check_blocks("a", ["k"], [4 * KB], [KB], [7]) == [True]  # an orphan at 4096, kept out
+    assert t.nodes["a"].quarantine == {"k": Extent(4 * KB, KB)}
+    [ticket] = t.put_start(["k"], [KB], 1, "a", False, 0).tickets  # put again: reserved elsewhere
+    assert ticket is not None and (at := ticket.replicas[0].offset) != 4 * KB
+    assert t.check_blocks("a", ["k"], [4 * KB], [KB], [7]) == [True]  # the old block: still an orphan
+    assert t.check_blocks("a", ["k"], [at], [KB], [0]) == [False]  # the new one: the orphan is gone
+    assert t.nodes["a"].quarantine == {} and t.nodes["a"].alloc.used == KB
+    t.check()
