@@ -501,8 +501,8 @@ class DaemonConfig(_Frozen):
     orphan_check_s: float = Field(
         default=2.0,
         gt=0,
-        description="Ask the master this long after a two-trip write whether it knows the block (one whose"
-        " put was given up before its bytes came is an orphan: dropped).",
+        description="Ask the master this long after a write of a key it dropped here earlier whether it knows"
+        " the block (one whose put was given up before its bytes came is an orphan: dropped).",
     )
     inventory_sweep_s: float = Field(
         default=600.0,

@@ -33,7 +33,7 @@ import fcntl
 import mmap
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -455,6 +455,11 @@ class DramArena(IndexedTier[_Slot]):
     def is_pending(self, key: BlockKey) -> bool:
         """Whether ``key`` is being written (begun, not yet committed or aborted)."""
         return key in self._pending
+
+    def extents(self) -> Iterator[tuple[BlockKey, Extent]]:
+        """Every block's extent, stored or being written (a scan: for the rare questions that need it)."""
+        for key, slot in [*self._index.items(), *self._pending.items()]:
+            yield BlockKey(key), slot.extent
 
     def pending(self, key: BlockKey) -> tuple[int, int] | None:
         """(offset, size) of ``key`` while it is being written; None otherwise."""

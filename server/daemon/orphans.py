@@ -8,9 +8,11 @@ again, so puts there are refused (RetryLater: "overlaps the block"), and it is c
 quota. Tenants' seals are taken once and closed by the drop, which stops a tenant replaying one;
 this stops the rest, whatever the cause:
 
-- every block a two-trip write began here is asked about ``delay_s`` after (a put commits at the
-  master within seconds, or is given up); at once when a write was refused for another block in
-  its key or extent;
+- a block whose key the master dropped here while the daemon held none (the drop that came
+  first) and that a two-trip write then began is asked about ``delay_s`` after (a put commits at
+  the master within seconds, or is given up); other writes are the master's puts in flight, whose
+  drop, if it comes, finds their bytes;
+- the blocks in the way of a write refused for its key or extent are asked about at once;
 - every block here is asked about again each ``sweep_s`` (a slow walk, ``batch`` a heartbeat).
 
 The master answers, per block, whether a put it knows placed that key on this node with these
@@ -26,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
@@ -40,7 +42,10 @@ Ask = Callable[[CheckBlocks], CheckBlocksReply]
 Drop = Callable[[list[tuple[BlockKey, BlockState]]], list[BlockKey]]
 
 MAX_TRACKED = 1 << 20
-"""Two-trip writes remembered for a check at most (the oldest beyond are left to the sweep)."""
+"""Keys remembered for a check at most (the oldest beyond are left to the sweep)."""
+SUSPECT_S = 600.0
+"""How long a key the master dropped while absent stays suspect (a put's bytes come within its
+reservation, seconds; a writer stalled longer is the sweep's)."""
 
 
 class Orphans:
@@ -62,6 +67,10 @@ class Orphans:
         self._lock = threading.Lock()
         self._written: dict[BlockKey, float] = {}
         """Keys written by two-trip puts, oldest first, with when their write began."""
+        self._suspects: dict[BlockKey, float] = {}
+        """Keys the master dropped while this daemon held none of them, with when (see :meth:`wrote`)."""
+        self._refused: list[tuple[BlockKey, int, int]] = []
+        """Writes refused for another block in the way, whose occupants are asked about at once."""
         self._urgent = False
         self._sweep: list[BlockKey] = []
         self._next_sweep = time.monotonic() + sweep_s
@@ -72,37 +81,63 @@ class Orphans:
         self._log = RateLimitedLog(log)
         storage.on_conflict = self.conflict
 
-    def wrote(self, keys: list[BlockKey]) -> None:
-        """A two-trip write of ``keys`` began."""
+    def dropped_absent(self, keys: Sequence[BlockKey]) -> None:
+        """The master dropped ``keys`` while this daemon held none of them: a write of one that comes
+        later may be an orphan (see :meth:`wrote`)."""
         now = time.monotonic()
         with self._lock:
             for key in keys:
-                self._written.pop(key, None)
-                self._written[key] = now
+                self._suspects.pop(key, None)
+                self._suspects[key] = now
+            while self._suspects and (
+                len(self._suspects) > MAX_TRACKED or next(iter(self._suspects.values())) < now - SUSPECT_S
+            ):
+                del self._suspects[next(iter(self._suspects))]
+
+    def wrote(self, keys: Sequence[BlockKey]) -> None:
+        """A two-trip write of ``keys`` began: those the master dropped while absent are asked about
+        after ``delay_s`` (a put's bytes that came after its drop). The others are the master's own
+        puts in flight (its drop, if it gives one up, comes after the bytes and finds them)."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._suspects:
+                return
+            for key in keys:
+                if key in self._suspects:
+                    self._written.pop(key, None)
+                    self._written[key] = now
             while len(self._written) > MAX_TRACKED:
                 del self._written[next(iter(self._written))]
 
-    def conflict(self) -> None:
-        """A write was refused for a block in its key or extent: ask about what was written, now."""
-        self._urgent = True
+    def conflict(self, refused: list[tuple[BlockKey, int, int]]) -> None:
+        """Writes were refused for blocks in their key or extent: ask about those blocks, now."""
+        with self._lock:
+            self._refused.extend(refused[: MAX_TRACKED - len(self._refused)])
 
     def _due(self, now: float) -> list[tuple[BlockKey, float]]:
         with self._lock:
+            refused, self._refused = self._refused, []
+        # The blocks in the way of refused writes: asked about now, first.
+        due: list[tuple[BlockKey, float]] = [(k, now) for k in self.storage.occupants(refused)] if refused else []
+        with self._lock:
             cutoff = now if self._urgent else now - self.delay_s
             self._urgent = False
-            due: list[tuple[BlockKey, float]] = []
-            for key, began in self._written.items():
-                if began > cutoff or len(due) == self.batch:
-                    break
-                due.append((key, began))
             for key, _ in due:
+                self._written.pop(key, None)
+            taken: list[tuple[BlockKey, float]] = []
+            for key, began in self._written.items():
+                if began > cutoff or len(due) + len(taken) >= self.batch:
+                    break
+                taken.append((key, began))
+            for key, _ in taken:
                 del self._written[key]
+            due += taken
         if len(due) < self.batch and self.sweep_s > 0:
             if not self._sweep and now >= self._next_sweep:
                 self._sweep = self.storage.held_keys()
                 self._next_sweep = now + self.sweep_s
-            take = self._sweep[-(self.batch - len(due)) :]
-            del self._sweep[-len(take) :]
+            room = self.batch - len(due)
+            take, self._sweep = self._sweep[-room:], self._sweep[:-room]
             asked = {key for key, _ in due}
             due += [(key, now) for key in take if key not in asked]
         return due

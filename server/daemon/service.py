@@ -618,7 +618,10 @@ class DaemonServer:
         if tier != "ssd":
             self.receivers.cut(keys, wait_s=self.io_timeout)
         self.gate.dropped(list(keys))  # their reservations write nothing more
-        return self.storage.drop(keys, tier, fences)
+        done = self.storage.drop(keys, tier, fences)
+        if not tier:  # dropped while absent: bytes that come later may be an orphan's
+            self.orphans.dropped_absent([k for k, held in zip(keys, done, strict=True) if not held])
+        return done
 
     def _drop_orphans(self, blocks: list[tuple[BlockKey, BlockState]]) -> list[BlockKey]:
         """Drop orphans as the master's drops are made: their receivers cut first (no bytes land in

@@ -19,6 +19,7 @@ from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import NamedTuple
 
+from kvstore.allocator import align_up
 from kvstore.config import DramConfig, SsdConfig
 from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, RetryLater
 from kvstore.keys import BlockKey, checksum
@@ -162,9 +163,9 @@ class DaemonStorage:
         """Copies the master gave up on before they arrived: (key, offset) a fetch must not commit.
         At most ``MAX_FENCES``, oldest forgotten first (a copy is fetched within seconds of its
         command, or never)."""
-        self.on_conflict: Callable[[], None] | None = None
-        """Called when a write is refused because another block holds its key or extent (an orphan,
-        most likely: see :class:`server.daemon.orphans.Orphans`)."""
+        self.on_conflict: Callable[[list[tuple[BlockKey, int, int]]], None] | None = None
+        """Called with the (key, offset, size) of writes refused because another block holds the key or
+        overlaps the extent (an orphan, most likely: see :class:`server.daemon.orphans.Orphans`)."""
         self._watch: set[BlockKey] | None = None
         """While an orphan check is in flight: the keys whose writes began meanwhile (not its to drop)."""
 
@@ -231,7 +232,7 @@ class DaemonStorage:
         first answer was lost), which needs no bytes. With ``join``: a block already being
         written at the same extent gives its view again (the slices of one block)."""
         out: list[memoryview | KVStoreError | None] = []
-        conflict = False
+        conflicts: list[tuple[BlockKey, int, int]] = []
         with self.lock.exclusive():
             watch = self._watch
             for i, (key, offset, size) in enumerate(blocks):
@@ -256,11 +257,11 @@ class DaemonStorage:
                     out.append(self.arena.begin_at(key, offset, size))
                 except RetryLater as exc:
                     out.append(exc)
-                    conflict = True
+                    conflicts.append((key, offset, size))
                 except KVStoreError as exc:
                     out.append(exc)
-        if conflict and self.on_conflict is not None:
-            self.on_conflict()
+        if conflicts and self.on_conflict is not None:
+            self.on_conflict(conflicts)
         return out
 
     def finish_writes(
@@ -318,6 +319,23 @@ class DaemonStorage:
             for key in keys:
                 out.append(self._state(key))
         return out
+
+    def occupants(self, refused: Sequence[tuple[BlockKey, int, int]]) -> list[BlockKey]:
+        """The blocks in the way of writes refused for (key, offset, size): holding the key, or in DRAM
+        over the extent."""
+        found: set[BlockKey] = set()
+        wanted: list[tuple[int, int]] = []
+        with self.lock.shared():
+            for key, offset, size in refused:
+                if key in self.arena or self.arena.is_pending(key):
+                    found.add(key)
+                else:
+                    wanted.append((offset, offset + align_up(size, self.arena.alignment)))
+            if wanted:
+                for key, extent in self.arena.extents():
+                    if any(extent.offset < end and start < extent.offset + extent.length for start, end in wanted):
+                        found.add(key)
+        return sorted(found)
 
     def _state(self, key: BlockKey) -> BlockState | None:
         arena = self.arena

@@ -206,6 +206,9 @@ def test_orphans_are_asked_about_after_their_delay_and_only_those_unchanged_are_
     storage: DaemonStorage,
 ) -> None:
     orphans = Orphans(storage, "n", delay_s=2.0, sweep_s=0)
+    orphans.dropped_absent([K("kept"), K("lost"), K("rewritten")])  # the master's drops came first
+    orphans.wrote([K("unsuspected")])  # a put the master did not drop: never asked about
+    write(storage, "unsuspected", 12 * KB, b"u" * 100)
     write(storage, "kept", 0, b"k" * 100)
     write(storage, "lost", 4 * KB, b"l" * 100)
     write(storage, "rewritten", 8 * KB, b"r" * 100)
@@ -236,14 +239,14 @@ def test_orphans_are_asked_about_after_their_delay_and_only_those_unchanged_are_
 
 def test_a_refused_write_has_the_blocks_written_checked_at_once(storage: DaemonStorage) -> None:
     orphans = Orphans(storage, "n", delay_s=60.0, sweep_s=0)
-    write(storage, "orphan", 0, b"o" * 100)
-    orphans.wrote([K("orphan")])
-    [refused] = storage.begin_writes([(K("new"), 0, 64)])
+    write(storage, "orphan", 0, b"o" * 100)  # nothing says it is suspect: only the refusal below
+    write(storage, "bystander", 4 * KB, b"b" * 100)
+    [refused] = storage.begin_writes([(K("new"), 64, 64)])
     assert isinstance(refused, RetryLater)
     assert orphans.check(lambda m: CheckBlocksReply([True] * len(m.keys))) == 1
     assert storage.describe([K("orphan")]) == [None]
-    [view] = storage.begin_writes([(K("new"), 0, 64)])
-    assert isinstance(view, memoryview)
+    [view] = storage.begin_writes([(K("new"), 64, 64)])
+    assert isinstance(view, memoryview) and storage.holds(K("bystander"))
     view.release()
 
 
@@ -273,6 +276,7 @@ def test_a_block_written_again_with_the_same_bytes_while_asked_about_is_kept(sto
     """A retried write of the very bytes held ("stored already") is a new put of the key: the
     answer about the block before it must not drop it."""
     orphans = Orphans(storage, "n", delay_s=0.0, sweep_s=0)
+    orphans.dropped_absent([K("k")])
     write(storage, "k", 0, b"k" * 100)
     orphans.wrote([K("k")])
 
