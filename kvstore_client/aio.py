@@ -118,6 +118,13 @@ class AsyncStore:
         if isinstance(effect, Call):
             return await self._call(effect.message, effect.expect)
         if isinstance(effect, Daemons):
+            if len(effect.jobs) == 1:  # the common case, without gather's task and its callbacks
+                try:
+                    return [await self._job(effect.jobs[0])]
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:  # as gather(return_exceptions=True) hands it back
+                    return [exc]
             return await asyncio.gather(*(self._job(job) for job in effect.jobs), return_exceptions=True)
         if isinstance(effect, Notify):
             with contextlib.suppress(KVStoreError):
@@ -175,7 +182,16 @@ class AsyncStore:
         batcher = self._readers.get(job.address)
         if batcher is None:
             batcher = self._readers[job.address] = ReadBatcher(self._link(job.address))
-        answers = await asyncio.gather(*(batcher.read(key) for key in job.keys), return_exceptions=True)
+        answers: list[Any]
+        if len(job.keys) == 1:
+            try:
+                answers = [await batcher.read(job.keys[0])]
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                answers = [exc]
+        else:
+            answers = await asyncio.gather(*(batcher.read(key) for key in job.keys), return_exceptions=True)
         failure = next((a for a in answers if isinstance(a, BaseException)), None)
         if failure is not None:
             raise failure  # the batch's: one answer for the job (every future was given it, and retrieved)

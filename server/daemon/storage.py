@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from functools import partial
 from typing import NamedTuple
 
@@ -42,36 +42,74 @@ MAX_FENCES = 65_536
 
 
 class RWLock:
-    """Many readers or one writer; writers wait for readers to finish."""
+    """Many readers or one writer; writers wait for readers to finish. ``shared()`` and
+    ``exclusive()`` hand out the same two context objects every time (every read and write of the
+    daemon takes one: they cost two lock round trips, no generator and no notify nobody waits for)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._readers = 0
         self._writer = False
+        self._waiting = 0
+        self._shared = _Shared(self)
+        self._exclusive = _Exclusive(self)
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._writer)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
+    def shared(self) -> _Shared:
+        return self._shared
 
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._writer and self._readers == 0)
-            self._writer = True
+    def exclusive(self) -> _Exclusive:
+        return self._exclusive
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        """(Holding the lock) until ``ready()``."""
+        self._waiting += 1
         try:
-            yield
+            self._cond.wait_for(ready)
         finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
+            self._waiting -= 1
+
+
+class _Shared:
+    __slots__ = ("_rw",)
+
+    def __init__(self, rw: RWLock) -> None:
+        self._rw = rw
+
+    def __enter__(self) -> None:
+        rw = self._rw
+        with rw._lock:
+            if rw._writer:
+                rw._wait(lambda: not rw._writer)
+            rw._readers += 1
+
+    def __exit__(self, *exc: object) -> None:
+        rw = self._rw
+        with rw._lock:
+            rw._readers -= 1
+            if rw._waiting and not rw._readers:
+                rw._cond.notify_all()
+
+
+class _Exclusive:
+    __slots__ = ("_rw",)
+
+    def __init__(self, rw: RWLock) -> None:
+        self._rw = rw
+
+    def __enter__(self) -> None:
+        rw = self._rw
+        with rw._lock:
+            if rw._writer or rw._readers:
+                rw._wait(lambda: not rw._writer and rw._readers == 0)
+            rw._writer = True
+
+    def __exit__(self, *exc: object) -> None:
+        rw = self._rw
+        with rw._lock:
+            rw._writer = False
+            if rw._waiting:
+                rw._cond.notify_all()
 
 
 class WriteBatch:
@@ -389,33 +427,39 @@ class DaemonStorage:
         """Zero-copy views of the blocks held (None for the others), valid inside the ``with``.
         ``checksums``, when given, is filled with each block's checksum (0 for those not held);
         ``tiers`` with the tier each was read from ("dram", "ssd", or "" for those not held)."""
-        with self.lock.shared(), ExitStack() as stack:
+        arena = self.arena
+        with self.lock.shared():
             views: list[memoryview | None] = [None] * len(keys)
             on_ssd: list[int] = []
-            for i, key in enumerate(keys):
-                if key in self.arena:
-                    view = self.arena.view(key)
-                    stack.callback(view.release)
-                    views[i] = view
-                elif self.ssd is not None and key in self.ssd:
-                    on_ssd.append(i)
-            if checksums is not None:
-                checksums[:] = [
-                    self.arena.entry(k).checksum if v is not None else 0 for k, v in zip(keys, views, strict=True)
-                ]
-                for i in on_ssd:
-                    assert self.ssd is not None
-                    checksums[i] = self.ssd.entry(keys[i]).checksum
-            if on_ssd and self.ssd is not None:
-                ssd_views = stack.enter_context(self.ssd.views([keys[i] for i in on_ssd]))
-                for i, view in zip(on_ssd, ssd_views, strict=True):
-                    views[i] = view
-            if tiers is not None:
-                tiers[:] = ["" if v is None else "dram" for v in views]
-                for i in on_ssd:
-                    if views[i] is not None:
-                        tiers[i] = "ssd"
-            yield views
+            taken: list[memoryview] = []
+            try:
+                for i, key in enumerate(keys):
+                    if key in arena:
+                        view = views[i] = arena.view(key)
+                        taken.append(view)
+                    elif self.ssd is not None and key in self.ssd:
+                        on_ssd.append(i)
+                if checksums is not None:
+                    checksums[:] = [
+                        arena.entry(k).checksum if v is not None else 0 for k, v in zip(keys, views, strict=True)
+                    ]
+                    for i in on_ssd:
+                        assert self.ssd is not None
+                        checksums[i] = self.ssd.entry(keys[i]).checksum
+                if tiers is not None:
+                    tiers[:] = ["" if v is None else "dram" for v in views]
+                if not on_ssd or self.ssd is None:
+                    yield views
+                    return
+                with self.ssd.views([keys[i] for i in on_ssd]) as ssd_views:
+                    for i, view in zip(on_ssd, ssd_views, strict=True):
+                        views[i] = view
+                        if tiers is not None and view is not None:
+                            tiers[i] = "ssd"
+                    yield views
+            finally:
+                for view in taken:
+                    view.release()
 
     # -- the master's commands -------------------------------------------------------------
     def demote(self, keys: Sequence[BlockKey]) -> list[bool]:

@@ -62,8 +62,8 @@ class Answers:
         return decode_payload(kept[FRAME_HEADER.size :])[1] if isinstance(kept, bytes) else kept
 
     def start(self, request_id: RequestId) -> asyncio.Future[Message]:
-        """Note that ``request_id`` is being answered: retries meanwhile wait for the returned future."""
-        self.prune()
+        """Note that ``request_id`` is being answered: retries meanwhile wait for the returned future.
+        (Replies past their time are pruned by the master's tick, not here: this is on every put.)"""
         answer: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._entries[request_id] = (self._clock(), answer)
         self._bound()
@@ -88,6 +88,13 @@ class Answers:
             self._entries[request_id] = (entry[0], kept)
             self.bytes += len(kept)
             self._bound()
+
+    def keep(self, request_id: RequestId, reply: Message) -> None:
+        """``reply`` answers ``request_id``, answered without waiting (nothing can have waited for it)."""
+        kept = encode(reply, 0)
+        self._entries[request_id] = (self._clock(), kept)
+        self.bytes += len(kept)
+        self._bound()
 
     def abandon(self, request_id: RequestId, answer: asyncio.Future[Message]) -> None:
         """Not answered: a retry runs the request afresh, and anyone waiting gives up."""

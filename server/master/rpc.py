@@ -363,6 +363,10 @@ class RpcServer:
             return await asyncio.wait_for(asyncio.shield(known), self.config.command_timeout_ms / 1000 * 2)
         if known is not None:
             return known  # answered already (no wait: inline handlers must not)
+        if type(message) not in _WAITS:  # answered before anything else runs: no retry can wait for it
+            reply = await self._handle(handler, message, caller)
+            self.answers.keep(request_id, reply)
+            return reply
         answer = self.answers.start(request_id)
         try:
             reply = await self._handle(handler, message, caller)
