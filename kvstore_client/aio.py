@@ -18,8 +18,10 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Self, TypeVar
 
 from kvstore.auth import Credential
+from kvstore.buffers import as_view
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError, NotLeader, ProtocolError, StoreClosed
+from kvstore.keys import checksum
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     GetTicket,
@@ -120,11 +122,16 @@ class AsyncStore:
         if isinstance(effect, Daemons):
             if len(effect.jobs) == 1:  # the common case, without gather's task and its callbacks
                 try:
-                    return [await self._job(effect.jobs[0])]
+                    done: list[Any] = [await self._job(effect.jobs[0])]
                 except asyncio.CancelledError:
                     raise
                 except BaseException as exc:  # as gather(return_exceptions=True) hands it back
-                    return [exc]
+                    done = [exc]
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # Python 3.11's wait_for can swallow a cancel that came with the reply; gather did not.
+                    raise asyncio.CancelledError
+                return done
             return await asyncio.gather(*(self._job(job) for job in effect.jobs), return_exceptions=True)
         if isinstance(effect, Notify):
             with contextlib.suppress(KVStoreError):
@@ -282,13 +289,45 @@ class AsyncStore:
 
     # -- reads ---------------------------------------------------------------------------------
     async def get(self, key: Any, *, verify: bool = False) -> bytes | None:
+        data = await self._hit(key, verify)
+        if data is not None:
+            return bytes(data[1])
         return (await self.get_many([key], verify=verify))[0]
 
     async def get_many(self, keys: Sequence[Any], *, verify: bool = False) -> list[bytes | None]:
         return await self._run(self._core.get_many(keys, verify=verify))
 
     async def get_into(self, key: Any, buffer: Any, *, verify: bool = False) -> int | None:
+        view = as_view(buffer, writable=True, what="buffer")
+        data = await self._hit(key, verify, view.nbytes)
+        if data is not None:
+            view[: data[0]] = data[1]
+            return data[0]
         return (await self.get_many_into([key], [buffer], verify=verify))[0]
+
+    async def _hit(self, key: Any, verify: bool, room: int = -1) -> tuple[int, memoryview] | None:
+        """One key read from its remembered node, batched with the other reads of this turn of the
+        loop: (size, bytes) when it is there whole (and fits ``room``; its checksum holds with
+        ``verify``). Anything else — no hint, a miss, an error, a bad key — is None, and the caller
+        takes the core's way, which reads again and decides (this is only its fast path)."""
+        if type(key) is not str or self._core.closed:
+            return None
+        place = self._core.hinted(key)
+        if place is None:
+            return None
+        batcher = self._readers.get(place[1])
+        if batcher is None:
+            batcher = self._readers[place[1]] = ReadBatcher(self._link(place[1]))
+        try:
+            answer = await batcher.read(key)
+        except KVStoreError:
+            return None
+        if answer is None:
+            return None
+        size, check, data = answer
+        if (0 <= room < size) or (verify and checksum(data) != check):
+            return None
+        return size, data
 
     async def get_many_into(
         self, keys: Sequence[Any], buffers: Sequence[Any], *, verify: bool = False, exact_size: bool = False

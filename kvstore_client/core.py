@@ -317,6 +317,12 @@ class ClientCore:
         finally:
             self.release(first_lease, located)
 
+    def hinted(self, key: str) -> tuple[str, str] | None:
+        """Where a read of ``key`` by key alone goes: its remembered node, when that node's reads by
+        key go through its daemon's socket (None: ask the master)."""
+        place = self.hints.get(key)
+        return place if place is not None and self.transport.one_trip(*place) else None
+
     def _read_hinted(
         self, keys: list[BlockKey], views: list[memoryview] | None, verify: bool, exact_size: bool, out: list[Any]
     ) -> Op[list[int]]:
@@ -324,8 +330,8 @@ class ClientCore:
         indexes still to read (misses there are forgotten: the master knows better)."""
         per_node: dict[tuple[str, str], list[int]] = {}
         for i, key in enumerate(keys):
-            place = self.hints.get(key)
-            if place is not None and self.transport.one_trip(*place):
+            place = self.hinted(key)
+            if place is not None:
                 per_node.setdefault(place, []).append(i)
         if not per_node:
             return list(range(len(keys)))

@@ -458,8 +458,14 @@ class DaemonStorage:
                             tiers[i] = "ssd"
                     yield views
             finally:
-                for view in taken:
-                    view.release()
+                failure: BufferError | None = None
+                for view in taken:  # every one, even after one that is still exported (as ExitStack did)
+                    try:
+                        view.release()
+                    except BufferError as exc:
+                        failure = failure or exc
+                if failure is not None:
+                    raise failure
 
     # -- the master's commands -------------------------------------------------------------
     def demote(self, keys: Sequence[BlockKey]) -> list[bool]:

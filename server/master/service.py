@@ -234,10 +234,10 @@ class MasterService:
         while True:
             await asyncio.sleep(self.config.tick_ms / 1000)
             try:
+                self.rpc.answers.prune()  # first: no failure below keeps a reply past its time
                 self.commands.tick(self.table, now_ms())
                 for link in self.nodes.take_stale():
                     self._spawn(link.close(), "close-daemon-link")
-                self.rpc.answers.prune()  # an idle master too keeps no reply past its time
                 self.rpc.reap(time.monotonic())
                 self._push_policy(time.monotonic())
                 if self.sampler.due():
