@@ -17,8 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Self, TypeVar
 
 from kvstore.auth import Credential
+from kvstore.buffers import as_view
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError, StoreClosed
+from kvstore.keys import checksum
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     GetTicket,
@@ -194,6 +196,9 @@ class Store:
 
     # -- reads ---------------------------------------------------------------------------------
     def get(self, key: Any, *, verify: bool = False) -> bytes | None:
+        hit = self._hit(key, None, verify, False)
+        if hit is not None:
+            return bytes(hit[1])  # type: ignore[arg-type]
         return self.get_many([key], verify=verify)[0]
 
     def get_many(self, keys: Sequence[Any], *, verify: bool = False) -> list[bytes | None]:
@@ -207,7 +212,34 @@ class Store:
     ) -> list[int | None]:
         """Read blocks straight into ``buffers``; each its size, or None for a miss (see
         :meth:`ClientCore.get_many_into <kvstore_client.core.ClientCore.get_many_into>`)."""
+        if len(keys) == 1 and len(buffers) == 1:
+            hit = self._hit(keys[0], as_view(buffers[0], writable=True, what="buffer"), verify, exact_size)
+            if hit is not None:
+                return [hit[0]]
         return self._run(self._core.get_many_into(keys, buffers, verify=verify, exact_size=exact_size))
+
+    def _hit(
+        self, key: Any, view: memoryview | None, verify: bool, exact_size: bool
+    ) -> tuple[int, bytes | bytearray | memoryview | None] | None:
+        """One key read in one trip from its remembered node: (size, a new buffer when ``view`` is
+        None) when it is there whole and fits (its checksum holding with ``verify``). Anything else
+        — no hint, a miss, an error, a bad key — is None: the caller takes the core's way, which
+        reads again and decides (this is only its fast path)."""
+        if type(key) is not str or self._core.closed:
+            return None
+        place = self._core.hinted(key)
+        if place is None:
+            return None
+        try:
+            [found], [made] = self._paths.path(*place).read_direct([key], [view], exact_size)
+        except KVStoreError:
+            return None
+        if found is None:
+            return None
+        target = made if made is not None else view
+        if verify and checksum(memoryview(target)[: found.size]) != found.checksum:  # type: ignore[arg-type]
+            return None
+        return found.size, made
 
     def get_range_many_into(
         self, keys: Sequence[Any], start: int, length: int, buffers: Sequence[Any]
