@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from kvstore.config import ClientConfig
-from kvstore.errors import BufferTooSmall, InvalidArgument, InvalidKey, NoNodes, StoreClosed
+from kvstore.errors import BufferTooSmall, CorruptBlock, InvalidArgument, InvalidKey, NoNodes, StoreClosed
 from kvstore.keys import block_keys
 from kvstore.node_store import PutStatus
 from kvstore_cli.cluster import LocalCluster
@@ -284,6 +286,49 @@ def test_stale_or_dead_hints_never_change_an_answer(store: Store, cluster: Local
         other.remove("dropped")  # removed by someone else: once remove returns, no daemon serves it
     hints.note([("dropped", hint)])
     assert store.get("dropped") is None
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_one_remembered_key_read_in_one_trip_answers_as_the_core_does(face: str, cluster: LocalCluster) -> None:
+    """The single-key fast path of both faces (a remembered node, read by key through its daemon)
+    gives the answer the core's way gives: stale and dead hints, a block of another size, a short
+    buffer, a removed key, and a block whose bytes no longer match its checksum (CorruptBlock with
+    verify=True)."""
+    with connect_client(face, cluster.master_address, ClientConfig(transport="tcp")) as store:
+        _one_remembered_key(store, cluster, face)
+
+
+def _one_remembered_key(store: Store, cluster: LocalCluster, face: str) -> None:
+    store.put(f"{face}-one-moved", b"m" * 5000)
+    store.put(f"{face}-one-sized", b"s" * 5000)
+    with Store.connect(cluster.master_address) as other:
+        other.remove(f"{face}-one-sized")
+        assert other.put(f"{face}-one-sized", b"S" * 7000) is PutStatus.STORED
+    hints = store._core.hints
+    place = hints.get(f"{face}-one-moved")
+    assert place is not None
+    other_node = next(n for n in store.nodes() if n.node_id != place[0])
+    hints.note([(f"{face}-one-moved", (other_node.node_id, other_node.address)), (f"{face}-one-absent", place),
+                (f"{face}-one-dead", ("nowhere", "127.0.0.1:1"))])  # fmt: skip
+    assert store.get(f"{face}-one-moved") == b"m" * 5000 and store.get(f"{face}-one-absent") is None
+    assert store.get(f"{face}-one-dead") is None and store.get(f"{face}-one-sized") == b"S" * 7000
+    out = bytearray(7000)
+    assert store.get_into(f"{face}-one-sized", out) == 7000 and out == b"S" * 7000
+    with pytest.raises(BufferTooSmall):
+        store.get_into(f"{face}-one-sized", bytearray(10))
+    assert store.get_many_into([f"{face}-one-sized"], [bytearray(8000)], exact_size=True) == [None]
+    pattern = bytes(range(256)) * 20
+    store.put(f"{face}-one-corrupt", pattern)
+    assert store.get(f"{face}-one-corrupt", verify=True) == pattern  # remembered now: read by key
+    for arena in Path("/dev/shm").glob(f"kvstore-{cluster.arena_name(0)[:-2]}-*.arena"):  # each daemon's
+        with open(arena, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+            at = m.find(pattern)
+            if at >= 0:
+                m[at] ^= 0xFF
+    with pytest.raises(CorruptBlock):
+        store.get(f"{face}-one-corrupt", verify=True)
+    store.remove(f"{face}-one-corrupt")
+    assert store.get(f"{face}-one-corrupt") is None
 
 
 def test_a_daemon_out_of_index_slots_evicts_instead_of_refusing() -> None:
