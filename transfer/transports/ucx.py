@@ -208,18 +208,22 @@ class UcxServer:
 
     async def _write(self, ep: Any, msg: WriteBlocks, request_id: int) -> None:
         keys = [validate_key(k) for k in msg.keys]
+        # The storage's exclusive steps run in a worker thread: on this loop they could wait for the
+        # shared lock a read on this same loop holds across its sends, and neither would go on.
         try:
-            batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned)
+            batch = await asyncio.to_thread(
+                self.storage.write_batch, keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned
+            )
         except InvalidArgument as exc:
             raise ConnectionFailed(f"WriteBlocks: {exc}") from None  # the payload is unknowable
         try:
             for target in batch.targets:
                 await ep.recv(target)
         except BaseException:
-            batch.abort()
+            await asyncio.to_thread(batch.abort)
             raise
         self._count("ucx", f":{self.port}", "in", sum(msg.sizes))
-        await _send_frame(ep, WriteReply.from_outcomes(batch.finish()), request_id)
+        await _send_frame(ep, WriteReply.from_outcomes(await asyncio.to_thread(batch.finish)), request_id)
 
     def stop(self) -> None:
         async def close() -> None:
