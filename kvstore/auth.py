@@ -38,7 +38,6 @@ key a tenant's connection names (:meth:`Identity.scope`), so that it cannot name
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
@@ -107,10 +106,12 @@ from kvstore.tenants import (  # noqa: E402
     client_key,
     is_legacy,
     key_fingerprint,
+    legacy_verifier_of,
     load_access,
     signing_seed,
     stored_key,
     verifier,
+    verifier_of,
 )
 
 _OPERATION_OF: dict[type[Message], Operation] = {
@@ -274,8 +275,7 @@ def _session(shared: bytes, verifier: bytes, transcript: bytes) -> bytes:
 def _verifiers(client: bytes) -> list[bytes]:
     """The verifiers a tenants file may keep of the token whose client key is ``client``: its
     Ed25519 public key, or (a file written before those) the legacy sha256."""
-    public = Ed25519PrivateKey.from_private_bytes(signing_seed(client)).public_key()
-    return [ED25519 + public.public_bytes(Encoding.Raw, PublicFormat.Raw), hashlib.sha256(client).digest()]
+    return [verifier_of(client), legacy_verifier_of(client)]
 
 
 class ClientHandshake:
@@ -309,7 +309,7 @@ class ClientHandshake:
             self._legacy = challenge.legacy
             signature = Ed25519PrivateKey.from_private_bytes(signing_seed(c.key)).sign(self._transcript)
             # The legacy proof only when the server holds a legacy verifier of this tenant (see is_legacy).
-            stored = hashlib.sha256(c.key).digest()
+            stored = legacy_verifier_of(c.key)
             legacy = _xor(c.key, _mac(stored, b"client", self._transcript)) if challenge.legacy else b""
             return AuthProof(legacy, signature)
         return AuthProof(_mac(c.key, b"client", self._transcript))
@@ -538,7 +538,7 @@ def _proves(key: bytes, proof: AuthProof, transcript: bytes) -> bool:
             return False
         return True
     recovered = _xor(proof.proof, _mac(key, b"client", transcript)) if len(proof.proof) == 32 else b""
-    return hmac.compare_digest(hashlib.sha256(recovered).digest(), key)
+    return hmac.compare_digest(legacy_verifier_of(recovered), key)
 
 
 def as_refusal(exc: KVStoreError) -> AuthFailed:

@@ -74,10 +74,15 @@ def signing_seed(client: bytes) -> bytes:
 def verifier(token: str) -> bytes:
     """What the tenants file keeps of a token: its signing key's public half (Ed25519), from which
     neither the token nor anything a handshake keys on can be derived."""
+    return verifier_of(client_key(token))
+
+
+def verifier_of(client: bytes) -> bytes:
+    """:func:`verifier` of the token whose client key is ``client``."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-    private = Ed25519PrivateKey.from_private_bytes(signing_seed(client_key(token)))
+    private = Ed25519PrivateKey.from_private_bytes(signing_seed(client))
     return ED25519 + private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
@@ -89,7 +94,12 @@ def is_legacy(key: bytes) -> bool:
 
 def stored_key(token: str) -> bytes:
     """What the tenants file keeps of a token (it cannot be turned back into one)."""
-    return hashlib.sha256(client_key(token)).digest()
+    return legacy_verifier_of(client_key(token))
+
+
+def legacy_verifier_of(client: bytes) -> bytes:
+    """The sha256 verifier files written before Ed25519 keep of the token whose client key is ``client``."""
+    return hashlib.sha256(client).digest()
 
 
 def check_tenant_name(name: str, where: str = "") -> None:

@@ -403,15 +403,17 @@ class DaemonStorage:
         """Those of ``blocks`` still held exactly as described and not written anew since the check
         began (call inside :meth:`watching`)."""
         with self.lock.exclusive():
-            watch = self._watch or set()
-            return [(k, state) for k, state in blocks if k not in watch and self._state(k) == state]
+            return self._unchanged(blocks)
+
+    def _unchanged(self, blocks: Sequence[tuple[BlockKey, BlockState]]) -> list[tuple[BlockKey, BlockState]]:
+        watch = self._watch or set()
+        return [(k, state) for k, state in blocks if k not in watch and self._state(k) == state]
 
     def drop_orphans(self, blocks: Sequence[tuple[BlockKey, BlockState]]) -> list[BlockKey]:
         """Drop each of ``blocks`` that is :meth:`unchanged` (checked again under the same lock as the
         drop); returns those dropped. The caller first stops any receive into them."""
         with self.lock.exclusive():
-            watch = self._watch or set()
-            gone = [k for k, state in blocks if k not in watch and self._state(k) == state]
+            gone = [k for k, _ in self._unchanged(blocks)]
             self.engine.drop(gone)
         return gone
 
