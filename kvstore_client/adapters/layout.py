@@ -305,35 +305,42 @@ def _check_layers(layers_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], layout
 # -- paged caches (vLLM): per layer a tensor over pages, tokens, heads and K/V in some order ----------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class HeadInterior:
     """Where K and V of one head sit inside its page when the tensor's shape does not say it.
 
     Some backends declare a ``[..., N, C]`` head page but fill it otherwise: vLLM's CPU attention keeps K
-    transposed (``[head_dim, tokens]``) and then V (``[tokens, head_dim]``) in the ``N * C`` elements. For
-    K and V each, ``(offset, token stride, dim stride)`` in elements from the head page's first element.
-    Built from where a backend's own kernel really wrote known values (:meth:`from_offsets`), never
-    from a reading of the shape.
+    transposed (``[head_dim, tokens]``) and then V (``[tokens, head_dim]``) in the ``N * C`` elements with
+    its vector kernels, and packs both in tiles with its AMX kernels. Built from where a backend's own
+    kernel really wrote known values (:meth:`from_offsets`), never from a reading of the shape.
     """
 
     name: str
     """What it was read from, for messages (``cpu_attn/vec``)."""
-    k: tuple[int, int, int]
-    v: tuple[int, int, int]
+    index: torch.Tensor
+    """``[2 * N * D]`` long: the element of the head page holding K (then V) of token ``n``, dim ``d`` at
+    ``part * N * D + n * D + d``; a permutation of the page's elements."""
+    k: tuple[int, int, int] | None
+    """For K and V each, ``(offset, token stride, dim stride)`` in elements from the head page's first
+    element, where the part is affine in token and dim (read then through a strided view, no copy)."""
+    v: tuple[int, int, int] | None
+
+    @property
+    def strided(self) -> bool:
+        return self.k is not None and self.v is not None
 
     @classmethod
     def from_offsets(cls, name: str, offsets: torch.Tensor) -> HeadInterior:
         """From ``offsets[part, token, dim]``: the element of the head page holding K (part 0) or V (1).
 
-        Raises :class:`InvalidArgument` unless every element lies at one place, none twice, and each
-        part is affine in token and dim (a strided view can then read it without a copy).
+        Raises :class:`InvalidArgument` unless every element of the page holds exactly one of them.
         """
         if offsets.dim() != 3 or offsets.shape[0] != 2:
             raise InvalidArgument(f"{name}: offsets must be [2, tokens, head_dim], got {tuple(offsets.shape)}")
-        flat = offsets.reshape(-1)
-        if flat.numel() != int(torch.unique(flat).numel()) or int(flat.min()) < 0:
+        flat = offsets.reshape(-1).to(torch.long)
+        if flat.numel() != int(torch.unique(flat).numel()) or int(flat.min()) < 0 or int(flat.max()) >= flat.numel():
             raise InvalidArgument(f"{name}: the probed page puts two elements at one place, or none")
-        parts = []
+        parts: list[tuple[int, int, int] | None] = []
         for part in range(2):
             grid = offsets[part].to(torch.long)
             base = int(grid[0, 0])
@@ -341,12 +348,8 @@ class HeadInterior:
             s_d = int(grid[0, 1] - base) if grid.shape[1] > 1 else 0
             n = torch.arange(grid.shape[0]).view(-1, 1)
             d = torch.arange(grid.shape[1]).view(1, -1)
-            if not torch.equal(grid, base + n * s_n + d * s_d):
-                raise InvalidArgument(
-                    f"{name}: the backend's page interior is not a strided layout the connector can decode"
-                )
-            parts.append((base, s_n, s_d))
-        return cls(name, parts[0], parts[1])
+            parts.append((base, s_n, s_d) if torch.equal(grid, base + n * s_n + d * s_d) else None)
+        return cls(name, flat.contiguous(), parts[0], parts[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,21 +396,61 @@ class PagedFormat:
             order = order[:at] + "2D" + order[at + 1 :]
         return kv.permute([order.index(c) for c in CANONICAL_ORDER])
 
-    def parts(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer's tensor as two ``[pages, page_tokens, heads, dim]`` views (no copy)."""
+    def page_shape(self, kv: torch.Tensor) -> tuple[int, int, int, int]:
+        """``(pages, page_tokens, heads, head_dim)`` of one layer's tensor."""
         if self.interior is None:
-            view = self.canonical(kv)
-            return view[:, 0], view[:, 1]
+            pages, _, n, heads, dim = self.canonical(kv).shape
+            return pages, n, heads, dim
         if kv.dim() != 4 or kv.shape[3] % 2:
             raise InvalidArgument(f"a BHNC paged KV tensor has 4 dims and an even C, got {tuple(kv.shape)}")
         pages, heads, n, c = kv.shape
         if kv.stride(3) != 1 or kv.stride(2) != c:
             raise InvalidArgument(f"{self.interior.name}: each head's page must be contiguous, strides {kv.stride()}")
+        if self.interior.index.numel() != n * c:
+            raise InvalidArgument(
+                f"{self.interior.name}: probed for pages of {self.interior.index.numel()} elements, the tensor's"
+                f" hold {n * c}"
+            )
+        return pages, n, heads, c // 2
+
+    def parts(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer's tensor as two ``[pages, page_tokens, heads, dim]`` views (no copy).
+
+        Only where a strided view can read them: see :meth:`read` and :meth:`write` for any format."""
+        if self.interior is None:
+            view = self.canonical(kv)
+            return view[:, 0], view[:, 1]
+        pages, n, heads, dim = self.page_shape(kv)
+        if self.interior.k is None or self.interior.v is None:
+            raise InvalidArgument(f"{self.interior.name}: no strided view reads this page interior; use read()")
         out = []
         for off, s_n, s_d in (self.interior.k, self.interior.v):
-            size, stride = (pages, n, heads, c // 2), (kv.stride(0), s_n, kv.stride(1), s_d)
+            size, stride = (pages, n, heads, dim), (kv.stride(0), s_n, kv.stride(1), s_d)
             out.append(kv.as_strided(size, stride, kv.storage_offset() + off))
         return out[0], out[1]
+
+    def read(self, kv: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the pages ``ids`` of one layer's tensor, each ``[len(ids), page_tokens, heads, dim]``."""
+        if self.interior is None or self.interior.strided:
+            k, v = self.parts(kv)
+            return k.index_select(0, ids), v.index_select(0, ids)
+        _, n, heads, dim = self.page_shape(kv)
+        index = self.interior.index.to(kv.device)
+        pages = kv.index_select(0, ids).view(len(ids), heads, 2 * n * dim).index_select(2, index)
+        both = pages.view(len(ids), heads, 2, n, dim).permute(2, 0, 3, 1, 4)
+        return both[0], both[1]
+
+    def write(self, kv: torch.Tensor, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k`` and ``v`` (each ``[len(ids), page_tokens, heads, dim]``) into the pages ``ids``, in place."""
+        if self.interior is None or self.interior.strided:
+            for view, src in zip(self.parts(kv), (k, v), strict=True):
+                view.index_copy_(0, ids, src)
+            return
+        _, n, heads, dim = self.page_shape(kv)
+        both = torch.stack((k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)), 2).reshape(len(ids), heads, -1)
+        pages = torch.empty_like(both)  # every element written: the index is a permutation of the page
+        pages.index_copy_(2, self.interior.index.to(kv.device), both)
+        kv.index_copy_(0, ids, pages.view(len(ids), heads, n, 2 * dim))
 
     def pages_per_block(self, layout: KVLayout) -> int:
         if layout.block_tokens % self.block_size:
@@ -417,25 +460,25 @@ class PagedFormat:
         return layout.block_tokens // self.block_size
 
 
-def _paged_views(
+def _paged_ids(
     kv_caches: Sequence[torch.Tensor], layout: KVLayout, fmt: PagedFormat, page_ids: Sequence[int]
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int]:
+) -> tuple[torch.Tensor, int]:
     if len(kv_caches) != layout.num_layers:
         raise InvalidArgument(f"{len(kv_caches)} KV tensors for a layout of {layout.num_layers} layers")
     k = fmt.pages_per_block(layout)
     if len(page_ids) % k:
         raise InvalidArgument(f"{len(page_ids)} pages is not a whole number of {k}-page blocks")
-    views = [fmt.parts(kv) for kv in kv_caches]
-    want = (fmt.block_size, layout.num_kv_heads, layout.head_dim)
-    if tuple(views[0][0].shape[1:]) != want or views[0][0].dtype != layout.torch_dtype:
+    pages, *shape = fmt.page_shape(kv_caches[0])
+    want = [fmt.block_size, layout.num_kv_heads, layout.head_dim]
+    if shape != want or kv_caches[0].dtype != layout.torch_dtype:
         raise InvalidArgument(
             f"paged KV tensor is {tuple(kv_caches[0].shape)} {kv_caches[0].dtype} in order {fmt.order};"
-            f" the layout wants pages of 2 x {want} {layout.dtype}"
+            f" the layout wants pages of 2 x {tuple(want)} {layout.dtype}"
         )
     ids = torch.as_tensor(list(page_ids), dtype=torch.long, device=kv_caches[0].device)
-    if ids.numel() and int(ids.max()) >= views[0][0].shape[0]:
-        raise InvalidArgument(f"page {int(ids.max())} is past the {views[0][0].shape[0]} pages of the KV tensor")
-    return views, ids, k
+    if ids.numel() and int(ids.max()) >= pages:
+        raise InvalidArgument(f"page {int(ids.max())} is past the {pages} pages of the KV tensor")
+    return ids, k
 
 
 def gather_paged(
@@ -445,15 +488,14 @@ def gather_paged(
 
     Returns the number of blocks written: ``len(page_ids) // pages_per_block``. One gather per layer and K/V.
     """
-    views, ids, k = _paged_views(kv_caches, layout, fmt, page_ids)
+    ids, k = _paged_ids(kv_caches, layout, fmt, page_ids)
     n = len(page_ids) // k
     if n > out.shape[0]:
         raise InvalidArgument(f"{n} blocks but staging holds {out.shape[0]}")
-    shape = (n, k * fmt.block_size, layout.num_kv_heads, layout.head_dim)
-    for layer, parts in enumerate(views):
-        for part, view in enumerate(parts):
-            pages = view.index_select(0, ids)  # [n*k, page, heads, dim]: pages of a block follow each other
-            out[:n, layer, part].copy_(pages.view(shape))
+    shape = (n, k, fmt.block_size, layout.num_kv_heads, layout.head_dim)
+    for layer, kv in enumerate(kv_caches):
+        for part, pages in enumerate(fmt.read(kv, ids)):  # [n*k, page, heads, dim]: a block's pages in a row
+            out[:n, layer, part].view(shape).copy_(pages.view(shape))
     return n
 
 
@@ -468,18 +510,17 @@ def scatter_paged(
 
     A page id of -1 skips that page (one the engine holds already, shared with other requests).
     """
-    views, ids, k = _paged_views(kv_caches, layout, fmt, page_ids)
+    ids, k = _paged_ids(kv_caches, layout, fmt, page_ids)
     n = len(page_ids) // k
     if n > staging.shape[0]:
         raise InvalidArgument(f"{n} blocks but staging holds {staging.shape[0]}")
     keep = ids >= 0
     every = bool(keep.all())
     shape = (n * k, fmt.block_size, layout.num_kv_heads, layout.head_dim)
-    for layer, parts in enumerate(views):
-        for part, view in enumerate(parts):
-            pages = staging[:n, layer, part].reshape(shape).to(view.device)
-            if every:
-                view.index_copy_(0, ids, pages)
-            else:
-                view.index_copy_(0, ids[keep], pages[keep.to(pages.device)])
+    for layer, kv in enumerate(kv_caches):
+        parts = [staging[:n, layer, part].reshape(shape).to(kv.device) for part in range(2)]
+        if every:
+            fmt.write(kv, ids, parts[0], parts[1])
+        else:
+            fmt.write(kv, ids[keep], parts[0][keep], parts[1][keep])
     return n

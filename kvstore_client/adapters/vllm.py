@@ -21,9 +21,9 @@ conversation to load).
 
 What goes into a stored block is engine-neutral (:class:`KVLayout`: per layer K then V,
 ``[tokens, kv_heads, head_dim]`` each), whatever backend and page size stored it: the
-page interior of vLLM's CPU attention (K transposed, then V) is read from where the
-backend's own kernel writes known values, the GPU backends' fused ``[B, H, N, K|V]``
-views from their tensors; any other backend is refused at start. Keys carry
+page interior of vLLM's CPU attention (K transposed then V with its vector kernels, tiles with
+its AMX kernels) is read from where the backend's own kernel writes known values, the GPU
+backends' fused ``[B, H, N, K|V]`` views from their tensors; any other backend is refused at start. Keys carry
 everything that changes the KV: model, dtype, shape, TP rank and size, the pipeline
 stage's layers (namespace), and per request the LoRA adapter, cache salt and
 multimodal inputs, exactly as vLLM's own prefix cache hashes them.

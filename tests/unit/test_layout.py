@@ -196,17 +196,47 @@ def test_a_head_interior_reads_k_transposed_then_v() -> None:
     assert not torch.equal(wrong, staging)
 
 
-def test_a_head_interior_that_no_strided_view_reads_is_refused() -> None:
+def test_a_head_interior_that_no_strided_view_reads_is_gathered_through_its_index() -> None:
+    """Tiles as AMX kernels pack them (here: pairs of tokens interleaved per dim, K then V, shuffled by tile):
+    no strided view reads them, the page's index does, both ways."""
+    n, d, heads, pages = 4, 3, 2, 10
+    rng = torch.Generator().manual_seed(7)
+    offsets = torch.randperm(2 * n * d, generator=rng).view(2, n, d)
+    interior = HeadInterior.from_offsets("cpu_attn/amx", offsets)
+    assert not interior.strided
+    lay = layout(block_tokens=8, head_dim=d)
+    fmt = PagedFormat("BHNC", block_size=n, interior=interior)
+    with pytest.raises(InvalidArgument, match="no strided view"):
+        fmt.parts(torch.zeros(pages, heads, n, 2 * d))
+    ks = [torch.randn(pages, n, heads, d) for _ in range(lay.num_layers)]
+    vs = [torch.randn(pages, n, heads, d) for _ in range(lay.num_layers)]
+    caches = []
+    for k, v in zip(ks, vs, strict=True):
+        head_pages = torch.empty(pages, heads, 2 * n * d)
+        head_pages[:, :, offsets[0].reshape(-1)] = k.permute(0, 2, 1, 3).reshape(pages, heads, -1)
+        head_pages[:, :, offsets[1].reshape(-1)] = v.permute(0, 2, 1, 3).reshape(pages, heads, -1)
+        caches.append(head_pages.view(pages, heads, n, 2 * d))
+    staging = lay.staging(2)
+    assert gather_paged(caches, lay, fmt, [7, 2, 5, 9], staging) == 2
+    assert torch.equal(staging[1, 2, 0, 5], ks[2][9, 1]) and torch.equal(staging[1, 2, 1, 5], vs[2][9, 1])
+    assert torch.equal(staging[0, 1, 0, :4], ks[1][7]) and torch.equal(staging[0, 1, 1, 4:], vs[1][2])
+    fresh = [torch.zeros_like(c) for c in caches]
+    assert scatter_paged(staging, fresh, lay, fmt, [0, 1, -1, 4]) == 2
+    for c, f in zip(caches, fresh, strict=True):
+        assert torch.equal(f[[0, 1, 4]], c[[7, 2, 9]]) and not f[[2, 3, 5]].any()
+
+
+def test_a_head_interior_must_place_every_element_once() -> None:
     offsets = torch.arange(2 * 4 * 2).view(2, 4, 2)
     assert HeadInterior.from_offsets("plain", offsets).k == (0, 2, 1)
-    shuffled = offsets.clone()
-    shuffled[0, 0, 0], shuffled[0, 1, 1] = offsets[0, 1, 1], offsets[0, 0, 0]
-    with pytest.raises(InvalidArgument, match="not a strided layout"):
-        HeadInterior.from_offsets("vnni", shuffled)
     twice = offsets.clone()
     twice[1, 0, 0] = 0
     with pytest.raises(InvalidArgument, match="two elements"):
         HeadInterior.from_offsets("broken", twice)
+    past = offsets.clone()
+    past[1, 3, 1] = 2 * 4 * 2
+    with pytest.raises(InvalidArgument, match="two elements at one place, or none"):
+        HeadInterior.from_offsets("past", past)
     with pytest.raises(InvalidArgument, match="order BHNC"):
         PagedFormat("2BNHD", interior=HeadInterior.from_offsets("plain", offsets))
 
