@@ -26,6 +26,7 @@ one at a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -82,10 +83,16 @@ class VllmEngine:
         self.log_path = log
         self._log = log.open("w")
         env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # Its own process group: vLLM's engine-core and worker processes go with it when it is killed.
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env
-        )
-        self.ready = self._read()
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            self.ready = self._read()
+        except BaseException:
+            self.close()
+            raise
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -114,6 +121,8 @@ class VllmEngine:
             except (subprocess.TimeoutExpired, BrokenPipeError):
                 self.proc.kill()
                 self.proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what it started and left behind, if anything
         self._log.close()
 
     def __enter__(self) -> VllmEngine:
