@@ -28,9 +28,11 @@ engine tests check tokens with one request at a time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -71,7 +73,9 @@ class VllmServer:
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # fmt: skip
         self.log_path = log
         self._log = log.open("w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        # Its own process group: vLLM's engine-core and worker processes go with it on close.
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                     start_new_session=True)  # fmt: skip
         self.start_timeout_s = start_timeout_s
 
     def wait(self) -> VllmServer:
@@ -103,6 +107,8 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # what it started and left behind, if anything
         self._log.close()
 
     def __enter__(self) -> VllmServer:
