@@ -279,6 +279,18 @@ class AsyncStore:
     # -- writes ------------------------------------------------------------------------------
     async def put(self, key: Any, data: Any, options: PutOptions | None = None) -> PutStatus:
         """Store ``data`` under ``key``; an existing key keeps its bytes and reports EXISTS."""
+        carved = self._core.granted_block(key, data, options)
+        if carved is not None:
+            # One trip into the grant in hand, without the core's generator (its way for anything else).
+            grant, block = carved
+            pinned = options is not None and options.pin
+            try:
+                [(code, _)] = await self._job(PutGranted(grant.node_id, grant.address, grant.grant_id, [block], pinned))
+            except KVStoreError:
+                code = -1
+            status = self._core.granted_put(grant, block.key, code)
+            if status is not None:
+                return status
         return (await self.put_many([(key, data)], options))[0]
 
     put_from = put

@@ -41,6 +41,8 @@ from kvstore.errors import (
 from kvstore.keys import BlockKey, checksum, validate_key
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
+    PUT_EXISTS,
+    PUT_STORED,
     Exists,
     ExistsReply,
     GetReplicas,
@@ -87,7 +89,7 @@ from kvstore_client.effects import (
     call,
     daemons,
 )
-from kvstore_client.grants import Carved, GrantPool, NeedGrant
+from kvstore_client.grants import Carved, Grant, GrantPool, NeedGrant
 from kvstore_client.hints import LocationHints
 from kvstore_client.puts import (
     Items,
@@ -179,6 +181,37 @@ class ClientCore:
             yield Pause(min(0.01 * 2**attempt, 0.5))
             todo = retry
         return [s if s is not None else PutStatus.EXISTS for s in statuses]
+
+    def granted_block(self, key: Any, data: Any, options: PutOptions | None) -> tuple[Grant, Block] | None:
+        """A one-key put's block carved from the grant in hand, when it can go in one trip with no
+        other step: one replica, a grant of the default placement that holds it, written through
+        its daemon's socket. None otherwise (a bad item too): the caller takes :meth:`put_many`,
+        which decides. The faces' put fast path; :meth:`granted_put` reads its answer."""
+        if type(key) is not str or self.closed or not self.config.grant_bytes or (options is not None and (
+            type(options) is not PutOptions or options.preferred_node is not None or options.replicas not in (None, 1)
+        )) or self.config.replicas != 1 or time.monotonic() < self._grants_paused_until:  # fmt: skip
+            return None
+        try:
+            key, view = validate_key(key), as_view(data)
+        except KVStoreError:
+            return None
+        if not view.nbytes:
+            return None
+        carved = self.grants.carve_held([view.nbytes], None)
+        if carved is None:
+            return None  # put_many asks for a grant (and gives back the one it retires)
+        grant, [offset] = carved
+        if not self.transport.one_trip(grant.node_id, grant.address):
+            return None
+        return grant, Block(key, view, offset, checksum(view))
+
+    def granted_put(self, grant: Grant, key: str, code: int) -> PutStatus | None:
+        """The status of a one-key granted put from its daemon's answer; None where :meth:`put_many`
+        must decide (an error, an ended grant: it asks again and gives back what it must)."""
+        if code == PUT_STORED:
+            self.hints.note([(key, (grant.node_id, grant.address))])
+            return PutStatus.STORED
+        return PutStatus.EXISTS if code == PUT_EXISTS else None
 
     def _carve(self, sizes: list[int], preferred: str | None) -> Op[Carved | None]:
         step = self.grants.carve(sizes, preferred)

@@ -115,6 +115,18 @@ class GrantPool:
             del self._grants[preferred]
             return NeedGrant([grant.grant_id])  # its rest returns to the pool (an early end)
 
+    def carve_held(self, sizes: Sequence[int], preferred: str | None) -> Carved | None:
+        """Offsets for blocks of ``sizes`` in the grant in hand, if it can hold them; None otherwise,
+        changing nothing (:meth:`carve` then says what to do)."""
+        if too_big_for(sizes, self.size):
+            return None
+        with self._lock:
+            grant = self._grants.get(preferred)
+            if grant is None or not grant.usable(sizes):
+                return None
+            offsets = grant.take(sizes)
+            return (grant, offsets) if offsets is not None else None
+
     def abandon(self, preferred: str | None) -> None:
         """The grant asked for after a NeedGrant did not come (the master refused, or did not answer)."""
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -10,12 +11,16 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.config import ClientConfig
-from kvstore.errors import GrantExpired
+from kvstore.errors import GrantExpired, InvalidArgument
 from kvstore.keys import checksum
 from kvstore.node_store import PutStatus
 from kvstore.protocol import PUT_EXISTS, PUT_STORED, GrantReply, GrantSpace, PutReply, WriteGranted
 from kvstore_cli.cluster import LocalCluster
+from kvstore_client.aio import AsyncStore
+from kvstore_client.core import ClientCore
+from kvstore_client.puts import PutOptions
 from kvstore_client.store import Store
+from tests.conftest import admin_call
 
 KB, MB = 1024, 1024 * 1024
 TCP = ClientConfig(transport="tcp", timeout_s=5.0)
@@ -103,3 +108,52 @@ def test_after_remove_no_reader_gets_the_old_bytes(cluster: LocalCluster) -> Non
         assert reader.get("short-lived") is None  # straight to the node: it no longer holds it
         writer.put("short-lived", b"new" * 10)
         assert reader.get("short-lived") == b"new" * 10
+
+
+def test_a_one_key_put_takes_one_trip_and_answers_as_the_core_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Store.put's fast path (the grant in hand, one daemon round trip, no core generator) stores what
+    the core's way stores: the pin, EXISTS for a held key, a location hint; anything else goes the
+    core's way (a bad key's error, two replicas, no grant in hand)."""
+    token = "fast-put-token"
+    with (
+        LocalCluster(1, dram="64MiB", admin=True, env={"KVSTORE_ADMIN_TOKEN": token}) as cluster,
+        Store.connect(cluster.master_address, TCP) as store,
+    ):
+        core_puts: list[object] = []
+
+        def count_core_puts(core: ClientCore) -> None:
+            put_many = core.put_many
+
+            def counted(items: object, options: object) -> object:
+                core_puts.append(items)
+                return put_many(items, options)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(core, "put_many", counted)
+
+        count_core_puts(store._core)
+        assert store.put("first", b"1" * 4096) is PutStatus.STORED
+        assert len(core_puts) == 1  # no grant in hand yet: the core asks for one
+        assert store.put("fast", b"f" * 4096, PutOptions(pin=True)) is PutStatus.STORED
+        assert store.put("fast", b"g" * 100) is PutStatus.EXISTS
+        assert len(core_puts) == 1  # both in one trip, through the grant the first put got
+        assert store._core.hinted("fast") is not None
+        status, described = admin_call(cluster.admin_address, "GET", "/api/v1/keys/fast", token=token)
+        assert status == 200 and described["pinned"] and described["size"] == 4096
+        assert store.get("fast") == b"f" * 4096
+        with pytest.raises(InvalidArgument):
+            store.put("", b"x")
+        assert store.put("two", b"2" * 100, PutOptions(replicas=1, preferred_node="node0")) is PutStatus.STORED
+        assert len(core_puts) == 3  # the bad key and a preferred node: the core's way
+
+        async def the_async_face() -> None:
+            async with await AsyncStore.connect(cluster.master_address, TCP) as aio:
+                count_core_puts(aio._core)
+                assert await aio.put("a-first", b"1" * 4096) is PutStatus.STORED
+                assert await aio.put("a-fast", b"f" * 4096, PutOptions(pin=True)) is PutStatus.STORED
+                assert await aio.put("fast", b"h" * 100) is PutStatus.EXISTS
+                assert len(core_puts) == 4
+                assert aio._core.hinted("a-fast") is not None and await aio.get("a-fast") == b"f" * 4096
+
+        asyncio.run(the_async_face())
+        status, described = admin_call(cluster.admin_address, "GET", "/api/v1/keys/a-fast", token=token)
+        assert status == 200 and described["pinned"]
