@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
+import queue
 import secrets
 import socket
 import ssl
@@ -224,10 +225,27 @@ class Connection:
     def call(
         self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0
     ) -> M:
-        with self.exchange(message, payload, retry_for=retry_for) as (reply, _):
-            if not isinstance(reply, expect):
-                raise ProtocolError(f"{type(message).__name__} got {type(reply).__name__}, expected {expect.__name__}")
-            return reply
+        """Send ``message`` (and its payload) and return its reply, of type ``expect`` (see :meth:`exchange`;
+        the same steps without its context managers: no payload follows a reply here)."""
+        with self._lock:
+            request_id = next(self._ids)
+            try:
+                reply_id, reply, _ = self._send(
+                    message, request_id, payload, f"{type(message).__name__} to {self.address}", retry_for
+                )
+                if reply_id != request_id:
+                    raise ProtocolError(f"{type(message).__name__} to {self.address}: reply to request {reply_id},"
+                                        f" expected {request_id}")  # fmt: skip
+                if isinstance(reply, ErrorReply):
+                    raise reply.to_error()
+                if not isinstance(reply, expect):
+                    raise ProtocolError(
+                        f"{type(message).__name__} got {type(reply).__name__}, expected {expect.__name__}"
+                    )
+                return reply
+            except BaseException:
+                self._close_locked()
+                raise
 
     def _close_locked(self) -> None:
         if self._sock is not None:
@@ -307,13 +325,22 @@ class ConnectionPool:
         self.tls = tls
         self.size = size
         self._idle: list[Connection] = []  # a list's pop/append are atomic: no lock on the hot path
-        self._free = threading.BoundedSemaphore(size) if bounded else None
+        # Bounded: one token per connection in use, in a queue (its get and put are C, where a
+        # threading.Semaphore's are Python under a Condition: a put's commit takes one of each).
+        self._free: queue.SimpleQueue[None] | None = None
+        if bounded:
+            self._free = queue.SimpleQueue()
+            for _ in range(size):
+                self._free.put(None)
         self._closed = False
 
     def acquire(self) -> Connection:
         """A connection for this caller alone, until :meth:`release`."""
-        if self._free is not None and not self._free.acquire(timeout=4 * self.timeout):
-            raise Timeout(f"no free connection to {self.address} within {4 * self.timeout:.0f} s")
+        if self._free is not None:
+            try:
+                self._free.get(timeout=4 * self.timeout)
+            except queue.Empty:
+                raise Timeout(f"no free connection to {self.address} within {4 * self.timeout:.0f} s") from None
         try:
             return self._idle.pop()
         except IndexError:
@@ -325,7 +352,7 @@ class ConnectionPool:
         else:
             self._idle.append(conn)
         if self._free is not None:
-            self._free.release()
+            self._free.put(None)
 
     @contextmanager
     def connection(self) -> Iterator[Connection]:
@@ -338,8 +365,11 @@ class ConnectionPool:
     def call(
         self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0
     ) -> M:
-        with self.connection() as conn:
+        conn = self.acquire()
+        try:
             return conn.call(message, expect, payload, retry_for=retry_for)
+        finally:
+            self.release(conn)
 
     def close(self) -> None:
         self._closed = True

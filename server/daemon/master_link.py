@@ -121,10 +121,9 @@ class MasterLink:
     ) -> list[tuple[int, str]]:  # fmt: skip
         """Have the master commit blocks written into a grant; per block (code, text) as in PutReply."""
         message = CommitGranted(self.node_id, grant_id, list(keys), offsets, sizes, checksums, pinned)
-        with self._calls.connection() as conn:
-            # The same request id on every attempt: a commit the master made but whose answer was
-            # lost is answered again, never made twice nor left unknown for a passing glitch.
-            reply = conn.call(message, PutReply, retry_for=self._timeout)
+        # The same request id on every attempt: a commit the master made but whose answer was
+        # lost is answered again, never made twice nor left unknown for a passing glitch.
+        reply = self._calls.call(message, PutReply, retry_for=self._timeout)
         if not len(reply.codes) == len(reply.errors) == len(keys):
             raise ProtocolError(f"the master answered {len(reply.codes)} commits for {len(keys)} blocks")
         return list(zip(reply.codes, reply.errors, strict=True))

@@ -7,10 +7,9 @@ placed another block in; a commit cuts late slices. Thread-safe.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from kvstore.keys import BlockKey
 from transfer.wire import cut
@@ -21,23 +20,24 @@ class Receivers:
         self._by_key: dict[str, set[socket.socket]] = {}
         self._done = threading.Condition()
 
-    @contextlib.contextmanager
-    def receiving(self, sock: socket.socket, keys: Sequence[BlockKey]) -> Iterator[None]:
-        """While ``sock`` receives bytes into the extents of ``keys``."""
+    def receiving(self, sock: socket.socket, keys: Sequence[BlockKey]) -> _Receiving:
+        """While ``sock`` receives bytes into the extents of ``keys`` (a context manager)."""
+        return _Receiving(self, sock, keys)
+
+    def _enter(self, sock: socket.socket, keys: Sequence[BlockKey]) -> None:
         with self._done:
             for key in keys:
                 self._by_key.setdefault(key, set()).add(sock)
-        try:
-            yield
-        finally:
-            with self._done:
-                for key in keys:
-                    receivers = self._by_key.get(key)
-                    if receivers is not None:
-                        receivers.discard(sock)
-                        if not receivers:
-                            del self._by_key[key]
-                self._done.notify_all()
+
+    def _leave(self, sock: socket.socket, keys: Sequence[BlockKey]) -> None:
+        with self._done:
+            for key in keys:
+                receivers = self._by_key.get(key)
+                if receivers is not None:
+                    receivers.discard(sock)
+                    if not receivers:
+                        del self._by_key[key]
+            self._done.notify_all()
 
     def cut(self, keys: Sequence[BlockKey], wait_s: float = 0.0) -> None:
         """Shut the connections receiving into the extents of ``keys``; with ``wait_s``, wait (that
@@ -49,3 +49,18 @@ class Receivers:
         if stale and wait_s:
             with self._done:
                 self._done.wait_for(lambda: not any(k in self._by_key for k in keys), wait_s)
+
+
+class _Receiving:
+    """:meth:`Receivers.receiving`'s context: a plain object, no generator per write."""
+
+    __slots__ = ("_keys", "_receivers", "_sock")
+
+    def __init__(self, receivers: Receivers, sock: socket.socket, keys: Sequence[BlockKey]) -> None:
+        self._receivers, self._sock, self._keys = receivers, sock, keys
+
+    def __enter__(self) -> None:
+        self._receivers._enter(self._sock, self._keys)
+
+    def __exit__(self, *exc: object) -> None:
+        self._receivers._leave(self._sock, self._keys)
