@@ -121,17 +121,7 @@ class AsyncStore:
             return await self._call(effect.message, effect.expect)
         if isinstance(effect, Daemons):
             if len(effect.jobs) == 1:  # the common case, without gather's task and its callbacks
-                try:
-                    done: list[Any] = [await self._job(effect.jobs[0])]
-                except asyncio.CancelledError:
-                    raise
-                except BaseException as exc:  # as gather(return_exceptions=True) hands it back
-                    done = [exc]
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    # Python 3.11's wait_for can swallow a cancel that came with the reply; gather did not.
-                    raise asyncio.CancelledError
-                return done
+                return await self._one_job(effect.jobs[0])
             return await asyncio.gather(*(self._job(job) for job in effect.jobs), return_exceptions=True)
         if isinstance(effect, Notify):
             with contextlib.suppress(KVStoreError):
@@ -162,6 +152,20 @@ class AsyncStore:
                     raise
                 await asyncio.sleep(backoff)
                 backoff = min(2 * backoff, 0.5)
+
+    async def _one_job(self, job: Job) -> list[Any]:
+        """``[outcome]`` of one daemon job, as gather(return_exceptions=True) would hand it back."""
+        try:
+            done: list[Any] = [await self._job(job)]
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            done = [exc]
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # Python 3.11's wait_for can swallow a cancel that came with the reply; gather did not.
+            raise asyncio.CancelledError
+        return done
 
     async def _job(self, job: Job) -> Any:
         """One daemon job of the core, over this node's pipelined connection."""
@@ -279,18 +283,11 @@ class AsyncStore:
     # -- writes ------------------------------------------------------------------------------
     async def put(self, key: Any, data: Any, options: PutOptions | None = None) -> PutStatus:
         """Store ``data`` under ``key``; an existing key keeps its bytes and reports EXISTS."""
-        carved = self._core.granted_block(key, data, options)
-        if carved is not None:
+        job = self._core.granted_block(key, data, options)
+        if job is not None:
             # One trip into the grant in hand, without the core's generator (its way for anything else).
-            grant, block = carved
-            pinned = options is not None and options.pin
-            try:
-                [(code, _)] = await self._job(PutGranted(grant.node_id, grant.address, grant.grant_id, [block], pinned))
-            except KVStoreError:
-                code = -1
-            status = self._core.granted_put(grant, block.key, code)
-            if status is not None:
-                return status
+            status = self._core.granted_put(job, (await self._one_job(job))[0])
+            return status if isinstance(status, PutStatus) else (await self._run(status))[0]
         return (await self.put_many([(key, data)], options))[0]
 
     put_from = put

@@ -170,23 +170,29 @@ class ClientCore:
             and time.monotonic() >= self._grants_paused_until
         ):
             todo = yield from self._put_granted(checked, todo, opts, statuses)
+        return (yield from self._put_rounds(checked, todo, opts, statuses))
+
+    def _put_rounds(
+        self, items: Items, todo: list[int], opts: PutOptions, statuses: list[PutStatus | None]
+    ) -> Op[list[PutStatus]]:
+        """Put ``todo`` the two-trip way, retrying the keys that were busy; every item's status."""
         for attempt in range(self.config.put_retries + 1):
             if not todo:
                 break
-            retry = yield from self._put_round(checked, todo, opts, statuses)
+            retry = yield from self._put_round(items, todo, opts, statuses)
             if not retry:
                 break
             if attempt == self.config.put_retries:
-                raise RetryLater(f"key {checked[retry[0]][0]!r} stayed busy through {attempt} retries")
+                raise RetryLater(f"key {items[retry[0]][0]!r} stayed busy through {attempt} retries")
             yield Pause(min(0.01 * 2**attempt, 0.5))
             todo = retry
         return [s if s is not None else PutStatus.EXISTS for s in statuses]
 
-    def granted_block(self, key: Any, data: Any, options: PutOptions | None) -> tuple[Grant, Block] | None:
-        """A one-key put's block carved from the grant in hand, when it can go in one trip with no
-        other step: one replica, a grant of the default placement that holds it, written through
-        its daemon's socket. None otherwise (a bad item too): the caller takes :meth:`put_many`,
-        which decides. The faces' put fast path; :meth:`granted_put` reads its answer."""
+    def granted_block(self, key: Any, data: Any, options: PutOptions | None) -> PutGranted | None:
+        """A one-key put's job into the grant in hand, when it can go in one trip with no other
+        step: one replica, a grant of the default placement that holds it, written through its
+        daemon's socket. None otherwise (a bad item too): the caller takes :meth:`put_many`, which
+        decides. The faces' put fast path; :meth:`granted_put` reads the job's outcome."""
         if type(key) is not str or self.closed or not self.config.grant_bytes or (options is not None and (
             type(options) is not PutOptions or options.preferred_node is not None or options.replicas not in (None, 1)
         )) or self.config.replicas != 1 or time.monotonic() < self._grants_paused_until:  # fmt: skip
@@ -203,15 +209,30 @@ class ClientCore:
         grant, [offset] = carved
         if not self.transport.one_trip(grant.node_id, grant.address):
             return None
-        return grant, Block(key, view, offset, checksum(view))
+        block = Block(key, view, offset, checksum(view))
+        return PutGranted(grant.node_id, grant.address, grant.grant_id, [block], options is not None and options.pin)
 
-    def granted_put(self, grant: Grant, key: str, code: int) -> PutStatus | None:
-        """The status of a one-key granted put from its daemon's answer; None where :meth:`put_many`
-        must decide (an error, an ended grant: it asks again and gives back what it must)."""
-        if code == PUT_STORED:
-            self.hints.note([(key, (grant.node_id, grant.address))])
-            return PutStatus.STORED
-        return PutStatus.EXISTS if code == PUT_EXISTS else None
+    def granted_put(self, job: PutGranted, outcome: Any) -> PutStatus | Op[list[PutStatus]]:
+        """The status of a one-key put from its job's outcome (the daemon's codes, or the exception
+        it raised); where that is not STORED or EXISTS, the rest of :meth:`put_many` from that
+        answer on (the grant dropped and given back as there, then the two-trip way, or the
+        failure raised), for the face to run."""
+        if isinstance(outcome, list) and len(outcome) == 1:
+            code = outcome[0][0]
+            if code == PUT_STORED:
+                self.hints.note([(job.blocks[0].key, (job.node_id, job.address))])
+                return PutStatus.STORED
+            if code == PUT_EXISTS:
+                return PutStatus.EXISTS
+        return self._after_granted(job, outcome)
+
+    def _after_granted(self, job: PutGranted, outcome: Any) -> Op[list[PutStatus]]:
+        block = job.blocks[0]
+        items: Items = [(BlockKey(block.key), block.view)]
+        statuses: list[PutStatus | None] = [None]
+        grant = next((g for g in self.grants.held() if g.grant_id == job.grant_id), None)
+        todo = yield from self._granted_outcome(items, [0], grant, job, outcome, statuses)
+        return (yield from self._put_rounds(items, todo, PutOptions(pin=job.pinned), statuses))
 
     def _carve(self, sizes: list[int], preferred: str | None) -> Op[Carved | None]:
         step = self.grants.carve(sizes, preferred)
@@ -251,15 +272,26 @@ class ClientCore:
             self._grants_paused_until = time.monotonic() + _GRANTS_PAUSE_S
             return todo
         blocks = [Block(items[i][0], items[i][1], o, checksum(items[i][1])) for i, o in zip(todo, offsets, strict=True)]
-        [outcome] = yield from daemons([PutGranted(grant.node_id, grant.address, grant.grant_id, blocks, opts.pin)])
+        job = PutGranted(grant.node_id, grant.address, grant.grant_id, blocks, opts.pin)
+        [outcome] = yield from daemons([job])
+        return (yield from self._granted_outcome(items, todo, grant, job, outcome, out))
+
+    def _granted_outcome(
+        self, items: Items, todo: list[int], grant: Grant | None, job: PutGranted, outcome: Any,
+        out: list[PutStatus | None],
+    ) -> Op[list[int]]:  # fmt: skip
+        """Statuses from a one-trip put's outcome; returns the indexes left to the two-trip way.
+        ``grant``: the client's grant the job wrote into, if it still holds it (dropped here when
+        its node is unreachable or ended it)."""
         if unreachable(outcome):
-            yield from self._give_back(self.grants.drop(grant))  # gone or stalled: the master places elsewhere
+            if grant is not None:  # gone or stalled: the master places elsewhere
+                yield from self._give_back(self.grants.drop(grant))
             return todo
         raise_failure(outcome)
         codes: list[tuple[int, str]] = outcome
-        if any(code == GrantExpired.code for code, _ in codes):
+        if grant is not None and any(code == GrantExpired.code for code, _ in codes):
             yield from self._give_back(self.grants.drop(grant))
-        left, placed = take_granted(items, todo, codes, grant, out)
+        left, placed = take_granted(items, todo, codes, job.node_id, job.address, out)
         self.hints.note(placed)
         return left
 

@@ -24,7 +24,6 @@ from kvstore.errors import (
 from kvstore.keys import BlockKey, validate_key
 from kvstore.node_store import PutStatus
 from kvstore.protocol import PUT_EXISTS, PUT_STORED, PutStartReply, Replica
-from kvstore_client.grants import Grant
 
 Items = list[tuple[BlockKey, memoryview]]
 Place = tuple[str, str]
@@ -146,8 +145,9 @@ def take_commits(
 
 
 def take_granted(
-    items: Items, todo: Sequence[int], codes: Sequence[tuple[int, str]], grant: Grant, out: list[PutStatus | None]
-) -> tuple[list[int], list[tuple[str, Place | None]]]:
+    items: Items, todo: Sequence[int], codes: Sequence[tuple[int, str]], node_id: str, address: str,
+    out: list[PutStatus | None],
+) -> tuple[list[int], list[tuple[str, Place | None]]]:  # fmt: skip
     """Statuses from a one-trip put's answer; returns the blocks left to the two-trip way and where
     the stored ones are. Raises the first error that is not one of those."""
     left: list[int] = []
@@ -156,13 +156,13 @@ def take_granted(
     for i, (code, text) in zip(todo, codes, strict=True):
         if code == PUT_STORED:
             out[i] = PutStatus.STORED
-            placed.append((items[i][0], (grant.node_id, grant.address)))
+            placed.append((items[i][0], (node_id, address)))
         elif code == PUT_EXISTS:
             out[i] = PutStatus.EXISTS
         elif code in _TWO_TRIP:
             left.append(i)
         else:
-            failure = failure or error_from_code(code, f"writing {items[i][0]!r} to {grant.address}: {text}")
+            failure = failure or error_from_code(code, f"writing {items[i][0]!r} to {address}: {text}")
     if failure is not None:
         raise failure
     return left, placed

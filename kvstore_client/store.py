@@ -186,19 +186,11 @@ class Store:
     # -- writes ------------------------------------------------------------------------------
     def put(self, key: Any, data: Any, options: PutOptions | None = None) -> PutStatus:
         """Store ``data`` under ``key``; an existing key keeps its bytes and reports EXISTS."""
-        carved = self._core.granted_block(key, data, options)
-        if carved is not None:
+        job = self._core.granted_block(key, data, options)
+        if job is not None:
             # One trip into the grant in hand, without the core's generator (its way for anything else).
-            grant, block = carved
-            try:
-                [(code, _)] = self._paths.path(grant.node_id, grant.address).write_granted(
-                    grant.grant_id, [block], options is not None and options.pin
-                )
-            except KVStoreError:
-                code = -1
-            status = self._core.granted_put(grant, block.key, code)
-            if status is not None:
-                return status
+            status = self._core.granted_put(job, self._fan_out([job])[0])
+            return status if isinstance(status, PutStatus) else self._run(status)[0]
         return self.put_many([(key, data)], options)[0]
 
     put_from = put

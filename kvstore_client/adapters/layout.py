@@ -447,7 +447,9 @@ class PagedFormat:
                 view.index_copy_(0, ids, src)
             return
         _, n, heads, dim = self.page_shape(kv)
-        both = torch.stack((k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)), 2).reshape(len(ids), heads, -1)
+        if not len(ids):
+            return
+        both = torch.stack((k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)), 2).reshape(len(ids), heads, 2 * n * dim)
         pages = torch.empty_like(both)  # every element written: the index is a permutation of the page
         pages.index_copy_(2, self.interior.index.to(kv.device), both)
         kv.index_copy_(0, ids, pages.view(len(ids), heads, n, 2 * dim))
@@ -469,6 +471,11 @@ def _paged_ids(
     if len(page_ids) % k:
         raise InvalidArgument(f"{len(page_ids)} pages is not a whole number of {k}-page blocks")
     pages, *shape = fmt.page_shape(kv_caches[0])
+    for kv in kv_caches[1:]:  # every layer checked before any is written
+        if fmt.page_shape(kv) != (pages, *shape) or kv.dtype != kv_caches[0].dtype:
+            raise InvalidArgument(
+                f"paged KV tensors differ between layers: {tuple(kv.shape)} vs {tuple(kv_caches[0].shape)}"
+            )
     want = [fmt.block_size, layout.num_kv_heads, layout.head_dim]
     if shape != want or kv_caches[0].dtype != layout.torch_dtype:
         raise InvalidArgument(

@@ -18,6 +18,7 @@ from kvstore.protocol import PUT_EXISTS, PUT_STORED, GrantReply, GrantSpace, Put
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.aio import AsyncStore
 from kvstore_client.core import ClientCore
+from kvstore_client.dataplane import DataPath
 from kvstore_client.puts import PutOptions
 from kvstore_client.store import Store
 from tests.conftest import admin_call
@@ -157,3 +158,27 @@ def test_a_one_key_put_takes_one_trip_and_answers_as_the_core_does(monkeypatch: 
         asyncio.run(the_async_face())
         status, described = admin_call(cluster.admin_address, "GET", "/api/v1/keys/a-fast", token=token)
         assert status == 200 and described["pinned"]
+
+
+def test_a_fast_put_into_an_ended_grant_drops_it_and_goes_the_two_trip_way_at_once(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast path's refused write is the core's: the grant is dropped and given back, and the put
+    goes the two-trip way, without a second write into the grant that ended."""
+    with Store.connect(cluster.master_address, TCP) as store:
+        assert store.put("ended-0", b"0" * 100) is PutStatus.STORED  # a grant in hand
+        [held] = store._core.grants.held()
+        held.usable_until = time.monotonic() + 60  # as if this client's clock were behind
+        writes: list[int] = []
+        write_granted = DataPath.write_granted
+
+        def counted(path: DataPath, grant_id: int, blocks: object, pinned: bool) -> object:
+            writes.append(grant_id)
+            return write_granted(path, grant_id, blocks, pinned)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(DataPath, "write_granted", counted)
+        time.sleep(1.5 + 0.3)  # past the grant's ttl (the module's master grants for 1.5 s)
+        assert store.put("ended-1", b"1" * 100) is PutStatus.STORED
+        assert writes == [held.grant_id]  # one write into it, refused; then the master placed it
+        assert held not in store._core.grants.held()
+        assert store.get("ended-1") == b"1" * 100

@@ -224,6 +224,10 @@ def test_a_head_interior_that_no_strided_view_reads_is_gathered_through_its_inde
     assert scatter_paged(staging, fresh, lay, fmt, [0, 1, -1, 4]) == 2
     for c, f in zip(caches, fresh, strict=True):
         assert torch.equal(f[[0, 1, 4]], c[[7, 2, 9]]) and not f[[2, 3, 5]].any()
+    # Pages the engine holds already are skipped, all of them too; nothing to write writes nothing.
+    assert scatter_paged(staging, fresh, lay, fmt, [-1, -1]) == 1
+    assert scatter_paged(staging, fresh, lay, fmt, []) == 0
+    assert not fresh[0][[2, 3, 5]].any()
 
 
 def test_a_head_interior_must_place_every_element_once() -> None:
