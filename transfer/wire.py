@@ -194,27 +194,38 @@ class NoRequest(Exception):
 def recv_message(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> tuple[int, Message]:
     """The next whole frame, decoded. Raises ProtocolError for a bad frame, ConnectionFailed at EOF,
     NoRequest when nothing arrived in time, BlockingIOError when a frame stalled halfway."""
-    header = memoryview(bytearray(FRAME_HEADER.size))
     try:
-        first = sock.recv_into(header)
+        header = sock.recv(FRAME_HEADER.size)
     except (BlockingIOError, TimeoutError):  # the kernel's timeout; a TLS socket's own
         raise NoRequest() from None
-    if first == 0:
+    if not header:
         raise ConnectionFailed("peer closed the connection")
-    recv_into(sock, header[first:])
+    if len(header) < FRAME_HEADER.size:
+        header += _recv_bytes(sock, FRAME_HEADER.size - len(header))
     (length,) = FRAME_HEADER.unpack(header)
     if length > max_frame:
         raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_frame}")
     if length <= _EAGER_FRAME:
-        payload = bytearray(length)
-        recv_into(sock, memoryview(payload))
-    else:
-        # Never allocated ahead of the bytes: a peer that announces a huge frame and stalls holds
-        # no more memory than it sent.
-        payload = bytearray()
-        while len(payload) < length:
-            chunk = sock.recv(min(length - len(payload), _SCRATCH))  # a chunk as it comes, 1 MiB at most
-            if not chunk:
+        # One receive for a frame that came whole (most do): bytes straight from the call, no copies.
+        payload = sock.recv(length) if length else b""
+        if len(payload) < length:
+            if not payload:
                 raise ConnectionFailed("peer closed the connection mid-message")
-            payload += chunk
-    return decode_payload(bytes(payload))
+            payload += _recv_bytes(sock, length - len(payload))
+        return decode_payload(payload)
+    # Never allocated ahead of the bytes: a peer that announces a huge frame and stalls holds
+    # no more memory than it sent.
+    grown = bytearray()
+    while len(grown) < length:
+        chunk = sock.recv(min(length - len(grown), _SCRATCH))  # a chunk as it comes, 1 MiB at most
+        if not chunk:
+            raise ConnectionFailed("peer closed the connection mid-message")
+        grown += chunk
+    return decode_payload(bytes(grown))
+
+
+def _recv_bytes(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` more bytes of a frame (at most :data:`_EAGER_FRAME`)."""
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf))
+    return bytes(buf)

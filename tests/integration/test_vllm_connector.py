@@ -160,7 +160,8 @@ class Engine:
         """[tokens, heads, K|V] of a request's prompt, read from its pages as the backend laid them out."""
         pages = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
         assert self.worker._format is not None
-        k, v = self.worker._format.parts(self.kv[LAYER_NAMES[layer]])  # [pages, tokens, heads, dim] each
+        kv = self.kv[LAYER_NAMES[layer]]
+        k, v = self.worker._format.read(kv, torch.arange(kv.shape[0]))  # [pages, tokens, heads, dim] each
         return torch.stack([torch.cat((k[pages[p // PAGE], p % PAGE], v[pages[p // PAGE], p % PAGE]), -1)
                             for p in range(tokens)])  # fmt: skip
 
