@@ -230,7 +230,14 @@ class ClientCore:
         block = job.blocks[0]
         items: Items = [(BlockKey(block.key), block.view)]
         statuses: list[PutStatus | None] = [None]
-        grant = next((g for g in self.grants.held() if g.grant_id == job.grant_id), None)
+        grant = next(
+            (
+                g
+                for g in self.grants.held()  # ids restart with a new master: the node too
+                if (g.grant_id, g.node_id, g.address) == (job.grant_id, job.node_id, job.address)
+            ),
+            None,
+        )
         todo = yield from self._granted_outcome(items, [0], grant, job, outcome, statuses)
         return (yield from self._put_rounds(items, todo, PutOptions(pin=job.pinned), statuses))
 

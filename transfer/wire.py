@@ -224,8 +224,8 @@ def recv_message(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> tuple
     return decode_payload(bytes(grown))
 
 
-def _recv_bytes(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` more bytes of a frame (at most :data:`_EAGER_FRAME`)."""
+def _recv_bytes(sock: socket.socket, n: int) -> bytearray:
+    """Exactly ``n`` more bytes of a frame (at most :data:`_EAGER_FRAME`), to add to the bytes it has."""
     buf = bytearray(n)
     recv_into(sock, memoryview(buf))
-    return bytes(buf)
+    return buf

@@ -471,10 +471,12 @@ def _paged_ids(
     if len(page_ids) % k:
         raise InvalidArgument(f"{len(page_ids)} pages is not a whole number of {k}-page blocks")
     pages, *shape = fmt.page_shape(kv_caches[0])
-    for kv in kv_caches[1:]:  # every layer checked before any is written
-        if fmt.page_shape(kv) != (pages, *shape) or kv.dtype != kv_caches[0].dtype:
+    first = kv_caches[0]
+    for layer, kv in enumerate(kv_caches[1:], 1):  # every layer checked before any is written
+        if fmt.page_shape(kv) != (pages, *shape) or (kv.dtype, kv.device) != (first.dtype, first.device):
             raise InvalidArgument(
-                f"paged KV tensors differ between layers: {tuple(kv.shape)} vs {tuple(kv_caches[0].shape)}"
+                f"paged KV tensor of layer {layer} is {tuple(kv.shape)} {kv.dtype} on {kv.device}; layer 0's is"
+                f" {tuple(first.shape)} {first.dtype} on {first.device}"
             )
     want = [fmt.block_size, layout.num_kv_heads, layout.head_dim]
     if shape != want or kv_caches[0].dtype != layout.torch_dtype:

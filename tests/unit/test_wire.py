@@ -80,6 +80,35 @@ def test_frames_round_trip_and_idle_and_eof_are_told_apart() -> None:
     b.close()
 
 
+def test_a_frame_that_comes_in_pieces_is_put_together() -> None:
+    """A header in pieces, then a payload in pieces: one frame, as if it had come whole; a peer
+    gone mid-header or mid-payload is a closed connection."""
+    frame = encode(StatsReply({"objects": 3, "bytes": 1 << 40}), 9)
+    for cuts in ([1, 3], [4, 7], [2, 6, len(frame) - 1]):
+        a, b = socket.socketpair()
+        with a, b:
+            set_timeouts(b, 2.0)
+
+            def dribble(cuts: list[int] = cuts, a: socket.socket = a) -> None:
+                at = 0
+                for cut in [*cuts, len(frame)]:
+                    a.sendall(frame[at:cut])
+                    at = cut
+                    threading.Event().wait(0.02)  # each piece its own receive
+
+            sender = threading.Thread(target=dribble, daemon=True)
+            sender.start()
+            assert recv_message(b) == (9, StatsReply({"objects": 3, "bytes": 1 << 40}))
+            sender.join()
+    for cut in (2, 6):
+        a, b = socket.socketpair()
+        with b:
+            a.sendall(frame[:cut])
+            a.close()
+            with pytest.raises(ConnectionFailed, match="mid-message"):
+                recv_message(b)
+
+
 def test_oversize_frame_is_refused_before_reading_it() -> None:
     a, b = socket.socketpair()
     a.sendall(FRAME_HEADER.pack(1 << 30))
