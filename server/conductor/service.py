@@ -233,15 +233,20 @@ class Conductor:
         while True:
             await asyncio.sleep(period)
             checks = [self._healthy(w, period) for w in self.workers.values()]
-            for w, ok in zip(self.workers.values(), await asyncio.gather(*checks), strict=True):
-                self._set_up(w, ok)
+            for w, answer in zip(self.workers.values(), await asyncio.gather(*checks), strict=True):
+                assert self.scheduler is not None
+                inst = self.scheduler.prefill.get(w.name) or self.scheduler.decode[w.name]
+                self._set_up(w, w.checked(answer, inst.up))
 
-    async def _healthy(self, w: Worker, timeout: float) -> bool:
+    async def _healthy(self, w: Worker, timeout: float) -> bool | None:
+        """True: healthy; False: refused, or answered otherwise; None: no answer within ``timeout``."""
         assert self._session is not None
         try:
             async with self._session.get(w.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 return resp.status == 200
-        except (TimeoutError, aiohttp.ClientError):
+        except TimeoutError:  # aiohttp's ServerTimeoutError too (it is both)
+            return None
+        except aiohttp.ClientError:
             return False
 
     def _set_up(self, w: Worker, up: bool) -> None:

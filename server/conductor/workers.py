@@ -16,12 +16,29 @@ class WorkerError(KVStoreError):
         self.status = status
 
 
+SILENT_CHECKS_TO_DOWN = 3
+"""Health checks in a row without an answer in time that mark a worker down. A server busy computing can
+answer its /health late; taking it down for one slow answer would route its conversations elsewhere and
+forget what its prefix cache holds. A refused connection or an error status marks it down at once."""
+
+
 @dataclass(slots=True)
 class Worker:
     name: str
     url: str
     role: str
     info: dict[str, Any]
+    silent_checks: int = 0
+    """Health checks in a row it did not answer in time."""
+
+    def checked(self, answer: bool | None, up: bool) -> bool:
+        """Whether it is up after a health check that answered ``answer`` (True: healthy; False: refused
+        or unhealthy; None: no answer in time), while it was ``up``."""
+        if answer is None:
+            self.silent_checks += 1
+            return up and self.silent_checks < SILENT_CHECKS_TO_DOWN
+        self.silent_checks = 0
+        return answer
 
     @property
     def node(self) -> str | None:

@@ -1,5 +1,5 @@
 """What the conductor reads of OpenAI servers and how it keeps their answers: Prometheus text as vLLM
-writes it, the engine-cache model, and chunks merged into one completion."""
+writes it, the engine-cache model, chunks merged into one completion, and when a server is down."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from kvstore.errors import InvalidArgument
 from server.conductor.openai import EngineCache, merge_chunks, parse_metrics
+from server.conductor.workers import Worker
 
 # Lines as vllm serve 0.32 with the KVStoreConnector writes them (copied from a running server's /metrics).
 METRICS = """\
@@ -72,3 +73,17 @@ def test_choices_of_several_samples_stay_apart() -> None:
     chunks = [{"id": "c", "choices": [{"index": i, "text": t}]} for i, t in ((1, "b"), (0, "a"), (1, "c"))]
     out = merge_chunks(chunks)
     assert [(c["index"], c["text"]) for c in out["choices"]] == [(0, "a"), (1, "bc")]
+
+
+def test_a_worker_goes_down_after_three_silent_checks_or_one_refusal() -> None:
+    """A server busy computing may answer /health late: one slow check keeps it up (its routing and the
+    model of its prefix cache stay); three in a row take it down; a refusal takes it down at once; the
+    first answer brings it back."""
+    w = Worker("engine-0", "http://127.0.0.1:1", "engine", {})
+    assert w.checked(None, True) and w.checked(None, True)
+    assert not w.checked(None, True)  # the third silent check in a row
+    assert not w.checked(None, False)  # silent while down: stays down
+    assert w.checked(True, False)  # answered: up again, the count starts over
+    assert w.checked(None, True) and w.checked(None, True) and w.checked(True, True)
+    assert w.checked(None, True) and w.checked(None, True)  # two more: still up (the answer reset it)
+    assert not w.checked(False, True)  # refused or unhealthy: down at once
