@@ -195,12 +195,7 @@ class AsyncStore:
             batcher = self._readers[job.address] = ReadBatcher(self._link(job.address))
         answers: list[Any]
         if len(job.keys) == 1:
-            try:
-                answers = [await batcher.read(job.keys[0])]
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:
-                answers = [exc]
+            answers = [await batcher.read(job.keys[0])]  # its failure is the job's, raised as below
         else:
             answers = await asyncio.gather(*(batcher.read(key) for key in job.keys), return_exceptions=True)
         failure = next((a for a in answers if isinstance(a, BaseException)), None)

@@ -108,19 +108,27 @@ class Connection:
         peer that already ran it answers as the first time.
         """
         with self._lock:
-            request_id = next(self._ids)
             what = f"{type(message).__name__} to {self.address}"
             try:
-                reply_id, reply, sock = self._send(message, request_id, payload, what, retry_for)
-                if reply_id != request_id:
-                    raise ProtocolError(f"{what}: reply to request {reply_id}, expected {request_id}")
-                if isinstance(reply, ErrorReply):
-                    raise reply.to_error()
+                reply, sock = self._request(message, payload, what, retry_for)
                 with io_errors(what):
                     yield reply, sock
             except BaseException:
                 self._close_locked()
                 raise
+
+    def _request(
+        self, message: Message, payload: Sequence[memoryview | bytes], what: str, retry_for: float
+    ) -> tuple[Message, socket.socket]:
+        """(Holding the lock) send ``message`` under a new id and take its reply: an ErrorReply raised,
+        a reply to another request a ProtocolError. The caller closes the connection on any failure."""
+        request_id = next(self._ids)
+        reply_id, reply, sock = self._send(message, request_id, payload, what, retry_for)
+        if reply_id != request_id:
+            raise ProtocolError(f"{what}: reply to request {reply_id}, expected {request_id}")
+        if isinstance(reply, ErrorReply):
+            raise reply.to_error()
+        return reply, sock
 
     def _send(
         self, message: Message, request_id: int, payload: Sequence[memoryview | bytes], what: str, retry_for: float
@@ -228,16 +236,9 @@ class Connection:
         """Send ``message`` (and its payload) and return its reply, of type ``expect`` (see :meth:`exchange`;
         the same steps without its context managers: no payload follows a reply here)."""
         with self._lock:
-            request_id = next(self._ids)
+            what = f"{type(message).__name__} to {self.address}"
             try:
-                reply_id, reply, _ = self._send(
-                    message, request_id, payload, f"{type(message).__name__} to {self.address}", retry_for
-                )
-                if reply_id != request_id:
-                    raise ProtocolError(f"{type(message).__name__} to {self.address}: reply to request {reply_id},"
-                                        f" expected {request_id}")  # fmt: skip
-                if isinstance(reply, ErrorReply):
-                    raise reply.to_error()
+                reply, _ = self._request(message, payload, what, retry_for)
                 if not isinstance(reply, expect):
                     raise ProtocolError(
                         f"{type(message).__name__} got {type(reply).__name__}, expected {expect.__name__}"

@@ -470,8 +470,8 @@ def _paged_ids(
     k = fmt.pages_per_block(layout)
     if len(page_ids) % k:
         raise InvalidArgument(f"{len(page_ids)} pages is not a whole number of {k}-page blocks")
-    pages, *shape = fmt.page_shape(kv_caches[0])
     first = kv_caches[0]
+    pages, *shape = fmt.page_shape(first)
     for layer, kv in enumerate(kv_caches[1:], 1):  # every layer checked before any is written
         if fmt.page_shape(kv) != (pages, *shape) or (kv.dtype, kv.device) != (first.dtype, first.device):
             raise InvalidArgument(
@@ -479,12 +479,12 @@ def _paged_ids(
                 f" {tuple(first.shape)} {first.dtype} on {first.device}"
             )
     want = [fmt.block_size, layout.num_kv_heads, layout.head_dim]
-    if shape != want or kv_caches[0].dtype != layout.torch_dtype:
+    if shape != want or first.dtype != layout.torch_dtype:
         raise InvalidArgument(
-            f"paged KV tensor is {tuple(kv_caches[0].shape)} {kv_caches[0].dtype} in order {fmt.order};"
+            f"paged KV tensor is {tuple(first.shape)} {first.dtype} in order {fmt.order};"
             f" the layout wants pages of 2 x {tuple(want)} {layout.dtype}"
         )
-    ids = torch.as_tensor(list(page_ids), dtype=torch.long, device=kv_caches[0].device)
+    ids = torch.as_tensor(list(page_ids), dtype=torch.long, device=first.device)
     if ids.numel() and int(ids.max()) >= pages:
         raise InvalidArgument(f"page {int(ids.max())} is past the {pages} pages of the KV tensor")
     return ids, k

@@ -44,7 +44,18 @@ from kvstore.costs import PrefillCostModel
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, NoNodes
 from kvstore.keys import block_keys
 from kvstore.protocol import MatchPrefixNodes, MatchPrefixNodesReply, Replicate, ReplicateReply
-from kvstore.scheduling import NO_LOCALITY, Decision, DecodeModel, Locality, Request, Scheduler, Slo, TransferModel
+from kvstore.scheduling import (
+    NO_LOCALITY,
+    Decision,
+    DecodeInstance,
+    DecodeModel,
+    Locality,
+    PrefillInstance,
+    Request,
+    Scheduler,
+    Slo,
+    TransferModel,
+)
 from server.conductor.metrics import ConductorMetrics
 from server.conductor.openai import (
     ENGINE_CACHE_BYTES_PER_S,
@@ -234,9 +245,7 @@ class Conductor:
             await asyncio.sleep(period)
             checks = [self._healthy(w, period) for w in self.workers.values()]
             for w, answer in zip(self.workers.values(), await asyncio.gather(*checks), strict=True):
-                assert self.scheduler is not None
-                inst = self.scheduler.prefill.get(w.name) or self.scheduler.decode[w.name]
-                self._set_up(w, w.checked(answer, inst.up))
+                self._set_up(w, w.checked(answer, self._instance(w).up))
 
     async def _healthy(self, w: Worker, timeout: float) -> bool | None:
         """True: healthy; False: refused, or answered otherwise; None: no answer within ``timeout``."""
@@ -249,10 +258,14 @@ class Conductor:
         except aiohttp.ClientError:
             return False
 
+    def _instance(self, w: Worker) -> PrefillInstance | DecodeInstance:
+        """The scheduler's instance of ``w`` (an engine's prefill side stands for both)."""
+        assert self.scheduler is not None
+        return self.scheduler.prefill.get(w.name) or self.scheduler.decode[w.name]
+
     def _set_up(self, w: Worker, up: bool) -> None:
         assert self.scheduler is not None
-        inst = self.scheduler.prefill.get(w.name) or self.scheduler.decode[w.name]
-        if inst.up != up:
+        if self._instance(w).up != up:
             log.warning("%s worker %s (%s) is %s", w.role, w.name, w.url, "up" if up else "down")
             self.scheduler.set_up(w.name, up)
             if w.name in self._caches:

@@ -84,15 +84,15 @@ class Answers:
         answer.set_result(reply)
         entry = self._entries.get(request_id)
         if entry is not None and entry[1] is answer:
-            kept = encode(reply, 0)
-            self._entries[request_id] = (entry[0], kept)
-            self.bytes += len(kept)
-            self._bound()
+            self._keep(request_id, entry[0], reply)
 
     def keep(self, request_id: RequestId, reply: Message) -> None:
         """``reply`` answers ``request_id``, answered without waiting (nothing can have waited for it)."""
+        self._keep(request_id, self._clock(), reply)
+
+    def _keep(self, request_id: RequestId, since: float, reply: Message) -> None:
         kept = encode(reply, 0)
-        self._entries[request_id] = (self._clock(), kept)
+        self._entries[request_id] = (since, kept)
         self.bytes += len(kept)
         self._bound()
 
