@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,19 +13,10 @@ from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import CheckBlocks, CheckBlocksReply
 from server.daemon.orphans import Orphans
 from server.daemon.storage import BlockState, DaemonStorage
+from tests.unit.conftest import storage_configs
 
 K = BlockKey
 KB = 1024
-
-
-@pytest.fixture
-def storage(tmp_path: Path) -> Iterator[DaemonStorage]:
-    s = DaemonStorage(
-        DramConfig(capacity=64 * KB, name="ds", shm_dir=tmp_path, prefault=False),
-        SsdConfig(capacity=256 * KB, path=tmp_path / "ssd"),
-    )
-    yield s
-    s.close()
 
 
 def write(s: DaemonStorage, key: str, offset: int, data: bytes) -> None:
@@ -168,10 +158,7 @@ def test_no_write_lands_on_the_bytes_of_another_block(tmp_path: Path, storage: D
     write(storage, "new", 4 * KB, b"n" * 3000)
     storage.close()
     # A daemon that restarts knows where its blocks are: the check holds across the restart.
-    again = DaemonStorage(
-        DramConfig(capacity=64 * KB, name="ds", shm_dir=tmp_path, prefault=False),
-        SsdConfig(capacity=256 * KB, path=tmp_path / "ssd"),
-    )
+    again = DaemonStorage(*storage_configs(tmp_path))
     try:
         [refused] = again.begin_writes([(K("x"), 6 * KB, 64)])
         assert isinstance(refused, RetryLater)

@@ -6,30 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
-from kvstore.config import DramConfig, SsdConfig
 from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import ReadBlocks, WriteBlocks
 from server.daemon.storage import DaemonStorage
 from transfer.transports.ucx import UcxServer
 
 KB = 1024
-
-
-@pytest.fixture
-def storage(tmp_path: Path) -> Iterator[DaemonStorage]:
-    s = DaemonStorage(
-        DramConfig(capacity=64 * KB, name="ucxlock", shm_dir=tmp_path, prefault=False),
-        SsdConfig(capacity=256 * KB, path=tmp_path / "ssd"),
-    )
-    yield s
-    s.close()
 
 
 class _SlowReader:
