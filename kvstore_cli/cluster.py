@@ -1,4 +1,5 @@
-"""A real local cluster: one master and N daemons as separate processes on loopback.
+"""A real local cluster: one master and N daemons as separate processes on loopback (and, for HA
+masters, a one-member etcd: :class:`LocalEtcd`).
 
 Used by ``kvstore cluster up``, the demo, the benchmarks and the tests. Each
 process is this command line's ``master`` or ``daemon`` command, started with
@@ -16,6 +17,7 @@ import secrets
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,11 +33,64 @@ from kvstore.tenants import OPERATIONS, add_admin, add_tenant
 from kvstore.tiers.dram import DramArena
 from kvstore_cli.certs import CertFiles, make_certs
 from kvstore_client.children import die_with_parent, terminate
-from transfer.discovery import MasterLocator
+from transfer.discovery import EtcdCluster, MasterLocator, read_leader
 from transfer.rpc import Connection
 from transfer.tls import contexts
 
 _START_TIMEOUT = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalEtcd:
+    """A one-member etcd on loopback (Debian's ``etcd-server``), its data kept across restarts, for
+    HA masters (``LocalCluster(etcd=LocalEtcd().start().endpoint, masters=2)``)."""
+
+    def __init__(self, workdir: Path | None = None) -> None:
+        self._own_dir = workdir is None
+        self.dir = workdir or Path(tempfile.mkdtemp(prefix="kvstore-etcd-"))
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> Self:
+        """Start it and wait until it answers (a read of a leader key: none yet is an answer)."""
+        if shutil.which("etcd") is None:
+            raise ConnectionFailed("etcd is not installed (Debian: apt install etcd-server)")
+        peer, client = f"http://127.0.0.1:{self.peer_port}", f"http://{self.endpoint}"
+        args = [
+            "etcd", "--name", "local", "--data-dir", str(self.dir / "data"),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"local={peer}",
+        ]  # fmt: skip
+        with open(self.dir / "etcd.log", "a") as log:
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                read_leader(EtcdCluster((self.endpoint,), "kvstore"), 1.0)
+                return self
+            except ConnectionFailed:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise ConnectionFailed(f"etcd did not start on {self.endpoint} (see {self.dir}/etcd.log)") from None
+                time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=20)
+            self.proc = None
+
+    def remove(self) -> None:
+        """Stop it and delete its data (a directory it made itself)."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _read_line(stream: IO[str], timeout: float, what: str) -> str:

@@ -8,24 +8,21 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from kvstore.config import ClientConfig, MasterConfig
-from kvstore.errors import ConfigError, ConnectionFailed, KVStoreError, NotLeader
+from kvstore.errors import ConfigError, KVStoreError, NotLeader
 from kvstore.protocol import Stats, StatsReply
-from kvstore_cli.cluster import LocalCluster
+from kvstore_cli.cluster import LocalCluster, LocalEtcd, free_port
 from kvstore_client import Store
-from tests.conftest import FACES, connect_client
+from tests.conftest import FACES, admin_call, connect_client
 from transfer.discovery import EtcdCluster, read_leader, read_masters
 from transfer.rpc import Connection
 
@@ -37,66 +34,17 @@ pytestmark = [
 CLUSTER = "ha-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Etcd:
-    """A one-member etcd on loopback, its data kept across restarts."""
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="kvstore-etcd-"))
-        self.client_port, self.peer_port = _free_port(), _free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        client = f"http://{self.endpoint}"
-        args = [
-            "etcd", "--name", "t", "--data-dir", str(self.dir / "data"),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"t={peer}",
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            args,
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.dir / "etcd.log", "a"),  # noqa: SIM115 - owned by the child
-        )
-        cluster = EtcdCluster((self.endpoint,), CLUSTER)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                read_leader(cluster, 1.0)
-                return
-            except ConnectionFailed:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=20)
-            self.proc = None
-
-
 @pytest.fixture
-def etcd() -> Iterator[Etcd]:
-    server = Etcd()
-    server.start()
+def etcd() -> Iterator[LocalEtcd]:
+    server = LocalEtcd().start()
     try:
         yield server
     finally:
-        server.stop()
-        shutil.rmtree(server.dir, ignore_errors=True)
+        server.remove()
 
 
 @pytest.fixture
-def ha(etcd: Etcd) -> Iterator[LocalCluster]:
+def ha(etcd: LocalEtcd) -> Iterator[LocalCluster]:
     with LocalCluster(2, dram="64MiB", etcd=etcd.endpoint, cluster_id=CLUSTER, masters=2, admin=True) as cluster:
         yield cluster
 
@@ -233,7 +181,7 @@ def test_three_failovers_in_a_row(ha: LocalCluster) -> None:
     assert seen["epoch"] <= lead["kvstore_master_epoch"]
 
 
-def test_etcd_restart_keeps_the_leader_serving(ha: LocalCluster, etcd: Etcd) -> None:
+def test_etcd_restart_keeps_the_leader_serving(ha: LocalCluster, etcd: LocalEtcd) -> None:
     with Store.connect(ha.master_address, ClientConfig(timeout_s=15.0)) as store:
         store.put("before", b"x" * 1000)
         leader = _leader_index(ha)
@@ -247,6 +195,21 @@ def test_etcd_restart_keeps_the_leader_serving(ha: LocalCluster, etcd: Etcd) -> 
         standby = 1 - leader
         with pytest.raises(NotLeader):
             Connection(ha.master_rpc[standby], 5.0).call(Stats(), StatsReply)
+
+
+def test_a_standbys_admin_api_changes_nothing(ha: LocalCluster) -> None:
+    """Found by bench.chaos: an eviction asked of a master that does not lead (or has not taken over
+    yet) answered "0 evicted" from a table that is not the cluster's. Now: 503, and the key stays."""
+    with Store.connect(ha.master_address) as store:
+        store.put("kept", b"k" * 100)
+        standby = 1 - _leader_index(ha)
+        status, body = admin_call(ha.master_admin[standby], "POST", "/api/v1/evict", {"key": "kept"})
+        assert status == 503 and body["error"] == "NotLeader", body
+        status, body = admin_call(ha.master_admin[standby], "POST", "/api/v1/nodes/node0/drain")
+        assert status == 503 and body["error"] == "NotLeader", body
+        assert store.get("kept") == b"k" * 100
+        status, body = admin_call(ha.master_admin[1 - standby], "POST", "/api/v1/evict", {"key": "kept"})
+        assert status == 200 and body["evicted"] == 1
 
 
 @pytest.mark.parametrize("face", FACES)
@@ -279,8 +242,8 @@ def test_a_partitioned_leader_stops_serving_once_its_lease_is_gone(ha: LocalClus
 
 
 def test_etcd_unreachable_at_start_names_the_endpoints_and_serves_nothing() -> None:
-    port = _free_port()
-    endpoint = f"127.0.0.1:{_free_port()}"  # nobody listens
+    port = free_port()
+    endpoint = f"127.0.0.1:{free_port()}"  # nobody listens
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstore_cli", "master", "--port", str(port), "--etcd", endpoint, "--cluster-id", "x"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
