@@ -130,7 +130,7 @@ class Inspection:
             extents += [
                 (p.offset, p.length) for g in cat.grants.values() if g.node_id == node.node_id for p in g.pieces
             ]
-            extents += list(node.quarantine.values())
+            extents += list(node.quarantine.values()) + [e for _, e in node.parked]
             node.alloc.check(extents)
             for tier, lru in ((T_DRAM, node.dram_lru), (T_SSD, node.ssd_lru)):
                 lru.check()

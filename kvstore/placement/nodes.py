@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from kvstore.allocator import Allocator, Extent, align_up
 from kvstore.errors import InvalidArgument, InvalidKey
 from kvstore.keys import validate_key
-from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING
+from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_DROPPING, T_DRAM
 from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry
 from kvstore.policy import ActionKind, TierName
@@ -69,7 +69,10 @@ class Membership:
         second copy of a key the daemon holds in both tiers (a demotion or
         promotion cut short): the DRAM one is kept unless it disagrees with the
         bytes other nodes hold. Each drop names its tier, so that the daemon
-        drops that copy and not the one kept.
+        drops that copy and not the one kept. So are the blocks the table had
+        given up on this node and whose drop the daemon had not confirmed (a
+        removed key, an evicted copy): adopting them would bring back a key a
+        remove took away.
         """
         cat = self.catalog
         validate_key(node_id)
@@ -78,6 +81,7 @@ class Membership:
         inventory = [
             i for i in inventory if 0 < i.size <= MAX_NODE_BYTES and 0 <= i.checksum < MAX_CHECKSUM and _is_key(i.key)
         ]  # fmt: skip
+        gone = self._dropping_on(node_id)
         commands = self._forget_node(node_id)
         capacity = dram_capacity - dram_capacity % alignment
         conflicts: dict[TierName, list[str]] = {DRAM: [], SSD: []}
@@ -86,7 +90,8 @@ class Membership:
         end = 0
         adopted: set[str] = set()
         for item in dram_items:
-            if item.offset < end or item.offset % alignment or item.offset + item.size > capacity:
+            misplaced = item.offset < end or item.offset % alignment or item.offset + item.size > capacity
+            if misplaced or (item.key, DRAM) in gone:
                 conflicts[DRAM].append(item.key)
             else:
                 extents.append((item.offset, item.size))
@@ -100,6 +105,9 @@ class Membership:
         for item in [i for i in inventory if i.tier is DRAM] + [i for i in inventory if i.tier is SSD]:
             tier = item.tier
             if tier is DRAM and item.key not in adopted:
+                continue
+            if (item.key, tier) in gone:
+                conflicts[tier].append(item.key)
                 continue
             slot = rec.index.get(item.key)
             if slot is not None and (
@@ -184,6 +192,22 @@ class Membership:
             extent = node.quarantine.pop(key, None)
             if extent is not None:
                 node.alloc.free(extent)
+
+    def _dropping_on(self, node_id: str) -> set[tuple[str, TierName]]:
+        """(key, tier) of the replicas on ``node_id`` whose drop is in flight: of a key being removed,
+        or a copy evicted, demoted or promoted away."""
+        cat = self.catalog
+        node = cat.nodes.get(node_id)
+        if node is None:
+            return set()
+        rec = cat.rec
+        out: set[tuple[str, TierName]] = set()
+        for slot in rec.index.values():
+            row = rec.row_on(slot, node.idx)  # a key has one replica a node
+            key = rec.keys[slot]
+            if row >= 0 and key is not None and (rec.state[slot] & REMOVING or rec.r_status[row] == S_DROPPING):
+                out.add((key, DRAM if rec.r_tier[row] == T_DRAM else SSD))
+        return out
 
     def _forget_node(self, node_id: str) -> list[NodeCommand]:
         """Drop every replica on ``node_id``; returns revocations of its puts' replicas on other nodes."""

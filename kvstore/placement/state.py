@@ -66,6 +66,10 @@ class NodeState:
     quarantine: dict[str, Extent] = field(default_factory=dict)
     """DRAM extents held by blocks the daemon has but no put placed (orphans it is dropping), by
     key: out of the free space until the daemon says they are gone."""
+    parked: list[tuple[str, Extent]] = field(default_factory=list)
+    """DRAM extents of dropped blocks (a remove) that readers still hold leases on: a same-host
+    reader copies straight from the arena, so the extent is not handed out again until no lease
+    covers the block there (see :meth:`Catalog.free_parked`)."""
     gen: int = field(default_factory=new_generation)
     """This registration's number: answers to commands planned before the node re-registered are
     void (its inventory replaced what they were planned on)."""
@@ -447,12 +451,26 @@ class Catalog:
         self.delist(row)
         if node is not None:
             if rec.r_offset[row] >= 0:
-                node.alloc.free(Extent(rec.r_offset[row], rec.length(slot, node.idx)))
+                extent = Extent(rec.r_offset[row], rec.length(slot, node.idx))
+                key = rec.keys[slot]
+                if rec.r_tier[row] == T_DRAM and key is not None and self.leases.is_leased(node.node_id, DRAM, key):
+                    node.parked.append((key, extent))  # a forced remove: a reader may be copying it still
+                else:
+                    node.alloc.free(extent)
             if rec.r_tier[row] == T_SSD:
                 node.ssd_used -= rec.size[slot]
         rec.remove_replica(row)
         if rec.head[slot] < 0:
             self.forget_key(slot)
+
+    def free_parked(self) -> None:
+        """Hand out again the parked extents no lease covers any more."""
+        for node in self.nodes.values():
+            if node.parked:
+                keep = [(k, e) for k, e in node.parked if self.leases.is_leased(node.node_id, DRAM, k)]
+                for _, extent in (p for p in node.parked if p not in keep):
+                    node.alloc.free(extent)
+                node.parked = keep
 
     def drop_replica(self, key: str, node_id: str, evicted: bool = False, gen: int = 0) -> None:
         """The daemon confirmed the replica on ``node_id`` (of generation ``gen``; 0: whichever it

@@ -159,6 +159,7 @@ class PlacementTable:
         """Mark silent nodes down, end expired leases and reservations; returns the drops and promotions due."""
         self._membership.mark_silent_down(now_ms)
         self.leases.expire(now_ms)
+        self._catalog.free_parked()
         return self._writes.expire_reservations(now_ms) + self._tiering.plan_promotions()
 
     # -- writes --------------------------------------------------------------------------------
