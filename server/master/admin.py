@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from kvstore.errors import InvalidArgument, KVStoreError, NotFound, PermissionDenied
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound, NotLeader, NotReady, PermissionDenied
 from kvstore.keys import validate_key
 from kvstore.policy import TierName
 from kvstore.tenants import Admin, Tenant
@@ -190,6 +190,8 @@ class AdminApi:
             return _error(404, exc.code, type(exc).__name__, str(exc))
         except PermissionDenied as exc:
             return _error(403, exc.code, type(exc).__name__, str(exc))
+        except (NotLeader, NotReady) as exc:
+            return _error(503, exc.code, type(exc).__name__, str(exc))
         except KVStoreError as exc:
             return _error(400, exc.code, type(exc).__name__, str(exc))
         except ValidationError as exc:
@@ -405,11 +407,20 @@ async def key(api: AdminApi, request: web.Request) -> KeyModel:
     return KeyModel.model_validate({**described, "key": shown})
 
 
+def _may_change(api: AdminApi) -> None:
+    """Raise why this master must not change the table now (a standby's table is not the cluster's;
+    a leader taking over does not know every key yet: "0 evicted" would be an answer it cannot give)."""
+    refusal = api.service.refusal()
+    if refusal is not None:
+        raise refusal
+
+
 @route("POST", "/api/v1/evict", EvictResult, "Evict a key, every key with a prefix, or a node's tier.",
-       body=EvictRequest, errors=(400, 404), tenants=True)  # fmt: skip
+       body=EvictRequest, errors=(400, 404, 503), tenants=True)  # fmt: skip
 async def evict(api: AdminApi, request: web.Request) -> EvictResult:
     caller: Caller = request["caller"]
     req = (await _json_body(request, EvictRequest)).root
+    _may_change(api)
     core = api.service.core
     if isinstance(req, EvictTier):
         if caller.tenant is not None:
@@ -425,9 +436,10 @@ async def evict(api: AdminApi, request: web.Request) -> EvictResult:
 
 
 @route("POST", "/api/v1/nodes/{node_id}/drain", DrainResult,
-       "Take a node out of placement and move its blocks to other nodes.", errors=(400, 404))  # fmt: skip
+       "Take a node out of placement and move its blocks to other nodes.", errors=(400, 404, 503))  # fmt: skip
 async def drain(api: AdminApi, request: web.Request) -> DrainResult:
     node_id = request.match_info["node_id"]
+    _may_change(api)
     left = await api.service.core.drain(node_id)
     return DrainResult(node_id=node_id, draining=True, blocks_left=left)
 
