@@ -47,7 +47,10 @@ from kvstore.tiers.ssd import SsdTier
 
 class PutStatus(enum.Enum):
     STORED = "stored"
+    """This put's bytes are committed: any client reads them until they are removed or evicted."""
     EXISTS = "exists"
+    """This put wrote nothing: the key is stored, or another put of it is being written (whose
+    outcome decides what, if anything, is stored)."""
 
 
 @dataclass(frozen=True, slots=True)

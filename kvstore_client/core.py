@@ -163,14 +163,29 @@ class ClientCore:
         checked = checked_pairs(items)
         statuses: list[PutStatus | None] = [None] * len(checked)
         todo = list(range(len(checked)))
+        unsure: list[int] = []
         if (
             (opts.replicas or self.config.replicas) == 1
             and self.config.grant_bytes
             and todo
             and time.monotonic() >= self._grants_paused_until
         ):
-            todo = yield from self._put_granted(checked, todo, opts, statuses)
-        return (yield from self._put_rounds(checked, todo, opts, statuses))
+            todo = yield from self._put_granted(checked, todo, opts, statuses, unsure)
+        done = yield from self._put_rounds(checked, todo, opts, statuses)
+        return (yield from self._own_exists(checked, unsure, done))
+
+    def _own_exists(self, items: Items, unsure: list[int], statuses: list[PutStatus]) -> Op[list[PutStatus]]:
+        """A write into a grant whose answer was lost (its daemon stalled or went away) may have been
+        committed: the retry the two-trip way then finds the key stored. Where the stored block is
+        this put's bytes (size and checksum), it was this put that stored it: STORED, not EXISTS."""
+        asked = [i for i in unsure if statuses[i] is PutStatus.EXISTS]
+        if asked:
+            keys: list[str] = [items[i][0] for i in asked]
+            reply = yield from call(GetReplicas(keys, [], False), GetReplicasReply)
+            for i, size, check in zip(asked, reply.sizes, reply.checksums, strict=True):
+                if size == items[i][1].nbytes and check == checksum(items[i][1]):
+                    statuses[i] = PutStatus.STORED
+        return statuses
 
     def _put_rounds(
         self, items: Items, todo: list[int], opts: PutOptions, statuses: list[PutStatus | None]
@@ -238,8 +253,10 @@ class ClientCore:
             ),
             None,
         )
-        todo = yield from self._granted_outcome(items, [0], grant, job, outcome, statuses)
-        return (yield from self._put_rounds(items, todo, PutOptions(pin=job.pinned), statuses))
+        unsure: list[int] = []
+        todo = yield from self._granted_outcome(items, [0], grant, job, outcome, statuses, unsure)
+        done = yield from self._put_rounds(items, todo, PutOptions(pin=job.pinned), statuses)
+        return (yield from self._own_exists(items, unsure, done))
 
     def _carve(self, sizes: list[int], preferred: str | None) -> Op[Carved | None]:
         step = self.grants.carve(sizes, preferred)
@@ -260,7 +277,7 @@ class ClientCore:
             yield Notify(ReturnGrants(grant_ids))  # best effort: a grant also ends by itself
 
     def _put_granted(
-        self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None]
+        self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None], unsure: list[int]
     ) -> Op[list[int]]:
         """Put ``todo`` in one round trip into granted space; returns the indexes left to the two-trip way."""
         try:
@@ -281,18 +298,20 @@ class ClientCore:
         blocks = [Block(items[i][0], items[i][1], o, checksum(items[i][1])) for i, o in zip(todo, offsets, strict=True)]
         job = PutGranted(grant.node_id, grant.address, grant.grant_id, blocks, opts.pin)
         [outcome] = yield from daemons([job])
-        return (yield from self._granted_outcome(items, todo, grant, job, outcome, out))
+        return (yield from self._granted_outcome(items, todo, grant, job, outcome, out, unsure))
 
     def _granted_outcome(
         self, items: Items, todo: list[int], grant: Grant | None, job: PutGranted, outcome: Any,
-        out: list[PutStatus | None],
+        out: list[PutStatus | None], unsure: list[int],
     ) -> Op[list[int]]:  # fmt: skip
         """Statuses from a one-trip put's outcome; returns the indexes left to the two-trip way.
         ``grant``: the client's grant the job wrote into, if it still holds it (dropped here when
-        its node is unreachable or ended it)."""
+        its node is unreachable or ended it). ``unsure`` gets the indexes whose write may have
+        landed all the same (no answer came)."""
         if unreachable(outcome):
             if grant is not None:  # gone or stalled: the master places elsewhere
                 yield from self._give_back(self.grants.drop(grant))
+            unsure.extend(todo)
             return todo
         raise_failure(outcome)
         codes: list[tuple[int, str]] = outcome

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.config import ClientConfig
-from kvstore.errors import GrantExpired, InvalidArgument
+from kvstore.errors import GrantExpired, InvalidArgument, Timeout
 from kvstore.keys import checksum
 from kvstore.node_store import PutStatus
 from kvstore.protocol import PUT_EXISTS, PUT_STORED, GrantReply, GrantSpace, PutReply, WriteGranted
@@ -182,3 +182,27 @@ def test_a_fast_put_into_an_ended_grant_drops_it_and_goes_the_two_trip_way_at_on
         assert writes == [held.grant_id]  # one write into it, refused; then the master placed it
         assert held not in store._core.grants.held()
         assert store.get("ended-1") == b"1" * 100
+
+
+def test_a_put_whose_write_landed_but_whose_answer_was_lost_reports_stored(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by bench.chaos (a leader stopped mid-put): the write into the grant was committed, its
+    answer never came, and the retry the two-trip way found the key stored: the put said EXISTS
+    ("wrote nothing") of bytes it had written itself. Now the stored block is compared with the
+    put's own: the same size and checksum is this put's doing."""
+    write_granted = DataPath.write_granted
+
+    def lost_answer(path: DataPath, grant_id: int, blocks: object, pinned: bool) -> object:
+        write_granted(path, grant_id, blocks, pinned)  # type: ignore[arg-type]
+        raise Timeout("no reply within 10 s")
+
+    with Store.connect(cluster.master_address, TCP) as store:
+        assert store.put("lost-0", b"0" * 100) is PutStatus.STORED  # a grant in hand
+        monkeypatch.setattr(DataPath, "write_granted", lost_answer)
+        assert store.put("lost-1", b"1" * 100) is PutStatus.STORED  # the fast path
+        assert store.put_many([("lost-2", b"2" * 100), ("lost-3", b"3" * 100)]) == [PutStatus.STORED] * 2
+        monkeypatch.setattr(DataPath, "write_granted", write_granted)
+        # Another writer's bytes under the key are still EXISTS.
+        assert store.put("lost-1", b"x" * 100) is PutStatus.EXISTS
+        assert [store.get(f"lost-{i}") for i in (1, 2, 3)] == [b"1" * 100, b"2" * 100, b"3" * 100]
