@@ -1,0 +1,413 @@
+"""Chaos with a checker: clients run a mixed load on a real HA cluster while a nemesis kills, stops
+and restarts its processes; every operation is recorded, and the history is judged at the end
+(:mod:`bench.chaos_check`).
+
+  python -m bench.chaos --json [--minutes N] [--seed S] [--faults leader_kill,daemon_kill,sigstop]
+
+The cluster: a one-member etcd, two HA masters, three daemons with DRAM and SSD tiers, all
+processes on loopback. The load: ``--workers`` client processes (sync ``Store`` and ``AsyncStore``
+with several tasks, over TCP and over shared memory) putting (some pinned), getting, batch
+getting, checking, removing and prefix-matching keys of a small key space, so that keys are
+rewritten, removed and put again while faults land; an operator evicts keys through the admin
+API now and then. The nemesis, on a schedule drawn from ``--seed`` (the same seed, the same
+schedule): ``leader_kill`` (SIGKILL the leading master, restart it as a standby), ``daemon_kill``
+(SIGKILL a daemon, restart it on its arena), ``sigstop`` (SIGSTOP a daemon or the leader for a
+few seconds, then SIGCONT).
+
+Capacity is sized so that nothing is evicted for room (the key space fits every node's SSD):
+a read that misses an acknowledged put that no remove or eviction explains is a loss. The
+masters' eviction counters are read all along; if evictions for room happened anyway, only
+pinned puts are held to that.
+
+One JSON line per fault as it heals, then the summary (last line): ``ops``, ``ok``,
+``violations`` (a count; ``first``: the first few in full), ``faults`` by kind,
+``max_unavailable_s`` and ``unavailable_s`` by kind, ``max_op_s``, ``seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.chaos_check import check, load, read_value, unavailability, value_bytes
+from kvstore.config import ClientConfig
+from kvstore.errors import KVStoreError
+from kvstore_cli.cluster import LocalCluster, LocalEtcd
+from kvstore_client.aio import AsyncStore
+from kvstore_client.puts import PutOptions, PutStatus
+from kvstore_client.store import Store
+from transfer.discovery import EtcdCluster, read_leader
+
+FAULTS = ("leader_kill", "daemon_kill", "sigstop")
+CLUSTER_ID = "chaos"
+SIZES = (4096, 32 * 1024, 128 * 1024)
+OPS = (("put", 30), ("put_pinned", 4), ("get", 28), ("get_many", 10), ("exists", 6), ("remove", 10), ("match", 4))
+
+
+def _pick(rng: random.Random) -> str:
+    return rng.choices([op for op, _ in OPS], [w for _, w in OPS])[0]
+
+
+class Recorder:
+    """A worker's history file: a ``begin`` line before each op, its record after (line-buffered, so
+    a worker killed mid-op leaves the begin behind)."""
+
+    def __init__(self, path: Path, wid: str) -> None:
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self.wid = wid
+        self.n = 0
+        self._lock = threading.Lock()
+
+    def begin(self) -> tuple[int, int]:
+        with self._lock:
+            self.n += 1
+            n = self.n
+        t0 = time.monotonic_ns()
+        self.file.write(json.dumps({"begin": n, "w": self.wid, "t0": t0}) + "\n")
+        return n, t0
+
+    def end(self, records: list[dict[str, Any]]) -> None:
+        self.file.write("".join(json.dumps(r) + "\n" for r in records))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+async def _maybe(value: Any) -> Any:
+    return await value if asyncio.iscoroutine(value) else value
+
+
+async def one_op(face: Any, rng: random.Random, rec: Recorder, keys: list[str]) -> None:
+    """One random operation through ``face`` (a Store or an AsyncStore), recorded."""
+    op = _pick(rng)
+    n, t0 = rec.begin()
+    base: dict[str, Any] = {"w": rec.wid, "n": n, "op": op, "t0": t0}
+    out: list[dict[str, Any]] = []
+    try:
+        if op in ("put", "put_pinned"):
+            key, size = rng.choice(keys), rng.choice(SIZES)
+            base.update(op="put", key=key, v=f"{rec.wid}.{n}", pin=op == "put_pinned")
+            data = value_bytes(key, base["v"], size)
+            status = await _maybe(face.put(key, data, PutOptions(pin=base["pin"])))
+            out = [{**base, "res": "stored" if status == PutStatus.STORED else "exists"}]
+        elif op == "get_many":
+            batch = base["keys"] = rng.sample(keys, rng.randint(2, 8))
+            got = await _maybe(face.get_many(batch))
+            out = [{**base, "key": k, "res": read_value(k, g)} for k, g in zip(batch, got, strict=True)]
+        elif op == "match":
+            start = rng.randrange(len(keys))
+            chain = base["keys"] = [keys[(start + i) % len(keys)] for i in range(rng.randint(1, 6))]
+            out = [{**base, "res": await _maybe(face.match_prefix(chain))}]
+        else:
+            key = base["key"] = rng.choice(keys)
+            if op == "get":
+                out = [{**base, "res": read_value(key, await _maybe(face.get(key)))}]
+            else:  # exists, remove
+                out = [{**base, "res": bool(await _maybe(getattr(face, op)(key)))}]
+        t1 = time.monotonic_ns()
+        for r in out:
+            r.update(t1=t1, ok=True)
+    except Exception as exc:  # recorded: the checker judges whether it was one of the store's errors
+        out = [{**base, "t1": time.monotonic_ns(), "ok": False, "err": f"{type(exc).__name__}: {exc}"[:500],
+                "expected": isinstance(exc, KVStoreError)}]  # fmt: skip
+    rec.end(out)
+
+
+def worker(wid: str, master: str, seed: int, stop_at: float, keys: list[str], out: str, kind: str, tasks: int,
+           transport: str, timeout_s: float) -> None:  # fmt: skip
+    """A client process: ops until ``stop_at`` (time.monotonic()), every one recorded to ``out``."""
+    rec = Recorder(Path(out), wid)
+    config = ClientConfig(transport=transport, timeout_s=timeout_s)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        if kind == "async":
+            face: Any = await AsyncStore.connect(master, config)
+
+            async def loop(t: int) -> None:
+                rng = random.Random(f"{seed}-{wid}-{t}")
+                while time.monotonic() < stop_at:
+                    await one_op(face, rng, rec, keys)
+
+            try:
+                await asyncio.gather(*(loop(t) for t in range(tasks)))
+            finally:
+                await face.close()
+        else:
+            face = Store.connect(master, config)
+            rng = random.Random(f"{seed}-{wid}")
+            try:
+                while time.monotonic() < stop_at:
+                    await one_op(face, rng, rec, keys)
+            finally:
+                face.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        rec.close()
+
+
+class Nemesis:
+    """Faults at times drawn from a seed, each healed before the next; what it did, with times."""
+
+    def __init__(
+        self, cluster: LocalCluster, etcd: str, kinds: list[str], seed: int, log: Callable[[dict[str, Any]], None]
+    ):
+        self.cluster = cluster
+        self.where = EtcdCluster((etcd,), CLUSTER_ID)
+        self.kinds = kinds
+        self.rng = random.Random(f"nemesis-{seed}")
+        self.log = log
+        self.faults: list[dict[str, Any]] = []
+        self.stop = threading.Event()
+        self.record: Any = None
+        """Where each fault is written as it heals (a kept run's ``faults.jsonl``)."""
+
+    def leader(self, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(KVStoreError):
+                record = read_leader(self.where, 1.0)
+                if record is not None and record.address in self.cluster.master_rpc:
+                    m = self.cluster.master_rpc.index(record.address)
+                    if self.cluster.masters[m] is not None:
+                        return m
+            if time.monotonic() > deadline:
+                raise TimeoutError("no leader elected")
+            time.sleep(0.05)
+
+    def run(self, start_after: float, interval: float, until: float) -> None:
+        t = time.monotonic() + start_after
+        deck: list[str] = []
+        while self.kinds and not self.stop.wait(max(0.0, t - time.monotonic())) and time.monotonic() < until:
+            if not deck:  # every kind once a round, in an order drawn from the seed
+                deck = self.rng.sample(self.kinds, len(self.kinds))
+            kind = deck.pop()
+            hold = self.rng.uniform(1.0, 3.0)
+            fault: dict[str, Any] = {"kind": kind, "t0": time.monotonic_ns()}
+            fault["target"] = self.inject(kind, hold)
+            fault["t1"] = time.monotonic_ns()
+            self.faults.append(fault)
+            if self.record is not None:
+                self.record.write(json.dumps(fault) + "\n")
+            self.log({"fault": kind, "target": fault["target"], "held_s": round(hold, 2),
+                      "healed_in_s": round((fault["t1"] - fault["t0"]) / 1e9, 2)})  # fmt: skip
+            t = time.monotonic() + interval * self.rng.uniform(0.6, 1.4)
+
+    def inject(self, kind: str, hold: float) -> str:
+        c = self.cluster
+        if kind == "leader_kill":
+            m = self.leader()
+            c.kill_ha_master(m)
+            time.sleep(hold)
+            c.start_ha_master(m)  # back as a standby
+            self.leader()
+            return f"master-{m}"
+        if kind == "daemon_kill":
+            i = self.rng.randrange(c.num_daemons)
+            c.kill_daemon(i)
+            time.sleep(hold)
+            c.restart_daemon(i)
+            return f"daemon-{i}"
+        if kind == "sigstop":
+            if self.rng.random() < 0.5:
+                m = self.leader()
+                proc, target = c.masters[m], f"master-{m}"
+            else:
+                i = self.rng.randrange(c.num_daemons)
+                proc, target = c.daemons[i], f"daemon-{i}"
+            assert proc is not None
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                time.sleep(hold)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            c.wait_for_nodes(c.num_daemons)
+            return target
+        raise ValueError(f"unknown fault {kind!r}; there are {FAULTS}")
+
+
+class Evictions:
+    """The masters' eviction counters, read every second (a master's counters start again at zero
+    when it restarts): the evictions of every master process, summed."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.seen: dict[tuple[int, int], dict[str, float]] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            self.read()
+
+    def read(self) -> None:
+        for m, proc in enumerate(self.cluster.masters):
+            if proc is None or not self.cluster.master_admin[m]:
+                continue
+            try:
+                with urllib.request.urlopen(f"http://{self.cluster.master_admin[m]}/metrics", timeout=2) as resp:
+                    text = resp.read().decode()
+            except OSError:
+                continue
+            values = {}
+            for line in text.splitlines():
+                name, _, value = line.partition(" ")
+                if name in ("kvstore_evictions_total", "kvstore_demotions_failed_total"):
+                    values[name] = float(value)
+            seen = self.seen.setdefault((m, proc.pid), {})
+            for name, value in values.items():
+                seen[name] = max(seen.get(name, 0.0), value)
+
+    def total(self, name: str) -> int:
+        return int(sum(s.get(name, 0.0) for s in self.seen.values()))
+
+
+def operator(cluster: LocalCluster, nemesis: Nemesis, keys: list[str], rec: Recorder, rng: random.Random,
+             stop: threading.Event, period: float) -> None:  # fmt: skip
+    """Evict a key through the leader's admin API every ``period`` seconds or so, recorded."""
+    while not stop.wait(period * rng.uniform(0.5, 1.5)):
+        key = rng.choice(keys)
+        n, t0 = rec.begin()
+        record: dict[str, Any] = {"w": rec.wid, "n": n, "op": "evict", "key": key, "t0": t0}
+        try:
+            admin = cluster.master_admin[nemesis.leader(5.0)]
+            request = urllib.request.Request(
+                f"http://{admin}/api/v1/evict", json.dumps({"key": key}).encode(),
+                {"Content-Type": "application/json"}, method="POST",
+            )  # fmt: skip
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                body = json.loads(resp.read())
+            record.update(ok=True, res=body["evicted"], pinned=bool(body["skipped_pinned"]))
+        except (OSError, TimeoutError, KeyError, ValueError) as exc:  # refused (503 while taking over), or cut
+            record.update(ok=False, err=f"{type(exc).__name__}: {exc}", expected=True)
+        record["t1"] = time.monotonic_ns()
+        rec.end([record])
+
+
+def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    seconds = args.minutes * 60
+    kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
+    unknown = set(kinds) - set(FAULTS)
+    if unknown:
+        raise SystemExit(f"--faults: unknown {sorted(unknown)}; there are {list(FAULTS)}")
+    keys = [f"c{i}" for i in range(args.keys)]
+    etcd = LocalEtcd().start()
+    workdir = etcd.dir / "run"
+    workdir.mkdir()
+    try:
+        with LocalCluster(
+            3, dram=args.dram, ssd=args.ssd, workdir=workdir, etcd=etcd.endpoint, cluster_id=CLUSTER_ID, masters=2,
+            admin=True, die_with_parent=True, env=dict(e.split("=", 1) for e in args.cluster_env),
+        ) as cluster:  # fmt: skip
+            nemesis = Nemesis(cluster, etcd.endpoint, kinds, args.seed, emit)
+            nemesis.record = open(workdir / "faults.jsonl", "a", buffering=1)  # noqa: SIM115 - closed below
+            evictions = Evictions(cluster)
+            stop_at = time.monotonic() + seconds
+            ctx = mp.get_context("spawn")
+            procs = []
+            for w in range(args.workers):
+                kind = "async" if w % 2 else "sync"
+                transport = "tcp" if w % 3 != 2 else "auto"
+                path = workdir / f"history-w{w}.jsonl"
+                procs.append(ctx.Process(target=worker, daemon=True, args=(
+                    f"w{w}", cluster.master_address, args.seed, stop_at, keys, str(path), kind, 4, transport,
+                    args.client_timeout,
+                )))  # fmt: skip
+            for p in procs:
+                p.start()
+            rec = Recorder(workdir / "history-operator.jsonl", "operator")
+            quiet = threading.Event()
+            op_rng = random.Random(f"operator-{args.seed}")
+            threads = [
+                threading.Thread(target=nemesis.run, args=(5.0, args.interval, stop_at - 5.0), daemon=True),
+                threading.Thread(target=evictions.run, daemon=True),
+                threading.Thread(target=operator, args=(cluster, nemesis, keys, rec, op_rng, quiet, args.evict_period)),
+            ]
+            for t in threads:
+                t.start()
+            for p in procs:
+                p.join(max(1.0, stop_at - time.monotonic() + args.hang_s + 10))
+            end_ns = time.monotonic_ns()
+            for p in procs:
+                if p.is_alive():  # hung past every timeout: its open op is judged a hang
+                    p.kill()
+                    p.join(10)
+            quiet.set()
+            nemesis.stop.set()
+            evictions.stop.set()
+            for t in threads:
+                t.join(60)
+            evictions.read()
+            rec.close()
+            history = load(workdir)
+            operator_evicted = sum(r["res"] for r in history if r.get("op") == "evict" and r.get("ok"))
+            room = evictions.total("kvstore_evictions_total") - operator_evicted
+            dropped = evictions.total("kvstore_demotions_failed_total")
+            nemesis.record.close()
+            verdict = check(history, nemesis.faults, hang_s=args.hang_s, end_ns=end_ns, grace_s=args.grace_s,
+                            lru_evictions=room > 0 or dropped > 0)  # fmt: skip
+            worst, by_kind = unavailability(history, nemesis.faults)
+            faults: dict[str, int] = {}
+            for f in nemesis.faults:
+                faults[f["kind"]] = faults.get(f["kind"], 0) + 1
+            durations = [r["t1"] - r["t0"] for r in history if "begin" not in r]
+            return {
+                "bench": "chaos", "seed": args.seed, "minutes": args.minutes, "ops": verdict.ops, "ok": verdict.ok,
+                "violations": len(verdict.violations), "by_kind": dict(verdict.by_kind),
+                "first": verdict.violations[: args.show], "misses_in_faults": verdict.misses_in_faults,
+                "faults": faults, "max_unavailable_s": worst, "unavailable_s": by_kind,
+                "max_op_s": round(max(durations, default=0) / 1e9, 3),
+                "evictions_for_room": max(room, 0), "demotions_failed": dropped, "workers": args.workers,
+            }  # fmt: skip
+    finally:
+        if args.keep:
+            emit({"kept": str(etcd.dir)})
+            etcd.stop()
+        else:
+            etcd.remove()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Chaos with a checker: a mixed load judged while processes fail.")
+    parser.add_argument("--json", action="store_true", help="JSON lines (the only output form)")
+    parser.add_argument("--minutes", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--faults", default=",".join(FAULTS),
+                        help=f"comma-separated, of {', '.join(FAULTS)} (each once a round); '' for none")  # fmt: skip
+    parser.add_argument("--interval", type=float, default=8.0, help="mean seconds between faults")
+    parser.add_argument("--workers", type=int, default=4, help="client processes (odd ones async, 4 tasks each)")
+    parser.add_argument("--keys", type=int, default=160, help="the key space")
+    parser.add_argument("--dram", default="4MiB", help="each daemon's DRAM")
+    parser.add_argument("--ssd", default="40MiB", help="each daemon's SSD (the key space must fit one node)")
+    parser.add_argument("--client-timeout", type=float, default=5.0, help="the clients' timeout_s")
+    parser.add_argument("--hang-s", type=float, default=60.0, help="an op running longer than this hung")
+    parser.add_argument("--grace-s", type=float, default=3.0,
+                        help="a miss this long after a fault healed is unavailability, not a loss")  # fmt: skip
+    parser.add_argument("--evict-period", type=float, default=4.0, help="mean seconds between operator evictions")
+    parser.add_argument("--show", type=int, default=5, help="violations printed in full")
+    parser.add_argument("--cluster-env", action="append", default=[], metavar="K=V",
+                        help="an environment variable for the cluster's processes (repeatable)")  # fmt: skip
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (histories, logs)")
+    args = parser.parse_args(argv)
+
+    def emit(line: dict[str, Any]) -> None:
+        print(json.dumps(line), flush=True)
+
+    emit(run(args, emit))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""The checker of ``bench.chaos``: judges a history of operations against a cache's promises.
+
+A history is a list of records, one per operation (dicts, as the chaos workers write them):
+
+- ``{"op": "put", "key", "v", "pin", "t0", "t1", "ok", "res": "stored"|"exists", "err"}``: ``v``
+  names the value (its bytes are made from the key and ``v``, see :func:`value_bytes`);
+- ``{"op": "get"|"get_many", "key", "res": value id | None | "bad:<why>"}``: one record per key
+  read (a batch's records share its times); ``bad:`` when the bytes were no put's bytes;
+- ``{"op": "exists", "key", "res": bool}``, ``{"op": "remove", "key", "res": bool}``;
+- ``{"op": "evict", "key", "res": n}``: an operator's eviction of one key (``n`` blocks evicted);
+- ``{"op": "match", "keys", "res": n}``; and ``{"begin": n, "w", "t0"}`` before each worker's op
+  ``n`` (an op begun and never ended hung).
+
+Every record has ``w`` (the worker), ``n`` (its op number), ``t0``/``t1`` (CLOCK_MONOTONIC, ns:
+one clock for every process of the host), ``ok`` and, when it failed, ``err`` ("Type: message",
+and ``expected``: whether it was one of the store's typed errors).
+
+What it checks (a violation names the rule, the record and why):
+
+- ``wrong_bytes``: a read returned bytes that are no put's bytes of that key;
+- ``unknown_value`` / ``value_from_future`` / ``value_of_exists_put``: a read returned the value
+  of no put of that key, of one that began after the read ended, or of one answered EXISTS
+  (which writes nothing);
+- ``read_after_remove``: a read that began after a remove of its key was acknowledged returned
+  a value whose put ended before that remove began (an eviction promises no such thing: the
+  daemons drop evicted blocks in the background);
+- ``lost``: a read began after a put of its key was acknowledged STORED and missed, with no
+  remove or eviction of the key that could explain it (one that began before the read ended
+  and ended after the put began, acknowledged or not); with ``lru_evictions`` (capacity
+  evictions happened) only pinned puts count. EXISTS promises nothing of its own (the key is
+  stored, or another put of it is being written). A miss while a fault is on, or within
+  ``grace_s`` of its healing, is unavailability (``misses_in_faults``), not a loss: a loss is
+  a miss once the cluster is whole again;
+- ``hang``: an op that ran longer than ``hang_s``, or began and never ended;
+- ``unexpected_error``: an op failed with something other than the store's typed errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import itertools
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+READS = ("get", "get_many")
+REMOVALS = ("remove", "evict")
+
+
+def value_bytes(key: str, vid: str, size: int) -> bytes:
+    """The bytes of value ``vid`` of ``key``: a header naming both and the size, repeated."""
+    head = f"{key}|{vid}|{size}#".encode()
+    return (head * (size // len(head) + 1))[:size]
+
+
+def read_value(key: str, data: bytes | None) -> str | None:
+    """The value id of ``data`` read for ``key`` (None for a miss), or ``bad:<why>`` when its
+    bytes are not exactly some value's bytes of that key (checked by content, every byte)."""
+    if data is None:
+        return None
+    head, sep, _ = bytes(data[:256]).partition(b"#")
+    parts = head.decode(errors="replace").split("|")
+    if not sep or len(parts) != 3 or not parts[2].isdigit():
+        return f"bad:no header in {len(data)} bytes"
+    got_key, vid, size = parts[0], parts[1], int(parts[2])
+    if got_key != key:
+        return f"bad:bytes of key {got_key!r}"
+    if len(data) != size or data != value_bytes(key, vid, size):
+        return f"bad:bytes of {vid} altered ({len(data)} of {size} bytes)"
+    return vid
+
+
+@dataclass
+class Verdict:
+    ops: int = 0
+    ok: int = 0
+    violations: list[dict[str, Any]] = field(default_factory=list)
+    by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    misses_in_faults: int = 0
+    """Reads that missed an acknowledged put while a fault was on (or just healed)."""
+
+    def add(self, kind: str, record: dict[str, Any], why: str) -> None:
+        self.by_kind[kind] += 1
+        self.violations.append({"kind": kind, "why": why, "op": record})
+
+
+def _may_remove(r: dict[str, Any]) -> bool:
+    """Whether ``r`` may have taken its key away: a remove however it ended; an eviction unless it
+    was answered with nothing evicted."""
+    return r["op"] == "remove" or (r["op"] == "evict" and not (r.get("ok") and r.get("res") == 0))
+
+
+def check(
+    history: Iterable[dict[str, Any]], faults: Sequence[dict[str, Any]] = (), *, hang_s: float = 60.0,
+    end_ns: int | None = None, grace_s: float = 3.0, lru_evictions: bool = False,
+) -> Verdict:  # fmt: skip
+    """Judge ``history``; ``faults``: the nemesis's (``kind``, ``t0``, ``t1``: injected, healed);
+    ``end_ns``: when the run ended (an op begun ``hang_s`` before it and never ended hung)."""
+    windows = sorted((f["t0"], f["t1"] + int(grace_s * 1e9)) for f in faults)
+    records = [r for r in history if "begin" not in r]
+    begins = [r for r in history if "begin" in r]
+    verdict = Verdict(ops=len({(r["w"], r["n"]) for r in records}))
+    verdict.ok = len({(r["w"], r["n"]) for r in records if r.get("ok")})
+    puts: dict[str, dict[str, Any]] = {}
+    puts_of: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    removals: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r["op"] == "put":
+            puts[r["v"]] = r
+            puts_of[r["key"]].append(r)
+        elif r["op"] in REMOVALS and _may_remove(r):
+            removals[r["key"]].append(r)
+    for rs in removals.values():
+        rs.sort(key=lambda r: r["t0"])
+    ended = {(r["w"], r["n"]) for r in records}
+    for b in begins:
+        if (b["w"], b["begin"]) not in ended and (end_ns is None or end_ns - b["t0"] > hang_s * 1e9):
+            verdict.add("hang", b, "began and never ended")
+    for r in records:
+        if r["t1"] - r["t0"] > hang_s * 1e9:
+            verdict.add("hang", r, f"took {(r['t1'] - r['t0']) / 1e9:.1f} s")
+        if not r.get("ok") and not r.get("expected", True):
+            verdict.add("unexpected_error", r, str(r.get("err")))
+        if not r.get("ok") or r["op"] not in (*READS, "exists"):
+            continue
+        key, res = r["key"], r["res"]
+        if r["op"] == "exists":
+            if res is False:
+                _check_miss(verdict, r, puts_of[key], removals[key], lru_evictions, windows)
+            continue
+        if res is None:
+            _check_miss(verdict, r, puts_of[key], removals[key], lru_evictions, windows)
+        elif res.startswith("bad:"):
+            verdict.add("wrong_bytes", r, res[4:])
+        else:
+            _check_value(verdict, r, puts.get(res), removals[key])
+    return verdict
+
+
+def _check_value(
+    verdict: Verdict, r: dict[str, Any], put: dict[str, Any] | None, removals: Sequence[dict[str, Any]]
+) -> None:
+    if put is None or put["key"] != r["key"]:
+        verdict.add("unknown_value", r, f"value {r['res']} was put by no one under {r['key']!r}")
+        return
+    if put["t0"] > r["t1"]:
+        verdict.add("value_from_future", r, f"its put began {(put['t0'] - r['t1']) / 1e6:.1f} ms after the read ended")
+    elif put.get("ok") and put.get("res") == "exists":
+        verdict.add("value_of_exists_put", r, f"put {put['v']} answered EXISTS: it wrote nothing")
+    elif put.get("ok"):
+        for rm in removals:
+            if rm["t0"] >= r["t0"]:
+                break
+            if rm["op"] == "remove" and rm.get("ok") and rm["t1"] < r["t0"] and put["t1"] < rm["t0"]:
+                verdict.add(
+                    "read_after_remove", r,
+                    f"remove by {rm['w']} (acknowledged {(r['t0'] - rm['t1']) / 1e6:.1f} ms before this read "
+                    f"began) came after put {put['v']} ended",
+                )  # fmt: skip
+                return
+
+
+def _check_miss(
+    verdict: Verdict, r: dict[str, Any], puts: Sequence[dict[str, Any]], removals: Sequence[dict[str, Any]],
+    lru_evictions: bool, windows: Sequence[tuple[int, int]],
+) -> None:  # fmt: skip
+    starts = [rm["t0"] for rm in removals]
+    for put in puts:
+        if put.get("res") != "stored" or put["t1"] >= r["t0"] or (lru_evictions and not put.get("pin")):
+            continue
+        # A removal that could explain the miss began before the read ended and ended after the put began.
+        upto = bisect.bisect_left(starts, r["t1"])
+        if any(rm["t1"] > put["t0"] for rm in removals[:upto]):
+            continue
+        if any(a < r["t1"] and r["t0"] < b for a, b in windows):
+            verdict.misses_in_faults += 1
+            return
+        verdict.add(
+            "lost", r,
+            f"put {put['v']}{' (pinned)' if put.get('pin') else ''} was acknowledged "
+            f"{(r['t0'] - put['t1']) / 1e6:.1f} ms before this read began; no remove or eviction since",
+        )  # fmt: skip
+        return
+
+
+def unavailability(
+    history: Iterable[dict[str, Any]], faults: Sequence[dict[str, Any]]
+) -> tuple[float, dict[str, float]]:
+    """The longest stretch with no successful operation (seconds) from each fault's start until the
+    first success after it healed: overall, and the worst by fault kind."""
+    done = sorted(r["t1"] for r in history if "begin" not in r and r.get("ok"))
+    worst: dict[str, float] = {}
+    for f in faults:
+        a, b = f["t0"], f["t1"]
+        i = bisect.bisect_left(done, a)
+        j = bisect.bisect_right(done, b)
+        points = [a, *done[i:j]]
+        if j < len(done):
+            points.append(done[j])
+        gap = max((q - p for p, q in itertools.pairwise(points)), default=0) / 1e9
+        worst[f["kind"]] = round(max(worst.get(f["kind"], 0.0), gap), 3)
+    return max(worst.values(), default=0.0), worst
+
+
+def load(directory: str | Path) -> list[dict[str, Any]]:
+    """Every record of the ``history-*.jsonl`` files in ``directory`` (a run kept with ``--keep``)."""
+    out: list[dict[str, Any]] = []
+    for path in sorted(Path(directory).glob("history-*.jsonl")):
+        out.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Judge the histories of a kept run again: ``python -m bench.chaos_check DIR [--lru-evictions]``."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("directory")
+    parser.add_argument("--lru-evictions", action="store_true", help="evictions for room happened: hold only pins")
+    parser.add_argument("--hang-s", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    faults_file = Path(args.directory) / "faults.jsonl"
+    faults = [json.loads(line) for line in faults_file.read_text().splitlines()] if faults_file.exists() else []
+    verdict = check(load(args.directory), faults, hang_s=args.hang_s, lru_evictions=args.lru_evictions)
+    for v in verdict.violations:
+        print(json.dumps(v))
+    print(json.dumps({"ops": verdict.ops, "ok": verdict.ok, "violations": len(verdict.violations),
+                      "by_kind": dict(verdict.by_kind), "misses_in_faults": verdict.misses_in_faults}))  # fmt: skip
+    return 1 if verdict.violations else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

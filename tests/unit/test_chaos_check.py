@@ -1,0 +1,103 @@
+"""The chaos checker judges histories: each promise it checks fails on a history that breaks it,
+and a history that keeps them passes (with the fault windows and EXISTS answers it must allow)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.chaos_check import check, read_value, unavailability, value_bytes
+
+MS = 1_000_000
+
+
+def op(w: str, n: int, kind: str, t0: float, t1: float, **fields: Any) -> dict[str, Any]:
+    return {"w": w, "n": n, "op": kind, "t0": int(t0 * MS), "t1": int(t1 * MS), "ok": True, **fields}
+
+
+def put(n: int, key: str, t0: float, t1: float, res: str = "stored", w: str = "w0", **kw: Any) -> dict[str, Any]:
+    return op(w, n, "put", t0, t1, key=key, v=f"{w}.{n}", res=res, **kw)
+
+
+def get(n: int, key: str, t0: float, t1: float, res: str | None, w: str = "w1") -> dict[str, Any]:
+    return op(w, n, "get", t0, t1, key=key, res=res)
+
+
+def kinds(history: list[dict[str, Any]], **kw: Any) -> list[str]:
+    return [v["kind"] for v in check(history, **kw).violations]
+
+
+def test_bytes_are_judged_by_every_byte() -> None:
+    data = value_bytes("k", "w0.1", 4096)
+    assert read_value("k", data) == "w0.1" and read_value("k", None) is None
+    flipped = bytearray(data)
+    flipped[3000] ^= 1
+    assert read_value("k", bytes(flipped)).startswith("bad:")  # type: ignore[union-attr]
+    assert read_value("k", data[:4000]).startswith("bad:")  # type: ignore[union-attr]
+    assert read_value("other", data) == "bad:bytes of key 'k'"
+    assert read_value("k", b"\0" * 64) == "bad:no header in 64 bytes"
+
+
+def test_a_history_that_keeps_every_promise_passes() -> None:
+    history = [
+        put(1, "k", 0, 1),
+        get(1, "k", 2, 3, "w0.1"),
+        put(2, "k", 4, 5, res="exists"),  # EXISTS: the key held a value
+        op("w2", 1, "remove", 6, 7, key="k", res=True),
+        get(2, "k", 8, 9, None),  # removed: a miss
+        put(3, "k", 10, 11),
+        get(3, "k", 10.5, 12, "w0.3"),  # in flight when read: allowed
+        put(4, "j", 20, 21, res="exists", w="w3"),
+        get(4, "j", 22, 23, None),  # EXISTS promises nothing of its own: another put may be in flight
+    ]
+    verdict = check(history)
+    assert verdict.violations == [] and verdict.ops == 9 and verdict.ok == 9
+
+
+def test_each_broken_promise_is_named() -> None:
+    assert kinds([put(1, "k", 0, 1), get(1, "k", 2, 3, "bad:bytes of w0.1 altered")]) == ["wrong_bytes"]
+    assert kinds([get(1, "k", 2, 3, "w9.9")]) == ["unknown_value"]
+    assert kinds([put(1, "k", 5, 6), get(1, "k", 2, 3, "w0.1")]) == ["value_from_future"]
+    assert kinds([put(1, "k", 0, 1, res="exists"), get(1, "k", 2, 3, "w0.1")]) == ["value_of_exists_put"]
+    stale = [put(1, "k", 0, 1), op("w2", 1, "remove", 2, 3, key="k", res=True), get(1, "k", 4, 5, "w0.1")]
+    assert kinds(stale) == ["read_after_remove"]
+    assert kinds([put(1, "k", 0, 1), get(1, "k", 2, 3, None)]) == ["lost"]
+    assert kinds([put(1, "k", 0, 1), op("w1", 1, "exists", 2, 3, key="k", res=False)]) == ["lost"]
+    assert kinds([op("w1", 1, "get", 0, 70_000, key="k", res=None)], hang_s=60) == ["hang"]
+    never = [{"begin": 1, "w": "w1", "t0": 0}]
+    assert kinds(never, hang_s=60, end_ns=61_000 * MS) == ["hang"]
+    failed = op("w1", 1, "get", 0, 1, key="k", ok=False, err="KeyError: 'x'", expected=False)
+    assert kinds([failed]) == ["unexpected_error"]
+
+
+def test_what_explains_a_miss_and_what_does_not() -> None:
+    stored = put(1, "k", 0, 1)
+    # A remove that began before the read ended explains it, acknowledged or not.
+    cut = op("w2", 1, "remove", 1.5, 9, key="k", ok=False, err="Timeout: ...", expected=True)
+    assert kinds([stored, cut, get(1, "k", 2, 3, None)]) == []
+    # An operator's eviction explains a miss, unless it evicted nothing.
+    evicted = op("operator", 1, "evict", 1.5, 1.6, key="k", res=1)
+    assert kinds([stored, evicted, get(1, "k", 2, 3, None)]) == []
+    nothing = op("operator", 1, "evict", 1.5, 1.6, key="k", res=0)
+    assert kinds([stored, nothing, get(1, "k", 2, 3, None)]) == ["lost"]
+    # ...and it does not make a later read of the value stale (the daemons drop in the background).
+    assert kinds([stored, evicted, get(1, "k", 2, 3, "w0.1")]) == []
+    # A remove after the read began does not.
+    late = op("w2", 1, "remove", 4, 5, key="k", res=True)
+    assert kinds([stored, late, get(1, "k", 2, 3, None)]) == ["lost"]
+    # A miss while a fault is on (or just healed) is unavailability; the same miss later is a loss.
+    fault = [{"kind": "daemon_kill", "t0": int(1.5 * MS), "t1": int(2.5 * MS)}]
+    verdict = check([stored, get(1, "k", 2, 3, None)], fault, grace_s=0.001)
+    assert verdict.violations == [] and verdict.misses_in_faults == 1
+    assert kinds([stored, get(1, "k", 5, 6, None)], faults=fault, grace_s=0.001) == ["lost"]
+    # With evictions for room, only pinned puts must stay.
+    pinned = put(2, "p", 0, 1, pin=True)
+    assert kinds([stored, pinned, get(1, "k", 2, 3, None), get(2, "p", 2, 3, None)], lru_evictions=True) == ["lost"]
+
+
+def test_unavailability_is_the_longest_gap_from_a_fault_until_the_first_success_after_it() -> None:
+    seconds = 1000  # op() takes milliseconds
+    history = [get(i, "k", t * seconds, t * seconds + 100, None) for i, t in enumerate([0, 1, 5, 6, 20])]
+    history.append({**get(9, "k", 3 * seconds, 3 * seconds + 1, None), "ok": False, "expected": True})
+    faults = [{"kind": "leader_kill", "t0": int(1.5 * seconds * MS), "t1": int(2 * seconds * MS)}]
+    worst, by_kind = unavailability(history, faults)
+    assert by_kind == {"leader_kill": 3.6} and worst == 3.6  # from 1.5 s to the success at 5.1 s
