@@ -376,9 +376,10 @@ class MasterConfig(_Frozen):
         " retries within its own timeout, 10 s by default).",
     )  # fmt: skip
     answer_cache: int = Field(
-        default=16_384, gt=0,
+        default=65_536, gt=0,
         description="Most replies kept for retries (a few hundred bytes each): bounds the master's memory under"
-        " any request rate.",
+        " any request rate. 65,536 keep the 10 s in which a client may retry at 6,500 puts and removes a second"
+        " (kvstore_master_answers_dropped_young_total counts replies dropped sooner).",
     )  # fmt: skip
     grant_ttl_ms: int = Field(
         default=10_000, gt=0, description="Granted write space (one-trip puts) returns to the pool after this."

@@ -78,7 +78,9 @@ class Grants:
                 None, [], False, CapacityError(f"a grant of {length} bytes is larger than every node's DRAM")
             )
         if any(cat.busy(n) for n in placeable):
+            cat.counters["room_refused_leased"] += 1
             return GrantPlan(None, [], False, RetryLater(f"no room for a grant of {length} bytes yet"))
+        cat.counters["room_refused_pinned"] += 1
         return GrantPlan(None, [], False, CapacityError(f"no room for a grant of {length} bytes: DRAM is pinned"))
 
     def confirm_grant(self, grant_id: int, deadline_ms: int) -> None:

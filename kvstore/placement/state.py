@@ -164,6 +164,8 @@ COUNTERS = (
     "grants",
     "grants_expired",
     "orphans",
+    "room_refused_leased",
+    "room_refused_pinned",
 )
 
 

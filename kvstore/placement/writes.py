@@ -240,9 +240,11 @@ class Writes:
                 return None
             if any(cat.busy(node) for node in nodes):
                 # Leases end and puts commit or expire: room will come without anyone's help.
+                cat.counters["room_refused_leased"] += 1
                 return _ticket_error(
                     RetryLater(f"no room for block {key!r} of {size} bytes yet: DRAM is leased or being written")
                 )
+            cat.counters["room_refused_pinned"] += 1
             return _ticket_error(
                 CapacityError(f"no room for block {key!r} of {size} bytes: every node's DRAM is pinned")
             )

@@ -541,8 +541,20 @@ class _Collector:
                                 ("gets", "Blocks looked up."), ("expired", "Reservations expired."),
                                 ("bytes_read", "Bytes of blocks handed to readers."),
                                 ("bytes_written", "Bytes of blocks committed."),
-                                ("orphans", "Blocks daemons held that no put placed there.")):  # fmt: skip
+                                ("orphans", "Blocks daemons held that no put placed there."),
+                                ("room_refused_leased", "Puts and grants that found no room yet: what could be "
+                                 "evicted is leased by readers or being written."),
+                                ("room_refused_pinned", "Puts and grants refused: all DRAM is pinned.")):  # fmt: skip
             yield CounterMetricFamily(f"kvstore_{name}", help_text, value=c[name])
+        tenants = service.quotas()
+        held = GaugeMetricFamily("kvstore_tenant_held_bytes", "Bytes a tenant holds or reserves (keys, puts in "
+                                 "flight, grants), as its quota counts them.", labels=["tenant"])  # fmt: skip
+        quota = GaugeMetricFamily("kvstore_tenant_quota_bytes", "A tenant's quota (tenants with one).",
+                                  labels=["tenant"])  # fmt: skip
+        for name, limit in tenants.items():
+            held.add_metric([name], table.tenant_held(name))
+            quota.add_metric([name], limit)
+        yield from (held, quota)
         role = service.role()
         yield GaugeMetricFamily("kvstore_master_leading", "1 while this master leads (and may serve).",
                                 value=1 if role["role"] == "leader" else 0)  # fmt: skip
@@ -588,6 +600,9 @@ class _Collector:
         yield CounterMetricFamily("kvstore_master_answers_dropped_early", "Replies dropped for the bound before "
                                   "their time: a retry of one runs again.",
                                   value=service.answers.dropped_early)  # fmt: skip
+        yield CounterMetricFamily("kvstore_master_answers_dropped_young", "Replies dropped for the bound while "
+                                  "their clients may still retry (younger than 10 s): such a retry runs again.",
+                                  value=service.answers.dropped_young)  # fmt: skip
         refused = CounterMetricFamily("kvstore_daemon_refusals", "What daemons refused, by kind: connections over a "
                                       "limit, failed or late logins, tenants' sessions cut, replayed reservations.",
                                       labels=["node", "kind"])  # fmt: skip

@@ -28,9 +28,13 @@ RequestId = tuple[str, int, int]
 
 class Answers:
     def __init__(
-        self, ttl_s: float, cap: int, max_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+        self, ttl_s: float, cap: int, max_bytes: int = 64 << 20, clock: Callable[[], float] = time.monotonic,
+        young_s: float = 10.0,
+    ) -> None:  # fmt: skip
+        """``young_s``: how long a client may still retry (ClientConfig.timeout_s's default): a reply
+        dropped younger than that may have its request run twice."""
         self.ttl_s = ttl_s
+        self.young_s = young_s
         self.cap = cap
         self.max_bytes = max_bytes
         self._clock = clock
@@ -39,6 +43,8 @@ class Answers:
         """Encoded bytes of the replies kept."""
         self.dropped_early = 0
         """Replies dropped for the cap before their time was up: a retry of one would run again."""
+        self.dropped_young = 0
+        """Of those, the ones younger than ``young_s``, whose clients may still be retrying."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -75,8 +81,11 @@ class Answers:
             oldest = next((rid for rid, (_, a) in self._entries.items() if isinstance(a, bytes)), None)
             if oldest is None:
                 return
-            self._forget(self._entries.pop(oldest)[1])
+            since, kept = self._entries.pop(oldest)
+            self._forget(kept)
             self.dropped_early += 1
+            if self._clock() - since < self.young_s:
+                self.dropped_young += 1
 
     def finish(self, request_id: RequestId, answer: asyncio.Future[Message], reply: Message) -> None:
         """``reply`` answers ``request_id``: waiting retries get it, and later ones the reply alone

@@ -111,6 +111,13 @@ class MasterService:
             else 0,
         }
 
+    def quotas(self) -> dict[str, int]:
+        """Each tenant that has a quota, and its quota in bytes (for /metrics)."""
+        authority = self.rpc.authority
+        if authority is None or not authority.takes_tokens:
+            return {}
+        return {name: t.quota_bytes for name, t in authority.refresh_tenants().items() if t.quota_bytes}
+
     def tenants_file_error(self) -> str:
         """Why the tenants file does not load now ("" when it does, or there is none)."""
         authority = self.rpc.authority

@@ -362,3 +362,10 @@ def test_a_tenant_over_quota_evicts_its_own_blocks_then_is_refused(cluster: Loca
     with Store.connect(cluster.master_address, cluster.client_config()) as operator:
         stats = operator.stats()
         assert operator.exists_many(["pinner/pinned-1", "pinner/pinned-2"]) == [True, True], stats
+    # What each tenant holds against its quota, for the quota-pressure alert (docker/prometheus/alerts.yml).
+    status, text = admin_call(cluster.admin_address, "GET", "/metrics", None, cluster.add_admin("scraper", "read-only"))
+    assert status == 200
+    assert 'kvstore_tenant_quota_bytes{tenant="pinner"} 131072.0' in text
+    assert 'kvstore_tenant_held_bytes{tenant="pinner"} 131072.0' in text  # its two pinned blocks
+    assert 'kvstore_tenant_quota_bytes{tenant="small"} 262144.0' in text and 'tenant="churn"' not in text
+    assert "kvstore_room_refused_pinned_total" in text

@@ -33,6 +33,23 @@ def test_the_bound_drops_the_oldest_and_counts_it() -> None:
             answers.finish(("c", i, 0), answers.start(("c", i, 0)), OkReply())
         assert len(answers) == 3 and answers.dropped_early == 2
         assert answers.get(("c", 0, 0)) is None and answers.get(("c", 4, 0)) == OkReply()
+        assert answers.dropped_young == 2  # dropped at once: their clients could still retry
+
+    asyncio.run(run())
+
+
+def test_only_replies_dropped_while_their_clients_may_retry_count_as_young() -> None:
+    async def run() -> None:
+        now = [0.0]
+        answers = Answers(ttl_s=30, cap=2, clock=lambda: now[0], young_s=10)
+        for i in range(4):
+            now[0] = i * 6.0  # replies 6 s apart: the first is 12 s old when dropped, the next 12 s too
+            answers.finish(("c", i, 0), answers.start(("c", i, 0)), OkReply())
+        now[0] = 25.0
+        answers.finish(("c", 9, 0), answers.start(("c", 9, 0)), OkReply())  # drops the one of 12 s: 13 s old
+        assert answers.dropped_early == 3 and answers.dropped_young == 0
+        answers.finish(("c", 10, 0), answers.start(("c", 10, 0)), OkReply())  # drops the one of 18 s: 7 s old
+        assert answers.dropped_early == 4 and answers.dropped_young == 1
 
     asyncio.run(run())
 

@@ -130,6 +130,24 @@ def test_down_nodes_serve_nothing_until_they_heartbeat() -> None:
     assert not t.heartbeat("ghost", 1600)
 
 
+def test_puts_refused_for_room_held_by_pins_or_leases_are_counted() -> None:
+    # For the alerts an operator wants (docker/prometheus/alerts.yml): room refused for pins pages.
+    t = table("a", dram=2 * KB)
+    t.put_start(["p0", "p1"], [KB, KB], 1, None, True, 0)
+    t.put_end(["p0", "p1"], [1, 1])
+    [tk] = t.put_start(["k"], [KB], 1, None, False, 0).tickets
+    assert tk is not None and tk.error_code == CapacityError.code and "pinned" in tk.error
+    assert (t.counters["room_refused_pinned"], t.counters["room_refused_leased"]) == (1, 0)
+    assert t.grant_space(KB, None, 1000, 0).error is not None
+    assert t.counters["room_refused_pinned"] == 2
+    t = table("a", dram=KB)
+    put(t, "x")
+    t.get_replicas(["x"], 0)  # leased: not evicted for the next put
+    [tk] = t.put_start(["k"], [KB], 1, None, False, 0).tickets
+    assert tk is not None and tk.error_code == RetryLater.code
+    assert (t.counters["room_refused_pinned"], t.counters["room_refused_leased"]) == (0, 1)
+
+
 def test_no_nodes_and_oversize_blocks_are_ticket_errors() -> None:
     t = PlacementTable(EXACT)
     [tk] = t.put_start(["k"], [KB], 1, None, False, 0).tickets
