@@ -175,9 +175,10 @@ class ClientCore:
         return (yield from self._own_exists(checked, unsure, done))
 
     def _own_exists(self, items: Items, unsure: list[int], statuses: list[PutStatus]) -> Op[list[PutStatus]]:
-        """A write into a grant whose answer was lost (its daemon stalled or went away) may have been
-        committed: the retry the two-trip way then finds the key stored. Where the stored block is
-        this put's bytes (size and checksum), it was this put that stored it: STORED, not EXISTS."""
+        """A write into a grant that did not end there (no answer came, or the daemon's commit failed)
+        may have been committed all the same: the retry the two-trip way then finds the key stored.
+        Where the stored block is this put's bytes (size and checksum), it was this put that stored
+        it: STORED, not EXISTS."""
         asked = [i for i in unsure if statuses[i] is PutStatus.EXISTS]
         if asked:
             keys: list[str] = [items[i][0] for i in asked]
@@ -306,8 +307,10 @@ class ClientCore:
     ) -> Op[list[int]]:  # fmt: skip
         """Statuses from a one-trip put's outcome; returns the indexes left to the two-trip way.
         ``grant``: the client's grant the job wrote into, if it still holds it (dropped here when
-        its node is unreachable or ended it). ``unsure`` gets the indexes whose write may have
-        landed all the same (no answer came)."""
+        its node is unreachable or ended it). ``unsure`` gets the indexes left to the two-trip way:
+        their write may have landed all the same (no answer came, or the daemon's commit was cut
+        short by a change of leader after the bytes were in: a new leader adopts them from its
+        inventory)."""
         if unreachable(outcome):
             if grant is not None:  # gone or stalled: the master places elsewhere
                 yield from self._give_back(self.grants.drop(grant))
@@ -319,6 +322,7 @@ class ClientCore:
             yield from self._give_back(self.grants.drop(grant))
         left, placed = take_granted(items, todo, codes, job.node_id, job.address, out)
         self.hints.note(placed)
+        unsure.extend(left)  # refused here, but a master of another term may have its bytes all the same
         return left
 
     def _put_round(self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None]) -> Op[list[int]]:
