@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,7 @@ COMPOSE_FILE = REPO / "docker" / "compose.yaml"
 IMAGE = "kvstore-test:local"
 BUILD_STAGE = "kvstore-test:build"
 ETCD_IMAGE = "kvstore-test-etcd:local"
+PROMETHEUS_IMAGE = "kvstore-test-prometheus:local"
 # What the base holds: Debian's python3 and its venv module (docker/Dockerfile installs into a venv)
 # and CA certificates; no man pages, docs or translations. Part of the cached base's tag.
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
@@ -65,7 +67,7 @@ MMDEBSTRAP_OPTIONS = (
     "--dpkgopt=path-exclude=/usr/share/locale/*",
     "--dpkgopt=path-exclude=/usr/share/info/*",
 )
-SERVICES = ("etcd", "master1", "master2", "node1", "node2")
+SERVICES = ("etcd", "master1", "master2", "node1", "node2", "prometheus")
 BLOCK = 64 * 1024
 NUM_BLOCKS = 40
 
@@ -234,8 +236,9 @@ def build(tag: str, dockerfile: Path, context: Path, args: dict[str, str], targe
 
 
 @pytest.fixture(scope="module")
-def images(docker: Docker, base_image: str) -> tuple[str, str]:
-    """The kvstore and etcd images of docker/, built FROM the base (the layer cache makes re-runs quick)."""
+def images(docker: Docker, base_image: str) -> tuple[str, str, str]:
+    """The kvstore, etcd and Prometheus images of docker/, built FROM the base (the layer cache makes
+    re-runs quick; the Prometheus build checks and unit-tests the alerting rules)."""
     pip = pip_settings()
     args = {"BASE": base_image}
     # The index pip uses here, where it is a URL a build can reach (a file:// index is this disk's).
@@ -249,13 +252,15 @@ def images(docker: Docker, base_image: str) -> tuple[str, str]:
     docker.figure("kvstore image build", build(IMAGE, REPO / "docker" / "Dockerfile", REPO, args))
     docker.figure("etcd image build", build(ETCD_IMAGE, REPO / "docker" / "etcd.Dockerfile", REPO / "docker",
                                             {"BASE": base_image}))  # fmt: skip
-    for tag in (IMAGE, ETCD_IMAGE):
+    docker.figure("prometheus image build", build(PROMETHEUS_IMAGE, REPO / "docker" / "prometheus.Dockerfile",
+                                                  REPO / "docker", {"BASE": base_image}))  # fmt: skip
+    for tag in (IMAGE, ETCD_IMAGE, PROMETHEUS_IMAGE):
         size = int(sh("docker", "image", "inspect", "--format", "{{.Size}}", tag, timeout=60).strip())
         docker.figure(f"{tag} size", f"{size / 1e6:.0f} MB")
-    return IMAGE, ETCD_IMAGE
+    return IMAGE, ETCD_IMAGE, PROMETHEUS_IMAGE
 
 
-def test_image_runs_the_cli_as_a_non_root_user_with_a_healthcheck(images: tuple[str, str]) -> None:
+def test_image_runs_the_cli_as_a_non_root_user_with_a_healthcheck(images: tuple[str, str, str]) -> None:
     image, _ = images
     config = json.loads(sh("docker", "image", "inspect", "--format", "{{json .Config}}", image, timeout=60))
     assert config["User"] == "10001:10001"
@@ -381,13 +386,14 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(docker: Docker, images: tuple[str, str]) -> Iterator[Cluster]:
-    ports = free_ports(6)
+def cluster(docker: Docker, images: tuple[str, str, str]) -> Iterator[Cluster]:
+    ports = free_ports(7)
     cluster_id = f"dockertest-{os.getpid()}"
     env = {
         **os.environ,
         "KVSTORE_IMAGE": images[0],
         "KVSTORE_ETCD_IMAGE": images[1],
+        "KVSTORE_PROMETHEUS_IMAGE": images[2],
         "KVSTORE_HOST": "127.0.0.1",
         "KVSTORE_CLUSTER_ID": cluster_id,
         # Small tiers: what the test puts is a few MiB, and a CI machine's disk and memory may be short.
@@ -395,7 +401,7 @@ def cluster(docker: Docker, images: tuple[str, str]) -> Iterator[Cluster]:
         "KVSTORE_SSD": "64MiB",
         "KVSTORE_SHM_SIZE": "96m",
         **{f"KVSTORE_PORT_{name}": str(port) for name, port in zip(
-            ("ETCD", "ETCD_PEER", "MASTER1", "ADMIN1", "MASTER2", "ADMIN2"), ports, strict=True)},
+            ("ETCD", "ETCD_PEER", "MASTER1", "ADMIN1", "MASTER2", "ADMIN2", "PROMETHEUS"), ports, strict=True)},
     }  # fmt: skip
     project = f"kvstoretest{os.getpid()}{random.randrange(1 << 20):x}"
     admin = [f"127.0.0.1:{ports[3]}", f"127.0.0.1:{ports[5]}"]
@@ -434,6 +440,23 @@ def test_cluster_answers_the_host(cluster: Cluster) -> None:
     # Without the engines profile: no workers, no conductor.
     running = sh("docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={cluster.project}", timeout=60)
     assert len(running.split()) == len(SERVICES)
+
+
+def test_prometheus_scrapes_both_masters_with_the_alerting_rules(cluster: Cluster) -> None:
+    prometheus = f"http://127.0.0.1:{cluster.env['KVSTORE_PORT_PROMETHEUS']}"
+    with urllib.request.urlopen(f"{prometheus}/api/v1/rules", timeout=10) as resp:
+        groups = json.loads(resp.read())["data"]["groups"]
+    names = {rule["name"] for group in groups for rule in group["rules"]}
+    assert {"KvstoreNodeDown", "KvstoreNoLeader", "KvstoreTierDegraded", "KvstoreQuotaPressure"} <= names
+    deadline = time.monotonic() + 60
+    while True:
+        with urllib.request.urlopen(f"{prometheus}/api/v1/targets", timeout=10) as resp:
+            targets = json.loads(resp.read())["data"]["activeTargets"]
+        healthy = sorted(t["labels"]["instance"] for t in targets if t["health"] == "up")
+        if healthy == sorted(cluster.admin):
+            break
+        assert time.monotonic() < deadline, f"Prometheus does not scrape both masters: {targets}"
+        time.sleep(1)
 
 
 def quote(key: str) -> str:
