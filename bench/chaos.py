@@ -33,9 +33,12 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
+import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +47,7 @@ from typing import Any
 from bench.chaos_check import check, load, read_value, unavailability, value_bytes
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError
-from kvstore_cli.cluster import LocalCluster, LocalEtcd
+from kvstore_cli.cluster import LocalCluster, LocalEtcd, free_port
 from kvstore_client.aio import AsyncStore
 from kvstore_client.puts import PutOptions, PutStatus
 from kvstore_client.store import Store
@@ -172,7 +175,11 @@ class Nemesis:
         self.log = log
         self.faults: list[dict[str, Any]] = []
         self.stop = threading.Event()
+        self.released = threading.Event()
         self.record: Any = None
+        self.hold = (3.0, 6.0)
+        """How long a fault lasts (seconds, drawn between the two): long enough for a node to be
+        marked down (3 s of silence), so that the alert an operator wants has something to see."""
         """Where each fault is written as it heals (a kept run's ``faults.jsonl``)."""
 
     def leader(self, timeout: float = 30.0) -> int:
@@ -195,16 +202,19 @@ class Nemesis:
             if not deck:  # every kind once a round, in an order drawn from the seed
                 deck = self.rng.sample(self.kinds, len(self.kinds))
             kind = deck.pop()
-            hold = self.rng.uniform(1.0, 3.0)
-            fault: dict[str, Any] = {"kind": kind, "t0": time.monotonic_ns()}
+            hold = self.rng.uniform(*self.hold)
+            fault: dict[str, Any] = {"kind": kind, "t0": time.monotonic_ns(), "wall0": time.time()}
             fault["target"] = self.inject(kind, hold)
-            fault["t1"] = time.monotonic_ns()
+            fault["t1"], fault["wall1"] = time.monotonic_ns(), time.time()
             self.faults.append(fault)
             if self.record is not None:
                 self.record.write(json.dumps(fault) + "\n")
             self.log({"fault": kind, "target": fault["target"], "held_s": round(hold, 2),
                       "healed_in_s": round((fault["t1"] - fault["t0"]) / 1e9, 2)})  # fmt: skip
             t = time.monotonic() + interval * self.rng.uniform(0.6, 1.4)
+        # The processes this thread restarted die with it (LocalCluster's die_with_parent is per
+        # thread): it stays until the run is over.
+        self.released.wait()
 
     def inject(self, kind: str, hold: float) -> str:
         c = self.cluster
@@ -237,6 +247,93 @@ class Nemesis:
             c.wait_for_nodes(c.num_daemons)
             return target
         raise ValueError(f"unknown fault {kind!r}; there are {FAULTS}")
+
+
+class Prometheus:
+    """A real Prometheus (Debian's ``prometheus``) scraping the masters every second with the rules of
+    docker/prometheus/alerts.yml; afterwards, when each alert fired and resolved."""
+
+    RULES = Path(__file__).resolve().parents[1] / "docker" / "prometheus" / "alerts.yml"
+
+    def __init__(self, workdir: Path, masters: list[str]) -> None:
+        self.dir = workdir / "prometheus"
+        self.dir.mkdir()
+        self.address = f"127.0.0.1:{free_port()}"
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
+            "rule_files": [str(self.RULES)],
+            "scrape_configs": [{"job_name": "kvstore-masters", "static_configs": [{"targets": masters}]}],
+        }
+        (self.dir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+        with open(self.dir / "prometheus.log", "a") as log:
+            self.proc = subprocess.Popen(
+                ["prometheus", f"--config.file={self.dir / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={self.dir / 'data'}", f"--web.listen-address={self.address}"],
+                stdout=log, stderr=log, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{self.address}/-/ready", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"Prometheus did not start (see {self.dir / 'prometheus.log'})")
+            time.sleep(0.2)
+
+    def firing(self, start: float, end: float) -> list[dict[str, Any]]:
+        """Each stretch an alert fired between ``start`` and ``end`` (wall clock): name, labels, from, to
+        (``to`` is None while it still fired at ``end``)."""
+        query = urllib.parse.urlencode(
+            {"query": 'ALERTS{alertstate="firing"}', "start": start, "end": end, "step": "1s"}
+        )
+        with urllib.request.urlopen(f"http://{self.address}/api/v1/query_range?{query}", timeout=30) as resp:
+            series = json.loads(resp.read())["data"]["result"]
+        out: list[dict[str, Any]] = []
+        for one in series:
+            labels = {k: v for k, v in one["metric"].items() if k not in ("__name__", "alertstate")}
+            name = labels.pop("alertname", "?")
+            times = sorted(float(t) for t, _ in one["values"])
+            runs, begin, prev = [], times[0], times[0]
+            for t in times[1:]:
+                if t - prev > 1.5:  # a gap: it resolved, and fired again
+                    runs.append((begin, prev))
+                    begin = t
+                prev = t
+            runs.append((begin, prev))
+            out += [{"alert": name, "labels": labels, "from": a, "to": None if b >= end - 2 else b} for a, b in runs]
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def judge_alerts(firing: list[dict[str, Any]], faults: list[dict[str, Any]], calm: tuple[float, float] | None,
+                 settle_s: float = 20.0) -> dict[str, Any]:  # fmt: skip
+    """Which alerts fired for which fault (while it was on, or within ``settle_s`` of its healing),
+    which fired in the calm stretch before the first fault, and which never resolved."""
+    by_kind: dict[str, dict[str, int]] = {}
+    silent: dict[str, int] = {}
+    for f in faults:
+        names = sorted({a["alert"] for a in firing if a["from"] <= f["wall1"] + settle_s
+                        and (a["to"] is None or a["to"] >= f["wall0"])})  # fmt: skip
+        seen = by_kind.setdefault(f["kind"], {})
+        for name in names:
+            seen[name] = seen.get(name, 0) + 1
+        if not names:
+            silent[f["kind"]] = silent.get(f["kind"], 0) + 1
+    in_calm = sorted({a["alert"] for a in firing if calm is not None and a["from"] < calm[1]
+                      and (a["to"] is None or a["to"] >= calm[0])})  # fmt: skip
+    return {"by_fault": by_kind, "faults_without_alert": silent, "in_calm": in_calm,
+            "unresolved": sorted({a["alert"] for a in firing if a["to"] is None})}  # fmt: skip
 
 
 class Evictions:
@@ -313,7 +410,10 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
         ) as cluster:  # fmt: skip
             nemesis = Nemesis(cluster, etcd.endpoint, kinds, args.seed, emit)
             nemesis.record = open(workdir / "faults.jsonl", "a", buffering=1)  # noqa: SIM115 - closed below
+            nemesis.hold = (args.hold[0], args.hold[1])
             evictions = Evictions(cluster)
+            prometheus = Prometheus(workdir, cluster.master_admin) if args.prometheus else None
+            began = time.time()
             stop_at = time.monotonic() + seconds
             ctx = mp.get_context("spawn")
             procs = []
@@ -331,7 +431,9 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
             quiet = threading.Event()
             op_rng = random.Random(f"operator-{args.seed}")
             threads = [
-                threading.Thread(target=nemesis.run, args=(5.0, args.interval, stop_at - 5.0), daemon=True),
+                threading.Thread(
+                    target=nemesis.run, args=(max(5.0, args.calm), args.interval, stop_at - 5.0), daemon=True
+                ),
                 threading.Thread(target=evictions.run, daemon=True),
                 threading.Thread(target=operator, args=(cluster, nemesis, keys, rec, op_rng, quiet, args.evict_period)),
             ]
@@ -347,7 +449,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
             quiet.set()
             nemesis.stop.set()
             evictions.stop.set()
-            for t in threads:
+            for t in threads[1:]:
                 t.join(60)
             evictions.read()
             rec.close()
@@ -359,6 +461,16 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
             verdict = check(history, nemesis.faults, hang_s=args.hang_s, end_ns=end_ns, grace_s=args.grace_s,
                             lru_evictions=room > 0 or dropped > 0)  # fmt: skip
             worst, by_kind = unavailability(history, nemesis.faults)
+            alerts: dict[str, Any] = {"skipped": "no prometheus (Debian: apt install prometheus)"}
+            if prometheus is not None:
+                # The cluster is whole and idle: alerts of the last faults get time to resolve.
+                time.sleep(args.settle)
+                firing = prometheus.firing(began, time.time())
+                calm = (began + 10.0, began + args.calm) if args.calm > 10 else None  # 10 s: the first scrapes
+                alerts = judge_alerts(firing, nemesis.faults, calm)
+                prometheus.stop()
+            nemesis.released.set()
+            threads[0].join(60)
             faults: dict[str, int] = {}
             for f in nemesis.faults:
                 faults[f["kind"]] = faults.get(f["kind"], 0) + 1
@@ -370,6 +482,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                 "faults": faults, "max_unavailable_s": worst, "unavailable_s": by_kind,
                 "max_op_s": round(max(durations, default=0) / 1e9, 3),
                 "evictions_for_room": max(room, 0), "demotions_failed": dropped, "workers": args.workers,
+                "alerts": alerts,
             }  # fmt: skip
     finally:
         if args.keep:
@@ -397,6 +510,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="a miss this long after a fault healed is unavailability, not a loss")  # fmt: skip
     parser.add_argument("--evict-period", type=float, default=4.0, help="mean seconds between operator evictions")
     parser.add_argument("--show", type=int, default=5, help="violations printed in full")
+    parser.add_argument("--hold", type=lambda v: [float(x) for x in v.split(",")], default=[3.0, 6.0],
+                        metavar="MIN,MAX", help="seconds a fault lasts, drawn between the two")  # fmt: skip
+    parser.add_argument("--calm", type=float, default=60.0,
+                        help="seconds of load before the first fault, in which no alert may fire")  # fmt: skip
+    parser.add_argument(
+        "--prometheus",
+        type=lambda v: v != "no",
+        default=shutil.which("prometheus") is not None,
+        metavar="auto|no",
+        help="run Prometheus with docker/prometheus/alerts.yml (auto: when installed)",
+    )
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds to wait after the load for the last faults' alerts to resolve")  # fmt: skip
     parser.add_argument("--cluster-env", action="append", default=[], metavar="K=V",
                         help="an environment variable for the cluster's processes (repeatable)")  # fmt: skip
     parser.add_argument("--keep", action="store_true", help="keep the work directory (histories, logs)")

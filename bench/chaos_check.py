@@ -94,6 +94,22 @@ def _may_remove(r: dict[str, Any]) -> bool:
     return r["op"] == "remove" or (r["op"] == "evict" and not (r.get("ok") and r.get("res") == 0))
 
 
+class _Latest:
+    """Records ordered by one of their times; of those before a given time, the one whose other time
+    is the greatest (a prefix maximum: each question is one binary search)."""
+
+    def __init__(self, records: Iterable[dict[str, Any]], by: str, most: str) -> None:
+        ordered = sorted(records, key=lambda r: r[by])
+        self.times = [r[by] for r in ordered]
+        self.best: list[dict[str, Any]] = []
+        for r in ordered:
+            self.best.append(r if not self.best or r[most] > self.best[-1][most] else self.best[-1])
+
+    def before(self, t: int) -> dict[str, Any] | None:
+        i = bisect.bisect_left(self.times, t)
+        return self.best[i - 1] if i else None
+
+
 def check(
     history: Iterable[dict[str, Any]], faults: Sequence[dict[str, Any]] = (), *, hang_s: float = 60.0,
     end_ns: int | None = None, grace_s: float = 3.0, lru_evictions: bool = False,
@@ -106,16 +122,25 @@ def check(
     verdict = Verdict(ops=len({(r["w"], r["n"]) for r in records}))
     verdict.ok = len({(r["w"], r["n"]) for r in records if r.get("ok")})
     puts: dict[str, dict[str, Any]] = {}
-    puts_of: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    stored: dict[str, list[dict[str, Any]]] = defaultdict(list)
     removals: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         if r["op"] == "put":
             puts[r["v"]] = r
-            puts_of[r["key"]].append(r)
+            if r.get("ok") and r.get("res") == "stored" and (r.get("pin") or not lru_evictions):
+                stored[r["key"]].append(r)
         elif r["op"] in REMOVALS and _may_remove(r):
             removals[r["key"]].append(r)
-    for rs in removals.values():
-        rs.sort(key=lambda r: r["t0"])
+    # A miss is a loss when the acknowledged put that began last before it is explained by no removal
+    # (one that explains a put explains every put that began earlier): that put, and the removal
+    # that ended last of those begun before the read ended. A value read is stale when a remove
+    # acknowledged before the read began, and begun after the value's put ended, exists: the one
+    # acknowledged before the read that began last.
+    last_put = {k: _Latest(v, "t1", "t0") for k, v in stored.items()}
+    last_removal = {k: _Latest(v, "t0", "t1") for k, v in removals.items()}
+    last_remove = {
+        k: _Latest([rm for rm in v if rm["op"] == "remove" and rm.get("ok")], "t1", "t0") for k, v in removals.items()
+    }
     ended = {(r["w"], r["n"]) for r in records}
     for b in begins:
         if (b["w"], b["begin"]) not in ended and (end_ns is None or end_ns - b["t0"] > hang_s * 1e9):
@@ -128,22 +153,22 @@ def check(
         if not r.get("ok") or r["op"] not in (*READS, "exists"):
             continue
         key, res = r["key"], r["res"]
-        if r["op"] == "exists":
-            if res is False:
-                _check_miss(verdict, r, puts_of[key], removals[key], lru_evictions, windows)
-            continue
-        if res is None:
-            _check_miss(verdict, r, puts_of[key], removals[key], lru_evictions, windows)
+        if res is None or res is False:
+            put = last_put[key].before(r["t0"]) if key in last_put else None
+            if put is not None:
+                rm = last_removal[key].before(r["t1"]) if key in last_removal else None
+                if rm is None or rm["t1"] <= put["t0"]:
+                    _miss(verdict, r, put, windows)
+        elif res is True:
+            continue  # exists: True says nothing of which value
         elif res.startswith("bad:"):
             verdict.add("wrong_bytes", r, res[4:])
         else:
-            _check_value(verdict, r, puts.get(res), removals[key])
+            _check_value(verdict, r, puts.get(res), last_remove.get(key))
     return verdict
 
 
-def _check_value(
-    verdict: Verdict, r: dict[str, Any], put: dict[str, Any] | None, removals: Sequence[dict[str, Any]]
-) -> None:
+def _check_value(verdict: Verdict, r: dict[str, Any], put: dict[str, Any] | None, removes: _Latest | None) -> None:
     if put is None or put["key"] != r["key"]:
         verdict.add("unknown_value", r, f"value {r['res']} was put by no one under {r['key']!r}")
         return
@@ -151,40 +176,26 @@ def _check_value(
         verdict.add("value_from_future", r, f"its put began {(put['t0'] - r['t1']) / 1e6:.1f} ms after the read ended")
     elif put.get("ok") and put.get("res") == "exists":
         verdict.add("value_of_exists_put", r, f"put {put['v']} answered EXISTS: it wrote nothing")
-    elif put.get("ok"):
-        for rm in removals:
-            if rm["t0"] >= r["t0"]:
-                break
-            if rm["op"] == "remove" and rm.get("ok") and rm["t1"] < r["t0"] and put["t1"] < rm["t0"]:
-                verdict.add(
-                    "read_after_remove", r,
-                    f"remove by {rm['w']} (acknowledged {(r['t0'] - rm['t1']) / 1e6:.1f} ms before this read "
-                    f"began) came after put {put['v']} ended",
-                )  # fmt: skip
-                return
+    elif put.get("ok") and removes is not None:
+        rm = removes.before(r["t0"])
+        if rm is not None and put["t1"] < rm["t0"]:
+            verdict.add(
+                "read_after_remove", r,
+                f"remove by {rm['w']} (acknowledged {(r['t0'] - rm['t1']) / 1e6:.1f} ms before this read began) "
+                f"came after put {put['v']} ended",
+            )  # fmt: skip
 
 
-def _check_miss(
-    verdict: Verdict, r: dict[str, Any], puts: Sequence[dict[str, Any]], removals: Sequence[dict[str, Any]],
-    lru_evictions: bool, windows: Sequence[tuple[int, int]],
-) -> None:  # fmt: skip
-    starts = [rm["t0"] for rm in removals]
-    for put in puts:
-        if put.get("res") != "stored" or put["t1"] >= r["t0"] or (lru_evictions and not put.get("pin")):
-            continue
-        # A removal that could explain the miss began before the read ended and ended after the put began.
-        upto = bisect.bisect_left(starts, r["t1"])
-        if any(rm["t1"] > put["t0"] for rm in removals[:upto]):
-            continue
-        if any(a < r["t1"] and r["t0"] < b for a, b in windows):
-            verdict.misses_in_faults += 1
-            return
-        verdict.add(
-            "lost", r,
-            f"put {put['v']}{' (pinned)' if put.get('pin') else ''} was acknowledged "
-            f"{(r['t0'] - put['t1']) / 1e6:.1f} ms before this read began; no remove or eviction since",
-        )  # fmt: skip
+def _miss(verdict: Verdict, r: dict[str, Any], put: dict[str, Any], windows: Sequence[tuple[int, int]]) -> None:
+    """A miss no removal explains: a loss, or unavailability while a fault was on."""
+    if any(a < r["t1"] and r["t0"] < b for a, b in windows):
+        verdict.misses_in_faults += 1
         return
+    verdict.add(
+        "lost", r,
+        f"put {put['v']}{' (pinned)' if put.get('pin') else ''} was acknowledged "
+        f"{(r['t0'] - put['t1']) / 1e6:.1f} ms before this read began; no remove or eviction since",
+    )  # fmt: skip
 
 
 def unavailability(
