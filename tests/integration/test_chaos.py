@@ -28,12 +28,17 @@ def _chaos(*args: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return lines[-1], lines[:-1]
 
 
-def test_a_short_run_of_every_fault_kind_keeps_every_promise() -> None:
-    summary, faults = _chaos("--minutes", "0.8", "--seed", "7", "--interval", "5")
+def test_a_short_run_of_every_fault_kind_keeps_every_promise_and_alerts() -> None:
+    summary, faults = _chaos("--minutes", "1", "--seed", "7", "--calm", "20", "--interval", "4")
     print(json.dumps(summary))
     assert summary["violations"] == 0, json.dumps(summary["first"], indent=1)
     assert set(summary["faults"]) == {"leader_kill", "daemon_kill", "sigstop"}, faults
     assert summary["ok"] > 1000 and summary["max_op_s"] < 60
+    alerts = summary["alerts"]
+    if "skipped" not in alerts:  # Prometheus is installed: each fault kind fired an alert, the calm none
+        assert not alerts["faults_without_alert"] and not alerts["in_calm"], alerts
+        assert "KvstoreMasterUnreachable" in alerts["by_fault"]["leader_kill"], alerts
+        assert "KvstoreNodeDown" in alerts["by_fault"]["daemon_kill"], alerts
 
 
 @pytest.mark.parametrize(
@@ -41,7 +46,7 @@ def test_a_short_run_of_every_fault_kind_keeps_every_promise() -> None:
 )
 def test_the_checker_catches_a_bug_planted_in_the_daemons(plant: str, caught: str) -> None:
     summary, _ = _chaos(
-        "--minutes", "0.25", "--faults", "", "--cluster-env", f"PYTHONPATH={PLANTS}", "--cluster-env",
-        f"KVSTORE_PLANT={plant}",
+        "--minutes", "0.25", "--faults", "", "--prometheus", "no",
+        "--cluster-env", f"PYTHONPATH={PLANTS}", "--cluster-env", f"KVSTORE_PLANT={plant}",
     )  # fmt: skip
     assert summary["by_kind"].get(caught, 0) > 0, summary
