@@ -12,7 +12,8 @@ rewritten, removed and put again while faults land; an operator evicts keys thro
 API now and then. The nemesis, on a schedule drawn from ``--seed`` (the same seed, the same
 schedule): ``leader_kill`` (SIGKILL the leading master, restart it as a standby), ``daemon_kill``
 (SIGKILL a daemon, restart it on its arena), ``sigstop`` (SIGSTOP a daemon or the leader for a
-few seconds, then SIGCONT).
+few seconds, then SIGCONT), ``disk_full`` (fill the filesystem of a daemon's SSD tier, a small
+tmpfs mounted for it: root only, then empty it again).
 
 Capacity is sized so that nothing is evicted for room (the key space fits every node's SSD):
 a read that misses an acknowledged put that no remove or eviction explains is a loss. The
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos_check import check, load, read_value, unavailability, value_bytes
-from kvstore.config import ClientConfig
+from kvstore.config import ClientConfig, parse_size
 from kvstore.errors import KVStoreError
 from kvstore_cli.cluster import LocalCluster, LocalEtcd, free_port
 from kvstore_client.aio import AsyncStore
@@ -53,7 +54,7 @@ from kvstore_client.puts import PutOptions, PutStatus
 from kvstore_client.store import Store
 from transfer.discovery import EtcdCluster, read_leader
 
-FAULTS = ("leader_kill", "daemon_kill", "sigstop")
+FAULTS = ("leader_kill", "daemon_kill", "sigstop", "disk_full")
 CLUSTER_ID = "chaos"
 SIZES = (4096, 32 * 1024, 128 * 1024)
 OPS = (("put", 30), ("put_pinned", 4), ("get", 28), ("get_many", 10), ("exists", 6), ("remove", 10), ("match", 4))
@@ -246,7 +247,49 @@ class Nemesis:
                 os.kill(proc.pid, signal.SIGCONT)
             c.wait_for_nodes(c.num_daemons)
             return target
+        if kind == "disk_full":
+            i = self.rng.randrange(c.num_daemons)
+            fill(c.workdir / f"ssd-{i}" / "filler")
+            try:
+                time.sleep(hold)
+            finally:
+                (c.workdir / f"ssd-{i}" / "filler").unlink(missing_ok=True)
+            return f"daemon-{i}"
         raise ValueError(f"unknown fault {kind!r}; there are {FAULTS}")
+
+
+def fill(path: Path) -> None:
+    """Write ``path`` until its filesystem has no room left (ENOSPC)."""
+    chunk = b"\0" * (1 << 20)
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(chunk)
+                f.flush()
+        except OSError:
+            pass
+
+
+class SsdDisks:
+    """A small tmpfs under each daemon's SSD directory (root only), so that a disk fills for real
+    (``disk_full``) and leaves the machine's disks alone."""
+
+    def __init__(self, workdir: Path, daemons: int, size: int) -> None:
+        self.mounts: list[Path] = []
+        for i in range(daemons):
+            mount = workdir / f"ssd-{i}"
+            mount.mkdir(parents=True, exist_ok=True)
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                                  capture_output=True, text=True, timeout=30)  # fmt: skip
+            if done.returncode != 0:
+                self.remove()
+                raise SystemExit(f"disk_full needs a tmpfs for each SSD tier (root): {done.stderr.strip()}")
+            self.mounts.append(mount)
+
+    def remove(self) -> None:
+        for mount in self.mounts:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30, check=False)
+        self.mounts = []
 
 
 class Prometheus:
@@ -403,6 +446,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
     etcd = LocalEtcd().start()
     workdir = etcd.dir / "run"
     workdir.mkdir()
+    disks = SsdDisks(workdir, 3, parse_size(args.ssd) + (16 << 20)) if "disk_full" in kinds else None
     try:
         with LocalCluster(
             3, dram=args.dram, ssd=args.ssd, workdir=workdir, etcd=etcd.endpoint, cluster_id=CLUSTER_ID, masters=2,
@@ -458,8 +502,10 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
             room = evictions.total("kvstore_evictions_total") - operator_evicted
             dropped = evictions.total("kvstore_demotions_failed_total")
             nemesis.record.close()
+            # A disk that fills makes its tier smaller: the master evicts from it for room, for real.
+            evicted = room > 0 or dropped > 0 or any(f["kind"] == "disk_full" for f in nemesis.faults)
             verdict = check(history, nemesis.faults, hang_s=args.hang_s, end_ns=end_ns, grace_s=args.grace_s,
-                            lru_evictions=room > 0 or dropped > 0)  # fmt: skip
+                            lru_evictions=evicted)  # fmt: skip
             worst, by_kind = unavailability(history, nemesis.faults)
             alerts: dict[str, Any] = {"skipped": "no prometheus (Debian: apt install prometheus)"}
             if prometheus is not None:
@@ -485,6 +531,8 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                 "alerts": alerts,
             }  # fmt: skip
     finally:
+        if disks is not None:
+            disks.remove()
         if args.keep:
             emit({"kept": str(etcd.dir)})
             etcd.stop()

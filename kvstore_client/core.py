@@ -171,15 +171,17 @@ class ClientCore:
             and time.monotonic() >= self._grants_paused_until
         ):
             todo = yield from self._put_granted(checked, todo, opts, statuses, unsure)
-        done = yield from self._put_rounds(checked, todo, opts, statuses)
+        done = yield from self._put_rounds(checked, todo, opts, statuses, unsure)
         return (yield from self._own_exists(checked, unsure, done))
 
     def _own_exists(self, items: Items, unsure: list[int], statuses: list[PutStatus]) -> Op[list[PutStatus]]:
-        """A write into a grant that did not end there (no answer came, or the daemon's commit failed)
-        may have been committed all the same: the retry the two-trip way then finds the key stored.
-        Where the stored block is this put's bytes (size and checksum), it was this put that stored
-        it: STORED, not EXISTS."""
-        asked = [i for i in unsure if statuses[i] is PutStatus.EXISTS]
+        """A write whose bytes went out but whose put did not end with them (no answer came, the
+        daemon's commit failed or answered EXISTS, or a new leader did not know the reservation and
+        a retry found the key) may have been committed all the same: a new leader adopts blocks from the daemons'
+        inventories, and the retry then finds the key stored. Where the stored block is this put's
+        bytes (size and checksum), it was this put that stored it: STORED, not EXISTS. (A put that
+        sent no bytes and found the key answers EXISTS without asking.)"""
+        asked = sorted({i for i in unsure if statuses[i] is PutStatus.EXISTS})
         if asked:
             keys: list[str] = [items[i][0] for i in asked]
             reply = yield from call(GetReplicas(keys, [], False), GetReplicasReply)
@@ -189,13 +191,14 @@ class ClientCore:
         return statuses
 
     def _put_rounds(
-        self, items: Items, todo: list[int], opts: PutOptions, statuses: list[PutStatus | None]
+        self, items: Items, todo: list[int], opts: PutOptions, statuses: list[PutStatus | None], unsure: list[int]
     ) -> Op[list[PutStatus]]:
-        """Put ``todo`` the two-trip way, retrying the keys that were busy; every item's status."""
+        """Put ``todo`` the two-trip way, retrying the keys that were busy; every item's status.
+        ``unsure`` gets the indexes whose bytes went to a daemon (see :meth:`_own_exists`)."""
         for attempt in range(self.config.put_retries + 1):
             if not todo:
                 break
-            retry = yield from self._put_round(items, todo, opts, statuses)
+            retry = yield from self._put_round(items, todo, opts, statuses, unsure)
             if not retry:
                 break
             if attempt == self.config.put_retries:
@@ -239,8 +242,13 @@ class ClientCore:
                 self.hints.note([(job.blocks[0].key, (job.node_id, job.address))])
                 return PutStatus.STORED
             if code == PUT_EXISTS:
-                return PutStatus.EXISTS
+                return self._granted_exists(job)
         return self._after_granted(job, outcome)
+
+    def _granted_exists(self, job: PutGranted) -> Op[list[PutStatus]]:
+        """EXISTS from a write into a grant: the block may be this put's own (see :meth:`_own_exists`)."""
+        block = job.blocks[0]
+        return (yield from self._own_exists([(BlockKey(block.key), block.view)], [0], [PutStatus.EXISTS]))
 
     def _after_granted(self, job: PutGranted, outcome: Any) -> Op[list[PutStatus]]:
         block = job.blocks[0]
@@ -256,7 +264,7 @@ class ClientCore:
         )
         unsure: list[int] = []
         todo = yield from self._granted_outcome(items, [0], grant, job, outcome, statuses, unsure)
-        done = yield from self._put_rounds(items, todo, PutOptions(pin=job.pinned), statuses)
+        done = yield from self._put_rounds(items, todo, PutOptions(pin=job.pinned), statuses, unsure)
         return (yield from self._own_exists(items, unsure, done))
 
     def _carve(self, sizes: list[int], preferred: str | None) -> Op[Carved | None]:
@@ -322,10 +330,14 @@ class ClientCore:
             yield from self._give_back(self.grants.drop(grant))
         left, placed = take_granted(items, todo, codes, job.node_id, job.address, out)
         self.hints.note(placed)
-        unsure.extend(left)  # refused here, but a master of another term may have its bytes all the same
+        # Refused or EXISTS here, but the block may be this put's own all the same (a retried write,
+        # a master of another term that adopted it): see _own_exists.
+        unsure.extend(i for i in todo if i in left or out[i] is PutStatus.EXISTS)
         return left
 
-    def _put_round(self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None]) -> Op[list[int]]:
+    def _put_round(
+        self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None], unsure: list[int]
+    ) -> Op[list[int]]:
         """One put_start/write/put_end round over ``todo``; returns the indexes to retry."""
         keys: list[str] = [items[i][0] for i in todo]
         sizes = [items[i][1].nbytes for i in todo]
@@ -338,6 +350,7 @@ class ClientCore:
             for address, group in plan.writes.items()
         ]  # fmt: skip
         failed: set[int] = set()
+        unsure.extend(sums)  # their bytes go out now: a commit cut short may keep them all the same
         for (address, group), outcome in zip(plan.writes.items(), (yield from daemons(jobs)), strict=True):
             if isinstance(outcome, KVStoreError):
                 codes = [(outcome.code, str(outcome))] * len(group)

@@ -19,6 +19,7 @@ from kvstore_cli.cluster import LocalCluster
 from kvstore_client.aio import AsyncStore
 from kvstore_client.core import ClientCore
 from kvstore_client.dataplane import DataPath
+from kvstore_client.effects import Block
 from kvstore_client.puts import PutOptions
 from kvstore_client.store import Store
 from tests.conftest import admin_call
@@ -206,3 +207,55 @@ def test_a_put_whose_write_landed_but_whose_answer_was_lost_reports_stored(
         # Another writer's bytes under the key are still EXISTS.
         assert store.put("lost-1", b"x" * 100) is PutStatus.EXISTS
         assert [store.get(f"lost-{i}") for i in (1, 2, 3)] == [b"1" * 100, b"2" * 100, b"3" * 100]
+
+
+def test_a_two_trip_put_whose_commit_answer_was_lost_reports_stored(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same on the two-trip way (same-host clients, and puts too large for a grant): the master
+    committed, but the answer the put got said otherwise (as a new leader that adopted the block from
+    the daemon's inventory answers for a reservation it never made), so the put went round again and
+    found the key stored: its own bytes, STORED."""
+    from kvstore_client import core
+
+    take_commits = core.take_commits
+    lied: list[str] = []
+
+    def lost_once(plan: object, items: list[tuple[str, memoryview]], done: list[int], committed: list[bool],
+                  out: list[object]) -> object:  # fmt: skip
+        if not lied:
+            lied.append(items[done[0]][0])
+            committed = [False] * len(committed)
+        return take_commits(plan, items, done, committed, out)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(core, "take_commits", lost_once)
+    config = ClientConfig(transport="tcp", timeout_s=5.0, grant_bytes=0)  # every put the two-trip way
+    with Store.connect(cluster.master_address, config) as store:
+        assert store.put("two-trip-0", b"0" * 100) is PutStatus.STORED
+        assert lied == ["two-trip-0"]
+        assert store.put("two-trip-0", b"x" * 100) is PutStatus.EXISTS  # another put's bytes: EXISTS
+        assert store.get("two-trip-0") == b"0" * 100
+
+
+def test_a_write_answered_exists_for_its_own_bytes_reports_stored(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write into a grant answered EXISTS (the daemon holds the key already) for a block that is the
+    put's own bytes, as when an earlier attempt of it landed: STORED. A put of other bytes under a
+    stored key is still EXISTS (with one more trip, to compare checksums)."""
+    write_granted = DataPath.write_granted
+
+    def twice(path: DataPath, grant_id: int, blocks: list[Block], pinned: bool) -> object:
+        write_granted(path, grant_id, blocks, pinned)
+        # The same bytes again, further into the grant (a first attempt's extent is not free twice).
+        again = [b._replace(offset=b.offset + 4096) for b in blocks]
+        return write_granted(path, grant_id, again, pinned)
+
+    with Store.connect(cluster.master_address, TCP) as store:
+        assert store.put("twice-0", b"0" * 100) is PutStatus.STORED  # a grant in hand
+        monkeypatch.setattr(DataPath, "write_granted", twice)
+        assert store.put("twice-1", b"1" * 100) is PutStatus.STORED
+        assert store.put_many([("twice-2", b"2" * 100)]) == [PutStatus.STORED]
+        monkeypatch.setattr(DataPath, "write_granted", write_granted)
+        assert store.put("twice-1", b"x" * 100) is PutStatus.EXISTS
+        assert store.get("twice-1") == b"1" * 100
