@@ -525,6 +525,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                 "bench": "chaos", "seed": args.seed, "minutes": args.minutes, "ops": verdict.ops, "ok": verdict.ok,
                 "violations": len(verdict.violations), "by_kind": dict(verdict.by_kind),
                 "first": verdict.violations[: args.show], "misses_in_faults": verdict.misses_in_faults,
+                "own_exists_in_faults": verdict.own_exists_in_faults,
                 "faults": faults, "max_unavailable_s": worst, "unavailable_s": by_kind,
                 "max_op_s": round(max(durations, default=0) / 1e9, 3),
                 "evictions_for_room": max(room, 0), "demotions_failed": dropped, "workers": args.workers,

@@ -20,7 +20,8 @@ What it checks (a violation names the rule, the record and why):
 - ``wrong_bytes``: a read returned bytes that are no put's bytes of that key;
 - ``unknown_value`` / ``value_from_future`` / ``value_of_exists_put``: a read returned the value
   of no put of that key, of one that began after the read ended, or of one answered EXISTS
-  (which writes nothing);
+  (which writes nothing) outside any fault (during one, an attempt of the put may have landed
+  while its answer was lost: ``own_exists_in_faults``, PutStatus.EXISTS says so);
 - ``read_after_remove``: a read that began after a remove of its key was acknowledged returned
   a value whose put ended before that remove began (an eviction promises no such thing: the
   daemons drop evicted blocks in the background);
@@ -82,6 +83,8 @@ class Verdict:
     by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     misses_in_faults: int = 0
     """Reads that missed an acknowledged put while a fault was on (or just healed)."""
+    own_exists_in_faults: int = 0
+    """Reads of a put's bytes that it answered EXISTS, the put running while a fault was on."""
 
     def add(self, kind: str, record: dict[str, Any], why: str) -> None:
         self.by_kind[kind] += 1
@@ -164,18 +167,24 @@ def check(
         elif res.startswith("bad:"):
             verdict.add("wrong_bytes", r, res[4:])
         else:
-            _check_value(verdict, r, puts.get(res), last_remove.get(key))
+            _check_value(verdict, r, puts.get(res), last_remove.get(key), windows)
     return verdict
 
 
-def _check_value(verdict: Verdict, r: dict[str, Any], put: dict[str, Any] | None, removes: _Latest | None) -> None:
+def _check_value(
+    verdict: Verdict, r: dict[str, Any], put: dict[str, Any] | None, removes: _Latest | None,
+    windows: Sequence[tuple[int, int]],
+) -> None:  # fmt: skip
     if put is None or put["key"] != r["key"]:
         verdict.add("unknown_value", r, f"value {r['res']} was put by no one under {r['key']!r}")
         return
     if put["t0"] > r["t1"]:
         verdict.add("value_from_future", r, f"its put began {(put['t0'] - r['t1']) / 1e6:.1f} ms after the read ended")
     elif put.get("ok") and put.get("res") == "exists":
-        verdict.add("value_of_exists_put", r, f"put {put['v']} answered EXISTS: it wrote nothing")
+        if any(a < put["t1"] and put["t0"] < b for a, b in windows):
+            verdict.own_exists_in_faults += 1  # an attempt of it landed, its answer lost to the fault
+        else:
+            verdict.add("value_of_exists_put", r, f"put {put['v']} answered EXISTS: it wrote nothing")
     elif put.get("ok") and removes is not None:
         rm = removes.before(r["t0"])
         if rm is not None and put["t1"] < rm["t0"]:
@@ -238,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     for v in verdict.violations:
         print(json.dumps(v))
     print(json.dumps({"ops": verdict.ops, "ok": verdict.ok, "violations": len(verdict.violations),
-                      "by_kind": dict(verdict.by_kind), "misses_in_faults": verdict.misses_in_faults}))  # fmt: skip
+                      "by_kind": dict(verdict.by_kind), "misses_in_faults": verdict.misses_in_faults,
+                      "own_exists_in_faults": verdict.own_exists_in_faults}))  # fmt: skip
     return 1 if verdict.violations else 0
 
 

@@ -50,7 +50,9 @@ class PutStatus(enum.Enum):
     """This put's bytes are committed: any client reads them until they are removed or evicted."""
     EXISTS = "exists"
     """This put wrote nothing: the key is stored, or another put of it is being written (whose
-    outcome decides what, if anything, is stored)."""
+    outcome decides what, if anything, is stored). A put compares a stored block with its own bytes
+    where its write went out, and answers STORED when they match; under a fault (a leader or a
+    daemon stopped mid-commit) an earlier attempt of it may still have landed unseen."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,11 @@ def test_what_explains_a_miss_and_what_does_not() -> None:
     verdict = check([stored, get(1, "k", 2, 3, None)], fault, grace_s=0.001)
     assert verdict.violations == [] and verdict.misses_in_faults == 1
     assert kinds([stored, get(1, "k", 5, 6, None)], faults=fault, grace_s=0.001) == ["lost"]
+    # An EXISTS put's bytes read: a violation, unless the put ran while a fault was on.
+    exists_put = put(3, "e", 0, 1, res="exists")
+    assert kinds([exists_put, get(3, "e", 2, 3, "w0.3")], faults=fault, grace_s=0.001) == ["value_of_exists_put"]
+    during = check([put(4, "e", 1.6, 2, res="exists"), get(4, "e", 3, 4, "w0.4")], fault, grace_s=0.001)
+    assert during.violations == [] and during.own_exists_in_faults == 1
     # With evictions for room, only pinned puts must stay.
     pinned = put(2, "p", 0, 1, pin=True)
     assert kinds([stored, pinned, get(1, "k", 2, 3, None), get(2, "p", 2, 3, None)], lru_evictions=True) == ["lost"]
