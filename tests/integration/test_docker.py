@@ -261,7 +261,7 @@ def images(docker: Docker, base_image: str) -> tuple[str, str, str]:
 
 
 def test_image_runs_the_cli_as_a_non_root_user_with_a_healthcheck(images: tuple[str, str, str]) -> None:
-    image, _ = images
+    image = images[0]
     config = json.loads(sh("docker", "image", "inspect", "--format", "{{json .Config}}", image, timeout=60))
     assert config["User"] == "10001:10001"
     assert config["Entrypoint"] == ["/opt/kvstore/bin/kvstore"]
