@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -51,9 +50,9 @@ from kvstore.config import ClientConfig, parse_size
 from kvstore.errors import KVStoreError
 from kvstore_cli.cluster import LocalCluster, LocalEtcd, free_port
 from kvstore_client.aio import AsyncStore
+from kvstore_client.children import terminate
 from kvstore_client.puts import PutOptions, PutStatus
 from kvstore_client.store import Store
-from transfer.discovery import EtcdCluster, read_leader
 
 FAULTS = ("leader_kill", "daemon_kill", "sigstop", "disk_full")
 CLUSTER_ID = "chaos"
@@ -167,11 +166,8 @@ def worker(wid: str, master: str, seed: int, stop_at: float, keys: list[str], ou
 class Nemesis:
     """Faults at times drawn from a seed, each healed before the next; what it did, with times."""
 
-    def __init__(
-        self, cluster: LocalCluster, etcd: str, kinds: list[str], seed: int, log: Callable[[dict[str, Any]], None]
-    ):
+    def __init__(self, cluster: LocalCluster, kinds: list[str], seed: int, log: Callable[[dict[str, Any]], None]):
         self.cluster = cluster
-        self.where = EtcdCluster((etcd,), CLUSTER_ID)
         self.kinds = kinds
         self.rng = random.Random(f"nemesis-{seed}")
         self.log = log
@@ -183,19 +179,6 @@ class Nemesis:
         """How long a fault lasts (seconds, drawn between the two): long enough for a node to be
         marked down (3 s of silence), so that the alert an operator wants has something to see."""
         """Where each fault is written as it heals (a kept run's ``faults.jsonl``)."""
-
-    def leader(self, timeout: float = 30.0) -> int:
-        deadline = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(KVStoreError):
-                record = read_leader(self.where, 1.0)
-                if record is not None and record.address in self.cluster.master_rpc:
-                    m = self.cluster.master_rpc.index(record.address)
-                    if self.cluster.masters[m] is not None:
-                        return m
-            if time.monotonic() > deadline:
-                raise TimeoutError("no leader elected")
-            time.sleep(0.05)
 
     def run(self, start_after: float, interval: float, until: float) -> None:
         t = time.monotonic() + start_after
@@ -221,11 +204,11 @@ class Nemesis:
     def inject(self, kind: str, hold: float) -> str:
         c = self.cluster
         if kind == "leader_kill":
-            m = self.leader()
+            m = self.cluster.leader_index(30.0)
             c.kill_ha_master(m)
             time.sleep(hold)
             c.start_ha_master(m)  # back as a standby
-            self.leader()
+            self.cluster.leader_index(30.0)
             return f"master-{m}"
         if kind == "daemon_kill":
             i = self.rng.randrange(c.num_daemons)
@@ -235,7 +218,7 @@ class Nemesis:
             return f"daemon-{i}"
         if kind == "sigstop":
             if self.rng.random() < 0.5:
-                m = self.leader()
+                m = self.cluster.leader_index(30.0)
                 proc, target = c.masters[m], f"master-{m}"
             else:
                 i = self.rng.randrange(c.num_daemons)
@@ -290,7 +273,7 @@ class SsdDisks:
     @staticmethod
     def possible() -> bool:
         """Whether this process may mount a tmpfs."""
-        if os.geteuid() != 0:
+        if os.geteuid() != 0 or shutil.which("mount") is None:
             return False
         with tempfile.TemporaryDirectory() as where:
             done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", where], capture_output=True,
@@ -365,12 +348,7 @@ class Prometheus:
         return out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        terminate(self.proc, 10)
 
 
 def judge_alerts(firing: list[dict[str, Any]], faults: list[dict[str, Any]], calm: tuple[float, float] | None,
@@ -436,7 +414,7 @@ def operator(cluster: LocalCluster, nemesis: Nemesis, keys: list[str], rec: Reco
         n, t0 = rec.begin()
         record: dict[str, Any] = {"w": rec.wid, "n": n, "op": "evict", "key": key, "t0": t0}
         try:
-            admin = cluster.master_admin[nemesis.leader(5.0)]
+            admin = cluster.master_admin[cluster.leader_index(5.0)]
             request = urllib.request.Request(
                 f"http://{admin}/api/v1/evict", json.dumps({"key": key}).encode(),
                 {"Content-Type": "application/json"}, method="POST",
@@ -444,7 +422,7 @@ def operator(cluster: LocalCluster, nemesis: Nemesis, keys: list[str], rec: Reco
             with urllib.request.urlopen(request, timeout=10) as resp:
                 body = json.loads(resp.read())
             record.update(ok=True, res=body["evicted"], pinned=bool(body["skipped_pinned"]))
-        except (OSError, TimeoutError, KeyError, ValueError) as exc:  # refused (503 while taking over), or cut
+        except (OSError, KVStoreError, KeyError, ValueError) as exc:  # refused (503 while taking over), or cut
             record.update(ok=False, err=f"{type(exc).__name__}: {exc}", expected=True)
         record["t1"] = time.monotonic_ns()
         rec.end([record])
@@ -471,7 +449,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
             3, dram=args.dram, ssd=args.ssd, workdir=workdir, etcd=etcd.endpoint, cluster_id=CLUSTER_ID, masters=2,
             admin=True, die_with_parent=True, env=dict(e.split("=", 1) for e in args.cluster_env),
         ) as cluster:  # fmt: skip
-            nemesis = Nemesis(cluster, etcd.endpoint, kinds, args.seed, emit)
+            nemesis = Nemesis(cluster, kinds, args.seed, emit)
             nemesis.record = open(workdir / "faults.jsonl", "a", buffering=1)  # noqa: SIM115 - closed below
             nemesis.hold = (args.hold[0], args.hold[1])
             evictions = Evictions(cluster)

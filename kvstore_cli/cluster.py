@@ -12,6 +12,7 @@ nor the client (readiness is one protocol call to the master).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import select
@@ -274,6 +275,22 @@ class LocalCluster:
         if m == 0:
             self.master = proc
             self.admin_address = self.master_admin[0]
+
+    def leader_index(self, timeout: float = 15.0) -> int:
+        """The index of the running HA master etcd names as leader (waiting for an election to end)."""
+        assert self.etcd is not None, "a cluster started with etcd"
+        where = EtcdCluster((self.etcd,), self.cluster_id)
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(KVStoreError):  # etcd restarting: ask again
+                leader = read_leader(where, 1.0)
+                if leader is not None and leader.address in self.master_rpc:
+                    m = self.master_rpc.index(leader.address)
+                    if self.masters[m] is not None:
+                        return m
+            if time.monotonic() > deadline:
+                raise Timeout(f"no leader of cluster {self.cluster_id} elected within {timeout:.0f} s")
+            time.sleep(0.05)
 
     def kill_ha_master(self, m: int, sig: int = signal.SIGKILL) -> None:
         self._kill(self.masters[m], sig)

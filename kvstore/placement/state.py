@@ -468,11 +468,12 @@ class Catalog:
     def free_parked(self) -> None:
         """Hand out again the parked extents no lease covers any more."""
         for node in self.nodes.values():
-            if node.parked:
-                keep = [(k, e) for k, e in node.parked if self.leases.is_leased(node.node_id, DRAM, k)]
-                for _, extent in (p for p in node.parked if p not in keep):
+            parked, node.parked = node.parked, []
+            for key, extent in parked:
+                if self.leases.is_leased(node.node_id, DRAM, key):
+                    node.parked.append((key, extent))
+                else:
                     node.alloc.free(extent)
-                node.parked = keep
 
     def drop_replica(self, key: str, node_id: str, evicted: bool = False, gen: int = 0) -> None:
         """The daemon confirmed the replica on ``node_id`` (of generation ``gen``; 0: whichever it

@@ -4,15 +4,15 @@ violation, and the same run with a bug planted in the daemons is caught (the che
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from bench.chaos import SsdDisks
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian: apt install etcd-server)"),
@@ -30,22 +30,8 @@ def _chaos(*args: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return lines[-1], lines[:-1]
 
 
-def _can_mount() -> bool:
-    """Whether this process may mount a tmpfs (disk_full puts each SSD tier on one): root, and a
-    container that allows it."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        return False
-    with tempfile.TemporaryDirectory() as where:
-        mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", where]
-        done = subprocess.run(mount, capture_output=True, timeout=30, check=False)
-        if done.returncode != 0:
-            return False
-        subprocess.run(["umount", where], capture_output=True, timeout=30, check=False)
-    return True
-
-
 def test_a_short_run_of_every_fault_kind_keeps_every_promise_and_alerts() -> None:
-    kinds = ["leader_kill", "daemon_kill", "sigstop"] + (["disk_full"] if _can_mount() else [])
+    kinds = ["leader_kill", "daemon_kill", "sigstop"] + (["disk_full"] if SsdDisks.possible() else [])
     summary, faults = _chaos(
         "--minutes", "1.3", "--seed", "7", "--calm", "20", "--interval", "4", "--faults", ",".join(kinds)
     )

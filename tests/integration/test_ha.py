@@ -23,7 +23,7 @@ from kvstore.protocol import Stats, StatsReply
 from kvstore_cli.cluster import LocalCluster, LocalEtcd, free_port
 from kvstore_client import Store
 from tests.conftest import FACES, admin_call, connect_client
-from transfer.discovery import EtcdCluster, read_leader, read_masters
+from transfer.discovery import EtcdCluster, read_masters
 from transfer.rpc import Connection
 
 pytestmark = [
@@ -55,21 +55,6 @@ def _metrics(cluster: LocalCluster, m: int) -> dict[str, float]:
         text = resp.read().decode()
     samples = (line.split(" ") for line in text.splitlines() if line and not line.startswith("#"))
     return {name: float(value) for name, value in samples if "{" not in name}
-
-
-def _leader_index(cluster: LocalCluster, timeout: float = 15.0) -> int:
-    """The index of the master etcd names as leader (waiting for an election to end)."""
-    assert cluster.etcd is not None
-    where = EtcdCluster((cluster.etcd,), CLUSTER)
-    deadline = time.monotonic() + timeout
-    while True:
-        leader = read_leader(where, 1.0)
-        if leader is not None and leader.address in cluster.master_rpc:
-            m = cluster.master_rpc.index(leader.address)
-            if cluster.masters[m] is not None:
-                return m
-        assert time.monotonic() < deadline, "no leader elected"
-        time.sleep(0.05)
 
 
 class Load:
@@ -122,13 +107,13 @@ def _check_all(store: Store, committed: dict[str, bytes]) -> None:
 
 def _failover(cluster: LocalCluster, store: Store, prefix: str) -> dict[str, float]:
     """SIGKILL the leader under load; how long until a put succeeds again through the new leader."""
-    old = _leader_index(cluster)
+    old = cluster.leader_index()
     with Load(store, prefix) as load:
         time.sleep(1.0)
         before = load.ops
         killed = time.monotonic()
         cluster.kill_ha_master(old)
-        while load.ops <= before + 1 or _leader_index(cluster) == old:
+        while load.ops <= before + 1 or cluster.leader_index() == old:
             time.sleep(0.01)
         deadline = time.monotonic() + 30
         ops_at_new = load.ops
@@ -160,7 +145,7 @@ def test_three_failovers_in_a_row(ha: LocalCluster) -> None:
         store.put_many(list(before.items()))
         times = []
         for round_ in range(3):
-            old = _leader_index(ha)
+            old = ha.leader_index()
             figures = _failover(ha, store, f"round{round_}")
             times.append(figures["failover_s"])
             ha.start_ha_master(old)  # back as a standby
@@ -168,7 +153,7 @@ def test_three_failovers_in_a_row(ha: LocalCluster) -> None:
     print(json.dumps({"test": "ha_three_failovers", "failover_s": times}))
     assert max(times) < 5.0
     # Operators see it: the leader says it leads and took over; the standby that lost says so too.
-    leader = _leader_index(ha)
+    leader = ha.leader_index()
     lead, stand = _metrics(ha, leader), _metrics(ha, 1 - leader)
     assert lead["kvstore_master_leading"] == 1 and lead["kvstore_master_ready"] == 1
     assert lead["kvstore_master_failovers_total"] >= 1 and lead["kvstore_master_epoch"] > 0
@@ -184,11 +169,11 @@ def test_three_failovers_in_a_row(ha: LocalCluster) -> None:
 def test_etcd_restart_keeps_the_leader_serving(ha: LocalCluster, etcd: LocalEtcd) -> None:
     with Store.connect(ha.master_address, ClientConfig(timeout_s=15.0)) as store:
         store.put("before", b"x" * 1000)
-        leader = _leader_index(ha)
+        leader = ha.leader_index()
         etcd.stop()
         etcd.start()
         time.sleep(3 * MasterConfig().etcd_lease_ttl_s)  # several keep-alive rounds after the restart
-        assert _leader_index(ha) == leader  # the lease survived: no new election, no split brain
+        assert ha.leader_index() == leader  # the lease survived: no new election, no split brain
         assert store.get("before") == b"x" * 1000
         store.put("after", b"y" * 1000)
         assert store.get("after") == b"y" * 1000
@@ -202,7 +187,7 @@ def test_a_standbys_admin_api_changes_nothing(ha: LocalCluster) -> None:
     yet) answered "0 evicted" from a table that is not the cluster's. Now: 503, and the key stays."""
     with Store.connect(ha.master_address) as store:
         store.put("kept", b"k" * 100)
-        standby = 1 - _leader_index(ha)
+        standby = 1 - ha.leader_index()
         status, body = admin_call(ha.master_admin[standby], "POST", "/api/v1/evict", {"key": "kept"})
         assert status == 503 and body["error"] == "NotLeader", body
         status, body = admin_call(ha.master_admin[standby], "POST", "/api/v1/nodes/node0/drain")
@@ -216,13 +201,13 @@ def test_a_standbys_admin_api_changes_nothing(ha: LocalCluster) -> None:
 def test_a_partitioned_leader_stops_serving_once_its_lease_is_gone(ha: LocalCluster, face: str) -> None:
     with connect_client(face, ha.master_address, ClientConfig(timeout_s=15.0)) as store:
         store.put("k", b"v" * 100)
-        old = _leader_index(ha)
+        old = ha.leader_index()
         proc = ha.masters[old]
         assert proc is not None
         proc.send_signal(signal.SIGSTOP)  # cut off from etcd (and everyone) past its lease
         try:
             deadline = time.monotonic() + 15
-            while _leader_index(ha) == old:
+            while ha.leader_index() == old:
                 assert time.monotonic() < deadline, "the standby never took over"
                 time.sleep(0.05)
             assert store.get("k") == b"v" * 100
@@ -238,7 +223,7 @@ def test_a_partitioned_leader_stops_serving_once_its_lease_is_gone(ha: LocalClus
         while len(read_masters(EtcdCluster((str(ha.etcd),), CLUSTER), 2.0)) < 2:  # back, as a standby
             assert time.monotonic() < deadline, "the deposed leader never listed itself again"
             time.sleep(0.1)
-        assert _leader_index(ha) != old
+        assert ha.leader_index() != old
 
 
 def test_etcd_unreachable_at_start_names_the_endpoints_and_serves_nothing() -> None:
