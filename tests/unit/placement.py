@@ -3,8 +3,8 @@ daemons' answers to its commands."""
 
 from __future__ import annotations
 
-from kvstore.placement.results import ReplicaLookup, Ticket
-from kvstore.placement.state import NodeCommand
+from kvstore.placement.results import HeldBlock, ReplicaLookup, Ticket
+from kvstore.placement.state import Move, NodeCommand
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import EvictionPolicy, TierName
 from kvstore.protocol import GetReplicasReply, LocatedRef
@@ -52,3 +52,25 @@ def run(t: PlacementTable, commands: list[NodeCommand], ok: bool = True) -> None
 def located(lookup: ReplicaLookup, keys: list[str]) -> list[LocatedRef | None]:
     """A lookup as a reader sees it, through the wire reply the master makes of it."""
     return GetReplicasReply.from_lookup(lookup).located(keys)
+
+
+def placed(layout: dict[str, list[tuple[str, str]]], dram: int = 8 * KB, ssd: int = 8 * KB) -> PlacementTable:
+    """A table rebuilt from inventories: per node, (key, tier) in order, each block KB bytes."""
+    t = PlacementTable(EXACT)
+    for node, items in layout.items():
+        inventory = [
+            HeldBlock(k, TierName(tier), i * KB if tier == "dram" else -1, KB, 7) for i, (k, tier) in enumerate(items)
+        ]
+        assert t.register_node(node, f"{node}:1", dram, ssd, 64, inventory, 0) == []
+    t.check()
+    return t
+
+
+def copy(t: PlacementTable, keys: list[str], node: str, max_bytes: int = 1 << 30, ok: bool = True) -> list[Move]:
+    """Plan copies and have the target make them (or fail them all)."""
+    moves = t.plan_replicas(keys, node, max_bytes)
+    t.check()
+    copied, drops = t.finish_replicas(moves, [ok] * len(moves))
+    assert drops == [] and copied == (moves if ok else [])
+    t.check()
+    return moves
