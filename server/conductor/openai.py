@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -40,8 +41,8 @@ from kvstore.errors import ConnectionFailed, InvalidArgument
 
 NOMINAL_PREFILL = (0.02, 2e-4, 0.0)
 """Seconds per prefill (fixed, per token, per token pair) assumed of an OpenAI server until measured."""
-ENGINE_CACHE_BYTES_PER_S = 1e12
-"""A server's own prefix cache costs nothing to reuse."""
+ENGINE_CACHE_BYTES_PER_S = math.inf
+"""A server's own prefix cache costs nothing to reuse (its load time is exactly 0)."""
 UNKEYED_FIELDS = ("cache_salt", "prompt_embeds", "multi_modal_data", "lora_request")
 """Request fields that change the KV beyond the tokens (the connector's keys carry them; the conductor's do not)."""
 

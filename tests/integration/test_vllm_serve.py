@@ -119,13 +119,16 @@ def test_a_streamed_answer_ends_with_done_and_carries_only_what_was_asked(
 def test_a_conversation_goes_back_to_the_server_that_holds_it(served: tuple[list[VllmServer], Conductor]) -> None:
     _, conductor = served
     context = prompt(1100, 13)
-    engines = []
+    turns = []
     for turn in range(3):
-        out = complete(conductor.url, {"prompt": context, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})
-        engines.append(out["engine"])
-        context = context + out["tokens"] + prompt(300, 100 + turn)
-    # On a failure, the conductor's log says whether a server was taken down or a request retried.
-    assert engines[1] == engines[0] and engines[2] == engines[0], (engines, conductor.log_path.read_text()[-3000:])
+        body = {"prompt": context, "max_tokens": 16, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        status, out = post(conductor.url, body)
+        assert status == 200, out
+        turns.append(out["kvstore"])
+        context = context + out["choices"][0]["token_ids"] + prompt(300, 100 + turn)
+    # On a failure: the conductor's predictions for each turn, and its log (a server taken down, a retry).
+    engines = [t["engine"] for t in turns]
+    assert engines[1] == engines[0] and engines[2] == engines[0], (turns, conductor.log_path.read_text()[-3000:])
 
 
 def test_blocks_an_answer_completes_are_stored_for_the_next_turn(served: tuple[list[VllmServer], Conductor]) -> None:

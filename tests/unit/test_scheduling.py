@@ -38,6 +38,26 @@ def test_global_prefers_the_instance_holding_the_prefix() -> None:
     assert d.queue_s == 0 and d.ttft_s == pytest.approx(d.prefill_s)
 
 
+def test_a_cost_model_that_cannot_tell_keeps_the_request_where_its_prefix_is() -> None:
+    # A fit flat in tokens (a tiny model's time to first token is its fixed cost) predicts the same for
+    # computing 1416 tokens as for 392 after 1024 held: the instance holding the prefix must still win,
+    # whichever order the instances are in (it once lost by the 1 us its free cache was charged).
+    flat = PrefillCostModel()
+    for new, past in [(100, 0), (200, 0), (400, 0), (100, 500)]:
+        flat.observe(new, past, 0.05)
+    assert flat.coefficients[1:] == (0.0, 0.0)
+    for holder in ("e0", "e1"):
+        s = Scheduler(prefill_model=flat, transfer=TransferModel(1024, 1e9, float("inf")),
+                      decode_model=DecodeModel(base_s=0.01), colocated=True)  # fmt: skip
+        for name in ("e0", "e1"):
+            s.add_prefill(name, node=name)
+            s.add_decode(name)
+        for stored in (0, 1024):
+            d = s.schedule(Request(stored + 1, 1416, 16), Locality(stored, {holder: 1024}), now=0.0)
+            assert d.prefill == holder and d.local_tokens == 1024 and d.fetch_tokens == 0
+            s.forget(stored + 1, 0.0)
+
+
 def test_global_fetches_a_longer_remote_prefix_and_local_does_not() -> None:
     s, loc = scheduler(replicate_max_tokens=100), Locality(800, {"n1": 800})
     s.schedule(Request(1, 1000, 10), Locality(0, {}), now=0.0)  # p0 busy for 1 s
