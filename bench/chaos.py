@@ -12,8 +12,10 @@ rewritten, removed and put again while faults land; an operator evicts keys thro
 API now and then. The nemesis, on a schedule drawn from ``--seed`` (the same seed, the same
 schedule): ``leader_kill`` (SIGKILL the leading master, restart it as a standby), ``daemon_kill``
 (SIGKILL a daemon, restart it on its arena), ``sigstop`` (SIGSTOP a daemon or the leader for a
-few seconds, then SIGCONT), ``disk_full`` (fill the filesystem of a daemon's SSD tier, a small
-tmpfs mounted for it: root only, then empty it again).
+few seconds, then SIGCONT), ``partition`` (a daemon cut from both masters, or a client process
+cut from a daemon: :class:`Partitions`, root and iptables), ``disk_full`` (fill the filesystem of a
+daemon's SSD tier, a small tmpfs mounted for it: root only, then empty it again). By default every
+kind this machine can inject.
 
 Capacity is sized so that nothing is evicted for room (the key space fits every node's SSD):
 a read that misses an acknowledged put that no remove or eviction explains is a loss. The
@@ -41,7 +43,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,10 @@ from kvstore_client.children import terminate
 from kvstore_client.puts import PutOptions, PutStatus
 from kvstore_client.store import Store
 
-FAULTS = ("leader_kill", "daemon_kill", "sigstop", "disk_full")
+FAULTS = ("leader_kill", "daemon_kill", "sigstop", "partition", "disk_full")
+GROUPS = 47000
+"""Group ids of the run's processes (partitions tell their packets apart by them): masters from here,
+daemons from + 8, client workers from + 16."""
 CLUSTER_ID = "chaos"
 SIZES = (4096, 32 * 1024, 128 * 1024)
 OPS = (("put", 30), ("put_pinned", 4), ("get", 28), ("get_many", 10), ("exists", 6), ("remove", 10), ("match", 4))
@@ -130,8 +135,11 @@ async def one_op(face: Any, rng: random.Random, rec: Recorder, keys: list[str]) 
 
 
 def worker(wid: str, master: str, seed: int, stop_at: float, keys: list[str], out: str, kind: str, tasks: int,
-           transport: str, timeout_s: float) -> None:  # fmt: skip
-    """A client process: ops until ``stop_at`` (time.monotonic()), every one recorded to ``out``."""
+           transport: str, timeout_s: float, gid: int | None = None) -> None:  # fmt: skip
+    """A client process: ops until ``stop_at`` (time.monotonic()), every one recorded to ``out``; with
+    ``gid``, its sockets are that group's (a partition can cut it)."""
+    if gid is not None:
+        os.setgid(gid)
     rec = Recorder(Path(out), wid)
     config = ClientConfig(transport=transport, timeout_s=timeout_s)  # type: ignore[arg-type]
 
@@ -166,8 +174,12 @@ def worker(wid: str, master: str, seed: int, stop_at: float, keys: list[str], ou
 class Nemesis:
     """Faults at times drawn from a seed, each healed before the next; what it did, with times."""
 
-    def __init__(self, cluster: LocalCluster, kinds: list[str], seed: int, log: Callable[[dict[str, Any]], None]):
+    def __init__(self, cluster: LocalCluster, kinds: list[str], seed: int, log: Callable[[dict[str, Any]], None],
+                 *, partitions: Partitions | None = None, workers: int = 0) -> None:  # fmt: skip
         self.cluster = cluster
+        self.partitions = partitions
+        self.workers = workers
+        self.partitioned = 0
         self.kinds = kinds
         self.rng = random.Random(f"nemesis-{seed}")
         self.log = log
@@ -231,6 +243,26 @@ class Nemesis:
                 os.kill(proc.pid, signal.SIGCONT)
             c.wait_for_nodes(c.num_daemons)
             return target
+        if kind == "partition":
+            assert self.partitions is not None, "partitions need Partitions (root, iptables)"
+            i = self.rng.randrange(c.num_daemons)
+            daemon = [port(c.daemon_addresses[i])]
+            self.partitioned += 1
+            # Sides alternate, the first a daemon cut from both masters.
+            if self.partitioned % 2 or not self.workers:
+                masters = [c.gid("master", m) for m in range(len(c.masters))]
+                self.partitions.cut([c.gid("daemon", i)], [port(a) for a in c.master_rpc], masters, daemon)
+                target = f"daemon-{i}|masters"
+            else:  # a client cut from a daemon (its packets to the daemon's port are dropped)
+                w = self.rng.randrange(self.workers)
+                self.partitions.cut([GROUPS + 16 + w], daemon)
+                target = f"w{w}|daemon-{i}"
+            try:
+                time.sleep(hold)
+            finally:
+                self.partitions.heal()
+            c.wait_for_nodes(c.num_daemons)
+            return target
         if kind == "disk_full":
             i = self.rng.randrange(c.num_daemons)
             fill(c.workdir / f"ssd-{i}" / "filler")
@@ -240,6 +272,71 @@ class Nemesis:
                 (c.workdir / f"ssd-{i}" / "filler").unlink(missing_ok=True)
             return f"daemon-{i}"
         raise ValueError(f"unknown fault {kind!r}; there are {FAULTS}")
+
+
+def port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+class Partitions:
+    """Network partitions on loopback. Every process of the run has a group id of its own (the
+    cluster's ``groups``, the workers' ``setgid``) and iptables' owner match drops the TCP packets a
+    group sends to the other side's listening ports, in a chain of this run's own that healing
+    empties. One direction is enough to cut a connection (neither its requests nor its
+    acknowledgements get through); where both sides listen both are cut. Needs root, iptables and
+    the owner match. (This machine's cgroups cannot mark packets, and a cluster in namespaces
+    would lose the shared-memory transport between a client and its daemon.)"""
+
+    def __init__(self) -> None:
+        self.chain = f"KVSCHAOS{os.getpid() % 100000}"
+        _iptables("-N", self.chain)
+        try:
+            _iptables("-I", "OUTPUT", "-o", "lo", "-p", "tcp", "-j", self.chain)
+        except RuntimeError:
+            _iptables("-X", self.chain)
+            raise
+
+    @staticmethod
+    def possible() -> bool:
+        """Whether this process may add an owner-matching rule (root, iptables, xt_owner)."""
+        if os.geteuid() != 0 or shutil.which("iptables") is None:
+            return False
+        chain = f"KVSPROBE{os.getpid() % 100000}"
+        try:
+            _iptables("-N", chain)
+        except RuntimeError:
+            return False
+        try:
+            _iptables("-A", chain, "-p", "tcp", "-m", "owner", "--gid-owner", str(GROUPS), "-j", "DROP")
+            return True
+        except RuntimeError:
+            return False
+        finally:
+            subprocess.run(["iptables", "-F", chain], capture_output=True, timeout=30, check=False)
+            subprocess.run(["iptables", "-X", chain], capture_output=True, timeout=30, check=False)
+
+    def cut(self, gids: Sequence[int | None], ports: Sequence[int], back_gids: Sequence[int | None] = (),
+            back_ports: Sequence[int] = ()) -> None:  # fmt: skip
+        """Drop what ``gids`` send to ``ports`` (and what ``back_gids`` send to ``back_ports``)."""
+        for who, where in ((gids, ports), (back_gids, back_ports)):
+            for gid in who:
+                assert gid is not None, "a partition needs the processes in groups of their own"
+                _iptables("-A", self.chain, "-p", "tcp", "-m", "owner", "--gid-owner", str(gid), "-m", "multiport",
+                          "--dports", ",".join(map(str, where)), "-j", "DROP")  # fmt: skip
+
+    def heal(self) -> None:
+        _iptables("-F", self.chain)
+
+    def remove(self) -> None:
+        for args in (("-D", "OUTPUT", "-o", "lo", "-p", "tcp", "-j", self.chain), ("-F", self.chain),
+                     ("-X", self.chain)):  # fmt: skip
+            subprocess.run(["iptables", *args], capture_output=True, timeout=30, check=False)
+
+
+def _iptables(*args: str) -> None:
+    done = subprocess.run(["iptables", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"iptables {' '.join(args)}: {done.stderr.strip()}")
 
 
 def fill(path: Path) -> None:
@@ -354,17 +451,22 @@ class Prometheus:
 def judge_alerts(firing: list[dict[str, Any]], faults: list[dict[str, Any]], calm: tuple[float, float] | None,
                  settle_s: float = 20.0) -> dict[str, Any]:  # fmt: skip
     """Which alerts fired for which fault (while it was on, or within ``settle_s`` of its healing),
-    which fired in the calm stretch before the first fault, and which never resolved."""
+    which fired in the calm stretch before the first fault, and which never resolved. Partitions
+    count by side: ``partition_daemon`` (a daemon cut from the masters) and ``partition_client`` (a
+    client cut from a daemon: no server sees it, so none is counted as a fault without an alert)."""
     by_kind: dict[str, dict[str, int]] = {}
     silent: dict[str, int] = {}
     for f in faults:
+        kind = f["kind"]
+        if kind == "partition":
+            kind = "partition_daemon" if str(f.get("target", "")).endswith("|masters") else "partition_client"
         names = sorted({a["alert"] for a in firing if a["from"] <= f["wall1"] + settle_s
                         and (a["to"] is None or a["to"] >= f["wall0"])})  # fmt: skip
-        seen = by_kind.setdefault(f["kind"], {})
+        seen = by_kind.setdefault(kind, {})
         for name in names:
             seen[name] = seen.get(name, 0) + 1
-        if not names:
-            silent[f["kind"]] = silent.get(f["kind"], 0) + 1
+        if not names and kind != "partition_client":
+            silent[kind] = silent.get(kind, 0) + 1
     in_calm = sorted({a["alert"] for a in firing if calm is not None and a["from"] < calm[1]
                       and (a["to"] is None or a["to"] >= calm[0])})  # fmt: skip
     return {"by_fault": by_kind, "faults_without_alert": silent, "in_calm": in_calm,
@@ -435,21 +537,29 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
     if unknown:
         raise SystemExit(f"--faults: unknown {sorted(unknown)}; there are {list(FAULTS)}")
     skipped: dict[str, str] = {}
-    if "disk_full" in kinds and args.faults == ",".join(FAULTS) and not SsdDisks.possible():
-        kinds.remove("disk_full")  # the default asks for every kind this machine can inject
-        skipped["disk_full"] = "no tmpfs can be mounted here (root, and a container that allows it)"
-        emit({"skipped_fault": "disk_full", "why": skipped["disk_full"]})
+    for kind, can, why in (
+        ("disk_full", SsdDisks.possible, "no tmpfs can be mounted here (root, and a container that allows it)"),
+        ("partition", Partitions.possible, "no iptables rule with an owner match can be added here (root, iptables)"),
+    ):  # fmt: skip
+        if kind in kinds and args.faults == ",".join(FAULTS) and not can():
+            kinds.remove(kind)  # the default asks for every kind this machine can inject
+            skipped[kind] = why
+            emit({"skipped_fault": kind, "why": why})
     keys = [f"c{i}" for i in range(args.keys)]
     etcd = LocalEtcd().start()
     workdir = etcd.dir / "run"
     workdir.mkdir()
     disks = SsdDisks(workdir, 3, parse_size(args.ssd) + (16 << 20)) if "disk_full" in kinds else None
+    partitions: Partitions | None = None
+    groups = GROUPS if "partition" in kinds else None
     try:
+        if groups is not None:
+            partitions = Partitions()
         with LocalCluster(
             3, dram=args.dram, ssd=args.ssd, workdir=workdir, etcd=etcd.endpoint, cluster_id=CLUSTER_ID, masters=2,
-            admin=True, die_with_parent=True, env=dict(e.split("=", 1) for e in args.cluster_env),
+            admin=True, die_with_parent=True, env=dict(e.split("=", 1) for e in args.cluster_env), groups=groups,
         ) as cluster:  # fmt: skip
-            nemesis = Nemesis(cluster, kinds, args.seed, emit)
+            nemesis = Nemesis(cluster, kinds, args.seed, emit, partitions=partitions, workers=args.workers)
             nemesis.record = open(workdir / "faults.jsonl", "a", buffering=1)  # noqa: SIM115 - closed below
             nemesis.hold = (args.hold[0], args.hold[1])
             evictions = Evictions(cluster)
@@ -464,7 +574,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                 path = workdir / f"history-w{w}.jsonl"
                 procs.append(ctx.Process(target=worker, daemon=True, args=(
                     f"w{w}", cluster.master_address, args.seed, stop_at, keys, str(path), kind, 4, transport,
-                    args.client_timeout,
+                    args.client_timeout, None if groups is None else groups + 16 + w,
                 )))  # fmt: skip
             for p in procs:
                 p.start()
@@ -529,6 +639,8 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                 "alerts": alerts, "faults_skipped": skipped,
             }  # fmt: skip
     finally:
+        if partitions is not None:
+            partitions.remove()
         if disks is not None:
             disks.remove()
         if args.keep:

@@ -136,6 +136,7 @@ class LocalCluster:
         tls: bool = False,
         tls_data: bool = False,
         die_with_parent: bool = False,
+        groups: int | None = None,
     ) -> None:
         """``etcd``: run ``masters`` HA masters electing a leader in that etcd (host:port[,...]);
         clients and daemons then reach the leader at :attr:`master_address`, an etcd:// URL.
@@ -143,8 +144,12 @@ class LocalCluster:
         (:attr:`tenants_file`, filled by :meth:`add_tenant`): every connection authenticates.
         ``tls``: a new CA and a certificate for 127.0.0.1 (:attr:`certs`); RPC and the admin API run
         over TLS, and with ``tls_data`` the daemons' ports too. ``die_with_parent``: every process
-        gets SIGTERM when the thread that started it ends, however it ends (SIGKILL included)."""
+        gets SIGTERM when the thread that started it ends, however it ends (SIGKILL included).
+        ``groups`` (root only): each process runs with a group id of its own, master ``m`` ``groups + m``
+        and daemon ``i`` ``groups + 8 + i`` (:meth:`gid`), so that a firewall's owner match can tell
+        their packets apart on loopback (``bench.chaos``'s partitions)."""
         self.die_with_parent = die_with_parent and sys.platform == "linux"
+        self.groups = groups
         self.etcd = etcd
         self.cluster_id = cluster_id
         self.masters: list[subprocess.Popen[str] | None] = [None] * (masters if etcd else 1)
@@ -210,7 +215,13 @@ class LocalCluster:
         """What a client of this cluster needs for its TLS (its CA; the certificate, for client certificates)."""
         return self.certs.config(data_plane=self.tls_data) if self.certs is not None else None
 
-    def _spawn(self, args: list[str], log_name: str) -> subprocess.Popen[str]:
+    def gid(self, role: str, i: int) -> int | None:
+        """The group id the ``role`` (master or daemon) ``i`` runs with (None: the caller's)."""
+        if self.groups is None:
+            return None
+        return self.groups + i + (8 if role == "daemon" else 0)
+
+    def _spawn(self, args: list[str], log_name: str, gid: int | None = None) -> subprocess.Popen[str]:
         log = open(self.workdir / log_name, "a")  # noqa: SIM115 - owned by the child
         return subprocess.Popen(
             [sys.executable, "-m", "kvstore_cli", *args],
@@ -220,6 +231,7 @@ class LocalCluster:
             env=self.env,
             start_new_session=True,
             preexec_fn=die_with_parent if self.die_with_parent else None,
+            group=gid,
         )
 
     def node_name(self, i: int) -> str:
@@ -248,7 +260,7 @@ class LocalCluster:
         port = self.master_port or 0
         admin = ["--admin-port", self.admin_address.rsplit(":", 1)[1] if self.admin_address else str(self.admin_port)]
         args = ["master", "--port", str(port), *(admin if self.admin else []), *self.master_args]
-        self.master = self._spawn(args, "master.log")
+        self.master = self._spawn(args, "master.log", self.gid("master", 0))
         assert self.master.stdout is not None
         line = _read_line(self.master.stdout, _START_TIMEOUT, "the master")
         self.master_address = line.rsplit(" ", 1)[-1]
@@ -265,7 +277,7 @@ class LocalCluster:
             "master", "--port", port, "--etcd", str(self.etcd), "--cluster-id", self.cluster_id,
             *(admin if self.admin else []), *self.master_args,
         ]  # fmt: skip
-        proc = self._spawn(args, f"master-{m}.log")
+        proc = self._spawn(args, f"master-{m}.log", self.gid("master", m))
         self.masters[m] = proc
         assert proc.stdout is not None
         line = _read_line(proc.stdout, _START_TIMEOUT, f"master {m}")
@@ -304,7 +316,7 @@ class LocalCluster:
             "--dram", self.dram, "--ssd", self.ssd, "--ssd-dir", str(self.workdir / f"ssd-{i}"), "--port", port,
             *self.daemon_args,
         ]  # fmt: skip
-        proc = self._spawn(args, f"daemon-{i}.log")
+        proc = self._spawn(args, f"daemon-{i}.log", self.gid("daemon", i))
         self.daemons[i] = proc  # from now on stop() ends it, whatever happens next
         assert proc.stdout is not None
         line = _read_line(proc.stdout, _START_TIMEOUT, f"daemon {i}")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench.chaos import SsdDisks
+from bench.chaos import Partitions, SsdDisks
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian: apt install etcd-server)"),
@@ -31,7 +31,8 @@ def _chaos(*args: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def test_a_short_run_of_every_fault_kind_keeps_every_promise_and_alerts() -> None:
-    kinds = ["leader_kill", "daemon_kill", "sigstop"] + (["disk_full"] if SsdDisks.possible() else [])
+    kinds = ["leader_kill", "daemon_kill", "sigstop"]
+    kinds += (["partition"] if Partitions.possible() else []) + (["disk_full"] if SsdDisks.possible() else [])
     summary, faults = _chaos(
         "--minutes", "1.3", "--seed", "7", "--calm", "20", "--interval", "4", "--faults", ",".join(kinds)
     )
@@ -44,6 +45,8 @@ def test_a_short_run_of_every_fault_kind_keeps_every_promise_and_alerts() -> Non
         assert not alerts["faults_without_alert"] and not alerts["in_calm"], alerts
         assert "KvstoreMasterUnreachable" in alerts["by_fault"]["leader_kill"], alerts
         assert "KvstoreNodeDown" in alerts["by_fault"]["daemon_kill"], alerts
+        if "partition_daemon" in alerts["by_fault"]:  # a daemon cut from the masters is a node down to them
+            assert "KvstoreNodeDown" in alerts["by_fault"]["partition_daemon"], alerts
         if "disk_full" in kinds:
             assert "KvstoreTierDegraded" in alerts["by_fault"]["disk_full"], alerts
 
