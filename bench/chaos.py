@@ -387,19 +387,22 @@ class SsdDisks:
 
 
 class Prometheus:
-    """A real Prometheus (Debian's ``prometheus``) scraping the masters every second with the rules of
-    docker/prometheus/alerts.yml; afterwards, when each alert fired and resolved."""
+    """A real Prometheus (Debian's ``prometheus``) scraping the masters and the daemons every second with
+    the rules of docker/prometheus/alerts.yml; afterwards, when each alert fired and resolved."""
 
     RULES = Path(__file__).resolve().parents[1] / "docker" / "prometheus" / "alerts.yml"
 
-    def __init__(self, workdir: Path, masters: list[str]) -> None:
+    def __init__(self, workdir: Path, masters: list[str], daemons: list[str]) -> None:
         self.dir = workdir / "prometheus"
         self.dir.mkdir()
         self.address = f"127.0.0.1:{free_port()}"
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
             "rule_files": [str(self.RULES)],
-            "scrape_configs": [{"job_name": "kvstore-masters", "static_configs": [{"targets": masters}]}],
+            "scrape_configs": [
+                {"job_name": "kvstore-masters", "static_configs": [{"targets": masters}]},
+                {"job_name": "kvstore-daemons", "static_configs": [{"targets": daemons}]},
+            ],
         }
         (self.dir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
         with open(self.dir / "prometheus.log", "a") as log:
@@ -558,12 +561,13 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
         with LocalCluster(
             3, dram=args.dram, ssd=args.ssd, workdir=workdir, etcd=etcd.endpoint, cluster_id=CLUSTER_ID, masters=2,
             admin=True, die_with_parent=True, env=dict(e.split("=", 1) for e in args.cluster_env), groups=groups,
+            daemon_metrics=args.prometheus,
         ) as cluster:  # fmt: skip
             nemesis = Nemesis(cluster, kinds, args.seed, emit, partitions=partitions, workers=args.workers)
             nemesis.record = open(workdir / "faults.jsonl", "a", buffering=1)  # noqa: SIM115 - closed below
             nemesis.hold = (args.hold[0], args.hold[1])
             evictions = Evictions(cluster)
-            prometheus = Prometheus(workdir, cluster.master_admin) if args.prometheus else None
+            prometheus = Prometheus(workdir, cluster.master_admin, cluster.daemon_metrics) if args.prometheus else None
             began = time.time()
             stop_at = time.monotonic() + seconds
             ctx = mp.get_context("spawn")

@@ -471,6 +471,11 @@ class DaemonConfig(_Frozen):
     ucx_port: int | None = Field(
         default=None, ge=0, le=65535, description="Also serve the data plane over UCX on this port (0: any free one)."
     )
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="Serve Prometheus metrics (the daemon's link to the master, its tiers' health) over HTTP on "
+        "this port of host (0: any free one); off by default.",
+    )  # fmt: skip
     dram: DramConfig = Field(default_factory=DramConfig)
     ssd: SsdConfig = Field(default_factory=SsdConfig)
     io_timeout_s: float = Field(default=30.0, gt=0, description="Bound on each network wait inside a request.")

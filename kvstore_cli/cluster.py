@@ -137,6 +137,7 @@ class LocalCluster:
         tls_data: bool = False,
         die_with_parent: bool = False,
         groups: int | None = None,
+        daemon_metrics: bool = False,
     ) -> None:
         """``etcd``: run ``masters`` HA masters electing a leader in that etcd (host:port[,...]);
         clients and daemons then reach the leader at :attr:`master_address`, an etcd:// URL.
@@ -147,7 +148,8 @@ class LocalCluster:
         gets SIGTERM when the thread that started it ends, however it ends (SIGKILL included).
         ``groups`` (root only): each process runs with a group id of its own, master ``m`` ``groups + m``
         and daemon ``i`` ``groups + 8 + i`` (:meth:`gid`), so that a firewall's owner match can tell
-        their packets apart on loopback (``bench.chaos``'s partitions)."""
+        their packets apart on loopback (``bench.chaos``'s partitions). ``daemon_metrics``: each daemon
+        serves its Prometheus metrics (at :attr:`daemon_metrics`, host:port; kept across restarts)."""
         self.die_with_parent = die_with_parent and sys.platform == "linux"
         self.groups = groups
         self.etcd = etcd
@@ -174,6 +176,9 @@ class LocalCluster:
         self.master: subprocess.Popen[str] | None = None
         self.daemons: list[subprocess.Popen[str] | None] = [None] * daemons
         self.daemon_addresses: list[str] = [""] * daemons
+        self.metrics = daemon_metrics
+        self.daemon_metrics: list[str] = [""] * daemons
+        """Each daemon's metrics host:port (with ``daemon_metrics=True``)."""
         self.secret_file: Path | None = None
         self.tenants_file: Path | None = None
         if authenticate:
@@ -311,16 +316,20 @@ class LocalCluster:
     def start_daemon(self, i: int) -> None:
         """Start daemon ``i``; a restart keeps its port, as a daemon in production keeps its address."""
         port = self.daemon_addresses[i].rsplit(":", 1)[1] if self.daemon_addresses[i] else "0"
+        metrics = ["--metrics-port", self.daemon_metrics[i].rsplit(":", 1)[1] if self.daemon_metrics[i] else "0"]
         args = [
             "daemon", "--master", self.master_address, "--name", self.node_name(i), "--arena", self.arena_name(i),
             "--dram", self.dram, "--ssd", self.ssd, "--ssd-dir", str(self.workdir / f"ssd-{i}"), "--port", port,
-            *self.daemon_args,
+            *(metrics if self.metrics else []), *self.daemon_args,
         ]  # fmt: skip
         proc = self._spawn(args, f"daemon-{i}.log", self.gid("daemon", i))
         self.daemons[i] = proc  # from now on stop() ends it, whatever happens next
         assert proc.stdout is not None
         line = _read_line(proc.stdout, _START_TIMEOUT, f"daemon {i}")
         self.daemon_addresses[i] = line.rsplit(" ", 1)[-1]
+        if self.metrics:
+            line = _read_line(proc.stdout, _START_TIMEOUT, f"daemon {i}'s metrics")
+            self.daemon_metrics[i] = line.rsplit("//", 1)[-1].removesuffix("/metrics")
 
     def wait_for_nodes(self, count: int, timeout: float = _START_TIMEOUT) -> None:
         """Wait until the master counts ``count`` nodes up; an unreachable master is asked again until ``timeout``."""

@@ -110,6 +110,9 @@ def _daemon_arguments(p: argparse.ArgumentParser) -> None:
         "--rail", action="append", default=[], metavar="HOST", help="also serve on this host's address (one per NIC)"
     )
     p.add_argument("--ucx-port", type=int, default=None, help="also serve over UCX on this port (0: any free port)")
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port of --host (0: any free)"
+    )
     p.add_argument("--max-connections", type=int, default=None, help="connections served at once (default 4096)")
     p.add_argument(
         "--max-connections-per-peer", type=int, default=None, help="connections served at once per peer (default 1024)"
@@ -183,6 +186,7 @@ def _daemon(args: argparse.Namespace) -> int:
         **{
             k: v
             for k, v in (
+                ("metrics_port", args.metrics_port),
                 ("max_connections", args.max_connections),
                 ("max_connections_per_peer", args.max_connections_per_peer),
                 ("cluster_secret_file", args.cluster_secret_file),

@@ -16,6 +16,7 @@ from kvstore.errors import ConfigError, ResourceShortage
 from kvstore.resources import allocated, check_dram, check_ssd
 from kvstore.tiers.dram import DramArena, arena_path, arena_size, capacity_within
 from server.daemon.master_link import MasterLink
+from server.daemon.metrics import DaemonCollector, serve_metrics
 from server.daemon.service import DaemonServer
 from server.daemon.storage import DaemonStorage
 from transfer.tls import contexts
@@ -74,20 +75,22 @@ def run_daemon(config: DaemonConfig) -> int:
     config = fit_to_machine(config)
     with contextlib.ExitStack() as undo:  # what start-up made, undone in reverse however it ends
         try:
-            address = _start(config, secret, undo)
+            address, metrics = _start(config, secret, undo)
         finally:
             starting = False  # the undo must run whole: from here on a signal only asks to stop
         if stop.is_set():  # a signal came as start-up ended
             return 0
         print(f"kvstore daemon {config.name} listening on {address}", flush=True)
+        if metrics is not None:
+            print(f"kvstore daemon {config.name} metrics on http://{metrics}/metrics", flush=True)
         while not stop.wait(0.5):
             pass
     return 0
 
 
-def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStack) -> str:
+def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStack) -> tuple[str, str | None]:
     """Open the tiers, serve, link to the master; each step's undo pushed on ``undo``. Returns the
-    address served."""
+    address served and, with ``metrics_port``, the metrics' host:port."""
     storage = DaemonStorage(config.dram, config.ssd)
     if config.leave_on_exit:  # ours (never another live daemon's of the same name): gone after close
         undo.callback(DramArena.remove, config.dram)
@@ -136,4 +139,13 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
         undo.callback(leave)
     if ucx is not None:
         log.info("UCX data plane on %s (%s)", ucx_address, tune_environment())
-    return server.address
+    metrics = None
+    if config.metrics_port is not None:
+        try:
+            metrics, stop_metrics = serve_metrics(
+                config.host, config.metrics_port, DaemonCollector(config.name, link, storage)
+            )
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {config.host}:{config.metrics_port}: {exc}") from None
+        undo.callback(stop_metrics)
+    return server.address, metrics

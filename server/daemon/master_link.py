@@ -16,6 +16,7 @@ import logging
 import os
 import ssl
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -94,6 +95,12 @@ class MasterLink:
         self._failures = RateLimitedLog(log)
         """A master down (or failing over) logs once, then once a minute with a count."""
         self._interval = 1.0
+        self.last_answer: float | None = None
+        """When (time.monotonic()) the master last answered a registration or a heartbeat."""
+        self.registrations = 0
+        """Registrations the master answered: the first, then one each time a master forgot this node."""
+        self.failures = 0
+        """Registrations and heartbeats that got no answer."""
         self._on_registered = on_registered
         self.registered = threading.Event()
         self._thread = threading.Thread(target=self._run, name="daemon-master-link", daemon=True)
@@ -163,6 +170,7 @@ class MasterLink:
         if self._on_epoch is not None:
             self._on_epoch(reply.epoch)
         self._interval = max(reply.heartbeat_interval_ms, 50) / 1000
+        self.registrations += 1
         if not self.registered.is_set():
             self.registered.set()
             if self._on_registered is not None:
@@ -186,11 +194,13 @@ class MasterLink:
                     known = reply.known
                     if known:
                         self.peers = reply.peers
+                self.last_answer = time.monotonic()
 
                 backoff = 0.1
                 self._stop.wait(self._interval if known else 0)
             except KVStoreError as exc:
                 known = False
+                self.failures += 1
                 self._failures.warning(
                     "unreachable", "master %s unreachable (%s); retrying every 0.1 to 0.5 s", self._conn.address, exc
                 )

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -387,7 +388,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(docker: Docker, images: tuple[str, str, str]) -> Iterator[Cluster]:
-    ports = free_ports(7)
+    ports = free_ports(9)
     cluster_id = f"dockertest-{os.getpid()}"
     env = {
         **os.environ,
@@ -401,7 +402,8 @@ def cluster(docker: Docker, images: tuple[str, str, str]) -> Iterator[Cluster]:
         "KVSTORE_SSD": "64MiB",
         "KVSTORE_SHM_SIZE": "96m",
         **{f"KVSTORE_PORT_{name}": str(port) for name, port in zip(
-            ("ETCD", "ETCD_PEER", "MASTER1", "ADMIN1", "MASTER2", "ADMIN2", "PROMETHEUS"), ports, strict=True)},
+            ("ETCD", "ETCD_PEER", "MASTER1", "ADMIN1", "MASTER2", "ADMIN2", "PROMETHEUS", "NODE1_METRICS",
+             "NODE2_METRICS"), ports, strict=True)},
     }  # fmt: skip
     project = f"kvstoretest{os.getpid()}{random.randrange(1 << 20):x}"
     admin = [f"127.0.0.1:{ports[3]}", f"127.0.0.1:{ports[5]}"]
@@ -442,20 +444,25 @@ def test_cluster_answers_the_host(cluster: Cluster) -> None:
     assert len(running.split()) == len(SERVICES)
 
 
-def test_prometheus_scrapes_both_masters_with_the_alerting_rules(cluster: Cluster) -> None:
+def test_prometheus_scrapes_both_masters_and_both_daemons_with_the_alerting_rules(cluster: Cluster) -> None:
     prometheus = f"http://127.0.0.1:{cluster.env['KVSTORE_PORT_PROMETHEUS']}"
     with urllib.request.urlopen(f"{prometheus}/api/v1/rules", timeout=10) as resp:
         groups = json.loads(resp.read())["data"]["groups"]
     names = {rule["name"] for group in groups for rule in group["rules"]}
-    assert {"KvstoreNodeDown", "KvstoreNoLeader", "KvstoreTierDegraded", "KvstoreQuotaPressure"} <= names
+    assert {"KvstoreNodeDown", "KvstoreNoLeader", "KvstoreTierDegraded", "KvstoreDaemonCutFromMaster"} <= names
+    daemons = [f"127.0.0.1:{cluster.env[f'KVSTORE_PORT_NODE{n}_METRICS']}" for n in (1, 2)]
     deadline = time.monotonic() + 60
     while True:
         with urllib.request.urlopen(f"{prometheus}/api/v1/targets", timeout=10) as resp:
             targets = json.loads(resp.read())["data"]["activeTargets"]
         healthy = sorted(t["labels"]["instance"] for t in targets if t["health"] == "up")
-        if healthy == sorted(cluster.admin):
+        if healthy == sorted(cluster.admin + daemons):
             break
-        assert time.monotonic() < deadline, f"Prometheus does not scrape both masters: {targets}"
+        assert time.monotonic() < deadline, f"Prometheus does not scrape both masters and both daemons: {targets}"
+    for address in daemons:  # each daemon's own view: a master answers it
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        assert re.search(r"^kvstore_daemon_registered\{node=\"node[12]\"\} 1\.0$", text, re.M), text
         time.sleep(1)
 
 

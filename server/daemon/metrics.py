@@ -1,0 +1,76 @@
+"""A daemon's own Prometheus metrics (``kvstore daemon --metrics-port``): what only the daemon sees.
+
+The masters' ``/metrics`` carry what daemons tell them in heartbeats (tiers, transfers, refusals);
+a daemon cut from the masters tells them nothing, and they only see it go silent. Its own endpoint
+says, from its side: whether a master answers it and since when it has not, how often it had to
+register again, and its tiers' health. Read at each scrape; nothing is kept here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from server.daemon.master_link import MasterLink
+from server.daemon.storage import DaemonStorage
+
+
+class DaemonCollector:
+    """The metrics of one daemon, from its master link and its storage."""
+
+    def __init__(self, node: str, link: MasterLink, storage: DaemonStorage, started: float | None = None) -> None:
+        self.node = node
+        self.link = link
+        self.storage = storage
+        self.started = time.monotonic() if started is None else started
+
+    def collect(self) -> Iterator[Metric]:
+        node, link = [self.node], self.link
+        now = time.monotonic()
+        answered = link.last_answer
+        silent = now - (answered if answered is not None else self.started)
+
+        def gauge(name: str, text: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(f"kvstore_daemon_{name}", text, labels=["node"])
+            family.add_metric(node, value)
+            return family
+
+        def counter(name: str, text: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"kvstore_daemon_{name}", text, labels=["node"])
+            family.add_metric(node, value)
+            return family
+
+        yield gauge("master_silence_seconds", "Seconds since a master last answered this daemon (registration or "
+                    "heartbeat; since start while none has).", silent)  # fmt: skip
+        yield gauge("registered", "1 once a master has answered this daemon's registration.",
+                    1.0 if link.registered.is_set() else 0.0)  # fmt: skip
+        yield counter("registrations", "Registrations a master answered (again each time a master forgot the node).",
+                      link.registrations)  # fmt: skip
+        yield counter("master_failures", "Registrations and heartbeats no master answered.", link.failures)
+        yield gauge("dram_capacity_bytes", "The DRAM tier's data capacity.", self.storage.arena.capacity)
+        capacity, configured, fault = self.storage.ssd_health()
+        if configured < 0:  # no SSD tier
+            return
+        yield gauge("ssd_capacity_bytes", "What the SSD tier can hold now (less than configured when its disk is "
+                    "full or failing).", capacity)  # fmt: skip
+        yield gauge("ssd_configured_bytes", "The SSD tier's configured capacity.", configured)
+        yield gauge("ssd_fault", "1 while the SSD tier reports a fault.", 1.0 if fault else 0.0)
+
+
+def serve_metrics(host: str, port: int, collector: DaemonCollector) -> tuple[str, Callable[[], None]]:
+    """Serve ``collector`` at http://host:port/metrics (a thread of its own); (host:port, stop)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server: Any
+    server, thread = start_http_server(port, addr=host, registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return f"{host}:{server.server_port}", stop
