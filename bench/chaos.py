@@ -55,11 +55,23 @@ from kvstore_client.aio import AsyncStore
 from kvstore_client.children import terminate
 from kvstore_client.puts import PutOptions, PutStatus
 from kvstore_client.store import Store
+from transfer.wire import parse_address
 
 FAULTS = ("leader_kill", "daemon_kill", "sigstop", "partition", "disk_full")
 GROUPS = 47000
 """Group ids of the run's processes (partitions tell their packets apart by them): masters from here,
-daemons from + 8, client workers from + 16."""
+daemons from + 8 (LocalCluster.gid), client workers from + 16 (:func:`worker_gid`)."""
+
+
+def worker_gid(w: int) -> int:
+    return GROUPS + 16 + w
+
+
+def transport_of(w: int) -> str:
+    """Client worker ``w``'s transport: every third over shared memory where it can, the others TCP."""
+    return "auto" if w % 3 == 2 else "tcp"
+
+
 CLUSTER_ID = "chaos"
 SIZES = (4096, 32 * 1024, 128 * 1024)
 OPS = (("put", 30), ("put_pinned", 4), ("get", 28), ("get_many", 10), ("exists", 6), ("remove", 10), ("match", 4))
@@ -180,6 +192,8 @@ class Nemesis:
         self.partitions = partitions
         self.workers = workers
         self.partitioned = 0
+        self.error: str | None = None
+        """Why the nemesis stopped early (a fault it could not inject or heal), if it did."""
         self.kinds = kinds
         self.rng = random.Random(f"nemesis-{seed}")
         self.log = log
@@ -193,6 +207,16 @@ class Nemesis:
         """Where each fault is written as it heals (a kept run's ``faults.jsonl``)."""
 
     def run(self, start_after: float, interval: float, until: float) -> None:
+        try:
+            self._run(start_after, interval, until)
+        except Exception as exc:  # a fault that could not be injected or healed: no more faults, said so
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.log({"nemesis_error": self.error})
+        # The processes this thread restarted die with it (LocalCluster's die_with_parent is per
+        # thread): it stays until the run is over.
+        self.released.wait()
+
+    def _run(self, start_after: float, interval: float, until: float) -> None:
         t = time.monotonic() + start_after
         deck: list[str] = []
         while self.kinds and not self.stop.wait(max(0.0, t - time.monotonic())) and time.monotonic() < until:
@@ -201,17 +225,17 @@ class Nemesis:
             kind = deck.pop()
             hold = self.rng.uniform(*self.hold)
             fault: dict[str, Any] = {"kind": kind, "t0": time.monotonic_ns(), "wall0": time.time()}
-            fault["target"] = self.inject(kind, hold)
-            fault["t1"], fault["wall1"] = time.monotonic_ns(), time.time()
-            self.faults.append(fault)
+            try:
+                fault["target"] = self.inject(kind, hold)
+            finally:  # a fault that failed half-way still counts: its window excuses what it did
+                fault["t1"], fault["wall1"] = time.monotonic_ns(), time.time()
+                fault.setdefault("target", "?")
+                self.faults.append(fault)
             if self.record is not None:
                 self.record.write(json.dumps(fault) + "\n")
             self.log({"fault": kind, "target": fault["target"], "held_s": round(hold, 2),
                       "healed_in_s": round((fault["t1"] - fault["t0"]) / 1e9, 2)})  # fmt: skip
             t = time.monotonic() + interval * self.rng.uniform(0.6, 1.4)
-        # The processes this thread restarted die with it (LocalCluster's die_with_parent is per
-        # thread): it stays until the run is over.
-        self.released.wait()
 
     def inject(self, kind: str, hold: float) -> str:
         c = self.cluster
@@ -246,18 +270,21 @@ class Nemesis:
         if kind == "partition":
             assert self.partitions is not None, "partitions need Partitions (root, iptables)"
             i = self.rng.randrange(c.num_daemons)
-            daemon = [port(c.daemon_addresses[i])]
+            daemon = [parse_address(c.daemon_addresses[i])[1]]
             self.partitioned += 1
-            # Sides alternate, the first a daemon cut from both masters.
-            if self.partitioned % 2 or not self.workers:
-                masters = [c.gid("master", m) for m in range(len(c.masters))]
-                self.partitions.cut([c.gid("daemon", i)], [port(a) for a in c.master_rpc], masters, daemon)
-                target = f"daemon-{i}|masters"
-            else:  # a client cut from a daemon (its packets to the daemon's port are dropped)
-                w = self.rng.randrange(self.workers)
-                self.partitions.cut([GROUPS + 16 + w], daemon)
-                target = f"w{w}|daemon-{i}"
+            # Sides alternate, the first a daemon cut from both masters. A client cut from a daemon is one
+            # over TCP (one over shared memory would still read the daemon's arena).
+            tcp = [w for w in range(self.workers) if transport_of(w) == "tcp"]
             try:
+                if self.partitioned % 2 or not tcp:
+                    masters = [c.gid("master", m) for m in range(len(c.masters))]
+                    ports = [parse_address(a)[1] for a in c.master_rpc]
+                    target = f"daemon-{i}|masters"
+                    self.partitions.cut([c.gid("daemon", i)], ports, masters, daemon)
+                else:  # its packets to the daemon's port are dropped
+                    w = self.rng.choice(tcp)
+                    target = f"w{w}|daemon-{i}"
+                    self.partitions.cut([worker_gid(w)], daemon)
                 time.sleep(hold)
             finally:
                 self.partitions.heal()
@@ -274,10 +301,6 @@ class Nemesis:
         raise ValueError(f"unknown fault {kind!r}; there are {FAULTS}")
 
 
-def port(address: str) -> int:
-    return int(address.rsplit(":", 1)[1])
-
-
 class Partitions:
     """Network partitions on loopback. Every process of the run has a group id of its own (the
     cluster's ``groups``, the workers' ``setgid``) and iptables' owner match drops the TCP packets a
@@ -287,8 +310,11 @@ class Partitions:
     the owner match. (This machine's cgroups cannot mark packets, and a cluster in namespaces
     would lose the shared-memory transport between a client and its daemon.)"""
 
+    PREFIX = "KVSCHAOS"
+
     def __init__(self) -> None:
-        self.chain = f"KVSCHAOS{os.getpid() % 100000}"
+        self._remove_stale()
+        self.chain = f"{self.PREFIX}{os.getpid()}"
         _iptables("-N", self.chain)
         try:
             _iptables("-I", "OUTPUT", "-o", "lo", "-p", "tcp", "-j", self.chain)
@@ -320,7 +346,8 @@ class Partitions:
         """Drop what ``gids`` send to ``ports`` (and what ``back_gids`` send to ``back_ports``)."""
         for who, where in ((gids, ports), (back_gids, back_ports)):
             for gid in who:
-                assert gid is not None, "a partition needs the processes in groups of their own"
+                if gid is None:
+                    raise ValueError("a partition needs the processes in groups of their own (LocalCluster groups=)")
                 _iptables("-A", self.chain, "-p", "tcp", "-m", "owner", "--gid-owner", str(gid), "-m", "multiport",
                           "--dports", ",".join(map(str, where)), "-j", "DROP")  # fmt: skip
 
@@ -328,13 +355,27 @@ class Partitions:
         _iptables("-F", self.chain)
 
     def remove(self) -> None:
-        for args in (("-D", "OUTPUT", "-o", "lo", "-p", "tcp", "-j", self.chain), ("-F", self.chain),
-                     ("-X", self.chain)):  # fmt: skip
-            subprocess.run(["iptables", *args], capture_output=True, timeout=30, check=False)
+        self._remove_chain(self.chain)
+
+    @staticmethod
+    def _remove_chain(chain: str) -> None:
+        for args in (("-D", "OUTPUT", "-o", "lo", "-p", "tcp", "-j", chain), ("-F", chain), ("-X", chain)):
+            subprocess.run(["iptables", "-w", "5", *args], capture_output=True, timeout=30, check=False)
+
+    @classmethod
+    def _remove_stale(cls) -> None:
+        """The chains of runs that were killed before they could remove theirs (their process is gone)."""
+        listed = subprocess.run(["iptables", "-w", "5", "-S"], capture_output=True, text=True, timeout=30)
+        for line in listed.stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == "-N" and parts[1].startswith(cls.PREFIX):
+                pid = parts[1].removeprefix(cls.PREFIX)
+                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                    cls._remove_chain(parts[1])
 
 
 def _iptables(*args: str) -> None:
-    done = subprocess.run(["iptables", *args], capture_output=True, text=True, timeout=30)
+    done = subprocess.run(["iptables", "-w", "5", *args], capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
         raise RuntimeError(f"iptables {' '.join(args)}: {done.stderr.strip()}")
 
@@ -477,38 +518,84 @@ def judge_alerts(firing: list[dict[str, Any]], faults: list[dict[str, Any]], cal
 
 
 class Evictions:
-    """The masters' eviction counters, read every second (a master's counters start again at zero
-    when it restarts): the evictions of every master process, summed."""
+    """What the masters evicted: each master process's eviction log (``GET /api/v1/evictions``), read
+    every quarter second into ``history-evictions.jsonl`` as ``evicted`` records the checker counts as
+    removals, and its counters (a master's start again at zero when it restarts). The log is whole
+    when no page said entries were lost and no master counted more evictions than its log gave."""
 
-    def __init__(self, cluster: LocalCluster) -> None:
+    MARGIN_NS = 2_000_000_000
+    """An eviction is logged when the master learns it is done (a daemon's drop confirmed, within a
+    tick): it may have been decided, and its block unreadable, up to this long before."""
+
+    def __init__(self, cluster: LocalCluster, path: Path) -> None:
         self.cluster = cluster
         self.seen: dict[tuple[int, int], dict[str, float]] = {}
+        self.after: dict[tuple[int, int], int] = {}
+        self.lost = 0
         self.stop = threading.Event()
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self._offset = time.time_ns() - time.monotonic_ns()  # unix time -> this host's monotonic clock
+        self._ticks = 0
 
     def run(self) -> None:
-        while not self.stop.wait(1.0):
-            self.read()
+        while not self.stop.wait(0.25):
+            self.read(counters=self._ticks % 4 == 0)
+            self._ticks += 1
 
-    def read(self) -> None:
+    def read(self, counters: bool = True) -> None:
         for m, proc in enumerate(self.cluster.masters):
-            if proc is None or not self.cluster.master_admin[m]:
+            admin = self.cluster.master_admin[m]
+            if proc is None or not admin:
                 continue
+            who = (m, proc.pid)
+            self._read_log(m, who, admin)
+            if counters:
+                self._read_counters(who, admin)
+
+    def _read_log(self, m: int, who: tuple[int, int], admin: str) -> None:
+        while True:
+            after = self.after.get(who, 0)
             try:
-                with urllib.request.urlopen(f"http://{self.cluster.master_admin[m]}/metrics", timeout=2) as resp:
-                    text = resp.read().decode()
-            except OSError:
-                continue
-            values = {}
-            for line in text.splitlines():
-                name, _, value = line.partition(" ")
-                if name in ("kvstore_evictions_total", "kvstore_demotions_failed_total"):
-                    values[name] = float(value)
-            seen = self.seen.setdefault((m, proc.pid), {})
-            for name, value in values.items():
-                seen[name] = max(seen.get(name, 0.0), value)
+                with urllib.request.urlopen(f"http://{admin}/api/v1/evictions?after={after}&limit=10000",
+                                            timeout=2) as resp:  # fmt: skip
+                    page = json.loads(resp.read())
+            except (OSError, ValueError):
+                return
+            self.lost += page["lost"]
+            for e in page["evictions"]:
+                t = int(e["at"] * 1e9) - self._offset
+                self.file.write(json.dumps({
+                    "w": f"master-{m}.{who[1]}", "n": e["seq"], "op": "evicted", "key": e["key"], "ok": True,
+                    "res": 1, "t0": t - self.MARGIN_NS, "t1": t + 200_000_000, "node": e["node_id"],
+                    "reason": e["reason"],
+                }) + "\n")  # fmt: skip
+            self.after[who] = page["next_after"]
+            if len(page["evictions"]) < 10000:
+                return
+
+    def _read_counters(self, who: tuple[int, int], admin: str) -> None:
+        try:
+            with urllib.request.urlopen(f"http://{admin}/metrics", timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return
+        seen = self.seen.setdefault(who, {})
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("kvstore_evictions_total", "kvstore_demotions_failed_total"):
+                seen[name] = max(seen.get(name, 0.0), float(value))
 
     def total(self, name: str) -> int:
         return int(sum(s.get(name, 0.0) for s in self.seen.values()))
+
+    def whole(self) -> bool:
+        """Whether every eviction the masters counted is in the log read."""
+        return not self.lost and all(
+            s.get("kvstore_evictions_total", 0.0) <= self.after.get(who, 0) for who, s in self.seen.items()
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def operator(cluster: LocalCluster, nemesis: Nemesis, keys: list[str], rec: Recorder, rng: random.Random,
@@ -566,7 +653,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
             nemesis = Nemesis(cluster, kinds, args.seed, emit, partitions=partitions, workers=args.workers)
             nemesis.record = open(workdir / "faults.jsonl", "a", buffering=1)  # noqa: SIM115 - closed below
             nemesis.hold = (args.hold[0], args.hold[1])
-            evictions = Evictions(cluster)
+            evictions = Evictions(cluster, workdir / "history-evictions.jsonl")
             prometheus = Prometheus(workdir, cluster.master_admin, cluster.daemon_metrics) if args.prometheus else None
             began = time.time()
             stop_at = time.monotonic() + seconds
@@ -574,11 +661,10 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
             procs = []
             for w in range(args.workers):
                 kind = "async" if w % 2 else "sync"
-                transport = "tcp" if w % 3 != 2 else "auto"
                 path = workdir / f"history-w{w}.jsonl"
                 procs.append(ctx.Process(target=worker, daemon=True, args=(
-                    f"w{w}", cluster.master_address, args.seed, stop_at, keys, str(path), kind, 4, transport,
-                    args.client_timeout, None if groups is None else groups + 16 + w,
+                    f"w{w}", cluster.master_address, args.seed, stop_at, keys, str(path), kind, 4, transport_of(w),
+                    args.client_timeout, None if groups is None else worker_gid(w),
                 )))  # fmt: skip
             for p in procs:
                 p.start()
@@ -607,16 +693,19 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
             for t in threads[1:]:
                 t.join(60)
             evictions.read()
+            evictions.close()
             rec.close()
             history = load(workdir)
-            operator_evicted = sum(r["res"] for r in history if r.get("op") == "evict" and r.get("ok"))
-            room = evictions.total("kvstore_evictions_total") - operator_evicted
+            logged = [r for r in history if r.get("op") == "evicted"]
+            room = sum(r["reason"] in ("lru", "demotion_failed") for r in logged)
             dropped = evictions.total("kvstore_demotions_failed_total")
             nemesis.record.close()
-            # A disk that fills makes its tier smaller: the master evicts from it for room, for real.
-            evicted = room > 0 or dropped > 0 or any(f["kind"] == "disk_full" for f in nemesis.faults)
+            # Every eviction is in the history (a full disk makes its tier smaller: the master evicts for
+            # room, for real), so a miss is a loss unless one explains it; were the logs not whole, only
+            # pinned puts could be held to that.
+            whole = evictions.whole()
             verdict = check(history, nemesis.faults, hang_s=args.hang_s, end_ns=end_ns, grace_s=args.grace_s,
-                            lru_evictions=evicted)  # fmt: skip
+                            lru_evictions=not whole)  # fmt: skip
             worst, by_kind = unavailability(history, nemesis.faults)
             alerts: dict[str, Any] = {"skipped": "no prometheus (Debian: apt install prometheus)"}
             if prometheus is not None:
@@ -639,7 +728,9 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                 "own_exists_in_faults": verdict.own_exists_in_faults,
                 "faults": faults, "max_unavailable_s": worst, "unavailable_s": by_kind,
                 "max_op_s": round(max(durations, default=0) / 1e9, 3),
-                "evictions_for_room": max(room, 0), "demotions_failed": dropped, "workers": args.workers,
+                "evictions_for_room": room, "demotions_failed": dropped, "eviction_log_whole": whole,
+                "nemesis_error": nemesis.error,
+                "workers": args.workers,
                 "alerts": alerts, "faults_skipped": skipped,
             }  # fmt: skip
     finally:

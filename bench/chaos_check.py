@@ -8,6 +8,8 @@ A history is a list of records, one per operation (dicts, as the chaos workers w
   read (a batch's records share its times); ``bad:`` when the bytes were no put's bytes;
 - ``{"op": "exists", "key", "res": bool}``, ``{"op": "remove", "key", "res": bool}``;
 - ``{"op": "evict", "key", "res": n}``: an operator's eviction of one key (``n`` blocks evicted);
+- ``{"op": "evicted", "key", "reason"}``: an eviction in a master's log (``w`` names the master
+  process, ``n`` the log's number; ``t0``..``t1`` when it may have happened): not an operation;
 - ``{"op": "match", "keys", "res": n}``; and ``{"begin": n, "w", "t0"}`` before each worker's op
   ``n`` (an op begun and never ended hung).
 
@@ -27,11 +29,11 @@ What it checks (a violation names the rule, the record and why):
   daemons drop evicted blocks in the background);
 - ``lost``: a read began after a put of its key was acknowledged STORED and missed, with no
   remove or eviction of the key that could explain it (one that began before the read ended
-  and ended after the put began, acknowledged or not); with ``lru_evictions`` (capacity
-  evictions happened) only pinned puts count. EXISTS promises nothing of its own (the key is
-  stored, or another put of it is being written). A miss while a fault is on, or within
-  ``grace_s`` of its healing, is unavailability (``misses_in_faults``), not a loss: a loss is
-  a miss once the cluster is whole again;
+  and ended after the put began, acknowledged or not; the masters' logged evictions count);
+  with ``lru_evictions`` (evictions happened that the history may lack) only pinned puts count.
+  EXISTS promises nothing of its own (the key is stored, or another put of it is being
+  written). A miss while a fault is on, or within ``grace_s`` of its healing, is unavailability
+  (``misses_in_faults``), not a loss: a loss is a miss once the cluster is whole again;
 - ``hang``: an op that ran longer than ``hang_s``, or began and never ended;
 - ``unexpected_error``: an op failed with something other than the store's typed errors.
 """
@@ -49,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 READS = ("get", "get_many")
-REMOVALS = ("remove", "evict")
+REMOVALS = ("remove", "evict", "evicted")
 
 
 def value_bytes(key: str, vid: str, size: int) -> bytes:
@@ -92,9 +94,9 @@ class Verdict:
 
 
 def _may_remove(r: dict[str, Any]) -> bool:
-    """Whether ``r`` may have taken its key away: a remove however it ended; an eviction unless it
-    was answered with nothing evicted."""
-    return r["op"] == "remove" or (r["op"] == "evict" and not (r.get("ok") and r.get("res") == 0))
+    """Whether ``r`` may have taken its key away: a remove however it ended, a master's logged
+    eviction; an operator's eviction unless it was answered with nothing evicted."""
+    return r["op"] in ("remove", "evicted") or (r["op"] == "evict" and not (r.get("ok") and r.get("res") == 0))
 
 
 class _Latest:
@@ -122,8 +124,9 @@ def check(
     windows = sorted((f["t0"], f["t1"] + int(grace_s * 1e9)) for f in faults)
     records = [r for r in history if "begin" not in r]
     begins = [r for r in history if "begin" in r]
-    verdict = Verdict(ops=len({(r["w"], r["n"]) for r in records}))
-    verdict.ok = len({(r["w"], r["n"]) for r in records if r.get("ok")})
+    ops = [r for r in records if r["op"] != "evicted"]
+    verdict = Verdict(ops=len({(r["w"], r["n"]) for r in ops}))
+    verdict.ok = len({(r["w"], r["n"]) for r in ops if r.get("ok")})
     puts: dict[str, dict[str, Any]] = {}
     stored: dict[str, list[dict[str, Any]]] = defaultdict(list)
     removals: dict[str, list[dict[str, Any]]] = defaultdict(list)

@@ -384,6 +384,10 @@ class MasterConfig(_Frozen):
     grant_ttl_ms: int = Field(
         default=10_000, gt=0, description="Granted write space (one-trip puts) returns to the pool after this."
     )
+    eviction_log: int = Field(
+        default=65_536, ge=0,
+        description="Evictions the master keeps for GET /api/v1/evictions (key, node, why, when; 0: none).",
+    )  # fmt: skip
     admin_header_timeout_s: float = Field(
         default=10.0, gt=0, le=600, description="An admin API request's head must arrive within this of its connection."
     )

@@ -423,8 +423,9 @@ class Scheduler:
                     queue_s = 0.0
             key = queue_s if by_queue else queue_s + costs[1] + costs[2]
             # On a tie the instance holding more of the prefix: a cost model that cannot tell (a fit flat in
-            # tokens, a free local cache) must not send a request away from the cache that holds it.
-            if chosen is None or key < chosen[0] or (key == chosen[0] and local > chosen[2]):
+            # tokens, a free local cache) must not send a request away from the cache that holds it. Not
+            # by queue alone: load balancing is blind to the cache.
+            if chosen is None or key < chosen[0] or (not by_queue and key == chosen[0] and local > chosen[2]):
                 chosen = (key, p, local, costs, queue_s)
         assert chosen is not None
         _, p, local, (prefix, transfer_s, prefill_s), queue_s = chosen

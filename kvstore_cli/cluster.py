@@ -24,11 +24,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Self
+from typing import IO, Literal, Self
 
 from kvstore.auth import cluster_credential, read_secret_file
 from kvstore.config import ClientConfig, TlsConfig, daemon_dram
-from kvstore.errors import ConnectionFailed, KVStoreError, Timeout
+from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, Timeout
 from kvstore.protocol import Stats, StatsReply
 from kvstore.tenants import OPERATIONS, add_admin, add_tenant
 from kvstore.tiers.dram import DramArena
@@ -151,6 +151,11 @@ class LocalCluster:
         their packets apart on loopback (``bench.chaos``'s partitions). ``daemon_metrics``: each daemon
         serves its Prometheus metrics (at :attr:`daemon_metrics`, host:port; kept across restarts)."""
         self.die_with_parent = die_with_parent and sys.platform == "linux"
+        if groups is not None and (os.geteuid() != 0 or max(masters, daemons) > 8):
+            raise InvalidArgument(
+                "groups: a group of its own for each process needs root, and 8 masters and daemons at most; got"
+                f" {masters} masters and {daemons} daemons as uid {os.geteuid()}"
+            )
         self.groups = groups
         self.etcd = etcd
         self.cluster_id = cluster_id
@@ -176,7 +181,7 @@ class LocalCluster:
         self.master: subprocess.Popen[str] | None = None
         self.daemons: list[subprocess.Popen[str] | None] = [None] * daemons
         self.daemon_addresses: list[str] = [""] * daemons
-        self.metrics = daemon_metrics
+        self.serve_metrics = daemon_metrics
         self.daemon_metrics: list[str] = [""] * daemons
         """Each daemon's metrics host:port (with ``daemon_metrics=True``)."""
         self.secret_file: Path | None = None
@@ -220,10 +225,12 @@ class LocalCluster:
         """What a client of this cluster needs for its TLS (its CA; the certificate, for client certificates)."""
         return self.certs.config(data_plane=self.tls_data) if self.certs is not None else None
 
-    def gid(self, role: str, i: int) -> int | None:
+    def gid(self, role: Literal["master", "daemon"], i: int) -> int | None:
         """The group id the ``role`` (master or daemon) ``i`` runs with (None: the caller's)."""
         if self.groups is None:
             return None
+        if role not in ("master", "daemon") or not 0 <= i < 8:
+            raise InvalidArgument(f"no group for {role} {i}: masters and daemons 0 to 7 have one")
         return self.groups + i + (8 if role == "daemon" else 0)
 
     def _spawn(self, args: list[str], log_name: str, gid: int | None = None) -> subprocess.Popen[str]:
@@ -320,14 +327,14 @@ class LocalCluster:
         args = [
             "daemon", "--master", self.master_address, "--name", self.node_name(i), "--arena", self.arena_name(i),
             "--dram", self.dram, "--ssd", self.ssd, "--ssd-dir", str(self.workdir / f"ssd-{i}"), "--port", port,
-            *(metrics if self.metrics else []), *self.daemon_args,
+            *(metrics if self.serve_metrics else []), *self.daemon_args,
         ]  # fmt: skip
         proc = self._spawn(args, f"daemon-{i}.log", self.gid("daemon", i))
         self.daemons[i] = proc  # from now on stop() ends it, whatever happens next
         assert proc.stdout is not None
         line = _read_line(proc.stdout, _START_TIMEOUT, f"daemon {i}")
         self.daemon_addresses[i] = line.rsplit(" ", 1)[-1]
-        if self.metrics:
+        if self.serve_metrics:
             line = _read_line(proc.stdout, _START_TIMEOUT, f"daemon {i}'s metrics")
             self.daemon_metrics[i] = line.rsplit("//", 1)[-1].removesuffix("/metrics")
 

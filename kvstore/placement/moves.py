@@ -28,6 +28,7 @@ from kvstore.placement.state import (
     READY,
     SSD,
     Catalog,
+    EvictionReason,
     Move,
     NodeCommand,
     NodeState,
@@ -48,8 +49,10 @@ class Moves:
         self.writes = writes
         self.policy = policy
 
-    def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str], list[NodeCommand]]:
-        """Drop stored blocks from every tier (an operator's eviction); pinned ones stay.
+    def evict_keys(
+        self, keys: Iterable[str], why: EvictionReason = "operator"
+    ) -> tuple[int, list[str], list[NodeCommand]]:
+        """Drop stored blocks from every tier (an operator's eviction, or ``why``); pinned ones stay.
         Returns how many were evicted, the pinned ones skipped, and the daemons' drops."""
         victims: list[str] = []
         pinned: list[str] = []
@@ -59,7 +62,8 @@ class Moves:
                 continue
             (pinned if entry.pinned else victims).append(key)
         evicted, commands = self.writes.remove(victims)
-        self.catalog.counters["evictions"] += evicted
+        for key in victims:
+            self.catalog.note_eviction(key, "", why)
         return evicted, pinned, commands
 
     def tenant_victims(self, tenant: str, need: int, keep: Collection[str] = ()) -> list[str]:

@@ -42,7 +42,7 @@ def plan_put(table: PlacementTable, tenant: str, quota: int, keys: Sequence[str]
     if over > 0:
         victims = table.tenant_victims(tenant, over, keep=set(keys))
         if victims:
-            _, _, commands = table.evict_keys(victims)
+            _, _, commands = table.evict_keys(victims, "quota")
     return QuotaPlan(new, commands)
 
 
@@ -72,4 +72,4 @@ def grant_evictions(table: PlacementTable, tenant: str, quota: int, length: int)
     once they are done."""
     over = table.tenant_held(tenant) + length - quota
     victims = table.tenant_victims(tenant, over) if over > 0 else []
-    return table.evict_keys(victims)[2] if victims else []
+    return table.evict_keys(victims, "quota")[2] if victims else []

@@ -8,10 +8,11 @@ issuing commands, revoking puts, dropping a replica once a daemon confirmed).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import repeat
+from typing import Literal, NamedTuple
 
 from kvstore.allocator import Allocator, Extent
 from kvstore.placement.leases import Holder, Leases
@@ -169,6 +170,24 @@ COUNTERS = (
 )
 
 
+EVICTIONS_KEPT = 65_536
+"""Evictions the table keeps until the master takes them (:meth:`Catalog.take_evictions`); past that
+the oldest go, counted in ``evictions_lost``."""
+
+
+EvictionReason = Literal["lru", "demotion_failed", "operator", "quota"]
+
+
+class Eviction(NamedTuple):
+    """A block the table evicted: its key, the node ("" for every replica) and why: ``lru`` (room
+    for other blocks), ``demotion_failed`` (a DRAM block whose SSD refused it), ``operator`` (the admin
+    API), ``quota`` (room under its tenant's quota)."""
+
+    key: str
+    node_id: str
+    reason: EvictionReason
+
+
 def owner_of(key: str) -> str:
     """The tenant a key belongs to: its first path segment (servers put ``NAME/`` in front of every
     key of tenant NAME); "" for a key with none."""
@@ -202,6 +221,8 @@ class Catalog:
         self.draining: set[str] = set()
         """Nodes out of placement, their blocks being moved elsewhere (an operator's drain)."""
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.evictions: deque[Eviction] = deque(maxlen=EVICTIONS_KEPT)
+        self.evictions_lost = 0
         self.usage: Counter[str] = Counter()
         """Bytes of the keys (pending or stored, counted once however many replicas) of each
         first path segment, ``NAME`` of ``NAME/...``: a tenant's bytes, for its quota."""
@@ -475,9 +496,23 @@ class Catalog:
                 else:
                     node.alloc.free(extent)
 
-    def drop_replica(self, key: str, node_id: str, evicted: bool = False, gen: int = 0) -> None:
+    def note_eviction(self, key: str, node_id: str, reason: EvictionReason) -> None:
+        """Count an eviction and keep it for the master's log."""
+        self.counters["evictions"] += 1
+        if len(self.evictions) == EVICTIONS_KEPT:
+            self.evictions_lost += 1
+        self.evictions.append(Eviction(key, node_id, reason))
+
+    def take_evictions(self) -> list[Eviction]:
+        """The evictions since the last call, oldest first."""
+        taken = list(self.evictions)
+        self.evictions.clear()
+        return taken
+
+    def drop_replica(self, key: str, node_id: str, evicted: EvictionReason | None = None, gen: int = 0) -> None:
         """The daemon confirmed the replica on ``node_id`` (of generation ``gen``; 0: whichever it
-        is) gone: free its room; the key goes with its last."""
+        is) gone: free its room; the key goes with its last. ``evicted``: why, when it was an
+        eviction (see :class:`Eviction`)."""
         rec = self.rec
         slot, idx = rec.index.get(key), rec.node_index.get(node_id)
         if slot is None:
@@ -486,4 +521,4 @@ class Catalog:
         if row >= 0 and gen in (0, rec.r_gen[row]):
             self.drop_row(row)
         if evicted:
-            self.counters["evictions"] += 1
+            self.note_eviction(key, node_id, evicted)

@@ -35,7 +35,7 @@ from kvstore.placement.moves import Moves
 from kvstore.placement.nodes import Membership
 from kvstore.placement.reads import Reads
 from kvstore.placement.results import HeldBlock, PrefixMatch, ReplicaLookup
-from kvstore.placement.state import Catalog, Grant, Move, NodeCommand, NodeState, ObjectEntry
+from kvstore.placement.state import Catalog, Eviction, EvictionReason, Grant, Move, NodeCommand, NodeState, ObjectEntry
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import PLACEMENT_STRATEGIES, PutPlan, Writes
 from kvstore.policy import EvictionPolicy, TierName
@@ -240,8 +240,19 @@ class PlacementTable:
         self._tiering.apply(command, done)
 
     # -- operators: evictions, drains, replication ---------------------------------------------
-    def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str], list[NodeCommand]]:
-        return self._moves.evict_keys(keys)
+    def evict_keys(
+        self, keys: Iterable[str], why: EvictionReason = "operator"
+    ) -> tuple[int, list[str], list[NodeCommand]]:
+        return self._moves.evict_keys(keys, why)
+
+    def take_evictions(self) -> list[Eviction]:
+        """The evictions since the last call (see :class:`~kvstore.placement.state.Eviction`), oldest first."""
+        return self._catalog.take_evictions()
+
+    @property
+    def evictions_lost(self) -> int:
+        """Evictions dropped untaken (more than EVICTIONS_KEPT between two takes)."""
+        return self._catalog.evictions_lost
 
     def tenant_victims(self, tenant: str, need: int, keep: Collection[str] = ()) -> list[str]:
         return self._moves.tenant_victims(tenant, need, keep)

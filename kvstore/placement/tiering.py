@@ -21,6 +21,7 @@ from kvstore.placement.state import (
     READY,
     SSD,
     Catalog,
+    EvictionReason,
     NodeCommand,
     NodeState,
     ObjectEntry,
@@ -176,7 +177,10 @@ class Tiering:
             else:
                 # A failed demotion: the daemon dropped the block instead (its SSD is full or failing).
                 cat.counters["demotions_failed"] += command.kind is ActionKind.DEMOTE
-                cat.drop_replica(key, node.node_id, evicted=not command.release, gen=gen)
+                why: EvictionReason | None = None
+                if not command.release:
+                    why = "demotion_failed" if command.kind is ActionKind.DEMOTE else "lru"
+                cat.drop_replica(key, node.node_id, evicted=why, gen=gen)
 
     def _finish_promote(self, node: NodeState, entry: ObjectEntry, replica: ReplicaState, ok: bool) -> None:
         replica.to(READY)

@@ -128,6 +128,16 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
         tls=contexts(config.tls)[0],
     )
     server.master = link
+    # Before the link starts: a port it cannot have stops it before it registers.
+    metrics = None
+    if config.metrics_port is not None:
+        try:
+            metrics, stop_metrics = serve_metrics(
+                config.host, config.metrics_port, DaemonCollector(config.name, link, storage)
+            )
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {config.host}:{config.metrics_port}: {exc}") from None
+        undo.callback(stop_metrics)
     link.start()
     undo.callback(link.stop)
     if config.leave_on_exit:
@@ -139,13 +149,4 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
         undo.callback(leave)
     if ucx is not None:
         log.info("UCX data plane on %s (%s)", ucx_address, tune_environment())
-    metrics = None
-    if config.metrics_port is not None:
-        try:
-            metrics, stop_metrics = serve_metrics(
-                config.host, config.metrics_port, DaemonCollector(config.name, link, storage)
-            )
-        except OSError as exc:
-            raise ConfigError(f"cannot serve metrics on {config.host}:{config.metrics_port}: {exc}") from None
-        undo.callback(stop_metrics)
     return server.address, metrics

@@ -98,7 +98,8 @@ class MasterLink:
         self.last_answer: float | None = None
         """When (time.monotonic()) the master last answered a registration or a heartbeat."""
         self.registrations = 0
-        """Registrations the master answered: the first, then one each time a master forgot this node."""
+        """Registrations a master answered: the first, then one after each failed heartbeat or
+        registration (a master restarted, failed over or was cut off) or a master that forgot the node."""
         self.failures = 0
         """Registrations and heartbeats that got no answer."""
         self._on_registered = on_registered

@@ -3,7 +3,8 @@
 The masters' ``/metrics`` carry what daemons tell them in heartbeats (tiers, transfers, refusals);
 a daemon cut from the masters tells them nothing, and they only see it go silent. Its own endpoint
 says, from its side: whether a master answers it and since when it has not, how often it had to
-register again, and its tiers' health. Read at each scrape; nothing is kept here.
+register again, and its tiers' health (as its last heartbeat measured them). Plain HTTP, without
+authentication, whatever the data plane's settings: it tells names and sizes, nothing stored.
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ class DaemonCollector:
                     "heartbeat; since start while none has).", silent)  # fmt: skip
         yield gauge("registered", "1 once a master has answered this daemon's registration.",
                     1.0 if link.registered.is_set() else 0.0)  # fmt: skip
-        yield counter("registrations", "Registrations a master answered (again each time a master forgot the node).",
-                      link.registrations)  # fmt: skip
+        yield counter("registrations", "Registrations a master answered (again after each lost contact with the "
+                      "masters, or a master that forgot the node).", link.registrations)  # fmt: skip
         yield counter("master_failures", "Registrations and heartbeats no master answered.", link.failures)
         yield gauge("dram_capacity_bytes", "The DRAM tier's data capacity.", self.storage.arena.capacity)
-        capacity, configured, fault = self.storage.ssd_health()
-        if configured < 0:  # no SSD tier
+        ssd = self.storage.ssd
+        if ssd is None:
             return
+        # As the last heartbeat measured it: a scrape measures nothing (a hung disk must not hold it).
+        capacity, configured, fault = ssd.capacity, ssd.config.capacity, ssd.fault
         yield gauge("ssd_capacity_bytes", "What the SSD tier can hold now (less than configured when its disk is "
                     "full or failing).", capacity)  # fmt: skip
         yield gauge("ssd_configured_bytes", "The SSD tier's configured capacity.", configured)

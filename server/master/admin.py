@@ -40,6 +40,8 @@ from server.master.admin_models import (
     ClusterSummary,
     DrainResult,
     ErrorBody,
+    EvictionModel,
+    EvictionPage,
     EvictKey,
     EvictRequest,
     EvictResult,
@@ -433,6 +435,25 @@ async def evict(api: AdminApi, request: web.Request) -> EvictResult:
         targets = [validate_key(k) for k in core.table.stored_keys(prefix)]
     evicted, pinned = core.evict_keys(targets)
     return EvictResult(evicted=evicted, skipped_pinned=[caller.shown(k) for k in pinned[:1000]])
+
+
+@route("GET", "/api/v1/evictions", EvictionPage,
+       "What this master evicted, oldest first, a page at a time: key, node, why and when.",
+       query=(("after", {"type": "integer", "minimum": 0}, False),
+              ("limit", {"type": "integer", "minimum": 1, "maximum": 10_000}, False)),
+       errors=(400,), tenants=True)  # fmt: skip
+async def evictions(api: AdminApi, request: web.Request) -> EvictionPage:
+    caller: Caller = request["caller"]
+    after = _int_query(request, "after", 0, 0, 1 << 62)
+    limit = _int_query(request, "limit", 1000, 1, 10_000)
+    log = api.service.evictions
+    log.add(api.service.table.take_evictions(), time.time())  # what the last tick has not taken yet
+    page, last, lost = log.page(after, limit, caller.prefix)
+    return EvictionPage(
+        evictions=[EvictionModel(seq=e.seq, at=e.at, key=caller.shown(e.key), node_id=e.node_id, reason=e.reason)
+                   for e in page],
+        next_after=last, lost=lost,
+    )  # fmt: skip
 
 
 @route("POST", "/api/v1/nodes/{node_id}/drain", DrainResult,

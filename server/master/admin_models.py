@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
+from kvstore.placement.state import EvictionReason
+
 
 class ErrorBody(BaseModel):
     code: int = Field(description="Stable error code of kvstore.errors (0 for HTTP-level errors).")
@@ -147,6 +149,23 @@ class EvictRequest(RootModel[EvictKey | EvictPrefix | EvictTier]):
 class EvictResult(BaseModel):
     evicted: int = Field(description="Blocks evicted (or, for a node's tier, demoted or dropped).")
     skipped_pinned: list[str]
+
+
+class EvictionModel(BaseModel):
+    seq: int = Field(description="Its number in this master's log (from 1, in order).")
+    at: float = Field(description="Unix time (seconds) the master learned of it (within a tick of it).")
+    key: str
+    node_id: str = Field(description="The node it left; empty when it left every node (an operator's or a quota's).")
+    reason: EvictionReason = Field(
+        description="lru: room for other blocks; demotion_failed: a DRAM block its SSD refused; operator: the admin"
+        " API; quota: room under its tenant's quota."
+    )
+
+
+class EvictionPage(BaseModel):
+    evictions: list[EvictionModel]
+    next_after: int = Field(description="Pass as ?after= for the next page (the last number looked at).")
+    lost: int = Field(description="Evictions after ?after= the log's bound dropped before they were read.")
 
 
 class DrainResult(BaseModel):

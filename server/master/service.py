@@ -26,6 +26,7 @@ from kvstore.tenants import is_legacy
 from server.master.answers import Answers
 from server.master.commands import Commands, Lane
 from server.master.core import MasterCore, now_ms
+from server.master.evictions import EvictionLog
 from server.master.leadership import Leadership
 from server.master.metrics import LatencyHistogram, Sampler
 from server.master.nodes import NodeRegistry
@@ -69,6 +70,7 @@ class MasterService:
         self.rpc = RpcServer(config, self.core, self.leadership, self.authority, self.tls, self._spawn,
                              lambda: self.admin_address)  # fmt: skip
         self.sampler = Sampler()
+        self.evictions = EvictionLog(config.eviction_log)
         self._ticker: asyncio.Task[None] | None = None
         self._policy: TenantsPolicy | None = None
         self._policy_at = 0.0
@@ -243,6 +245,7 @@ class MasterService:
             try:
                 self.rpc.answers.prune()  # first: no failure below keeps a reply past its time
                 self.commands.tick(self.table, now_ms())
+                self.evictions.add(self.table.take_evictions(), time.time())
                 for link in self.nodes.take_stale():
                     self._spawn(link.close(), "close-daemon-link")
                 self.rpc.reap(time.monotonic())

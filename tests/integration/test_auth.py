@@ -319,6 +319,14 @@ def test_the_admin_api_knows_roles_and_keeps_tenants_in_their_namespace(
     call("read-only admin: evict", "POST", "/api/v1/evict", viewer, {"prefix": ""}, expect=403)
     call("read-only admin: drain", "POST", "/api/v1/nodes/node0/drain", viewer, {}, expect=403)
     assert call("operator admin: evict", "POST", "/api/v1/evict", ops, {"key": "dave/doc-1"})["evicted"] == 1
+    # The eviction log: a tenant sees its own evictions by its own names, an admin every one.
+    mine = call("carol reads the eviction log", "GET", "/api/v1/evictions", carol)["evictions"]
+    assert sorted(e["key"] for e in mine) == ["doc-1", "doc-2"]
+    assert [e["key"] for e in call("dave reads the eviction log", "GET", "/api/v1/evictions", dave)["evictions"]] == [
+        "doc-1"
+    ]  # fmt: skip
+    every = call("read-only admin: the eviction log", "GET", "/api/v1/evictions", viewer)["evictions"]
+    assert sorted(e["key"] for e in every) == ["carol/doc-1", "carol/doc-2", "dave/doc-1"]
     call("KVSTORE_ADMIN_TOKEN: nodes", "GET", "/api/v1/nodes", OPERATOR_TOKEN)
 
     with capsys.disabled():

@@ -38,6 +38,7 @@ def test_a_short_run_of_every_fault_kind_keeps_every_promise_and_alerts() -> Non
     )
     print(json.dumps(summary))
     assert summary["violations"] == 0, json.dumps(summary["first"], indent=1)
+    assert summary["nemesis_error"] is None and summary["eviction_log_whole"], summary
     assert set(summary["faults"]) == set(kinds), faults
     assert summary["ok"] > 1000 and summary["max_op_s"] < 60
     alerts = summary["alerts"]

@@ -459,11 +459,11 @@ def test_prometheus_scrapes_both_masters_and_both_daemons_with_the_alerting_rule
         if healthy == sorted(cluster.admin + daemons):
             break
         assert time.monotonic() < deadline, f"Prometheus does not scrape both masters and both daemons: {targets}"
-    for address in daemons:  # each daemon's own view: a master answers it
+        time.sleep(1)
+    for address in daemons:  # each daemon's own view: a master answers it (both are up: registered)
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         assert re.search(r"^kvstore_daemon_registered\{node=\"node[12]\"\} 1\.0$", text, re.M), text
-        time.sleep(1)
 
 
 def quote(key: str) -> str:

@@ -9,8 +9,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvstore.config import MasterConfig
+from kvstore.placement.state import Eviction
 from kvstore.protocol import GetReplicas, Nic, PutEnd, PutStart, PutStartReply, RegisterNode
 from server.master.admin import ROUTES, AdminApi, openapi_document
+from server.master.evictions import EvictionLog
 from server.master.service import MasterService
 
 KB = 1024
@@ -64,6 +66,35 @@ async def test_reads_show_the_tables_state(client: TestClient) -> None:
     assert page == {"keys": ["r-0", "r-1", "r-2", "r-3"], "next_cursor": "r-3"}
     page = await (await client.get("/api/v1/keys?prefix=r-&limit=4&cursor=r-3", headers=AUTH)).json()
     assert page == {"keys": ["r-4", "r-5"], "next_cursor": None}
+
+
+async def test_the_eviction_log_says_what_left_why_and_pages_after_a_number(client: TestClient) -> None:
+    for key in ("r-0", "r-1", "r-2"):
+        resp = await client.post("/api/v1/evict", json={"key": key}, headers=AUTH)
+        assert (await resp.json())["evicted"] == 1
+    page = await (await client.get("/api/v1/evictions?limit=2", headers=AUTH)).json()
+    assert [(e["seq"], e["key"], e["node_id"], e["reason"]) for e in page["evictions"]] == [
+        (1, "r-0", "", "operator"), (2, "r-1", "", "operator")
+    ]  # fmt: skip
+    assert page["next_after"] == 2 and page["lost"] == 0 and page["evictions"][0]["at"] > 1.7e9
+    page = await (await client.get(f"/api/v1/evictions?after={page['next_after']}", headers=AUTH)).json()
+    assert [e["key"] for e in page["evictions"]] == ["r-2"] and page["next_after"] == 3
+    page = await (await client.get("/api/v1/evictions?after=3", headers=AUTH)).json()
+    assert page == {"evictions": [], "next_after": 3, "lost": 0}
+    for bad in ("after=-1", "after=x", "limit=0"):
+        assert (await client.get(f"/api/v1/evictions?{bad}", headers=AUTH)).status == 400
+
+
+def test_the_eviction_log_keeps_its_bound_and_counts_what_it_dropped() -> None:
+    log = EvictionLog(3)
+    log.add([Eviction(f"t/{i}" if i % 2 else f"u/{i}", "n", "lru") for i in range(5)], 1.0)
+    page, last, lost = log.page(0, 10)
+    assert [e.seq for e in page] == [3, 4, 5] and last == 5 and lost == 2
+    page, last, lost = log.page(0, 10, "t/")  # a tenant's own (its prefix) only; the numbers go on
+    assert [e.key for e in page] == ["t/3"] and last == 5 and lost == 2
+    page, last, lost = log.page(3, 1)
+    assert [e.seq for e in page] == [4] and last == 4 and lost == 0
+    assert log.page(5, 10) == ([], 5, 0) and EvictionLog(0).page(0, 10) == ([], 0, 0)
 
 
 async def test_errors_are_json_with_a_code(client: TestClient) -> None:

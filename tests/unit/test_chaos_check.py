@@ -94,7 +94,16 @@ def test_what_explains_a_miss_and_what_does_not() -> None:
     assert kinds([exists_put, get(3, "e", 2, 3, "w0.3")], faults=fault, grace_s=0.001) == ["value_of_exists_put"]
     during = check([put(4, "e", 1.6, 2, res="exists"), get(4, "e", 3, 4, "w0.4")], fault, grace_s=0.001)
     assert during.violations == [] and during.own_exists_in_faults == 1
-    # With evictions for room, only pinned puts must stay.
+    # A master's logged eviction explains a miss (and is no operation); one of another key, or one
+    # logged before the put began, does not.
+    logged = op("master-0.7", 1, "evicted", 1.2, 1.4, key="k", res=1, reason="lru")
+    verdict = check([stored, logged, get(1, "k", 2, 3, None)])
+    assert verdict.violations == [] and verdict.ops == 2
+    other = op("master-0.7", 2, "evicted", 1.2, 1.4, key="j", res=1, reason="lru")
+    assert kinds([stored, other, get(1, "k", 2, 3, None)]) == ["lost"]
+    before = op("master-0.7", 3, "evicted", -2, -1, key="k", res=1, reason="lru")
+    assert kinds([stored, before, get(1, "k", 2, 3, None)]) == ["lost"]
+    # Where the log may lack evictions for room, only pinned puts must stay.
     pinned = put(2, "p", 0, 1, pin=True)
     assert kinds([stored, pinned, get(1, "k", 2, 3, None), get(2, "p", 2, 3, None)], lru_evictions=True) == ["lost"]
 

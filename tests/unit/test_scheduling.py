@@ -58,6 +58,11 @@ def test_a_cost_model_that_cannot_tell_keeps_the_request_where_its_prefix_is() -
             s.forget(stored + 1, 0.0)
 
 
+def test_load_balancing_stays_blind_to_the_cache_on_a_tie() -> None:
+    d = scheduler("load").schedule(Request(1, 1000, 10), Locality(800, {"n1": 800}), now=0.0)
+    assert d.prefill == "p0"  # both idle: the first, though p1 holds the prefix
+
+
 def test_global_fetches_a_longer_remote_prefix_and_local_does_not() -> None:
     s, loc = scheduler(replicate_max_tokens=100), Locality(800, {"n1": 800})
     s.schedule(Request(1, 1000, 10), Locality(0, {}), now=0.0)  # p0 busy for 1 s

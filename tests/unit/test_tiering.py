@@ -43,6 +43,7 @@ def test_full_ssd_drops_its_lru_block_to_take_a_demotion() -> None:
     run(t, plan.commands)
     assert t.exists(["k0", "k1"]) == [False, True]
     assert t.counters["evictions"] == 1 and t.counters["demotions"] == 2
+    assert t.take_evictions() == [("k0", "a", "lru")] and t.take_evictions() == []  # taken once, for the log
 
 
 def test_failed_demotion_means_the_daemon_dropped_it() -> None:
@@ -51,6 +52,7 @@ def test_failed_demotion_means_the_daemon_dropped_it() -> None:
     plan = t.put_start(["k1"], [KB], 1, None, False, 0)
     run(t, plan.commands, ok=False)
     assert t.exists(["k0"]) == [False] and t.nodes["a"].ssd_used == 0
+    assert t.take_evictions() == [("k0", "a", "demotion_failed")]
 
 
 def test_a_block_mid_move_stays_readable_through_its_daemon() -> None:
