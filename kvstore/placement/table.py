@@ -34,6 +34,7 @@ from kvstore.placement.inspection import Inspection
 from kvstore.placement.moves import Moves
 from kvstore.placement.nodes import Membership
 from kvstore.placement.reads import Reads
+from kvstore.placement.records import REMOVING
 from kvstore.placement.results import HeldBlock, PrefixMatch, ReplicaLookup
 from kvstore.placement.state import Catalog, Eviction, EvictionReason, Grant, Move, NodeCommand, NodeState, ObjectEntry
 from kvstore.placement.tiering import Tiering
@@ -228,6 +229,11 @@ class PlacementTable:
 
     def match_prefix_nodes(self, keys: Sequence[str]) -> PrefixMatch:
         return self._reads.match_prefix_nodes(keys)
+
+    def removing(self, keys: Iterable[str]) -> list[str]:
+        """Of ``keys``, those a remove took out of service whose drops are not all confirmed yet."""
+        rec = self._catalog.rec
+        return [k for k in keys if (slot := rec.index.get(k)) is not None and rec.state[slot] & REMOVING]
 
     def exists(self, keys: Sequence[str], now_ms: int = 0) -> list[bool]:
         return self._reads.exists(keys, now_ms)

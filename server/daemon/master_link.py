@@ -12,6 +12,7 @@ own, so that a slow report never holds one up.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import ssl
@@ -19,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from kvstore.auth import Credential
 from kvstore.errors import KVStoreError, ProtocolError
@@ -63,6 +65,7 @@ class MasterLink:
         orphans: Orphans | None = None,
         on_registered: Callable[[], None] | None = None,
         before_register: Callable[[], None] | None = None,
+        registering: Callable[[], AbstractContextManager[None]] | None = None,
         report_period_s: float = 0.01,
         on_epoch: Callable[[int], None] | None = None,
         credential: Credential | None = None,
@@ -73,6 +76,7 @@ class MasterLink:
         self._refusals = refusals
         self._orphans = orphans
         self._before_register = before_register
+        self._registering = registering or contextlib.nullcontext
         self._on_epoch = on_epoch
         self._timeout = timeout
         locator = MasterLocator(master, timeout)  # etcd://: the leader, followed across failovers
@@ -161,12 +165,13 @@ class MasterLink:
             self._before_register()
         arena = self.storage.arena
         ssd_capacity = self.storage.ssd.capacity if self.storage.ssd is not None else 0
-        message = RegisterNode(
-            self.node_id, self.address, arena.capacity, ssd_capacity, arena.alignment, self.storage.inventory(),
-            list(self.rails or [self.address]), topology.host_id(), str(arena.path), os.stat(arena.path).st_ino,
-            topology.local_nics(), topology.has_rdma(), self.ucx_address, arena.max_slots, self.peers,
-        )  # fmt: skip
-        reply = self._conn.call(message, RegisterReply)
+        with self._registering():  # the inventory holds until the master has read it
+            message = RegisterNode(
+                self.node_id, self.address, arena.capacity, ssd_capacity, arena.alignment, self.storage.inventory(),
+                list(self.rails or [self.address]), topology.host_id(), str(arena.path), os.stat(arena.path).st_ino,
+                topology.local_nics(), topology.has_rdma(), self.ucx_address, arena.max_slots, self.peers,
+            )  # fmt: skip
+            reply = self._conn.call(message, RegisterReply)
         self.peers = reply.peers
         if self._on_epoch is not None:
             self._on_epoch(reply.epoch)

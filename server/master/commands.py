@@ -133,7 +133,9 @@ class Commands:
         for node_id, grant_ids in table.expired_grants(now_ms).items():
             self._spawn(self.close_grants(node_id, grant_ids), "grant-expiry")
         retry, self.retry = self.retry, []
-        live = [c for c in retry if c.node_id in table.nodes and table.nodes[c.node_id].up]
+        nodes = table.nodes
+        # Of the node as it is registered now: a registration since replaced what they were planned on.
+        live = [c for c in retry if c.node_id in nodes and nodes[c.node_id].up and c.node_gen == nodes[c.node_id].gen]
         self.later(commands + live, "expiry-commands", table)
         self.room.freed()  # reservations that expired gave their space back
 

@@ -404,9 +404,10 @@ class MasterCore:
 
     # -- removal and eviction ---------------------------------------------------------------------
     async def remove(self, m: Remove, caller: Identity = ANYONE) -> Message:
-        """Answered once the daemons dropped the blocks: a reader that goes straight to a daemon
-        (no lease, no master) must find nothing after remove returns. A daemon that does not answer
-        gets its drop retried; it serves nobody meanwhile."""
+        """Answered once the daemons dropped the blocks, this remove's and those of earlier removes of
+        the same keys still under way: a reader that goes straight to a daemon (no lease, no master)
+        must find nothing after remove returns. A daemon that does not answer gets its drop retried,
+        and the remove is answered Timeout (unsure: the drop is made once the daemon answers)."""
         keys, held = m.keys, []
         if not m.force and self.table.hold_ms:
             held = self.table.held(keys, now_ms())
@@ -414,7 +415,15 @@ class MasterCore:
                 skip = set(held)
                 keys = [k for i, k in enumerate(keys) if i not in skip]
         removed, commands = self.table.remove(keys)
-        if not await self.commands.run(commands):
+        confirmed = await self.commands.run(commands)
+        # Keys an earlier remove took out whose drops are unconfirmed: this answer waits for them too
+        # (a reader that goes to the daemon directly finds the block until its drop is made).
+        pending = self.table.removing(keys) if confirmed else []
+        deadline = time.monotonic() + self.nodes.command_timeout_s
+        while pending and time.monotonic() < deadline:
+            await self.commands.room.wait(deadline - time.monotonic())
+            pending = self.table.removing(pending)
+        if not confirmed or pending:
             # The blocks are out of the table, but a daemon that did not confirm may still serve
             # them to a reader that goes to it directly: say so (the drop is retried until done).
             raise Timeout("a node holding removed blocks did not confirm dropping them yet; they are retried")

@@ -1,31 +1,37 @@
 """Retries and terms: a resent lease release (a client resends the same request id after a broken
-connection) ends nothing more, and a drain stops when its master loses leadership."""
+connection) ends nothing more, a drain stops when its master loses leadership, and a remove of a
+key whose drop is still under way waits for it."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
 from kvstore.config import MasterConfig
-from kvstore.errors import NotLeader
+from kvstore.errors import ConnectionFailed, NotLeader, Timeout
 from kvstore.protocol import (
+    CommandReply,
     GetReplicas,
     GetReplicasReply,
+    Message,
     Nic,
     PutEnd,
     PutStart,
     PutStartReply,
     RegisterNode,
     ReleaseLeases,
+    Remove,
+    RemoveReply,
 )
 from server.master.service import MasterService
 
 KB = 1024
 
 
-async def _service_with(keys: list[str]) -> MasterService:
-    service = MasterService(MasterConfig(port=0))
+async def _service_with(keys: list[str], **config: Any) -> MasterService:
+    service = MasterService(MasterConfig(port=0, **config))
     await service.core.register(RegisterNode(
         "n0", "127.0.0.1:40000", 64 * KB, 0, 64, [], [], "host", "", 0, [Nic("lo", "127.0.0.1", -1, -1)], False,
         "", 0, [],
@@ -83,4 +89,38 @@ async def test_a_drain_stops_when_leadership_is_lost_midway() -> None:
     with pytest.raises(NotLeader):
         await service.core.drain("n0")
     assert sent == ["n1"] and service.table is not old  # one copy asked; nothing planned on the old table ran on
+    await service.stop()
+
+
+async def test_a_second_remove_of_a_key_waits_for_the_first_ones_drop() -> None:
+    """A remove answered while an earlier remove's drop is still on its way would let a reader that
+    goes to the daemon directly read the value after the answer (bench.chaos saw it: the second remove
+    said "not stored" at once)."""
+    service = await _service_with(["k", "j"], command_timeout_ms=300)
+    release, fail = asyncio.Event(), False
+
+    async def slow_drop(node_id: str, lane: str, message: Message, expect: type) -> CommandReply:
+        await release.wait()
+        if fail:
+            raise ConnectionFailed("the daemon is cut off")
+        return CommandReply([True] * len(message.keys))  # type: ignore[attr-defined]
+
+    service.commands.call = slow_drop  # type: ignore[method-assign]
+    first = asyncio.create_task(service.core.remove(Remove(["k"])))
+    await asyncio.sleep(0.05)
+    second = asyncio.create_task(service.core.remove(Remove(["k"])))
+    await asyncio.sleep(0.1)
+    assert not second.done()  # the drop is not made: no answer yet
+    release.set()
+    assert await first == RemoveReply(1, []) and await second == RemoveReply(0, [])
+    # The drop fails: the first is unsure (Timeout), and so is the second, once its wait runs out.
+    release.clear()
+    fail = True
+    first = asyncio.create_task(service.core.remove(Remove(["j"])))
+    await asyncio.sleep(0.05)
+    second = asyncio.create_task(service.core.remove(Remove(["j"])))
+    release.set()
+    for task in (first, second):
+        with pytest.raises(Timeout, match="did not confirm dropping"):
+            await task
     await service.stop()
