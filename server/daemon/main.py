@@ -123,7 +123,7 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
         refusals=server.refusals,
         orphans=server.orphans,
         before_register=server.reset_grants,
-        registering=server.registering,
+        registering=storage.registering,
         on_epoch=server.raise_epoch,
         credential=server.credential,
         tls=contexts(config.tls)[0],

@@ -16,7 +16,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,6 @@ from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
     NotLeader,
-    NotReady,
     PermissionDenied,
     ProtocolError,
     Timeout,
@@ -91,9 +90,6 @@ _MASTER_COMMANDS: frozenset[type[Message]] = frozenset(
     {OpenGrant, EndGrants, DemoteBlocks, DropBlocks, PromoteBlocks, FetchBlocks, TenantsPolicy}
 )
 """What only a master sends: refused on a connection whose master is older than the latest epoch."""
-_PLACEMENT_COMMANDS: frozenset[type[Message]] = frozenset({DemoteBlocks, DropBlocks, PromoteBlocks, FetchBlocks})
-"""What changes which blocks the daemon holds where: refused between the inventory a registration takes
-and the master's answer (:meth:`DaemonServer.registering`)."""
 
 
 @dataclass(slots=True)
@@ -194,9 +190,6 @@ class DaemonServer:
         self._grants_cond = threading.Condition()
         self.epoch = 0
         """The latest master epoch this daemon knows of (see MasterHello); 0: no HA master yet."""
-        self._placing = threading.Condition()
-        self._registering = False
-        self._placements_running = 0
         self.master: MasterLink | None = None
         """Set once the link exists: one-trip puts commit through it, one-trip reads are reported to it."""
         self._handlers: dict[type[Message], Handler] = {
@@ -267,38 +260,6 @@ class DaemonServer:
                 log.warning("cannot serve a connection from %s: %s", host, exc)
                 self._forget(sock, host)
 
-    @contextlib.contextmanager
-    def registering(self) -> Iterator[None]:
-        """While this node registers: from before its inventory is taken until the master answered.
-        The master adopts what the inventory says; a drop (or demotion, promotion, copy) made after
-        it was taken and confirmed before the master read it would be undone there: a removed key
-        back in the table, its extent believed taken by bytes that are gone. Such commands are
-        refused meanwhile (NotReady: the master keeps them pending, and its answer to the
-        registration says what to drop); the ones running finish first."""
-        with self._placing:
-            self._registering = True
-            if not self._placing.wait_for(lambda: self._placements_running == 0, self.io_timeout):
-                self._registering = False
-                raise Timeout("placement commands still running after io_timeout: the registration waits")
-        try:
-            yield
-        finally:
-            with self._placing:
-                self._registering = False
-
-    @contextlib.contextmanager
-    def _placement(self) -> Iterator[None]:
-        with self._placing:
-            if self._registering:
-                raise NotReady("this node is registering with a master: it takes placement commands once answered")
-            self._placements_running += 1
-        try:
-            yield
-        finally:
-            with self._placing:
-                self._placements_running -= 1
-                self._placing.notify_all()
-
     def raise_epoch(self, epoch: int) -> None:
         """A master of ``epoch`` leads now: commands on connections of older masters are refused."""
         self.epoch = max(self.epoch, epoch)
@@ -358,11 +319,7 @@ class DaemonServer:
                     )
                     continue
                 try:
-                    if type(message) in _PLACEMENT_COMMANDS:
-                        with self._placement():
-                            handler(message, sock, request_id)
-                    else:
-                        handler(message, sock, request_id)
+                    handler(message, sock, request_id)
                 except KVStoreError as exc:
                     self._reply_error(sock, request_id, exc)
         except (ConnectionFailed, Timeout, OSError) as exc:

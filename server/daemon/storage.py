@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from kvstore.allocator import align_up
 from kvstore.config import DramConfig, SsdConfig
-from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, RetryLater
+from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, NotReady, RetryLater
 from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import InventoryItem
 from kvstore.tiers.engine import TierEngine
@@ -206,6 +206,7 @@ class DaemonStorage:
         overlaps the extent (an orphan, most likely: see :class:`server.daemon.orphans.Orphans`)."""
         self._watch: set[BlockKey] | None = None
         """While an orphan check is in flight: the keys whose writes began meanwhile (not its to drop)."""
+        self._registering = False
 
     def ssd_health(self) -> tuple[int, int, str]:
         """The SSD tier's capacity now (checked against its disk's free space), its configured one and
@@ -214,6 +215,29 @@ class DaemonStorage:
             return -1, -1, ""
         # Without the storage lock: a heartbeat must not wait behind a demotion to a slow disk.
         return self.ssd.refresh_capacity(), self.ssd.config.capacity, self.ssd.fault
+
+    @contextmanager
+    def registering(self) -> Iterator[None]:
+        """While this node registers: from before its inventory is taken until the master answered.
+        The master adopts what the inventory says. A block dropped, demoted or promoted after the
+        inventory was taken (the master confirmed the command before it read the inventory) would
+        come back there: a removed key in the table again, an extent believed taken whose bytes are
+        gone (shared-memory readers copy what lies there, writers write over live blocks). A block
+        committed after it would be one the master does not know, in space it hands out. Meanwhile
+        those changes are refused: commands with NotReady (the master keeps them pending; its answer
+        to the registration says what to drop), writes with RetryLater (the writer puts again)."""
+        with self.lock.exclusive():
+            self._registering = True
+        try:
+            yield
+        finally:
+            with self.lock.exclusive():
+                self._registering = False
+
+    def _refuse_while_registering(self) -> None:
+        """Under the lock: NotReady while a registration is under way (see :meth:`registering`)."""
+        if self._registering:
+            raise NotReady("this node is registering with a master: it changes its blocks once answered")
 
     def inventory(self) -> list[InventoryItem]:
         """Everything held, oldest use first, as the master rebuilds its table from it."""
@@ -319,6 +343,10 @@ class DaemonStorage:
         with self.lock.exclusive():
             for i, ((key, view, expected), actual) in enumerate(zip(blocks, sums, strict=True)):
                 view.release()
+                if self._registering:  # see registering(): put again once the master has the inventory
+                    self.engine.abort(key)
+                    out.append(RetryLater(f"block {key!r}: the node is registering with a master"))
+                    continue
                 if accept is not None and not accept[i]:
                     self.engine.abort(key)
                     out.append(None)
@@ -413,6 +441,8 @@ class DaemonStorage:
         """Drop each of ``blocks`` that is :meth:`unchanged` (checked again under the same lock as the
         drop); returns those dropped. The caller first stops any receive into them."""
         with self.lock.exclusive():
+            if self._registering:  # the inventory on its way names them: the next check drops them
+                return []
             gone = [k for k, _ in self._unchanged(blocks)]
             self.engine.drop(gone)
         return gone
@@ -476,6 +506,7 @@ class DaemonStorage:
         A block being written is given up: committed at the master (a one-trip put) and not yet
         here, it is evicted before it lands, so it must not land in the extent the master frees now."""
         with self.lock.exclusive():
+            self._refuse_while_registering()
             return self.engine.demote(keys)
 
     def drop(self, keys: Sequence[BlockKey], tier: str = "", fences: Sequence[int] = ()) -> list[bool]:
@@ -490,6 +521,7 @@ class DaemonStorage:
         if fences and len(fences) != len(keys):
             raise InvalidArgument(f"a drop of {len(keys)} blocks with {len(fences)} fences")
         with self.lock.exclusive():
+            self._refuse_while_registering()
             if fences:
                 for key, offset in zip(keys, fences, strict=True):
                     if key not in self.arena and not self.arena.is_pending(key):
@@ -507,6 +539,7 @@ class DaemonStorage:
         if len(keys) != len(offsets):
             raise InvalidArgument(f"promote got {len(keys)} keys but {len(offsets)} offsets")
         with self.lock.exclusive():
+            self._refuse_while_registering()
             out = []
             for key, offset in zip(keys, offsets, strict=True):
                 if key in self.arena and (self.ssd is None or key not in self.ssd):

@@ -29,7 +29,7 @@ def test_a_drop_made_while_the_inventory_is_read_is_not_undone_by_it(tmp_path: P
     server.start()
     with LocalCluster(0) as cluster:
         link = MasterLink(cluster.master_address, "racer", server.address, storage, timeout=5.0,
-                          before_register=server.reset_grants, registering=server.registering)  # fmt: skip
+                          before_register=server.reset_grants, registering=storage.registering)  # fmt: skip
         server.master = link
         link.start()
         removed: list[object] = []

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.config import DramConfig, SsdConfig
-from kvstore.errors import ConnectionFailed, CorruptBlock, InvalidArgument, RetryLater
+from kvstore.errors import ConnectionFailed, CorruptBlock, InvalidArgument, NotReady, RetryLater
 from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import CheckBlocks, CheckBlocksReply
 from server.daemon.orphans import Orphans
@@ -32,6 +32,29 @@ def test_write_read_and_inventory(storage: DaemonStorage) -> None:
     with storage.read_views([K("a"), K("zz"), K("b")]) as views:
         assert [None if v is None else bytes(v) for v in views] == [b"a" * KB, None, b"b" * 100]
     assert [(i.key, i.tier, i.offset) for i in storage.inventory()] == [("a", "dram", 0), ("b", "dram", 4 * KB)]
+
+
+def test_while_registering_the_blocks_stay_as_the_inventory_says(storage: DaemonStorage) -> None:
+    write(storage, "a", 0, b"a" * KB)
+    write(storage, "b", 4 * KB, b"b" * KB)
+    with storage.registering():
+        taken = storage.inventory()
+        with pytest.raises(NotReady, match="registering"):
+            storage.drop([K("a")])
+        with pytest.raises(NotReady):
+            storage.demote([K("b")])
+        with pytest.raises(NotReady):
+            storage.promote([K("b")], [8 * KB])
+        [view] = storage.begin_writes([(K("c"), 8 * KB, KB)])
+        assert isinstance(view, memoryview)
+        view[:] = b"c" * KB
+        [refused] = storage.finish_writes([(K("c"), view, checksum(b"c" * KB))])
+        assert isinstance(refused, RetryLater)  # the writer puts it again
+        assert storage.drop_orphans([(K("a"), storage.describe([K("a")])[0])]) == []  # type: ignore[list-item]
+        assert storage.inventory() == taken
+    assert storage.drop([K("a")]) == [True]  # answered: changes go on
+    write(storage, "c", 8 * KB, b"c" * KB)
+    assert [i.key for i in storage.inventory()] == ["b", "c"]
 
 
 def test_a_write_whose_bytes_do_not_match_is_discarded(storage: DaemonStorage) -> None:
