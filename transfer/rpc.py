@@ -146,6 +146,8 @@ class Connection:
                     self._follow(self.locator.address)
                 if self._sock is None:
                     self._sock = self._open(self._attempt_timeout())
+                    if self._aborted:  # aborted while it connected: abort() found no socket to cut
+                        raise ConnectionFailed(f"{what}: the connection was closed")
                 sock = self._sock
                 with io_errors(what):
                     send_message(sock, message, request_id, payload)
