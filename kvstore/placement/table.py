@@ -231,7 +231,8 @@ class PlacementTable:
         return self._reads.match_prefix_nodes(keys)
 
     def removing(self, keys: Iterable[str]) -> list[str]:
-        """Of ``keys``, those a remove took out of service whose drops are not all confirmed yet."""
+        """Of ``keys``, those a remove took out of service whose drops are not all confirmed yet (the
+        master's commands know of drops planned for keys the table has forgotten already)."""
         rec = self._catalog.rec
         return [k for k in keys if (slot := rec.index.get(k)) is not None and rec.state[slot] & REMOVING]
 

@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from kvstore.errors import KVStoreError
@@ -76,6 +77,9 @@ class Commands:
         self._spawn = spawn
         self.retry: list[NodeCommand] = []
         """Commands a daemon did not answer: sent again at the next tick while their node is up."""
+        self.dropping: Counter[str] = Counter()
+        """Keys with a drop on its way to a daemon, or waiting to be sent again: until it is made, a
+        reader that goes to the daemon directly may still find the block (a remove waits for them)."""
         self.room = Room()
         self._failures = RateLimitedLog(log)
         """Failures that repeat every tick (a command a daemon keeps refusing): a line a minute each."""
@@ -91,40 +95,62 @@ class Commands:
         """Carry ``commands`` (planned on ``table``, the current one by default) out in the
         background (nothing waits for them)."""
         if commands:
-            self._spawn(self.run(commands, table or self.nodes.table), name)
+            self._track(commands, 1)  # now: a remove that comes before the task runs sees its drops
+            self._spawn(self._run(commands, table or self.nodes.table), name)
+
+    def _track(self, commands: Iterable[NodeCommand], sign: int) -> None:
+        """Count the drops of ``commands`` in (1) or out (-1) of :attr:`dropping`."""
+        dropping = self.dropping
+        for c in commands:
+            if c.kind is ActionKind.DROP:
+                for key in c.keys:
+                    dropping[key] += sign
+                    if dropping[key] <= 0:
+                        del dropping[key]
 
     async def run(self, commands: list[NodeCommand], table: PlacementTable | None = None) -> bool:
         """Send commands (each node's in order, nodes in parallel) and apply the answers; whether
         every node answered (the others' are retried at the next tick)."""
-        table = table or self.nodes.table
+        self._track(commands, 1)
+        return await self._run(commands, table or self.nodes.table)
+
+    async def _run(self, commands: list[NodeCommand], table: PlacementTable) -> bool:
         per_node: dict[str, list[NodeCommand]] = {}
         for c in commands:
             per_node.setdefault(c.node_id, []).append(c)
         return all(await asyncio.gather(*(self._run_node(cs, table) for cs in per_node.values())))
 
     async def _run_node(self, commands: list[NodeCommand], table: PlacementTable) -> bool:
-        for i, command in enumerate(commands):
-            if not self.current(table):
-                return True  # void: another term's table (nothing to retry)
-            if command.node_id not in table.nodes:
-                continue
-            try:
-                reply = await self.call(command.node_id, Lane.BLOCKS, _message(command), CommandReply)
-            except KVStoreError as exc:
-                self._failures.warning(f"command-{command.kind.value}-{command.node_id}",
-                                       "command %s to %s failed (%s); will retry", command.kind.value,
-                                       command.node_id, exc)  # fmt: skip
-                if self.current(table):
-                    self.retry.extend(commands[i:])
-                return False
-            if not self.current(table):
-                return True  # answered to a term that ended while it ran: the new one rebuilds
-            table.apply(command, reply.done)
-            self.room.freed()
-        return True
+        done = 0  # commands[:done] are out of dropping; the rest go out, or into retry, however this ends
+        try:
+            for i, command in enumerate(commands):
+                if not self.current(table):
+                    return True  # void: another term's table (nothing to retry)
+                if command.node_id not in table.nodes:
+                    continue
+                try:
+                    reply = await self.call(command.node_id, Lane.BLOCKS, _message(command), CommandReply)
+                except KVStoreError as exc:
+                    self._failures.warning(f"command-{command.kind.value}-{command.node_id}",
+                                           "command %s to %s failed (%s); will retry", command.kind.value,
+                                           command.node_id, exc)  # fmt: skip
+                    if self.current(table):
+                        self.retry.extend(commands[i:])
+                        done = len(commands)  # still dropping: they are sent again
+                    return False
+                if not self.current(table):
+                    return True  # answered to a term that ended while it ran: the new one rebuilds
+                table.apply(command, reply.done)
+                self._track(commands[done : i + 1], -1)
+                done = i + 1
+                self.room.freed()
+            return True
+        finally:
+            self._track(commands[done:], -1)
 
     def forget(self, node_id: str) -> None:
         """Drop the retries of a node that re-registered or left (its inventory supersedes them)."""
+        self._track((c for c in self.retry if c.node_id == node_id), -1)
         self.retry = [c for c in self.retry if c.node_id != node_id]
 
     def tick(self, table: PlacementTable, now_ms: int) -> None:
@@ -133,6 +159,7 @@ class Commands:
         for node_id, grant_ids in table.expired_grants(now_ms).items():
             self._spawn(self.close_grants(node_id, grant_ids), "grant-expiry")
         retry, self.retry = self.retry, []
+        self._track(retry, -1)  # those sent again are counted again by later()
         nodes = table.nodes
         # Of the node as it is registered now: a registration since replaced what they were planned on.
         live = [c for c in retry if c.node_id in nodes and nodes[c.node_id].up and c.node_gen == nodes[c.node_id].gen]

@@ -418,16 +418,23 @@ class MasterCore:
         confirmed = await self.commands.run(commands)
         # Keys an earlier remove took out whose drops are unconfirmed: this answer waits for them too
         # (a reader that goes to the daemon directly finds the block until its drop is made).
-        pending = self.table.removing(keys) if confirmed else []
+        pending = self._dropping(keys) if confirmed else []
         deadline = time.monotonic() + self.nodes.command_timeout_s
         while pending and time.monotonic() < deadline:
             await self.commands.room.wait(deadline - time.monotonic())
-            pending = self.table.removing(pending)
+            pending = self._dropping(pending)
         if not confirmed or pending:
             # The blocks are out of the table, but a daemon that did not confirm may still serve
             # them to a reader that goes to it directly: say so (the drop is retried until done).
             raise Timeout("a node holding removed blocks did not confirm dropping them yet; they are retried")
         return RemoveReply(removed, held)
+
+    def _dropping(self, keys: list[str]) -> list[str]:
+        """Of ``keys``, those being removed or with a drop on its way (one a node's registration asked
+        for, of a key the table has forgotten since, included)."""
+        dropping = self.commands.dropping
+        removing = set(self.table.removing(keys))
+        return [k for k in keys if k in removing or k in dropping]
 
     def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str]]:
         """An operator's eviction of stored blocks from every tier; returns how many went and the

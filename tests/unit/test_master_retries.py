@@ -15,6 +15,7 @@ from kvstore.protocol import (
     CommandReply,
     GetReplicas,
     GetReplicasReply,
+    InventoryItem,
     Message,
     Nic,
     PutEnd,
@@ -123,4 +124,36 @@ async def test_a_second_remove_of_a_key_waits_for_the_first_ones_drop() -> None:
     for task in (first, second):
         with pytest.raises(Timeout, match="did not confirm dropping"):
             await task
+    await service.stop()
+
+
+async def test_a_remove_after_a_registration_waits_for_the_drops_it_asked_for() -> None:
+    """A daemon cut off while "k" was removed registers again with "k" in its inventory: the master
+    forgets the key and asks the daemon to drop it. Until that drop is made the daemon still serves
+    "k" to readers that go to it directly, so a remove of "k" meanwhile is not answered "not stored"."""
+    service = await _service_with(["k"], command_timeout_ms=300)
+    [replica] = service.table.describe("k")["replicas"]  # type: ignore[index]
+    release, cut = asyncio.Event(), True
+
+    async def daemon(node_id: str, lane: str, message: Message, expect: type) -> CommandReply:
+        if cut:
+            raise ConnectionFailed("the daemon is cut off")
+        await release.wait()
+        return CommandReply([True] * len(message.keys))  # type: ignore[attr-defined]
+
+    service.commands.call = daemon  # type: ignore[method-assign]
+    with pytest.raises(Timeout):
+        await service.core.remove(Remove(["k"]))
+    cut = False
+    await service.core.register(RegisterNode(
+        "n0", "127.0.0.1:40000", 64 * KB, 0, 64, [InventoryItem("k", "dram", replica["offset"], KB, 7)], [],
+        "host", "", 0, [Nic("lo", "127.0.0.1", -1, -1)], False, "", 0, [],
+    ))  # fmt: skip
+    assert service.table.removing(["k"]) == [] and "k" in service.commands.dropping  # forgotten, being dropped
+    again = asyncio.create_task(service.core.remove(Remove(["k"])))
+    await asyncio.sleep(0.1)
+    assert not again.done()
+    release.set()
+    assert await again == RemoveReply(0, [])
+    assert not service.commands.dropping
     await service.stop()
