@@ -38,6 +38,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -52,7 +53,7 @@ from kvstore.config import ClientConfig, parse_size
 from kvstore.errors import KVStoreError
 from kvstore_cli.cluster import LocalCluster, LocalEtcd, free_port
 from kvstore_client.aio import AsyncStore
-from kvstore_client.children import terminate
+from kvstore_client.children import die_with_parent, terminate
 from kvstore_client.puts import PutOptions, PutStatus
 from kvstore_client.store import Store
 from transfer.wire import parse_address
@@ -150,6 +151,8 @@ def worker(wid: str, master: str, seed: int, stop_at: float, keys: list[str], ou
            transport: str, timeout_s: float, gid: int | None = None) -> None:  # fmt: skip
     """A client process: ops until ``stop_at`` (time.monotonic()), every one recorded to ``out``; with
     ``gid``, its sockets are that group's (a partition can cut it)."""
+    if sys.platform == "linux":
+        die_with_parent()  # a run interrupted or killed takes its clients with it
     if gid is not None:
         os.setgid(gid)
     rec = Recorder(Path(out), wid)
