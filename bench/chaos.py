@@ -679,7 +679,9 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                     target=nemesis.run, args=(max(5.0, args.calm), args.interval, stop_at - 5.0), daemon=True
                 ),
                 threading.Thread(target=evictions.run, daemon=True),
-                threading.Thread(target=operator, args=(cluster, nemesis, keys, rec, op_rng, quiet, args.evict_period)),
+                threading.Thread(
+                    target=operator, args=(cluster, nemesis, keys, rec, op_rng, quiet, args.evict_period), daemon=True
+                ),  # fmt: skip (an interrupted run must not wait for it)
             ]
             for t in threads:
                 t.start()
