@@ -100,6 +100,13 @@ class Membership:
         # The table keeps every extent it hands out (one per replica): the allocator need not.
         alloc = Allocator.rebuild(dram_capacity, alignment, extents, track=False)
         node = cat.add_node(node_id, address, alloc, ssd_capacity, now_ms=now_ms, max_blocks=max_blocks)
+        # A block to drop keeps its extent until the daemon confirms the drop (the DROP's answer frees
+        # it): placed over before, a same-host writer would copy into a block the daemon still serves.
+        for item in dram_items:
+            if (item.key, DRAM) in gone and not (item.offset % alignment or item.offset + item.size > capacity):
+                kept = Extent(item.offset, alloc.round_up(item.size))
+                if alloc.take(kept):
+                    node.quarantine[item.key] = kept
         rec = cat.rec
         # DRAM first: of a key in both tiers, the DRAM copy is kept when it agrees with the table.
         for item in [i for i in inventory if i.tier is DRAM] + [i for i in inventory if i.tier is SSD]:
@@ -117,8 +124,8 @@ class Membership:
                 or rec.row_on(slot, node.idx) >= 0  # its copy in the other tier is kept
             ):
                 conflicts[tier].append(item.key)
-                if tier is DRAM:
-                    alloc.free(Extent(item.offset, alloc.round_up(item.size)))
+                if tier is DRAM:  # kept out of the free space until its drop is confirmed (see above)
+                    node.quarantine[item.key] = Extent(item.offset, alloc.round_up(item.size))
                 continue
             if slot is None:
                 slot = cat.new_key(item.key, item.size, item.checksum, committed=True, pinned=item.pinned)

@@ -222,6 +222,12 @@ def test_a_removed_key_whose_drop_was_not_confirmed_stays_removed_when_its_node_
     commands = t.register_node("a", "a:2", 4 * KB, 0, 64, inventory, 0)
     assert t.exists(["k0", "k1"]) == [False, True]
     assert [(c.node_id, c.kind, c.keys) for c in commands] == [("a", ActionKind.DROP, ("k0",))]
+    # Found by bench.chaos too: until the daemon confirms that drop, its extent is not handed out (a
+    # same-host writer would copy a new block over the one the daemon still serves).
+    placed = [put(t, f"n{i}", node="a")[0] for i in range(2)]
+    assert all(p is not None and p.replicas[0].offset not in (0, KB) for p in placed)
+    assert "k0" in t.nodes["a"].quarantine  # a is full now: k0's extent is not free space
+    t.check()
     run(t, commands)
     put(t, "k0", node="a")  # its extent is free again once dropped, and the key may be put anew
     assert t.exists(["k0"]) == [True]
