@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from bench.chaos import Partitions, SsdDisks
+from bench.chaos_faults import Partitions, SsdDisks
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian: apt install etcd-server)"),
