@@ -12,6 +12,12 @@ given, prints ``{"ready": seconds}``, then answers one JSON line per command lin
   how much vLLM's prefix-cache counters and the connector's (``vllm:kvstore_*``) grew;
 - ``{"quit": true}`` -> exits.
 
+``--cpu-isa vector`` (or ``$KVSTORE_VLLM_CPU_ISA``) keeps vLLM's CPU attention off AMX on a
+machine that has it: it takes its AVX-512 vector kernels and their page layout, the path a CPU
+without AMX (AMD EPYC) takes. (Capping oneDNN too, with ``ONEDNN_MAX_CPU_ISA``, kills vLLM 0.32's
+engine core on its first step: the linear layers keep whatever oneDNN picks.) ``ready`` names
+the attention kernels vLLM chose (``attention_isa``).
+
 Prompts run one after another (each its own ``generate`` call) and vLLM's own prefix
 cache is reset before each, so that ``cached`` counts what the store gave. Answer lines
 start with ``@@`` (vLLM prints to stdout too).
@@ -36,9 +42,14 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--cpu-isa", choices=("auto", "vector"), default=os.environ.get("KVSTORE_VLLM_CPU_ISA") or "auto"
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    if args.cpu_isa == "vector":
+        without_amx()
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, Any] = {}
@@ -64,7 +75,12 @@ def main() -> None:
         disable_log_stats=False,
         **kwargs,
     )
-    say({"ready": round(time.perf_counter() - started, 2)})
+    say(
+        {
+            "ready": round(time.perf_counter() - started, 2),
+            "attention_isa": attention_isa(llm, args.dtype, args.block_size),
+        }
+    )
     for line in sys.stdin:
         command = json.loads(line)
         if command.get("quit"):
@@ -87,6 +103,35 @@ def main() -> None:
         after = counters(llm)
         grew = {name: after[name] - before.get(name, 0) for name in after if after[name] != before.get(name, 0)}
         say({"tokens": tokens, "cached": cached, "times": times, "seconds": seconds, "metrics": grew})
+
+
+def without_amx() -> None:
+    """Keep vLLM's CPU attention (and its page layout) off AMX in this process and in the engine
+    processes it spawns (``vllm_vector/sitecustomize.py``, on their ``PYTHONPATH``, patches torch's
+    AMX check in each)."""
+    os.environ["KVSTORE_VLLM_CPU_ISA"] = "vector"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # so that ``ready`` can ask the workers (attention_isa)
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_vector")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    import torch
+
+    torch.cpu._is_amx_tile_supported = lambda: False
+
+
+def attention_isa(llm: Any, dtype: str, block_size: int) -> str:
+    """The kernels vLLM's CPU attention picks for this dtype and page size ("amx", "vec", ...), as
+    its worker processes choose them (asked over vLLM's collective RPC where it lets a function
+    travel, else the choice this process would make)."""
+    if os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") == "1":
+        return ",".join(sorted(set(llm.collective_rpc(_worker_isa, args=(dtype, block_size)))))
+    return _worker_isa(None, dtype, block_size)
+
+
+def _worker_isa(worker: Any, dtype: str, block_size: int) -> str:
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(getattr(torch, dtype), block_size))
 
 
 def counters(llm: Any) -> dict[str, float]:

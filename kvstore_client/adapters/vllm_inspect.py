@@ -7,6 +7,7 @@ The connector (:mod:`kvstore_client.adapters.vllm`) builds its :class:`KVLayout`
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ from kvstore_client.adapters.layout import HeadInterior, KVLayout, PagedFormat
 FUSED_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"})
 """GPU backends whose ``[B, H, N, C]`` view holds each token's K then V in C (read from their sources:
 they split C at head_size). Any other backend but CPU_ATTN is refused."""
+
+log = logging.getLogger("kvstore_client.adapters.vllm")  # the connector's: its lines go where its do
 
 
 def block_extras(request: Any, num_blocks: int, block_tokens: int) -> list[bytes] | None:
@@ -163,4 +166,7 @@ def cpu_attn_interior(
         offsets[p, value[0][placed]] = where[placed]
     if bool((part[1:] != part[0]).any()) or bool((value[1:] != value[0]).any()):
         raise InvalidArgument(f"CPU attention ({isa}) lays out heads' pages differently: cannot decode it")
-    return HeadInterior.from_offsets(f"cpu_attn/{isa}", offsets.view(2, n, d))
+    interior = HeadInterior.from_offsets(f"cpu_attn/{isa}", offsets.view(2, n, d))
+    log.info("KV pages of %s (%s, %d-token pages): %s", interior.name, dtype, page_tokens,
+             "strided" if interior.strided else "read through their probed index")  # fmt: skip
+    return interior

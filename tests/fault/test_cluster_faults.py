@@ -187,8 +187,10 @@ def payload(*items: object) -> bytes:
     ],
 )
 def test_bad_frames_get_an_error_or_a_close_and_service_continues(
-    cluster: LocalCluster, target: str, frame: bytes
+    shared_cluster: LocalCluster, target: str, frame: bytes
 ) -> None:
+    """One cluster takes every bad frame in turn, and serves after each."""
+    cluster = shared_cluster
     address = cluster.master_address if target == "master" else cluster.daemon_addresses[1]
     answer = raw_exchange(address, frame)  # returns once the server closes or answers and we hang up
     if answer:

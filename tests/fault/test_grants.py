@@ -44,6 +44,7 @@ def _wait(predicate: object, timeout: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_client_killed_holding_a_grant_gives_its_space_back_within_the_expiry(cluster: LocalCluster) -> None:
     with Store.connect(cluster.master_address, TCP) as store:
         base = store.stats()

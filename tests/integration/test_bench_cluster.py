@@ -6,6 +6,8 @@ import pytest
 
 from bench import cluster
 
+pytestmark = pytest.mark.slow
+
 
 def test_cluster_bench_prints_every_line(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--json", "--peers", "no", "--sizes", "4096,65536", "--batches", "1,8", "--total", "256KiB",

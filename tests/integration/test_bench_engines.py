@@ -13,6 +13,8 @@ pytest.importorskip("transformers")
 from bench import engines
 from tests.integration.test_engines import TINY
 
+pytestmark = pytest.mark.slow
+
 
 def test_engines_bench_prints_every_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "config.json"

@@ -7,6 +7,8 @@ import pytest
 
 from bench import soak
 
+pytestmark = pytest.mark.slow
+
 
 def test_soak_bench_restarts_a_daemon_and_the_master_and_loses_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     assert soak.main(["--minutes", "0.4", "--sample-s", "3", "--dram", "32MiB", "--ssd", "64MiB", "--json"]) == 0

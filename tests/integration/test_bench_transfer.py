@@ -7,6 +7,8 @@ import pytest
 from bench import transfer
 from transfer.transports import ucx
 
+pytestmark = pytest.mark.slow
+
 
 def test_transfer_bench_prints_a_line_per_transport_op_and_size(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--json", "--transports", "tcp,shm,ucx", "--sizes", "65536,1048576", "--batch", "4",

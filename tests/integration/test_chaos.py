@@ -15,6 +15,7 @@ import pytest
 from bench.chaos_faults import Partitions, SsdDisks
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian: apt install etcd-server)"),
     pytest.mark.timeout(400),
 ]

@@ -33,6 +33,7 @@ def last_json(out: str) -> dict[str, float]:
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
+@pytest.mark.slow
 def test_demo_prints_a_json_summary() -> None:
     result = kvstore("demo", "--json", "--verify", "--sessions", "60", "--dram", "4MiB", "--ssd", "8MiB")
     assert result.returncode == 0, result.stderr
@@ -66,6 +67,7 @@ def test_replay_without_eviction_matches_an_infinite_cache(tmp_path: Path) -> No
         assert last_json(result.stdout)["hit_rate"] == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TRACE.exists(), reason="shared/traces/synthetic_trace.jsonl is not present")
 def test_replay_of_the_public_trace_with_eviction() -> None:
     result = kvstore(

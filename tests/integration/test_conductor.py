@@ -28,6 +28,8 @@ from kvstore_cli.cluster import LocalCluster
 from kvstore_client.adapters.pd import EngineSpec
 from kvstore_client.adapters.serve import ServedEngines
 
+pytestmark = pytest.mark.slow
+
 TINY = {
     "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "initializer_range": 0.05,

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from kvstore_cli.cluster import LocalCluster
 from tests.conftest import admin_call
 
@@ -19,6 +21,7 @@ def scrape(address: str) -> dict[str, float]:
     return {name: float(v) for name, v in re.findall(r'^(kvstore_daemon_[a-z_]+)\{node="node0"\} (\S+)$', text, re.M)}
 
 
+@pytest.mark.slow
 def test_a_daemon_says_when_no_master_answers_it_and_when_one_does_again() -> None:
     with LocalCluster(1, dram="16MiB", ssd="16MiB", daemon_metrics=True) as cluster:
         address = cluster.daemon_metrics[0]

@@ -49,7 +49,7 @@ from kvstore_client.store import PutOptions, PutStatus
 from tests.conftest import admin_call
 from transfer.discovery import EtcdCluster, read_leader
 
-pytestmark = [pytest.mark.docker, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.timeout(1500)]
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker" / "compose.yaml"

@@ -238,6 +238,7 @@ def test_a_daemon_killed_while_a_prefill_loads(tmp_path: Path) -> None:
     assert result.first_token == generate(model, prompt, 1)[0]
 
 
+@pytest.mark.slow
 def test_worker_processes_hand_kv_from_prefill_to_decode(tmp_path: Path, cluster: LocalCluster) -> None:
     path = config_file(tmp_path, num_hidden_layers=3)
     model, _ = engine(path)
@@ -253,6 +254,7 @@ def test_worker_processes_hand_kv_from_prefill_to_decode(tmp_path: Path, cluster
             pool.submit("decode", 0, tokens=prompt.tolist(), first_token=1, max_new_tokens=2).result(timeout=30)
 
 
+@pytest.mark.slow
 def test_pd_demo_later_turns_hit_what_earlier_turns_stored(tmp_path: Path) -> None:
     path = config_file(tmp_path)
     out = subprocess.run(
@@ -273,6 +275,7 @@ def test_pd_demo_later_turns_hit_what_earlier_turns_stored(tmp_path: Path) -> No
         assert r["decode_tail"] in ("transferred", "none")
 
 
+@pytest.mark.slow
 def test_pd_demo_rejects_bad_arguments(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{}")

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from bench.fuzz import run
+
+pytestmark = pytest.mark.slow
 
 
 def test_a_short_fuzz_leaves_the_cluster_up_and_exact() -> None:

@@ -127,6 +127,7 @@ def _failover(cluster: LocalCluster, store: Store, prefix: str) -> dict[str, flo
     return {"failover_s": round(served, 3), "ops": load.ops, "slowest_op_s": round(load.slowest, 3)}
 
 
+@pytest.mark.slow
 def test_leader_killed_under_load_a_standby_serves_and_nothing_is_lost(ha: LocalCluster) -> None:
     config = ClientConfig(timeout_s=15.0)
     with Store.connect(ha.master_address, config) as store:
@@ -138,6 +139,7 @@ def test_leader_killed_under_load_a_standby_serves_and_nothing_is_lost(ha: Local
     assert figures["failover_s"] < 5.0
 
 
+@pytest.mark.slow
 def test_three_failovers_in_a_row(ha: LocalCluster) -> None:
     config = ClientConfig(timeout_s=15.0)
     with Store.connect(ha.master_address, config) as store:
@@ -166,6 +168,7 @@ def test_three_failovers_in_a_row(ha: LocalCluster) -> None:
     assert seen["epoch"] <= lead["kvstore_master_epoch"]
 
 
+@pytest.mark.slow
 def test_etcd_restart_keeps_the_leader_serving(ha: LocalCluster, etcd: LocalEtcd) -> None:
     with Store.connect(ha.master_address, ClientConfig(timeout_s=15.0)) as store:
         store.put("before", b"x" * 1000)
@@ -197,6 +200,7 @@ def test_a_standbys_admin_api_changes_nothing(ha: LocalCluster) -> None:
         assert status == 200 and body["evicted"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("face", FACES)
 def test_a_partitioned_leader_stops_serving_once_its_lease_is_gone(ha: LocalCluster, face: str) -> None:
     with connect_client(face, ha.master_address, ClientConfig(timeout_s=15.0)) as store:

@@ -13,7 +13,7 @@ import pytest
 
 from bench.netns import NetnsUnavailable, TwoHosts, stop
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.slow, pytest.mark.netns]
 BLOCKS, BLOCK_BYTES = 12, 4 << 20  # 48 MiB: about a second over two 200 Mbit/s links
 
 

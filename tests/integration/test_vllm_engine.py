@@ -140,46 +140,95 @@ def test_stored_blocks_decode_to_the_models_own_kv(hf_model: Any, cluster: Local
         keys = LAYOUT.keys(Q)
         staging = LAYOUT.staging(len(keys))
         assert load_blocks(store, keys, staging) == len(keys) == 2
+    got = [
+        tuple(staging[:, layer, part].reshape(512, 2, 32).permute(1, 0, 2)[None] for part in (0, 1))
+        for layer in range(LAYOUT.num_layers)
+    ]  # each [1, heads, tokens, dim], read straight from the blocks' bytes
+    assert_same_kv(got, own_kv(hf_model, Q[:512]), torch.bfloat16)  # type: ignore[arg-type]
+
+
+def assert_same_kv(got: list[tuple[torch.Tensor, torch.Tensor]], want: list[tuple[torch.Tensor, torch.Tensor]],
+                   dtype: torch.dtype) -> None:  # fmt: skip
+    """Two sides' K and V of the same tokens, layer by layer, equal within what ``dtype`` rounds to.
+
+    bf16: the two compute in bf16 with different kernels and round at different steps, so a layer's
+    values differ by a few bf16 steps (~1e-2 of their size); float32: they agree to ~1e-5.
+    """
+    assert len(got) == len(want)
+    tol = {torch.bfloat16: 0.05, torch.float32: 1e-3}[dtype]
+    for layer, (got_kv, want_kv) in enumerate(zip(got, want, strict=True)):
+        for part, g, w in zip("KV", got_kv, want_kv, strict=True):
+            assert g.dtype == w.dtype == dtype and g.shape == w.shape, (layer, part, g.dtype, w.dtype, g.shape, w.shape)
+            cos = torch.nn.functional.cosine_similarity(g.float().flatten(), w.float().flatten(), dim=0)
+            assert cos > 1 - tol / 50, f"layer {layer} {part}: cosine {cos:.6f}"
+            torch.testing.assert_close(g.float(), w.float(), atol=tol, rtol=tol, msg=f"layer {layer} {part}")
+
+
+def stored_kv(
+    store: Store, layout: KVLayout, tokens: list[int], config: Any
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The K and V of every full block of ``tokens`` in the store, as a Hugging Face worker loads them."""
+    from kvstore_client.adapters.hf import cache_from_blocks, cache_layers
+
+    keys = layout.keys(tokens)
+    staging = layout.staging(len(keys))
+    assert load_blocks(store, keys, staging) == len(keys), "a block is missing"
+    return cache_layers(cache_from_blocks([staging], layout, config, len(keys) * layout.block_tokens))
+
+
+def own_kv(model: Any, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The K and V Hugging Face computes for ``tokens`` itself."""
+    from kvstore_client.adapters.hf import cache_layers
+
     with torch.inference_mode():
-        cache = hf_model(torch.tensor([Q[:512]]), use_cache=True).past_key_values
-    for layer, hf_layer in enumerate(cache.layers):
-        for part, want in enumerate((hf_layer.keys, hf_layer.values)):
-            got = staging[:, layer, part].reshape(512, 2, 32).permute(1, 0, 2)  # [heads, tokens, dim]
-            cos = torch.nn.functional.cosine_similarity(got.float().flatten(), want[0].float().flatten(), dim=0)
-            assert cos > 0.999, f"layer {layer} {'KV'[part]}: cosine {cos:.4f}"
-            torch.testing.assert_close(got.float(), want[0].float(), atol=0.05, rtol=0.05)
+        return cache_layers(model(torch.tensor([tokens]), use_cache=True).past_key_values)
 
 
 def test_hugging_face_workers_and_vllm_read_each_others_kv(
     hf_model: Any, model_dir: Path, workdir: Path, cluster: LocalCluster, stored: object
 ) -> None:
-    """vLLM -> Hugging Face in bf16; Hugging Face -> vLLM in float32, where the two compute the same KV to
-    ~1e-6 (in bf16 their own KV differs by rounding, enough to flip a late greedy token of a random model
-    whichever KV is loaded)."""
+    """What one side stores is, layer by layer, the K and V the other computes for the same tokens; and
+    where greedy tokens can be compared, they are the same whichever side computed the KV.
+
+    Tokens are compared in float32 only. The model has random weights, so its logits are nearly flat,
+    and in bf16 the two implementations' KV differs by rounding (a few bf16 steps, which kernels vLLM
+    picks decides: AMX or AVX-512 vector): enough to flip the first greedy token on one CPU and none on
+    another. In float32 they agree to ~1e-5 and the tokens are a meaningful check.
+    """
     from transformers import AutoModelForCausalLM
 
     from kvstore_client.adapters.workers import DecodeWorker, PrefillWorker
 
     with Store.connect(cluster.master_address) as store:
-        # The decode worker loads what the 128-page engine stored for P and generates what HF alone does.
-        with torch.inference_mode():
-            want = hf_model.generate(torch.tensor([P]), max_new_tokens=8, do_sample=False)[0, len(P) :].tolist()
-        decoded = DecodeWorker(hf_model, LAYOUT, store, save_output=False).decode(P, int(want[0]), 8)
-        assert decoded.loaded_tokens == full(P)
-        assert decoded.tokens == want
-    engine = Engine(model_dir, workdir, "fp32", 128, cluster.master_address, dtype="float32")
+        # bf16, vLLM -> Hugging Face: every block the 128-page engine stored for P, as the decode worker
+        # loads it, is HF's own KV of those tokens; the decode worker loads all of it and generates.
+        assert_same_kv(stored_kv(store, LAYOUT, P, hf_model.config), own_kv(hf_model, P[: full(P)]), torch.bfloat16)
+        decoded = DecodeWorker(hf_model, LAYOUT, store, save_output=False).decode(P, 0, 8)
+        assert decoded.loaded_tokens == full(P) and decoded.recomputed_tokens == len(P) - full(P)
+        assert len(decoded.tokens) == 8
+    model32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model32.eval()
+    model32.generation_config.pad_token_id = model32.generation_config.eos_token_id
     layout32 = KVLayout(MODEL_NAME, num_layers=4, num_kv_heads=2, head_dim=32, dtype="float32", block_tokens=256)
+    engine = Engine(model_dir, workdir, "fp32", 128, cluster.master_address, dtype="float32")
     try:
         own = engine.run(T)  # computes T, and stores its own KV
+        assert own["cached"] == [0]
         with Store.connect(cluster.master_address) as store:
             keys = layout32.keys(T)
-            assert own["cached"] == [0]
             eventually(lambda: store.match_prefix(keys) == len(keys))  # saves are put by a background thread
+            # float32, vLLM -> Hugging Face: the KV, then the tokens of a decode worker that loads it.
+            from_vllm = stored_kv(store, layout32, T, model32.config)
+            assert_same_kv(from_vllm, own_kv(model32, T[: full(T)]), torch.float32)
+            with torch.inference_mode():
+                want = model32.generate(torch.tensor([T]), max_new_tokens=8, do_sample=False)[0, len(T) :].tolist()
+            decoded = DecodeWorker(model32, layout32, store, save_output=False).decode(T, int(want[0]), 8)
+            assert decoded.loaded_tokens == full(T) and decoded.tokens == want
+            # float32, Hugging Face -> vLLM: HF's prefill worker stores T in place of vLLM's blocks.
             assert store.remove_many(keys) == len(keys)
-            model32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-            model32.generation_config.pad_token_id = model32.generation_config.eos_token_id
             result = PrefillWorker(model32, layout32, store, load_policy="never", store_tail=False).prefill(T)
             assert result.stored_blocks == len(keys)
+            assert_same_kv(stored_kv(store, layout32, T, model32.config), from_vllm, torch.float32)
         loaded = engine.run(T)  # now from Hugging Face's KV
     finally:
         engine.close()
