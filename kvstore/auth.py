@@ -363,6 +363,10 @@ class Authority:
         self._policy: dict[str, tuple[frozenset[str], frozenset[bytes]]] | None = None
         """A daemon's: per tenant, its operations and the fingerprints of its keys (the master's word)."""
         self._policy_as_of = 0
+        self._session_caps: dict[str, int] = {}
+        """A daemon's: each tenant's session cap, as the master's policy says."""
+        self.default_max_sessions = 512
+        """A tenant's session cap where nothing else says (a master sets its config's)."""
         self.refresh_tenants()
 
     @property
@@ -510,12 +514,21 @@ class Authority:
         return identity, _mac(self._ticket_key, b"session", ticket)
 
     # what the master tells daemons of its tenants
+    def max_sessions(self, tenant: str) -> int:
+        """The sessions ``tenant`` may have open at once here: its own cap (the tenants file on a
+        master, the master's word on a daemon), else :attr:`default_max_sessions`."""
+        if self._tenants_file is None:
+            return self._session_caps.get(tenant) or self.default_max_sessions
+        known = self._refresh().tenants.get(tenant)
+        return (known.max_sessions if known is not None else 0) or self.default_max_sessions
+
     def policy(self, now_ms: int | None = None) -> TenantsPolicy:
         """The tenants file as daemons need it (a master's): names, operations, fingerprints of the keys taken."""
         tenants = sorted(self._refresh().tenants.values(), key=lambda t: t.name)
         now = int(time.time() * 1000) if now_ms is None else now_ms
         return TenantsPolicy([t.name for t in tenants], [sorted(t.operations) for t in tenants],
-                             [t.fingerprints(now) for t in tenants], now)  # fmt: skip
+                             [t.fingerprints(now) for t in tenants], now,
+                             [t.max_sessions or self.default_max_sessions for t in tenants])  # fmt: skip
 
     def take_policy(self, policy: TenantsPolicy) -> None:
         """A daemon's: the master's word on which tenants' tickets to take, and what they may do."""
@@ -526,6 +539,8 @@ class Authority:
             for name, ops, keys in zip(policy.names, policy.operations, policy.keys, strict=True)
         }
         self._policy_as_of = policy.as_of_ms
+        if len(policy.max_sessions) == len(policy.names):
+            self._session_caps = dict(zip(policy.names, policy.max_sessions, strict=True))
 
 
 def _proves(key: bytes, proof: AuthProof, transcript: bytes) -> bool:

@@ -366,6 +366,19 @@ class MasterConfig(_Frozen):
     node_ttl_ms: int = Field(default=3_000, gt=0, description="A node silent this long is marked down.")
     command_timeout_ms: int = Field(default=10_000, gt=0, description="Bound on one command to a daemon.")
     idle_timeout_s: float = Field(default=600.0, gt=0, description="An idle client connection is closed after this.")
+    tenant_max_sessions: int = Field(
+        default=512, ge=1, le=65536,
+        description="Authenticated sessions one tenant may have open at once on the master, and on each daemon, "
+        "unless its entry in the tenants file says otherwise (max_sessions).",
+    )  # fmt: skip
+    tenant_idle_timeout_s: float = Field(
+        default=60.0, gt=0, description="An idle tenant's session is closed after this (its client connects again)."
+    )
+    frame_timeout_s: float = Field(
+        default=10.0, gt=0, le=600,
+        description="A frame begun must arrive whole within this, however slowly its bytes trickle: its buffer is "
+        "freed and the connection closed otherwise.",
+    )  # fmt: skip
     max_connections: int = Field(
         default=4096, ge=1, description="Client and daemon connections served at once; more are closed at accept."
     )

@@ -33,8 +33,9 @@ class RateLimitedLog:
         self._kinds: dict[str, _Kind] = {}
         self._lock = threading.Lock()
 
-    def warning(self, kind: str, msg: str, *args: object) -> bool:
-        """Log (or count) one failure of ``kind``; True when a line was written."""
+    def warning(self, kind: str, msg: str, *args: object, exc_info: bool = False) -> bool:
+        """Log (or count) one failure of ``kind``; True when a line was written (with the exception
+        being handled and its traceback when ``exc_info``)."""
         with self._lock:
             now = self._clock()
             seen = self._kinds.get(kind)
@@ -45,5 +46,5 @@ class RateLimitedLog:
                 msg += " (and %d more like it in the last %.0f s)"
                 args = (*args, seen.suppressed, now - seen.since)
             self._kinds[kind] = _Kind(now)
-        self.logger.warning(msg, *args)
+        self.logger.warning(msg, *args, exc_info=exc_info)
         return True

@@ -131,6 +131,14 @@ class Tenant:
     previous_key: bytes = field(default=b"", repr=False)
     """The stored key of the token a rotation replaced, taken until ``previous_until_ms``."""
     previous_until_ms: int = 0
+    max_sessions: int = 0
+    """Authenticated sessions the tenant may have open at once on the master, and as many on each
+    daemon; 0: the cluster's default (``tenant_max_sessions``)."""
+    max_objects: int = 0
+    """Keys (stored or being written) the tenant may hold at once; 0: no cap beyond its quota's bytes
+    (each key is charged at least an index slot's worth of them)."""
+    max_pinned: int = 0
+    """Pinned keys the tenant may hold at once (nothing evicts them); 0: no cap beyond its quota."""
 
     def taken(self, now_ms: int | None = None) -> list[bytes]:
         """The verifiers a login may match now: the current one, and a rotated one during its grace."""
@@ -211,7 +219,8 @@ def _entry(name: str, entry: Any, where: str, kind: str, settings: set[str]) -> 
 def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
     entry = _entry(name, entry, where, "tenant", {"token_ed25519", "token_sha256", "quota_bytes", "operations",
                                                    "previous_token_ed25519", "previous_token_sha256",
-                                                   "previous_until_ms"})  # fmt: skip
+                                                   "previous_until_ms", "max_sessions", "max_objects",
+                                                   "max_pinned"})  # fmt: skip
     key = _stored_key_of(name, entry, f"{where}: tenant")
     previous, until = b"", entry.get("previous_until_ms", 0)
     if "previous_token_ed25519" in entry or "previous_token_sha256" in entry:
@@ -224,7 +233,12 @@ def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
     ops = entry.get("operations", list(OPERATIONS))
     if not isinstance(ops, list) or not set(ops) <= set(OPERATIONS):
         raise ConfigError(f"{where}: tenant {name!r}: operations must be a list of {list(OPERATIONS)}")
-    return Tenant(name, key, quota, frozenset(ops), previous, until if previous else 0)
+    caps = {}
+    for cap in ("max_sessions", "max_objects", "max_pinned"):
+        caps[cap] = entry.get(cap, 0)
+        if type(caps[cap]) is not int or caps[cap] < 0:
+            raise ConfigError(f"{where}: tenant {name!r}: {cap} must be a non-negative integer")
+    return Tenant(name, key, quota, frozenset(ops), previous, until if previous else 0, **caps)
 
 
 def _admin_from(name: str, entry: Any, where: str) -> Admin:
@@ -315,10 +329,17 @@ def remove_tenant(path: str | os.PathLike[str], name: str) -> None:
 
 
 def set_tenant(path: str | os.PathLike[str], name: str, quota_bytes: int | None = None,
-               operations: tuple[str, ...] | None = None) -> None:  # fmt: skip
-    """Change a tenant's quota or operations; open sessions follow within a tick or two."""
+               operations: tuple[str, ...] | None = None, *, max_sessions: int | None = None,
+               max_objects: int | None = None, max_pinned: int | None = None) -> None:  # fmt: skip
+    """Change a tenant's quota, operations or caps (sessions, objects, pins; 0: the default, no cap
+    for objects and pins); open sessions follow within a tick or two."""
     p, data = _edit(path, "tenants", name)
     entry = data["tenants"][name]
+    for cap, value in (("max_sessions", max_sessions), ("max_objects", max_objects), ("max_pinned", max_pinned)):
+        if value is not None:
+            if type(value) is not int or value < 0:
+                raise ConfigError(f"{cap} is a non-negative number, not {value!r}")
+            entry[cap] = value
     if quota_bytes is not None:
         if type(quota_bytes) is not int or quota_bytes < 0:
             raise ConfigError(f"a quota is a non-negative number of bytes, not {quota_bytes!r}")

@@ -23,8 +23,8 @@ the master reserves extents, the bytes go to the daemons, and the master commits
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
 
 from kvstore.buffers import as_view
 from kvstore.config import ClientConfig
@@ -41,6 +41,7 @@ from kvstore.errors import (
 from kvstore.keys import BlockKey, checksum, validate_key
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
+    MAX_BATCH_KEYS,
     PUT_EXISTS,
     PUT_STORED,
     Exists,
@@ -58,6 +59,7 @@ from kvstore.protocol import (
     MatchPrefixNodesReply,
     MatchPrefixReply,
     NodeInfo,
+    NodePrefix,
     NodesReply,
     OkReply,
     PrefixMatch,
@@ -102,6 +104,8 @@ from kvstore_client.puts import (
     take_write_codes,
 )
 from kvstore_client.reads import Failover, raise_failure, unreachable
+
+T = TypeVar("T")
 
 _GRANTS_PAUSE_S = 10.0
 """After a grant on a node this client does not reach through its daemon, how long puts skip grants."""
@@ -161,6 +165,11 @@ class ClientCore:
         """Store several blocks. Raises the first failure (after giving back what it reserved)."""
         opts = checked_options(options)
         checked = checked_pairs(items)
+        if len(checked) > MAX_BATCH_KEYS:  # the master takes at most this many a request
+            out: list[PutStatus] = []
+            for part in _batches(checked):
+                out += yield from self.put_many(part, opts)
+            return out
         statuses: list[PutStatus | None] = [None] * len(checked)
         todo = list(range(len(checked)))
         unsure: list[int] = []
@@ -396,6 +405,12 @@ class ClientCore:
         self, keys: list[BlockKey], views: list[memoryview] | None, verify: bool, *, exact_size: bool = False
     ) -> Op[list[Any]]:
         """Per key: its size (read into ``views[i]``), or with ``views`` None a new buffer; None for a miss."""
+        if len(keys) > MAX_BATCH_KEYS:
+            got: list[Any] = []
+            for start in range(0, len(keys), MAX_BATCH_KEYS):
+                part = None if views is None else views[start : start + MAX_BATCH_KEYS]
+                got += yield from self._get(keys[start : start + MAX_BATCH_KEYS], part, verify, exact_size=exact_size)
+            return got
         out: list[Any] = [None] * len(keys)
         rest = yield from self._read_hinted(keys, views, verify, exact_size, out)
         if not rest:
@@ -548,24 +563,48 @@ class ClientCore:
         return (yield from call(ListNodes(), NodesReply)).nodes
 
     def exists_many(self, keys: Sequence[Any]) -> Op[list[bool]]:
-        return (yield from call(Exists([validate_key(k) for k in keys]), ExistsReply)).exists
+        out: list[bool] = []
+        for part in _batches(_checked(keys)):
+            out += (yield from call(Exists(part), ExistsReply)).exists
+        return out
 
     def sizes(self, keys: Sequence[Any]) -> Op[list[int | None]]:
         """Each key's size in bytes, None for a miss; no bytes move."""
-        checked: list[str] = [validate_key(k) for k in keys]
-        taken = self.leases.take() if self.leases is not None else []
-        reply = yield from call(GetReplicas(checked, taken, False), GetReplicasReply)
-        return [size if size >= 0 else None for size in reply.sizes]
+        out: list[int | None] = []
+        for part in _batches(_checked(keys)):
+            taken = self.leases.take() if self.leases is not None else []
+            reply = yield from call(GetReplicas(part, taken, False), GetReplicasReply)
+            out += [size if size >= 0 else None for size in reply.sizes]
+        return out
 
     def match_prefix(self, keys: Sequence[Any]) -> Op[int]:
         """How many leading keys are stored: the longest stored prefix of a key list."""
-        return (yield from call(MatchPrefix([validate_key(k) for k in keys]), MatchPrefixReply)).matched
+        matched = 0
+        for part in _batches(_checked(keys)):
+            got = (yield from call(MatchPrefix(part), MatchPrefixReply)).matched
+            matched += got
+            if got < len(part):
+                break
+        return matched
 
     def match_prefix_nodes(self, keys: Sequence[Any]) -> Op[PrefixMatch]:
         """The longest stored prefix of a key list (as :meth:`match_prefix`), and per node how many
         leading keys it holds readable, in any tier (``total``) and in DRAM (``dram``)."""
-        checked: list[str] = [validate_key(k) for k in keys]
-        return (yield from call(MatchPrefixNodes(checked), MatchPrefixNodesReply)).prefix_match(len(checked))
+        longest, nodes = 0, {}
+        for part in _batches(_checked(keys)):
+            match = (yield from call(MatchPrefixNodes(part), MatchPrefixNodesReply)).prefix_match(len(part))
+            if not longest:
+                nodes = dict(match.nodes)
+            else:  # a node's leading run goes on only where it held every key before this batch
+                for node_id, had in list(nodes.items()):
+                    more = match.nodes.get(node_id)
+                    if had.total == longest and more is not None:
+                        dram = had.dram + more.dram if had.dram == longest else had.dram
+                        nodes[node_id] = NodePrefix(dram, had.total + more.total)
+            longest += match.longest
+            if match.longest < len(part):
+                break
+        return PrefixMatch(longest, nodes)
 
     def replicate(self, keys: Sequence[Any], node_id: str, *, max_bytes: int) -> Op[Replicated]:
         """Copy stored blocks into the DRAM of ``node_id``, keeping their other replicas (hot blocks near
@@ -576,17 +615,24 @@ class ClientCore:
             raise InvalidArgument(f"max_bytes must be a non-negative int, got {max_bytes!r}")
         if not isinstance(node_id, str):
             raise InvalidArgument(f"node_id must be a str, got {type(node_id).__name__}")
-        checked: list[str] = [validate_key(k) for k in keys]
-        reply = yield from call(Replicate(checked, node_id, max_bytes), ReplicateReply)
-        return Replicated(reply.copied, reply.bytes)
+        copied = moved = 0
+        for part in _batches(_checked(keys)):
+            reply = yield from call(Replicate(part, node_id, max_bytes - moved), ReplicateReply)
+            copied, moved = copied + reply.copied, moved + reply.bytes
+        return Replicated(copied, moved)
 
     def remove_report(self, keys: Sequence[Any], *, force: bool) -> Op[tuple[int, list[int]]]:
         """Remove blocks: how many were stored and removed, and the indexes of the keys left because
         a recent read holds them (only without ``force``)."""
+        removed, held = 0, []
         checked: list[str] = [validate_key(k) for k in keys]
-        reply = yield from call(Remove(checked, force), RemoveReply)
-        self.hints.forget(checked)
-        return reply.removed, reply.held
+        for start in range(0, len(checked), MAX_BATCH_KEYS):
+            part = checked[start : start + MAX_BATCH_KEYS]
+            reply = yield from call(Remove(part, force), RemoveReply)
+            self.hints.forget(part)
+            removed += reply.removed
+            held += [start + i for i in reply.held]
+        return removed, held
 
     def list_keys(self, prefix: str, *, after: str, limit: int) -> Op[tuple[list[str], str]]:
         """One page of stored keys starting with ``prefix``, in order after ``after``, and the cursor of
@@ -605,3 +651,18 @@ class ClientCore:
         """Give back every grant; the face then closes its connections."""
         self.closed = True  # first: no put takes a new grant meanwhile
         yield from self._give_back(self.grants.close())
+
+
+def _batches(items: list[T]) -> Iterator[list[T]]:
+    """``items`` in runs of at most :data:`MAX_BATCH_KEYS` (one, perhaps empty, when it fits: a
+    request goes out as before)."""
+    if len(items) <= MAX_BATCH_KEYS:
+        yield items
+        return
+    for start in range(0, len(items), MAX_BATCH_KEYS):
+        yield items[start : start + MAX_BATCH_KEYS]
+
+
+def _checked(keys: Sequence[Any]) -> list[str]:
+    """The keys, each checked (InvalidArgument names the first bad one)."""
+    return [validate_key(k) for k in keys]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
+from kvstore.protocol import MAX_BATCH_KEYS
+
 
 class LeaseReleaser:
     def __init__(self, send: Callable[[list[int]], None], period_s: float = 0.05) -> None:
@@ -23,12 +25,12 @@ class LeaseReleaser:
                 self._thread = threading.Thread(target=self._loop, name="kvstore-lease-release", daemon=True)
                 self._thread.start()
 
-    def take(self) -> list[int]:
-        """Everything waiting, to ride on a request about to go to the master."""
+    def take(self, limit: int = MAX_BATCH_KEYS) -> list[int]:
+        """What is waiting (the oldest ``limit``), to ride on a request about to go to the master."""
         if not self._pending:
             return []
         with self._lock:
-            out, self._pending = self._pending, []
+            out, self._pending = self._pending[:limit], self._pending[limit:]
         return out
 
     def _loop(self) -> None:
@@ -42,13 +44,12 @@ class LeaseReleaser:
                 if due:
                     gone = set(due)
                     self._pending = [k for k in self._pending if k not in gone]
-            if due:
-                self._send(due)
+            for start in range(0, len(due), MAX_BATCH_KEYS):
+                self._send(due[start : start + MAX_BATCH_KEYS])
 
     def close(self, timeout: float) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout)
-        rest = self.take()
-        if rest:
+        while rest := self.take():
             self._send(rest)

@@ -15,8 +15,8 @@ from collections import Counter
 from collections.abc import Iterator
 
 from kvstore.keys import validate_key
-from kvstore.placement.records import COMMITTED, REMOVING, S_READY, T_DRAM, T_SSD
-from kvstore.placement.state import DRAM, DROPPING, READY, SSD, Catalog, NodeState, owner_of
+from kvstore.placement.records import COMMITTED, PINNED, REMOVING, S_READY, T_DRAM, T_SSD
+from kvstore.placement.state import DRAM, DROPPING, READY, SSD, Catalog, NodeState, charged, owner_of
 
 
 class Inspection:
@@ -116,8 +116,10 @@ class Inspection:
         cat.leases.check()
         usage: Counter[str] = Counter()
         for key, slot in rec.index.items():
-            usage[owner_of(key)] += rec.size[slot]
+            usage[owner_of(key)] += charged(rec.size[slot])
         assert +usage == cat.usage, f"usage drifted: {dict(cat.usage)} != {dict(usage)}"
+        pins = Counter(owner_of(k) for k, slot in rec.index.items() if rec.state[slot] & PINNED)
+        assert +pins == cat.pinned_keys, f"pins drifted: {dict(cat.pinned_keys)} != {dict(pins)}"
         owned = {o: {k for k in rec.index if owner_of(k) == o} for o in usage if o}
         assert owned == cat.owned if cat.keys_by_owner else not cat.owned, "the keys by owner drifted"
         for slot in rec.index.values():

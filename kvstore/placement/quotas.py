@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.placement.state import NodeCommand
+from kvstore.placement.state import NodeCommand, charged
 from kvstore.placement.table import PlacementTable
 
 
@@ -37,7 +37,7 @@ class QuotaPlan:
 def plan_put(table: PlacementTable, tenant: str, quota: int, keys: Sequence[str], sizes: Sequence[int]) -> QuotaPlan:
     """Plan a put of ``keys`` by ``tenant`` under ``quota`` bytes (see :func:`refused`)."""
     new = [i for i, k in enumerate(keys) if k not in table.objects and table.describe(k) is None]
-    over = table.tenant_held(tenant) + sum(sizes[i] for i in new) - quota
+    over = table.tenant_held(tenant) + sum(charged(sizes[i]) for i in new) - quota
     commands: list[NodeCommand] = []
     if over > 0:
         victims = table.tenant_victims(tenant, over, keep=set(keys))
@@ -48,14 +48,15 @@ def plan_put(table: PlacementTable, tenant: str, quota: int, keys: Sequence[str]
 
 def refused(table: PlacementTable, tenant: str, quota: int, sizes: Sequence[int], plan: QuotaPlan) -> list[int]:
     """Indexes of the new keys of ``plan`` that do not fit ``quota`` once its evictions are done."""
-    ok = fits(quota - table.tenant_held(tenant), [sizes[i] for i in plan.new])
+    ok = fits(quota - table.tenant_held(tenant), [charged(sizes[i]) for i in plan.new])
     return [i for i, fit in zip(plan.new, ok, strict=True) if not fit]
 
 
 def refusal_text(table: PlacementTable, tenant: str, quota: int, key: str, size: int) -> str:
     return (
-        f"block {key[len(tenant) + 1 :]!r} of {size} bytes would take tenant {tenant!r} past its quota of "
-        f"{quota} bytes ({table.tenant_held(tenant)} held or reserved, none of it evictable)"
+        f"block {key[len(tenant) + 1 :]!r} of {size} bytes (charged {charged(size)}: at least an index slot) would"
+        f" take tenant {tenant!r} past its quota of {quota} bytes ({table.tenant_held(tenant)} held or reserved,"
+        " none of it evictable)"
     )
 
 
@@ -63,13 +64,4 @@ def granted_fits(table: PlacementTable, tenant: str, quota: int, sizes: Sequence
     """Which blocks of a one-trip put (written into a grant already, whose space the quota counts
     already) fit the tenant's quota as it is now (it may have been lowered since the grant): the
     rest go the two-trip way, which evicts the tenant's own blocks or refuses them."""
-    return fits(quota - table.tenant_held(tenant) + sum(sizes), sizes)
-
-
-def grant_evictions(table: PlacementTable, tenant: str, quota: int, length: int) -> list[NodeCommand]:
-    """Evictions of ``tenant``'s own least recently used blocks that make room under ``quota`` for a
-    grant of ``length`` bytes (none when it fits already); the room is what :meth:`PlacementTable.tenant_held` leaves
-    once they are done."""
-    over = table.tenant_held(tenant) + length - quota
-    victims = table.tenant_victims(tenant, over) if over > 0 else []
-    return table.evict_keys(victims, "quota")[2] if victims else []
+    return fits(quota - table.tenant_held(tenant) + sum(sizes), [charged(s) for s in sizes])

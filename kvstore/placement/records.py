@@ -20,6 +20,7 @@ small ints. The rules live in the table's parts; this module only stores and lin
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
@@ -284,11 +285,16 @@ class TierLRU:
 
     Order contract (that of :class:`kvstore.lru.LRU`): iteration and :meth:`victims` go from the
     least recently used key to the most; :meth:`insert_row` and :meth:`touch_row` make a key the
-    most recent. Pinned keys (their key's PINNED bit) are skipped by :meth:`victims`; leases are
-    the table's (:class:`~kvstore.placement.leases.Leases`), passed in as ``skip``.
+    most recent. Pinned keys (their key's PINNED bit, set at the put and never changed) are members
+    kept apart, in :attr:`_pinned`, never in the recency log: nothing ever evicts them, so
+    :meth:`victims` never walks past them (a node full of pins used to cost a scan of every pin per
+    key put), and iteration gives them last, in no order. Leases are the table's
+    (:class:`~kvstore.placement.leases.Leases`), passed in as ``skip``.
     """
 
-    __slots__ = ("_len", "_log_rows", "_log_stamps", "_rec", "_start", "node", "num_pinned", "tier", "total_bytes")
+    __slots__ = (
+        "_len", "_log_rows", "_log_stamps", "_pinned", "_rec", "_start", "node", "num_pinned", "tier", "total_bytes",
+    )  # fmt: skip
 
     def __init__(self, records: Records, node: int, tier: int) -> None:
         self._rec = records
@@ -300,6 +306,8 @@ class TierLRU:
         self._len = 0
         self.total_bytes = 0
         self.num_pinned = 0
+        self._pinned: set[int] = set()
+        """Rows of pinned members (not in the log)."""
 
     def __len__(self) -> int:
         return self._len
@@ -313,12 +321,14 @@ class TierLRU:
         rec.stamp += 1
         rec.r_stamp[row] = rec.stamp
         rec.r_lru[row] = 1
-        self._log_stamps.append(rec.stamp)
-        self._log_rows.append(row)
         self._len += 1
         self.total_bytes += rec.size[slot]
         if rec.state[slot] & PINNED:
             self.num_pinned += 1
+            self._pinned.add(row)
+            return
+        self._log_stamps.append(rec.stamp)
+        self._log_rows.append(row)
         if self._grown():
             self._compact()  # removals leave entries behind as touches do
 
@@ -328,7 +338,8 @@ class TierLRU:
         r_stamp, r_lru, r_slot, size, state = rec.r_stamp, rec.r_lru, rec.r_slot, rec.size, rec.state
         first = rec.stamp + 1
         rec.stamp += len(rows)
-        total = pinned = 0
+        total = 0
+        pinned: list[int] = []
         for stamp, row in enumerate(rows, first):
             assert not r_lru[row]
             r_stamp[row] = stamp
@@ -336,18 +347,27 @@ class TierLRU:
             slot = r_slot[row]
             total += size[slot]
             if state[slot] & PINNED:
-                pinned += 1
-        self._log_stamps.extend(range(first, first + len(rows)))
-        self._log_rows.extend(rows)
+                pinned.append(row)
+        if pinned:
+            self._pinned.update(pinned)
+            kept = set(pinned)
+            logged = [(s, r) for s, r in enumerate(rows, first) if r not in kept]
+            self._log_stamps.extend(s for s, _ in logged)
+            self._log_rows.extend(r for _, r in logged)
+        else:
+            self._log_stamps.extend(range(first, first + len(rows)))
+            self._log_rows.extend(rows)
         self._len += len(rows)
         self.total_bytes += total
-        self.num_pinned += pinned
+        self.num_pinned += len(pinned)
         if self._grown():
             self._compact()
 
     def touch_rows(self, rows: list[int]) -> None:
         """:meth:`touch_row` of each of ``rows`` (all in this LRU), in order."""
         rec = self._rec
+        if self._pinned:
+            rows = [r for r in rows if r not in self._pinned]  # pins have no recency to keep
         r_stamp = rec.r_stamp
         first = rec.stamp + 1
         rec.stamp += len(rows)
@@ -364,21 +384,26 @@ class TierLRU:
         n = len(rows)
         first = rec.stamp + 1
         rec.stamp += n
-        scatter(rec.r_stamp, rows, np.arange(first, first + n, dtype=np.int64))
+        stamps = np.arange(first, first + n, dtype=np.int64)
+        scatter(rec.r_stamp, rows, stamps)
         scatter(rec.r_lru, rows, 1)
         slots = gather(rec.r_slot, rows)
-        self._log_stamps.extend(range(first, first + n))
+        pinned = (gather(rec.state, slots) & PINNED) != 0
+        if pinned.any():
+            self._pinned.update(rows[pinned].tolist())
+            rows, stamps = rows[~pinned], stamps[~pinned]
+        self._log_stamps.frombytes(stamps.tobytes())
         self._log_rows.frombytes(rows.astype(np.int32).tobytes())
         self._len += n
         self.total_bytes += int(gather(rec.size, slots).sum())
-        self.num_pinned += int(np.count_nonzero(gather(rec.state, slots) & PINNED))
+        self.num_pinned += int(np.count_nonzero(pinned))
         if self._grown():
             self._compact()
 
     def touch_row(self, row: int) -> None:
         """Make the replica in ``row`` the most recently used, if it is in this LRU."""
         rec = self._rec
-        if not rec.r_lru[row]:
+        if not rec.r_lru[row] or row in self._pinned:
             return
         rec.stamp += 1
         rec.r_stamp[row] = rec.stamp
@@ -398,6 +423,7 @@ class TierLRU:
         self.total_bytes -= rec.size[slot]
         if rec.state[slot] & PINNED:
             self.num_pinned -= 1
+            self._pinned.discard(row)
         return True
 
     def _live(self) -> Iterator[int]:
@@ -417,7 +443,7 @@ class TierLRU:
 
     def _grown(self) -> bool:
         """Whether the log holds more than twice its members (plus some): time to compact it."""
-        return len(self._log_rows) > 2 * self._len + 1024
+        return len(self._log_rows) > 2 * (self._len - len(self._pinned)) + 1024
 
     def _compact(self) -> None:
         """Keep only the members' current entries, in order (column-wise: the log can hold millions)."""
@@ -447,7 +473,7 @@ class TierLRU:
 
     def __iter__(self) -> Iterator[str]:
         keys, slots = self._rec.keys, self._rec.r_slot
-        for row in self._live():
+        for row in itertools.chain(self._live(), list(self._pinned)):
             key = keys[slots[row]]
             assert key is not None
             yield key
@@ -479,10 +505,13 @@ class TierLRU:
     def check(self) -> None:
         """Assert that the log holds each member once, in stamp order, and that the counts agree."""
         rec = self._rec
-        rows = list(self._live())
-        assert len(rows) == len(set(rows)) == self._len, "an LRU's count drifted"
-        stamps = [rec.r_stamp[r] for r in rows]
+        logged = list(self._live())
+        stamps = [rec.r_stamp[r] for r in logged]
         assert stamps == sorted(stamps), "an LRU's log is out of order"
+        assert not any(rec.state[rec.r_slot[r]] & PINNED for r in logged), "a pinned member is in the log"
+        assert all(rec.r_lru[r] and rec.state[rec.r_slot[r]] & PINNED for r in self._pinned), "a pin drifted"
+        rows = logged + list(self._pinned)
+        assert len(rows) == len(set(rows)) == self._len, "an LRU's count drifted"
         members = {
             r for r in range(len(rec.r_slot))
             if rec.r_slot[r] >= 0 and rec.r_lru[r] and rec.r_node[r] == self.node and rec.r_tier[r] == self.tier

@@ -15,6 +15,7 @@ from itertools import repeat
 from typing import Literal, NamedTuple
 
 from kvstore.allocator import Allocator, Extent
+from kvstore.config import MIN_BLOCK_BYTES
 from kvstore.placement.leases import Holder, Leases
 from kvstore.placement.records import COMMITTED, PINNED, REMOVING, S_MOVING, S_READY, T_DRAM, T_SSD, Records, TierLRU
 from kvstore.placement.views import (  # noqa: F401  (the table's parts read the views from here)
@@ -145,6 +146,10 @@ class NodeCommand:
     as for inventory it could not adopt); set by :meth:`Catalog.issue` unless given."""
     node_gen: int = 0
     """The generation of the node's registration it was planned on; set by :meth:`Catalog.issue`."""
+    void_until_ms: int = 0
+    """For a DROP: tenants' seals of these keys that end at or before this (wall clock, ms) write
+    nothing more on the daemon, so a reservation given up cannot be written after its drop. Set by
+    the master when the command first goes out (the table keeps no wall clock); 0: none."""
 
 
 COUNTERS = (
@@ -188,6 +193,13 @@ class Eviction(NamedTuple):
     reason: EvictionReason
 
 
+def charged(size: int) -> int:
+    """What a block of ``size`` bytes counts against its owner's quota: its bytes, and at least an
+    index slot's worth (:data:`~kvstore.config.MIN_BLOCK_BYTES`): a flood of tiny objects costs
+    what it occupies, the daemons' index slots, not its few bytes."""
+    return size if size >= MIN_BLOCK_BYTES else MIN_BLOCK_BYTES
+
+
 def owner_of(key: str) -> str:
     """The tenant a key belongs to: its first path segment (servers put ``NAME/`` in front of every
     key of tenant NAME); "" for a key with none."""
@@ -224,8 +236,11 @@ class Catalog:
         self.evictions: deque[Eviction] = deque(maxlen=EVICTIONS_KEPT)
         self.evictions_lost = 0
         self.usage: Counter[str] = Counter()
-        """Bytes of the keys (pending or stored, counted once however many replicas) of each
-        first path segment, ``NAME`` of ``NAME/...``: a tenant's bytes, for its quota."""
+        """Bytes charged for the keys (pending or stored, counted once however many replicas) of
+        each first path segment, ``NAME`` of ``NAME/...``: a tenant's bytes, for its quota. A key is
+        charged :func:`charged` of its size: at least an index slot's worth."""
+        self.pinned_keys: Counter[str] = Counter()
+        """Pinned keys (pending or stored) of each owner: a tenant's pins, for its cap."""
         self.keys_by_owner = keys_by_owner
         self.owned: dict[str, set[str]] = {}
         """The keys of each owner with a name (a tenant), pending or stored; kept only with
@@ -248,7 +263,9 @@ class Catalog:
         state = (COMMITTED if committed else 0) | (PINNED if pinned else 0)
         slot = self.rec.add_key(key, size, checksum, state, self.clock)
         owner = owner_of(key)
-        self.usage[owner] += size
+        self.usage[owner] += charged(size)
+        if pinned:
+            self.pinned_keys[owner] += 1
         if owner and self.keys_by_owner:
             self.owned.setdefault(owner, set()).add(key)
         return slot
@@ -270,10 +287,14 @@ class Catalog:
             if owner
             else not any(map(str.__contains__, keys, repeat("/")))
         ):
-            usage[owner] += sum(sizes)
+            usage[owner] += sum(sizes) + sum(MIN_BLOCK_BYTES - s for s in sizes if s < MIN_BLOCK_BYTES)
+            if pinned:
+                self.pinned_keys[owner] += n
         else:
             for key, size in zip(keys, sizes, strict=True):
-                usage[owner_of(key)] += size
+                usage[owner_of(key)] += charged(size)
+                if pinned:
+                    self.pinned_keys[owner_of(key)] += 1
         if self.keys_by_owner:
             owned = self.owned
             for key in keys:
@@ -286,9 +307,13 @@ class Catalog:
         key = rec.keys[slot]
         assert key is not None
         owner = owner_of(key)
-        self.usage[owner] -= rec.size[slot]
+        self.usage[owner] -= charged(rec.size[slot])
         if not self.usage[owner]:
             del self.usage[owner]
+        if rec.state[slot] & PINNED:
+            self.pinned_keys[owner] -= 1
+            if not self.pinned_keys[owner]:
+                del self.pinned_keys[owner]
         keys = self.owned.get(owner)
         if keys is not None:
             keys.discard(key)

@@ -25,6 +25,7 @@ another key. The invariants are those of :mod:`kvstore.placement.inspection`.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
@@ -79,6 +80,12 @@ class PlacementTable:
         self._reads = Reads(catalog, self._tiering, policy, lease_ms=lease_ms, hold_ms=hold_ms)
         self._moves = Moves(catalog, self._tiering, self._writes, policy)
         self._inspection = Inspection(catalog)
+        self._admitted: Counter[str] = Counter()
+        """Bytes of tenants' requests admitted under their quotas and not yet in the table (puts
+        waiting for room, grants being opened): :meth:`tenant_held` counts them, so that requests
+        served at once cannot each find the same room under a quota."""
+        self._admitted_keys: Counter[tuple[str, bool]] = Counter()
+        """The same for keys (tenant, pinned): :meth:`tenant_keys` counts them."""
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -282,8 +289,35 @@ class PlacementTable:
         return len(grants), sum(p.length for g in grants for p in g.pieces)
 
     def tenant_held(self, tenant: str) -> int:
-        """Everything the tenant holds or reserves: its keys (:meth:`usage`) and its grants' pieces."""
-        return self.usage(tenant) + self.granted(tenant)[1]
+        """Everything the tenant holds or reserves: its keys (:meth:`usage`), its grants' pieces, and
+        what requests of its admitted under its quota are still placing (:meth:`admit`)."""
+        return self.usage(tenant) + self.granted(tenant)[1] + self._admitted[tenant]
+
+    def tenant_keys(self, tenant: str) -> tuple[int, int]:
+        """The tenant's keys and pinned keys, stored or being written or admitted (:meth:`admit`)."""
+        cat, admitted = self._catalog, self._admitted_keys
+        objects = len(cat.owned.get(tenant, ())) + admitted[tenant, False] + admitted[tenant, True]
+        return objects, cat.pinned_keys[tenant] + admitted[tenant, True]
+
+    def admit(self, tenant: str, nbytes: int, keys: int = 0, pinned: bool = False) -> None:
+        """Count ``nbytes`` (and ``keys``, ``pinned`` or not) that a request of ``tenant`` was
+        admitted for under its quota and will place (after waits for room) as held, until
+        :meth:`settle` says they are placed or given up. The caller admits in the same step as it
+        checked the quota, with no wait in between."""
+        self._admitted[tenant] += nbytes
+        self._admitted_keys[tenant, pinned] += keys
+
+    def settle(self, tenant: str, nbytes: int, keys: int = 0, pinned: bool = False) -> None:
+        """``nbytes`` and ``keys`` admitted for ``tenant`` are in the table now (or were given up)."""
+        left = self._admitted[tenant] - nbytes
+        assert left >= 0, f"tenant {tenant!r} settled {nbytes} bytes of {self._admitted[tenant]} admitted"
+        if left:
+            self._admitted[tenant] = left
+        else:
+            del self._admitted[tenant]
+        self._admitted_keys[tenant, pinned] -= keys
+        if self._admitted_keys[tenant, pinned] <= 0:
+            del self._admitted_keys[tenant, pinned]
 
     def evict_tier(self, node_id: str, tier: TierName) -> tuple[int, list[NodeCommand]]:
         return self._moves.evict_tier(node_id, tier)

@@ -68,6 +68,7 @@ from kvstore.protocol.handshake import (
     TenantsPolicy,
     TicketReply,
 )
+from kvstore.protocol.limits import MAX_BATCH_KEYS, check_batch, check_frame
 from kvstore.protocol.membership import (
     AccessReport,
     CheckBlocks,
@@ -122,6 +123,7 @@ from kvstore.protocol.scheduling import (
 __all__ = [
     "FRAME_HEADER",
     "KIND_TO_MESSAGE",
+    "MAX_BATCH_KEYS",
     "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
     "PUT_EXISTS",
@@ -204,6 +206,8 @@ __all__ = [
     "WriteGranted",
     "WriteReply",
     "WriteSlices",
+    "check_batch",
+    "check_frame",
     "decode_payload",
     "encode",
     "request_id_of",

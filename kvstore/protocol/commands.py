@@ -25,6 +25,11 @@ class DropBlocks(Message, tag=51, frozen=True):
     fences: list[int] = []
     """For copies the master gave up on (a drain's or a replicate's), per key the DRAM offset the
     copy was planned into: one that has not arrived is refused when it comes (empty: none)."""
+    void_until_ms: int = 0
+    """Tenants' seals of these keys that end at or before this (the master's wall clock, ms) are
+    refused from now on, used or not: a reservation given up (revoked, expired, its key removed)
+    cannot be written after its drop. The master seals every later reservation of a key to end
+    after it. 0: none."""
 
 
 class PromoteBlocks(Message, tag=52, frozen=True):

@@ -67,3 +67,5 @@ class TenantsPolicy(Message, tag=89, frozen=True):
     as_of_ms: int = 0
     """When the master read this (its clock, as tickets' times are): a ticket issued later, of a
     tenant or key not listed, is newer than this word and taken until the next one comes."""
+    max_sessions: list[int] = []
+    """Per tenant, the sessions it may have open at once on each daemon (empty: no caps)."""

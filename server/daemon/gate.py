@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.auth import ANYONE, TICKET_SKEW_MS, Authority, Identity
-from kvstore.errors import AuthFailed, PermissionDenied
+from kvstore.errors import AuthFailed, PermissionDenied, QuotaExceeded
 from kvstore.protocol import CommitBlocks, Message, TenantsPolicy, WriteBlocks, WriteSlices
 from transfer.tls import HANDSHAKE_TIMEOUT_S
 
@@ -55,15 +55,24 @@ class Gate:
         """Handshakes refused."""
         self._seals: dict[bytes, _Use] = {}
         """Seals of tenants' reservations used here, until they expire: each is written once."""
-        self._sealed: dict[str, list[bytes]] = {}
-        """The seals of each key's reservations, to close when the block is dropped."""
+        self._sealed: dict[str, set[bytes]] = {}
+        """The seals of each key's reservations, to close when the block is dropped (a dropped key's
+        seals stay in ``_seals``, closed, until they expire; the key may be written anew meanwhile)."""
         self.replayed_seals = 0
         """Writes refused because their reservation was written already (a replay)."""
+        self._void: dict[str, int] = {}
+        """Per key dropped by the master, the end of the seals its drop made void (wall ms): a
+        reservation given up is written nothing, even by a seal never used here."""
+        self.void_seals = 0
+        """Writes refused because their reservation was given up before they came."""
+        self.refused_sessions = 0
+        """Tenants' logins refused because the tenant had as many sessions here as it may."""
 
     def counts(self) -> dict[str, int]:
         """What the gate refused since the start, by kind."""
         return {"auth_failures": self.auth_failures, "login_timeouts": self.login_timeouts,
-                "revoked_sessions": self.revoked_sessions, "replayed_seals": self.replayed_seals}  # fmt: skip
+                "revoked_sessions": self.revoked_sessions, "replayed_seals": self.replayed_seals,
+                "void_seals": self.void_seals, "refused_sessions": self.refused_sessions}  # fmt: skip
 
     def accepted(self, sock: socket.socket) -> None:
         """A connection came in: it has ``login_timeout`` to authenticate."""
@@ -71,8 +80,20 @@ class Gate:
             self._opened[sock] = time.monotonic()
 
     def authenticated(self, sock: socket.socket, identity: Identity) -> None:
+        """A connection proved ``identity``: served from now on, unless its tenant has as many
+        sessions here as the master's policy allows it (QuotaExceeded; the caller closes)."""
         with self._lock:
             self._opened.pop(sock, None)
+            tenant = identity.tenant
+            if tenant is not None and self.authority is not None:
+                cap = self.authority.max_sessions(tenant)
+                open_ = sum(1 for i in self._identities.values() if i.tenant == tenant)
+                if open_ >= cap:
+                    self.refused_sessions += 1
+                    raise QuotaExceeded(
+                        f"tenant {tenant!r} has {open_} sessions open on daemon {self.node_id}, the most it may"
+                        f" (max_sessions {cap})"
+                    )
             self._identities[sock] = identity
 
     def refused(self) -> int:
@@ -129,14 +150,24 @@ class Gate:
                     raise PermissionDenied(
                         f"the reservation for {key!r} at offset {offset} was written already: each is written once"
                     )
+                if use is None and int.from_bytes(seal[:8], "big") <= self._void.get(key, 0):
+                    self.void_seals += 1
+                    raise PermissionDenied(
+                        f"the reservation for {key!r} at offset {offset} was given up (revoked, expired or its key"
+                        " dropped) before this write: put the block again"
+                    )
             for key, offset, seal in zip(message.keys, message.offsets, message.seals, strict=True):
                 if seal not in self._seals:
-                    self._sealed.setdefault(key, []).append(seal)
+                    self._sealed.setdefault(key, set()).add(seal)
                 self._seals[seal] = _Use(key, offset, int.from_bytes(seal[:8], "big"), slices)
 
-    def dropped(self, keys: Sequence[str]) -> None:
-        """Blocks were dropped: their reservations are closed (their seals write nothing more)."""
+    def dropped(self, keys: Sequence[str], void_until_ms: int = 0) -> None:
+        """Blocks were dropped: their reservations are closed (their seals write nothing more), and
+        with ``void_until_ms`` every seal of those keys ending by then, used here or not."""
         with self._lock:
+            if void_until_ms:
+                for key in keys:
+                    self._void[key] = max(self._void.get(key, 0), void_until_ms)
             for key in keys:
                 for seal in self._sealed.pop(key, ()):
                     use = self._seals.get(seal)
@@ -145,12 +176,15 @@ class Gate:
 
     def _prune(self, now_ms: int) -> None:
         """Forget seals past their end (and the skew): the daemon refuses them as expired anyway."""
+        void = [key for key, until in self._void.items() if until + TICKET_SKEW_MS < now_ms]
+        for key in void:
+            del self._void[key]
         gone = [seal for seal, use in self._seals.items() if use.expires_ms + TICKET_SKEW_MS < now_ms]
         for seal in gone:
             use = self._seals.pop(seal)
             seals = self._sealed.get(use.key)
             if seals is not None:
-                seals.remove(seal)
+                seals.discard(seal)  # gone already when the key was dropped since
                 if not seals:
                     del self._sealed[use.key]
 
@@ -159,13 +193,16 @@ class Gate:
         assert self.authority is not None
         self.authority.take_policy(policy)
 
-    def sweep(self, now: float | None = None) -> tuple[list[socket.socket], list[socket.socket]]:
+    def sweep(
+        self, now: float | None = None, wall_ms: int | None = None
+    ) -> tuple[list[socket.socket], list[socket.socket]]:
         """The connections to cut now: those past the login deadline, and tenants' sessions the
-        master's policy no longer allows."""
+        master's policy no longer allows (``now``: time.monotonic(); ``wall_ms``: the wall clock
+        seals are judged by)."""
         now = time.monotonic() if now is None else now
         authority = self.authority
         with self._lock:
-            self._prune(int(time.time() * 1000))
+            self._prune(int(time.time() * 1000) if wall_ms is None else wall_ms)
             late = [s for s, t in self._opened.items() if now - t > self.login_timeout]
             for sock in late:
                 del self._opened[sock]

@@ -127,6 +127,7 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
         on_epoch=server.raise_epoch,
         credential=server.credential,
         tls=contexts(config.tls)[0],
+        supervisor=server.supervisor,
     )
     server.master = link
     # Before the link starts: a port it cannot have stops it before it registers.

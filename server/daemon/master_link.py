@@ -40,6 +40,7 @@ from kvstore.protocol import (
 from kvstore.ratelog import RateLimitedLog
 from server.daemon.orphans import Orphans
 from server.daemon.storage import DaemonStorage
+from server.supervisor import Supervisor
 from transfer import topology
 from transfer.discovery import MasterLocator
 from transfer.rpc import Connection, ConnectionPool
@@ -70,8 +71,10 @@ class MasterLink:
         on_epoch: Callable[[int], None] | None = None,
         credential: Credential | None = None,
         tls: ssl.SSLContext | None = None,
+        supervisor: Supervisor | None = None,
     ) -> None:
-        """``credential`` and ``tls``: what connections to the master authenticate with and run over."""
+        """``credential`` and ``tls``: what connections to the master authenticate with and run over;
+        ``supervisor``: what restarts (and counts) its loops when they fail (the daemon's own)."""
         self._transfer_stats = transfer_stats
         self._refusals = refusals
         self._orphans = orphans
@@ -108,11 +111,12 @@ class MasterLink:
         """Registrations and heartbeats that got no answer."""
         self._on_registered = on_registered
         self.registered = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="daemon-master-link", daemon=True)
-        self._reporter = threading.Thread(target=self._report_loop, name="daemon-access-reports", daemon=True)
+        self.supervisor = supervisor if supervisor is not None else Supervisor()
+        self._thread = self.supervisor.thread("daemon-master-link", self._run, self._stop)
+        self._reporter = self.supervisor.thread("daemon-access-reports", self._report_loop, self._stop)
         # Orphan checks, apart: they take the storage lock, which a heartbeat must never wait for.
         self._checks = Connection(locator, timeout, credential, tls)
-        self._checker = threading.Thread(target=self._check_loop, name="daemon-orphan-checks", daemon=True)
+        self._checker = self.supervisor.thread("daemon-orphan-checks", self._check_loop, self._stop)
 
     def start(self) -> None:
         self._thread.start()

@@ -52,6 +52,14 @@ class DaemonCollector:
         yield counter("registrations", "Registrations a master answered (again after each lost contact with the "
                       "masters, or a master that forgot the node).", link.registrations)  # fmt: skip
         yield counter("master_failures", "Registrations and heartbeats no master answered.", link.failures)
+        loops = CounterMetricFamily(
+            "kvstore_daemon_loop_failures",
+            "Exceptions that a background loop of this daemon raised (each logged, and the loop restarted), by loop.",
+            labels=["node", "loop"],
+        )
+        for loop, failures in sorted(link.supervisor.counts().items()):
+            loops.add_metric([self.node, loop], failures)
+        yield loops
         yield gauge("dram_capacity_bytes", "The DRAM tier's data capacity.", self.storage.arena.capacity)
         ssd = self.storage.ssd
         if ssd is None:

@@ -117,13 +117,13 @@ class Orphans:
     def _due(self, now: float) -> list[tuple[BlockKey, float]]:
         with self._lock:
             refused, self._refused = self._refused, []
-        # The blocks in the way of refused writes: asked about now, first.
-        due: list[tuple[BlockKey, float]] = [(k, now) for k in self.storage.occupants(refused)] if refused else []
+        # The blocks in the way of refused writes: asked about now, first, each with when it was
+        # first seen being written (a refusal never restarts a half-written block's clock).
+        occupants = self.storage.occupants(refused) if refused else []
         with self._lock:
+            due: list[tuple[BlockKey, float]] = [(k, self._written.pop(k, now)) for k in occupants]
             cutoff = now if self._urgent else now - self.delay_s
             self._urgent = False
-            for key, _ in due:
-                self._written.pop(key, None)
             taken: list[tuple[BlockKey, float]] = []
             for key, began in self._written.items():
                 if began > cutoff or len(due) + len(taken) >= self.batch:

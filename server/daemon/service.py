@@ -33,6 +33,7 @@ from kvstore.errors import (
     NotLeader,
     PermissionDenied,
     ProtocolError,
+    QuotaExceeded,
     Timeout,
 )
 from kvstore.keys import BlockKey, validate_key
@@ -68,6 +69,7 @@ from server.daemon.master_link import MasterLink
 from server.daemon.orphans import Orphans
 from server.daemon.receivers import Receivers
 from server.daemon.storage import NO_TARGET, BlockState, DaemonStorage
+from server.supervisor import Supervisor
 from transfer.auth import accept
 from transfer.rpc import Connection
 from transfer.tls import contexts, server_context, wrap_server
@@ -132,6 +134,7 @@ class DaemonServer:
         rails: Sequence[str] = (),
         io_timeout: float = 30.0,
         idle_timeout: float = 600.0,
+        tenant_idle_timeout: float = 60.0,
         max_connections: int = 4096,
         max_per_peer: int = 1024,
         secret: bytes | None = None,
@@ -161,6 +164,9 @@ class DaemonServer:
         )
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
+        self.tenant_idle_timeout = tenant_idle_timeout
+        """A tenant's idle session is closed after this (its client connects again), long before
+        ``idle_timeout``: an idle session holds a slot of the tenant's ``max_sessions``."""
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer
         self._per_peer: Counter[str] = Counter()
@@ -179,6 +185,8 @@ class DaemonServer:
         self.rails = [f"{h}:{lst.getsockname()[1]}" for h, lst in zip([host, *rails], self._listeners, strict=True)]
         self.address = self.rails[0]
         self._stop = threading.Event()
+        self.supervisor = Supervisor()
+        """This daemon's background loops (its master link's too): restarted after any exception, counted."""
         self._threads: list[threading.Thread] = []
         self._conns: dict[socket.socket, str] = {}
         """Open connections and the rail (listening address) each came in on."""
@@ -202,7 +210,9 @@ class DaemonServer:
             ReadSlices: self._read_slices,
             WriteSlices: self._write_slices,
             DemoteBlocks: lambda m, s, r: self._command(s, r, self.storage.demote(self._keys(m.keys))),
-            DropBlocks: lambda m, s, r: self._command(s, r, self._drop(self._keys(m.keys), m.tier, m.fences)),
+            DropBlocks: lambda m, s, r: self._command(
+                s, r, self._drop(self._keys(m.keys), m.tier, m.fences, m.void_until_ms)
+            ),
             PromoteBlocks: lambda m, s, r: self._command(s, r, self.storage.promote(self._keys(m.keys), m.offsets)),
             FetchBlocks: lambda m, s, r: self._command(s, r, self._fetch(m)),
             MasterHello: lambda m, s, r: send_message(s, OkReply(), r),
@@ -212,11 +222,11 @@ class DaemonServer:
 
     def start(self) -> None:
         for listener, rail in zip(self._listeners, self.rails, strict=True):
-            t = threading.Thread(target=self._accept_loop, args=(listener, rail), name="daemon-accept", daemon=True)
+            t = self.supervisor.thread("daemon-accept", self._accept_loop, self._stop, listener, rail)
             t.start()
             self._threads.append(t)
         if self.authority is not None or self._tls is not None:
-            t = threading.Thread(target=self._sweep_loop, name="daemon-sweep", daemon=True)
+            t = self.supervisor.thread("daemon-sweep", self._sweep_loop, self._stop)
             t.start()
             self._threads.append(t)
 
@@ -280,14 +290,19 @@ class DaemonServer:
                 except AuthFailed as exc:
                     self._note_auth_failure(host, exc)
                     return
-                self.gate.authenticated(sock, identity)
+                try:
+                    self.gate.authenticated(sock, identity)
+                except QuotaExceeded as exc:
+                    self._reply_error(sock, 0, exc)
+                    return
             idle_since = time.monotonic()
             while not self._stop.is_set():
                 try:
                     request_id, message = recv_message(sock)
                 except NoRequest:
                     # No request within io_timeout: keep an idle connection up to idle_timeout.
-                    if time.monotonic() - idle_since > self.idle_timeout:
+                    idle = self.tenant_idle_timeout if identity.tenant is not None else self.idle_timeout
+                    if time.monotonic() - idle_since > idle:
                         return
                     continue
                 except ProtocolError as exc:
@@ -614,10 +629,12 @@ class DaemonServer:
         self.receivers.cut(keys)  # slices still coming for a committed block: stale
         self._write_reply(sock, request_id, outcome)
 
-    def _drop(self, keys: list[BlockKey], tier: str = "", fences: Sequence[int] = ()) -> list[bool]:
+    def _drop(
+        self, keys: list[BlockKey], tier: str = "", fences: Sequence[int] = (), void_until_ms: int = 0
+    ) -> list[bool]:
+        self.gate.dropped(list(keys), void_until_ms)  # first: their reservations write nothing more
         if tier != "ssd":
             self.receivers.cut(keys, wait_s=self.io_timeout)
-        self.gate.dropped(list(keys))  # their reservations write nothing more
         done = self.storage.drop(keys, tier, fences)
         if not tier:  # dropped while absent: bytes that come later may be an orphan's
             self.orphans.dropped_absent([k for k, held in zip(keys, done, strict=True) if not held])

@@ -607,6 +607,12 @@ class _Collector:
                                   value=security["auth_failures"])  # fmt: skip
         yield CounterMetricFamily("kvstore_revoked_sessions", "Tenants' open sessions ended because the tenant was "
                                   "removed or its token replaced.", value=security["revoked_sessions"])  # fmt: skip
+        yield CounterMetricFamily("kvstore_stalled_frames", "Connections closed because a frame they began did not "
+                                  "arrive whole within frame_timeout_s (its buffer freed).",
+                                  value=security["stalled_frames"])  # fmt: skip
+        yield CounterMetricFamily("kvstore_refused_sessions", "Tenants' logins refused because the tenant had as "
+                                  "many sessions open as it may (max_sessions).",
+                                  value=security["refused_sessions"])  # fmt: skip
         yield CounterMetricFamily("kvstore_tenants_file_errors", "Reloads of the tenants file that failed (the last"
                                   " good one serves meanwhile).", value=security["tenants_file_errors"])  # fmt: skip
         yield GaugeMetricFamily("kvstore_tenants_file_bad", "1 while the tenants file on disk does not load.",
@@ -643,3 +649,11 @@ class _Collector:
                                            labels=[])  # fmt: skip
             family.add_metric([], hist.buckets(), hist.total)
             yield family
+        stalls = service.stalls
+        lag = HistogramMetricFamily("kvstore_master_loop_lag_seconds", "How late the event loop woke a probe "
+                                    "that asks to wake every 10 ms: what one request's work made every other wait.",
+                                    labels=[])  # fmt: skip
+        lag.add_metric([], stalls.histogram.buckets(), stalls.histogram.total)
+        yield lag
+        yield GaugeMetricFamily("kvstore_master_loop_stall_max_seconds", "The longest the event loop went without "
+                                "turning since the master started.", value=stalls.max_s)  # fmt: skip

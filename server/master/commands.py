@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 from typing import TypeVar
 
 from kvstore.errors import KVStoreError
@@ -66,15 +68,24 @@ def _message(command: NodeCommand) -> Message:
         return DemoteBlocks(list(command.keys))
     if command.kind is ActionKind.PROMOTE:
         return PromoteBlocks(list(command.keys), list(command.offsets))
-    return DropBlocks(list(command.keys), command.tier.value if command.tier_only else "", list(command.offsets))
+    return DropBlocks(
+        list(command.keys), command.tier.value if command.tier_only else "", list(command.offsets),
+        command.void_until_ms,
+    )  # fmt: skip
 
 
 class Commands:
     """Runs the table's commands on the daemons of :attr:`nodes` (see the module's text)."""
 
-    def __init__(self, nodes: NodeRegistry, spawn: Spawn) -> None:
+    def __init__(self, nodes: NodeRegistry, spawn: Spawn, reservation_ms: int = 0) -> None:
+        """``reservation_ms``: how long a reservation's seal lasts (drops void every seal issued
+        before them: those end within this of now)."""
         self.nodes = nodes
         self._spawn = spawn
+        self.reservation_ms = reservation_ms
+        self.void_until_ms = 0
+        """The latest end of the seals a drop sent so far made void: every seal issued from now on
+        must end after it (:meth:`seal_end`)."""
         self.retry: list[NodeCommand] = []
         """Commands a daemon did not answer: sent again at the next tick while their node is up."""
         self.dropping: Counter[str] = Counter()
@@ -95,8 +106,26 @@ class Commands:
         """Carry ``commands`` (planned on ``table``, the current one by default) out in the
         background (nothing waits for them)."""
         if commands:
+            commands = self._stamped(commands)
             self._track(commands, 1)  # now: a remove that comes before the task runs sees its drops
             self._spawn(self._run(commands, table or self.nodes.table), name)
+
+    def _stamped(self, commands: list[NodeCommand]) -> list[NodeCommand]:
+        """Drops stamped with the end of the seals they make void (once: a retry keeps its stamp,
+        never voiding a reservation made after the drop was planned)."""
+        if not any(c.kind is ActionKind.DROP and not c.void_until_ms for c in commands):
+            return commands
+        until = int(time.time() * 1000) + self.reservation_ms
+        self.void_until_ms = max(self.void_until_ms, until)
+        return [
+            replace(c, void_until_ms=until) if c.kind is ActionKind.DROP and not c.void_until_ms else c
+            for c in commands
+        ]
+
+    def seal_end(self, now_wall_ms: int) -> int:
+        """When a reservation sealed now ends: ``reservation_ms`` from now, and after every seal a
+        drop made void (a key put again within a millisecond of its drop is not refused)."""
+        return max(now_wall_ms + self.reservation_ms, self.void_until_ms + 1)
 
     def _track(self, commands: Iterable[NodeCommand], sign: int) -> None:
         """Count the drops of ``commands`` in (1) or out (-1) of :attr:`dropping`."""
@@ -111,6 +140,7 @@ class Commands:
     async def run(self, commands: list[NodeCommand], table: PlacementTable | None = None) -> bool:
         """Send commands (each node's in order, nodes in parallel) and apply the answers; whether
         every node answered (the others' are retried at the next tick)."""
+        commands = self._stamped(commands)
         self._track(commands, 1)
         return await self._run(commands, table or self.nodes.table)
 
@@ -208,7 +238,10 @@ class Commands:
     async def drop_everywhere(self, keys: list[str]) -> bool:
         """Have every up node drop ``keys``; whether all of them confirmed."""
         nodes = [n.node_id for n in self.nodes.table.up_nodes()]
+        until = int(time.time() * 1000) + self.reservation_ms  # the earlier master's seals of them end by then
+        self.void_until_ms = max(self.void_until_ms, until)
+        drop = DropBlocks(keys, void_until_ms=until)
         answers = await asyncio.gather(
-            *(self.call(n, Lane.BLOCKS, DropBlocks(keys), CommandReply) for n in nodes), return_exceptions=True
+            *(self.call(n, Lane.BLOCKS, drop, CommandReply) for n in nodes), return_exceptions=True
         )
         return not any(isinstance(a, BaseException) for a in answers)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvstore.auth import ANYONE, Authority, Identity
 from kvstore.config import MasterConfig
@@ -29,7 +29,7 @@ from kvstore.errors import (
 from kvstore.placement import quotas
 from kvstore.placement.leases import LeaseId
 from kvstore.placement.results import Ticket
-from kvstore.placement.state import Grant, Move
+from kvstore.placement.state import Grant, Move, charged
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import TierName
 from kvstore.protocol import (
@@ -76,6 +76,7 @@ from kvstore.protocol import (
     Stats,
     StatsReply,
 )
+from kvstore.tenants import Tenant
 from server.master.commands import Commands, Lane
 from server.master.leadership import Leadership
 from server.master.nodes import NodeRegistry
@@ -114,6 +115,8 @@ class MasterCore:
         self.leadership = leadership
         self.authority = authority
         """Tenants and their quotas, and the seals of their reservations (None: no tenants)."""
+        self.loop_stall_max: Callable[[], float] | None = None
+        """The longest the event loop went without turning, in seconds (the service's probe), for Stats."""
 
     @property
     def table(self) -> PlacementTable:
@@ -175,10 +178,13 @@ class MasterCore:
     def quota(self, tenant: str) -> int:
         """The tenant's byte quota (0: none). A tenant no longer in the tenants file has none to
         spend: AuthFailed (never "no quota", which would be unlimited)."""
+        return self._tenant(tenant).quota_bytes
+
+    def _tenant(self, tenant: str) -> Tenant:
         known = self.authority.tenant(tenant) if self.authority is not None else None
         if known is None:
             raise AuthFailed(f"tenant {tenant!r} is not in the tenants file (removed since it logged in)")
-        return known.quota_bytes
+        return known
 
     async def put_start(self, m: PutStart, caller: Identity = ANYONE) -> Message:
         keys, sizes = list(m.keys), list(m.sizes)
@@ -187,15 +193,45 @@ class MasterCore:
         tickets: list[Ticket | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         tenant = caller.tenant
-        quota = self.quota(tenant) if tenant is not None else 0
-        if tenant is not None and quota:
+        known = self._tenant(tenant) if tenant is not None else None
+        admitted: set[int] = set()  # new keys counted against the quota until placed (PlacementTable.admit)
+        if tenant is not None and known is not None and (known.quota_bytes or known.max_objects or known.max_pinned):
+            quota = known.quota_bytes or 1 << 62
             plan = quotas.plan_put(self.table, tenant, quota, keys, sizes)
             if plan.commands:
                 await self.commands.run(plan.commands)
+            # From the check to the admission, no wait: a concurrent put of the tenant's sees these bytes.
             for i in quotas.refused(self.table, tenant, quota, sizes, plan):
                 text = quotas.refusal_text(self.table, tenant, quota, keys[i], sizes[i])
                 tickets[i] = Ticket("error", [], QuotaExceeded.code, text)
+            objects, pins = self.table.tenant_keys(tenant)
+            for i in plan.new:
+                if tickets[i] is not None:
+                    continue
+                over = (known.max_objects and objects >= known.max_objects and f"{objects} keys (max_objects)") or (
+                    m.pin and known.max_pinned and pins >= known.max_pinned and f"{pins} pinned keys (max_pinned)"
+                )
+                if over:
+                    text = f"tenant {tenant!r} holds {over}, the most it may: {keys[i][len(tenant) + 1 :]!r} is refused"
+                    tickets[i] = Ticket("error", [], QuotaExceeded.code, text)
+                else:
+                    objects, pins = objects + 1, pins + m.pin
             todo = [i for i in todo if tickets[i] is None]
+            admitted = {i for i in plan.new if tickets[i] is None}
+            self.table.admit(tenant, sum(charged(sizes[i]) for i in admitted), len(admitted), m.pin)
+        try:
+            return await self._place(m, keys, sizes, tickets, todo, tenant, admitted)
+        finally:
+            if admitted:
+                assert tenant is not None
+                self.table.settle(tenant, sum(charged(sizes[i]) for i in admitted), len(admitted), m.pin)
+
+    async def _place(
+        self, m: PutStart, keys: list[str], sizes: list[int], tickets: list[Ticket | None], todo: list[int],
+        tenant: str | None, admitted: set[int],
+    ) -> Message:  # fmt: skip
+        """The rounds of a put_start: place ``todo``, waiting for evictions to make room; each key
+        placed (or refused) leaves ``admitted`` as it enters the table."""
         for _ in range(_MAX_EVICTION_ROUNDS):
             every = len(todo) == len(keys)
             placed = self.table.put_start(
@@ -212,6 +248,11 @@ class MasterCore:
             for j, ticket in zip(todo, placed.tickets, strict=True):
                 tickets[j] = ticket
             todo = [todo[w] for w in placed.waiting]
+            if admitted:
+                assert tenant is not None
+                done = admitted.difference(todo)
+                self.table.settle(tenant, sum(charged(sizes[i]) for i in done), len(done), m.pin)
+                admitted -= done
             if not todo:
                 self.commands.later(placed.commands, "background-eviction")
                 break
@@ -228,7 +269,7 @@ class MasterCore:
         """A seal per replica of ``tickets``, in order, for ``tenant``: daemons take a tenant's writes
         only into extents the master reserved for it (no squatting on free space or others' reservations)."""
         assert self.authority is not None
-        expires = int(time.time() * 1000) + self.config.reservation_ms  # wall clock: daemons check it
+        expires = self.commands.seal_end(int(time.time() * 1000))  # wall clock: daemons check it
         seal = self.authority.seal
         return [
             seal(tenant, r.node_id, key, r.offset, size, expires)
@@ -247,7 +288,9 @@ class MasterCore:
         ])  # fmt: skip
 
     async def put_revoke(self, m: PutRevoke, caller: Identity = ANYONE) -> Message:
-        self.commands.later(self.table.put_revoke(m.keys), "revoke-drops")
+        # Waited for: once answered, the daemons refuse every write under the reservations given up
+        # (their drops void the seals), so a writer cannot half-fill an extent the master hands out again.
+        await self.commands.run(self.table.put_revoke(m.keys))
         unknown = [k for k in m.keys if self.table.describe(k) is None]
         # Reserved by a master that has since gone, so nobody knows where it was written: every
         # node drops it, before the writer's retry can store it anew.
@@ -260,24 +303,29 @@ class MasterCore:
         """Reserve write space on one node (evicting first where needed) and open it on its daemon."""
         table = self.table
         owner = caller.tenant or ""
-        length = await self._grant_quota(owner, m.length) if owner else m.length
+        length = m.length
+        if table.nodes:  # no larger than a grant may be: the quota is checked for what is granted
+            largest = max(n.alloc.capacity for n in table.nodes.values())
+            length = min(length, max(int(largest * self.config.grant_fraction), 1))
+        admitted = self._grant_quota(owner, length) if owner else 0
+        length = admitted or length
         grant: Grant | None = None
-        for _ in range(_MAX_EVICTION_ROUNDS):
-            capped = length
-            if table.nodes:
-                largest = max(n.alloc.capacity for n in table.nodes.values())
-                capped = min(length, max(int(largest * self.config.grant_fraction), 1))
-            plan = table.grant_space(capped, m.preferred_node, self.config.grant_ttl_ms, now_ms(), owner)
-            if plan.error is not None:
-                raise plan.error
-            if plan.grant is not None:
-                self.commands.later(plan.commands, "background-eviction")
-                grant = plan.grant
-                break
-            if plan.commands:
-                await self.commands.run(plan.commands)
-            else:
-                await self._until_room()
+        try:
+            for _ in range(_MAX_EVICTION_ROUNDS):
+                plan = table.grant_space(length, m.preferred_node, self.config.grant_ttl_ms, now_ms(), owner)
+                if plan.error is not None:
+                    raise plan.error
+                if plan.grant is not None:
+                    self.commands.later(plan.commands, "background-eviction")
+                    grant = plan.grant
+                    break
+                if plan.commands:
+                    await self.commands.run(plan.commands)
+                else:
+                    await self._until_room()
+        finally:
+            if admitted:
+                table.settle(owner, admitted)  # the grant counts itself from here (or was not made)
         if grant is None:
             raise CapacityError(f"no room for a grant of {m.length} bytes after repeated rounds of eviction")
         extent = grant.pieces[0]
@@ -300,10 +348,14 @@ class MasterCore:
             grant.grant_id, grant.node_id, node.address, extent.offset, extent.length, ttl, node.alloc.alignment
         )
 
-    async def _grant_quota(self, tenant: str, length: int) -> int:
-        """How much of a grant of ``length`` bytes the tenant may have: at most
-        ``config.tenant_max_grants`` grants open, and within its quota once its own least recently
-        used blocks are evicted (its grants count as held until returned); QuotaExceeded when none."""
+    def _grant_quota(self, tenant: str, length: int) -> int:
+        """How much of a grant of ``length`` bytes the tenant may have (0: all of it, it has no
+        quota): at most ``config.tenant_max_grants`` grants open, and what its quota leaves free
+        (its grants count as held until returned), admitted under the quota at once
+        (:meth:`PlacementTable.admit`; the caller settles it); QuotaExceeded when nothing is left.
+        A grant never evicts the tenant's own blocks: the two-trip way does that, block by block,
+        for what each put needs (a grant of 16 MiB used to evict six blocks held to write one of
+        64 KiB)."""
         quota = self.quota(tenant)
         table = self.table
         open_grants, _ = table.granted(tenant)
@@ -312,18 +364,17 @@ class MasterCore:
                 f"tenant {tenant!r} has {open_grants} grants open, the most a tenant may: return or fill one first"
             )
         if not quota:
-            return length
-        commands = quotas.grant_evictions(table, tenant, quota, length)
-        if commands:
-            await self.commands.run(commands)
+            return 0
         alignment = max((n.alloc.alignment for n in table.nodes.values()), default=1)
         room = (quota - table.tenant_held(tenant)) // alignment * alignment
         if room <= 0:
             raise QuotaExceeded(
-                f"tenant {tenant!r} holds or reserves {table.tenant_held(tenant)} bytes of its {quota}-byte quota,"
-                " none of it evictable: no room for a grant"
+                f"tenant {tenant!r} holds or reserves {table.tenant_held(tenant)} bytes of its {quota}-byte quota:"
+                " no room for a grant (puts go the two-trip way, which evicts its own blocks as each needs)"
             )
-        return min(length, room)
+        granted = min(length, room)
+        table.admit(tenant, granted)
+        return granted
 
     async def return_grants(self, m: ReturnGrants, caller: Identity = ANYONE) -> Message:
         owner = caller.tenant
@@ -395,7 +446,10 @@ class MasterCore:
         """The cluster's counters; for a tenant, its own only (what it holds, its quota, its grants)."""
         tenant = caller.tenant
         if tenant is None:
-            return StatsReply(self.table.stats())
+            stats: dict[str, int | float] = dict(self.table.stats())
+            if self.loop_stall_max is not None:
+                stats["loop_stall_max_ms"] = round(self.loop_stall_max() * 1000, 3)
+            return StatsReply(stats)
         grants, granted = self.table.granted(tenant)
         return StatsReply({
             "objects": self.table.num_objects_of(tenant), "bytes": self.table.usage(tenant),

@@ -39,6 +39,25 @@ class LatencyHistogram:
         return out
 
 
+class LoopStalls:
+    """How long the master's event loop went without turning: a probe asks to wake every
+    ``period_s`` and records how late it woke. Every client of the master waits while one request
+    holds the loop (the placement table is synchronous), so this is the longest any of them waited
+    for another's work, give or take a period."""
+
+    def __init__(self, period_s: float = 0.01) -> None:
+        self.period_s = period_s
+        self.max_s = 0.0
+        """The longest stall since the start."""
+        self.histogram = LatencyHistogram()
+        """Every probe's lateness."""
+
+    def record(self, late_s: float) -> None:
+        late_s = max(late_s, 0.0)
+        self.histogram.observe(late_s)
+        self.max_s = max(self.max_s, late_s)
+
+
 _Point = tuple[float, dict[str, int], int, int]
 """(time, counters, DRAM bytes used, SSD bytes used)."""
 

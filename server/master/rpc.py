@@ -18,7 +18,7 @@ from typing import Any
 
 from kvstore.auth import ANYONE, Authority, Identity, ServerHandshake, as_refusal
 from kvstore.config import MasterConfig
-from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied, ProtocolError
+from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied, ProtocolError, QuotaExceeded
 from kvstore.protocol import (
     MAX_FRAME_BYTES,
     AccessReport,
@@ -50,6 +50,8 @@ from kvstore.protocol import (
     ReturnGrants,
     Stats,
     StatsReply,
+    check_batch,
+    check_frame,
     decode_payload,
     encode,
     request_id_of,
@@ -100,6 +102,9 @@ class _Connection(asyncio.Protocol):
         """The key this connection's handshake agreed (masks the session keys of tickets)."""
         # Before authentication a peer can make the master hold one small frame, no more.
         self.decoder = FrameDecoder(HANDSHAKE_FRAME) if authority is not None else FrameDecoder()
+        self.partial_since: float | None = None
+        """When the frame now held back in part began to arrive (None: none is): a sender that
+        stalls mid-frame must not hold its buffer (up to a frame's limit) for long."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
@@ -109,12 +114,15 @@ class _Connection(asyncio.Protocol):
         self.last = time.monotonic()
         try:
             for payload in self.decoder.feed(data):
+                self.partial_since = None
                 if self.identity is None:
                     self._authenticate(payload)
                     if self.transport.is_closing():
                         return
                     continue
                 self.server.serve(self, payload)
+            if self.decoder.pending and self.partial_since is None:
+                self.partial_since = self.last
         except ProtocolError as exc:
             # An oversize frame leaves the stream out of step: answer, then close.
             self.server.rpc_errors += 1
@@ -130,12 +138,20 @@ class _Connection(asyncio.Protocol):
             if isinstance(message, AuthHello) or not self.handshake.expects_proof:
                 self.reply(self.handshake.challenge(message), request_id)
                 return
-            self.identity, ok, self.key = self.handshake.verify(message)
+            identity, ok, self.key = self.handshake.verify(message)
         except KVStoreError as exc:  # a refusal, or a frame that is no handshake
             self.server.note_auth_failure(self.transport.get_extra_info("peername"), exc)
             self.reply(ErrorReply.from_error(as_refusal(exc)), request_id)
             self.transport.close()
             return
+        if identity.tenant is not None:
+            try:
+                self.server.check_sessions(identity.tenant)
+            except QuotaExceeded as exc:  # proven, but its tenant holds every session it may
+                self.reply(ErrorReply.from_error(exc), request_id)
+                self.transport.close()
+                return
+        self.identity = identity
         self.decoder.max_frame = MAX_FRAME_BYTES
         self.reply(ok, request_id)
 
@@ -191,9 +207,13 @@ class RpcServer:
         self.rpc_errors = 0
         self.auth_failures = 0
         self.refused_connections = 0
+        """Connections closed at accept: ``config.max_connections`` were open."""
         self.revoked_sessions = 0
         """Tenants' sessions closed because the tenant was removed or its token replaced."""
-        """Connections closed at accept: ``config.max_connections`` were open."""
+        self.refused_sessions = 0
+        """Logins refused because their tenant had as many sessions open as it may."""
+        self.stalled_frames = 0
+        """Connections closed because a frame they began did not arrive whole within ``frame_timeout_s``."""
         self.latency: dict[str, LatencyHistogram] = {}
         self.answers = Answers(config.answer_ttl_s, config.answer_cache)
         """Answers of requests that must not run twice, by (who sent it, request id, its bytes' hash)."""
@@ -236,19 +256,45 @@ class RpcServer:
             return
         self.connections.add(conn)
 
+    def check_sessions(self, tenant: str) -> None:
+        """Raise QuotaExceeded when ``tenant`` has as many sessions open as it may (one token
+        must not hold every connection the master serves)."""
+        assert self.authority is not None
+        cap = self.authority.max_sessions(tenant)
+        open_ = sum(1 for c in self.connections if c.identity is not None and c.identity.tenant == tenant)
+        if open_ >= cap:
+            self.refused_sessions += 1
+            raise QuotaExceeded(f"tenant {tenant!r} has {open_} sessions open, the most it may (max_sessions {cap})")
+
     def reap(self, now: float) -> None:
-        """Close connections idle for ``config.idle_timeout_s``, not authenticated in time, or of a
-        tenant removed from the tenants file (or whose token was replaced) since it logged in."""
-        idle_since, unproven_since = now - self.config.idle_timeout_s, now - HANDSHAKE_TIMEOUT_S
+        """Close connections idle for ``config.idle_timeout_s`` (a tenant's for ``tenant_idle_timeout_s``),
+        not authenticated in time, in the middle of a frame for ``frame_timeout_s``, or of a tenant
+        removed from the tenants file (or whose token was replaced) since it logged in."""
+        config = self.config
+        idle_since, unproven_since = now - config.idle_timeout_s, now - HANDSHAKE_TIMEOUT_S
+        tenant_idle_since, frame_since = now - config.tenant_idle_timeout_s, now - config.frame_timeout_s
         if self.authority is not None:
             self.authority.refresh_tenants()
         for conn in list(self.connections):
             identity = conn.identity
-            if identity is not None and identity.tenant is not None and self._revalidate(conn, identity) is None:
+            tenant = identity.tenant if identity is not None else None
+            if identity is not None and tenant is not None and self._revalidate(conn, identity) is None:
                 self.revoked_sessions += 1
-                log.info("closed a session of tenant %r: %s", identity.tenant, _revoked(conn))
+                log.info("closed a session of tenant %r: %s", tenant, _revoked(conn))
                 conn.transport.close()
-            elif conn.last < idle_since or (identity is None and conn.opened < unproven_since):
+            elif conn.partial_since is not None and conn.partial_since < frame_since:
+                self.stalled_frames += 1
+                self._failures.warning(
+                    "stalled-frame", "closed a connection of %s holding %d bytes of a frame begun %.0f s ago"
+                    " (%d so far)", tenant or "a client", conn.decoder.pending, now - conn.partial_since,
+                    self.stalled_frames,
+                )  # fmt: skip
+                conn.transport.close()
+            elif (
+                conn.last < idle_since
+                or (tenant is not None and conn.last < tenant_idle_since)
+                or (identity is None and conn.opened < unproven_since)
+            ):
                 conn.transport.close()
 
     def _revalidate(self, conn: _Connection, identity: Identity) -> Identity | None:
@@ -272,11 +318,20 @@ class RpcServer:
         its end right here, with no task and no turn of the event loop; the others (those that
         wait for daemons) run in a task. Replies carry their request ids, so they may overtake
         each other."""
+        refused = check_frame(payload)  # an oversized batch is refused before it is decoded
+        if refused is not None:
+            conn.reply(ErrorReply.from_error(refused[1]), refused[0])
+            return
         try:
             request_id, message = decode_payload(payload)
         except ProtocolError as exc:
             self.rpc_errors += 1
             conn.reply(ErrorReply.from_error(exc), request_id_of(payload))
+            return
+        try:
+            check_batch(message)  # the other batches, before any work (a tenant's keys are not yet renamed)
+        except KVStoreError as exc:
+            conn.reply(ErrorReply.from_error(exc), request_id)
             return
         identity = conn.identity
         assert identity is not None

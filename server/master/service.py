@@ -28,7 +28,7 @@ from server.master.commands import Commands, Lane
 from server.master.core import MasterCore, now_ms
 from server.master.evictions import EvictionLog
 from server.master.leadership import Leadership
-from server.master.metrics import LatencyHistogram, Sampler
+from server.master.metrics import LatencyHistogram, LoopStalls, Sampler
 from server.master.nodes import NodeRegistry
 from server.master.rpc import RpcServer
 from transfer.tls import contexts, server_context
@@ -53,6 +53,8 @@ class MasterService:
             Authority(secret, config.tenants_file, config.ticket_ttl_s * 1000) if secret is not None else None
         )
         """What connections authenticate against; None: no authentication (every peer may do anything)."""
+        if self.authority is not None:
+            self.authority.default_max_sessions = config.tenant_max_sessions
         tls = config.tls
         self.tls = server_context(tls) if tls is not None else None
         """The context of the RPC port and the admin API (None: plain)."""
@@ -63,15 +65,19 @@ class MasterService:
         """The nodes, and through them the placement table (:attr:`table`)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self.leadership = Leadership(config, lambda: set(self.nodes.table.nodes))
-        self.commands = Commands(self.nodes, self._spawn)
+        self.commands = Commands(self.nodes, self._spawn, self.config.reservation_ms)
         self.core = MasterCore(config, self.nodes, self.commands, self.leadership, self.authority)
         self.admin_address = ""
         """Where the REST admin API (server.master.admin) serves, once whoever runs the master started it."""
         self.rpc = RpcServer(config, self.core, self.leadership, self.authority, self.tls, self._spawn,
                              lambda: self.admin_address)  # fmt: skip
         self.sampler = Sampler()
+        self.stalls = LoopStalls()
+        """How long the event loop went without turning (the longest wait any client had for another's work)."""
+        self.core.loop_stall_max = lambda: self.stalls.max_s
         self.evictions = EvictionLog(config.eviction_log)
         self._ticker: asyncio.Task[None] | None = None
+        self._stall_probe: asyncio.Task[None] | None = None
         self._policy: TenantsPolicy | None = None
         self._policy_at = 0.0
         self._policy_loads = 0
@@ -106,6 +112,8 @@ class MasterService:
         return {
             "auth_failures": self.rpc.auth_failures,
             "revoked_sessions": self.rpc.revoked_sessions,
+            "stalled_frames": self.rpc.stalled_frames,
+            "refused_sessions": self.rpc.refused_sessions,
             "tenants_file_errors": authority.file_errors if authority is not None else 0,
             "tenants_file_bad": 1 if authority is not None and authority.file_error else 0,
             "legacy_verifiers": sum(is_legacy(t.stored_key) for t in authority.refresh_tenants().values())
@@ -170,6 +178,7 @@ class MasterService:
     async def start(self) -> str:
         port = await self.rpc.start()
         self._ticker = asyncio.create_task(self._tick_forever(), name="master-ticker")
+        self._stall_probe = asyncio.create_task(self._probe_stalls(), name="master-stall-probe")
         if self.authority is None:
             warn_if_open(log, "the master", self.config.host, port)
         self.leadership.address = self.config.advertise or f"{self.config.host}:{port}"
@@ -184,11 +193,12 @@ class MasterService:
     async def stop(self) -> None:
         await self.leadership.stop()  # resigns: a standby takes over without waiting for the lease
         self.rpc.close()
-        if self._ticker is not None:
-            self._ticker.cancel()
+        for loop in (self._ticker, self._stall_probe):
+            if loop is not None:
+                loop.cancel()
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, *(t for t in [self._ticker] if t), return_exceptions=True)
+        await asyncio.gather(*self._tasks, *(t for t in [self._ticker, self._stall_probe] if t), return_exceptions=True)
         for link in self.nodes.links() + self.nodes.take_stale():
             await link.close()
 
@@ -238,6 +248,13 @@ class MasterService:
             log.warning("could not tell node %s the tenants' policy (retried): %s", node_id, exc)
             if policy is self._policy:
                 self._policy_told.discard(node_id)
+
+    async def _probe_stalls(self) -> None:
+        period = self.stalls.period_s
+        while True:
+            began = time.monotonic()
+            await asyncio.sleep(period)
+            self.stalls.record(time.monotonic() - began - period)
 
     async def _tick_forever(self) -> None:
         while True:

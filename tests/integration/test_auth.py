@@ -5,14 +5,12 @@ table of attacks and outcomes goes to the output."""
 
 from __future__ import annotations
 
-import itertools
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from kvstore.auth import Credential, cluster_credential, open_ticket, read_secret_file, tenant_credential
+from kvstore.auth import Credential, cluster_credential, read_secret_file, tenant_credential
 from kvstore.config import ClientConfig
 from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied, QuotaExceeded
 from kvstore.keys import checksum
@@ -26,7 +24,6 @@ from kvstore.protocol import (
     FetchBlocks,
     GetReplicas,
     GetReplicasReply,
-    GetTicket,
     GrantReply,
     GrantSpace,
     MasterHello,
@@ -37,15 +34,15 @@ from kvstore.protocol import (
     RegisterNode,
     Remove,
     Stats,
-    TicketReply,
     WriteBlocks,
     WriteGranted,
 )
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import PutOptions, Store
 from tests.conftest import admin_call
-from transfer.auth import authenticate
-from transfer.wire import connect, recv_message, send_message
+from tests.integration.frames import ask, raw
+from tests.integration.frames import ticket as tenant_ticket
+from transfer.wire import connect, recv_message
 
 VALUE = b"alice's secret prefix " * 400
 
@@ -60,35 +57,6 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-def _raw(address: str, credential: Credential | None = None) -> tuple[socket.socket, bytes]:
-    sock = connect(address, 5.0)
-    key = authenticate(sock, credential, "test") if credential is not None else b""
-    return sock, key
-
-
-_REQUEST_IDS = itertools.count(1000)
-
-
-def _ask(address: str, message: Message, credential: Credential | None = None, payload: bytes = b"") -> Message:
-    """One request on a fresh connection: the reply, or the typed error it carried (raised)."""
-    sock, _ = _raw(address, credential)
-    with sock:
-        send_message(sock, message, next(_REQUEST_IDS), [payload] if payload else [])  # new ids: no retries
-        reply = recv_message(sock)[1]
-    if isinstance(reply, ErrorReply):
-        raise reply.to_error()
-    return reply
-
-
-def _ticket(cluster: LocalCluster, token: str) -> Credential:
-    sock, key = _raw(cluster.master_address, tenant_credential(token))
-    with sock:
-        send_message(sock, GetTicket(), 1)
-        reply = recv_message(sock)[1]
-    assert isinstance(reply, TicketReply)
-    return open_ticket(reply, key, token.split(".")[0])
-
-
 def test_attacks_fail_to_do_harm(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
     alice_token = cluster.add_tenant("alice")
     bob_token = cluster.add_tenant("bob")
@@ -100,7 +68,7 @@ def test_attacks_fail_to_do_harm(cluster: LocalCluster, capsys: pytest.CaptureFi
 
     with Store.connect(master, ClientConfig(token=alice_token, transport="tcp")) as alice:
         alice.put_many([("prefix-1", VALUE), ("prefix-2", VALUE)])
-    where = _ask(master, GetReplicas(["alice/prefix-1"], [], False), admin)
+    where = ask(master, GetReplicas(["alice/prefix-1"], [], False), admin)
     assert isinstance(where, GetReplicasReply)
     node_index = cluster.daemon_addresses.index(where.addresses[0])
     victim_daemon = cluster.daemon_addresses[node_index]
@@ -122,25 +90,25 @@ def test_attacks_fail_to_do_harm(cluster: LocalCluster, capsys: pytest.CaptureFi
     # No credentials at all.
     for message in [Stats(), GetReplicas(["alice/prefix-1"], [], False), Exists(["alice/prefix-1"]),
                     Remove(["alice/prefix-1"])]:  # fmt: skip
-        refused(f"no credentials: {type(message).__name__} to the master", lambda m=message: _ask(master, m))
+        refused(f"no credentials: {type(message).__name__} to the master", lambda m=message: ask(master, m))
     refused("no credentials: ReadBlocks to a daemon",
-            lambda: _ask(victim_daemon, ReadBlocks(["alice/prefix-1"], ["dram"], [0], [len(VALUE)])))  # fmt: skip
-    refused("no credentials: DropBlocks to a daemon", lambda: _ask(victim_daemon, DropBlocks(["alice/prefix-1"])))
-    refused("no credentials: MasterHello(epoch 10**9) to a daemon", lambda: _ask(daemon, MasterHello(10**9)))
+            lambda: ask(victim_daemon, ReadBlocks(["alice/prefix-1"], ["dram"], [0], [len(VALUE)])))  # fmt: skip
+    refused("no credentials: DropBlocks to a daemon", lambda: ask(victim_daemon, DropBlocks(["alice/prefix-1"])))
+    refused("no credentials: MasterHello(epoch 10**9) to a daemon", lambda: ask(daemon, MasterHello(10**9)))
     refused("no credentials: FetchBlocks to a daemon",
-            lambda: _ask(daemon, FetchBlocks("10.1.2.3:9", ["x"], [0], [64], [0])))  # fmt: skip
+            lambda: ask(daemon, FetchBlocks("10.1.2.3:9", ["x"], [0], [64], [0])))  # fmt: skip
     registration = RegisterNode("node0", "127.0.0.1:1", 1 << 20, 0, 64, [], [], "h", "", 0, [], False, "", 0, [])
-    refused("no credentials: RegisterNode as node0 from another address", lambda: _ask(master, registration))
+    refused("no credentials: RegisterNode as node0 from another address", lambda: ask(master, registration))
     refused(
         "no credentials: WriteBlocks over alice's extent",
-        lambda: _ask(victim_daemon, WriteBlocks(["evil"], [0], [4], [checksum(b"evil")], False), payload=b"evil"),
+        lambda: ask(victim_daemon, WriteBlocks(["evil"], [0], [4], [checksum(b"evil")], False), payload=b"evil"),
     )
-    refused("wrong cluster secret", lambda: _ask(master, Stats(), cluster_credential(b"w" * 32)))
-    refused("alice's name with a made-up token", lambda: _ask(master, Stats(), tenant_credential("alice." + "x" * 43)))
+    refused("wrong cluster secret", lambda: ask(master, Stats(), cluster_credential(b"w" * 32)))
+    refused("alice's name with a made-up token", lambda: ask(master, Stats(), tenant_credential("alice." + "x" * 43)))
 
     # A replayed handshake: the frames of a good one, sent again on a new connection.
     def replay() -> Message:
-        sock, _ = _raw(master)
+        sock, _ = raw(master)
         recorded = _record_handshake(master, tenant_credential(alice_token))
         with sock:
             for frame in recorded:
@@ -164,30 +132,30 @@ def test_attacks_fail_to_do_harm(cluster: LocalCluster, capsys: pytest.CaptureFi
         refused("bob: remove alice's key", lambda: _expect_none(bob.remove("prefix-1") or None))
         bob.put("prefix-1", b"bob's bytes")
         assert bob.get("prefix-1") == b"bob's bytes"
-    bob_ticket = _ticket(cluster, bob_token)
+    bob_ticket = tenant_ticket(cluster, bob_token)
     refused("bob's ticket: ReadBlocks of alice/prefix-1 on her daemon",
-            lambda: _expect_miss(_ask(victim_daemon, ReadBlocks(["alice/prefix-1"], ["dram"], [0], [len(VALUE)]),
+            lambda: _expect_miss(ask(victim_daemon, ReadBlocks(["alice/prefix-1"], ["dram"], [0], [len(VALUE)]),
                                       bob_ticket)))  # fmt: skip
-    refused("bob's ticket: DropBlocks on a daemon", lambda: _ask(victim_daemon, DropBlocks(["alice/prefix-1"]),
+    refused("bob's ticket: DropBlocks on a daemon", lambda: ask(victim_daemon, DropBlocks(["alice/prefix-1"]),
                                                                    bob_ticket), PermissionDenied)  # fmt: skip
-    refused("bob's ticket: MasterHello to a daemon", lambda: _ask(daemon, MasterHello(10**9), bob_ticket),
+    refused("bob's ticket: MasterHello to a daemon", lambda: ask(daemon, MasterHello(10**9), bob_ticket),
             PermissionDenied)  # fmt: skip
-    refused("bob's token: RegisterNode as node0", lambda: _ask(master, registration, tenant_credential(bob_token)),
+    refused("bob's token: RegisterNode as node0", lambda: ask(master, registration, tenant_credential(bob_token)),
             PermissionDenied)  # fmt: skip
-    grant = _ask(master, GrantSpace(4096, None), tenant_credential(alice_token))
+    grant = ask(master, GrantSpace(4096, None), tenant_credential(alice_token))
     assert isinstance(grant, GrantReply)
     refused("bob's ticket: WriteGranted into alice's grant",
             lambda: _write_granted(grant, bob_ticket), PermissionDenied)  # fmt: skip
     # Squatting: a tenant's writes land only where the master reserved for it (its seal of the extent).
-    alice_ticket = _ticket(cluster, alice_token)
-    reserved = _ask(master, PutStart(["squat"], [4], 1, None, False), tenant_credential(alice_token))
+    alice_ticket = tenant_ticket(cluster, alice_token)
+    reserved = ask(master, PutStart(["squat"], [4], 1, None, False), tenant_credential(alice_token))
     assert isinstance(reserved, PutStartReply) and reserved.seals, reserved
     [ticket] = reserved.tickets()
     [replica] = ticket.replicas
     evil = checksum(b"evil")
 
     def write(keys: list[str], offset: int, seals: list[bytes], credential: Credential) -> Message:
-        reply = _ask(replica.address, WriteBlocks(keys, [offset], [4], [evil], False, seals), credential, b"evil")
+        reply = ask(replica.address, WriteBlocks(keys, [offset], [4], [evil], False, seals), credential, b"evil")
         codes = getattr(reply, "codes", [])
         if codes and codes[0]:
             raise KVStoreError(reply.errors[0])  # type: ignore[attr-defined]
@@ -203,15 +171,15 @@ def test_attacks_fail_to_do_harm(cluster: LocalCluster, capsys: pytest.CaptureFi
     refused("bob's ticket: alice's seal",
             lambda: write(["squat"], replica.offset, [replica.seal], bob_ticket), PermissionDenied)  # fmt: skip
     refused("alice's ticket: CommitBlocks at a free offset, no seal",
-            lambda: _ask(replica.address, CommitBlocks(["free"], [replica.offset + (1 << 20)], [4], [evil], False),
+            lambda: ask(replica.address, CommitBlocks(["free"], [replica.offset + (1 << 20)], [4], [evil], False),
                          alice_ticket), PermissionDenied)  # fmt: skip
     assert write(["squat"], replica.offset, [replica.seal], alice_ticket)  # the reservation itself: written
 
     forged = Credential("ticket", "alice", bob_ticket.key, bob_ticket.ticket.replace(b"bob", b"alice", 1))
-    refused("bob's ticket renamed to alice's", lambda: _ask(victim_daemon, Stats(), forged))
+    refused("bob's ticket renamed to alice's", lambda: ask(victim_daemon, Stats(), forged))
     stolen = Credential("ticket", "bob", b"k" * 32, bob_ticket.ticket)
-    refused("bob's ticket without its session key (sniffed)", lambda: _ask(victim_daemon, Stats(), stolen))
-    refused("bob's token to a daemon (tickets only)", lambda: _ask(daemon, Stats(), tenant_credential(bob_token)))
+    refused("bob's ticket without its session key (sniffed)", lambda: ask(victim_daemon, Stats(), stolen))
+    refused("bob's token to a daemon (tickets only)", lambda: ask(daemon, Stats(), tenant_credential(bob_token)))
 
     with Store.connect(master, ClientConfig(token=reader_token, transport="tcp")) as reader:
         refused("read-only tenant: put", lambda: reader.put("k", b"v"), PermissionDenied)
@@ -251,7 +219,7 @@ def _expect_miss(reply: Message) -> object:
 
 def _write_granted(grant: GrantReply, credential: Credential) -> Message:
     message = WriteGranted(grant.grant_id, ["x"], [grant.offset], [4], [checksum(b"evil")], False)
-    reply = _ask(grant.address, message, credential, b"evil")
+    reply = ask(grant.address, message, credential, b"evil")
     codes = getattr(reply, "codes", [])
     if codes and codes[0] == PermissionDenied.code:
         raise PermissionDenied(reply.errors[0])  # type: ignore[attr-defined]
@@ -339,9 +307,9 @@ def test_the_admin_api_knows_roles_and_keeps_tenants_in_their_namespace(
 def test_an_unauthenticated_cluster_refuses_a_client_that_brings_credentials(tmp_path: object) -> None:
     with LocalCluster(1, dram="8MiB") as plain:
         with pytest.raises(AuthFailed, match="does not authenticate"):
-            _ask(plain.master_address, Stats(), cluster_credential(b"x" * 32))
+            ask(plain.master_address, Stats(), cluster_credential(b"x" * 32))
         with pytest.raises(AuthFailed, match="does not authenticate"):
-            _ask(plain.daemon_addresses[0], AuthHello("cluster", "cluster", b"n" * 16, b""))
+            ask(plain.daemon_addresses[0], AuthHello("cluster", "cluster", b"n" * 16, b""))
 
 
 def test_a_tenant_over_quota_evicts_its_own_blocks_then_is_refused(cluster: LocalCluster) -> None:

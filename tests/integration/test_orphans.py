@@ -13,10 +13,10 @@ import pytest
 
 from kvstore.errors import RetryLater
 from kvstore.keys import checksum
-from kvstore.protocol import ErrorReply, Message, OkReply, PutRevoke, PutStart, PutStartReply, WriteBlocks, WriteReply
+from kvstore.protocol import OkReply, PutRevoke, PutStart, PutStartReply, WriteBlocks, WriteReply
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
-from transfer.wire import connect, recv_message, send_message
+from tests.integration.frames import ask
 
 MiB = 1024 * 1024
 
@@ -27,26 +27,16 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-def _ask(address: str, message: Message, payload: bytes = b"") -> Message:
-    sock = connect(address, 5.0)
-    with sock:
-        send_message(sock, message, 1, [payload] if payload else [])
-        reply = recv_message(sock)[1]
-    if isinstance(reply, ErrorReply):
-        raise reply.to_error()
-    return reply
-
-
 def _orphan(cluster: LocalCluster, key: str, size: int) -> int:
     """Write ``key`` to the daemon after its put was revoked; its DRAM offset."""
-    reply = _ask(cluster.master_address, PutStart([key], [size], 1, None, False))
+    reply = ask(cluster.master_address, PutStart([key], [size], 1, None, False))
     assert isinstance(reply, PutStartReply)
     [ticket] = reply.tickets()
     [replica] = ticket.replicas
-    assert _ask(cluster.master_address, PutRevoke([key])) == OkReply()
+    assert ask(cluster.master_address, PutRevoke([key])) == OkReply()
     time.sleep(0.3)  # the master's drop reached the daemon (nothing to drop yet) and was answered
     data = bytes([7]) * size
-    written = _ask(replica.address, WriteBlocks([key], [replica.offset], [size], [checksum(data)], False), data)
+    written = ask(replica.address, WriteBlocks([key], [replica.offset], [size], [checksum(data)], False), payload=data)
     assert isinstance(written, WriteReply) and written.codes == [0], written
     return replica.offset
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvstore.auth import Credential, open_ticket, tenant_credential
+from kvstore.auth import open_ticket, tenant_credential
 from kvstore.config import ClientConfig
 from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied, QuotaExceeded
 from kvstore.keys import checksum
@@ -36,6 +36,7 @@ from kvstore.protocol import (
 from kvstore.tenants import remove_tenant, rotate_tenant, set_tenant
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
+from tests.integration.frames import ask
 from transfer.auth import authenticate
 from transfer.wire import connect, recv_message, send_message
 
@@ -104,6 +105,7 @@ def _until(deadline_s: float, op: Callable[[], object]) -> tuple[int, float | No
     return ok, last
 
 
+@pytest.mark.slow
 def test_removing_a_tenant_ends_its_open_sessions_on_master_and_daemons(cluster: LocalCluster) -> None:
     assert cluster.tenants_file is not None
     token = cluster.add_tenant("leaving", quota=1 * MiB)
@@ -156,6 +158,7 @@ def test_a_rotated_token_is_taken_for_its_grace_only(cluster: LocalCluster) -> N
         _client(cluster, old).get("r")
 
 
+@pytest.mark.slow
 def test_a_daemon_cuts_a_connection_that_trickles_its_login(cluster: LocalCluster) -> None:
     sock = socket.create_connection(tuple(cluster.daemon_addresses[0].rsplit(":", 1)), timeout=30)  # type: ignore[arg-type]
     with sock:
@@ -269,18 +272,6 @@ def _http(address: str, path: str, token: str = "") -> str:
         return r.read().decode()
 
 
-def _ask(address: str, message: Message, credential: Credential, payload: bytes = b"") -> Message:
-    """One request on a fresh authenticated connection: the reply, or the typed error it carried."""
-    sock = connect(address, 5.0)
-    with sock:
-        authenticate(sock, credential, "test")
-        send_message(sock, message, 7000 + int(time.monotonic() * 1000) % 100000, [payload] if payload else [])
-        reply = recv_message(sock)[1]
-    if isinstance(reply, ErrorReply):
-        raise reply.to_error()
-    return reply
-
-
 def test_a_reservation_is_written_once(cluster: LocalCluster) -> None:
     """Issue 27's replay: put, commit, remove, then the same sealed WriteBlocks again. It used to
     leave an orphan block the master did not know; now the daemon refuses the used seal."""
@@ -293,18 +284,18 @@ def test_a_reservation_is_written_once(cluster: LocalCluster) -> None:
         reply = recv_message(sock)[1]
     assert isinstance(reply, TicketReply)
     ticket = open_ticket(reply, key, "sealer")
-    reserved = _ask(cluster.master_address, PutStart(["once"], [4], 1, None, False), credential)
+    reserved = ask(cluster.master_address, PutStart(["once"], [4], 1, None, False), credential)
     assert isinstance(reserved, PutStartReply) and reserved.seals
     [placed] = reserved.tickets()
     [replica] = placed.replicas
     data = b"once"
     write = WriteBlocks(["once"], [replica.offset], [4], [checksum(data)], False, [replica.seal])
-    first = _ask(replica.address, write, ticket, data)
+    first = ask(replica.address, write, ticket, data)
     assert isinstance(first, WriteReply) and first.codes == [0], first
-    assert _ask(cluster.master_address, PutEnd(["once"], [checksum(data)]), credential) == PutEndReply([True])
-    _ask(cluster.master_address, Remove(["once"]), credential)
+    assert ask(cluster.master_address, PutEnd(["once"], [checksum(data)]), credential) == PutEndReply([True])
+    ask(cluster.master_address, Remove(["once"]), credential)
     with pytest.raises(PermissionDenied, match="written already"):
-        again = _ask(replica.address, write, ticket, b"evil")
+        again = ask(replica.address, write, ticket, b"evil")
         if isinstance(again, WriteReply) and again.codes[0]:
             raise KVStoreError(again.errors[0])
 
@@ -329,7 +320,7 @@ def test_tenants_write_through_the_socket_not_the_shared_arena(cluster: LocalClu
         assert s.get("via-socket") == block
     # A same-host tenant that maps the arena itself, copies its bytes in and asks for a commit in place:
     credential = tenant_credential(token)
-    reserved = _ask(cluster.master_address, PutStart(["in-place"], [4], 1, None, False), credential)
+    reserved = ask(cluster.master_address, PutStart(["in-place"], [4], 1, None, False), credential)
     assert isinstance(reserved, PutStartReply)
     [replica] = reserved.tickets()[0].replicas
     sock = connect(cluster.master_address, 5.0)
@@ -341,6 +332,6 @@ def test_tenants_write_through_the_socket_not_the_shared_arena(cluster: LocalClu
     ticket = open_ticket(reply, key, "same-host")
     commit = CommitBlocks(["in-place"], [replica.offset], [4], [checksum(b"shm!")], False, [replica.seal])
     with pytest.raises(PermissionDenied, match="shared-memory writes"):
-        answer = _ask(replica.address, commit, ticket)
+        answer = ask(replica.address, commit, ticket)
         if isinstance(answer, WriteReply) and answer.codes[0]:
             raise KVStoreError(answer.errors[0])

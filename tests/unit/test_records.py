@@ -51,9 +51,13 @@ def test_a_tier_lru_keeps_the_reference_lrus_order_through_compactions(seed: int
             skip = set(rng.sample(sorted(model), min(5, len(model))))
             assert list(lru.victims(skip)) == list(model.victims(skip))
     lru.check()
-    assert list(lru) == list(model) and len(lru) == len(model)
+    pinned = {k for k in model if model.is_pinned(k)}
+    # Unpinned keys in the model's order; pins kept apart, after them (nothing evicts a pin).
+    assert [k for k in lru if k not in pinned] == [k for k in model if k not in pinned]
+    assert set(list(lru)[len(lru) - len(pinned) :]) == pinned and len(lru) == len(model)
     assert lru.total_bytes == model.total_bytes and lru.num_pinned == model.num_pinned
     assert len(lru._log_rows) <= 2 * len(lru) + 1024 + 1  # compacted as it went
+    assert not any(lru._rec.state[lru._rec.r_slot[r]] & PINNED for r in lru._log_rows)  # victims never walk pins
 
 
 def test_batched_touches_and_inserts_order_as_one_at_a_time() -> None:

@@ -3,9 +3,12 @@ a pin keeps, and reads of a block while it moves."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from kvstore.errors import CapacityError, InvalidArgument
+from kvstore.placement.records import TierLRU
 from kvstore.placement.results import HeldBlock
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
@@ -209,3 +212,32 @@ def test_a_stale_drop_answer_does_not_drop_the_key_put_again() -> None:
     t.check()
     assert plan.tickets[0] is not None and t.put_end(["k0"], [7]) == [True]
     assert located(t.get_replicas(["k0"], 0), ["k0"])[0] is not None
+
+
+def test_a_node_full_of_pins_is_never_walked_for_victims(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant pinned a node's whole index in tiny blocks, and every later key put there scanned
+    every pin for a victim (a 40,000-key put held the master for minutes). Pins are kept apart
+    from the LRU's order: finding victims walks only what could be evicted."""
+    t = PlacementTable(EXACT)
+    assert t.register_node("a", "a:1", 256 * KB, 0, 64, [], 0, max_blocks=2000) == []
+    pins = [f"pin{i}" for i in range(1990)]
+    plan = t.put_start(pins, [8] * len(pins), 1, None, True, 0)
+    assert t.put_end(pins, [7] * len(pins)) == [True] * len(pins)
+    put(t, *(f"k{i}" for i in range(10)), size=8)
+    lru = t.nodes["a"].dram_lru
+    walked = 0
+    live = TierLRU._live
+
+    def counting(self: TierLRU) -> Iterator[int]:
+        nonlocal walked
+        for row in live(self):
+            walked += 1
+            yield row
+
+    monkeypatch.setattr(TierLRU, "_live", counting)
+    plan = t.put_start([f"new{i}" for i in range(50)], [8] * 50, 1, None, False, 0)
+    assert plan.commands and all(c.kind is ActionKind.DROP and all(k.startswith("k") for k in c.keys)
+                                 for c in plan.commands)  # fmt: skip
+    assert walked <= 50 * 10, f"{walked} rows walked for 50 keys with 10 evictable blocks"
+    assert lru.num_pinned == 1990 and len(lru) == 2000 - sum(len(c.keys) for c in plan.commands)
+    t.check()
