@@ -100,6 +100,7 @@ def test_a_huge_batch_is_refused_before_any_work_and_a_client_splits_its_own(clu
         assert store.exists_many(keys) == [False] * n
 
 
+@pytest.mark.slow
 def test_a_stalled_frame_is_dropped_with_its_connection_and_idle_tenant_sessions_end(cluster: LocalCluster) -> None:
     """Six authenticated connections each sending 48 MiB of a 64 MiB frame and stopping used to hold
     288 MiB of the master until its 600 s idle limit: a frame begun must arrive within
