@@ -48,12 +48,13 @@ def check_frame(payload: bytes) -> tuple[int, InvalidArgument] | None:
     500,000 keys alone held the master's loop for a tenth of a second); None otherwise, or when the
     payload is not a plain request (the decoder then says what is wrong with it)."""
     try:
-        if payload[0] != 0x93:  # [version, request id, [kind, fields...]]
+        outer, i = _array(payload, 0)  # [version, request id, [kind, fields...]], in any encoding msgpack has
+        if outer != 3:
             return None
-        _, i = _uint(payload, 1)
-        request_id, i = _uint(payload, i)
+        _, i = _int(payload, i)
+        request_id, i = _int(payload, i)
         fields, i = _array(payload, i)
-        kind, i = _uint(payload, i)
+        kind, i = _int(payload, i)
         named = _FIRST_FIELD.get(kind)
         if named is None or fields < 2:
             return None
@@ -65,16 +66,23 @@ def check_frame(payload: bytes) -> tuple[int, InvalidArgument] | None:
     return request_id, _too_many(named[0], named[1], n)
 
 
-def _uint(b: bytes, i: int) -> tuple[int, int]:
+_INT_WIDTHS = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
+               0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)}  # fmt: skip
+
+
+def _int(b: bytes, i: int) -> tuple[int, int]:
+    """The msgpack integer at ``b[i]`` in any of its encodings, and where the next item starts."""
     first = b[i]
     if first <= 0x7F:
         return first, i + 1
-    width = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}.get(first)
-    if width is None:
-        raise ValueError("not an unsigned int")
+    if first >= 0xE0:  # negative fixint
+        return first - 0x100, i + 1
+    width, signed = _INT_WIDTHS.get(first, (0, False))
+    if not width:
+        raise ValueError("not an int")
     if i + 1 + width > len(b):
         raise IndexError("cut short")
-    return int.from_bytes(b[i + 1 : i + 1 + width], "big"), i + 1 + width
+    return int.from_bytes(b[i + 1 : i + 1 + width], "big", signed=signed), i + 1 + width
 
 
 def _array(b: bytes, i: int) -> tuple[int, int]:

@@ -43,7 +43,7 @@ from kvstore.config import ConductorConfig
 from kvstore.costs import PrefillCostModel
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, NoNodes
 from kvstore.keys import block_keys
-from kvstore.protocol import MatchPrefixNodes, MatchPrefixNodesReply, Replicate, ReplicateReply
+from kvstore.protocol import MAX_BATCH_KEYS, MatchPrefixNodes, MatchPrefixNodesReply, Replicate, ReplicateReply
 from kvstore.scheduling import (
     NO_LOCALITY,
     Decision,
@@ -295,13 +295,15 @@ class Conductor:
         return Locality(match.longest * bt, {node: p.total * bt for node, p in match.nodes.items()})
 
     def _match(self, keys: list[str]) -> MatchPrefixNodesReply:
+        """The stored prefix of a request's first MAX_BATCH_KEYS blocks (what a request to the master
+        may name; a longer prompt is placed by its first hundred thousand tokens or so)."""
         assert self._master is not None
-        return self._master.call(MatchPrefixNodes(keys), MatchPrefixNodesReply)
+        return self._master.call(MatchPrefixNodes(keys[:MAX_BATCH_KEYS]), MatchPrefixNodesReply)
 
     def _replicate_later(self, keys: list[str], first: int, tokens: int, worker: Worker) -> None:
         """Copy the fetched blocks ``keys[first:]`` (``tokens`` of them at most) to the worker's node, in the
         background; one copy at a time (a copy under way makes the next request skip its own)."""
-        blocks = keys[first : first + tokens // self.block_tokens]
+        blocks = keys[first : first + min(tokens // self.block_tokens, MAX_BATCH_KEYS)]
         if not blocks or worker.node is None or self._copier is None or self._copying:
             return
         self._copying = True

@@ -13,12 +13,13 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.auth import ANYONE, TICKET_SKEW_MS, Authority, Identity
-from kvstore.errors import AuthFailed, PermissionDenied, QuotaExceeded
-from kvstore.protocol import CommitBlocks, Message, TenantsPolicy, WriteBlocks, WriteSlices
+from kvstore.errors import AuthFailed, InvalidArgument, PermissionDenied, QuotaExceeded
+from kvstore.protocol import MAX_BATCH_KEYS, CommitBlocks, Message, TenantsPolicy, WriteBlocks, WriteSlices
 from transfer.tls import HANDSHAKE_TIMEOUT_S
 
 
@@ -62,7 +63,10 @@ class Gate:
         """Writes refused because their reservation was written already (a replay)."""
         self._void: dict[str, int] = {}
         """Per key dropped by the master, the end of the seals its drop made void (wall ms): a
-        reservation given up is written nothing, even by a seal never used here."""
+        reservation given up is written nothing, even by a seal never used here. Kept only where
+        tenants write (an authority), until the voided seals are past their end."""
+        self._void_order: deque[tuple[int, str]] = deque()
+        """(end, key) of :attr:`_void` in the order they came (pruned from the left)."""
         self.void_seals = 0
         """Writes refused because their reservation was given up before they came."""
         self.refused_sessions = 0
@@ -122,6 +126,11 @@ class Gate:
         if current is None:
             raise AuthFailed(f"tenant {identity.tenant!r} was removed or its token replaced: its ticket is refused")
         message = current.admit(message)
+        keys = getattr(message, "keys", None)
+        if keys is not None and len(keys) > MAX_BATCH_KEYS:  # one request holds a thread and the storage lock
+            raise InvalidArgument(
+                f"{type(message).__name__}.keys names {len(keys)} items; a request takes at most {MAX_BATCH_KEYS}"
+            )
         if isinstance(message, WriteBlocks | WriteSlices | CommitBlocks):
             assert current.tenant is not None
             self.authority.check_seals(
@@ -165,9 +174,10 @@ class Gate:
         """Blocks were dropped: their reservations are closed (their seals write nothing more), and
         with ``void_until_ms`` every seal of those keys ending by then, used here or not."""
         with self._lock:
-            if void_until_ms:
+            if void_until_ms and self.authority is not None:
                 for key in keys:
                     self._void[key] = max(self._void.get(key, 0), void_until_ms)
+                    self._void_order.append((void_until_ms, key))
             for key in keys:
                 for seal in self._sealed.pop(key, ()):
                     use = self._seals.get(seal)
@@ -176,9 +186,11 @@ class Gate:
 
     def _prune(self, now_ms: int) -> None:
         """Forget seals past their end (and the skew): the daemon refuses them as expired anyway."""
-        void = [key for key, until in self._void.items() if until + TICKET_SKEW_MS < now_ms]
-        for key in void:
-            del self._void[key]
+        order, void = self._void_order, self._void
+        while order and order[0][0] + TICKET_SKEW_MS < now_ms:
+            until, key = order.popleft()
+            if void.get(key) == until:  # not voided again later
+                del void[key]
         gone = [seal for seal, use in self._seals.items() if use.expires_ms + TICKET_SKEW_MS < now_ms]
         for seal in gone:
             use = self._seals.pop(seal)

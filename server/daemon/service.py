@@ -242,7 +242,9 @@ class DaemonServer:
             except TimeoutError:
                 continue
             except OSError:
-                return
+                if self._stop.is_set():
+                    return  # the listener was closed
+                raise  # out of descriptors, say: the supervisor restarts the loop after a backoff
             host = str(peer[0])
             with self._conns_lock:
                 refused = len(self._conns) >= self.max_connections or self._per_peer[host] >= self.max_per_peer

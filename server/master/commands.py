@@ -74,6 +74,10 @@ def _message(command: NodeCommand) -> Message:
     )  # fmt: skip
 
 
+def _voids(command: NodeCommand) -> bool:
+    return command.kind is ActionKind.DROP and command.release
+
+
 class Commands:
     """Runs the table's commands on the daemons of :attr:`nodes` (see the module's text)."""
 
@@ -111,16 +115,14 @@ class Commands:
             self._spawn(self._run(commands, table or self.nodes.table), name)
 
     def _stamped(self, commands: list[NodeCommand]) -> list[NodeCommand]:
-        """Drops stamped with the end of the seals they make void (once: a retry keeps its stamp,
-        never voiding a reservation made after the drop was planned)."""
-        if not any(c.kind is ActionKind.DROP and not c.void_until_ms for c in commands):
+        """Drops that give reservations or keys up (``release``: revokes, expiries, removals; an
+        eviction's block was committed, its seal used) stamped with the end of the seals they make
+        void (once: a retry keeps its stamp, never voiding a reservation made after it was planned)."""
+        if not any(_voids(c) and not c.void_until_ms for c in commands):
             return commands
         until = int(time.time() * 1000) + self.reservation_ms
         self.void_until_ms = max(self.void_until_ms, until)
-        return [
-            replace(c, void_until_ms=until) if c.kind is ActionKind.DROP and not c.void_until_ms else c
-            for c in commands
-        ]
+        return [replace(c, void_until_ms=until) if _voids(c) and not c.void_until_ms else c for c in commands]
 
     def seal_end(self, now_wall_ms: int) -> int:
         """When a reservation sealed now ends: ``reservation_ms`` from now, and after every seal a

@@ -200,6 +200,7 @@ class MasterCore:
             plan = quotas.plan_put(self.table, tenant, quota, keys, sizes)
             if plan.commands:
                 await self.commands.run(plan.commands)
+                plan = quotas.plan_put(self.table, tenant, 1 << 62, keys, sizes)  # which keys are new now
             # From the check to the admission, no wait: a concurrent put of the tenant's sees these bytes.
             for i in quotas.refused(self.table, tenant, quota, sizes, plan):
                 text = quotas.refusal_text(self.table, tenant, quota, keys[i], sizes[i])
@@ -218,17 +219,20 @@ class MasterCore:
                     objects, pins = objects + 1, pins + m.pin
             todo = [i for i in todo if tickets[i] is None]
             admitted = {i for i in plan.new if tickets[i] is None}
-            self.table.admit(tenant, sum(charged(sizes[i]) for i in admitted), len(admitted), m.pin)
+        table = self.table  # admitted on this term's table, settled on it (a new term's starts clean)
+        if admitted:
+            assert tenant is not None
+            table.admit(tenant, sum(charged(sizes[i]) for i in admitted), len(admitted), m.pin)
         try:
-            return await self._place(m, keys, sizes, tickets, todo, tenant, admitted)
+            return await self._place(m, keys, sizes, tickets, todo, tenant, admitted, table)
         finally:
             if admitted:
                 assert tenant is not None
-                self.table.settle(tenant, sum(charged(sizes[i]) for i in admitted), len(admitted), m.pin)
+                table.settle(tenant, sum(charged(sizes[i]) for i in admitted), len(admitted), m.pin)
 
     async def _place(
         self, m: PutStart, keys: list[str], sizes: list[int], tickets: list[Ticket | None], todo: list[int],
-        tenant: str | None, admitted: set[int],
+        tenant: str | None, admitted: set[int], admitted_on: PlacementTable,
     ) -> Message:  # fmt: skip
         """The rounds of a put_start: place ``todo``, waiting for evictions to make room; each key
         placed (or refused) leaves ``admitted`` as it enters the table."""
@@ -251,7 +255,7 @@ class MasterCore:
             if admitted:
                 assert tenant is not None
                 done = admitted.difference(todo)
-                self.table.settle(tenant, sum(charged(sizes[i]) for i in done), len(done), m.pin)
+                admitted_on.settle(tenant, sum(charged(sizes[i]) for i in done), len(done), m.pin)
                 admitted -= done
             if not todo:
                 self.commands.later(placed.commands, "background-eviction")
@@ -387,15 +391,28 @@ class MasterCore:
         grant = self.table.grants.get(m.grant_id)
         owner = grant.owner if grant is not None else ""
         try:
-            quota = self.quota(owner) if owner else 0
+            known = self._tenant(owner) if owner else None
         except AuthFailed as exc:  # the grant's tenant was removed: nothing of it is committed
             self.commands.close_grants_later(self.table.end_grants([m.grant_id]), "grant-revoked")
             return PutReply([exc.code] * len(m.keys), [str(exc)] * len(m.keys))
         keep = list(range(len(m.keys)))
+        quota = known.quota_bytes if known is not None else 0
         if quota and len(m.keys) == len(m.sizes):
             # Over its quota, a tenant's one-trip put goes the two-trip way, which evicts its own
             # blocks for it or refuses it with QuotaExceeded.
             keep = [i for i, ok in enumerate(quotas.granted_fits(self.table, owner, quota, m.sizes)) if ok]
+        if known is not None and (known.max_objects or known.max_pinned):
+            objects, pins = self.table.tenant_keys(owner)
+            capped = []
+            for i in keep:
+                if m.keys[i] not in self.table.objects:  # a new key: it takes an object (and a pin)
+                    if (known.max_objects and objects >= known.max_objects) or (
+                        m.pinned and known.max_pinned and pins >= known.max_pinned
+                    ):
+                        continue
+                    objects, pins = objects + 1, pins + m.pinned
+                capped.append(i)
+            keep = capped
         if len(keep) == len(m.keys):
             outcome = self.table.commit_granted(
                 m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned

@@ -327,3 +327,23 @@ def test_an_oversized_batch_is_seen_in_the_frame_before_it_is_decoded(kind: str)
 def test_check_frame_never_raises_on_any_bytes(data: bytes) -> None:
     refused = P.check_frame(data)
     assert refused is None or isinstance(refused[1], InvalidArgument)
+
+
+def test_an_oversized_batch_in_another_msgpack_encoding_is_seen_too() -> None:
+    """msgspec decodes any valid encoding (array16 where a fixarray would do, signed ints): so does
+    the check before decoding, or a peer would pass its batch by writing the same thing longhand."""
+    keys = msgpack.packb([f"k{i}" for i in range(P.MAX_BATCH_KEYS + 1)])
+    version = b"\xd1" + P.PROTOCOL_VERSION.to_bytes(2, "big", signed=True)
+    request_id = b"\xd3" + (99).to_bytes(8, "big", signed=True)
+    payload = (
+        b"\xdc\x00\x03"
+        + version
+        + request_id
+        + b"\xdd\x00\x00\x00\x02"
+        + b"\xd2"
+        + P.Exists.KIND.to_bytes(4, "big")
+        + keys
+    )
+    assert isinstance(P.decode_payload(payload)[1], P.Exists)  # the decoder takes it as it is
+    refused = P.check_frame(payload)
+    assert refused is not None and refused[0] == 99 and "Exists.keys names" in str(refused[1])
