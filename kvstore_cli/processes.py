@@ -205,11 +205,11 @@ def _daemon(args: argparse.Namespace) -> int:
 @arguments("tenants")
 def _tenants_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "action", choices=["add", "add-admin", "list", "remove", "rotate", "set-quota", "set-operations"],
+        "action", choices=["add", "add-admin", "list", "remove", "rotate", "set-quota", "set-operations", "set-caps"],
         help="add: a new tenant; add-admin: a new admin API token (--role); list: every tenant and admin;"
              " remove: a tenant (its open sessions end within seconds); rotate: a new token, the old one"
-             " taken for --grace seconds more; set-quota / set-operations: change them (open sessions"
-             " follow). Tokens are printed once",
+             " taken for --grace seconds more; set-quota / set-operations / set-caps (--max-sessions,"
+             " --max-objects, --max-pinned): change them (open sessions follow). Tokens are printed once",
     )  # fmt: skip
     p.add_argument(
         "name", nargs="?", help="the tenant's name (letters, digits, '_' and '-'; its keys live under NAME/)"
@@ -224,6 +224,10 @@ def _tenants_arguments(p: argparse.ArgumentParser) -> None:
         default="read,write,remove",
         help="what the tenant may do, comma-separated: read, write, remove",
     )
+    p.add_argument("--max-sessions", type=int, help="set-caps: sessions at once on the master and on each daemon"
+                   " (0: the cluster's tenant_max_sessions)")  # fmt: skip
+    p.add_argument("--max-objects", type=int, help="set-caps: keys the tenant may hold (0: no cap beyond its quota)")
+    p.add_argument("--max-pinned", type=int, help="set-caps: pinned keys the tenant may hold (0: no cap)")
 
 
 @command("tenants", "manage the tenants of a cluster that authenticates")
@@ -241,14 +245,15 @@ def _tenants(args: argparse.Namespace) -> int:
     operations = tuple(o.strip() for o in args.operations.split(",") if o.strip())
     if args.action == "list":
         access = load_access(args.file)
-        print(f"{'tenant':<24} {'quota':>14}  operations          token")
+        print(f"{'tenant':<24} {'quota':>14}  operations          caps (sessions/objects/pinned)  token")
         for t in sorted(access.tenants.values(), key=lambda t: t.name):
             quota = str(t.quota_bytes) if t.quota_bytes else "none"
             until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t.previous_until_ms / 1000))
             rotating = (
                 f"rotated; the old one taken until {until}" if t.previous_until_ms > time.time() * 1000 else "one"
             )
-            print(f"{t.name:<24} {quota:>14}  {','.join(sorted(t.operations)):<18}  {rotating}")
+            caps = "/".join(str(c) if c else "-" for c in (t.max_sessions, t.max_objects, t.max_pinned))
+            print(f"{t.name:<24} {quota:>14}  {','.join(sorted(t.operations)):<18}  {caps:<30}  {rotating}")
         for a in sorted(access.admins.values(), key=lambda a: a.name):
             print(f"{a.name:<24} {'(admin API)':>14}  {a.role}")
         return 0
@@ -263,9 +268,15 @@ def _tenants(args: argparse.Namespace) -> int:
         print(f"tenant {args.name} has a new token, shown this once; the old one is taken for {args.grace:g} s more",
               file=sys.stderr)  # fmt: skip
         return 0
-    if args.action in ("set-quota", "set-operations"):
+    if args.action in ("set-quota", "set-operations", "set-caps"):
         if args.action == "set-quota":
             set_tenant(args.file, args.name, quota_bytes=args.quota)
+        elif args.action == "set-caps":
+            limits = (args.max_sessions, args.max_objects, args.max_pinned)
+            if all(v is None for v in limits):
+                raise ConfigError("kvstore tenants set-caps needs --max-sessions, --max-objects or --max-pinned")
+            set_tenant(args.file, args.name, max_sessions=args.max_sessions, max_objects=args.max_objects,
+                       max_pinned=args.max_pinned)  # fmt: skip
         else:
             set_tenant(args.file, args.name, operations=operations)
         print(f"tenant {args.name} changed in {args.file}: open sessions follow within seconds", file=sys.stderr)

@@ -206,6 +206,8 @@ def test_the_tenants_command_lists_rotates_sets_and_removes(cluster: LocalCluste
     assert "cli-tenant" in kvstore("list")
     kvstore("set-quota", "cli-tenant", "--quota", "2MiB")
     assert "2097152" in kvstore("list")
+    kvstore("set-caps", "cli-tenant", "--max-sessions", "8", "--max-pinned", "100")
+    assert "8/-/100" in kvstore("list")
     token = kvstore("rotate", "cli-tenant", "--grace", "30").strip()
     assert token.startswith("cli-tenant.") and "rotated" in kvstore("list")
     with _client(cluster, token) as s:
