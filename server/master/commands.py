@@ -114,6 +114,25 @@ class Commands:
             self._track(commands, 1)  # now: a remove that comes before the task runs sees its drops
             self._spawn(self._run(commands, table or self.nodes.table), name)
 
+    async def soon(self, commands: list[NodeCommand], name: str, wait_s: float) -> None:
+        """:meth:`later`, waiting up to ``wait_s`` for it to be done (a daemon that does not answer
+        holds the caller no longer; its commands go on in the background and are retried)."""
+        if not commands:
+            return
+        commands = self._stamped(commands)
+        self._track(commands, 1)
+        finished = asyncio.Event()
+
+        async def run() -> None:
+            try:
+                await self._run(commands, self.nodes.table)
+            finally:
+                finished.set()
+
+        self._spawn(run(), name)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(finished.wait(), wait_s)
+
     def _stamped(self, commands: list[NodeCommand]) -> list[NodeCommand]:
         """Drops that give reservations or keys up (``release``: revokes, expiries, removals; an
         eviction's block was committed, its seal used) stamped with the end of the seals they make

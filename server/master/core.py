@@ -94,6 +94,10 @@ _MAX_KEYS_PAGE = 10_000
 _GRANT_MARGIN_MS = 1_000
 
 
+_REVOKE_WAIT_S = 1.0
+"""How long a PutRevoke waits for its daemons to drop (and fence) what it gives up."""
+
+
 def now_ms() -> int:
     return int(time.monotonic() * 1000)
 
@@ -292,9 +296,10 @@ class MasterCore:
         ])  # fmt: skip
 
     async def put_revoke(self, m: PutRevoke, caller: Identity = ANYONE) -> Message:
-        # Waited for: once answered, the daemons refuse every write under the reservations given up
-        # (their drops void the seals), so a writer cannot half-fill an extent the master hands out again.
-        await self.commands.run(self.table.put_revoke(m.keys))
+        # Waited for (a second at most): once answered, the daemons refuse every write under the
+        # reservations given up (their drops void the seals), so a writer cannot half-fill an extent
+        # the master hands out again. A daemon that does not answer gets its drop in the background.
+        await self.commands.soon(self.table.put_revoke(m.keys), "revoke-drops", _REVOKE_WAIT_S)
         unknown = [k for k in m.keys if self.table.describe(k) is None]
         # Reserved by a master that has since gone, so nobody knows where it was written: every
         # node drops it, before the writer's retry can store it anew.
