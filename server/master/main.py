@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
+import threading
 
 from kvstore.config import MasterConfig
 from server.master.admin import AdminApi
@@ -35,9 +37,26 @@ async def serve(config: MasterConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    # A stop that hangs (an await of its etcd or grpc calls that never ends: seen once, etcd down)
+    # must not keep a master that was told to go: it exits anyway, loudly, after STOP_DEADLINE_S.
+    watchdog = threading.Timer(STOP_DEADLINE_S, _exit_stuck)
+    watchdog.daemon = True
+    watchdog.start()
     if admin is not None:
         await admin.stop()
     await service.stop()
+
+
+STOP_DEADLINE_S = 15.0
+"""How long a master told to stop (SIGINT, SIGTERM) may take before it exits regardless."""
+
+
+def _exit_stuck() -> None:
+    logging.getLogger("kvstore.master").error(
+        "the master did not stop within %.0f s of being told to: exiting without finishing", STOP_DEADLINE_S
+    )
+    logging.shutdown()
+    os._exit(1)
 
 
 GC_THRESHOLDS = (100_000, 50, 100)
