@@ -25,51 +25,40 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.auth import Credential, cluster_credential, open_ticket, read_secret_file, tenant_credential
+from bench.frames import REQUEST_IDS, ask, raw, ticket
+from kvstore.auth import Credential, cluster_credential, read_secret_file, tenant_credential
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError
 from kvstore.protocol import (
     FRAME_HEADER,
-    ErrorReply,
     GetReplicas,
-    GetTicket,
     Message,
     PutRevoke,
     PutStart,
     PutStartReply,
     Stats,
     StatsReply,
-    TicketReply,
     WriteSlices,
 )
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import PutOptions, Store
-from transfer.auth import authenticate
 from transfer.rpc import Connection
-from transfer.wire import connect, recv_message, send_message
+from transfer.wire import recv_message, send_message
 
 MiB = 1 << 20
-_ids = iter(range(10_000, 1 << 62))
-
-
-def _raw(address: str, credential: Credential) -> tuple[socket.socket, bytes]:
-    sock = connect(address, 10.0)
-    return sock, authenticate(sock, credential, "bench")
 
 
 def _ask(address: str, message: Message, credential: Credential, payload: bytes = b"") -> Message | KVStoreError:
-    """One request on a fresh connection: the reply, or the error it carried (returned)."""
-    sock, _ = _raw(address, credential)
-    with sock:
-        send_message(sock, message, next(_ids), [payload] if payload else [])
-        reply = recv_message(sock)[1]
-    return reply.to_error() if isinstance(reply, ErrorReply) else reply
+    """One request on a fresh connection: the reply, or the error it carried (returned, not raised)."""
+    try:
+        return ask(address, message, credential, payload)
+    except KVStoreError as exc:
+        return exc
 
 
 class Bench:
@@ -86,14 +75,6 @@ class Bench:
 
     def store(self, token: str, **config: Any) -> Store:
         return Store.connect(self.master, ClientConfig(token=token, transport="tcp", **config))
-
-    def ticket(self, token: str) -> Credential:
-        sock, key = _raw(self.master, tenant_credential(token))
-        with sock:
-            send_message(sock, GetTicket(), next(_ids))
-            reply = recv_message(sock)[1]
-        assert isinstance(reply, TicketReply)
-        return open_ticket(reply, key, token.split(".")[0])
 
     # -- the attacks -------------------------------------------------------------------------------
     def calm(self) -> dict[str, Any]:
@@ -119,11 +100,11 @@ class Bench:
         reserved: list[int] = []
 
         def attack(n: int) -> None:
-            sock, _ = _raw(self.master, credential)
+            sock, _ = raw(self.master, credential)
             with sock:
                 barrier.wait(30)
                 send_message(sock, PutStart([f"crowd-{n}-{i}" for i in range(8)], [MiB] * 8, 1, None, False),
-                             next(_ids))  # fmt: skip
+                             next(REQUEST_IDS))  # fmt: skip
                 reply = recv_message(sock)[1]
             if isinstance(reply, PutStartReply):
                 reserved.append(sum(MiB for t in reply.tickets() if t.status == "ok"))
@@ -167,9 +148,9 @@ class Bench:
         assert isinstance(reply, PutStartReply), reply
         replicas = [t.replicas[0] for t in reply.tickets()]
         _ask(self.master, PutRevoke(keys), credential)
-        ticket, taken = self.ticket(self.alice), 0
+        daemon_ticket, taken = ticket(self.cluster, self.alice), 0
         for key, r in zip(keys, replicas, strict=True):
-            answer = _ask(r.address, WriteSlices([key], [r.offset], [MiB], [0], [64 << 10], [r.seal]), ticket,
+            answer = _ask(r.address, WriteSlices([key], [r.offset], [MiB], [0], [64 << 10], [r.seal]), daemon_ticket,
                           bytes(64 << 10))  # fmt: skip
             taken += not isinstance(answer, KVStoreError)
         began = time.monotonic()
@@ -184,7 +165,7 @@ class Bench:
         try:
             for _ in range(5000):
                 try:
-                    held.append(_raw(self.master, credential)[0])
+                    held.append(raw(self.master, credential)[0])
                 except KVStoreError as exc:
                     refused = str(exc)
                     break
@@ -199,7 +180,7 @@ class Bench:
         rss = self.cluster.master.pid if self.cluster.master is not None else 0
         before = _rss_mib(rss)
         for _ in range(6):
-            sock, _ = _raw(self.master, credential)
+            sock, _ = raw(self.master, credential)
             sock.sendall(FRAME_HEADER.pack(64 * MiB) + bytes(48 * MiB))
             socks.append(sock)
         peak = _rss_mib(rss)

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from bench.frames import ask, raw
+from bench.frames import ticket as tenant_ticket
 from kvstore.auth import Credential, cluster_credential, read_secret_file, tenant_credential
 from kvstore.config import ClientConfig
 from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied, QuotaExceeded
@@ -40,8 +42,6 @@ from kvstore.protocol import (
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import PutOptions, Store
 from tests.conftest import admin_call
-from tests.integration.frames import ask, raw
-from tests.integration.frames import ticket as tenant_ticket
 from transfer.wire import connect, recv_message
 
 VALUE = b"alice's secret prefix " * 400

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.frames import ask
 from kvstore.errors import RetryLater
 from kvstore.keys import checksum
 from kvstore.protocol import OkReply, PutRevoke, PutStart, PutStartReply, WriteBlocks, WriteReply
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
-from tests.integration.frames import ask
 
 MiB = 1024 * 1024
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.frames import REQUEST_IDS, ask, raw, ticket
 from kvstore.auth import tenant_credential
 from kvstore.config import ClientConfig
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, QuotaExceeded
@@ -33,7 +34,6 @@ from kvstore.protocol import (
 from kvstore.tenants import set_tenant
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import PutOptions, Store
-from tests.integration.frames import REQUEST_IDS, ask, raw, ticket
 from transfer.wire import recv_message, send_message
 
 FRAME_TIMEOUT_S, TENANT_IDLE_S = 1.0, 2.0

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from bench.frames import ask
 from kvstore.auth import open_ticket, tenant_credential
 from kvstore.config import ClientConfig
 from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied, QuotaExceeded
@@ -36,7 +37,6 @@ from kvstore.protocol import (
 from kvstore.tenants import remove_tenant, rotate_tenant, set_tenant
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
-from tests.integration.frames import ask
 from transfer.auth import authenticate
 from transfer.wire import connect, recv_message, send_message
 

@@ -1,6 +1,7 @@
 """Raw frames to a real master or daemon, as an attacker (or a careful test) speaks them: one
 request on a fresh connection, authenticated or not, each with a request id of its own (so that
-the master's replies cache never answers one request for another)."""
+the master's replies cache never answers one request for another). Used by bench.tenant_attacks
+and the tests that attack a cluster."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ REQUEST_IDS = itertools.count(1000)
 
 def raw(address: str, credential: Credential | None = None) -> tuple[socket.socket, bytes]:
     """A connection to ``address``, authenticated with ``credential`` when given; (socket, session key)."""
-    sock = connect(address, 5.0)
+    sock = connect(address, 10.0)
     key = authenticate(sock, credential, "test") if credential is not None else b""
     return sock, key
 
