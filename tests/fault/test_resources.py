@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvstore.node_store import PutStatus
 from kvstore_cli.cluster import LocalCluster
@@ -35,6 +36,7 @@ def wait_for(what: str, check: Any, timeout: float = 30) -> Any:
     return got
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_under_the_ssd_tier_degrades_it_and_puts_go_on(small_fs: Any) -> None:
     """The SSD tier's filesystem fills (another file takes it) while 200 puts of 1 MiB go through a
     32 MiB DRAM tier: every put succeeds, every read is its bytes or a miss, the tier's capacity

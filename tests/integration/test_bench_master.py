@@ -8,6 +8,7 @@ import pytest
 from bench import master
 
 
+@pytest.mark.slow
 def test_master_bench_prints_our_row(capsys: pytest.CaptureFixture[str]) -> None:
     assert master.main(["--json", "--peers", "no", "--keys", "3000", "--dram", "64MiB"]) == 0
     [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -51,6 +51,7 @@ def test_demo_prints_a_table_by_default() -> None:
     assert "prefix hit rate" in result.stdout and "requests" in result.stdout
 
 
+@pytest.mark.slow
 def test_replay_without_eviction_matches_an_infinite_cache(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     requests = chat_workload(num_sessions=40, seed=3)
@@ -138,6 +139,7 @@ def test_cluster_up_serves_until_interrupted() -> None:
         proc.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_cluster_up_restarts_a_daemon_that_dies() -> None:
     """A daemon killed under ``cluster up`` is started again as it was: it re-attaches its arena, so
     what it held reads again; the cluster goes on, and its arenas still go when it stops."""

@@ -193,6 +193,7 @@ def test_a_daemon_cuts_a_connection_that_trickles_its_login(cluster: LocalCluste
     assert counted, "the daemon's refusal of a late login is not in /metrics"
 
 
+@pytest.mark.slow
 def test_the_tenants_command_lists_rotates_sets_and_removes(cluster: LocalCluster) -> None:
     assert cluster.tenants_file is not None
     cluster.add_tenant("cli-tenant", quota=1 * MiB)
