@@ -34,9 +34,14 @@ class QuotaPlan:
     commands: list[NodeCommand]
 
 
+def new_keys(table: PlacementTable, keys: Sequence[str]) -> list[int]:
+    """Indexes of ``keys`` the table does not know, stored or being written: the ones a put adds."""
+    return [i for i, k in enumerate(keys) if k not in table.objects and table.describe(k) is None]
+
+
 def plan_put(table: PlacementTable, tenant: str, quota: int, keys: Sequence[str], sizes: Sequence[int]) -> QuotaPlan:
     """Plan a put of ``keys`` by ``tenant`` under ``quota`` bytes (see :func:`refused`)."""
-    new = [i for i, k in enumerate(keys) if k not in table.objects and table.describe(k) is None]
+    new = new_keys(table, keys)
     over = table.tenant_held(tenant) + sum(charged(sizes[i]) for i in new) - quota
     commands: list[NodeCommand] = []
     if over > 0:
@@ -50,6 +55,24 @@ def refused(table: PlacementTable, tenant: str, quota: int, sizes: Sequence[int]
     """Indexes of the new keys of ``plan`` that do not fit ``quota`` once its evictions are done."""
     ok = fits(quota - table.tenant_held(tenant), [charged(sizes[i]) for i in plan.new])
     return [i for i, fit in zip(plan.new, ok, strict=True) if not fit]
+
+
+def over_caps(
+    table: PlacementTable, tenant: str, max_objects: int, max_pinned: int, new: Sequence[int], pinned: bool
+) -> dict[int, str]:
+    """Of ``new`` (indexes of keys new to the table, in order), those that would take ``tenant`` past
+    its caps on keys and pinned keys (0: none), each with what it holds; the others count against
+    the caps in order."""
+    objects, pins = table.tenant_keys(tenant)
+    out: dict[int, str] = {}
+    for i in new:
+        if max_objects and objects >= max_objects:
+            out[i] = f"{objects} keys (max_objects)"
+        elif pinned and max_pinned and pins >= max_pinned:
+            out[i] = f"{pins} pinned keys (max_pinned)"
+        else:
+            objects, pins = objects + 1, pins + pinned
+    return out
 
 
 def refusal_text(table: PlacementTable, tenant: str, quota: int, key: str, size: int) -> str:

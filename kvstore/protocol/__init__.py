@@ -68,7 +68,7 @@ from kvstore.protocol.handshake import (
     TenantsPolicy,
     TicketReply,
 )
-from kvstore.protocol.limits import MAX_BATCH_KEYS, check_batch, check_frame
+from kvstore.protocol.limits import MAX_BATCH_KEYS, check_batch, check_frame, too_many
 from kvstore.protocol.membership import (
     AccessReport,
     CheckBlocks,
@@ -211,4 +211,5 @@ __all__ = [
     "decode_payload",
     "encode",
     "request_id_of",
+    "too_many",
 ]

@@ -63,7 +63,7 @@ def check_frame(payload: bytes) -> tuple[int, InvalidArgument] | None:
         return None
     if n <= MAX_BATCH_KEYS:
         return None
-    return request_id, _too_many(named[0], named[1], n)
+    return request_id, too_many(named[0], named[1], n)
 
 
 _INT_WIDTHS = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
@@ -97,7 +97,8 @@ def _array(b: bytes, i: int) -> tuple[int, int]:
     return int.from_bytes(b[i + 1 : i + 1 + width], "big"), i + 1 + width
 
 
-def _too_many(kind: str, field: str, n: int) -> InvalidArgument:
+def too_many(kind: str, field: str, n: int) -> InvalidArgument:
+    """The refusal of a request whose ``kind.field`` names ``n`` items, over :data:`MAX_BATCH_KEYS`."""
     return InvalidArgument(
         f"{kind}.{field} names {n} items; a request takes at most {MAX_BATCH_KEYS} (split the batch)"
     )
@@ -108,4 +109,4 @@ def check_batch(message: Message) -> None:
     for field in _BATCH_FIELDS.get(type(message), ()):
         n = len(getattr(message, field))
         if n > MAX_BATCH_KEYS:
-            raise _too_many(type(message).__name__, field, n)
+            raise too_many(type(message).__name__, field, n)

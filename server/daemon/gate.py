@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.auth import ANYONE, TICKET_SKEW_MS, Authority, Identity
-from kvstore.errors import AuthFailed, InvalidArgument, PermissionDenied, QuotaExceeded
-from kvstore.protocol import MAX_BATCH_KEYS, CommitBlocks, Message, TenantsPolicy, WriteBlocks, WriteSlices
+from kvstore.errors import AuthFailed, PermissionDenied, QuotaExceeded
+from kvstore.protocol import MAX_BATCH_KEYS, CommitBlocks, Message, TenantsPolicy, WriteBlocks, WriteSlices, too_many
 from transfer.tls import HANDSHAKE_TIMEOUT_S
 
 
@@ -128,9 +128,7 @@ class Gate:
         message = current.admit(message)
         keys = getattr(message, "keys", None)
         if keys is not None and len(keys) > MAX_BATCH_KEYS:  # one request holds a thread and the storage lock
-            raise InvalidArgument(
-                f"{type(message).__name__}.keys names {len(keys)} items; a request takes at most {MAX_BATCH_KEYS}"
-            )
+            raise too_many(type(message).__name__, "keys", len(keys))
         if isinstance(message, WriteBlocks | WriteSlices | CommitBlocks):
             assert current.tenant is not None
             self.authority.check_seals(

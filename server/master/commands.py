@@ -139,9 +139,14 @@ class Commands:
         void (once: a retry keeps its stamp, never voiding a reservation made after it was planned)."""
         if not any(_voids(c) and not c.void_until_ms for c in commands):
             return commands
+        until = self._void_bound()
+        return [replace(c, void_until_ms=until) if _voids(c) and not c.void_until_ms else c for c in commands]
+
+    def _void_bound(self) -> int:
+        """The end of every seal issued so far (wall ms), for a drop to void: the latest one raised to it."""
         until = int(time.time() * 1000) + self.reservation_ms
         self.void_until_ms = max(self.void_until_ms, until)
-        return [replace(c, void_until_ms=until) if _voids(c) and not c.void_until_ms else c for c in commands]
+        return until
 
     def seal_end(self, now_wall_ms: int) -> int:
         """When a reservation sealed now ends: ``reservation_ms`` from now, and after every seal a
@@ -259,9 +264,7 @@ class Commands:
     async def drop_everywhere(self, keys: list[str]) -> bool:
         """Have every up node drop ``keys``; whether all of them confirmed."""
         nodes = [n.node_id for n in self.nodes.table.up_nodes()]
-        until = int(time.time() * 1000) + self.reservation_ms  # the earlier master's seals of them end by then
-        self.void_until_ms = max(self.void_until_ms, until)
-        drop = DropBlocks(keys, void_until_ms=until)
+        drop = DropBlocks(keys, void_until_ms=self._void_bound())  # the earlier master's seals of them end by then
         answers = await asyncio.gather(
             *(self.call(n, Lane.BLOCKS, drop, CommandReply) for n in nodes), return_exceptions=True
         )

@@ -204,23 +204,17 @@ class MasterCore:
             plan = quotas.plan_put(self.table, tenant, quota, keys, sizes)
             if plan.commands:
                 await self.commands.run(plan.commands)
-                plan = quotas.plan_put(self.table, tenant, 1 << 62, keys, sizes)  # which keys are new now
+                plan = quotas.QuotaPlan(quotas.new_keys(self.table, keys), [])  # which keys are new now
             # From the check to the admission, no wait: a concurrent put of the tenant's sees these bytes.
             for i in quotas.refused(self.table, tenant, quota, sizes, plan):
                 text = quotas.refusal_text(self.table, tenant, quota, keys[i], sizes[i])
                 tickets[i] = Ticket("error", [], QuotaExceeded.code, text)
-            objects, pins = self.table.tenant_keys(tenant)
-            for i in plan.new:
-                if tickets[i] is not None:
-                    continue
-                over = (known.max_objects and objects >= known.max_objects and f"{objects} keys (max_objects)") or (
-                    m.pin and known.max_pinned and pins >= known.max_pinned and f"{pins} pinned keys (max_pinned)"
-                )
-                if over:
-                    text = f"tenant {tenant!r} holds {over}, the most it may: {keys[i][len(tenant) + 1 :]!r} is refused"
-                    tickets[i] = Ticket("error", [], QuotaExceeded.code, text)
-                else:
-                    objects, pins = objects + 1, pins + m.pin
+            new = [i for i in plan.new if tickets[i] is None]
+            for i, held in quotas.over_caps(
+                self.table, tenant, known.max_objects, known.max_pinned, new, m.pin
+            ).items():
+                text = f"tenant {tenant!r} holds {held}, the most it may: {keys[i][len(tenant) + 1 :]!r} is refused"
+                tickets[i] = Ticket("error", [], QuotaExceeded.code, text)
             todo = [i for i in todo if tickets[i] is None]
             admitted = {i for i in plan.new if tickets[i] is None}
         table = self.table  # admitted on this term's table, settled on it (a new term's starts clean)
@@ -407,17 +401,10 @@ class MasterCore:
             # blocks for it or refuses it with QuotaExceeded.
             keep = [i for i, ok in enumerate(quotas.granted_fits(self.table, owner, quota, m.sizes)) if ok]
         if known is not None and (known.max_objects or known.max_pinned):
-            objects, pins = self.table.tenant_keys(owner)
-            capped = []
-            for i in keep:
-                if m.keys[i] not in self.table.objects:  # a new key: it takes an object (and a pin)
-                    if (known.max_objects and objects >= known.max_objects) or (
-                        m.pinned and known.max_pinned and pins >= known.max_pinned
-                    ):
-                        continue
-                    objects, pins = objects + 1, pins + m.pinned
-                capped.append(i)
-            keep = capped
+            new = set(quotas.new_keys(self.table, m.keys))  # a new key takes a key (and a pin) of the caps
+            kept_new = [i for i in keep if i in new]
+            over = quotas.over_caps(self.table, owner, known.max_objects, known.max_pinned, kept_new, m.pinned)
+            keep = [i for i in keep if i not in over]
         if len(keep) == len(m.keys):
             outcome = self.table.commit_granted(
                 m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned
