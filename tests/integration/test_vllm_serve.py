@@ -26,7 +26,10 @@ import pytest
 
 from bench.vllm_chat import Conductor, VllmServer, complete
 from bench.vllm_serving import prompt, save_model, vllm_python
+from kvstore.keys import block_keys
 from kvstore_cli.cluster import LocalCluster
+from kvstore_client import Store
+from server.conductor.openai import parse_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -34,6 +37,7 @@ if not Path(vllm_python()).exists():
     pytest.skip(f"no vLLM environment at {vllm_python()} (scripts/vllm-env.sh builds one)", allow_module_level=True)
 
 P = prompt(1500, 11)
+Served = tuple[list[VllmServer], Conductor, str]
 
 
 def post(url: str, body: Any) -> tuple[int, dict[str, Any]]:
@@ -46,6 +50,19 @@ def post(url: str, body: Any) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read())
 
 
+def wait_stored(master: str, server: VllmServer, tokens: list[int], timeout_s: float = 60.0) -> None:
+    """Until the store holds every whole block of ``tokens`` under the server's keys (its layout metric)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        scheme, _ = parse_metrics(resp.read().decode())
+    assert scheme is not None, "the server publishes no kvstore layout"
+    keys = block_keys(tokens, scheme[1], scheme[0])
+    deadline = time.monotonic() + timeout_s
+    with Store.connect(master) as store:
+        while not all(store.exists_many(keys)):
+            assert time.monotonic() < deadline, f"the store never held the {len(keys)} blocks the server saved"
+            time.sleep(0.2)
+
+
 def metric(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
         text = resp.read().decode()
@@ -53,7 +70,7 @@ def metric(url: str, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[VllmServer], Conductor]]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[VllmServer], Conductor, str]]:
     tmp = tmp_path_factory.mktemp("vllm-serve")
     model = save_model(tmp / "model")
     with LocalCluster(daemons=1, dram="512MiB") as cluster:
@@ -64,16 +81,16 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Vllm
             for s in servers:
                 s.wait()
             with Conductor(cluster.master_address, [s.url for s in servers], tmp / "conductor.log") as conductor:
-                yield servers, conductor
+                yield servers, conductor, cluster.master_address
         finally:
             for s in servers:
                 s.close()
 
 
 def test_the_conductor_answers_what_the_server_answers_and_a_second_server_loads_it_from_the_store(
-    served: tuple[list[VllmServer], Conductor],
+    served: Served,
 ) -> None:
-    servers, conductor = served
+    servers, conductor, master = served
     body = {"prompt": P, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     status, first = post(conductor.url, body | {"return_token_ids": True})
     assert status == 200, first
@@ -82,6 +99,9 @@ def test_the_conductor_answers_what_the_server_answers_and_a_second_server_loads
     tokens = first["choices"][0]["token_ids"]
     assert len(tokens) == 8 and first["usage"]["prompt_tokens"] == len(P)
     chosen = int(info["engine"].split("-")[1])
+    # The connector puts the prompt's blocks from a thread behind the answer: on a loaded machine the
+    # store may not hold them yet when the answer arrives, so wait for them before asking again.
+    wait_stored(master, servers[chosen], P[:1280])
     # Again: the same server (its own cache holds the prompt), the same tokens; without token ids asked, none.
     status, again = post(conductor.url, body)
     assert status == 200 and again["kvstore"]["engine"] == info["engine"]
@@ -101,9 +121,9 @@ def test_the_conductor_answers_what_the_server_answers_and_a_second_server_loads
 
 
 def test_a_streamed_answer_ends_with_done_and_carries_only_what_was_asked(
-    served: tuple[list[VllmServer], Conductor],
+    served: Served,
 ) -> None:
-    _, conductor = served
+    _, conductor, _ = served
     conn = http.client.HTTPConnection("127.0.0.1", conductor.port, timeout=120)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt(300, 12), "max_tokens": 3, "stream": True,
                  "ignore_eos": True}), {"Content-Type": "application/json"})  # fmt: skip
@@ -116,8 +136,8 @@ def test_a_streamed_answer_ends_with_done_and_carries_only_what_was_asked(
     assert all("token_ids" not in part and "usage" not in c for c in chunks for part in c["choices"])
 
 
-def test_a_conversation_goes_back_to_the_server_that_holds_it(served: tuple[list[VllmServer], Conductor]) -> None:
-    _, conductor = served
+def test_a_conversation_goes_back_to_the_server_that_holds_it(served: Served) -> None:
+    _, conductor, _ = served
     context = prompt(1100, 13)
     turns = []
     for turn in range(3):
@@ -131,19 +151,19 @@ def test_a_conversation_goes_back_to_the_server_that_holds_it(served: tuple[list
     assert engines[1] == engines[0] and engines[2] == engines[0], (turns, conductor.log_path.read_text()[-3000:])
 
 
-def test_blocks_an_answer_completes_are_stored_for_the_next_turn(served: tuple[list[VllmServer], Conductor]) -> None:
-    servers, _ = served
+def test_blocks_an_answer_completes_are_stored_for_the_next_turn(served: Served) -> None:
+    servers, _, master = served
     first = prompt(1250, 15)  # 4 whole blocks of 256; 40 answer tokens complete the fifth while decoding
     body = {"model": "tiny", "max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
     answer = complete(servers[0].url, body | {"prompt": first})["tokens"]
-    time.sleep(1.0)  # the save of the fifth block runs behind the answer, off the engine's path
+    wait_stored(master, servers[0], (first + answer)[:1280])  # saved behind the answer, off the engine's path
     following = first + answer + prompt(60, 16)
     turn = complete(servers[1].url, body | {"prompt": following, "max_tokens": 1})
     assert turn["cached"] == 1280, "the block the answer completed was not stored (save_decode)"
 
 
-def test_bad_requests_get_a_clear_error(served: tuple[list[VllmServer], Conductor]) -> None:
-    _, conductor = served
+def test_bad_requests_get_a_clear_error(served: Served) -> None:
+    _, conductor, _ = served
     assert post(conductor.url, {"prompt": "words", "max_tokens": 2})[0] == 400  # no tokenizer: token ids only
     assert post(conductor.url, {"prompt": [1, 2], "model": "another"})[0] == 404
     status, out = post(conductor.url, {"prompt": prompt(4000, 14), "max_tokens": 200})
@@ -152,8 +172,8 @@ def test_bad_requests_get_a_clear_error(served: tuple[list[VllmServer], Conducto
     assert status == 400, out  # the server's own refusal, passed on
 
 
-def test_a_server_killed_under_the_conductor_is_routed_around(served: tuple[list[VllmServer], Conductor]) -> None:
-    servers, conductor = served
+def test_a_server_killed_under_the_conductor_is_routed_around(served: Served) -> None:
+    servers, conductor, _ = served
     victim = servers[1]
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(30)
