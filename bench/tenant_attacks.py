@@ -9,7 +9,7 @@ same run (the ``calm`` line, the baseline), and what the attack got:
 
 - ``concurrent_quota``: 16 connections of alice's each send PutStart of 8 x 1 MiB at one barrier
   on a full pool (bob's 60 MiB, the rest carol's, a tenant without a quota): MiB reserved against
-  her 8 MiB, bob's blocks before and after;
+  her 8 MiB (none: a tenant's put evicts only its own blocks), bob's and carol's blocks before and after;
 - ``pinned_flood``: alice pins 1-byte blocks on one node in batches as large as the master takes,
   40,000 in all: how many she got, then how long bob's 50-key put to that node and his Stats take;
 - ``huge_batch``: a 200,000-key PutStart and a 500,000-key GetReplicas: the answers;
@@ -93,9 +93,10 @@ class Bench:
             held = [f"resident-{i}" for i in range(60)]
             for key in held:
                 bob.put(key, bytes(MiB))
-            for i in range(80):
-                filler.put(f"filler-{i}", bytes(MiB))
-            before = sum(bob.exists_many(held))
+            carols = [f"filler-{i}" for i in range(80)]
+            for key in carols:
+                filler.put(key, bytes(MiB))
+            before, carol_before = sum(bob.exists_many(held)), sum(filler.exists_many(carols))
         credential, barrier = tenant_credential(self.alice), threading.Barrier(16)
         reserved: list[int] = []
 
@@ -110,10 +111,12 @@ class Bench:
                 reserved.append(sum(MiB for t in reply.tickets() if t.status == "ok"))
 
         _run_all([lambda n=n: attack(n) for n in range(16)])  # type: ignore[misc]
-        with self.store(self.bob) as bob:
+        with self.store(self.bob) as bob, self.store(carol) as filler:
             after = sum(bob.exists_many(held))
+            carol_after = sum(filler.exists_many(carols))
         return {"quota_mib": 8, "reserved_mib": sum(reserved) / MiB, "bob_blocks_before": before,
-                "bob_blocks_after": after}  # fmt: skip
+                "bob_blocks_after": after, "carol_blocks_before": carol_before,
+                "carol_blocks_after": carol_after}  # fmt: skip
 
     def pinned_flood(self) -> dict[str, Any]:
         credential, got = tenant_credential(self.alice), 0

@@ -367,6 +367,10 @@ class Authority:
         """A daemon's: each tenant's session cap, as the master's policy says."""
         self.default_max_sessions = 512
         """A tenant's session cap where nothing else says (a master sets its config's)."""
+        self._inflight_caps: dict[str, int] = {}
+        """A daemon's: each tenant's cap on bytes of frames in flight, as the master's policy says."""
+        self.default_max_inflight = 256 << 20
+        """A tenant's cap on bytes of frames in flight where nothing else says (a master sets its config's)."""
         self.refresh_tenants()
 
     @property
@@ -522,13 +526,22 @@ class Authority:
         known = self._refresh().tenants.get(tenant)
         return (known.max_sessions if known is not None else 0) or self.default_max_sessions
 
+    def max_inflight(self, tenant: str) -> int:
+        """The bytes of frames ``tenant`` may have begun sending and not finished here, over all its
+        sessions (as :meth:`max_sessions`: its own cap, else :attr:`default_max_inflight`)."""
+        if self._tenants_file is None:
+            return self._inflight_caps.get(tenant) or self.default_max_inflight
+        known = self._refresh().tenants.get(tenant)
+        return (known.max_inflight_bytes if known is not None else 0) or self.default_max_inflight
+
     def policy(self, now_ms: int | None = None) -> TenantsPolicy:
         """The tenants file as daemons need it (a master's): names, operations, fingerprints of the keys taken."""
         tenants = sorted(self._refresh().tenants.values(), key=lambda t: t.name)
         now = int(time.time() * 1000) if now_ms is None else now_ms
         return TenantsPolicy([t.name for t in tenants], [sorted(t.operations) for t in tenants],
                              [t.fingerprints(now) for t in tenants], now,
-                             [t.max_sessions or self.default_max_sessions for t in tenants])  # fmt: skip
+                             [t.max_sessions or self.default_max_sessions for t in tenants],
+                             [t.max_inflight_bytes or self.default_max_inflight for t in tenants])  # fmt: skip
 
     def take_policy(self, policy: TenantsPolicy) -> None:
         """A daemon's: the master's word on which tenants' tickets to take, and what they may do."""
@@ -541,6 +554,8 @@ class Authority:
         self._policy_as_of = policy.as_of_ms
         if len(policy.max_sessions) == len(policy.names):
             self._session_caps = dict(zip(policy.names, policy.max_sessions, strict=True))
+        if len(policy.max_inflight) == len(policy.names):
+            self._inflight_caps = dict(zip(policy.names, policy.max_inflight, strict=True))
 
 
 def _proves(key: bytes, proof: AuthProof, transcript: bytes) -> bool:

@@ -371,6 +371,12 @@ class MasterConfig(_Frozen):
         description="Authenticated sessions one tenant may have open at once on the master, and on each daemon, "
         "unless its entry in the tenants file says otherwise (max_sessions).",
     )  # fmt: skip
+    tenant_max_inflight_bytes: int = Field(
+        default=256 << 20, ge=1 << 20,
+        description="Bytes of frames one tenant may have begun sending and not finished, over all its sessions, on "
+        "the master and on each daemon (a connection that takes it past this is closed), unless its entry in the "
+        "tenants file says otherwise (max_inflight_bytes).",
+    )  # fmt: skip
     tenant_idle_timeout_s: float = Field(
         default=60.0, gt=0, description="An idle tenant's session is closed after this (its client connects again)."
     )

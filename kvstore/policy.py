@@ -87,16 +87,19 @@ class EvictionPolicy:
         return used > self.high_watermark * capacity
 
     def make_room(
-        self, dram: TierView[K], ssd: TierView[K] | None, incoming: int, force_bytes: int = 0
+        self, dram: TierView[K], ssd: TierView[K] | None, incoming: int, force_bytes: int = 0, headroom: float = 1.0
     ) -> list[Action[K]]:
         """Actions that leave room in DRAM for ``incoming`` more bytes, freeing at least ``force_bytes``.
+        ``headroom`` is the part of the way down to the low watermark to free (1: all of it; a tenant
+        frees its share of the tier's blocks, so a small tenant does not empty itself for others).
 
         May return too little when pinned and leased blocks fill the tier; the
         caller then reports a capacity error.
         """
         need = force_bytes
         if self.over_high_watermark(dram.used + incoming, dram.capacity):
-            need = max(need, dram.used + incoming - math.floor(self.low_watermark * dram.capacity))
+            excess = dram.used + incoming - math.floor(self.low_watermark * dram.capacity)
+            need = max(need, math.ceil(excess * headroom))
         if need <= 0:
             return []
         victims: list[tuple[K, int]] = []
@@ -108,10 +111,13 @@ class EvictionPolicy:
             freed += size
         return self._place_victims(victims, ssd)
 
-    def make_slots(self, dram: TierView[K], ssd: TierView[K] | None, used: int, capacity: int) -> list[Action[K]]:
+    def make_slots(
+        self, dram: TierView[K], ssd: TierView[K] | None, used: int, capacity: int, headroom: float = 1.0
+    ) -> list[Action[K]]:
         """Actions that free index slots in DRAM when ``used`` of ``capacity`` slots are taken:
-        down to the low watermark (at least one), least recently used first."""
-        need = max(1, used + 1 - math.floor(self.low_watermark * capacity))
+        down to the low watermark (``headroom`` of the way, as for :meth:`make_room`; at least one),
+        least recently used first."""
+        need = max(1, math.ceil((used + 1 - math.floor(self.low_watermark * capacity)) * headroom))
         victims = list(itertools.islice(dram.lru.victims(dram.leased), need))
         return self._place_victims(victims, ssd)
 

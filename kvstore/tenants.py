@@ -139,6 +139,9 @@ class Tenant:
     (each key is charged at least an index slot's worth of them)."""
     max_pinned: int = 0
     """Pinned keys the tenant may hold at once (nothing evicts them); 0: no cap beyond its quota."""
+    max_inflight_bytes: int = 0
+    """Bytes of frames the tenant may have begun sending and not finished, over all its sessions, on
+    the master and on each daemon; 0: the cluster's default (``tenant_max_inflight_bytes``)."""
 
     def taken(self, now_ms: int | None = None) -> list[bytes]:
         """The verifiers a login may match now: the current one, and a rotated one during its grace."""
@@ -216,11 +219,15 @@ def _entry(name: str, entry: Any, where: str, kind: str, settings: set[str]) -> 
     return entry
 
 
+CAPS = ("max_sessions", "max_objects", "max_pinned", "max_inflight_bytes")
+"""A tenant's caps beside its quota, as the tenants file names them (0: the default)."""
+
+
 def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
     entry = _entry(name, entry, where, "tenant", {"token_ed25519", "token_sha256", "quota_bytes", "operations",
                                                    "previous_token_ed25519", "previous_token_sha256",
                                                    "previous_until_ms", "max_sessions", "max_objects",
-                                                   "max_pinned"})  # fmt: skip
+                                                   "max_pinned", "max_inflight_bytes"})  # fmt: skip
     key = _stored_key_of(name, entry, f"{where}: tenant")
     previous, until = b"", entry.get("previous_until_ms", 0)
     if "previous_token_ed25519" in entry or "previous_token_sha256" in entry:
@@ -234,7 +241,7 @@ def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
     if not isinstance(ops, list) or not set(ops) <= set(OPERATIONS):
         raise ConfigError(f"{where}: tenant {name!r}: operations must be a list of {list(OPERATIONS)}")
     caps = {}
-    for cap in ("max_sessions", "max_objects", "max_pinned"):
+    for cap in CAPS:
         caps[cap] = entry.get(cap, 0)
         if type(caps[cap]) is not int or caps[cap] < 0:
             raise ConfigError(f"{where}: tenant {name!r}: {cap} must be a non-negative integer")
@@ -330,12 +337,14 @@ def remove_tenant(path: str | os.PathLike[str], name: str) -> None:
 
 def set_tenant(path: str | os.PathLike[str], name: str, quota_bytes: int | None = None,
                operations: tuple[str, ...] | None = None, *, max_sessions: int | None = None,
-               max_objects: int | None = None, max_pinned: int | None = None) -> None:  # fmt: skip
-    """Change a tenant's quota, operations or caps (sessions, objects, pins; 0: the default, no cap
-    for objects and pins); open sessions follow within a tick or two."""
+               max_objects: int | None = None, max_pinned: int | None = None,
+               max_inflight_bytes: int | None = None) -> None:  # fmt: skip
+    """Change a tenant's quota, operations or caps (sessions, objects, pins, bytes in flight; 0: the
+    default, no cap for objects and pins); open sessions follow within a tick or two."""
     p, data = _edit(path, "tenants", name)
     entry = data["tenants"][name]
-    for cap, value in (("max_sessions", max_sessions), ("max_objects", max_objects), ("max_pinned", max_pinned)):
+    given = (max_sessions, max_objects, max_pinned, max_inflight_bytes)
+    for cap, value in zip(CAPS, given, strict=True):
         if value is not None:
             if type(value) is not int or value < 0:
                 raise ConfigError(f"{cap} is a non-negative number, not {value!r}")

@@ -228,6 +228,8 @@ def _tenants_arguments(p: argparse.ArgumentParser) -> None:
                    " (0: the cluster's tenant_max_sessions)")  # fmt: skip
     p.add_argument("--max-objects", type=int, help="set-caps: keys the tenant may hold (0: no cap beyond its quota)")
     p.add_argument("--max-pinned", type=int, help="set-caps: pinned keys the tenant may hold (0: no cap)")
+    p.add_argument("--max-inflight-bytes", type=size_arg, help="set-caps: bytes of frames begun and not finished,"
+                   " over its sessions, on the master and on each daemon (0: tenant_max_inflight_bytes)")  # fmt: skip
 
 
 @command("tenants", "manage the tenants of a cluster that authenticates")
@@ -245,15 +247,16 @@ def _tenants(args: argparse.Namespace) -> int:
     operations = tuple(o.strip() for o in args.operations.split(",") if o.strip())
     if args.action == "list":
         access = load_access(args.file)
-        print(f"{'tenant':<24} {'quota':>14}  operations          caps (sessions/objects/pinned)  token")
+        print(f"{'tenant':<24} {'quota':>14}  operations          caps (sessions/objects/pinned/inflight)  token")
         for t in sorted(access.tenants.values(), key=lambda t: t.name):
             quota = str(t.quota_bytes) if t.quota_bytes else "none"
             until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t.previous_until_ms / 1000))
             rotating = (
                 f"rotated; the old one taken until {until}" if t.previous_until_ms > time.time() * 1000 else "one"
             )
-            caps = "/".join(str(c) if c else "-" for c in (t.max_sessions, t.max_objects, t.max_pinned))
-            print(f"{t.name:<24} {quota:>14}  {','.join(sorted(t.operations)):<18}  {caps:<30}  {rotating}")
+            limits = (t.max_sessions, t.max_objects, t.max_pinned, t.max_inflight_bytes)
+            caps = "/".join(str(c) if c else "-" for c in limits)
+            print(f"{t.name:<24} {quota:>14}  {','.join(sorted(t.operations)):<18}  {caps:<39}  {rotating}")
         for a in sorted(access.admins.values(), key=lambda a: a.name):
             print(f"{a.name:<24} {'(admin API)':>14}  {a.role}")
         return 0
@@ -272,11 +275,12 @@ def _tenants(args: argparse.Namespace) -> int:
         if args.action == "set-quota":
             set_tenant(args.file, args.name, quota_bytes=args.quota)
         elif args.action == "set-caps":
-            limits = (args.max_sessions, args.max_objects, args.max_pinned)
+            limits = (args.max_sessions, args.max_objects, args.max_pinned, args.max_inflight_bytes)
             if all(v is None for v in limits):
-                raise ConfigError("kvstore tenants set-caps needs --max-sessions, --max-objects or --max-pinned")
+                raise ConfigError("kvstore tenants set-caps needs --max-sessions, --max-objects, --max-pinned"
+                                  " or --max-inflight-bytes")  # fmt: skip
             set_tenant(args.file, args.name, max_sessions=args.max_sessions, max_objects=args.max_objects,
-                       max_pinned=args.max_pinned)  # fmt: skip
+                       max_pinned=args.max_pinned, max_inflight_bytes=args.max_inflight_bytes)  # fmt: skip
         else:
             set_tenant(args.file, args.name, operations=operations)
         print(f"tenant {args.name} changed in {args.file}: open sessions follow within seconds", file=sys.stderr)

@@ -11,7 +11,7 @@ import contextlib
 import socket
 import ssl
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout
@@ -191,9 +191,14 @@ class NoRequest(Exception):
     """No byte of a next frame arrived within the socket's timeout (an idle peer; the stream is in step)."""
 
 
-def recv_message(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> tuple[int, Message]:
+def recv_message(
+    sock: socket.socket, max_frame: int = MAX_FRAME_BYTES, hold: Callable[[int], Callable[[], None]] | None = None
+) -> tuple[int, Message]:
     """The next whole frame, decoded. Raises ProtocolError for a bad frame, ConnectionFailed at EOF,
-    NoRequest when nothing arrived in time, BlockingIOError when a frame stalled halfway."""
+    NoRequest when nothing arrived in time, BlockingIOError when a frame stalled halfway.
+
+    ``hold``, given the length of a frame too large to come in one receive, counts it against
+    a budget before any of it is read (raising to refuse it) and returns what gives it back."""
     try:
         header = sock.recv(FRAME_HEADER.size)
     except (BlockingIOError, TimeoutError):  # the kernel's timeout; a TLS socket's own
@@ -215,13 +220,18 @@ def recv_message(sock: socket.socket, max_frame: int = MAX_FRAME_BYTES) -> tuple
         return decode_payload(payload)
     # Never allocated ahead of the bytes: a peer that announces a huge frame and stalls holds
     # no more memory than it sent.
-    grown = bytearray()
-    while len(grown) < length:
-        chunk = sock.recv(min(length - len(grown), _SCRATCH))  # a chunk as it comes, 1 MiB at most
-        if not chunk:
-            raise ConnectionFailed("peer closed the connection mid-message")
-        grown += chunk
-    return decode_payload(bytes(grown))
+    release = hold(length) if hold is not None else None
+    try:
+        grown = bytearray()
+        while len(grown) < length:
+            chunk = sock.recv(min(length - len(grown), _SCRATCH))  # a chunk as it comes, 1 MiB at most
+            if not chunk:
+                raise ConnectionFailed("peer closed the connection mid-message")
+            grown += chunk
+        return decode_payload(bytes(grown))
+    finally:
+        if release is not None:
+            release()
 
 
 def _recv_bytes(sock: socket.socket, n: int) -> bytearray:

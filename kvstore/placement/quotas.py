@@ -3,8 +3,9 @@ blocks to evict so that more fits. Pure: they return the evictions as commands, 
 core carries them out (another tenant's blocks are never touched).
 
 A tenant's quota counts everything it holds or reserves (:meth:`PlacementTable.tenant_held`): its keys,
-stored or being written, and the space of its grants not yet written into. So a tenant can make
-the cache evict other tenants' blocks for no more than its quota."""
+stored or being written, and the space of its grants not yet written into. Room on the nodes is
+another matter: a tenant's put never evicts another tenant's block for it
+(:meth:`~kvstore.placement.tiering.Tiering.scope`)."""
 
 from __future__ import annotations
 

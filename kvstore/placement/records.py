@@ -20,6 +20,7 @@ small ints. The rules live in the table's parts; this module only stores and lin
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from array import array
 from collections.abc import Collection, Iterator, Sequence
@@ -66,6 +67,8 @@ class Records:
         self.last_use = array("q")
         self.ssd_hits = array("I")
         self.head = array("i")
+        self.owner = array("H")
+        """Slot -> its key's owner (:meth:`intern_owner`; 0: none), for the owners' LRU logs."""
         self._free_slots: list[int] = []
         self.deadlines: dict[int, int] = {}
         """Slots of uncommitted keys -> their reservation's deadline (committed keys have none)."""
@@ -90,6 +93,10 @@ class Records:
         self.node_index: dict[str, int] = {}
         self.alignment: list[int] = []
         """Node index -> its arena's alignment (a DRAM replica's extent is its size rounded up to it)."""
+        self.owner_ids: dict[str, int] = {"": 0}
+        """Owner (a tenant) -> its small int; "" (keys of no tenant) is 0."""
+        self.owners_used = False
+        """Whether any key has an owner other than 0 (else every LRU has the one log)."""
 
     def __len__(self) -> int:
         return len(self.index)
@@ -107,14 +114,24 @@ class Records:
             self.alignment[idx] = alignment
         return idx
 
+    def intern_owner(self, owner: str) -> int:
+        """The small int of ``owner`` (made on first use; "" is 0)."""
+        idx = self.owner_ids.get(owner)
+        if idx is None:
+            idx = self.owner_ids[owner] = len(self.owner_ids)
+            if idx >= 1 << 16:
+                raise OverflowError("more than 65535 key owners seen by one master")
+            self.owners_used = True
+        return idx
+
     def length(self, slot: int, node: int) -> int:
         """The DRAM extent length of the key in ``slot`` on node index ``node``."""
         mask = self.alignment[node] - 1
         return (self.size[slot] + mask) & ~mask
 
     # -- keys --------------------------------------------------------------------------------------
-    def add_key(self, key: str, size: int, checksum: int, state: int, last_use: int) -> int:
-        """A new key (not in ``index``); its slot."""
+    def add_key(self, key: str, size: int, checksum: int, state: int, last_use: int, owner: int = 0) -> int:
+        """A new key (not in ``index``) of ``owner`` (:meth:`intern_owner`); its slot."""
         free = self._free_slots
         if free:
             slot = free.pop()
@@ -125,6 +142,7 @@ class Records:
             self.last_use[slot] = last_use
             self.ssd_hits[slot] = 0
             self.head[slot] = -1
+            self.owner[slot] = owner
         else:
             slot = len(self.keys)
             self.keys.append(key)
@@ -134,21 +152,24 @@ class Records:
             self.last_use.append(last_use)
             self.ssd_hits.append(0)
             self.head.append(-1)
+            self.owner.append(owner)
         self.index[key] = slot
         if state & COMMITTED:
             self.committed += 1
         return slot
 
     def add_run(self, keys: Sequence[str], sizes: Sequence[int], state: int, last_use: range, node: int,
-                offsets: list[int], gens: range, deadline: int) -> None:  # fmt: skip
+                offsets: list[int], gens: range, deadline: int, owners: Sequence[int] | int = 0) -> None:  # fmt: skip
         """New keys (distinct, none in ``index``, not committed), each with one DRAM replica on node
         index ``node`` at its offset (in no LRU): :meth:`add_key` and :meth:`add_replica` for a whole
-        batch, appended as columns when no slot or row is free to reuse."""
+        batch, appended as columns when no slot or row is free to reuse. ``owners``: each key's, or
+        one for all."""
         assert not state & COMMITTED
         n = len(keys)
         if self._free_slots or self._free_rows:
-            for key, size, clock, offset, gen in zip(keys, sizes, last_use, offsets, gens, strict=True):
-                slot = self.add_key(key, size, 0, state, clock)
+            each = [owners] * n if isinstance(owners, int) else owners
+            for key, size, clock, offset, gen, owner in zip(keys, sizes, last_use, offsets, gens, each, strict=True):
+                slot = self.add_key(key, size, 0, state, clock, owner)
                 self.add_replica(slot, node, T_DRAM, offset, S_READY, gen)
                 self.deadlines[slot] = deadline
             return
@@ -161,6 +182,7 @@ class Records:
         self.last_use.extend(last_use)
         self.ssd_hits.extend(array("I", [0]) * n)
         self.head.extend(range(rbase, rbase + n))
+        self.owner.extend(array("H", [owners]) * n if isinstance(owners, int) else owners)
         self.index.update(zip(keys, slots, strict=True))
         self.deadlines.update(dict.fromkeys(slots, deadline))
         self.r_slot.extend(slots)
@@ -280,37 +302,113 @@ class Records:
         assert set(self._free_rows) == set(range(len(self.r_slot))) - seen, "free rows drifted"
 
 
+class _Log:
+    """One owner's recency log in a :class:`TierLRU`: (stamp, row) entries appended in stamp order;
+    ``members`` and ``nbytes``: its rows in the LRU now and their bytes (pins are never logged)."""
+
+    __slots__ = ("members", "nbytes", "rows", "stamps", "start")
+
+    def __init__(self) -> None:
+        self.stamps = array("q")
+        self.rows = array("i")
+        self.start = 0
+        self.members = 0
+        self.nbytes = 0
+
+    def append(self, stamp: int, row: int) -> None:
+        self.stamps.append(stamp)
+        self.rows.append(row)
+
+    def grown(self) -> bool:
+        """Whether the log holds more than twice its members (plus some): time to compact it."""
+        return len(self.rows) > 2 * self.members + 1024
+
+    def live(self, rec: Records) -> Iterator[int]:
+        """Rows in order, least recently used first. Entries of no member at the head of the log
+        are skipped for good (evictions take from the head: the next walk starts past them)."""
+        lru, stamps = rec.r_lru, rec.r_stamp
+        log_stamps, log_rows = self.stamps, self.rows
+        head, end = self.start, len(log_rows)
+        while head < end and not (lru[log_rows[head]] and stamps[log_rows[head]] == log_stamps[head]):
+            head += 1
+        self.start = head
+        for i in range(head, end):
+            row = log_rows[i]
+            if lru[row] and stamps[row] == log_stamps[i]:
+                yield row
+
+    def compact(self, rec: Records) -> None:
+        """Keep only the members' current entries, in order (column-wise: the log can hold millions)."""
+        rows = np.frombuffer(self.rows, np.int32)[self.start :]
+        stamps = np.frombuffer(self.stamps, np.int64)[self.start :]
+        keep = (gather(rec.r_lru, rows) == 1) & (gather(rec.r_stamp, rows) == stamps)
+        kept_rows, kept_stamps = rows[keep].tobytes(), stamps[keep].tobytes()
+        del rows, stamps  # the views of the old log go before it does
+        self.rows, self.stamps = array("i"), array("q")
+        self.rows.frombytes(kept_rows)
+        self.stamps.frombytes(kept_stamps)
+        self.start = 0
+
+
 class TierLRU:
     """One node's tier: its READY replicas of committed keys in least-recently-used order.
 
     Order contract (that of :class:`kvstore.lru.LRU`): iteration and :meth:`victims` go from the
     least recently used key to the most; :meth:`insert_row` and :meth:`touch_row` make a key the
     most recent. Pinned keys (their key's PINNED bit, set at the put and never changed) are members
-    kept apart, in :attr:`_pinned`, never in the recency log: nothing ever evicts them, so
+    kept apart, in :attr:`_pinned`, never in a recency log: nothing ever evicts them, so
     :meth:`victims` never walks past them (a node full of pins used to cost a scan of every pin per
     key put), and iteration gives them last, in no order. Leases are the table's
     (:class:`~kvstore.placement.leases.Leases`), passed in as ``skip``.
+
+    Each owner (a tenant, :meth:`Records.intern_owner`; 0 for keys of none) has a log of its own, so
+    that :meth:`victims` of one owner walks only that owner's keys (a tenant's put evicts only its
+    own blocks, however many of other tenants' come before them); the whole tier's order merges
+    the logs by stamp. A table without owners has one log, as before.
     """
 
-    __slots__ = (
-        "_len", "_log_rows", "_log_stamps", "_pinned", "_rec", "_start", "node", "num_pinned", "tier", "total_bytes",
-    )  # fmt: skip
+    __slots__ = ("_len", "_logs", "_pinned", "_rec", "node", "num_pinned", "tier", "total_bytes")
 
     def __init__(self, records: Records, node: int, tier: int) -> None:
         self._rec = records
         self.node = node
         self.tier = tier
-        self._log_stamps = array("q")
-        self._log_rows = array("i")
-        self._start = 0
+        self._logs: dict[int, _Log] = {0: _Log()}
+        """Owner -> its log."""
         self._len = 0
         self.total_bytes = 0
         self.num_pinned = 0
         self._pinned: set[int] = set()
-        """Rows of pinned members (not in the log)."""
+        """Rows of pinned members (not in a log)."""
 
     def __len__(self) -> int:
         return self._len
+
+    def _log(self, owner: int) -> _Log:
+        log = self._logs.get(owner)
+        if log is None:
+            log = self._logs[owner] = _Log()
+        return log
+
+    def _logged(self, log: _Log, stamps: Any, rows: Any, members: int, nbytes: int = 0) -> None:
+        """Append (stamp, row) entries to ``log``, ``members`` of them new members of ``nbytes``."""
+        log.stamps.extend(stamps)
+        log.rows.extend(rows)
+        log.members += members
+        log.nbytes += nbytes
+        if log.grown():
+            log.compact(self._rec)  # removals leave entries behind as touches do
+
+    def _by_owner(self, stamped: list[tuple[int, int]], new: bool) -> None:
+        """Append (stamp, row) entries, each to its row's owner's log."""
+        owner, slots, size = self._rec.owner, self._rec.r_slot, self._rec.size
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for entry in stamped:
+            groups.setdefault(owner[slots[entry[1]]], []).append(entry)
+        for who, entries in groups.items():
+            rows = [r for _, r in entries]
+            nbytes = sum(size[slots[r]] for r in rows) if new else 0
+            self._logged(self._log(who), [s for s, _ in entries], rows, len(rows) if new else 0, nbytes)
 
     # -- by row: the table's hot paths -----------------------------------------------------------
     def insert_row(self, row: int) -> None:
@@ -327,10 +425,12 @@ class TierLRU:
             self.num_pinned += 1
             self._pinned.add(row)
             return
-        self._log_stamps.append(rec.stamp)
-        self._log_rows.append(row)
-        if self._grown():
-            self._compact()  # removals leave entries behind as touches do
+        log = self._log(rec.owner[slot])
+        log.append(rec.stamp, row)
+        log.members += 1
+        log.nbytes += rec.size[slot]
+        if log.grown():
+            log.compact(rec)
 
     def insert_rows(self, rows: list[int]) -> None:
         """:meth:`insert_row` of each of ``rows``, in order."""
@@ -338,7 +438,7 @@ class TierLRU:
         r_stamp, r_lru, r_slot, size, state = rec.r_stamp, rec.r_lru, rec.r_slot, rec.size, rec.state
         first = rec.stamp + 1
         rec.stamp += len(rows)
-        total = 0
+        total = pinned_bytes = 0
         pinned: list[int] = []
         for stamp, row in enumerate(rows, first):
             assert not r_lru[row]
@@ -348,20 +448,24 @@ class TierLRU:
             total += size[slot]
             if state[slot] & PINNED:
                 pinned.append(row)
+                pinned_bytes += size[slot]
+        self._len += len(rows)
+        self.total_bytes += total
+        self.num_pinned += len(pinned)
         if pinned:
             self._pinned.update(pinned)
             kept = set(pinned)
             logged = [(s, r) for s, r in enumerate(rows, first) if r not in kept]
-            self._log_stamps.extend(s for s, _ in logged)
-            self._log_rows.extend(r for _, r in logged)
+        elif not rec.owners_used:
+            self._logged(self._logs[0], range(first, first + len(rows)), rows, len(rows), total)
+            return
         else:
-            self._log_stamps.extend(range(first, first + len(rows)))
-            self._log_rows.extend(rows)
-        self._len += len(rows)
-        self.total_bytes += total
-        self.num_pinned += len(pinned)
-        if self._grown():
-            self._compact()
+            logged = list(enumerate(rows, first))
+        if rec.owners_used:
+            self._by_owner(logged, new=True)
+        else:
+            stamps, kept_rows = [s for s, _ in logged], [r for _, r in logged]
+            self._logged(self._logs[0], stamps, kept_rows, len(logged), total - pinned_bytes)
 
     def touch_rows(self, rows: list[int]) -> None:
         """:meth:`touch_row` of each of ``rows`` (all in this LRU), in order."""
@@ -373,10 +477,10 @@ class TierLRU:
         rec.stamp += len(rows)
         for stamp, row in enumerate(rows, first):
             r_stamp[row] = stamp
-        self._log_stamps.extend(range(first, first + len(rows)))
-        self._log_rows.extend(rows)
-        if self._grown():
-            self._compact()
+        if rec.owners_used:
+            self._by_owner(list(enumerate(rows, first)), new=False)
+        else:
+            self._logged(self._logs[0], range(first, first + len(rows)), rows, 0)
 
     def insert_run(self, rows: np.ndarray[Any, Any]) -> None:
         """:meth:`insert_rows` of distinct ``rows`` (an index array), column-wise."""
@@ -389,16 +493,30 @@ class TierLRU:
         scatter(rec.r_lru, rows, 1)
         slots = gather(rec.r_slot, rows)
         pinned = (gather(rec.state, slots) & PINNED) != 0
-        if pinned.any():
-            self._pinned.update(rows[pinned].tolist())
-            rows, stamps = rows[~pinned], stamps[~pinned]
-        self._log_stamps.frombytes(stamps.tobytes())
-        self._log_rows.frombytes(rows.astype(np.int32).tobytes())
         self._len += n
         self.total_bytes += int(gather(rec.size, slots).sum())
         self.num_pinned += int(np.count_nonzero(pinned))
-        if self._grown():
-            self._compact()
+        if pinned.any():
+            self._pinned.update(rows[pinned].tolist())
+            rows, stamps, slots = rows[~pinned], stamps[~pinned], slots[~pinned]
+        if not rec.owners_used:
+            self._logged_run(self._logs[0], stamps, rows, slots)
+            return
+        owners = gather(rec.owner, slots)
+        for who in np.unique(owners).tolist():
+            at = owners == who
+            self._logged_run(self._log(who), stamps[at], rows[at], slots[at])
+
+    def _logged_run(
+        self, log: _Log, stamps: np.ndarray[Any, Any], rows: np.ndarray[Any, Any], slots: np.ndarray[Any, Any]
+    ) -> None:
+        """Append new members (index arrays of stamps, rows and their slots) to ``log``."""
+        log.stamps.frombytes(stamps.astype(np.int64).tobytes())
+        log.rows.frombytes(rows.astype(np.int32).tobytes())
+        log.members += len(rows)
+        log.nbytes += int(gather(self._rec.size, slots).sum())
+        if log.grown():
+            log.compact(self._rec)
 
     def touch_row(self, row: int) -> None:
         """Make the replica in ``row`` the most recently used, if it is in this LRU."""
@@ -407,10 +525,10 @@ class TierLRU:
             return
         rec.stamp += 1
         rec.r_stamp[row] = rec.stamp
-        self._log_stamps.append(rec.stamp)
-        self._log_rows.append(row)
-        if self._grown():
-            self._compact()
+        log = self._log(rec.owner[rec.r_slot[row]])
+        log.append(rec.stamp, row)
+        if log.grown():
+            log.compact(rec)
 
     def remove_row(self, row: int) -> bool:
         """Take the replica in ``row`` out of this LRU; whether it was in it."""
@@ -424,39 +542,23 @@ class TierLRU:
         if rec.state[slot] & PINNED:
             self.num_pinned -= 1
             self._pinned.discard(row)
+        else:
+            log = self._logs[rec.owner[slot]]
+            log.members -= 1
+            log.nbytes -= rec.size[slot]
         return True
 
-    def _live(self) -> Iterator[int]:
-        """Rows in order, least recently used first. Entries of no member at the head of the log
-        are skipped for good (evictions take from the head: the next walk starts past them)."""
+    def _live(self, owner: int | None = None) -> Iterator[int]:
+        """Rows of unpinned members, least recently used first: of ``owner`` only, or of all."""
         rec = self._rec
-        lru, stamps = rec.r_lru, rec.r_stamp
-        log_stamps, log_rows = self._log_stamps, self._log_rows
-        head, end = self._start, len(log_rows)
-        while head < end and not (lru[log_rows[head]] and stamps[log_rows[head]] == log_stamps[head]):
-            head += 1
-        self._start = head
-        for i in range(head, end):
-            row = log_rows[i]
-            if lru[row] and stamps[row] == log_stamps[i]:
-                yield row
-
-    def _grown(self) -> bool:
-        """Whether the log holds more than twice its members (plus some): time to compact it."""
-        return len(self._log_rows) > 2 * (self._len - len(self._pinned)) + 1024
-
-    def _compact(self) -> None:
-        """Keep only the members' current entries, in order (column-wise: the log can hold millions)."""
-        rec = self._rec
-        rows = np.frombuffer(self._log_rows, np.int32)[self._start :]
-        stamps = np.frombuffer(self._log_stamps, np.int64)[self._start :]
-        keep = (gather(rec.r_lru, rows) == 1) & (gather(rec.r_stamp, rows) == stamps)
-        kept_rows, kept_stamps = rows[keep].tobytes(), stamps[keep].tobytes()
-        del rows, stamps  # the views of the old log go before it does
-        self._log_rows, self._log_stamps = array("i"), array("q")
-        self._log_rows.frombytes(kept_rows)
-        self._log_stamps.frombytes(kept_stamps)
-        self._start = 0
+        if owner is not None:
+            log = self._logs.get(owner)
+            return log.live(rec) if log is not None else iter(())
+        logs = [log for log in self._logs.values() if log.members]
+        if len(logs) == 1:
+            return logs[0].live(rec)
+        stamps = rec.r_stamp
+        return heapq.merge(*(log.live(rec) for log in logs), key=stamps.__getitem__)
 
     # -- by key: policies, operators and tests ---------------------------------------------------
     def row_of(self, key: object) -> int:
@@ -473,7 +575,7 @@ class TierLRU:
 
     def __iter__(self) -> Iterator[str]:
         keys, slots = self._rec.keys, self._rec.r_slot
-        for row in itertools.chain(self._live(), list(self._pinned)):
+        for row in itertools.chain(list(self._live()), list(self._pinned)):
             key = keys[slots[row]]
             assert key is not None
             yield key
@@ -486,16 +588,30 @@ class TierLRU:
         self.remove_row(row)
         return self._rec.size[self._rec.r_slot[row]]
 
+    def of(self, owner: int) -> OwnerVictims:
+        """The victims of ``owner`` alone, as a policy reads an LRU (:class:`kvstore.policy.Victims`)."""
+        return OwnerVictims(self, owner)
+
+    def share(self, owner: int) -> tuple[float, float]:
+        """``owner``'s part of this tier's evictable (unpinned) members: (of their bytes, of their count)."""
+        log = self._logs.get(owner)
+        if log is None or not log.members:
+            return 0.0, 0.0
+        members = self._len - self.num_pinned
+        nbytes = sum(other.nbytes for other in self._logs.values())
+        return log.nbytes / max(1, nbytes), log.members / max(1, members)
+
     def is_pinned(self, key: str) -> bool:
         row = self.row_of(key)
         return row >= 0 and bool(self._rec.state[self._rec.r_slot[row]] & PINNED)
 
-    def victims(self, skip: Collection[str] = ()) -> Iterator[tuple[str, int]]:
-        """(key, size) of evictable keys, least recently used first: neither pinned nor in ``skip``.
+    def victims(self, skip: Collection[str] = (), owner: int | None = None) -> Iterator[tuple[str, int]]:
+        """(key, size) of evictable keys, least recently used first: neither pinned nor in ``skip``;
+        with ``owner``, only that owner's (:meth:`Records.intern_owner`), walking no other's.
         Do not change the LRU while iterating."""
         rec = self._rec
         keys, sizes, state, slots = rec.keys, rec.size, rec.state, rec.r_slot
-        for row in self._live():
+        for row in self._live(owner):
             slot = slots[row]
             key = keys[slot]
             assert key is not None
@@ -508,6 +624,11 @@ class TierLRU:
         logged = list(self._live())
         stamps = [rec.r_stamp[r] for r in logged]
         assert stamps == sorted(stamps), "an LRU's log is out of order"
+        for who, log in self._logs.items():
+            mine = list(log.live(rec))
+            assert len(mine) == log.members, "an owner's log lost count of its members"
+            assert log.nbytes == sum(rec.size[rec.r_slot[r]] for r in mine), "an owner's log lost count of its bytes"
+            assert all(rec.owner[rec.r_slot[r]] == who for r in mine), "a row in another owner's log"
         assert not any(rec.state[rec.r_slot[r]] & PINNED for r in logged), "a pinned member is in the log"
         assert all(rec.r_lru[r] and rec.state[rec.r_slot[r]] & PINNED for r in self._pinned), "a pin drifted"
         rows = logged + list(self._pinned)
@@ -519,3 +640,16 @@ class TierLRU:
         assert members == set(rows), "an LRU member is missing from its log"
         assert self.total_bytes == sum(rec.size[rec.r_slot[r]] for r in rows), "an LRU's bytes drifted"
         assert self.num_pinned == sum(1 for r in rows if rec.state[rec.r_slot[r]] & PINNED)
+
+
+class OwnerVictims:
+    """One owner's evictable keys of a :class:`TierLRU` (:meth:`TierLRU.of`)."""
+
+    __slots__ = ("lru", "owner")
+
+    def __init__(self, lru: TierLRU, owner: int) -> None:
+        self.lru = lru
+        self.owner = owner
+
+    def victims(self, skip: Collection[str] = ()) -> Iterator[tuple[str, int]]:
+        return self.lru.victims(skip, owner=self.owner)

@@ -172,6 +172,7 @@ COUNTERS = (
     "orphans",
     "room_refused_leased",
     "room_refused_pinned",
+    "room_refused_tenants",
 )
 
 
@@ -205,6 +206,15 @@ def owner_of(key: str) -> str:
     key of tenant NAME); "" for a key with none."""
     head, sep, _ = key.partition("/")
     return head if sep else ""
+
+
+def no_room_text(what: str, tenant: str) -> str:
+    """Why a tenant's put or grant found no room: the nodes are full of blocks it may not evict."""
+    return (
+        f"no room for {what}: every node that could hold it is full of pinned blocks or other tenants'"
+        f" blocks, and a put of tenant {tenant!r} evicts only its own (remove some of its keys, or ask"
+        " the operator for room)"
+    )
 
 
 class Catalog:
@@ -261,8 +271,8 @@ class Catalog:
         inventory) and count it for its owner; its slot."""
         self.clock += 1
         state = (COMMITTED if committed else 0) | (PINNED if pinned else 0)
-        slot = self.rec.add_key(key, size, checksum, state, self.clock)
         owner = owner_of(key)
+        slot = self.rec.add_key(key, size, checksum, state, self.clock, self.owner_id(owner))
         self.usage[owner] += charged(size)
         if pinned:
             self.pinned_keys[owner] += 1
@@ -277,16 +287,18 @@ class Catalog:
         n = len(keys)
         first_clock = self.clock + 1
         self.clock += n
-        self.rec.add_run(keys, sizes, (PINNED if pinned else 0), range(first_clock, first_clock + n),
-                                 node.idx, offsets, new_generations(n), deadline)  # fmt: skip
-        usage = self.usage
         owner = owner_of(keys[0])
         # Usually one owner for the whole batch, checked at C speed.
-        if (
+        one = (
             all(map(str.startswith, keys, repeat(owner + "/")))
             if owner
             else not any(map(str.__contains__, keys, repeat("/")))
-        ):
+        )
+        owners = self.owner_id(owner) if one else [self.owner_id(owner_of(k)) for k in keys]
+        self.rec.add_run(keys, sizes, (PINNED if pinned else 0), range(first_clock, first_clock + n),
+                         node.idx, offsets, new_generations(n), deadline, owners)  # fmt: skip
+        usage = self.usage
+        if one:
             usage[owner] += sum(sizes) + sum(MIN_BLOCK_BYTES - s for s in sizes if s < MIN_BLOCK_BYTES)
             if pinned:
                 self.pinned_keys[owner] += n
@@ -300,6 +312,11 @@ class Catalog:
             for key in keys:
                 if owner := owner_of(key):
                     owned.setdefault(owner, set()).add(key)
+
+    def owner_id(self, owner: str) -> int:
+        """The LRU owner of a key of ``owner`` (:meth:`Records.intern_owner`): its own with tenants
+        (``keys_by_owner``), else 0 for all (a key's first path segment names no tenant then)."""
+        return self.rec.intern_owner(owner) if owner and self.keys_by_owner else 0
 
     def forget_key(self, slot: int) -> None:
         """The key's last replica is gone: stop counting it, and reuse its slot."""

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from kvstore.allocator import Extent
 from kvstore.errors import InvalidArgument
+from kvstore.placement.records import TierLRU
 from kvstore.placement.state import (
     DRAM,
     DROPPING,
@@ -27,7 +28,7 @@ from kvstore.placement.state import (
     ObjectEntry,
     ReplicaState,
 )
-from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
+from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView, Victims
 
 
 class Tiering:
@@ -38,17 +39,35 @@ class Tiering:
         self.catalog = catalog
         self.policy = policy
 
-    def dram_view(self, node: NodeState, used: int) -> TierView[str]:
-        """The node's DRAM tier as the policy sees it, with ``used`` bytes in use."""
+    def dram_view(self, node: NodeState, used: int, owner: str = "") -> TierView[str]:
+        """The node's DRAM tier as the policy sees it, with ``used`` bytes in use; its victims only
+        ``owner``'s when a tenant asks (:meth:`scope`)."""
         leased = self.catalog.leases.leased_keys(node.node_id, DRAM)
-        return TierView(node.alloc.capacity, used, node.dram_lru, leased)
+        return TierView(node.alloc.capacity, used, self._victims(node.dram_lru, owner), leased)
 
-    def ssd_view(self, node: NodeState) -> TierView[str] | None:
+    def ssd_view(self, node: NodeState, owner: str = "") -> TierView[str] | None:
         """The node's SSD tier as the policy sees it, counting evictions in flight; None without SSD."""
         if not node.ssd_capacity:
             return None
         leased = self.catalog.leases.leased_keys(node.node_id, SSD)
-        return TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, node.ssd_lru, leased)
+        return TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, self._victims(node.ssd_lru, owner), leased)
+
+    def scope(self, owner: str) -> str:
+        """Whose blocks a request of keys (or a grant) of ``owner`` may evict: a tenant's request only
+        its own (``owner``), so that no tenant's put ever evicts another's block; "" for any, when the
+        table has no tenants or the request is of none (an operator's)."""
+        return owner if self.catalog.keys_by_owner else ""
+
+    def _owner_id(self, owner: str) -> int:
+        # An owner with no key yet has no log: it has nothing to evict (-1 is no owner's id).
+        return self.catalog.rec.owner_ids.get(owner, -1)
+
+    def _share(self, node: NodeState, owner: str) -> tuple[float, float]:
+        """The part of the node's evictable DRAM (bytes, blocks) that ``owner``'s (1 for "": all)."""
+        return node.dram_lru.share(self._owner_id(owner)) if owner else (1.0, 1.0)
+
+    def _victims(self, lru: TierLRU, owner: str) -> Victims[str]:
+        return lru.of(self._owner_id(owner)) if owner else lru
 
     def reserve_many(self, node: NodeState, sizes: list[int]) -> list[int] | None:
         """Extents (their offsets) for all of ``sizes`` on ``node`` at once when they fit with no eviction (below
@@ -62,11 +81,17 @@ class Tiering:
             return None
         return alloc.alloc_offsets(sizes)
 
-    def reserve(self, node: NodeState, size: int, commands: list[NodeCommand]) -> tuple[Extent | None, bool]:
+    def reserve(
+        self, node: NodeState, size: int, commands: list[NodeCommand], owner: str = ""
+    ) -> tuple[Extent | None, bool]:
         """An extent on ``node`` (or None), and whether evictions were added to ``commands`` for it.
+        The evictions take only ``owner``'s blocks when it is not "" (:meth:`scope`).
 
         Past the high watermark the node evicts down to the low one even when
-        the extent was found, so that later puts find room without waiting.
+        the extent was found, so that later puts find room without waiting; a tenant's request
+        frees its share of that headroom (its part of the tier's evictable blocks), of its own
+        blocks: a tenant alone on a node keeps the headroom, one with a few blocks among another's
+        does not give them up for room that the other's puts would take.
         """
         # Bytes that evictions in flight will free count as free already, so nothing is evicted for them twice.
         dram_used = node.alloc.used - node.dram_freeing
@@ -75,17 +100,18 @@ class Tiering:
             # Every slot of the arena's index is taken: room comes only from evicting blocks.
             if node.inflight:
                 return None, False  # evictions in flight will free slots; the put waits for them
-            view = self.dram_view(node, dram_used)
-            actions = self.policy.make_slots(view, self.ssd_view(node), node.alloc.num_extents, node.max_blocks)
+            view = self.dram_view(node, dram_used, owner)
+            actions = self.policy.make_slots(view, self.ssd_view(node, owner), node.alloc.num_extents,
+                                             node.max_blocks, headroom=self._share(node, owner)[1])  # fmt: skip
             commands.extend(self.start_actions(node, actions))
             return None, bool(actions)
         extent = node.alloc.alloc(size)
         if extent is not None and not over:
             return extent, False
-        view = self.dram_view(node, dram_used + (size if extent is not None else 0))
-        ssd = self.ssd_view(node)
+        view = self.dram_view(node, dram_used + (size if extent is not None else 0), owner)
+        ssd = self.ssd_view(node, owner)
         incoming, force = (0, 0) if extent is not None else (size, size)  # a found extent is in ``used`` already
-        actions = self.policy.make_room(view, ssd, incoming, force_bytes=force)
+        actions = self.policy.make_room(view, ssd, incoming, force_bytes=force, headroom=self._share(node, owner)[0])
         commands.extend(self.start_actions(node, actions))
         return extent, bool(actions)
 

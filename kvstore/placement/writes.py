@@ -26,7 +26,16 @@ from kvstore.keys import BlockKey, validate_key, validate_keys
 from kvstore.placement.leases import LeaseId
 from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_COPYING, TierLRU, gather, scatter
 from kvstore.placement.results import PlacedReplica, Ticket
-from kvstore.placement.state import DRAM, TIERS, Catalog, NodeCommand, NodeState, ObjectEntry
+from kvstore.placement.state import (
+    DRAM,
+    TIERS,
+    Catalog,
+    NodeCommand,
+    NodeState,
+    ObjectEntry,
+    no_room_text,
+    owner_of,
+)
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import ActionKind, TierName
 
@@ -225,10 +234,11 @@ class Writes:
             )
         chosen: list[tuple[NodeState, Extent]] = []
         waiting = False  # some node will have room once its evictions are done
+        tenant = self.tiering.scope(owner_of(key))  # a tenant's put evicts only its own blocks
         for node in nodes:
             if len(chosen) == replicas:
                 break
-            extent, evicting = self.tiering.reserve(node, size, plan.commands)
+            extent, evicting = self.tiering.reserve(node, size, plan.commands, tenant)
             if extent is not None:
                 chosen.append((node, extent))
             waiting = waiting or (extent is None and (evicting or node.inflight > 0))
@@ -244,6 +254,9 @@ class Writes:
                 return _ticket_error(
                     RetryLater(f"no room for block {key!r} of {size} bytes yet: DRAM is leased or being written")
                 )
+            if tenant:
+                cat.counters["room_refused_tenants"] += 1
+                return _ticket_error(CapacityError(no_room_text(f"block {key!r} of {size} bytes", tenant)))
             cat.counters["room_refused_pinned"] += 1
             return _ticket_error(
                 CapacityError(f"no room for block {key!r} of {size} bytes: every node's DRAM is pinned")

@@ -69,3 +69,6 @@ class TenantsPolicy(Message, tag=89, frozen=True):
     tenant or key not listed, is newer than this word and taken until the next one comes."""
     max_sessions: list[int] = []
     """Per tenant, the sessions it may have open at once on each daemon (empty: no caps)."""
+    max_inflight: list[int] = []
+    """Per tenant, the bytes of frames it may have begun and not finished on each daemon (empty: the
+    daemon's default)."""

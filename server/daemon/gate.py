@@ -13,8 +13,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.auth import ANYONE, TICKET_SKEW_MS, Authority, Identity
@@ -71,12 +71,17 @@ class Gate:
         """Writes refused because their reservation was given up before they came."""
         self.refused_sessions = 0
         """Tenants' logins refused because the tenant had as many sessions here as it may."""
+        self._inflight: Counter[str] = Counter()
+        """Per tenant, bytes of the large frames its connections are receiving now."""
+        self.refused_inflight = 0
+        """Tenants' frames refused because they took the tenant past its cap of bytes in flight."""
 
     def counts(self) -> dict[str, int]:
         """What the gate refused since the start, by kind."""
         return {"auth_failures": self.auth_failures, "login_timeouts": self.login_timeouts,
                 "revoked_sessions": self.revoked_sessions, "replayed_seals": self.replayed_seals,
-                "void_seals": self.void_seals, "refused_sessions": self.refused_sessions}  # fmt: skip
+                "void_seals": self.void_seals, "refused_sessions": self.refused_sessions,
+                "refused_inflight": self.refused_inflight}  # fmt: skip
 
     def accepted(self, sock: socket.socket) -> None:
         """A connection came in: it has ``login_timeout`` to authenticate."""
@@ -99,6 +104,33 @@ class Gate:
                         f" (max_sessions {cap})"
                     )
             self._identities[sock] = identity
+
+    def holder(self, identity: Identity) -> Callable[[int], Callable[[], None]] | None:
+        """For :func:`~transfer.wire.recv_message`: what counts a tenant's large frame against its cap
+        of bytes in flight on this daemon (QuotaExceeded past it: the caller closes); None for the cluster's."""
+        tenant = identity.tenant
+        if tenant is None or self.authority is None:
+            return None
+        authority = self.authority
+
+        def hold(length: int) -> Callable[[], None]:
+            with self._lock:
+                cap = authority.max_inflight(tenant)
+                if self._inflight[tenant] + length > cap:
+                    self.refused_inflight += 1
+                    raise QuotaExceeded(
+                        f"tenant {tenant!r} has {self._inflight[tenant]} bytes of frames in flight on daemon"
+                        f" {self.node_id}; a frame of {length} more would pass its cap of {cap} (max_inflight_bytes)"
+                    )
+                self._inflight[tenant] += length
+
+            def release() -> None:
+                with self._lock:
+                    self._inflight[tenant] -= length
+
+            return release
+
+        return hold
 
     def refused(self) -> int:
         """Count a refused handshake; the count so far."""

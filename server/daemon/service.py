@@ -298,9 +298,13 @@ class DaemonServer:
                     self._reply_error(sock, 0, exc)
                     return
             idle_since = time.monotonic()
+            hold = self.gate.holder(identity)
             while not self._stop.is_set():
                 try:
-                    request_id, message = recv_message(sock)
+                    request_id, message = recv_message(sock, hold=hold)
+                except QuotaExceeded as exc:  # the frame's bytes are not read: the stream is out of step
+                    self._reply_error(sock, 0, exc)
+                    return
                 except NoRequest:
                     # No request within io_timeout: keep an idle connection up to idle_timeout.
                     idle = self.tenant_idle_timeout if identity.tenant is not None else self.idle_timeout

@@ -565,7 +565,9 @@ class _Collector:
                                 ("orphans", "Blocks daemons held that no put placed there."),
                                 ("room_refused_leased", "Puts and grants that found no room yet: what could be "
                                  "evicted is leased by readers or being written."),
-                                ("room_refused_pinned", "Puts and grants refused: all DRAM is pinned.")):  # fmt: skip
+                                ("room_refused_pinned", "Puts and grants refused: all DRAM is pinned."),
+                                ("room_refused_tenants", "Tenants' puts and grants refused: the nodes are full "
+                                 "of pinned and other tenants' blocks, which no tenant's put evicts.")):  # fmt: skip
             yield CounterMetricFamily(f"kvstore_{name}", help_text, value=c[name])
         tenants = service.quotas()
         held = GaugeMetricFamily("kvstore_tenant_held_bytes", "Bytes a tenant holds or reserves (keys, puts in "
@@ -610,6 +612,9 @@ class _Collector:
         yield CounterMetricFamily("kvstore_stalled_frames", "Connections closed because a frame they began did not "
                                   "arrive whole within frame_timeout_s (its buffer freed).",
                                   value=security["stalled_frames"])  # fmt: skip
+        yield CounterMetricFamily("kvstore_refused_inflight", "Tenants' connections closed because their frames in "
+                                  "flight took the tenant past its cap (max_inflight_bytes).",
+                                  value=security["refused_inflight"])  # fmt: skip
         yield CounterMetricFamily("kvstore_refused_sessions", "Tenants' logins refused because the tenant had as "
                                   "many sessions open as it may (max_sessions).",
                                   value=security["refused_sessions"])  # fmt: skip

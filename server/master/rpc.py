@@ -13,6 +13,7 @@ import asyncio
 import logging
 import ssl
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -105,6 +106,8 @@ class _Connection(asyncio.Protocol):
         self.partial_since: float | None = None
         """When the frame now held back in part began to arrive (None: none is): a sender that
         stalls mid-frame must not hold its buffer (up to a frame's limit) for long."""
+        self.held = 0
+        """Bytes of a tenant's frame begun and not finished, counted in its server's ``inflight``."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
@@ -121,8 +124,12 @@ class _Connection(asyncio.Protocol):
                         return
                     continue
                 self.server.serve(self, payload)
-            if self.decoder.pending and self.partial_since is None:
+            pending = self.decoder.pending
+            if pending and self.partial_since is None:
                 self.partial_since = self.last
+            identity = self.identity
+            if pending != self.held and identity is not None and identity.tenant is not None:
+                self.server.hold(self, identity.tenant, pending)
         except ProtocolError as exc:
             # An oversize frame leaves the stream out of step: answer, then close.
             self.server.rpc_errors += 1
@@ -176,6 +183,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        if self.held and self.identity is not None and self.identity.tenant is not None:
+            self.server.inflight[self.identity.tenant] -= self.held
+            self.held = 0
 
 
 def _revoked(conn: _Connection) -> AuthFailed:
@@ -214,6 +224,10 @@ class RpcServer:
         """Logins refused because their tenant had as many sessions open as it may."""
         self.stalled_frames = 0
         """Connections closed because a frame they began did not arrive whole within ``frame_timeout_s``."""
+        self.inflight: Counter[str] = Counter()
+        """Per tenant, bytes of frames its connections began and did not finish (held in their buffers)."""
+        self.refused_inflight = 0
+        """Connections closed because they took their tenant past its ``max_inflight_bytes``."""
         self.latency: dict[str, LatencyHistogram] = {}
         self.answers = Answers(config.answer_ttl_s, config.answer_cache)
         """Answers of requests that must not run twice, by (who sent it, request id, its bytes' hash)."""
@@ -265,6 +279,25 @@ class RpcServer:
         if open_ >= cap:
             self.refused_sessions += 1
             raise QuotaExceeded(f"tenant {tenant!r} has {open_} sessions open, the most it may (max_sessions {cap})")
+
+    def hold(self, conn: _Connection, tenant: str, pending: int) -> None:
+        """``conn`` of ``tenant`` now holds ``pending`` bytes of a frame begun: counted; the connection is
+        closed (its buffer freed) when that takes the tenant past its cap on bytes in flight, so one
+        token's stalled or slow frames cannot hold the master's memory."""
+        assert self.authority is not None
+        total = self.inflight[tenant] + pending - conn.held
+        self.inflight[tenant], conn.held = total, pending
+        cap = self.authority.max_inflight(tenant)
+        if total > cap and pending:
+            self.refused_inflight += 1
+            self._failures.warning(
+                "inflight", "closed a connection of tenant %s: its frames in flight hold %d bytes, over its cap of %d"
+                " (%d so far)", tenant, total, cap, self.refused_inflight,
+            )  # fmt: skip
+            exc = QuotaExceeded(f"tenant {tenant!r} has {total} bytes of frames in flight, over its cap of {cap}"
+                                " (max_inflight_bytes)")  # fmt: skip
+            conn.reply(ErrorReply.from_error(exc), 0)
+            conn.transport.close()
 
     def reap(self, now: float) -> None:
         """Close connections idle for ``config.idle_timeout_s`` (a tenant's for ``tenant_idle_timeout_s``),

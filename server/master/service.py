@@ -55,6 +55,7 @@ class MasterService:
         """What connections authenticate against; None: no authentication (every peer may do anything)."""
         if self.authority is not None:
             self.authority.default_max_sessions = config.tenant_max_sessions
+            self.authority.default_max_inflight = config.tenant_max_inflight_bytes
         tls = config.tls
         self.tls = server_context(tls) if tls is not None else None
         """The context of the RPC port and the admin API (None: plain)."""
@@ -113,6 +114,7 @@ class MasterService:
             "auth_failures": self.rpc.auth_failures,
             "revoked_sessions": self.rpc.revoked_sessions,
             "stalled_frames": self.rpc.stalled_frames,
+            "refused_inflight": self.rpc.refused_inflight,
             "refused_sessions": self.rpc.refused_sessions,
             "tenants_file_errors": authority.file_errors if authority is not None else 0,
             "tenants_file_bad": 1 if authority is not None and authority.file_error else 0,

@@ -34,7 +34,7 @@ from kvstore.protocol import (
 from kvstore.tenants import set_tenant
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import PutOptions, Store
-from transfer.wire import recv_message, send_message
+from transfer.wire import NoRequest, recv_message, send_message
 
 FRAME_TIMEOUT_S, TENANT_IDLE_S = 1.0, 2.0
 
@@ -149,46 +149,107 @@ def test_writes_after_a_revoke_are_refused_and_never_block_another_tenant(cluste
     print(f"bob's ten 1 MiB puts to {node} after the attack: {time.monotonic() - began:.2f} s")
 
 
-def test_concurrent_puts_on_a_full_pool_stay_within_the_quota(cluster: LocalCluster) -> None:
+def test_concurrent_puts_stay_within_the_quota_and_never_evict_another_tenant(cluster: LocalCluster) -> None:
     """16 connections of one tenant each sending PutStart of 8 x 1 MiB at one barrier while the pool
     was full used to reserve 98 MiB against an 8 MiB quota (every one of them checked the quota
     before any had placed its keys) and evict all of another tenant's blocks. What a tenant's
-    requests are placing now counts against its quota from the moment each is admitted."""
+    requests are placing now counts against its quota from the moment each is admitted, and a
+    tenant's put evicts only its own blocks: with room in the pool it gets its quota, no more; with
+    the pool full of the other tenant's blocks it gets a refusal that says so, and the other keeps
+    every block."""
     quota, size = 8 << 20, 1 << 20
     alice, bob = cluster.add_tenant("crowd", quota=quota), cluster.add_tenant("resident")
-    with Store.connect(cluster.master_address, ClientConfig(token=bob, transport="tcp", grant_bytes=0)) as store:
-        held = [f"resident-{i}" for i in range(80)]  # more than the pool's 64 MiB: it is full, to the byte
+    bob_client = ClientConfig(token=bob, transport="tcp", grant_bytes=0)
+    credential = tenant_credential(alice)
+
+    def attack(tag: str) -> tuple[int, list[str]]:
+        """(bytes reserved, refusals' texts) of 16 concurrent PutStarts of 8 x 1 MiB."""
+        barrier, granted, refused = threading.Barrier(16), [], []
+
+        def one(n: int) -> None:
+            keys = [f"crowd-{tag}-{n}-{i}" for i in range(8)]
+            sock, _ = raw(cluster.master_address, credential)
+            with sock:
+                barrier.wait(10)
+                send_message(sock, PutStart(keys, [size] * 8, 1, None, False), next(REQUEST_IDS))
+                reply = recv_message(sock)[1]
+                assert isinstance(reply, PutStartReply), reply
+                # Given up at once: what was reserved leaves the quota for the next attack.
+                send_message(sock, PutRevoke(keys), next(REQUEST_IDS))
+                assert recv_message(sock)[1] == OkReply()
+            granted.append(sum(size for t in reply.tickets() if t.status == "ok"))
+            refused.extend(t.error for t in reply.tickets() if t.status == "error")
+
+        threads = [threading.Thread(target=one, args=(n,)) for n in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(granted) == 16
+        return sum(granted), refused
+
+    with Store.connect(cluster.master_address, bob_client) as store:
+        half = [f"resident-{i}" for i in range(24)]  # the pool (2 x 32 MiB) has room left
+        for key in half:
+            assert store.put(key, key.encode().ljust(16) * (size // 16)) is PutStatus.STORED
+    reserved, _ = attack("room")
+    print(f"16 concurrent PutStarts of 8 x 1 MiB under an 8 MiB quota: {reserved / size:.0f} MiB reserved")
+    assert 0 < reserved <= quota
+    with Store.connect(cluster.master_address, bob_client) as store:
+        assert all(store.exists_many(half))
+        held = [f"resident-full-{i}" for i in range(80)]  # more than the pool's 64 MiB: it is full, to the byte
         for key in held:
             store.put(key, key.encode().ljust(16) * (size // 16))
-        before = sum(store.exists_many(held))
-    assert 40 <= before < 64
-    credential, barrier = tenant_credential(alice), threading.Barrier(16)
-    granted: list[int] = []
+        before = [k for k, there in zip(half + held, store.exists_many(half + held), strict=True) if there]
+    reserved, refused = attack("full")
+    print(f"the same on a pool full of the other tenant's blocks: {reserved / size:.0f} MiB reserved")
+    with Store.connect(cluster.master_address, bob_client) as store:
+        after = sum(store.exists_many(before))
+    print(f"the other tenant's blocks: {len(before)} before, {after} after")
+    assert after == len(before)  # only the room bob's own evictions left free (headroom) went to alice
+    assert reserved <= (64 << 20) - len(before) * size
+    # Refused as full of others' blocks, or (while her other requests' reservations are pending) retry later.
+    assert refused and all("evicts only its own" in t or "being written" in t or "quota" in t for t in refused)
 
-    def attack(n: int) -> None:
-        keys = [f"crowd-{n}-{i}" for i in range(8)]
-        sock, _ = raw(cluster.master_address, credential)
-        with sock:
-            barrier.wait(10)
-            send_message(sock, PutStart(keys, [size] * 8, 1, None, False), next(REQUEST_IDS))
-            reply = recv_message(sock)[1]
-        assert isinstance(reply, PutStartReply), reply
-        granted.append(sum(size for t in reply.tickets() if t.status == "ok"))
 
-    threads = [threading.Thread(target=attack, args=(n,)) for n in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert len(granted) == 16
-    print(f"16 concurrent PutStarts of 8 x 1 MiB under an 8 MiB quota: {sum(granted) / size:.0f} MiB reserved")
-    assert sum(granted) <= quota
-    with Store.connect(cluster.master_address, ClientConfig(token=bob, transport="tcp")) as store:
-        after = sum(store.exists_many(held))
-    # What alice placed (8 MiB) took bob's least recently used blocks, and each node evicted down to its
-    # low watermark besides (a cache's own headroom); all of them went when alice could reserve 64 MiB.
-    print(f"the other tenant's blocks: {before} before, {after} after")
-    assert after >= before // 2
+def test_frames_in_flight_are_capped_per_tenant_on_the_master_and_each_daemon(cluster: LocalCluster) -> None:
+    """Each connection's frame had its own limits (size, frame_timeout_s), but one token's many
+    sessions could each hold a frame's worth at once (512 x 64 MiB). A tenant's frames begun and not
+    finished count together against its max_inflight_bytes, on the master and on each daemon: the
+    connection that takes it past the cap is answered QuotaExceeded and closed at once, long before
+    the frame's deadline; the others, and other tenants, go on."""
+    greedy, other = cluster.add_tenant("greedy"), cluster.add_tenant("patient")
+    assert cluster.tenants_file is not None
+    set_tenant(cluster.tenants_file, "greedy", max_inflight_bytes=3 << 20)
+    credential = ticket(cluster, greedy)
+    time.sleep(1.0)  # the master reads the tenants file again within a tick; daemons hear within seconds
+    # The master counts the bytes it holds of each frame (1 + 1 + 2 MiB of 8 MiB frames); a daemon a
+    # large frame's announced length before reading it (1 + 1 + 2 MiB frames, half sent): 4 MiB > 3.
+    targets = ((cluster.master_address, tenant_credential(greedy), [8 << 20] * 3, [1 << 20, 1 << 20, 2 << 20]),
+               (cluster.daemon_addresses[0], credential, [1 << 20, 1 << 20, 2 << 20], [512 << 10] * 3))  # fmt: skip
+    for address, proof, lengths, sent in targets:
+        deadline = time.monotonic() + 15
+        while True:
+            held = [raw(address, proof)[0] for _ in range(3)]
+            try:
+                for sock, length, n in zip(held, lengths, sent, strict=True):
+                    sock.sendall(FRAME_HEADER.pack(length) + bytes(n))
+                over = held[2]
+                over.settimeout(FRAME_TIMEOUT_S / 2)
+                try:
+                    reply = recv_message(over)[1]
+                except (OSError, KVStoreError, NoRequest):
+                    reply = None
+                if isinstance(reply, ErrorReply) or time.monotonic() > deadline:
+                    break
+            finally:
+                for sock in held:
+                    sock.close()
+            time.sleep(0.5)  # a daemon that has not heard the master's word yet
+        assert isinstance(reply, ErrorReply) and "max_inflight_bytes" in reply.message, (address, reply)
+        assert isinstance(ask(cluster.master_address, Stats(), tenant_credential(other)), StatsReply)
+    with Store.connect(cluster.master_address, ClientConfig(token=greedy, transport="tcp")) as store:
+        assert store.put("small", b"x" * 4096) is PutStatus.STORED and store.get("small") == b"x" * 4096
 
 
 def test_one_token_cannot_hold_every_session(cluster: LocalCluster) -> None:

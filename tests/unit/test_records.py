@@ -14,22 +14,26 @@ from kvstore.placement.records import COMMITTED, PINNED, S_READY, T_DRAM, Record
 from kvstore.placement.table import PlacementTable
 
 
-def _records(n: int) -> tuple[Records, list[int]]:
+def _records(n: int, owners: int = 1) -> tuple[Records, list[int]]:
+    """``n`` keys with a DRAM replica each; with ``owners`` > 1, key i belongs to owner ``t{i % owners}``."""
     rec = Records()
     node = rec.intern_node("a", 64)
+    ids = [rec.intern_owner(f"t{o}") for o in range(owners)] if owners > 1 else [0]
     rows = []
     for i in range(n):
-        slot = rec.add_key(f"k{i}", 100 + i, 0, COMMITTED | (PINNED if i % 7 == 0 else 0), 0)
+        state = COMMITTED | (PINNED if i % 7 == 0 else 0)
+        slot = rec.add_key(f"k{i}", 100 + i, 0, state, 0, ids[i % len(ids)])
         rows.append(rec.add_replica(slot, node, T_DRAM, i * 256, S_READY, i + 1))
     return rec, rows
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_a_tier_lru_keeps_the_reference_lrus_order_through_compactions(seed: int) -> None:
-    """Thousands of inserts, touches and removals (enough to compact the log many times): the
-    order, sizes, victims and pins are those of :class:`kvstore.lru.LRU` fed the same calls."""
+@pytest.mark.parametrize(("seed", "owners"), [(s, 1) for s in range(4)] + [(s, 3) for s in range(4)])
+def test_a_tier_lru_keeps_the_reference_lrus_order_through_compactions(seed: int, owners: int) -> None:
+    """Thousands of inserts, touches and removals (enough to compact the logs many times): the
+    order, sizes, victims and pins are those of :class:`kvstore.lru.LRU` fed the same calls; with
+    owners, each owner's victims are the model's victims of that owner, in the same order."""
     rng = random.Random(seed)
-    rec, rows = _records(300)
+    rec, rows = _records(300, owners)
     lru = TierLRU(rec, 0, T_DRAM)
     model: LRU[str] = LRU()
     for _ in range(6000):
@@ -50,14 +54,18 @@ def test_a_tier_lru_keeps_the_reference_lrus_order_through_compactions(seed: int
         if rng.random() < 0.01:
             skip = set(rng.sample(sorted(model), min(5, len(model))))
             assert list(lru.victims(skip)) == list(model.victims(skip))
+            for o in range(owners if owners > 1 else 0):
+                mine = [(k, n) for k, n in model.victims(skip) if int(k[1:]) % owners == o]
+                assert list(lru.of(rec.owner_ids[f"t{o}"]).victims(skip)) == mine
     lru.check()
     pinned = {k for k in model if model.is_pinned(k)}
     # Unpinned keys in the model's order; pins kept apart, after them (nothing evicts a pin).
     assert [k for k in lru if k not in pinned] == [k for k in model if k not in pinned]
     assert set(list(lru)[len(lru) - len(pinned) :]) == pinned and len(lru) == len(model)
     assert lru.total_bytes == model.total_bytes and lru.num_pinned == model.num_pinned
-    assert len(lru._log_rows) <= 2 * len(lru) + 1024 + 1  # compacted as it went
-    assert not any(lru._rec.state[lru._rec.r_slot[r]] & PINNED for r in lru._log_rows)  # victims never walk pins
+    for log in lru._logs.values():
+        assert len(log.rows) <= 2 * log.members + 1024 + 1  # compacted as it went
+        assert not any(rec.state[rec.r_slot[r]] & PINNED for r in log.rows)  # victims never walk pins
 
 
 def test_batched_touches_and_inserts_order_as_one_at_a_time() -> None:

@@ -228,9 +228,9 @@ def test_a_node_full_of_pins_is_never_walked_for_victims(monkeypatch: pytest.Mon
     walked = 0
     live = TierLRU._live
 
-    def counting(self: TierLRU) -> Iterator[int]:
+    def counting(self: TierLRU, owner: int | None = None) -> Iterator[int]:
         nonlocal walked
-        for row in live(self):
+        for row in live(self, owner):
             walked += 1
             yield row
 
@@ -241,3 +241,61 @@ def test_a_node_full_of_pins_is_never_walked_for_victims(monkeypatch: pytest.Mon
     assert walked <= 50 * 10, f"{walked} rows walked for 50 keys with 10 evictable blocks"
     assert lru.num_pinned == 1990 and len(lru) == 2000 - sum(len(c.keys) for c in plan.commands)
     t.check()
+
+
+def test_a_tenants_put_never_evicts_another_tenants_block() -> None:
+    """A node full of bob's blocks: alice's put is refused by name (the old table evicted bob's least
+    recently used block for it), bob keeps every block; once alice holds blocks there, her puts
+    evict only hers, however many of bob's are older; an operator's put (a key of no tenant) still
+    evicts by the whole node's LRU."""
+    t = table("a", dram=8 * KB, policy=EvictionPolicy(0.99, 0.9))
+    put(t, *(f"bob/{i}" for i in range(8)))
+    plan = t.put_start(["alice/0"], [KB], 1, None, False, 0)
+    [ticket] = plan.tickets
+    assert plan.commands == [] and ticket is not None and ticket.status == "error"
+    assert "evicts only its own" in ticket.error and "'alice'" in ticket.error
+    assert t.counters["room_refused_tenants"] == 1 and t.exists([f"bob/{i}" for i in range(8)]) == [True] * 8
+    grant = t.grant_space(KB, None, 1000, 0, owner="alice")
+    assert grant.grant is None and isinstance(grant.error, CapacityError) and "evicts only its own" in str(grant.error)
+    # bob removes two of his; alice fills them, then puts a third: her oldest block goes, no one else's.
+    run(t, t.remove(["bob/6", "bob/7"])[1])
+    put(t, "alice/0", "alice/1")
+    plan = t.put_start(["alice/2"], [KB], 1, None, False, 0)
+    assert plan.waiting == [0] and [c.keys for c in plan.commands] == [("alice/0",)]
+    run(t, plan.commands)
+    plan = t.put_start(["alice/2"], [KB], 1, None, False, 0)
+    assert t.put_end(["alice/2"], [7]) == [True]
+    run(t, plan.commands)  # full again past the watermark: her share of the headroom, of her own blocks
+    assert [c.keys for c in plan.commands] == [("alice/1",)]
+    assert t.exists([f"bob/{i}" for i in range(6)]) == [True] * 6 and t.exists(["alice/0", "alice/2"]) == [False, True]
+    # An operator's put takes the node's least recently used block, whoever's it is.
+    plan = t.put_start(["op"], [KB], 1, None, False, 0)
+    assert plan.commands and plan.commands[0].keys[0] == "bob/0"
+
+
+def test_a_tenant_frees_headroom_in_proportion_to_what_it_holds() -> None:
+    """Past the high watermark a put frees room down to the low one: a tenant alone on a node does as
+    before; a tenant with one block among many of another's frees only what it needs (it used to
+    give up all of them to headroom that the other's puts would take)."""
+    policy = EvictionPolicy(0.9, 0.5)
+    alone = table("a", dram=10 * KB, policy=policy)
+    put(alone, *(f"bob/{i}" for i in range(9)))
+    plan = alone.put_start(["bob/9"], [KB], 1, None, False, 0)
+    assert sum(len(c.keys) for c in plan.commands) == 5  # down to the low watermark: 10 - 5 = 5 blocks
+    mixed = table("a", dram=10 * KB, policy=policy)
+    put(mixed, *(f"bob/{i}" for i in range(6)), "alice/0", "alice/1", "alice/2")
+    plan = mixed.put_start(["alice/3"], [KB], 1, None, False, 0)
+    evicted = [k for c in plan.commands for k in c.keys]
+    assert evicted == ["alice/0", "alice/1"]  # a third of the 5 blocks' headroom (she holds 3 of 9), her oldest
+
+
+def test_the_owners_lrus_stay_whole_through_batches_and_reuse() -> None:
+    t = table("a", "b", dram=64 * KB)
+    keys = [f"{who}/{i}" for i in range(40) for who in ("alice", "bob", "carol")]
+    plan = t.put_start(keys, [KB] * len(keys), 1, None, False, 0)
+    assert t.put_end(keys, [7] * len(keys)) == [True] * len(keys) and not plan.commands
+    t.get_replicas(keys[::5], 0)
+    run(t, t.remove(keys[::3])[1])
+    for node in t.nodes.values():
+        node.dram_lru.check()
+        assert sorted(node.dram_lru) == sorted(k for k in keys[1::3] + keys[2::3] if node.dram_lru.row_of(k) >= 0)
