@@ -17,7 +17,8 @@ same run (the ``calm`` line, the baseline), and what the attack got:
   seals: writes taken, then seconds until bob's ten 1 MiB puts to that node succeed;
 - ``sessions``: alice opens master sessions until refused: how many, and whether bob still logs in;
 - ``stalled_frames``: six of alice's connections each send 48 MiB of a 64 MiB frame and stop: the
-  master's RSS growth, and seconds until it let them go;
+  master's RSS growth, the connections cut at once for her bytes in flight (``max_inflight_bytes``),
+  and seconds until it let the others go;
 - ``own_evictions``: alice's default client holding 6 MiB puts 64 KiB: her own blocks evicted.
 """
 
@@ -181,10 +182,13 @@ class Bench:
     def stalled_frames(self) -> dict[str, Any]:
         credential, socks = tenant_credential(self.alice), []
         rss = self.cluster.master.pid if self.cluster.master is not None else 0
-        before = _rss_mib(rss)
+        before, cut = _rss_mib(rss), 0
         for _ in range(6):
             sock, _ = raw(self.master, credential)
-            sock.sendall(FRAME_HEADER.pack(64 * MiB) + bytes(48 * MiB))
+            try:
+                sock.sendall(FRAME_HEADER.pack(64 * MiB) + bytes(48 * MiB))
+            except OSError:  # closed mid-frame: it took her past her bytes in flight (256 MiB)
+                cut += 1
             socks.append(sock)
         peak = _rss_mib(rss)
         began, closed = time.monotonic(), 0.0
@@ -198,7 +202,8 @@ class Bench:
             closed = time.monotonic() - began
             sock.close()
         time.sleep(1)
-        return {"master_rss_mib": [before, peak, _rss_mib(rss)], "closed_after_s": round(closed, 2)}
+        return {"master_rss_mib": [before, peak, _rss_mib(rss)], "cut_in_flight": cut,
+                "closed_after_s": round(closed, 2)}  # fmt: skip
 
     def own_evictions(self) -> dict[str, Any]:
         with self.store(self.alice) as alice:

@@ -503,7 +503,11 @@ class TierLRU:
             self._logged_run(self._logs[0], stamps, rows, slots)
             return
         owners = gather(rec.owner, slots)
-        for who in np.unique(owners).tolist():
+        first = int(owners[0]) if len(owners) else 0
+        if not (owners != first).any():  # one owner (a request's keys are its tenant's): no sort
+            self._logged_run(self._log(first), stamps, rows, slots)
+            return
+        for who in set(owners.tolist()):
             at = owners == who
             self._logged_run(self._log(who), stamps[at], rows[at], slots[at])
 
