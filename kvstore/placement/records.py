@@ -399,6 +399,16 @@ class TierLRU:
         if log.grown():
             log.compact(self._rec)  # removals leave entries behind as touches do
 
+    def _one_owner(self, rows: list[int]) -> int:
+        """The owner of every one of ``rows``, or -1 when they have several (a request's keys are
+        usually one tenant's)."""
+        owner, slots = self._rec.owner, self._rec.r_slot
+        who = owner[slots[rows[0]]] if rows else 0
+        for row in rows:
+            if owner[slots[row]] != who:
+                return -1
+        return who
+
     def _by_owner(self, stamped: list[tuple[int, int]], new: bool) -> None:
         """Append (stamp, row) entries, each to its row's owner's log."""
         owner, slots, size = self._rec.owner, self._rec.r_slot, self._rec.size
@@ -456,8 +466,8 @@ class TierLRU:
             self._pinned.update(pinned)
             kept = set(pinned)
             logged = [(s, r) for s, r in enumerate(rows, first) if r not in kept]
-        elif not rec.owners_used:
-            self._logged(self._logs[0], range(first, first + len(rows)), rows, len(rows), total)
+        elif (who := self._one_owner(rows) if rec.owners_used else 0) >= 0:
+            self._logged(self._log(who), range(first, first + len(rows)), rows, len(rows), total)
             return
         else:
             logged = list(enumerate(rows, first))
@@ -477,10 +487,11 @@ class TierLRU:
         rec.stamp += len(rows)
         for stamp, row in enumerate(rows, first):
             r_stamp[row] = stamp
-        if rec.owners_used:
-            self._by_owner(list(enumerate(rows, first)), new=False)
+        who = self._one_owner(rows) if rec.owners_used else 0
+        if who >= 0:
+            self._logged(self._log(who), range(first, first + len(rows)), rows, 0)
         else:
-            self._logged(self._logs[0], range(first, first + len(rows)), rows, 0)
+            self._by_owner(list(enumerate(rows, first)), new=False)
 
     def insert_run(self, rows: np.ndarray[Any, Any]) -> None:
         """:meth:`insert_rows` of distinct ``rows`` (an index array), column-wise."""
