@@ -61,7 +61,7 @@ class Grants:
         for node in self.strategy(placeable, preferred_node, self.rng):
             if node.alloc.capacity < length:
                 continue
-            extent, evicting = self.tiering.reserve(node, length, commands, self.tiering.scope(owner))
+            extent, evicting = self.tiering.reserve(node, length, commands, owner)
             if extent is not None:
                 grant = Grant(self._next_grant, node.node_id, [extent], now_ms + ttl_ms, owner=owner)
                 self._next_grant += 1
@@ -80,7 +80,7 @@ class Grants:
         if any(cat.busy(n) for n in placeable):
             cat.counters["room_refused_leased"] += 1
             return GrantPlan(None, [], False, RetryLater(f"no room for a grant of {length} bytes yet"))
-        if self.tiering.scope(owner):
+        if owner:
             cat.counters["room_refused_tenants"] += 1
             return GrantPlan(None, [], False, CapacityError(no_room_text(f"a grant of {length} bytes", owner)))
         cat.counters["room_refused_pinned"] += 1

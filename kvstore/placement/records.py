@@ -118,9 +118,10 @@ class Records:
         """The small int of ``owner`` (made on first use; "" is 0)."""
         idx = self.owner_ids.get(owner)
         if idx is None:
-            idx = self.owner_ids[owner] = len(self.owner_ids)
+            idx = len(self.owner_ids)
             if idx >= 1 << 16:
-                raise OverflowError("more than 65535 key owners seen by one master")
+                raise OverflowError("more than 65535 tenants seen by one master")
+            self.owner_ids[owner] = idx
             self.owners_used = True
         return idx
 

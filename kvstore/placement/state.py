@@ -252,6 +252,9 @@ class Catalog:
         self.pinned_keys: Counter[str] = Counter()
         """Pinned keys (pending or stored) of each owner: a tenant's pins, for its cap."""
         self.keys_by_owner = keys_by_owner
+        self.tenants: frozenset[str] | None = None
+        """The names that are tenants (a master with a tenants file sets them as it reads it): only
+        their keys get an LRU log of their own (:meth:`owner_id`). None: every named owner is one."""
         self.owned: dict[str, set[str]] = {}
         """The keys of each owner with a name (a tenant), pending or stored; kept only with
         ``keys_by_owner`` (a master with tenants: their quotas evict by it), else empty."""
@@ -316,7 +319,9 @@ class Catalog:
     def owner_id(self, owner: str) -> int:
         """The LRU owner of a key of ``owner`` (:meth:`Records.intern_owner`): its own with tenants
         (``keys_by_owner``), else 0 for all (a key's first path segment names no tenant then)."""
-        return self.rec.intern_owner(owner) if owner and self.keys_by_owner else 0
+        if not owner or not self.keys_by_owner or (self.tenants is not None and owner not in self.tenants):
+            return 0  # a namespace of an operator's keys ("model/..."), or no tenants: the shared log
+        return self.rec.intern_owner(owner)
 
     def forget_key(self, slot: int) -> None:
         """The key's last replica is gone: stop counting it, and reuse its slot."""

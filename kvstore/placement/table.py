@@ -179,8 +179,9 @@ class PlacementTable:
         preferred_node: str | None,
         pin: bool,
         now_ms: int,
+        tenant: str = "",
     ) -> PutPlan:
-        return self._writes.put_start(keys, sizes, replicas, preferred_node, pin, now_ms)
+        return self._writes.put_start(keys, sizes, replicas, preferred_node, pin, now_ms, tenant)
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
         return self._writes.put_end(keys, checksums)
@@ -267,6 +268,11 @@ class PlacementTable:
     def evictions_lost(self) -> int:
         """Evictions dropped untaken (more than EVICTIONS_KEPT between two takes)."""
         return self._catalog.evictions_lost
+
+    def set_tenants(self, names: Iterable[str]) -> None:
+        """The names that are tenants now (a master reads them from its tenants file each tick): only
+        their keys get an LRU of their own, which their puts evict from (``put_start``'s ``tenant``)."""
+        self._catalog.tenants = frozenset(names)
 
     def tenant_victims(self, tenant: str, need: int, keep: Collection[str] = ()) -> list[str]:
         return self._moves.tenant_victims(tenant, need, keep)

@@ -52,14 +52,8 @@ class Tiering:
         leased = self.catalog.leases.leased_keys(node.node_id, SSD)
         return TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, self._victims(node.ssd_lru, owner), leased)
 
-    def scope(self, owner: str) -> str:
-        """Whose blocks a request of keys (or a grant) of ``owner`` may evict: a tenant's request only
-        its own (``owner``), so that no tenant's put ever evicts another's block; "" for any, when the
-        table has no tenants or the request is of none (an operator's)."""
-        return owner if self.catalog.keys_by_owner else ""
-
     def _owner_id(self, owner: str) -> int:
-        # An owner with no key yet has no log: it has nothing to evict (-1 is no owner's id).
+        # A tenant with no key yet has no log: it has nothing to evict (-1 is no owner's id).
         return self.catalog.rec.owner_ids.get(owner, -1)
 
     def _share(self, node: NodeState, owner: str) -> tuple[float, float]:
@@ -85,7 +79,8 @@ class Tiering:
         self, node: NodeState, size: int, commands: list[NodeCommand], owner: str = ""
     ) -> tuple[Extent | None, bool]:
         """An extent on ``node`` (or None), and whether evictions were added to ``commands`` for it.
-        The evictions take only ``owner``'s blocks when it is not "" (:meth:`scope`).
+        The evictions take only ``owner``'s blocks when it is not "": the tenant a request is of, so
+        that no tenant's put ever evicts another's block ("": an operator's, or no tenants).
 
         Past the high watermark the node evicts down to the low one even when
         the extent was found, so that later puts find room without waiting; a tenant's request

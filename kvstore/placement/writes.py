@@ -34,7 +34,6 @@ from kvstore.placement.state import (
     NodeState,
     ObjectEntry,
     no_room_text,
-    owner_of,
 )
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import ActionKind, TierName
@@ -149,7 +148,10 @@ class Writes:
         preferred_node: str | None,
         pin: bool,
         now_ms: int,
+        tenant: str = "",
     ) -> PutPlan:
+        """Place ``keys`` (see :meth:`PlacementTable.put_start`); a put of ``tenant`` ("": of none, an
+        operator's or a cluster's without tenants) evicts only that tenant's blocks for its room."""
         if len(keys) != len(sizes):
             raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
         checked = validate_keys(keys)
@@ -170,7 +172,7 @@ class Writes:
         smallest = min((n.alloc.capacity for n in ordered), default=0)
         for i, (key, size) in enumerate(zip(checked, sizes, strict=True)):
             fits = ordered if size <= smallest else [n for n in ordered if n.alloc.capacity >= size]
-            plan.add(self._place(key, size, replicas, fits, pin, now_ms, plan, i), size)
+            plan.add(self._place(key, size, replicas, fits, pin, now_ms, plan, i, tenant), size)
         return plan
 
     def _reserve_run(self, keys: list[BlockKey], sizes: Sequence[int], node: NodeState) -> list[int] | None:
@@ -212,6 +214,7 @@ class Writes:
         now_ms: int,
         plan: PutPlan,
         i: int,
+        tenant: str = "",
     ) -> Ticket | None:
         cat = self.catalog
         slot = cat.rec.index.get(key)
@@ -234,7 +237,6 @@ class Writes:
             )
         chosen: list[tuple[NodeState, Extent]] = []
         waiting = False  # some node will have room once its evictions are done
-        tenant = self.tiering.scope(owner_of(key))  # a tenant's put evicts only its own blocks
         for node in nodes:
             if len(chosen) == replicas:
                 break

@@ -238,7 +238,7 @@ class MasterCore:
             every = len(todo) == len(keys)
             placed = self.table.put_start(
                 keys if every else [keys[i] for i in todo], sizes if every else [sizes[i] for i in todo],
-                m.replicas, m.preferred_node, m.pin, now_ms(),
+                m.replicas, m.preferred_node, m.pin, now_ms(), tenant or "",
             )  # fmt: skip
             if every and not placed.waiting and tenant is None:
                 # Every key answered at the first ask (the common case): the reply is the plan as it is.

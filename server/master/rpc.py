@@ -298,6 +298,10 @@ class RpcServer:
                                 " (max_inflight_bytes)")  # fmt: skip
             conn.reply(ErrorReply.from_error(exc), 0)
             conn.transport.close()
+            # Its buffer goes now, not when a peer that reads nothing lets the close finish.
+            conn.decoder = FrameDecoder(HANDSHAKE_FRAME)
+            self.inflight[tenant] -= pending
+            conn.held = 0
 
     def reap(self, now: float) -> None:
         """Close connections idle for ``config.idle_timeout_s`` (a tenant's for ``tenant_idle_timeout_s``),

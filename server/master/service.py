@@ -148,7 +148,7 @@ class MasterService:
     # -- terms ----------------------------------------------------------------------------------
     def _new_table(self) -> PlacementTable:
         ev = self.config.eviction
-        return PlacementTable(
+        table = PlacementTable(
             EvictionPolicy(ev.high_watermark, ev.low_watermark, ev.promote_after_hits),
             strategy=self.config.placement,
             reservation_ms=self.config.reservation_ms,
@@ -158,6 +158,9 @@ class MasterService:
             # Tenants' quotas evict by owner; without tenants that index is 40-odd bytes a key for nothing.
             keys_by_owner=self.authority is not None,
         )
+        if self.authority is not None:
+            table.set_tenants(self.authority.refresh_tenants())
+        return table
 
     def _become_leader(self, epoch: int) -> None:
         """Lead with an empty table: it is rebuilt from the daemons' inventories as they register.
@@ -268,6 +271,8 @@ class MasterService:
                 for link in self.nodes.take_stale():
                     self._spawn(link.close(), "close-daemon-link")
                 self.rpc.reap(time.monotonic())
+                if self.authority is not None:
+                    self.table.set_tenants(self.authority.refresh_tenants())
                 self._push_policy(time.monotonic())
                 if self.sampler.due():
                     stats = self.table.stats()

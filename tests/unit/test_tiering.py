@@ -246,45 +246,62 @@ def test_a_node_full_of_pins_is_never_walked_for_victims(monkeypatch: pytest.Mon
 def test_a_tenants_put_never_evicts_another_tenants_block() -> None:
     """A node full of bob's blocks: alice's put is refused by name (the old table evicted bob's least
     recently used block for it), bob keeps every block; once alice holds blocks there, her puts
-    evict only hers, however many of bob's are older; an operator's put (a key of no tenant) still
+    evict only hers, however many of bob's are older; an operator's put (of no tenant) still
     evicts by the whole node's LRU."""
     t = table("a", dram=8 * KB, policy=EvictionPolicy(0.99, 0.9))
-    put(t, *(f"bob/{i}" for i in range(8)))
-    plan = t.put_start(["alice/0"], [KB], 1, None, False, 0)
+    t.set_tenants(["alice", "bob"])
+    bobs = [f"bob/{i}" for i in range(8)]
+    assert t.put_start(bobs, [KB] * 8, 1, None, False, 0, "bob").commands == [] and t.put_end(bobs, [7] * 8)
+    plan = t.put_start(["alice/0"], [KB], 1, None, False, 0, "alice")
     [ticket] = plan.tickets
     assert plan.commands == [] and ticket is not None and ticket.status == "error"
     assert "evicts only its own" in ticket.error and "'alice'" in ticket.error
-    assert t.counters["room_refused_tenants"] == 1 and t.exists([f"bob/{i}" for i in range(8)]) == [True] * 8
+    assert t.counters["room_refused_tenants"] == 1 and t.exists(bobs) == [True] * 8
     grant = t.grant_space(KB, None, 1000, 0, owner="alice")
     assert grant.grant is None and isinstance(grant.error, CapacityError) and "evicts only its own" in str(grant.error)
     # bob removes two of his; alice fills them, then puts a third: her oldest block goes, no one else's.
     run(t, t.remove(["bob/6", "bob/7"])[1])
-    put(t, "alice/0", "alice/1")
-    plan = t.put_start(["alice/2"], [KB], 1, None, False, 0)
+    assert t.put_start(["alice/0", "alice/1"], [KB] * 2, 1, None, False, 0, "alice").commands == []
+    assert t.put_end(["alice/0", "alice/1"], [7, 7]) == [True, True]
+    plan = t.put_start(["alice/2"], [KB], 1, None, False, 0, "alice")
     assert plan.waiting == [0] and [c.keys for c in plan.commands] == [("alice/0",)]
     run(t, plan.commands)
-    plan = t.put_start(["alice/2"], [KB], 1, None, False, 0)
+    plan = t.put_start(["alice/2"], [KB], 1, None, False, 0, "alice")
     assert t.put_end(["alice/2"], [7]) == [True]
     run(t, plan.commands)  # full again past the watermark: her share of the headroom, of her own blocks
     assert [c.keys for c in plan.commands] == [("alice/1",)]
-    assert t.exists([f"bob/{i}" for i in range(6)]) == [True] * 6 and t.exists(["alice/0", "alice/2"]) == [False, True]
+    assert t.exists(bobs[:6]) == [True] * 6 and t.exists(["alice/0", "alice/2"]) == [False, True]
     # An operator's put takes the node's least recently used block, whoever's it is.
     plan = t.put_start(["op"], [KB], 1, None, False, 0)
     assert plan.commands and plan.commands[0].keys[0] == "bob/0"
 
 
+def test_an_operators_namespaces_share_one_lru() -> None:
+    """On a master with a cluster secret and no tenant named so, keys' first path segments are an
+    operator's namespaces (``model/<hash>``), not tenants: a put of one namespace evicts another's
+    least recently used blocks, as a cache must (the first per-tenant LRU refused it for good)."""
+    t = table("a", dram=16 * KB, policy=EvictionPolicy(0.99, 0.9))
+    t.set_tenants(["alice"])
+    put(t, *(f"modelA/{i:04d}" for i in range(15)))
+    plan = t.put_start(["modelB/0001"], [4 * KB], 1, None, False, 0)
+    assert plan.waiting == [0] and [k for c in plan.commands for k in c.keys][:4] == [
+        f"modelA/{i:04d}" for i in range(4)
+    ]
+    assert t.counters["room_refused_tenants"] == 0
+
+
 def test_a_tenant_frees_headroom_in_proportion_to_what_it_holds() -> None:
     """Past the high watermark a put frees room down to the low one: a tenant alone on a node does as
-    before; a tenant with one block among many of another's frees only what it needs (it used to
+    before; a tenant with a few blocks among many of another's frees only its share (it used to
     give up all of them to headroom that the other's puts would take)."""
     policy = EvictionPolicy(0.9, 0.5)
     alone = table("a", dram=10 * KB, policy=policy)
     put(alone, *(f"bob/{i}" for i in range(9)))
-    plan = alone.put_start(["bob/9"], [KB], 1, None, False, 0)
+    plan = alone.put_start(["bob/9"], [KB], 1, None, False, 0, "bob")
     assert sum(len(c.keys) for c in plan.commands) == 5  # down to the low watermark: 10 - 5 = 5 blocks
     mixed = table("a", dram=10 * KB, policy=policy)
     put(mixed, *(f"bob/{i}" for i in range(6)), "alice/0", "alice/1", "alice/2")
-    plan = mixed.put_start(["alice/3"], [KB], 1, None, False, 0)
+    plan = mixed.put_start(["alice/3"], [KB], 1, None, False, 0, "alice")
     evicted = [k for c in plan.commands for k in c.keys]
     assert evicted == ["alice/0", "alice/1"]  # a third of the 5 blocks' headroom (she holds 3 of 9), her oldest
 
