@@ -325,8 +325,11 @@ class AsyncStore:
         try:
             answer = await batcher.read(key)
         except KVStoreError:
-            return None
+            answer = None
         if answer is None:
+            # Not there, or its node failed: the core asks the master, not that node again (a
+            # stalled node used to cost the get two timeouts).
+            self._core.hints.forget([key])
             return None
         size, check, data = answer
         if (0 <= room < size) or (verify and checksum(data) != check):

@@ -238,8 +238,11 @@ class Store:
         try:
             [found], [made] = self._paths.path(*place).read_direct([key], [view], exact_size)
         except KVStoreError:
-            return None
+            found = None
         if found is None:
+            # Not there, or its node failed: the core asks the master, not that node again (a
+            # stalled node used to cost the get two timeouts).
+            self._core.hints.forget([key])
             return None
         target = made if made is not None else view
         if verify and checksum(memoryview(target)[: found.size]) != found.checksum:  # type: ignore[arg-type]

@@ -20,7 +20,9 @@ from kvstore.node_store import PutStatus
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.aio import AsyncStore
 from kvstore_client.core import ClientCore
+from kvstore_client.dataplane import DataPath
 from kvstore_client.effects import Job, ReadLocated
+from kvstore_client.links import ReadBatcher
 from kvstore_client.store import PutOptions, Store
 from tests.conftest import FACES, connect_client
 
@@ -329,6 +331,40 @@ def _one_remembered_key(store: Store, cluster: LocalCluster, face: str) -> None:
         store.get(f"{face}-one-corrupt", verify=True)
     store.remove(f"{face}-one-corrupt")
     assert store.get(f"{face}-one-corrupt") is None
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_remembered_node_that_misses_is_asked_once(
+    face: str, cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get of a key whose remembered node no longer holds it (or failed) asks that node once, then
+    the master: the faces' one-key fast path used to leave the hint for the core, which read the
+    same node again (a stalled node cost the get two timeouts)."""
+    trips: list[str] = []
+    read_direct, read = DataPath.read_direct, ReadBatcher.read
+
+    def counted_direct(self: DataPath, keys: Sequence[str], *args: Any, **kw: Any) -> Any:
+        trips.extend(keys)
+        return read_direct(self, keys, *args, **kw)
+
+    def counted_read(self: ReadBatcher, key: str) -> Any:
+        trips.append(key)
+        return read(self, key)
+
+    monkeypatch.setattr(DataPath, "read_direct", counted_direct)
+    monkeypatch.setattr(ReadBatcher, "read", counted_read)
+    with connect_client(face, cluster.master_address, ClientConfig(transport="tcp")) as store:
+        key = f"{face}-missed-once"
+        store.put(key, b"x" * 5000)
+        hints = store._core.hints
+        place = hints.get(key)
+        assert place is not None
+        elsewhere = next(n for n in store.nodes() if n.node_id != place[0])
+        hints.note([(key, (elsewhere.node_id, elsewhere.address))])  # a node that does not hold it
+        trips.clear()
+        assert store.get(key) == b"x" * 5000
+        assert trips == [key], trips  # the wrong node once, then the master's answer (its own read)
+        assert hints.get(key) == place  # remembered where it was read
 
 
 def test_a_daemon_out_of_index_slots_evicts_instead_of_refusing() -> None:
