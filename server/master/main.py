@@ -17,6 +17,12 @@ from server.master.service import MasterService
 
 
 async def serve(config: MasterConfig) -> None:
+    # Handlers first: a SIGTERM that comes as soon as the master says it listens (a supervisor, a
+    # test) is an orderly stop, never the default action's kill mid-start.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     service = MasterService(config)
     address = await service.start()
     print(f"kvstore master listening on {address}", flush=True)
@@ -32,10 +38,6 @@ async def serve(config: MasterConfig) -> None:
     if config.etcd is not None:
         service.start_election(admin_address)
         print(f"kvstore master campaigning for cluster {config.cluster_id} in etcd at {config.etcd}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     # A stop that hangs (an await of its etcd or grpc calls that never ends: seen once, etcd down)
     # must not keep a master that was told to go: it exits anyway, loudly, after STOP_DEADLINE_S.
