@@ -141,8 +141,17 @@ class MasterCpu:
 
 
 def bench_size(
-    store: Store, raw: RawTcp, size: int, batch: int, total: int, tag: str, cpu: MasterCpu | None = None
+    store: Store,
+    raw: RawTcp,
+    size: int,
+    batch: int,
+    total: int,
+    tag: str,
+    cpu: MasterCpu | None = None,
+    mode: str = "visible",
 ) -> list[dict[str, Any]]:
+    """The put and get rows of one (size, batch) with ``store`` (whose ``put_mode`` is ``mode``); a
+    cached row's ``flush_ms`` is how long the flush after its puts took (its blocks visible to all)."""
     # All of a line's blocks stay stored until its gets are done: keep them within the daemon's DRAM.
     calls = max(2, min(total // (size * batch), 2000 // batch if batch > 1 else 2000))
     src = np.random.default_rng(size).integers(0, 256, (batch, size), dtype=np.uint8)
@@ -163,6 +172,9 @@ def bench_size(
     cpu = cpu or MasterCpu(None)
     cpu.start()
     put_s, put_lat = _time_calls(calls, put)
+    flushed = time.perf_counter()
+    store.flush()
+    flush_ms = round((time.perf_counter() - flushed) * 1e3, 2)
     put_cpu = cpu.per_op_us(calls * batch)
     cpu.start()
     get_s, get_lat = _time_calls(calls, get)
@@ -173,10 +185,10 @@ def bench_size(
     raw_get, _ = _time_calls(calls, lambda c: raw.get(flat_dst))
     for c in range(calls):
         store.remove_many(keys[c])
-    return [
-        {**_line("put", size, batch, calls, put_s, put_lat, raw_put), "master_cpu_us": put_cpu},
-        {**_line("get", size, batch, calls, get_s, get_lat, raw_get), "master_cpu_us": get_cpu},
-    ]
+    put_row = {**_line("put", size, batch, calls, put_s, put_lat, raw_put), "mode": mode, "master_cpu_us": put_cpu}
+    if mode == "cached":
+        put_row["flush_ms"] = flush_ms
+    return [put_row, {**_line("get", size, batch, calls, get_s, get_lat, raw_get), "master_cpu_us": get_cpu}]
 
 
 def bench_exists(store: Store, raw: RawTcp, cpu: MasterCpu, calls: int = 2000) -> dict[str, Any]:
@@ -364,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         help=f"also the same rows with each of these off and on (cluster_V lines): {', '.join(SECURITY)}; 'no': none",
     )  # fmt: skip
     parser.add_argument("--security-only", action="store_true", help="only the --security comparisons")
+    parser.add_argument("--put-modes", default="visible,cached", help="put rows in each of these modes (visible:"
+                        " the master knows the block when put returns; cached: the daemon tells it after)")  # fmt: skip
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
@@ -385,30 +399,40 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # transport=tcp: these figures are the network data plane against raw TCP (same-host clients would use shm).
     config = ClientConfig(transport="tcp")
+    modes = [m.strip() for m in args.put_modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"visible", "cached"}:
+        parser.error(f"--put-modes: visible and/or cached, not {args.put_modes!r}")
     with LocalCluster(1, dram=args.dram) as cluster, Store.connect(cluster.master_address, config) as store:
         raw = RawTcp(max(sizes) * max(batches))
         cpu = MasterCpu(cluster.master.pid if cluster.master is not None else None)
+        cached = Store.connect(cluster.master_address, ClientConfig(transport="tcp", put_mode="cached"))
         try:
             for size in sizes:
                 for batch in batches:
-                    for line in bench_size(store, raw, size, batch, total, tag="b", cpu=cpu):
-                        ours.append(line)
-                        print(json.dumps(line), flush=True)
+                    for mode in modes:
+                        client = cached if mode == "cached" else store
+                        for line in bench_size(client, raw, size, batch, total, tag=mode[0], cpu=cpu, mode=mode):
+                            if line["op"] == "get" and mode != modes[0]:
+                                continue  # the same gets: one row
+                            ours.append(line)
+                            print(json.dumps(line), flush=True)
             print(json.dumps(bench_exists(store, raw, cpu)), flush=True)
             print(json.dumps(bench_async_gets(cluster.master_address, config, cpu)), flush=True)
             for line in bench_match_prefix(store, args.match_keys):
                 print(json.dumps(line), flush=True)
         finally:
+            cached.close()
             raw.close()
     compare()
     if args.peers == "auto" and PEERS.exists():
         for row in run_peers(sizes, total):
             for op in ("put", "get"):
-                mine = next(
-                    (o for o in ours if o["op"] == op and o["size"] == row.get("size") and o["batch"] == 1), None
-                )
-                if mine and row.get(f"{op}_GBps"):
-                    row[f"kvstore_{op}_ratio"] = round(mine["GBps"] / row[f"{op}_GBps"], 3)
+                for mode in modes if op == "put" else [None]:
+                    mine = next((o for o in ours if o["op"] == op and o["size"] == row.get("size")
+                                 and o["batch"] == 1 and o.get("mode") == mode), None)  # fmt: skip
+                    name = f"kvstore_{op}_ratio" if mode in (None, "visible") else f"kvstore_{mode}_{op}_ratio"
+                    if mine and row.get(f"{op}_GBps"):
+                        row[name] = round(mine["GBps"] / row[f"{op}_GBps"], 3)
             print(json.dumps(row), flush=True)
     return 0
 

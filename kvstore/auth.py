@@ -64,6 +64,7 @@ from kvstore.protocol import (
     AuthProof,
     CommitBlocks,
     Exists,
+    FlushCommits,
     GetReplicas,
     GetTicket,
     GrantSpace,
@@ -120,6 +121,7 @@ _OPERATION_OF: dict[type[Message], Operation] = {
     ReadSlices: "read", ListKeys: "read",
     PutStart: "write", PutEnd: "write", PutRevoke: "write", GrantSpace: "write", ReturnGrants: "write",
     Replicate: "write", WriteBlocks: "write", WriteGranted: "write", WriteSlices: "write", CommitBlocks: "write",
+    FlushCommits: "write",
     Remove: "remove",
 }  # fmt: skip
 """What a tenant may be allowed, per request; a request not listed is the cluster's alone (a node

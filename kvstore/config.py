@@ -587,6 +587,13 @@ class ClientConfig(_Frozen):
         description="Write space the client asks the master for ahead of its puts, so that a put is one round trip"
         " to a daemon (the master caps a grant at a fraction of a node's DRAM); 0: every put asks the master.",
     )
+    put_mode: Literal["visible", "cached"] = Field(
+        default="visible",
+        description="When a put returns STORED. visible: every client's get finds the block. cached: the block is"
+        " checked and committed in its daemon's arena, the master told after (a few ms; Store.flush() waits for"
+        " it): this client reads it at once, others may miss it until then, never read other bytes. Only puts"
+        " into granted space (one replica, over the daemon's socket) are cached; the others are visible.",
+    )
     token: str | None = Field(
         default=None,
         repr=False,

@@ -24,6 +24,7 @@ from kvstore.errors import KVStoreError, NotLeader, ProtocolError, StoreClosed
 from kvstore.keys import checksum
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
+    FlushCommits,
     GetTicket,
     Message,
     NodeInfo,
@@ -44,6 +45,7 @@ from kvstore_client.effects import (
     Daemons,
     Direct,
     Effect,
+    FlushCached,
     Job,
     Notify,
     Op,
@@ -181,12 +183,15 @@ class AsyncStore:
             keys = [loc.key for loc, _, _ in job.blocks]
             reply, data = await link.request(ranges_message(keys, job.start, job.length), ReadReply)
             return [size == job.length for size in _unpack(reply, data, [v for _, _, v in job.blocks], job)]
+        if isinstance(job, FlushCached):
+            await link.request(FlushCommits(), OkReply)
+            return None
         views = [b.view for b in job.blocks]
         if isinstance(job, WriteReserved):
             wrote, _ = await link.request(write_message(job.blocks, job.pinned), WriteReply, views)
             return write_codes(wrote.codes, wrote.errors, len(job.blocks), job.address)
         assert isinstance(job, PutGranted)
-        put, _ = await link.request(granted_message(job.grant_id, job.blocks, job.pinned), PutReply, views)
+        put, _ = await link.request(granted_message(job.grant_id, job.blocks, job.pinned, job.cached), PutReply, views)
         return write_codes(put.codes, put.errors, len(job.blocks), job.address)
 
     async def _read_direct(self, job: ReadDirect) -> tuple[list[Direct | None], list[Any]]:
@@ -286,6 +291,10 @@ class AsyncStore:
         return (await self.put_many([(key, data)], options))[0]
 
     put_from = put
+
+    async def flush(self) -> None:
+        """As ``Store.flush``: every cached put of this client visible to all (or refused)."""
+        await self._run(self._core.flush())
 
     async def put_many(self, items: Iterable[tuple[Any, Any]], options: PutOptions | None = None) -> list[PutStatus]:
         """Store several blocks. Raises the first failure (after giving back what it reserved)."""

@@ -22,6 +22,7 @@ the master reserves extents, the bytes go to the daemons, and the master commits
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
@@ -80,6 +81,7 @@ from kvstore.protocol import (
 )
 from kvstore_client.effects import (
     Block,
+    FlushCached,
     Notify,
     Op,
     Pause,
@@ -159,6 +161,9 @@ class ClientCore:
         self.grants = GrantPool(int(config.grant_bytes))
         self._grants_paused_until = 0.0
         self.closed = False
+        self._unflushed: set[tuple[str, str]] = set()
+        """Nodes (node_id, address) that acknowledged cached puts of this client since its last flush."""
+        self._unflushed_lock = threading.Lock()
 
     # -- writes ------------------------------------------------------------------------------
     def put_many(self, items: Iterable[tuple[Any, Any]], options: PutOptions | None) -> Op[list[PutStatus]]:
@@ -182,6 +187,28 @@ class ClientCore:
             todo = yield from self._put_granted(checked, todo, opts, statuses, unsure)
         done = yield from self._put_rounds(checked, todo, opts, statuses, unsure)
         return (yield from self._own_exists(checked, unsure, done))
+
+    def _cached(self, options: PutOptions | None) -> bool:
+        mode = options.mode if options is not None and options.mode is not None else self.config.put_mode
+        return mode == "cached"
+
+    def _acknowledged(self, job: PutGranted) -> None:
+        """A node acknowledged cached puts of this client: :meth:`flush` waits for it."""
+        with self._unflushed_lock:
+            self._unflushed.add((job.node_id, job.address))
+
+    def flush(self) -> Op[None]:
+        """Wait until every cached put this client made so far is known to the master (visible to
+        every client), or refused by it: each node that acknowledged one waits for its commits.
+        Raises the first failure (the nodes not confirmed stay to flush again)."""
+        with self._unflushed_lock:
+            nodes, self._unflushed = sorted(self._unflushed), set()
+        outcomes = yield from daemons([FlushCached(node_id, address) for node_id, address in nodes])
+        failed = [(node, o) for node, o in zip(nodes, outcomes, strict=True) if isinstance(o, BaseException)]
+        if failed:
+            with self._unflushed_lock:
+                self._unflushed.update(node for node, _ in failed)
+            raise failed[0][1]
 
     def _own_exists(self, items: Items, unsure: list[int], statuses: list[PutStatus]) -> Op[list[PutStatus]]:
         """A write whose bytes went out but whose put did not end with them (no answer came, the
@@ -238,7 +265,8 @@ class ClientCore:
         if not self.transport.one_trip(grant.node_id, grant.address):
             return None
         block = Block(key, view, offset, checksum(view))
-        return PutGranted(grant.node_id, grant.address, grant.grant_id, [block], options is not None and options.pin)
+        pin = options is not None and options.pin
+        return PutGranted(grant.node_id, grant.address, grant.grant_id, [block], pin, self._cached(options))
 
     def granted_put(self, job: PutGranted, outcome: Any) -> PutStatus | Op[list[PutStatus]]:
         """The status of a one-key put from its job's outcome (the daemon's codes, or the exception
@@ -249,6 +277,8 @@ class ClientCore:
             code = outcome[0][0]
             if code == PUT_STORED:
                 self.hints.note([(job.blocks[0].key, (job.node_id, job.address))])
+                if job.cached:
+                    self._acknowledged(job)
                 return PutStatus.STORED
             if code == PUT_EXISTS:
                 return self._granted_exists(job)
@@ -314,7 +344,7 @@ class ClientCore:
             self._grants_paused_until = time.monotonic() + _GRANTS_PAUSE_S
             return todo
         blocks = [Block(items[i][0], items[i][1], o, checksum(items[i][1])) for i, o in zip(todo, offsets, strict=True)]
-        job = PutGranted(grant.node_id, grant.address, grant.grant_id, blocks, opts.pin)
+        job = PutGranted(grant.node_id, grant.address, grant.grant_id, blocks, opts.pin, self._cached(opts))
         [outcome] = yield from daemons([job])
         return (yield from self._granted_outcome(items, todo, grant, job, outcome, out, unsure))
 
@@ -339,6 +369,8 @@ class ClientCore:
             yield from self._give_back(self.grants.drop(grant))
         left, placed = take_granted(items, todo, codes, job.node_id, job.address, out)
         self.hints.note(placed)
+        if job.cached and placed:
+            self._acknowledged(job)
         # Refused or EXISTS here, but the block may be this put's own all the same (a retried write,
         # a master of another term that adopted it): see _own_exists.
         unsure.extend(i for i in todo if i in left or out[i] is PutStatus.EXISTS)

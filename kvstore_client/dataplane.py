@@ -19,11 +19,12 @@ from typing import Any
 from kvstore.auth import Credential
 from kvstore.config import ClientConfig
 from kvstore.errors import ProtocolError
-from kvstore.protocol import NodeInfo, PutReply, ReadReply, ReplicaRef, WriteReply
+from kvstore.protocol import FlushCommits, NodeInfo, OkReply, PutReply, ReadReply, ReplicaRef, WriteReply
 from kvstore.tiers.dram import ArenaMapping
 from kvstore_client.effects import (
     Block,
     Direct,
+    FlushCached,
     Job,
     Located,
     PutGranted,
@@ -122,10 +123,17 @@ class DataPath:
         reply = self.pool.call(write_message(blocks, pinned), WriteReply, [b.view for b in blocks])
         return write_codes(reply.codes, reply.errors, len(blocks), self.address)
 
-    def write_granted(self, grant_id: int, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
+    def write_granted(
+        self, grant_id: int, blocks: Sequence[Block], pinned: bool, cached: bool = False
+    ) -> list[tuple[int, str]]:
         """A put in one round trip: write into a grant; per block PUT_STORED, PUT_EXISTS or an error code."""
-        reply = self.pool.call(granted_message(grant_id, blocks, pinned), PutReply, [b.view for b in blocks])
+        message = granted_message(grant_id, blocks, pinned, cached)
+        reply = self.pool.call(message, PutReply, [b.view for b in blocks])
         return write_codes(reply.codes, reply.errors, len(blocks), self.address)
+
+    def flush_cached(self) -> None:
+        """Wait until the daemon has told the master of every cached put it acknowledged."""
+        self.pool.call(FlushCommits(), OkReply)
 
     def close(self) -> None:
         """Resources of this path alone (pools are the selector's)."""
@@ -309,8 +317,10 @@ class PathSelector:
             return path.read_ranges(job.blocks, job.start, job.length)
         if isinstance(job, WriteReserved):
             return path.write(job.blocks, job.pinned)
+        if isinstance(job, FlushCached):
+            return path.flush_cached()
         assert isinstance(job, PutGranted)
-        return path.write_granted(job.grant_id, job.blocks, job.pinned)
+        return path.write_granted(job.grant_id, job.blocks, job.pinned, job.cached)
 
     @property
     def may_lease(self) -> bool:

@@ -129,9 +129,19 @@ class PutGranted:
     grant_id: int
     blocks: list[Block]
     pinned: bool
+    cached: bool = False
+    """Acknowledged once in the daemon's arena, the master told after (``PutOptions.mode``)."""
 
 
-Job = ReadLocated | ReadDirect | ReadRanges | WriteReserved | PutGranted
+@dataclass(frozen=True, slots=True)
+class FlushCached:
+    """Wait until the node has told the master of every cached put it acknowledged; result None."""
+
+    node_id: str
+    address: str
+
+
+Job = ReadLocated | ReadDirect | ReadRanges | WriteReserved | PutGranted | FlushCached
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,5 +230,5 @@ def commit_message(blocks: Sequence[Block], pinned: bool) -> CommitBlocks:
     return CommitBlocks(*_columns(blocks), pinned, seals(blocks))
 
 
-def granted_message(grant_id: int, blocks: Sequence[Block], pinned: bool) -> WriteGranted:
-    return WriteGranted(grant_id, *_columns(blocks), pinned)
+def granted_message(grant_id: int, blocks: Sequence[Block], pinned: bool, cached: bool = False) -> WriteGranted:
+    return WriteGranted(grant_id, *_columns(blocks), pinned, cached)

@@ -42,12 +42,17 @@ class PutOptions:
     """Never evict the block (until it is removed)."""
     preferred_node: str | None = None
     """Node to place the first replica on when it has room (local-first placement)."""
+    mode: str | None = None
+    """When the put returns STORED: "visible" or "cached" (see ``ClientConfig.put_mode``); None takes
+    the client's ``put_mode``."""
 
     def __post_init__(self) -> None:
         if self.replicas is not None and (type(self.replicas) is not int or not 1 <= self.replicas <= 16):
             raise InvalidArgument(f"replicas must be an int from 1 to 16 (or None), got {self.replicas!r}")
         if type(self.pin) is not bool:
             raise InvalidArgument(f"pin must be a bool, got {self.pin!r}")
+        if self.mode not in (None, "visible", "cached"):
+            raise InvalidArgument(f'mode must be "visible", "cached" or None, got {self.mode!r}')
         if self.preferred_node is not None and not isinstance(self.preferred_node, str):
             raise InvalidArgument(f"preferred_node must be a node id (str) or None, got {self.preferred_node!r}")
 

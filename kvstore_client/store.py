@@ -199,6 +199,13 @@ class Store:
         """Store several blocks. Raises the first failure (after giving back what it reserved)."""
         return self._run(self._core.put_many(items, options))
 
+    def flush(self) -> None:
+        """Wait until every ``cached`` put of this client (``PutOptions.mode``, ``ClientConfig.put_mode``)
+        is visible to every client, or was refused by the master (another writer's block under its key:
+        the store keeps that one). A prefill hands its KV to a decode after this. Nothing to wait for
+        in ``visible`` mode."""
+        self._run(self._core.flush())
+
     # -- reads ---------------------------------------------------------------------------------
     def get(self, key: Any, *, verify: bool = False) -> bytes | None:
         hit = self._hit(key, None, verify, False)

@@ -159,7 +159,9 @@ class Grants:
                         cat.touch(entry.slot)
                     out.append((PUT_EXISTS, ""))
                 continue
-            if grant is None or grant.ending or grant.node_id != node_id or node is None:
+            # An ending grant still takes commits: its space is freed only once its daemon has ended it,
+            # which waits for the commits of the blocks it acknowledged (cached puts).
+            if grant is None or grant.node_id != node_id or node is None:
                 out.append((GrantExpired.code, f"grant {grant_id} on {node_id} has ended"))
                 continue
             if type(size) is not int or size <= 0 or type(offset) is not int:

@@ -49,7 +49,11 @@ class OpenGrant(Message, tag=55, frozen=True):
 
 class WriteGranted(Message, tag=67, frozen=True):
     """A put in one trip: write blocks into extents of a grant; the daemon checks them, has the
-    master commit them, commits them here and answers with a PutReply. Bytes follow as in WriteBlocks."""
+    master commit them, commits them here and answers with a PutReply. Bytes follow as in WriteBlocks.
+
+    ``cached``: the daemon answers once the blocks are checked and committed in its arena, and has
+    the master commit them after (batched with other puts' commits); :class:`FlushCommits` waits
+    for that."""
 
     grant_id: int
     keys: list[str]
@@ -57,6 +61,12 @@ class WriteGranted(Message, tag=67, frozen=True):
     sizes: list[int]
     checksums: list[int]
     pinned: bool
+    cached: bool = False
+
+
+class FlushCommits(Message, tag=68, frozen=True):
+    """A client asks a daemon to answer (OkReply) once every ``cached`` put it acknowledged before
+    this request is known to the master, or refused by it (then dropped here)."""
 
 
 class CommitGranted(Message, tag=74, frozen=True):

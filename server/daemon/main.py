@@ -135,7 +135,9 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
     if config.metrics_port is not None:
         try:
             metrics, stop_metrics = serve_metrics(
-                config.host, config.metrics_port, DaemonCollector(config.name, link, storage)
+                config.host,
+                config.metrics_port,
+                DaemonCollector(config.name, link, storage, committer=server.committer),
             )
         except OSError as exc:
             raise ConfigError(f"cannot serve metrics on {config.host}:{config.metrics_port}: {exc}") from None

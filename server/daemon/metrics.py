@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from server.daemon.commits import Committer
 from server.daemon.master_link import MasterLink
 from server.daemon.storage import DaemonStorage
 
@@ -23,10 +24,14 @@ from server.daemon.storage import DaemonStorage
 class DaemonCollector:
     """The metrics of one daemon, from its master link and its storage."""
 
-    def __init__(self, node: str, link: MasterLink, storage: DaemonStorage, started: float | None = None) -> None:
+    def __init__(
+        self, node: str, link: MasterLink, storage: DaemonStorage, started: float | None = None,
+        committer: Committer | None = None,
+    ) -> None:  # fmt: skip
         self.node = node
         self.link = link
         self.storage = storage
+        self.committer = committer
         self.started = time.monotonic() if started is None else started
 
     def collect(self) -> Iterator[Metric]:
@@ -60,6 +65,16 @@ class DaemonCollector:
         for loop, failures in sorted(link.supervisor.counts().items()):
             loops.add_metric([self.node, loop], failures)
         yield loops
+        if self.committer is not None:
+            c = self.committer
+            yield gauge("cached_pending", "Cached puts acknowledged whose commit the master has not answered yet.",
+                        c.pending())  # fmt: skip
+            yield counter("cached_committed", "Cached puts the master committed after this daemon acknowledged them.",
+                          c.committed)  # fmt: skip
+            yield counter("cached_refused", "Cached puts the master refused after this daemon acknowledged them "
+                          "(another writer's block under the key): dropped here.", c.refused)  # fmt: skip
+            yield counter("cached_adopted", "Cached puts whose commit a registration's inventory carried instead.",
+                          c.adopted)  # fmt: skip
         yield gauge("dram_capacity_bytes", "The DRAM tier's data capacity.", self.storage.arena.capacity)
         ssd = self.storage.ssd
         if ssd is None:

@@ -48,6 +48,7 @@ from kvstore.protocol import (
     EndGrants,
     ErrorReply,
     FetchBlocks,
+    FlushCommits,
     MasterHello,
     Message,
     OkReply,
@@ -64,11 +65,12 @@ from kvstore.protocol import (
     WriteSlices,
 )
 from kvstore.ratelog import RateLimitedLog
+from server.daemon.commits import Committer
 from server.daemon.gate import Gate
 from server.daemon.master_link import MasterLink
 from server.daemon.orphans import Orphans
 from server.daemon.receivers import Receivers
-from server.daemon.storage import NO_TARGET, BlockState, DaemonStorage
+from server.daemon.storage import NO_TARGET, BlockState, DaemonStorage, WriteBatch
 from server.supervisor import Supervisor
 from transfer.auth import accept
 from transfer.rpc import Connection
@@ -200,11 +202,17 @@ class DaemonServer:
         """The latest master epoch this daemon knows of (see MasterHello); 0: no HA master yet."""
         self.master: MasterLink | None = None
         """Set once the link exists: one-trip puts commit through it, one-trip reads are reported to it."""
+        self.committer = Committer(
+            lambda: self.master.commit_granted if self.master is not None else None,
+            lambda keys: self.storage.drop(keys), self._release_grant, self._stop,
+        )  # fmt: skip
+        """The master's commits of cached puts, acknowledged before it knew of them (see its module)."""
         self._handlers: dict[type[Message], Handler] = {
             WriteBlocks: self._write,
             WriteGranted: self._write_granted,
             OpenGrant: self._open_grant,
             EndGrants: lambda m, s, r: self._command(s, r, self.end_grants(m.grant_ids)),
+            FlushCommits: self._flush_commits,
             CommitBlocks: self._commit,
             ReadBlocks: self._read,
             ReadSlices: self._read_slices,
@@ -229,6 +237,9 @@ class DaemonServer:
             t = self.supervisor.thread("daemon-sweep", self._sweep_loop, self._stop)
             t.start()
             self._threads.append(t)
+        t = self.supervisor.thread("daemon-cached-commits", self.committer.run, self._stop)
+        t.start()
+        self._threads.append(t)
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(0.5):
@@ -411,7 +422,8 @@ class DaemonServer:
 
     def refusals(self) -> dict[str, int]:
         """What this daemon refused since it started, by kind (reported in heartbeats)."""
-        return {"connections": self.refused_connections, "orphans_dropped": self.orphans.dropped, **self.gate.counts()}
+        return {"connections": self.refused_connections, "orphans_dropped": self.orphans.dropped,
+                "cached_refused": self.committer.refused, **self.gate.counts()}  # fmt: skip
 
     def transfer_bytes(self) -> dict[str, int]:
         with self._transfer_lock:
@@ -509,11 +521,24 @@ class DaemonServer:
         return [True] * len(grant_ids)
 
     def reset_grants(self) -> None:
-        """Forget every grant (a master that registers this node anew knows none of them)."""
+        """Forget every grant (a master that registers this node anew knows none of them). The
+        cached puts' commits still queued are the registration's to carry (its inventory holds them)."""
+        self.committer.registering()
         with self._grants_cond:
             ids = list(self._grants)
         with contextlib.suppress(Timeout):
             self.end_grants(ids)
+
+    def _release_grant(self, grant: object) -> None:
+        """A cached put's commit is done: its grant may end (:meth:`end_grants` waits for it)."""
+        if isinstance(grant, _Grant):
+            with self._grants_cond:
+                grant.active -= 1
+                self._grants_cond.notify_all()
+
+    def _flush_commits(self, msg: FlushCommits, sock: socket.socket, request_id: int) -> None:
+        self.committer.flush(self.io_timeout)
+        send_message(sock, OkReply(), request_id)
 
     def _write_granted(self, msg: WriteGranted, sock: socket.socket, request_id: int) -> None:
         n = len(msg.keys)
@@ -577,6 +602,10 @@ class DaemonServer:
             raise
         self.count("tcp", self._rail(sock), "in", sum(msg.sizes))
         verified = batch.verify()
+        if msg.cached and self.master is not None:
+            self._acknowledge_cached(msg, keys, todo, batch, verified, codes, texts)
+            send_message(sock, PutReply(codes, texts), request_id)
+            return
         ask = [j for j, ok in enumerate(verified) if ok]
         answers: list[tuple[int, str]] = []
         if ask:
@@ -607,6 +636,37 @@ class DaemonServer:
             else:
                 codes[i], texts[i] = code, text
         send_message(sock, PutReply(codes, texts), request_id)
+
+    def _acknowledge_cached(
+        self, msg: WriteGranted, keys: list[BlockKey], todo: list[int], batch: WriteBatch, verified: list[bool],
+        codes: list[int], texts: list[str],
+    ) -> None:  # fmt: skip
+        """A cached put's blocks, checked: committed here and answered STORED now, their commit to
+        the master queued (the grant held open until it is done)."""
+        outcome = batch.finish(verified)
+        done: list[int] = []
+        for j, i in enumerate(todo):
+            err = outcome[j]
+            if err is not None:
+                codes[i], texts[i] = err.code, str(err)
+            elif not verified[j]:
+                codes[i], texts[i] = (
+                    CorruptBlock.code,
+                    f"block {keys[i]!r} arrived with another checksum than the writer said",
+                )
+            else:
+                codes[i] = PUT_STORED
+                done.append(i)
+        if not done:
+            return
+        with self._grants_cond:
+            grant = self._grants.get(msg.grant_id)
+            if grant is not None:
+                grant.active += 1  # released by the committer once the master answered
+        self.committer.add(
+            msg.grant_id, [keys[i] for i in done], [msg.offsets[i] for i in done], [msg.sizes[i] for i in done],
+            [msg.checksums[i] for i in done], msg.pinned, grant,
+        )  # fmt: skip
 
     def _write_slices(self, msg: WriteSlices, sock: socket.socket, request_id: int) -> None:
         n = len(msg.keys)
@@ -649,7 +709,8 @@ class DaemonServer:
     def _drop_orphans(self, blocks: list[tuple[BlockKey, BlockState]]) -> list[BlockKey]:
         """Drop orphans as the master's drops are made: their receivers cut first (no bytes land in
         an extent given back), their seals closed."""
-        blocks = self.storage.unchanged(blocks)
+        # A cached put's block is the master's to learn of (its commit is pending), never an orphan.
+        blocks = [b for b in self.storage.unchanged(blocks) if not self.committer.holds(b[0])]
         keys = [k for k, _ in blocks]
         self.receivers.cut(keys, wait_s=self.io_timeout)
         self.gate.dropped(keys)

@@ -174,9 +174,9 @@ def test_a_fast_put_into_an_ended_grant_drops_it_and_goes_the_two_trip_way_at_on
         writes: list[int] = []
         write_granted = DataPath.write_granted
 
-        def counted(path: DataPath, grant_id: int, blocks: object, pinned: bool) -> object:
+        def counted(path: DataPath, grant_id: int, blocks: object, pinned: bool, cached: bool = False) -> object:
             writes.append(grant_id)
-            return write_granted(path, grant_id, blocks, pinned)  # type: ignore[arg-type]
+            return write_granted(path, grant_id, blocks, pinned, cached)  # type: ignore[arg-type]
 
         monkeypatch.setattr(DataPath, "write_granted", counted)
         time.sleep(1.5 + 0.3)  # past the grant's ttl (the module's master grants for 1.5 s)
@@ -195,8 +195,8 @@ def test_a_put_whose_write_landed_but_whose_answer_was_lost_reports_stored(
     put's own: the same size and checksum is this put's doing."""
     write_granted = DataPath.write_granted
 
-    def lost_answer(path: DataPath, grant_id: int, blocks: object, pinned: bool) -> object:
-        write_granted(path, grant_id, blocks, pinned)  # type: ignore[arg-type]
+    def lost_answer(path: DataPath, grant_id: int, blocks: object, pinned: bool, cached: bool = False) -> object:
+        write_granted(path, grant_id, blocks, pinned, cached)  # type: ignore[arg-type]
         raise Timeout("no reply within 10 s")
 
     with Store.connect(cluster.master_address, TCP) as store:
@@ -246,11 +246,11 @@ def test_a_write_answered_exists_for_its_own_bytes_reports_stored(
     stored key is still EXISTS (with one more trip, to compare checksums)."""
     write_granted = DataPath.write_granted
 
-    def twice(path: DataPath, grant_id: int, blocks: list[Block], pinned: bool) -> object:
-        write_granted(path, grant_id, blocks, pinned)
+    def twice(path: DataPath, grant_id: int, blocks: list[Block], pinned: bool, cached: bool = False) -> object:
+        write_granted(path, grant_id, blocks, pinned, cached)
         # The same bytes again, further into the grant (a first attempt's extent is not free twice).
         again = [b._replace(offset=b.offset + 4096) for b in blocks]
-        return write_granted(path, grant_id, again, pinned)
+        return write_granted(path, grant_id, again, pinned, cached)
 
     with Store.connect(cluster.master_address, TCP) as store:
         assert store.put("twice-0", b"0" * 100) is PutStatus.STORED  # a grant in hand

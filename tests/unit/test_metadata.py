@@ -365,14 +365,17 @@ def test_grants_are_carved_committed_and_freed_without_handing_space_out_twice()
     code, _ = table.commit_granted("n", grant.grant_id, ["c"], [base + 4096], [64], [3], False)[0]
     assert code == InvalidArgument.code
     table.check()
-    # The grant ends: its daemon answers, the rest goes back; the committed blocks stay.
+    # The grant ends: until its daemon answers, it still takes the commits of blocks the daemon
+    # acknowledged (cached puts); then the rest goes back, the committed blocks stay, and no more
+    # commits are taken.
     assert table.expired_grants(2000) == {"n": [grant.grant_id]}
-    code, _ = table.commit_granted("n", grant.grant_id, ["d"], [base + 8192], [64], [3], False)[0]
-    assert code == GrantExpired.code
+    assert table.commit_granted("n", grant.grant_id, ["d"], [base + 8192], [64], [3], False) == [(PUT_STORED, "")]
     table.finish_end_grants("n", [grant.grant_id])
+    code, _ = table.commit_granted("n", grant.grant_id, ["e"], [base + 12288], [64], [3], False)[0]
+    assert code == GrantExpired.code
     table.check()
-    assert table.nodes["n"].alloc.used == 64 * 1024 + 4096 + 128
-    assert table.exists(["a", "b", "c", "d"]) == [True, True, False, False]
+    assert table.nodes["n"].alloc.used == 64 * 1024 + 4096 + 128 + 64
+    assert table.exists(["a", "b", "c", "d", "e"]) == [True, True, False, True, False]
 
 
 def test_a_read_holds_its_key_against_remove_and_eviction_for_hold_ms() -> None:

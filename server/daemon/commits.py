@@ -1,0 +1,210 @@
+"""The master's commits of ``cached`` puts: blocks this daemon acknowledged once they were checked
+and committed in its arena, told to the master after, many puts' commits in one request.
+
+A cached put is acknowledged before the master knows of it. What keeps it:
+
+- Its grant's space stays the daemon's until the commit is answered: each pending commit holds
+  its grant open (the server's ``hold`` / ``release``), and a grant's end waits for its holders, so
+  the master frees the space only after the commit (the master takes commits into a grant it is
+  ending, not into one it has ended).
+- A commit that cannot reach the master (a failover, a partition) is retried until it does, or
+  until this daemon registers again: the registration's inventory carries the block, and the
+  master adopts it from there (so the pending commit is dropped, counted as ``adopted``).
+- A commit the master refuses (another writer's block under the key, EXISTS; an extent it does
+  not take) drops the block here: the writer's put was acknowledged, but the store keeps the
+  other block. Counted in ``refused`` (``kvstore_daemon_cached_refused_total``).
+
+:meth:`Committer.flush` waits until every commit queued before it is done: a client's
+``Store.flush()`` (a prefill's hand-off to its decode) makes its cached puts visible that way.
+Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.errors import GrantExpired, KVStoreError, NotLeader, NotReady, RetryLater, Timeout
+from kvstore.keys import BlockKey
+from kvstore.protocol import PUT_EXISTS, PUT_STORED
+from kvstore.ratelog import RateLimitedLog
+
+log = logging.getLogger("kvstore.daemon")
+
+_RETRY = frozenset({GrantExpired.code, NotLeader.code, NotReady.code, RetryLater.code})
+"""Codes of a commit's answer worth another try: the master is busy or does not know the grant yet
+(a new leader before this daemon registered with it: the registration then carries the block)."""
+
+Commit = Callable[[int, list[BlockKey], list[int], list[int], list[int], bool], list[tuple[int, str]]]
+"""The master's commit of blocks written into a grant (MasterLink.commit_granted): per block (code, text)."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    seq: int
+    grant_id: int
+    keys: list[BlockKey]
+    offsets: list[int]
+    sizes: list[int]
+    checksums: list[int]
+    pinned: bool
+    registration: int
+    """The daemon's registrations when it was acknowledged: a later one carried it to the master."""
+    hold: object
+    """What holds its grant open (given back to ``release`` once done)."""
+
+
+class Committer:
+    def __init__(
+        self,
+        commit: Callable[[], Commit | None],
+        drop: Callable[[list[BlockKey]], object],
+        release: Callable[[object], None],
+        stop: threading.Event,
+    ) -> None:
+        self._commit = commit
+        self._registration = 0
+        """Registrations begun: an inventory taken after a block was acknowledged carries it."""
+        self._drop = drop
+        self._release = release
+        self._stop = stop
+        self._cond = threading.Condition()
+        self._queue: deque[_Pending] = deque()
+        self._pending: set[int] = set()
+        """Seqs queued or being committed."""
+        self._keys: Counter[BlockKey] = Counter()
+        """Keys of the commits queued or being made."""
+        self._seq = 0
+        self.committed = 0
+        self.refused = 0
+        self.adopted = 0
+        self._failures = RateLimitedLog(log)
+
+    def add(
+        self, grant_id: int, keys: list[BlockKey], offsets: list[int], sizes: list[int], checksums: list[int],
+        pinned: bool, hold: object = None,
+    ) -> None:  # fmt: skip
+        """Queue the commit of blocks acknowledged in grant ``grant_id``; ``hold`` (what holds the
+        grant open for it) goes back to ``release`` when the commit is done."""
+        with self._cond:
+            self._seq += 1
+            self._queue.append(_Pending(self._seq, grant_id, keys, offsets, sizes, checksums, pinned,
+                                        self._registration, hold))  # fmt: skip
+            self._pending.add(self._seq)
+            self._keys.update(keys)
+            self._cond.notify_all()
+
+    def holds(self, key: BlockKey) -> bool:
+        """Whether a commit of ``key`` is queued or being made (its block is not an orphan)."""
+        with self._cond:
+            return key in self._keys
+
+    def registering(self) -> None:
+        """A registration begins (before its inventory is taken, which carries every block
+        acknowledged so far): the commits queued are the master's to adopt from it, done now (their
+        grants released, so the registration's end of every grant does not wait for them)."""
+        with self._cond:
+            self._registration += 1
+            adopted = list(self._queue)
+            self._queue.clear()
+        self.adopted += sum(len(p.keys) for p in adopted)
+        self._done(adopted)
+
+    def pending(self) -> int:
+        with self._cond:
+            return sum(len(p.keys) for p in self._queue)
+
+    def flush(self, timeout_s: float) -> None:
+        """Return once every commit queued before this call is done; Timeout after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            upto = self._seq
+            while any(seq <= upto for seq in self._pending):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Timeout(f"cached puts' commits not answered by the master within {timeout_s:g} s")
+                self._cond.wait(left)
+
+    def run(self) -> None:
+        """The commit loop (under the daemon's supervisor): everything queued goes in one request per
+        grant; a failure to reach the master puts it back and waits a little."""
+        backoff = 0.01
+        while not self._stop.is_set():
+            with self._cond:
+                while not self._queue and not self._stop.is_set():
+                    self._cond.wait(0.5)
+                batch = list(self._queue)
+                self._queue.clear()
+            if not batch:
+                continue
+            failed = self._commit_all(batch)
+            if failed:
+                with self._cond:
+                    self._queue.extendleft(reversed(failed))
+                self._stop.wait(backoff)
+                backoff = min(2 * backoff, 0.5)
+            else:
+                backoff = 0.01
+
+    def _commit_all(self, batch: list[_Pending]) -> list[_Pending]:
+        """Commit ``batch`` (grouped by grant); the entries to try again."""
+        groups: dict[tuple[int, bool], list[_Pending]] = {}
+        for p in batch:
+            groups.setdefault((p.grant_id, p.pinned), []).append(p)
+        failed: list[_Pending] = []
+        for (grant_id, pinned), entries in groups.items():
+            registration = self._registration
+            adopted = [p for p in entries if p.registration < registration]
+            if adopted:  # a registration since carried them in its inventory
+                self.adopted += sum(len(p.keys) for p in adopted)
+                self._done(adopted)
+            entries = [p for p in entries if p.registration >= registration]
+            if not entries:
+                continue
+            commit = self._commit()
+            try:
+                if commit is None:
+                    raise KVStoreError("this daemon has no link to a master yet")
+                answers = commit(
+                    grant_id, [k for p in entries for k in p.keys], [o for p in entries for o in p.offsets],
+                    [s for p in entries for s in p.sizes], [c for p in entries for c in p.checksums], pinned,
+                )  # fmt: skip
+            except KVStoreError as exc:
+                self._failures.warning("cached-commit", "cached puts' commits to the master failed, retrying: %s", exc)
+                failed.extend(entries)
+                continue
+            keys = [k for p in entries for k in p.keys]
+            refused = [k for k, (code, _) in zip(keys, answers, strict=True) if code == PUT_EXISTS]
+            others = [(k, code, text) for k, (code, text) in zip(keys, answers, strict=True)
+                      if code not in (PUT_STORED, PUT_EXISTS)]  # fmt: skip
+            if others and all(code in _RETRY for _, code, _ in others):
+                # Not a refusal (the master is busy, or does not know this grant yet): again later.
+                retry = {k for k, _, _ in others}
+                again = [p for p in entries if any(k in retry for k in p.keys)]
+                failed.extend(again)
+                entries = [p for p in entries if p not in again]
+                self._failures.warning("cached-retry", "cached puts' commits to retry: %s", others[0][2])
+            else:
+                refused += [k for k, _, _ in others]
+                if others:
+                    log.warning("the master refused %d cached puts' commits: %s", len(others), others[0][2])
+            if refused:
+                self._drop(refused)
+                self.refused += len(refused)
+            self.committed += len(keys) - len(refused)
+            self._done(entries)
+        return failed
+
+    def _done(self, entries: list[_Pending]) -> None:
+        with self._cond:
+            for p in entries:
+                self._pending.discard(p.seq)
+                self._keys.subtract(p.keys)
+            self._keys = +self._keys  # the keys done leave
+            self._cond.notify_all()
+        for p in entries:
+            self._release(p.hold)
