@@ -592,7 +592,8 @@ class ClientConfig(_Frozen):
         description="When a put returns STORED. visible: every client's get finds the block. cached: the block is"
         " checked and committed in its daemon's arena, the master told after (a few ms; Store.flush() waits for"
         " it): this client reads it at once, others may miss it until then, never read other bytes. Only puts"
-        " into granted space (one replica, over the daemon's socket) are cached; the others are visible.",
+        " into granted space (one replica, over the daemon's socket) and not a tenant's are cached; the others"
+        " are visible.",
     )
     token: str | None = Field(
         default=None,

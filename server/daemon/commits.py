@@ -111,7 +111,7 @@ class Committer:
             self._registration += 1
             adopted = list(self._queue)
             self._queue.clear()
-        self.adopted += sum(len(p.keys) for p in adopted)
+        self._count(adopted=sum(len(p.keys) for p in adopted))
         self._done(adopted)
 
     def pending(self) -> int:
@@ -131,41 +131,64 @@ class Committer:
 
     def run(self) -> None:
         """The commit loop (under the daemon's supervisor): everything queued goes in one request per
-        grant; a failure to reach the master puts it back and waits a little."""
+        grant; what could not be committed goes back and waits a little."""
         backoff = 0.01
         while not self._stop.is_set():
             with self._cond:
                 while not self._queue and not self._stop.is_set():
                     self._cond.wait(0.5)
-                batch = list(self._queue)
-                self._queue.clear()
-            if not batch:
-                continue
-            failed = self._commit_all(batch)
-            if failed:
-                with self._cond:
-                    self._queue.extendleft(reversed(failed))
+            if self._round():
                 self._stop.wait(backoff)
                 backoff = min(2 * backoff, 0.5)
             else:
                 backoff = 0.01
 
+    def drain(self, timeout_s: float) -> None:
+        """Commit what is queued now, in this thread (a daemon leaving, its loop stopped); Timeout
+        when the master did not take it all within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue:
+            if time.monotonic() > deadline:
+                raise Timeout(f"{self.pending()} cached puts' commits not taken by the master in {timeout_s:g} s")
+            if self._round():
+                time.sleep(0.05)
+
+    def _round(self) -> bool:
+        """Commit everything queued; whether some of it must be tried again (put back in the queue)."""
+        with self._cond:
+            batch = list(self._queue)
+            self._queue.clear()
+        if not batch:
+            return False
+        try:
+            failed = self._commit_all(batch)
+        except BaseException:
+            with self._cond:  # whatever went wrong, what is not done goes back (the supervisor logs it)
+                self._queue.extendleft(reversed([p for p in batch if p.seq in self._pending]))
+            raise
+        if failed:
+            with self._cond:
+                self._queue.extendleft(reversed(failed))
+        return bool(failed)
+
     def _commit_all(self, batch: list[_Pending]) -> list[_Pending]:
-        """Commit ``batch`` (grouped by grant); the entries to try again."""
+        """Commit ``batch`` (grouped by grant); the entries to try again. An entry is done only
+        once every block of it is committed, adopted or refused (and dropped here)."""
         groups: dict[tuple[int, bool], list[_Pending]] = {}
         for p in batch:
             groups.setdefault((p.grant_id, p.pinned), []).append(p)
         failed: list[_Pending] = []
         for (grant_id, pinned), entries in groups.items():
-            registration = self._registration
+            with self._cond:
+                registration = self._registration
             adopted = [p for p in entries if p.registration < registration]
             if adopted:  # a registration since carried them in its inventory
-                self.adopted += sum(len(p.keys) for p in adopted)
+                self._count(adopted=sum(len(p.keys) for p in adopted))
                 self._done(adopted)
             entries = [p for p in entries if p.registration >= registration]
+            commit = self._commit()
             if not entries:
                 continue
-            commit = self._commit()
             try:
                 if commit is None:
                     raise KVStoreError("this daemon has no link to a master yet")
@@ -173,31 +196,36 @@ class Committer:
                     grant_id, [k for p in entries for k in p.keys], [o for p in entries for o in p.offsets],
                     [s for p in entries for s in p.sizes], [c for p in entries for c in p.checksums], pinned,
                 )  # fmt: skip
+                keys = [k for p in entries for k in p.keys]
+                codes = {k: (code, text) for k, (code, text) in zip(keys, answers, strict=True)}
+                retry = {k for k, (code, _) in codes.items() if code in _RETRY}
+                refused = [k for k, (code, _) in codes.items() if code != PUT_STORED and code not in _RETRY]
+                if refused:
+                    self._drop(refused)  # NotReady while a registration runs: all of it again later
             except KVStoreError as exc:
                 self._failures.warning("cached-commit", "cached puts' commits to the master failed, retrying: %s", exc)
                 failed.extend(entries)
                 continue
-            keys = [k for p in entries for k in p.keys]
-            refused = [k for k, (code, _) in zip(keys, answers, strict=True) if code == PUT_EXISTS]
-            others = [(k, code, text) for k, (code, text) in zip(keys, answers, strict=True)
-                      if code not in (PUT_STORED, PUT_EXISTS)]  # fmt: skip
-            if others and all(code in _RETRY for _, code, _ in others):
-                # Not a refusal (the master is busy, or does not know this grant yet): again later.
-                retry = {k for k, _, _ in others}
-                again = [p for p in entries if any(k in retry for k in p.keys)]
-                failed.extend(again)
-                entries = [p for p in entries if p not in again]
-                self._failures.warning("cached-retry", "cached puts' commits to retry: %s", others[0][2])
-            else:
-                refused += [k for k, _, _ in others]
-                if others:
-                    log.warning("the master refused %d cached puts' commits: %s", len(others), others[0][2])
             if refused:
-                self._drop(refused)
-                self.refused += len(refused)
-            self.committed += len(keys) - len(refused)
-            self._done(entries)
+                other = next((codes[k] for k in refused if codes[k][0] != PUT_EXISTS), None)
+                why = other[1] if other is not None else "another block is under their keys"
+                log.warning("the master refused %d cached puts' commits (dropped here): %s", len(refused), why)
+            again = [p for p in entries if not retry.isdisjoint(p.keys)]
+            if again:  # the master busy, or not knowing the grant yet (a registration will carry it)
+                self._failures.warning("cached-retry", "cached puts' commits to retry: %s",
+                                       next(codes[k][1] for k in retry))  # fmt: skip
+                failed.extend(again)
+            finished = [p for p in entries if retry.isdisjoint(p.keys)]
+            dropped = set(refused)
+            self._count(committed=sum(1 for p in finished for k in p.keys if k not in dropped), refused=len(refused))
+            self._done(finished)
         return failed
+
+    def _count(self, committed: int = 0, refused: int = 0, adopted: int = 0) -> None:
+        with self._cond:
+            self.committed += committed
+            self.refused += refused
+            self.adopted += adopted
 
     def _done(self, entries: list[_Pending]) -> None:
         with self._cond:

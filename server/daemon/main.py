@@ -12,7 +12,7 @@ from types import FrameType
 
 from kvstore.auth import secret_from
 from kvstore.config import DaemonConfig, format_size
-from kvstore.errors import ConfigError, ResourceShortage
+from kvstore.errors import ConfigError, KVStoreError, ResourceShortage
 from kvstore.resources import allocated, check_dram, check_ssd
 from kvstore.tiers.dram import DramArena, arena_path, arena_size, capacity_within
 from server.daemon.master_link import MasterLink
@@ -148,6 +148,8 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
 
         def leave() -> None:
             server.stop()  # nothing is served any more: then the master forgets the node
+            with contextlib.suppress(KVStoreError):
+                server.committer.drain(config.io_timeout_s)  # its acknowledged puts first
             link.leave()
 
         undo.callback(leave)

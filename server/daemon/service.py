@@ -109,6 +109,9 @@ class _Grant:
     receivers: set[socket.socket] = field(default_factory=set)
     active: int = 0
     """Writes in flight into it."""
+    cached: int = 0
+    """Cached puts acknowledged in it whose commit the master has not answered: the master ends the
+    grant (and frees its space) only after them."""
     closed: bool = False
     owner: str = ""
     """The tenant the master granted it to ("" without tenants)."""
@@ -498,21 +501,26 @@ class DaemonServer:
                 raise InvalidArgument(f"grant {msg.grant_id} is open here for another extent")
         self._command(sock, request_id, [True])
 
-    def end_grants(self, grant_ids: Sequence[int], wait_s: float | None = None) -> list[bool]:
-        """Take no more writes into ``grant_ids``; cut those receiving and wait until none is in flight."""
+    def end_grants(self, grant_ids: Sequence[int], wait_s: float | None = None, cached: bool = True) -> list[bool]:
+        """Take no more writes into ``grant_ids``; cut those receiving and wait until none is in flight
+        (and, with ``cached``, until the master answered the commits of the cached puts in them)."""
+
+        def idle(g: _Grant) -> bool:
+            return g.active == 0 and (not cached or g.cached == 0)
+
         with self._grants_cond:
             grants = [g for i in grant_ids if (g := self._grants.get(i)) is not None]
             for grant in grants:
                 grant.closed = True
             # Writes in flight finish first (their connections carry other requests too); only a
             # writer that stalls is cut off.
-            done = self._grants_cond.wait_for(lambda: all(g.active == 0 for g in grants), 2.0)
+            done = self._grants_cond.wait_for(lambda: all(idle(g) for g in grants), 2.0)
             if not done:
                 for grant in grants:
                     for sock in grant.receivers:
                         cut(sock)
                 done = self._grants_cond.wait_for(
-                    lambda: all(g.active == 0 for g in grants), self.io_timeout if wait_s is None else wait_s
+                    lambda: all(idle(g) for g in grants), self.io_timeout if wait_s is None else wait_s
                 )
             if not done:
                 raise Timeout("writes into ending grants did not stop in time")
@@ -527,13 +535,14 @@ class DaemonServer:
         with self._grants_cond:
             ids = list(self._grants)
         with contextlib.suppress(Timeout):
-            self.end_grants(ids)
+            # Not for cached puts' commits: what they committed here the inventory carries.
+            self.end_grants(ids, cached=False)
 
     def _release_grant(self, grant: object) -> None:
         """A cached put's commit is done: its grant may end (:meth:`end_grants` waits for it)."""
         if isinstance(grant, _Grant):
             with self._grants_cond:
-                grant.active -= 1
+                grant.cached -= 1
                 self._grants_cond.notify_all()
 
     def _flush_commits(self, msg: FlushCommits, sock: socket.socket, request_id: int) -> None:
@@ -602,7 +611,9 @@ class DaemonServer:
             raise
         self.count("tcp", self._rail(sock), "in", sum(msg.sizes))
         verified = batch.verify()
-        if msg.cached and self.master is not None:
+        # A tenant's puts are always visible: its quota and caps are checked at the commit, and a put
+        # acknowledged before that could not be refused after without losing it.
+        if msg.cached and self.master is not None and self.gate.identity(sock).tenant is None:
             self._acknowledge_cached(msg, keys, todo, batch, verified, codes, texts)
             send_message(sock, PutReply(codes, texts), request_id)
             return
@@ -662,7 +673,7 @@ class DaemonServer:
         with self._grants_cond:
             grant = self._grants.get(msg.grant_id)
             if grant is not None:
-                grant.active += 1  # released by the committer once the master answered
+                grant.cached += 1  # released by the committer once the master answered
         self.committer.add(
             msg.grant_id, [keys[i] for i in done], [msg.offsets[i] for i in done], [msg.sizes[i] for i in done],
             [msg.checksums[i] for i in done], msg.pinned, grant,
