@@ -164,7 +164,7 @@ def test_concurrent_puts_stay_within_the_quota_and_never_evict_another_tenant(cl
 
     def attack(tag: str) -> tuple[int, list[str]]:
         """(bytes reserved, refusals' texts) of 16 concurrent PutStarts of 8 x 1 MiB."""
-        barrier, granted, refused = threading.Barrier(16), [], []
+        barrier, answered, granted, refused = threading.Barrier(16), threading.Barrier(16), [], []
 
         def one(n: int) -> None:
             keys = [f"crowd-{tag}-{n}-{i}" for i in range(8)]
@@ -174,7 +174,9 @@ def test_concurrent_puts_stay_within_the_quota_and_never_evict_another_tenant(cl
                 send_message(sock, PutStart(keys, [size] * 8, 1, None, False), next(REQUEST_IDS))
                 reply = recv_message(sock)[1]
                 assert isinstance(reply, PutStartReply), reply
-                # Given up at once: what was reserved leaves the quota for the next attack.
+                # Given up once all have their answers (a revoke before that would give its room to
+                # a request still being placed): what was reserved leaves the quota for the next attack.
+                answered.wait(30)
                 send_message(sock, PutRevoke(keys), next(REQUEST_IDS))
                 assert recv_message(sock)[1] == OkReply()
             granted.append(sum(size for t in reply.tickets() if t.status == "ok"))
