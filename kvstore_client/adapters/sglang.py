@@ -228,7 +228,9 @@ class KVStoreHiCache(HiCacheStorage):
             raise InvalidArgument("KVStoreHiCache needs extra_config.master (or $KVSTORE_MASTER)")
         self.config = storage_config
         self.zero_copy = bool(extra.get("interface_v1", 0))
-        self.store = Store.connect(str(master), ClientConfig(timeout_s=float(extra.get("timeout_s", 10.0))))
+        # Saves acknowledged by their daemon (other instances find a page a few ms later); "visible": by the master.
+        config = ClientConfig(timeout_s=float(extra.get("timeout_s", 10.0)), put_mode=extra.get("put_mode", "cached"))
+        self.store = Store.connect(str(master), config)
         self.mem_pool_host: Any = None
         self._kind: PoolKind | None = None
         self._tag: str | None = None

@@ -48,7 +48,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -160,6 +160,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.master = str(master)
         self.timeout_s = float(extra.get("timeout_s", 5.0))
         self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 1.0))
+        put_mode = extra.get("put_mode", "cached")
+        if put_mode not in ("visible", "cached"):
+            raise InvalidArgument(f'kv_connector_extra_config.put_mode is "visible" or "cached", not {put_mode!r}')
+        self.put_mode: Literal["visible", "cached"] = put_mode
+        """Saves are acknowledged by the daemon ("cached", the default: the saver thread is not held by
+        the master's commit; other engines find a block a few ms later) or by the master ("visible")."""
         self.load_async = bool(extra.get("load_async", False))
         self.layerwise = bool(extra.get("layerwise", True)) and not self.load_async
         self.max_pending_save_blocks = int(extra.get("max_pending_save_blocks", 512))
@@ -237,7 +243,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         with self._store_lock:
             if self._store is None:
                 timeout = self.lookup_timeout_s if self._role == KVConnectorRole.SCHEDULER else self.timeout_s
-                self._store = Store.connect(self.master, ClientConfig(timeout_s=timeout))
+                self._store = Store.connect(self.master, ClientConfig(timeout_s=timeout, put_mode=self.put_mode))
             return self._store
 
     @property
@@ -594,11 +600,20 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def flush_saves(self, timeout_s: float | None = None) -> bool:
-        """Wait (up to ``timeout_s``, default the store timeout) until every queued save has been put;
-        returns whether they all were."""
+        """Wait (up to ``timeout_s``, default the store timeout) until every queued save has been put
+        and is visible to every engine (``Store.flush``); returns whether they all were."""
         limit = self.timeout_s if timeout_s is None else timeout_s
         with self._saved:
-            return self._saved.wait_for(lambda: self._pending_save_blocks == 0, limit)
+            if not self._saved.wait_for(lambda: self._pending_save_blocks == 0, limit):
+                return False
+        if self._store is None:
+            return True
+        try:
+            self._store.flush()
+        except KVStoreError as exc:
+            log.warning("flushing saved KV blocks failed: %s", exc)
+            return False
+        return True
 
     def shutdown(self) -> None:
         if self._saver is not None:
