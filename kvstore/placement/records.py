@@ -449,7 +449,7 @@ class TierLRU:
         r_stamp, r_lru, r_slot, size, state = rec.r_stamp, rec.r_lru, rec.r_slot, rec.size, rec.state
         first = rec.stamp + 1
         rec.stamp += len(rows)
-        total = pinned_bytes = 0
+        total = 0
         pinned: list[int] = []
         for stamp, row in enumerate(rows, first):
             assert not r_lru[row]
@@ -459,24 +459,17 @@ class TierLRU:
             total += size[slot]
             if state[slot] & PINNED:
                 pinned.append(row)
-                pinned_bytes += size[slot]
         self._len += len(rows)
         self.total_bytes += total
         self.num_pinned += len(pinned)
         if pinned:
             self._pinned.update(pinned)
             kept = set(pinned)
-            logged = [(s, r) for s, r in enumerate(rows, first) if r not in kept]
+            self._by_owner([(s, r) for s, r in enumerate(rows, first) if r not in kept], new=True)
         elif (who := self._one_owner(rows) if rec.owners_used else 0) >= 0:
             self._logged(self._log(who), range(first, first + len(rows)), rows, len(rows), total)
-            return
         else:
-            logged = list(enumerate(rows, first))
-        if rec.owners_used:
-            self._by_owner(logged, new=True)
-        else:
-            stamps, kept_rows = [s for s, _ in logged], [r for _, r in logged]
-            self._logged(self._logs[0], stamps, kept_rows, len(logged), total - pinned_bytes)
+            self._by_owner(list(enumerate(rows, first)), new=True)
 
     def touch_rows(self, rows: list[int]) -> None:
         """:meth:`touch_row` of each of ``rows`` (all in this LRU), in order."""

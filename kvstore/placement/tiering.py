@@ -39,29 +39,23 @@ class Tiering:
         self.catalog = catalog
         self.policy = policy
 
-    def dram_view(self, node: NodeState, used: int, owner: str = "") -> TierView[str]:
+    def dram_view(self, node: NodeState, used: int, owner: int | None = None) -> TierView[str]:
         """The node's DRAM tier as the policy sees it, with ``used`` bytes in use; its victims only
-        ``owner``'s when a tenant asks (:meth:`scope`)."""
+        ``owner``'s (:meth:`_owner_id`) when a tenant asks."""
         leased = self.catalog.leases.leased_keys(node.node_id, DRAM)
-        return TierView(node.alloc.capacity, used, self._victims(node.dram_lru, owner), leased)
+        return TierView(node.alloc.capacity, used, _victims(node.dram_lru, owner), leased)
 
-    def ssd_view(self, node: NodeState, owner: str = "") -> TierView[str] | None:
+    def ssd_view(self, node: NodeState, owner: int | None = None) -> TierView[str] | None:
         """The node's SSD tier as the policy sees it, counting evictions in flight; None without SSD."""
         if not node.ssd_capacity:
             return None
         leased = self.catalog.leases.leased_keys(node.node_id, SSD)
-        return TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, self._victims(node.ssd_lru, owner), leased)
+        return TierView(node.ssd_capacity, node.ssd_used + node.ssd_delta, _victims(node.ssd_lru, owner), leased)
 
-    def _owner_id(self, owner: str) -> int:
-        # A tenant with no key yet has no log: it has nothing to evict (-1 is no owner's id).
-        return self.catalog.rec.owner_ids.get(owner, -1)
-
-    def _share(self, node: NodeState, owner: str) -> tuple[float, float]:
-        """The part of the node's evictable DRAM (bytes, blocks) that ``owner``'s (1 for "": all)."""
-        return node.dram_lru.share(self._owner_id(owner)) if owner else (1.0, 1.0)
-
-    def _victims(self, lru: TierLRU, owner: str) -> Victims[str]:
-        return lru.of(self._owner_id(owner)) if owner else lru
+    def _owner_id(self, tenant: str) -> int | None:
+        """The LRU owner whose blocks a request of ``tenant`` may evict: None for any ("": no tenant);
+        -1 for a tenant with no key yet (it has no log: nothing to evict)."""
+        return self.catalog.rec.owner_ids.get(tenant, -1) if tenant else None
 
     def reserve_many(self, node: NodeState, sizes: list[int]) -> list[int] | None:
         """Extents (their offsets) for all of ``sizes`` on ``node`` at once when they fit with no eviction (below
@@ -90,23 +84,24 @@ class Tiering:
         """
         # Bytes that evictions in flight will free count as free already, so nothing is evicted for them twice.
         dram_used = node.alloc.used - node.dram_freeing
+        who = self._owner_id(owner)
         over = self.policy.over_high_watermark(dram_used + size, node.alloc.capacity)
         if node.max_blocks and node.alloc.num_extents >= node.max_blocks:
             # Every slot of the arena's index is taken: room comes only from evicting blocks.
             if node.inflight:
                 return None, False  # evictions in flight will free slots; the put waits for them
-            view = self.dram_view(node, dram_used, owner)
-            actions = self.policy.make_slots(view, self.ssd_view(node, owner), node.alloc.num_extents,
-                                             node.max_blocks, headroom=self._share(node, owner)[1])  # fmt: skip
+            view = self.dram_view(node, dram_used, who)
+            actions = self.policy.make_slots(view, self.ssd_view(node, who), node.alloc.num_extents,
+                                             node.max_blocks, headroom=_share(node, who)[1])  # fmt: skip
             commands.extend(self.start_actions(node, actions))
             return None, bool(actions)
         extent = node.alloc.alloc(size)
         if extent is not None and not over:
             return extent, False
-        view = self.dram_view(node, dram_used + (size if extent is not None else 0), owner)
-        ssd = self.ssd_view(node, owner)
+        view = self.dram_view(node, dram_used + (size if extent is not None else 0), who)
+        ssd = self.ssd_view(node, who)
         incoming, force = (0, 0) if extent is not None else (size, size)  # a found extent is in ``used`` already
-        actions = self.policy.make_room(view, ssd, incoming, force_bytes=force, headroom=self._share(node, owner)[0])
+        actions = self.policy.make_room(view, ssd, incoming, force_bytes=force, headroom=_share(node, who)[0])
         commands.extend(self.start_actions(node, actions))
         return extent, bool(actions)
 
@@ -220,3 +215,14 @@ class Tiering:
             replica.extent = None
             if not entry.removing:
                 node.ssd_lru.insert_row(replica.row)
+
+
+def _victims(lru: TierLRU, owner: int | None) -> Victims[str]:
+    """What a policy may evict of ``lru``: all of it (None), or one owner's blocks."""
+    return lru if owner is None else lru.of(owner)
+
+
+def _share(node: NodeState, owner: int | None) -> tuple[float, float]:
+    """``owner``'s part of the node's evictable DRAM (bytes, blocks): its share of the headroom; all
+    of it for None."""
+    return (1.0, 1.0) if owner is None else node.dram_lru.share(owner)

@@ -96,6 +96,26 @@ _MASTER_COMMANDS: frozenset[type[Message]] = frozenset(
 """What only a master sends: refused on a connection whose master is older than the latest epoch."""
 
 
+def _answer(
+    keys: Sequence[BlockKey], todo: Sequence[int], outcome: Sequence[KVStoreError | None], verified: Sequence[bool],
+    answer: Callable[[int], tuple[int, str]], codes: list[int], texts: list[str],
+) -> None:  # fmt: skip
+    """A PutReply's code and text for each block ``todo[j]`` of a write into a grant: the error that
+    refused its local commit, CorruptBlock when its bytes failed their checksum, else ``answer(j)``
+    (the master's, or STORED for a cached put)."""
+    for j, i in enumerate(todo):
+        err = outcome[j]
+        if err is not None:
+            codes[i], texts[i] = err.code, str(err)
+        elif not verified[j]:
+            codes[i], texts[i] = (
+                CorruptBlock.code,
+                f"block {keys[i]!r} arrived with another checksum than the writer said",
+            )
+        else:
+            codes[i], texts[i] = answer(j)
+
+
 @dataclass(slots=True)
 class _Grant:
     """Arena space the master granted a client: writes land only inside it, never twice in one place."""
@@ -633,19 +653,7 @@ class DaemonServer:
         told = dict(zip(ask, answers, strict=True))
         accept = [told.get(j, (-1, ""))[0] == PUT_STORED for j in range(len(todo))]
         outcome = batch.finish(accept)
-        for j, i in enumerate(todo):
-            code, text = told.get(j, (-1, ""))
-            if outcome[j] is not None:
-                err = outcome[j]
-                assert err is not None
-                codes[i], texts[i] = err.code, str(err)
-            elif j not in told:
-                codes[i], texts[i] = (
-                    CorruptBlock.code,
-                    f"block {keys[i]!r} arrived with another checksum than the writer said",
-                )
-            else:
-                codes[i], texts[i] = code, text
+        _answer(keys, todo, outcome, verified, told.__getitem__, codes, texts)
         send_message(sock, PutReply(codes, texts), request_id)
 
     def _acknowledge_cached(
@@ -655,19 +663,8 @@ class DaemonServer:
         """A cached put's blocks, checked: committed here and answered STORED now, their commit to
         the master queued (the grant held open until it is done)."""
         outcome = batch.finish(verified)
-        done: list[int] = []
-        for j, i in enumerate(todo):
-            err = outcome[j]
-            if err is not None:
-                codes[i], texts[i] = err.code, str(err)
-            elif not verified[j]:
-                codes[i], texts[i] = (
-                    CorruptBlock.code,
-                    f"block {keys[i]!r} arrived with another checksum than the writer said",
-                )
-            else:
-                codes[i] = PUT_STORED
-                done.append(i)
+        _answer(keys, todo, outcome, verified, lambda j: (PUT_STORED, ""), codes, texts)
+        done = [i for j, i in enumerate(todo) if outcome[j] is None and verified[j]]
         if not done:
             return
         with self._grants_cond:
