@@ -18,6 +18,10 @@ def test_node_store_bench_prints_every_line(capsys: pytest.CaptureFixture[str]) 
     for line in lines:
         if line["op"] != "alloc_free":
             assert line["GBps"] > 0 and line["baseline_GBps"] > 0 and line["ops"] > 0
-            assert line["ratio"] == pytest.approx(line["GBps"] / line["baseline_GBps"], rel=0.05)
+            # The ratio, GBps and its baseline are each printed to 3 decimals: within 5%, once each is
+            # widened by its rounding (0.0005: 8% of a slow machine's 0.006).
+            low = (line["GBps"] - 5e-4) / (line["baseline_GBps"] + 5e-4)
+            high = (line["GBps"] + 5e-4) / max(line["baseline_GBps"] - 5e-4, 1e-9)
+            assert 0.95 * low <= line["ratio"] + 5e-4 and line["ratio"] - 5e-4 <= 1.05 * high, line
     alloc = next(line for line in lines if line["op"] == "alloc_free")
     assert alloc["pairs_per_s"] > 0 and 0 < alloc["utilization_first_failure_min"] <= 1
