@@ -35,6 +35,7 @@ from kvstore.policy import EvictionPolicy
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.aio import AsyncStore
 from kvstore_client.store import Store
+from transfer import native
 
 SIZES = [4 * 1024, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024]
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "run.sh"
@@ -376,9 +377,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"also the same rows with each of these off and on (cluster_V lines): {', '.join(SECURITY)}; 'no': none",
     )  # fmt: skip
     parser.add_argument("--security-only", action="store_true", help="only the --security comparisons")
+    parser.add_argument("--no-native", action="store_true", help="the pure-Python data-plane loops (client and"
+                        " daemon), not the native ones; every row says which ran (\"native\")")  # fmt: skip
     parser.add_argument("--put-modes", default="visible,cached", help="put rows in each of these modes (visible:"
                         " the master knows the block when put returns; cached: the daemon tells it after)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.no_native:
+        native.use(False)  # here and in the cluster's processes
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     total = parse_size(args.total)
@@ -389,10 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--security: unknown {sorted(unknown)}; there are {list(SECURITY)} and 'no'")
 
+    def emit(line: dict[str, Any]) -> None:
+        print(json.dumps({**line, "native": native.NATIVE}), flush=True)
+
     def compare() -> None:
         for variant in variants:
             for line in bench_security(variant, security_cases, total, args.dram):
-                print(json.dumps(line), flush=True)
+                emit(line)
 
     if args.security_only:
         compare()
@@ -415,11 +423,11 @@ def main(argv: list[str] | None = None) -> int:
                             if line["op"] == "get" and mode != modes[0]:
                                 continue  # the same gets: one row
                             ours.append(line)
-                            print(json.dumps(line), flush=True)
-            print(json.dumps(bench_exists(store, raw, cpu)), flush=True)
-            print(json.dumps(bench_async_gets(cluster.master_address, config, cpu)), flush=True)
+                            emit(line)
+            emit(bench_exists(store, raw, cpu))
+            emit(bench_async_gets(cluster.master_address, config, cpu))
             for line in bench_match_prefix(store, args.match_keys):
-                print(json.dumps(line), flush=True)
+                emit(line)
         finally:
             cached.close()
             raw.close()

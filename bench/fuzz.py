@@ -12,7 +12,9 @@ token) and two daemons as processes on loopback, stores reference blocks, then s
 - **garbled frames**: valid frames with bytes flipped, cut short, or with a lying length, and
   plain random bytes, each on a connection of its own;
 - **admin requests**: every operation of the OpenAPI document with random path parameters,
-  queries and bodies, with the token, without it, with a wrong one and one of raw bytes.
+  queries and bodies, with the token, without it, with a wrong one and one of raw bytes;
+- **the native loops** (target ``native``, one input in twenty): :mod:`bench.fuzz_native`'s
+  streams through the extension and the pure-Python fallback, which must agree.
 
 With ``--auth`` the cluster authenticates: half the RPC inputs go on connections authenticated as
 a tenant (every kind, internal ones included, which it must be refused), half before any
@@ -48,6 +50,7 @@ from typing import Any
 
 import msgspec
 
+from bench.fuzz_native import fuzz as fuzz_native
 from kvstore.auth import Credential, tenant_credential
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError
@@ -487,6 +490,9 @@ def run(inputs: int, seed: int, emit: Callable[[dict[str, Any]], None], auth: bo
                   "rate": round(t.inputs / t.seconds) if t.seconds else 0})  # fmt: skip
         admin = fuzz_http(cluster.admin_address, http_n, rng)
         emit({"bench": "fuzz", **admin})
+        # The native loops the daemons ran the frames above through, against the fallback: 1 in 20.
+        loops = fuzz_native(max(inputs // 20, 1), seed)
+        emit({"bench": "fuzz", **loops})
         health = check_health(cluster, reference, config)
         unhandled = _unhandled(cluster)
         summary = {
@@ -496,7 +502,8 @@ def run(inputs: int, seed: int, emit: Callable[[dict[str, Any]], None], auth: bo
             "unhandled": len(unhandled), "unhandled_examples": unhandled[:5], "http_5xx": admin["http_5xx"],
             "healthy_after": health["healthy"], "reference_exact": health["reference_exact"],
             "reference_missing": health["reference_missing"], "reference_wrong": len(health["wrong"]),
-            "seed": seed,
+            "seed": seed, "native": loops["native"], "native_inputs": loops["inputs"],
+            "native_mismatches": loops["mismatches"],
         }  # fmt: skip
         if "after_error" in health:
             summary["after_error"] = health["after_error"]

@@ -13,9 +13,12 @@ import ssl
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from types import ModuleType
 
 from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout
+from kvstore.keys import checksum
 from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, Message, decode_payload, encode
+from transfer import native
 
 # sendmsg takes at most IOV_MAX buffers per call.
 _IOV_MAX = 1024
@@ -75,6 +78,14 @@ def connect(address: str, timeout: float) -> socket.socket:
     return sock
 
 
+def _loops(sock: socket.socket) -> ModuleType | None:
+    """The native loops, when they may drive ``sock`` (a plain blocking socket with kernel timeouts,
+    see :func:`set_timeouts`); None for TLS, a Python-level timeout, or no native part loaded."""
+    if type(sock) is socket.socket and sock.gettimeout() is None:
+        return native.lib
+    return None
+
+
 def _advance(views: list[memoryview], n: int) -> None:
     """Drop the first ``n`` bytes of a list of buffers: whole ones, then the head of a partly done one."""
     done = 0
@@ -96,6 +107,9 @@ _COALESCE = 64 * 1024
 def send_all(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
     """Send every buffer, in order, with scatter-gather and no copies (over TLS, which has no
     scatter-gather: small ones joined, large ones one call each)."""
+    if (loops := _loops(sock)) is not None:
+        loops.send_buffers(sock.fileno(), buffers)
+        return
     views = [memoryview(b).cast("B") if not isinstance(b, memoryview) else b for b in buffers if len(b)]
     if isinstance(sock, ssl.SSLSocket):
         if sum(v.nbytes for v in views) <= _COALESCE:
@@ -140,11 +154,23 @@ def recv_all_into(sock: socket.socket, views: Sequence[memoryview]) -> None:
 _SCRATCH = 1 << 20
 
 
-def recv_parts(sock: socket.socket, parts: Sequence[memoryview | int]) -> None:
+def recv_parts(sock: socket.socket, parts: Sequence[memoryview | int], sums: bool = False) -> list[int | None]:
     """Receive, in order, into each view of ``parts``, and drop the number of bytes each int says
     (a payload read only to keep the stream in step). Views in a row go in one scatter receive;
     dropped bytes pass through one scratch buffer of at most 1 MiB, so what is held never depends
-    on a size the sender named."""
+    on a size the sender named. With ``sums``: each view's checksum (:func:`kvstore.keys.checksum`;
+    None for a dropped run), which the native loops compute as the bytes land; else []."""
+    if (loops := _loops(sock)) is not None:
+        try:
+            got: list[int | None] = loops.recv_parts(sock.fileno(), parts, sums) or []
+        except EOFError as exc:
+            raise ConnectionFailed(str(exc)) from None
+        return got
+    _recv_parts(sock, parts)
+    return [None if isinstance(p, int) else checksum(p) for p in parts] if sums else []
+
+
+def _recv_parts(sock: socket.socket, parts: Sequence[memoryview | int]) -> None:
     run: list[memoryview] = []
     scratch: memoryview | None = None
     for part in parts:
@@ -199,17 +225,30 @@ def recv_message(
 
     ``hold``, given the length of a frame too large to come in one receive, counts it against
     a budget before any of it is read (raising to refuse it) and returns what gives it back."""
-    try:
-        header = sock.recv(FRAME_HEADER.size)
-    except (BlockingIOError, TimeoutError):  # the kernel's timeout; a TLS socket's own
-        raise NoRequest() from None
-    if not header:
-        raise ConnectionFailed("peer closed the connection")
-    if len(header) < FRAME_HEADER.size:
-        header += _recv_bytes(sock, FRAME_HEADER.size - len(header))
-    (length,) = FRAME_HEADER.unpack(header)
-    if length > max_frame:
-        raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_frame}")
+    if (loops := _loops(sock)) is not None:
+        try:
+            got = loops.recv_frame(sock.fileno(), max_frame, _EAGER_FRAME)
+        except EOFError as exc:
+            raise ConnectionFailed(str(exc)) from None
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        if got is None:
+            raise NoRequest()
+        if not isinstance(got, int):
+            return decode_payload(got)
+        length = got
+    else:
+        try:
+            header = sock.recv(FRAME_HEADER.size)
+        except (BlockingIOError, TimeoutError):  # the kernel's timeout; a TLS socket's own
+            raise NoRequest() from None
+        if not header:
+            raise ConnectionFailed("peer closed the connection")
+        if len(header) < FRAME_HEADER.size:
+            header += _recv_bytes(sock, FRAME_HEADER.size - len(header))
+        (length,) = FRAME_HEADER.unpack(header)
+        if length > max_frame:
+            raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_frame}")
     if length <= _EAGER_FRAME:
         # One receive for a frame that came whole (most do): bytes straight from the call, no copies.
         payload = sock.recv(length) if length else b""

@@ -490,11 +490,12 @@ class DaemonServer:
             raise ConnectionFailed(f"WriteBlocks: {exc}") from None
         try:
             with self.receivers.receiving(sock, keys):
-                recv_parts(sock, keep_or_drop(batch.targets, msg.sizes))  # one scatter receive for the batch
+                sums = recv_parts(sock, keep_or_drop(batch.targets, msg.sizes), sums=True)  # one scatter receive
         except BaseException:
             batch.abort()
             raise
         self.count("tcp", self._rail(sock), "in", sum(msg.sizes))
+        batch.verify(sums)
         self._write_reply(sock, request_id, batch.finish())
 
     # -- one-trip puts: writes into space the master granted -----------------------------------
@@ -625,12 +626,12 @@ class DaemonServer:
             targets.append(next(at) if i in wanted else NO_TARGET)
         try:
             with self.receivers.receiving(sock, [keys[i] for i in todo]):
-                recv_parts(sock, keep_or_drop(targets, msg.sizes))
+                sums = recv_parts(sock, keep_or_drop(targets, msg.sizes), sums=True)  # checked as they land
         except BaseException:
             batch.abort()
             raise
         self.count("tcp", self._rail(sock), "in", sum(msg.sizes))
-        verified = batch.verify()
+        verified = batch.verify([sums[i] for i in todo])
         # A tenant's puts are always visible: its quota and caps are checked at the commit, and a put
         # acknowledged before that could not be refused after without losing it.
         if msg.cached and self.master is not None and self.gate.identity(sock).tenant is None:

@@ -154,10 +154,15 @@ class WriteBatch:
                 [(k, r) for k, r in zip(self._keys, self._reserved, strict=True) if isinstance(r, memoryview)]
             )
 
-    def verify(self) -> list[bool]:
+    def verify(self, sums: Sequence[int | None] = ()) -> list[bool]:
         """Per block, whether its bytes arrived whole and match the writer's checksum (blocks already
-        stored exactly so count as verified; refused ones do not). Outside any lock."""
-        self._sums = [checksum(r) if isinstance(r, memoryview) else None for r in self._reserved]
+        stored exactly so count as verified; refused ones do not). Outside any lock. ``sums``: the
+        checksums of the targets, computed as they were received (:func:`transfer.wire.recv_parts`)."""
+        given = list(sums) or [None] * len(self._reserved)
+        self._sums = [
+            (checksum(r) if s is None else s) if isinstance(r, memoryview) else None
+            for r, s in zip(self._reserved, given, strict=True)
+        ]
         return [
             (s == c) if isinstance(r, memoryview) else r is None
             for r, s, c in zip(self._reserved, self._sums, self._checksums, strict=True)

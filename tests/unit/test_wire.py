@@ -11,6 +11,7 @@ import pytest
 
 from kvstore.errors import ConnectionFailed, InvalidArgument, ProtocolError, Timeout
 from kvstore.protocol import FRAME_HEADER, ReadBlocks, ReadReply, Stats, StatsReply, encode
+from transfer import native
 from transfer.rpc import Connection
 from transfer.wire import (
     NoRequest,
@@ -24,6 +25,14 @@ from transfer.wire import (
     send_message,
     set_timeouts,
 )
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def _loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here runs through the native loops and through the pure-Python fallback."""
+    if request.param == "native" and not native.NATIVE:
+        pytest.skip(f"the native part is not loaded ({native.reason})")
+    monkeypatch.setattr(native, "lib", native.lib if request.param == "native" else None)
 
 
 def test_scatter_send_and_receive_of_many_uneven_buffers() -> None:
