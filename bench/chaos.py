@@ -42,7 +42,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +107,11 @@ async def _maybe(value: Any) -> Any:
     return await value if asyncio.iscoroutine(value) else value
 
 
-async def one_op(face: Any, rng: random.Random, rec: Recorder, keys: list[str]) -> None:
-    """One random operation through ``face`` (a Store or an AsyncStore), recorded."""
+async def one_op(
+    face: Any, rng: random.Random, rec: Recorder, keys: list[str], modes: Sequence[str] = ("visible",)
+) -> None:
+    """One random operation through ``face`` (a Store or an AsyncStore), recorded; a put in one of
+    ``modes`` (drawn), which its record names."""
     op = _pick(rng)
     n, t0 = rec.begin()
     base: dict[str, Any] = {"w": rec.wid, "n": n, "op": op, "t0": t0}
@@ -116,9 +119,9 @@ async def one_op(face: Any, rng: random.Random, rec: Recorder, keys: list[str]) 
     try:
         if op in ("put", "put_pinned"):
             key, size = rng.choice(keys), rng.choice(SIZES)
-            base.update(op="put", key=key, v=f"{rec.wid}.{n}", pin=op == "put_pinned")
+            base.update(op="put", key=key, v=f"{rec.wid}.{n}", pin=op == "put_pinned", mode=rng.choice(modes))
             data = value_bytes(key, base["v"], size)
-            status = await _maybe(face.put(key, data, PutOptions(pin=base["pin"])))
+            status = await _maybe(face.put(key, data, PutOptions(pin=base["pin"], mode=base["mode"])))
             out = [{**base, "res": "stored" if status == PutStatus.STORED else "exists"}]
         elif op == "get_many":
             batch = base["keys"] = rng.sample(keys, rng.randint(2, 8))
@@ -144,7 +147,8 @@ async def one_op(face: Any, rng: random.Random, rec: Recorder, keys: list[str]) 
 
 
 def worker(wid: str, master: str, seed: int, stop_at: float, keys: list[str], out: str, kind: str, tasks: int,
-           transport: str, timeout_s: float, gid: int | None = None) -> None:  # fmt: skip
+           transport: str, timeout_s: float, gid: int | None = None,
+           modes: Sequence[str] = ("visible",)) -> None:  # fmt: skip
     """A client process: ops until ``stop_at`` (time.monotonic()), every one recorded to ``out``; with
     ``gid``, its sockets are that group's (a partition can cut it)."""
     if sys.platform == "linux":
@@ -161,7 +165,7 @@ def worker(wid: str, master: str, seed: int, stop_at: float, keys: list[str], ou
             async def loop(t: int) -> None:
                 rng = random.Random(f"{seed}-{wid}-{t}")
                 while time.monotonic() < stop_at:
-                    await one_op(face, rng, rec, keys)
+                    await one_op(face, rng, rec, keys, modes)
 
             try:
                 await asyncio.gather(*(loop(t) for t in range(tasks)))
@@ -172,7 +176,7 @@ def worker(wid: str, master: str, seed: int, stop_at: float, keys: list[str], ou
             rng = random.Random(f"{seed}-{wid}")
             try:
                 while time.monotonic() < stop_at:
-                    await one_op(face, rng, rec, keys)
+                    await one_op(face, rng, rec, keys, modes)
             finally:
                 face.close()
 
@@ -418,6 +422,9 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
             kinds.remove(kind)  # the default asks for every kind this machine can inject
             skipped[kind] = why
             emit({"skipped_fault": kind, "why": why})
+    modes = [m.strip() for m in args.put_modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"visible", "cached"}:
+        raise SystemExit(f"--put-modes: visible and/or cached, not {args.put_modes!r}")
     keys = [f"c{i}" for i in range(args.keys)]
     etcd = LocalEtcd().start()
     workdir = etcd.dir / "run"
@@ -447,7 +454,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                 path = workdir / f"history-w{w}.jsonl"
                 procs.append(ctx.Process(target=worker, daemon=True, args=(
                     f"w{w}", cluster.master_address, args.seed, stop_at, keys, str(path), kind, 4, transport_of(w),
-                    args.client_timeout, None if groups is None else worker_gid(w),
+                    args.client_timeout, None if groups is None else worker_gid(w), modes,
                 )))  # fmt: skip
             for p in procs:
                 p.start()
@@ -490,7 +497,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
             # pinned puts could be held to that.
             whole = evictions.whole()
             verdict = check(history, nemesis.faults, hang_s=args.hang_s, end_ns=end_ns, grace_s=args.grace_s,
-                            lru_evictions=not whole)  # fmt: skip
+                            lru_evictions=not whole, cached_lag_s=args.cached_lag_s)  # fmt: skip
             worst, by_kind = unavailability(history, nemesis.faults)
             alerts: dict[str, Any] = {"skipped": "no prometheus (Debian: apt install prometheus)"}
             if prometheus is not None:
@@ -510,7 +517,8 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                 "bench": "chaos", "seed": args.seed, "minutes": args.minutes, "ops": verdict.ops, "ok": verdict.ok,
                 "violations": len(verdict.violations), "by_kind": dict(verdict.by_kind),
                 "first": verdict.violations[: args.show], "misses_in_faults": verdict.misses_in_faults,
-                "own_exists_in_faults": verdict.own_exists_in_faults,
+                "own_exists_in_faults": verdict.own_exists_in_faults, "put_modes": modes,
+                "puts_by_mode": verdict.puts_by_mode, "cached_misses_in_lag": verdict.cached_misses_in_lag,
                 "faults": faults, "max_unavailable_s": worst, "unavailable_s": by_kind,
                 "max_op_s": round(max(durations, default=0) / 1e9, 3),
                 "evictions_for_room": room, "demotions_failed": dropped, "eviction_log_whole": whole,
@@ -564,6 +572,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster-env", action="append", default=[], metavar="K=V",
                         help="an environment variable for the cluster's processes (repeatable)")  # fmt: skip
     parser.add_argument("--keep", action="store_true", help="keep the work directory (histories, logs)")
+    parser.add_argument(
+        "--put-modes",
+        default="visible,cached",
+        help="each put in one of these modes, drawn (the checker judges each by its own rules)",
+    )
+    parser.add_argument("--cached-lag-s", type=float, default=1.0,
+                        help="how long after its answer a cached put may stay unseen by reads (calm)")  # fmt: skip
     args = parser.parse_args(argv)
 
     def emit(line: dict[str, Any]) -> None:

@@ -2,8 +2,9 @@
 
 A history is a list of records, one per operation (dicts, as the chaos workers write them):
 
-- ``{"op": "put", "key", "v", "pin", "t0", "t1", "ok", "res": "stored"|"exists", "err"}``: ``v``
-  names the value (its bytes are made from the key and ``v``, see :func:`value_bytes`);
+- ``{"op": "put", "key", "v", "pin", "mode", "t0", "t1", "ok", "res": "stored"|"exists", "err"}``:
+  ``v`` names the value (its bytes are made from the key and ``v``, see :func:`value_bytes`);
+  ``mode`` the put's ("visible", the default, or "cached": see :func:`check`);
 - ``{"op": "get"|"get_many", "key", "res": value id | None | "bad:<why>"}``: one record per key
   read (a batch's records share its times); ``bad:`` when the bytes were no put's bytes;
 - ``{"op": "exists", "key", "res": bool}``, ``{"op": "remove", "key", "res": bool}``;
@@ -87,6 +88,10 @@ class Verdict:
     """Reads that missed an acknowledged put while a fault was on (or just healed)."""
     own_exists_in_faults: int = 0
     """Reads of a put's bytes that it answered EXISTS, the put running while a fault was on."""
+    cached_misses_in_lag: int = 0
+    """Other clients' reads that missed a cached put within ``cached_lag_s`` of its answer (allowed)."""
+    puts_by_mode: dict[str, int] = field(default_factory=dict)
+    """Acknowledged puts, by mode."""
 
     def add(self, kind: str, record: dict[str, Any], why: str) -> None:
         self.by_kind[kind] += 1
@@ -117,10 +122,19 @@ class _Latest:
 
 def check(
     history: Iterable[dict[str, Any]], faults: Sequence[dict[str, Any]] = (), *, hang_s: float = 60.0,
-    end_ns: int | None = None, grace_s: float = 3.0, lru_evictions: bool = False,
+    end_ns: int | None = None, grace_s: float = 3.0, lru_evictions: bool = False, cached_lag_s: float = 1.0,
 ) -> Verdict:  # fmt: skip
     """Judge ``history``; ``faults``: the nemesis's (``kind``, ``t0``, ``t1``: injected, healed);
-    ``end_ns``: when the run ended (an op begun ``hang_s`` before it and never ended hung)."""
+    ``end_ns``: when the run ended (an op begun ``hang_s`` before it and never ended hung).
+
+    A put of ``mode`` "cached" is judged by its own rules: its writer (the same worker: one
+    client) may not miss it from its answer on, like a visible one; another client only from its
+    commit, which the checker allows to come ``cached_lag_s`` after the answer, or, when a fault
+    was on meanwhile, ``cached_lag_s`` after the fault healed (plus ``grace_s``): the daemon
+    retries the commit until a master takes it. A miss sooner is counted
+    (``cached_misses_in_lag``), and a remove that began before the commit may come before it:
+    the key then holds the cached put's value (a client that needs the order flushes first)."""
+    lag = int(cached_lag_s * 1e9)
     windows = sorted((f["t0"], f["t1"] + int(grace_s * 1e9)) for f in faults)
     records = [r for r in history if "begin" not in r]
     begins = [r for r in history if "begin" in r]
@@ -130,11 +144,17 @@ def check(
     puts: dict[str, dict[str, Any]] = {}
     stored: dict[str, list[dict[str, Any]]] = defaultdict(list)
     removals: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    own: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         if r["op"] == "put":
             puts[r["v"]] = r
+            r["tv"] = _visible_at(r, windows, lag)  # seen by every client from then on
+            if r.get("ok"):
+                mode = r.get("mode", "visible")
+                verdict.puts_by_mode[mode] = verdict.puts_by_mode.get(mode, 0) + 1
             if r.get("ok") and r.get("res") == "stored" and (r.get("pin") or not lru_evictions):
                 stored[r["key"]].append(r)
+                own[r["key"], r["w"]].append(r)
         elif r["op"] in REMOVALS and _may_remove(r):
             removals[r["key"]].append(r)
     # A miss is a loss when the acknowledged put that began last before it is explained by no removal
@@ -142,7 +162,9 @@ def check(
     # that ended last of those begun before the read ended. A value read is stale when a remove
     # acknowledged before the read began, and begun after the value's put ended, exists: the one
     # acknowledged before the read that began last.
-    last_put = {k: _Latest(v, "t1", "t0") for k, v in stored.items()}
+    last_put = {k: _Latest(v, "tv", "t0") for k, v in stored.items()}
+    last_own_put = {k: _Latest(v, "t1", "t0") for k, v in own.items()}
+    unlagged = {k: _Latest(v, "t1", "t0") for k, v in stored.items()}  # cached puts from their answer
     last_removal = {k: _Latest(v, "t0", "t1") for k, v in removals.items()}
     last_remove = {
         k: _Latest([rm for rm in v if rm["op"] == "remove" and rm.get("ok")], "t1", "t0") for k, v in removals.items()
@@ -161,10 +183,15 @@ def check(
         key, res = r["key"], r["res"]
         if res is None or res is False:
             put = last_put[key].before(r["t0"]) if key in last_put else None
-            if put is not None:
-                rm = last_removal[key].before(r["t1"]) if key in last_removal else None
-                if rm is None or rm["t1"] <= put["t0"]:
-                    _miss(verdict, r, put, windows)
+            mine = last_own_put[key, r["w"]].before(r["t0"]) if (key, r["w"]) in last_own_put else None
+            if mine is not None and (put is None or mine["t0"] > put["t0"]):
+                put = mine  # the writer reads its cached put at once
+            early = unlagged[key].before(r["t0"]) if key in unlagged else None
+            rm = last_removal[key].before(r["t1"]) if key in last_removal else None
+            if put is not None and (rm is None or rm["t1"] <= put["t0"]):
+                _miss(verdict, r, put, windows)
+            elif early is not None and early is not put and (rm is None or rm["t1"] <= early["t0"]):
+                verdict.cached_misses_in_lag += 1  # another client's cached put, not yet past its lag
         elif res is True:
             continue  # exists: True says nothing of which value
         elif res.startswith("bad:"):
@@ -190,12 +217,24 @@ def _check_value(
             verdict.add("value_of_exists_put", r, f"put {put['v']} answered EXISTS: it wrote nothing")
     elif put.get("ok") and removes is not None:
         rm = removes.before(r["t0"])
-        if rm is not None and put["t1"] < rm["t0"]:
+        if rm is not None and put["tv"] < rm["t0"]:
             verdict.add(
                 "read_after_remove", r,
                 f"remove by {rm['w']} (acknowledged {(r['t0'] - rm['t1']) / 1e6:.1f} ms before this read began) "
-                f"came after put {put['v']} ended",
+                f"came after {put.get('mode', 'visible')} put {put['v']} ended",
             )  # fmt: skip
+
+
+def _visible_at(put: dict[str, Any], windows: Sequence[tuple[int, int]], lag: int) -> int:
+    """When every client may be held to see ``put``: its answer for a visible put; for a cached one,
+    ``lag`` after its answer, pushed past every fault window (with its grace) that the lag meets."""
+    if put.get("mode") != "cached":
+        return int(put["t1"])
+    at = put["t1"] + lag
+    for a, b in windows:  # sorted by start
+        if a < at and b > put["t1"]:
+            at = max(at, b + lag)
+    return int(at)
 
 
 def _miss(verdict: Verdict, r: dict[str, Any], put: dict[str, Any], windows: Sequence[tuple[int, int]]) -> None:
@@ -205,7 +244,8 @@ def _miss(verdict: Verdict, r: dict[str, Any], put: dict[str, Any], windows: Seq
         return
     verdict.add(
         "lost", r,
-        f"put {put['v']}{' (pinned)' if put.get('pin') else ''} was acknowledged "
+        f"put {put['v']}{' (pinned)' if put.get('pin') else ''}{' (cached)' if put.get('mode') == 'cached' else ''}"
+        " was acknowledged "
         f"{(r['t0'] - put['t1']) / 1e6:.1f} ms before this read began; no remove or eviction since",
     )  # fmt: skip
 
@@ -243,10 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory")
     parser.add_argument("--lru-evictions", action="store_true", help="evictions for room happened: hold only pins")
     parser.add_argument("--hang-s", type=float, default=60.0)
+    parser.add_argument("--cached-lag-s", type=float, default=1.0)
     args = parser.parse_args(argv)
     faults_file = Path(args.directory) / "faults.jsonl"
     faults = [json.loads(line) for line in faults_file.read_text().splitlines()] if faults_file.exists() else []
-    verdict = check(load(args.directory), faults, hang_s=args.hang_s, lru_evictions=args.lru_evictions)
+    verdict = check(load(args.directory), faults, hang_s=args.hang_s, lru_evictions=args.lru_evictions,
+                    cached_lag_s=args.cached_lag_s)  # fmt: skip
     for v in verdict.violations:
         print(json.dumps(v))
     print(json.dumps({"ops": verdict.ops, "ok": verdict.ok, "violations": len(verdict.violations),

@@ -146,6 +146,9 @@ class NodeStore:
             self._check_open()
             return self._put(k, view, pin)
 
+    def flush(self) -> None:
+        """Nothing to wait for: a node store's put is visible when it returns."""
+
     def put_many(self, items: Iterable[tuple[Any, Any]], *, pin: bool = False) -> list[PutStatus]:
         """Store several blocks; every key and buffer is validated before anything is written."""
         checked = [(validate_key(k), as_view(d)) for k, d in items]

@@ -101,8 +101,8 @@ PyDoc_STRVAR(recv_frame_doc,
 
 static PyObject *recv_frame(PyObject *self, PyObject *args) {
     int fd;
-    unsigned long long max_frame, eager;
-    if (!PyArg_ParseTuple(args, "iKK:recv_frame", &fd, &max_frame, &eager))
+    long long max_frame, eager;
+    if (!PyArg_ParseTuple(args, "iLL:recv_frame", &fd, &max_frame, &eager))
         return NULL;
     unsigned char header[4];
     int r = recv_exact(fd, (char *)header, sizeof header, 1);
@@ -112,10 +112,10 @@ static PyObject *recv_frame(PyObject *self, PyObject *args) {
         Py_RETURN_NONE;
     uint32_t length = ((uint32_t)header[0] << 24) | ((uint32_t)header[1] << 16) | ((uint32_t)header[2] << 8) |
                       (uint32_t)header[3];
-    if (length > max_frame)
-        return PyErr_Format(PyExc_ValueError, "frame of %lu bytes exceeds the limit of %llu", (unsigned long)length,
+    if ((long long)length > max_frame)
+        return PyErr_Format(PyExc_ValueError, "frame of %lu bytes exceeds the limit of %lld", (unsigned long)length,
                             max_frame);
-    if (length > eager)
+    if ((long long)length > eager)
         return PyLong_FromUnsignedLong(length);
     PyObject *payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)length);
     if (payload == NULL)
@@ -166,10 +166,11 @@ static PyObject *recv_parts(PyObject *self, PyObject *args) {
     PyObject *seq_in;
     if (!PyArg_ParseTuple(args, "iOp:recv_parts", &fd, &seq_in, &want_hash))
         return NULL;
-    PyObject *seq = PySequence_Fast(seq_in, "recv_parts: parts must be a sequence");
+    /* A tuple of the parts: nothing a buffer export runs can change what this call walks. */
+    PyObject *seq = PySequence_Tuple(seq_in);
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     part_t *parts = PyMem_Calloc((size_t)(n ? n : 1), sizeof(part_t));
     Py_buffer *views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
     char *scratch = NULL;
@@ -181,20 +182,29 @@ static PyObject *recv_parts(PyObject *self, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
         if (PyLong_Check(item)) {
-            long long drop = PyLong_AsLongLong(item);
-            if (drop == -1 && PyErr_Occurred())
-                goto done_release;
-            if (drop < 0) {
-                PyErr_Format(PyExc_ValueError, "recv_parts: part %zd drops %lld bytes", i, drop);
+            /* A run to drop: its length came from the network. One no stream can carry is refused. */
+            unsigned long long drop = PyLong_AsUnsignedLongLong(item);
+            if (PyErr_Occurred() || drop > (unsigned long long)PY_SSIZE_T_MAX) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_ValueError, "recv_parts: part %zd drops %R bytes", i, item);
                 goto done_release;
             }
             parts[i].len = (size_t)drop;
             continue;
         }
-        if (PyObject_GetBuffer(item, &views[i], PyBUF_WRITABLE) < 0)
-            goto done_release;
+        if (PyObject_GetBuffer(item, &views[i], PyBUF_WRITABLE) < 0) {
+            /* An empty read-only view receives nothing: taken as it is. */
+            if (!PyErr_ExceptionMatches(PyExc_BufferError) || PyObject_GetBuffer(item, &views[i], PyBUF_SIMPLE) < 0)
+                goto done_release;
+            PyErr_Clear();
+            if (views[i].len != 0) {
+                PyBuffer_Release(&views[i]);
+                PyErr_Format(PyExc_BufferError, "recv_parts: part %zd is not writable", i);
+                goto done_release;
+            }
+        }
         parts[i].is_buf = 1;
         parts[i].buf = views[i].buf;
         parts[i].len = (size_t)views[i].len;
@@ -309,10 +319,10 @@ static PyObject *send_buffers(PyObject *self, PyObject *args) {
     PyObject *seq_in;
     if (!PyArg_ParseTuple(args, "iO:send_buffers", &fd, &seq_in))
         return NULL;
-    PyObject *seq = PySequence_Fast(seq_in, "send_buffers: buffers must be a sequence");
+    PyObject *seq = PySequence_Tuple(seq_in); /* fixed while buffers are exported (see recv_parts) */
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     Py_buffer *views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
     struct iovec *iov = PyMem_Calloc((size_t)(n ? n : 1), sizeof(struct iovec));
     PyObject *result = NULL;
@@ -322,7 +332,7 @@ static PyObject *send_buffers(PyObject *self, PyObject *args) {
         goto done;
     }
     for (; held < n; held++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &views[held], PyBUF_SIMPLE) < 0)
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(seq, held), &views[held], PyBUF_SIMPLE) < 0)
             goto done;
         iov[held].iov_base = views[held].buf;
         iov[held].iov_len = (size_t)views[held].len;

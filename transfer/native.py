@@ -3,7 +3,12 @@
 The extension is built by the install (gcc and the Python headers); it is used unless
 ``KVSTORE_NO_NATIVE=1``, and when it is missing or cannot load the fallback runs, with one log
 line saying why. ``KVSTORE_NATIVE_PATH`` loads the extension from another file (a build with
-AddressSanitizer, say: tests/unit/test_native_asan.py). :mod:`transfer.wire` is the only caller.
+AddressSanitizer, say: tests/integration/test_native_builds.py). :mod:`transfer.wire` is the only
+caller.
+
+The loops drive a socket's descriptor for a whole call (many system calls): a socket may be shut
+down from another thread meanwhile (:func:`transfer.wire.cut`), never closed, or its number could
+be another connection's before the call ends.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ def _load() -> tuple[ModuleType | None, str]:
         from transfer import _native  # type: ignore[attr-defined]
 
         return _native, "built in"
-    except ImportError as exc:
+    except Exception as exc:  # whatever stops it loading (a broken build too), the fallback runs
         log.warning("the native data-plane loops are not available (%s): running the pure-Python fallback", exc)
         return None, f"not available: {exc}"
 

@@ -152,6 +152,8 @@ def recv_all_into(sock: socket.socket, views: Sequence[memoryview]) -> None:
 
 
 _SCRATCH = 1 << 20
+_MAX_RUN = (1 << 63) - 1
+"""The longest run recv_parts drops (PY_SSIZE_T_MAX): a length past it came from no real stream."""
 
 
 def recv_parts(sock: socket.socket, parts: Sequence[memoryview | int], sums: bool = False) -> list[int | None]:
@@ -163,7 +165,7 @@ def recv_parts(sock: socket.socket, parts: Sequence[memoryview | int], sums: boo
     if (loops := _loops(sock)) is not None:
         try:
             got: list[int | None] = loops.recv_parts(sock.fileno(), parts, sums) or []
-        except EOFError as exc:
+        except (EOFError, ValueError) as exc:
             raise ConnectionFailed(str(exc)) from None
         return got
     _recv_parts(sock, parts)
@@ -171,6 +173,9 @@ def recv_parts(sock: socket.socket, parts: Sequence[memoryview | int], sums: boo
 
 
 def _recv_parts(sock: socket.socket, parts: Sequence[memoryview | int]) -> None:
+    for i, part in enumerate(parts):  # before a byte is read, as the native loops do
+        if isinstance(part, int) and not 0 <= part <= _MAX_RUN:
+            raise ConnectionFailed(f"recv_parts: part {i} drops {part} bytes")  # a length no stream carries
     run: list[memoryview] = []
     scratch: memoryview | None = None
     for part in parts:

@@ -132,10 +132,17 @@ class Grants:
         sizes: Sequence[int],
         checksums: Sequence[int],
         pinned: bool,
+        cached: bool = False,
     ) -> list[tuple[int, str]]:
         """Commit blocks a daemon holds written into a grant, each at its extent; per block
         (PUT_STORED, "") or (PUT_EXISTS, "") or an error's (code, text). Idempotent: a block
-        already committed at that extent with that checksum answers PUT_STORED again."""
+        already committed at that extent with that checksum answers PUT_STORED again.
+
+        ``cached``: the daemon acknowledged them already. A key still being written by another
+        put (reserved, not committed) is then answered RetryLater, not EXISTS: the daemon keeps its
+        block (its writer reads it) and asks again once the other put committed (EXISTS: the block
+        is dropped, readers find the other) or gave up (STORED). Refusing it at once would leave
+        the key with neither block readable until the other put commits."""
         cat = self.catalog
         if not len(keys) == len(offsets) == len(sizes) == len(checksums):
             raise InvalidArgument("commit_granted got lists of different lengths")
@@ -153,6 +160,8 @@ class Grants:
                     out.append((PUT_STORED, ""))
                 elif entry.removing:
                     out.append((RetryLater.code, f"key {key!r} is being moved or removed; retry"))
+                elif cached and not entry.committed:
+                    out.append((RetryLater.code, f"key {key!r} is being written by another put; retry"))
                 else:
                     cat.counters["put_exists"] += 1
                     if entry.committed:

@@ -219,8 +219,9 @@ class PlacementTable:
         sizes: Sequence[int],
         checksums: Sequence[int],
         pinned: bool,
+        cached: bool = False,
     ) -> list[tuple[int, str]]:
-        return self._grants.commit_granted(node_id, grant_id, keys, offsets, sizes, checksums, pinned)
+        return self._grants.commit_granted(node_id, grant_id, keys, offsets, sizes, checksums, pinned, cached)
 
     # -- reads ---------------------------------------------------------------------------------
     def get_replicas(self, keys: Sequence[str], now_ms: int, lease: bool = True) -> ReplicaLookup:

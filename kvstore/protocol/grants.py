@@ -81,6 +81,9 @@ class CommitGranted(Message, tag=74, frozen=True):
     sizes: list[int]
     checksums: list[int]
     pinned: bool
+    cached: bool = False
+    """The daemon answered these puts STORED already (cached puts): a key another put is still
+    being written under is answered RetryLater, not EXISTS, until that put ends one way or the other."""
 
 
 # PUT_STORED, PUT_EXISTS (from the placement table): per-block codes of a one-trip put in :class:`PutReply`.

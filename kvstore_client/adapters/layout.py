@@ -63,6 +63,10 @@ class BlockStore(Protocol):
 
     def put_many(self, items: Iterable[tuple[Any, Any]]) -> Any: ...
 
+    def flush(self) -> None:
+        """Return once every put of this client is visible to every other (a hand-off calls it)."""
+        ...
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     for name, value in DTYPES.items():

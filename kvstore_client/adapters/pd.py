@@ -54,6 +54,9 @@ class EngineSpec:
     calibrate_tokens: int = 512
     timeout_s: float = 10.0
     """The store client's bound on each network wait."""
+    put_mode: Literal["visible", "cached"] = "cached"
+    """The workers' put mode: ``cached`` answers a save before the master knows of it, and a
+    prefill flushes its saves before its decode is told (see ``ClientConfig.put_mode``)."""
     device: str = "cpu"
     """Where the model runs (``cuda`` on a GPU); blocks are staged in host memory either way."""
 
@@ -80,7 +83,7 @@ def _worker_main(role: Role, index: int, master: str, spec: EngineSpec, inbox: A
     torch.set_num_threads(spec.threads)
     try:
         model, layout = spec.build()
-        store = Store.connect(master, ClientConfig(timeout_s=spec.timeout_s))
+        store = Store.connect(master, ClientConfig(timeout_s=spec.timeout_s, put_mode=spec.put_mode))
         worker: PrefillWorker | DecodeWorker
         if role == "prefill":
             worker = PrefillWorker(model, layout, store, load_policy=spec.load_policy)

@@ -147,8 +147,11 @@ class _Engine:
             out = self.model(ids.to(self.device).unsqueeze(0), past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float().cpu(), out.past_key_values
 
-    def save(self, cache: Any, token_ids: torch.Tensor, first_block: int, *, tail: bool) -> int:
-        """Store blocks ``first_block ..`` of the cache's full blocks (and the partial tail): blocks handed over."""
+    def save(self, cache: Any, token_ids: torch.Tensor, first_block: int, *, tail: bool, hand_off: bool = False) -> int:
+        """Store blocks ``first_block ..`` of the cache's full blocks (and the partial tail): blocks handed over.
+        ``hand_off``: another worker loads them next (a prefill's to its decode): they are made visible
+        to every client before this returns (``flush``: a store client in ``cached`` put mode answers
+        a put before the master knows of it)."""
         if self.store is None:
             return 0
         lay = self.layout
@@ -167,6 +170,8 @@ class _Engine:
                 staging = lay.staging(1, tokens=cached - start, pin=self.pin)
                 blocks_from_cache(cache, lay, start, staging)
                 stored += save_blocks(self.store, [tail_key], staging)
+            if hand_off and stored:
+                self.store.flush()
         except KVStoreError as exc:
             # A full or unreachable store costs the next request its hit, never this one its answer.
             log.warning("storing KV blocks failed: %s", exc)
@@ -301,7 +306,8 @@ class PrefillWorker(_Engine):
         ttft_s = time.perf_counter() - start
         t = time.perf_counter()
         # Blocks the store already holds (matched) are not sent again; the tail always is.
-        stored = self.save(cache, ids, max(loaded_blocks, matched), tail=self.store_tail) if self.store_new else 0
+        first_new = max(loaded_blocks, matched)
+        stored = self.save(cache, ids, first_new, tail=self.store_tail, hand_off=True) if self.store_new else 0
         return PrefillResult(
             first_token=first, prompt_tokens=n, matched_tokens=matched * lay.block_tokens, loaded_tokens=past,
             computed_tokens=n - past, decision=decision, lookup_s=lookup_s, load_s=load_s, build_s=build_s,

@@ -12,7 +12,9 @@ A cached put is acknowledged before the master knows of it. What keeps it:
   master adopts it from there (so the pending commit is dropped, counted as ``adopted``).
 - A commit the master refuses (another writer's block under the key, EXISTS; an extent it does
   not take) drops the block here: the writer's put was acknowledged, but the store keeps the
-  other block. Counted in ``refused`` (``kvstore_daemon_cached_refused_total``).
+  other block. Counted in ``refused`` (``kvstore_daemon_cached_refused_total``). Another put
+  still being written under the key is no refusal yet: the master answers RetryLater until it
+  ends, so that the key never holds neither block readable.
 
 :meth:`Committer.flush` waits until every commit queued before it is done: a client's
 ``Store.flush()`` (a prefill's hand-off to its decode) makes its cached puts visible that way.
@@ -209,7 +211,8 @@ class Committer:
             if refused:
                 other = next((codes[k] for k in refused if codes[k][0] != PUT_EXISTS), None)
                 why = other[1] if other is not None else "another block is under their keys"
-                log.warning("the master refused %d cached puts' commits (dropped here): %s", len(refused), why)
+                self._failures.warning("cached-refused", "the master refused %d cached puts' commits (dropped here):"
+                                       " %s", len(refused), why)  # fmt: skip
             again = [p for p in entries if not retry.isdisjoint(p.keys)]
             if again:  # the master busy, or not knowing the grant yet (a registration will carry it)
                 self._failures.warning("cached-retry", "cached puts' commits to retry: %s",

@@ -133,10 +133,11 @@ class MasterLink:
 
     def commit_granted(
         self, grant_id: int, keys: list[BlockKey], offsets: list[int], sizes: list[int], checksums: list[int],
-        pinned: bool,
+        pinned: bool, cached: bool = False,
     ) -> list[tuple[int, str]]:  # fmt: skip
-        """Have the master commit blocks written into a grant; per block (code, text) as in PutReply."""
-        message = CommitGranted(self.node_id, grant_id, list(keys), offsets, sizes, checksums, pinned)
+        """Have the master commit blocks written into a grant; per block (code, text) as in PutReply.
+        ``cached``: puts this daemon answered already (see CommitGranted)."""
+        message = CommitGranted(self.node_id, grant_id, list(keys), offsets, sizes, checksums, pinned, cached)
         # The same request id on every attempt: a commit the master made but whose answer was
         # lost is answered again, never made twice nor left unknown for a passing glitch.
         reply = self._calls.call(message, PutReply, retry_for=self._timeout)

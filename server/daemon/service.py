@@ -18,6 +18,7 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kvstore.allocator import align_up
@@ -226,7 +227,7 @@ class DaemonServer:
         self.master: MasterLink | None = None
         """Set once the link exists: one-trip puts commit through it, one-trip reads are reported to it."""
         self.committer = Committer(
-            lambda: self.master.commit_granted if self.master is not None else None,
+            lambda: partial(self.master.commit_granted, cached=True) if self.master is not None else None,
             lambda keys: self.storage.drop(keys), self._release_grant, self._stop,
         )  # fmt: skip
         """The master's commits of cached puts, acknowledged before it knew of them (see its module)."""

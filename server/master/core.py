@@ -407,12 +407,12 @@ class MasterCore:
             keep = [i for i in keep if i not in over]
         if len(keep) == len(m.keys):
             outcome = self.table.commit_granted(
-                m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned
+                m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned, m.cached
             )
         else:
             part = self.table.commit_granted(
                 m.node_id, m.grant_id, [m.keys[i] for i in keep], [m.offsets[i] for i in keep],
-                [m.sizes[i] for i in keep], [m.checksums[i] for i in keep], m.pinned,
+                [m.sizes[i] for i in keep], [m.checksums[i] for i in keep], m.pinned, m.cached,
             )  # fmt: skip
             outcome = [(QuotaExceeded.code, f"tenant {owner!r} is at its quota")] * len(m.keys)
             for i, result in zip(keep, part, strict=True):

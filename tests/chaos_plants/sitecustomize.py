@@ -4,7 +4,9 @@ PYTHONPATH names this directory; ``KVSTORE_PLANT`` picks the bug:
 
 - ``corrupt_reads``: a daemon flips one byte of about one block in twenty it sends to a reader;
 - ``forgetful_drops``: a daemon answers that it dropped blocks it keeps (about half of them), so
-  a removed key stays readable from it by key.
+  a removed key stays readable from it by key;
+- ``lost_cached_commits``: a daemon forgets to tell the master of about one cached put in five
+  it acknowledged (its block is then an orphan, dropped by the orphan check).
 """
 
 from __future__ import annotations
@@ -55,7 +57,23 @@ def _plant_forgetful_drops() -> None:
     DaemonStorage.drop = forgetful  # type: ignore[method-assign]
 
 
+def _plant_lost_cached_commits() -> None:
+    from server.daemon.commits import Committer
+
+    add = Committer.add
+
+    def forgetting(self: Committer, *args: object, **kwargs: object) -> None:
+        if random.random() < 0.2:
+            self._release(kwargs.get("hold", args[6] if len(args) > 6 else None))
+            return
+        add(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    Committer.add = forgetting  # type: ignore[method-assign]
+
+
 if PLANT == "corrupt_reads":
     _plant_corrupt_reads()
 elif PLANT == "forgetful_drops":
     _plant_forgetful_drops()
+elif PLANT == "lost_cached_commits":
+    _plant_lost_cached_commits()

@@ -42,6 +42,7 @@ def test_a_short_run_of_every_fault_kind_keeps_every_promise_and_alerts() -> Non
     assert summary["nemesis_error"] is None and summary["eviction_log_whole"], summary
     assert set(summary["faults"]) == set(kinds), faults
     assert summary["ok"] > 1000 and summary["max_op_s"] < 60
+    assert min(summary["puts_by_mode"].get(m, 0) for m in ("visible", "cached")) > 100, summary  # both judged
     alerts = summary["alerts"]
     if "skipped" not in alerts:  # Prometheus is installed: each fault kind fired an alert, the calm none
         assert not alerts["faults_without_alert"] and not alerts["in_calm"], alerts
@@ -55,7 +56,8 @@ def test_a_short_run_of_every_fault_kind_keeps_every_promise_and_alerts() -> Non
 
 
 @pytest.mark.parametrize(
-    ("plant", "caught"), [("corrupt_reads", "wrong_bytes"), ("forgetful_drops", "read_after_remove")]
+    ("plant", "caught"),
+    [("corrupt_reads", "wrong_bytes"), ("forgetful_drops", "read_after_remove"), ("lost_cached_commits", "lost")],
 )
 def test_the_checker_catches_a_bug_planted_in_the_daemons(plant: str, caught: str) -> None:
     summary, _ = _chaos(

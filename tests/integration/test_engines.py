@@ -244,11 +244,14 @@ def test_worker_processes_hand_kv_from_prefill_to_decode(tmp_path: Path, cluster
     model, _ = engine(path)
     prompt = prompt_of(70, seed=31)
     spec = EngineSpec(model_config=str(path), block_tokens=BT, calibrate_tokens=32)
+    assert spec.put_mode == "cached"  # the prefill's saves are answered before the master knows them
     with WorkerPool(cluster.master_address, spec, prefill=1, decode=1) as pool:
         first = pool.submit("prefill", 0, tokens=prompt.tolist()).result(timeout=120)
         decoded = pool.submit("decode", 0, tokens=prompt.tolist(), first_token=first["first_token"],
                               max_new_tokens=10).result(timeout=120)  # fmt: skip
         assert decoded["tokens"] == generate(model, prompt, 10) and decoded["tail"] == "transferred"
+        # ...and flushed before the hand-off: the decode, another client, loads every one of them.
+        assert decoded["loaded_tokens"] == len(prompt) and decoded["recomputed_tokens"] == 0
         pool.kill("decode", 0)
         with pytest.raises(ConnectionFailed, match="decode worker 0"):
             pool.submit("decode", 0, tokens=prompt.tolist(), first_token=1, max_new_tokens=2).result(timeout=30)

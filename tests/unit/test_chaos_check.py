@@ -115,3 +115,43 @@ def test_unavailability_is_the_longest_gap_from_a_fault_until_the_first_success_
     faults = [{"kind": "leader_kill", "t0": int(1.5 * seconds * MS), "t1": int(2 * seconds * MS)}]
     worst, by_kind = unavailability(history, faults)
     assert by_kind == {"leader_kill": 3.6} and worst == 3.6  # from 1.5 s to the success at 5.1 s
+
+
+def test_cached_puts_are_judged_by_their_own_rules() -> None:
+    lag = {"cached_lag_s": 0.010}  # 10 ms
+    cached = put(1, "k", 0, 1, mode="cached")
+    # Another client may miss it within the lag (counted), not after it.
+    verdict = check([cached, get(1, "k", 2, 3, None)], **lag)
+    assert verdict.violations == [] and verdict.cached_misses_in_lag == 1
+    assert verdict.puts_by_mode == {"cached": 1}
+    assert kinds([cached, get(1, "k", 12, 13, None)], **lag) == ["lost"]
+    # Its writer may not miss it at all: it reads its cached put at once.
+    assert kinds([cached, get(1, "k", 2, 3, None, w="w0")], **lag) == ["lost"]
+    # A visible put is seen by everyone from its answer.
+    assert kinds([put(2, "v", 0, 1), get(2, "v", 2, 3, None)], **lag) == ["lost"]
+    # A remove that began within the lag may come before its commit: the value read after it is no
+    # stale read; a remove that began after the lag is, as for a visible put.
+    early = op("w2", 1, "remove", 5, 6, key="k", res=True)
+    assert kinds([cached, early, get(1, "k", 7, 8, "w0.1")], **lag) == []
+    late = op("w2", 1, "remove", 20, 21, key="k", res=True)
+    assert kinds([cached, late, get(1, "k", 22, 23, "w0.1")], **lag) == ["read_after_remove"]
+    # Never other bytes, in either mode.
+    assert kinds([cached, get(1, "k", 2, 3, "bad:bytes of w0.1 altered")], **lag) == ["wrong_bytes"]
+
+
+def test_a_cached_put_whose_commit_a_fault_delays_is_held_to_it_once_the_fault_healed() -> None:
+    lag = {"cached_lag_s": 0.010, "grace_s": 0.005}
+    fault = [{"kind": "leader_kill", "t0": int(0.5 * MS), "t1": int(40 * MS)}]
+    cached = put(1, "k", 0, 1, mode="cached")
+    # The master was down: the commit waits for the next one; a remove meanwhile may come first.
+    remove = op("w2", 1, "remove", 30, 31, key="k", res=True)
+    assert kinds([cached, remove, get(1, "k", 32, 33, "w0.1")], faults=fault, **lag) == []
+    assert kinds([cached, get(1, "k", 50, 51, None)], faults=fault, **lag) == []  # healed 10 ms ago: still lag
+    # Once the fault healed and the lag passed, the usual rules.
+    assert kinds([cached, get(1, "k", 60, 61, None)], faults=fault, **lag) == ["lost"]
+    late = op("w2", 1, "remove", 60, 61, key="k", res=True)
+    assert kinds([cached, late, get(1, "k", 62, 63, "w0.1")], faults=fault, **lag) == ["read_after_remove"]
+    # A visible put is not excused by a fault: its remove is ordered after it.
+    visible = put(2, "v", 0, 1)
+    rm = op("w2", 2, "remove", 30, 31, key="v", res=True)
+    assert kinds([visible, rm, get(2, "v", 32, 33, "w0.2")], faults=fault, **lag) == ["read_after_remove"]

@@ -272,6 +272,9 @@ class DictStore:
     def exists_many(self, keys: object) -> list[bool]:
         raise NotImplementedError
 
+    def flush(self) -> None:
+        pass  # every put here is visible at once
+
     def put_many(self, items: object) -> None:
         for key, tensor in items:  # type: ignore[attr-defined]
             self.blocks.setdefault(key, tensor.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())

@@ -378,6 +378,30 @@ def test_grants_are_carved_committed_and_freed_without_handing_space_out_twice()
     assert table.exists(["a", "b", "c", "d", "e"]) == [True, True, False, True, False]
 
 
+def test_a_cached_commit_waits_for_a_put_still_being_written_under_its_key() -> None:
+    """A cached put was answered STORED by its daemon already: while another put of the key is
+    reserved and uncommitted the master answers RetryLater (the daemon keeps its block and asks
+    again); a visible put's commit is answered EXISTS at once, as before. Once the other put
+    committed, the cached one is EXISTS (dropped there); one that gave up holds the key until
+    its extent is dropped, and the cached commit waits on."""
+    table = PlacementTable(EvictionPolicy())
+    table.register_node("n", "n:1", 1 << 20, 0, 64, [], 0)
+    grant = table.grant_space(64 * 1024, None, 1000, 0).grant
+    assert grant is not None
+    base = grant.pieces[0].offset
+    assert table.put_start(["k", "j"], [4096, 4096], 1, None, False, 0).tickets[0] is not None
+    code, text = table.commit_granted("n", grant.grant_id, ["k"], [base], [100], [1], False, cached=True)[0]
+    assert code == RetryLater.code and "being written by another put" in text
+    assert table.commit_granted("n", grant.grant_id, ["k"], [base], [100], [1], False)[0][0] == PUT_EXISTS
+    table.put_end(["k"], [7])
+    assert table.commit_granted("n", grant.grant_id, ["k"], [base], [100], [1], False, cached=True)[0][0] == PUT_EXISTS
+    table.put_revoke(["j"])  # the other put gave up: its extent is dropped, then the key is free
+    assert table.commit_granted("n", grant.grant_id, ["j"], [base], [100], [1], False, cached=True)[0][0] == (
+        RetryLater.code
+    )
+    table.check()
+
+
 def test_a_read_holds_its_key_against_remove_and_eviction_for_hold_ms() -> None:
     # Mooncake's KV lease: a get, an exists or a daemon's access report holds the key for hold_ms;
     # the reader's own (short) lease release does not end it, a later read extends it.

@@ -15,7 +15,7 @@ import pytest
 import xxhash
 
 from bench.fuzz_native import fuzz
-from kvstore.errors import ConnectionFailed
+from kvstore.errors import ConnectionFailed, ProtocolError
 from transfer import native, wire
 
 
@@ -77,4 +77,26 @@ def test_checksums_are_computed_as_a_large_block_streams_in(native_on: bool, mon
     assert bytes(target[: len(block) - 110]) == block[110:]
     with pytest.raises(ConnectionFailed, match="mid-message"):
         wire.recv_parts(b, [memoryview(bytearray(1))], sums=True)
+    b.close()
+
+
+@pytest.mark.parametrize("native_on", [True, False], ids=["native", "python"])
+def test_lengths_no_stream_carries_are_refused_before_a_byte_is_read(
+    native_on: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's size of 2**63 or more (msgpack carries up to 2**64 - 1) to drop, an empty read-only
+    target, a limit below zero: each answered the same way by both loops, the stream untouched."""
+    if native_on and not native.NATIVE:
+        pytest.skip(f"the native part is not loaded ({native.reason})")
+    monkeypatch.setattr(native, "lib", native.lib if native_on else None)
+    a, b = socket.socketpair()
+    wire.set_timeouts(b, 1)
+    a.sendall(b"\x00\x00\x00\x05hello")
+    for huge in (2**63, 2**64 - 1, -1):
+        with pytest.raises(ConnectionFailed, match=f"part 1 drops {huge} bytes"):
+            wire.recv_parts(b, [memoryview(bytearray(2)), huge])
+    assert wire.recv_parts(b, [memoryview(b"")], sums=True) == [xxhash.xxh3_64_intdigest(b"")]
+    with pytest.raises(ProtocolError, match="frame of 5 bytes exceeds the limit of -1"):
+        wire.recv_message(b, -1)
+    a.close()
     b.close()
