@@ -527,6 +527,13 @@ class DaemonConfig(_Frozen):
         " client copied in). Off: a tenant writes through the socket, its seal checked, and maps the arena"
         " read-only; the cluster's own clients are not affected.",
     )
+    commit_linger_ms: float = Field(
+        default=1.0,
+        ge=0,
+        le=100,
+        description="Cached puts' commits wait up to this long for more to join them in one request to the master"
+        " (group commit: fewer requests a put, the master's CPU spared); a flush does not wait. 0: each round at once.",
+    )
     orphan_check_s: float = Field(
         default=2.0,
         gt=0,

@@ -67,8 +67,16 @@ class Committer:
         drop: Callable[[list[BlockKey]], object],
         release: Callable[[object], None],
         stop: threading.Event,
+        linger_s: float = 0.0,
+        batch_max: int = 256,
     ) -> None:
+        """``linger_s``: how long a round waits for more commits to join it (up to ``batch_max``
+        acknowledgements queued), unless a flush waits."""
         self._commit = commit
+        self.linger_s = linger_s
+        self.batch_max = batch_max
+        self._flushing = 0
+        """Flushes waiting: rounds go at once."""
         self._registration = 0
         """Registrations begun: an inventory taken after a block was acknowledged carries it."""
         self._drop = drop
@@ -125,11 +133,16 @@ class Committer:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             upto = self._seq
-            while any(seq <= upto for seq in self._pending):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Timeout(f"cached puts' commits not answered by the master within {timeout_s:g} s")
-                self._cond.wait(left)
+            self._flushing += 1
+            self._cond.notify_all()  # a round lingering for company goes now
+            try:
+                while any(seq <= upto for seq in self._pending):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Timeout(f"cached puts' commits not answered by the master within {timeout_s:g} s")
+                    self._cond.wait(left)
+            finally:
+                self._flushing -= 1
 
     def run(self) -> None:
         """The commit loop (under the daemon's supervisor): everything queued goes in one request per
@@ -139,6 +152,13 @@ class Committer:
             with self._cond:
                 while not self._queue and not self._stop.is_set():
                     self._cond.wait(0.5)
+                # Group commit: puts acknowledged meanwhile join this round (one request for all).
+                until = time.monotonic() + self.linger_s
+                while len(self._queue) < self.batch_max and not self._flushing and not self._stop.is_set():
+                    left = until - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
             if self._round():
                 self._stop.wait(backoff)
                 backoff = min(2 * backoff, 0.5)

@@ -100,6 +100,7 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
         max_connections=config.max_connections, max_per_peer=config.max_connections_per_peer, secret=secret,
         tls=config.tls, node_id=config.name, tenant_shm_writes=config.tenant_shm_writes,
         orphan_check_s=config.orphan_check_s, inventory_sweep_s=config.inventory_sweep_s,
+        commit_linger_s=config.commit_linger_ms / 1000,
     )  # fmt: skip
     server.start()
     undo.callback(server.stop)

@@ -169,6 +169,7 @@ class DaemonServer:
         tenant_shm_writes: bool = False,
         orphan_check_s: float = 2.0,
         inventory_sweep_s: float = 600.0,
+        commit_linger_s: float = 0.001,
     ) -> None:
         """Serve on ``host:port`` and on each further rail host (one per NIC; free ports), at most
         ``max_connections`` connections at once and ``max_per_peer`` from one address. With the
@@ -228,7 +229,7 @@ class DaemonServer:
         """Set once the link exists: one-trip puts commit through it, one-trip reads are reported to it."""
         self.committer = Committer(
             lambda: partial(self.master.commit_granted, cached=True) if self.master is not None else None,
-            lambda keys: self.storage.drop(keys), self._release_grant, self._stop,
+            lambda keys: self.storage.drop(keys), self._release_grant, self._stop, linger_s=commit_linger_s,
         )  # fmt: skip
         """The master's commits of cached puts, acknowledged before it knew of them (see its module)."""
         self._handlers: dict[type[Message], Handler] = {
