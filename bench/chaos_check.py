@@ -127,8 +127,9 @@ def check(
     """Judge ``history``; ``faults``: the nemesis's (``kind``, ``t0``, ``t1``: injected, healed);
     ``end_ns``: when the run ended (an op begun ``hang_s`` before it and never ended hung).
 
-    A put of ``mode`` "cached" is judged by its own rules: its writer (the same worker: one
-    client) may not miss it from its answer on, like a visible one; another client only from its
+    A put of ``mode`` "cached" is judged by its own rules: its writer's gets (the same worker: one
+    client) may not miss it from its answer on, like a visible one; its writer's ``exists`` (the
+    master's answer) and another client only from its
     commit, which the checker allows to come ``cached_lag_s`` after the answer, or, when a fault
     was on meanwhile, ``cached_lag_s`` after the fault healed (plus ``grace_s``): the daemon
     retries the commit until a master takes it. A miss sooner is counted
@@ -183,7 +184,9 @@ def check(
         key, res = r["key"], r["res"]
         if res is None or res is False:
             put = last_put[key].before(r["t0"]) if key in last_put else None
-            mine = last_own_put[key, r["w"]].before(r["t0"]) if (key, r["w"]) in last_own_put else None
+            # The writer gets its cached put at once (from its node); exists asks the master, as others do.
+            own = r["op"] in READS and (key, r["w"]) in last_own_put
+            mine = last_own_put[key, r["w"]].before(r["t0"]) if own else None
             if mine is not None and (put is None or mine["t0"] > put["t0"]):
                 put = mine  # the writer reads its cached put at once
             early = unlagged[key].before(r["t0"]) if key in unlagged else None

@@ -146,6 +146,8 @@ class NodeCommand:
     as for inventory it could not adopt); set by :meth:`Catalog.issue` unless given."""
     node_gen: int = 0
     """The generation of the node's registration it was planned on; set by :meth:`Catalog.issue`."""
+    at: tuple[int, ...] = ()
+    """For a DROP of reservations given up, per key the DRAM offset reserved (see DropBlocks.at)."""
     void_until_ms: int = 0
     """For a DROP: tenants' seals of these keys that end at or before this (wall clock, ms) write
     nothing more on the daemon, so a reservation given up cannot be written after its drop. Set by
@@ -503,14 +505,15 @@ class Catalog:
 
     def revoke(self, entries: Sequence[ObjectEntry]) -> list[NodeCommand]:
         """Give up puts: their daemons must drop whatever was written before the extents are reused."""
-        per_node: dict[str, list[str]] = {}
+        per_node: dict[str, list[tuple[str, int]]] = {}
         for entry in entries:
             entry.removing = True
             for r in entry.replicas:
-                per_node.setdefault(r.node_id, []).append(entry.key)
-        return self.issue(
-            [NodeCommand(n, ActionKind.DROP, DRAM, tuple(keys), release=True) for n, keys in per_node.items()]
-        )
+                per_node.setdefault(r.node_id, []).append((entry.key, r.extent.offset if r.extent is not None else -1))
+        return self.issue([
+            NodeCommand(n, ActionKind.DROP, DRAM, tuple(k for k, _ in ks), release=True, at=tuple(o for _, o in ks))
+            for n, ks in per_node.items()
+        ])  # fmt: skip
 
     def drop_row(self, row: int) -> None:
         """Forget the replica in ``row`` (its daemon confirmed it gone, or its node left): free its

@@ -30,6 +30,14 @@ class DropBlocks(Message, tag=51, frozen=True):
     refused from now on, used or not: a reservation given up (revoked, expired, its key removed)
     cannot be written after its drop. The master seals every later reservation of a key to end
     after it. 0: none."""
+    at: list[int] = []
+    """For reservations given up, per key the DRAM offset reserved: a block of the key that lies
+    elsewhere is not the one given up (a cached put into a grant, its commit not yet taken by the
+    master) and stays. Empty: whatever the daemon holds under each key."""
+    keep_pending: bool = False
+    """Blocks of puts begun with an earlier master (no reservation of them is known): a block whose
+    cached put's commit is still pending on the daemon is not one (the master takes no commit of
+    these keys until the drop is answered) and stays."""
 
 
 class PromoteBlocks(Message, tag=52, frozen=True):

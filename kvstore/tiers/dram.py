@@ -466,6 +466,11 @@ class DramArena(IndexedTier[_Slot]):
         slot = self._pending.get(key)
         return None if slot is None else (slot.extent.offset, slot.size)
 
+    def offset_of(self, key: BlockKey) -> int | None:
+        """The data-region offset of ``key``'s block, committed or being written; None for neither."""
+        slot = self._index.get(key) or self._pending.get(key)
+        return None if slot is None else slot.extent.offset
+
     def pending_view(self, key: BlockKey, offset: int, size: int) -> memoryview | None:
         """A writable view of ``key`` while it is being written at exactly (offset, size); None otherwise."""
         slot = self._pending.get(key)

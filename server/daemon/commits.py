@@ -41,6 +41,9 @@ _RETRY = frozenset({GrantExpired.code, NotLeader.code, NotReady.code, RetryLater
 """Codes of a commit's answer worth another try: the master is busy or does not know the grant yet
 (a new leader before this daemon registered with it: the registration then carries the block)."""
 
+Refused = tuple[BlockKey, int, int, int]
+"""A block whose commit the master refused: (key, offset, size, checksum), as it was acknowledged."""
+
 Commit = Callable[[int, list[BlockKey], list[int], list[int], list[int], bool], list[tuple[int, str]]]
 """The master's commit of blocks written into a grant (MasterLink.commit_granted): per block (code, text)."""
 
@@ -64,7 +67,7 @@ class Committer:
     def __init__(
         self,
         commit: Callable[[], Commit | None],
-        drop: Callable[[list[BlockKey]], object],
+        drop: Callable[[list[Refused]], object],
         release: Callable[[object], None],
         stop: threading.Event,
         linger_s: float = 0.0,
@@ -223,7 +226,12 @@ class Committer:
                 retry = {k for k, (code, _) in codes.items() if code in _RETRY}
                 refused = [k for k, (code, _) in codes.items() if code != PUT_STORED and code not in _RETRY]
                 if refused:
-                    self._drop(refused)  # NotReady while a registration runs: all of it again later
+                    # Only the very block refused: another written under its key since (a remove,
+                    # then a new put) is the master's now and stays. NotReady while a registration
+                    # runs: all of it again later.
+                    acked = {k: (o, s, c) for p in entries for k, o, s, c in zip(p.keys, p.offsets, p.sizes,
+                                                                              p.checksums, strict=True)}  # fmt: skip
+                    self._drop([(k, *acked[k]) for k in refused])
             except KVStoreError as exc:
                 self._failures.warning("cached-commit", "cached puts' commits to the master failed, retrying: %s", exc)
                 failed.extend(entries)

@@ -54,10 +54,14 @@ class Orphans:
     def __init__(
         self, storage: DaemonStorage, node_id: str, *, delay_s: float = 2.0, sweep_s: float = 600.0,
         batch: int = 4096, stale_s: float = 120.0, drop: Drop | None = None,
+        pending: Callable[[BlockKey], bool] | None = None,
     ) -> None:  # fmt: skip
         """``drop``: how orphans are dropped (the server's, which first cuts their receivers);
-        by default the storage's own."""
+        by default the storage's own. ``pending``: whether a block's commit to the master is still
+        to come (a cached put's): never asked about then, since the master's "unknown" would be
+        true when it answers and false once the commit lands, which may be before the drop."""
         self.storage = storage
+        self._pending = pending
         self.node_id = node_id
         self.delay_s = delay_s
         self.sweep_s = sweep_s
@@ -157,6 +161,8 @@ class Orphans:
             if state is None:
                 release.append(key)  # gone: if an earlier answer kept its extent out, give it back
                 continue
+            if self._pending is not None and self._pending(key):
+                continue  # the master learns of it from its commit (or the inventory), not from here
             if state.checksum < 0 and now - began < self.stale_s:
                 later.append((key, began))  # still being written: asked once it is stale
             else:

@@ -187,7 +187,12 @@ class DaemonServer:
         """What this daemon proves itself with to other daemons (fetches) and the master."""
         self.gate = Gate(self.authority, node_id, shm_writes=tenant_shm_writes)
         self.orphans = Orphans(
-            storage, node_id, delay_s=orphan_check_s, sweep_s=inventory_sweep_s, drop=self._drop_orphans
+            storage,
+            node_id,
+            delay_s=orphan_check_s,
+            sweep_s=inventory_sweep_s,
+            drop=self._drop_orphans,
+            pending=lambda key: self.committer.holds(key),
         )
         self.io_timeout = io_timeout
         self.idle_timeout = idle_timeout
@@ -229,7 +234,8 @@ class DaemonServer:
         """Set once the link exists: one-trip puts commit through it, one-trip reads are reported to it."""
         self.committer = Committer(
             lambda: partial(self.master.commit_granted, cached=True) if self.master is not None else None,
-            lambda keys: self.storage.drop(keys), self._release_grant, self._stop, linger_s=commit_linger_s,
+            lambda refused: self.storage.drop_if_unchanged([(k, BlockState(o, s, c)) for k, o, s, c in refused]),
+            self._release_grant, self._stop, linger_s=commit_linger_s,
         )  # fmt: skip
         """The master's commits of cached puts, acknowledged before it knew of them (see its module)."""
         self._handlers: dict[type[Message], Handler] = {
@@ -244,7 +250,7 @@ class DaemonServer:
             WriteSlices: self._write_slices,
             DemoteBlocks: lambda m, s, r: self._command(s, r, self.storage.demote(self._keys(m.keys))),
             DropBlocks: lambda m, s, r: self._command(
-                s, r, self._drop(self._keys(m.keys), m.tier, m.fences, m.void_until_ms)
+                s, r, self._drop(self._keys(m.keys), m.tier, m.fences, m.void_until_ms, m.at, m.keep_pending)
             ),
             PromoteBlocks: lambda m, s, r: self._command(s, r, self.storage.promote(self._keys(m.keys), m.offsets)),
             FetchBlocks: lambda m, s, r: self._command(s, r, self._fetch(m)),
@@ -707,8 +713,19 @@ class DaemonServer:
         self._write_reply(sock, request_id, outcome)
 
     def _drop(
-        self, keys: list[BlockKey], tier: str = "", fences: Sequence[int] = (), void_until_ms: int = 0
-    ) -> list[bool]:
+        self, keys: list[BlockKey], tier: str = "", fences: Sequence[int] = (), void_until_ms: int = 0,
+        at: Sequence[int] = (), keep_pending: bool = False,
+    ) -> list[bool]:  # fmt: skip
+        kept: set[BlockKey] = set()
+        if at:  # reservations given up: a block of the key elsewhere is another put's, and stays
+            kept.update(self.storage.elsewhere(keys, at))
+        if keep_pending:  # a cached put's block, its commit pending (the master holds it off meanwhile)
+            kept.update(k for k in keys if self.committer.holds(k))
+        if kept:
+            mine = [i for i, k in enumerate(keys) if k not in kept]
+            rest = iter(self._drop([keys[i] for i in mine], tier, [fences[i] for i in mine] if fences else (),
+                                   void_until_ms))  # fmt: skip
+            return [False if k in kept else next(rest) for k in keys]
         self.gate.dropped(list(keys), void_until_ms)  # first: their reservations write nothing more
         if tier != "ssd":
             self.receivers.cut(keys, wait_s=self.io_timeout)

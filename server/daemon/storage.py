@@ -452,6 +452,27 @@ class DaemonStorage:
             self.engine.drop(gone)
         return gone
 
+    def elsewhere(self, keys: Sequence[BlockKey], offsets: Sequence[int]) -> list[BlockKey]:
+        """Those of ``keys`` whose DRAM block (committed or being written) lies at another offset than
+        the one given for it (negative: any offset is its own)."""
+        if len(offsets) != len(keys):
+            raise InvalidArgument(f"a drop of {len(keys)} blocks with {len(offsets)} reserved offsets")
+        with self.lock.shared():
+            return [
+                k for k, o in zip(keys, offsets, strict=True)
+                if o >= 0 and (held := self.arena.offset_of(k)) is not None and held != o
+            ]  # fmt: skip
+
+    def drop_if_unchanged(self, blocks: Sequence[tuple[BlockKey, BlockState]]) -> list[BlockKey]:
+        """Drop each of ``blocks`` still held exactly as described (a cached put's block whose commit
+        the master refused, never another block written under its key since); returns those dropped.
+        NotReady while a registration runs (its inventory names them)."""
+        with self.lock.exclusive():
+            self._refuse_while_registering()
+            gone = [k for k, state in blocks if self._state(k) == state]
+            self.engine.drop(gone)
+        return gone
+
     def holds(self, key: BlockKey) -> bool:
         """Whether a committed block ``key`` is here, in either tier."""
         return key in self.arena or (self.ssd is not None and key in self.ssd)

@@ -70,7 +70,7 @@ def _message(command: NodeCommand) -> Message:
         return PromoteBlocks(list(command.keys), list(command.offsets))
     return DropBlocks(
         list(command.keys), command.tier.value if command.tier_only else "", list(command.offsets),
-        command.void_until_ms,
+        command.void_until_ms, list(command.at),
     )  # fmt: skip
 
 
@@ -264,7 +264,8 @@ class Commands:
     async def drop_everywhere(self, keys: list[str]) -> bool:
         """Have every up node drop ``keys``; whether all of them confirmed."""
         nodes = [n.node_id for n in self.nodes.table.up_nodes()]
-        drop = DropBlocks(keys, void_until_ms=self._void_bound())  # the earlier master's seals of them end by then
+        # The earlier master's seals of them end by then; a cached put's block pending here is not theirs.
+        drop = DropBlocks(keys, void_until_ms=self._void_bound(), keep_pending=True)
         answers = await asyncio.gather(
             *(self.call(n, Lane.BLOCKS, drop, CommandReply) for n in nodes), return_exceptions=True
         )

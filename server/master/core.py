@@ -120,6 +120,9 @@ class MasterCore:
         self.authority = authority
         """Tenants and their quotas, and the seals of their reservations (None: no tenants)."""
         self.loop_stall_max: Callable[[], float] | None = None
+        self._unplaced: set[str] = set()
+        """Keys every node is dropping now (puts begun with an earlier master, see put_revoke): no
+        commit of them is taken until the drop is over."""
         """The longest the event loop went without turning, in seconds (the service's probe), for Stats."""
 
     @property
@@ -297,8 +300,15 @@ class MasterCore:
         unknown = [k for k in m.keys if self.table.describe(k) is None]
         # Reserved by a master that has since gone, so nobody knows where it was written: every
         # node drops it, before the writer's retry can store it anew.
-        if unknown and not await self.commands.drop_everywhere(unknown):
-            raise RetryLater("a node did not confirm dropping a put begun with an earlier master")
+        if unknown:
+            # A cached put's commit of one of these that came in meanwhile would be dropped with them
+            # (its daemon keeps a block whose commit is pending, and asks again after).
+            self._unplaced.update(unknown)
+            try:
+                if not await self.commands.drop_everywhere(unknown):
+                    raise RetryLater("a node did not confirm dropping a put begun with an earlier master")
+            finally:
+                self._unplaced.difference_update(unknown)
         return OkReply()
 
     # -- grants (one-trip puts) ------------------------------------------------------------------
@@ -405,6 +415,12 @@ class MasterCore:
             kept_new = [i for i in keep if i in new]
             over = quotas.over_caps(self.table, owner, known.max_objects, known.max_pinned, kept_new, m.pinned)
             keep = [i for i in keep if i not in over]
+        outcome = [(QuotaExceeded.code, f"tenant {owner!r} is at its quota")] * len(m.keys)
+        if self._unplaced:
+            busy = [i for i in keep if m.keys[i] in self._unplaced]
+            for i in busy:
+                outcome[i] = (RetryLater.code, f"key {m.keys[i]!r} is being dropped on every node; retry")
+            keep = [i for i in keep if m.keys[i] not in self._unplaced]
         if len(keep) == len(m.keys):
             outcome = self.table.commit_granted(
                 m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned, m.cached
@@ -414,7 +430,6 @@ class MasterCore:
                 m.node_id, m.grant_id, [m.keys[i] for i in keep], [m.offsets[i] for i in keep],
                 [m.sizes[i] for i in keep], [m.checksums[i] for i in keep], m.pinned, m.cached,
             )  # fmt: skip
-            outcome = [(QuotaExceeded.code, f"tenant {owner!r} is at its quota")] * len(m.keys)
             for i, result in zip(keep, part, strict=True):
                 outcome[i] = result
         return PutReply([code for code, _ in outcome], [text for _, text in outcome])

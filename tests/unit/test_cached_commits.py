@@ -12,7 +12,7 @@ import pytest
 from kvstore.errors import GrantExpired, InvalidArgument, NotReady, RetryLater, Timeout
 from kvstore.keys import BlockKey
 from kvstore.protocol import PUT_EXISTS, PUT_STORED
-from server.daemon.commits import Committer
+from server.daemon.commits import Committer, Refused
 
 
 class Master:
@@ -32,10 +32,10 @@ class Master:
 
 
 def committer(master: Master, dropped: list[str], released: list[object], drop_fails: list[bool]) -> Committer:
-    def drop(keys: list[BlockKey]) -> None:
+    def drop(blocks: list[Refused]) -> None:
         if drop_fails and drop_fails.pop(0):
             raise NotReady("a registration is running")
-        dropped.extend(keys)
+        dropped.extend(k for k, _, _, _ in blocks)
 
     return Committer(lambda: master.commit, drop, released.append, threading.Event())
 
@@ -90,3 +90,15 @@ def test_drain_commits_in_the_callers_thread() -> None:
     c.add(3, [BlockKey("y")], [0], [10], [1], False, "h2")
     with pytest.raises(Timeout):
         c.drain(0.1)
+
+
+def test_a_refusal_names_the_block_as_it_was_acknowledged() -> None:
+    """The drop of a refused cached put gets its key with the extent and checksum it was written
+    with (the daemon drops that very block only, never a newer one under the key)."""
+    master = Master()
+    master.codes = {"exists": PUT_EXISTS}
+    got: list[Refused] = []
+    c = Committer(lambda: master.commit, got.extend, lambda _: None, threading.Event())
+    c.add(7, [BlockKey("ok"), BlockKey("exists")], [0, 8192], [10, 20], [1, 2], False)
+    assert c._round() is False
+    assert got == [(BlockKey("exists"), 8192, 20, 2)]

@@ -155,3 +155,11 @@ def test_a_cached_put_whose_commit_a_fault_delays_is_held_to_it_once_the_fault_h
     visible = put(2, "v", 0, 1)
     rm = op("w2", 2, "remove", 30, 31, key="v", res=True)
     assert kinds([visible, rm, get(2, "v", 32, 33, "w0.2")], faults=fault, **lag) == ["read_after_remove"]
+
+
+def test_a_writers_exists_asks_the_master_and_may_miss_its_cached_put_within_the_lag() -> None:
+    lag = {"cached_lag_s": 0.010}
+    cached = put(1, "k", 0, 1, mode="cached")
+    asked = op("w0", 2, "exists", 2, 3, key="k", res=False)
+    assert kinds([cached, asked], **lag) == []
+    assert kinds([cached, op("w0", 2, "exists", 20, 21, key="k", res=False)], **lag) == ["lost"]

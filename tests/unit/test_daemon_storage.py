@@ -57,6 +57,22 @@ def test_while_registering_the_blocks_stay_as_the_inventory_says(storage: Daemon
     assert [i.key for i in storage.inventory()] == ["b", "c"]
 
 
+def test_a_refused_commit_drops_only_the_very_block_it_was_for(storage: DaemonStorage) -> None:
+    """A cached put's block whose commit the master refused goes; one written under its key since
+    (the first dropped by a remove, then a new put) stays: the master knows that one."""
+    write(storage, "k", 0, b"a" * KB)
+    first = BlockState(0, KB, checksum(b"a" * KB))
+    assert storage.drop([K("k")]) == [True]
+    write(storage, "k", 8 * KB, b"b" * KB)
+    assert storage.drop_if_unchanged([(K("k"), first)]) == []
+    with storage.read_views([K("k")]) as [view]:
+        assert view is not None and bytes(view) == b"b" * KB
+    assert storage.drop_if_unchanged([(K("k"), BlockState(8 * KB, KB, checksum(b"b" * KB)))]) == [K("k")]
+    assert storage.describe([K("k")]) == [None]
+    with storage.registering(), pytest.raises(NotReady):
+        storage.drop_if_unchanged([(K("k"), first)])
+
+
 def test_a_write_whose_bytes_do_not_match_is_discarded(storage: DaemonStorage) -> None:
     view, refused = storage.begin_writes([(K("x"), 0, 10), (K("y"), 3, 10)])
     assert isinstance(view, memoryview) and isinstance(refused, InvalidArgument)  # misaligned
