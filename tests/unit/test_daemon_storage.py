@@ -73,6 +73,16 @@ def test_a_refused_commit_drops_only_the_very_block_it_was_for(storage: DaemonSt
         storage.drop_if_unchanged([(K("k"), first)])
 
 
+def test_a_reservation_given_up_names_its_extent_and_a_block_elsewhere_is_not_it(storage: DaemonStorage) -> None:
+    write(storage, "k", 0, b"a" * KB)  # a cached put's block, its commit pending at the master
+    [view] = storage.begin_writes([(K("w"), 8 * KB, KB)])  # another key being written
+    assert isinstance(view, memoryview)
+    assert storage.elsewhere([K("k"), K("k"), K("w"), K("none"), K("k")], [4 * KB, 0, 8 * KB, 0, -1]) == [K("k")]
+    with pytest.raises(InvalidArgument, match="reserved offsets"):
+        storage.elsewhere([K("k")], [])
+    storage.abort_writes([(K("w"), view)])
+
+
 def test_a_write_whose_bytes_do_not_match_is_discarded(storage: DaemonStorage) -> None:
     view, refused = storage.begin_writes([(K("x"), 0, 10), (K("y"), 3, 10)])
     assert isinstance(view, memoryview) and isinstance(refused, InvalidArgument)  # misaligned

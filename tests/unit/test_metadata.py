@@ -473,3 +473,14 @@ def test_of_a_key_in_both_tiers_the_copy_that_agrees_with_other_nodes_is_kept() 
     t.check()
     run(t, [drop])
     assert sorted((r["node_id"], r["tier"]) for r in t.describe("k")["replicas"]) == [("a", "dram"), ("b", "ssd")]  # type: ignore[index]
+
+
+def test_a_revoked_reservation_is_dropped_at_its_extent_only() -> None:
+    """The drop of a reservation given up names the extent reserved: a daemon holding a block of the
+    key elsewhere (a cached put's, not yet committed) keeps it."""
+    table = PlacementTable(EvictionPolicy())
+    table.register_node("n", "n:1", 1 << 20, 0, 64, [], 0)
+    ticket = table.put_start(["k"], [4096], 1, None, False, 0).tickets[0]
+    assert ticket is not None
+    [command] = table.put_revoke(["k"])
+    assert command.keys == ("k",) and command.at == (ticket.replicas[0].offset,)
