@@ -14,25 +14,20 @@ import logging
 import socket
 import threading
 import time
-from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from kvstore.allocator import align_up
 from kvstore.auth import ANYONE, Authority, Credential, cluster_credential
 from kvstore.config import TlsConfig
 from kvstore.errors import (
     AuthFailed,
     ConnectionFailed,
     CorruptBlock,
-    GrantExpired,
     InvalidArgument,
     KVStoreError,
     NotLeader,
-    PermissionDenied,
     ProtocolError,
     QuotaExceeded,
     Timeout,
@@ -68,6 +63,7 @@ from kvstore.protocol import (
 from kvstore.ratelog import RateLimitedLog
 from server.daemon.commits import Committer
 from server.daemon.gate import Gate
+from server.daemon.grants import Grants
 from server.daemon.master_link import MasterLink
 from server.daemon.orphans import Orphans
 from server.daemon.receivers import Receivers
@@ -115,39 +111,6 @@ def _answer(
             )
         else:
             codes[i], texts[i] = answer(j)
-
-
-@dataclass(slots=True)
-class _Grant:
-    """Arena space the master granted a client: writes land only inside it, never twice in one place."""
-
-    offset: int
-    end: int
-    deadline: float
-    """time.monotonic() after which no write is taken."""
-    claimed: list[tuple[int, int]] = field(default_factory=list)
-    """Extents written into, sorted (start, end)."""
-    receivers: set[socket.socket] = field(default_factory=set)
-    active: int = 0
-    """Writes in flight into it."""
-    cached: int = 0
-    """Cached puts acknowledged in it whose commit the master has not answered: the master ends the
-    grant (and frees its space) only after them."""
-    closed: bool = False
-    owner: str = ""
-    """The tenant the master granted it to ("" without tenants)."""
-
-    def claim(self, start: int, end: int) -> bool:
-        """Take ``[start, end)`` if it lies inside the grant and touches no extent taken before."""
-        if start < self.offset or end > self.end:
-            return False
-        i = bisect_left(self.claimed, (start, end))
-        if i > 0 and self.claimed[i - 1][1] > start:
-            return False
-        if i < len(self.claimed) and self.claimed[i][0] < end:
-            return False
-        self.claimed.insert(i, (start, end))
-        return True
 
 
 class DaemonServer:
@@ -226,8 +189,8 @@ class DaemonServer:
         self.receivers = Receivers()
         self._transfer: Counter[str] = Counter()
         self._transfer_lock = threading.Lock()
-        self._grants: dict[int, _Grant] = {}
-        self._grants_cond = threading.Condition()
+        self.grants = Grants(storage.arena.capacity, storage.arena.alignment)
+        """The master's grants for one-trip puts (see its module)."""
         self.epoch = 0
         """The latest master epoch this daemon knows of (see MasterHello); 0: no HA master yet."""
         self.master: MasterLink | None = None
@@ -235,7 +198,7 @@ class DaemonServer:
         self.committer = Committer(
             lambda: partial(self.master.commit_granted, cached=True) if self.master is not None else None,
             lambda refused: self.storage.drop_if_unchanged([(k, BlockState(o, s, c)) for k, o, s, c in refused]),
-            self._release_grant, self._stop, linger_s=commit_linger_s,
+            self.grants.release, self._stop, linger_s=commit_linger_s,
         )  # fmt: skip
         """The master's commits of cached puts, acknowledged before it knew of them (see its module)."""
         self._handlers: dict[type[Message], Handler] = {
@@ -508,71 +471,21 @@ class DaemonServer:
 
     # -- one-trip puts: writes into space the master granted -----------------------------------
     def _open_grant(self, msg: OpenGrant, sock: socket.socket, request_id: int) -> None:
-        alignment = self.storage.arena.alignment
-        if (
-            msg.offset < 0
-            or msg.offset % alignment
-            or msg.length <= 0
-            or msg.offset + msg.length > self.storage.arena.capacity
-        ):
-            raise InvalidArgument(f"grant ({msg.offset}, {msg.length}) is outside the arena or misaligned")
-        now = time.monotonic()
-        with self._grants_cond:
-            # Grants whose EndGrants never came (a master that went away) are dropped a while after they ended.
-            for stale in [i for i, g in self._grants.items() if g.active == 0 and g.deadline < now - 60]:
-                del self._grants[stale]
-            known = self._grants.get(msg.grant_id)
-            if known is None:
-                self._grants[msg.grant_id] = _Grant(
-                    msg.offset, msg.offset + msg.length, now + msg.ttl_ms / 1000, owner=msg.owner
-                )
-            elif (known.offset, known.end) != (msg.offset, msg.offset + msg.length):
-                raise InvalidArgument(f"grant {msg.grant_id} is open here for another extent")
+        self.grants.open(msg.grant_id, msg.offset, msg.length, msg.ttl_ms, msg.owner, time.monotonic())
         self._command(sock, request_id, [True])
 
     def end_grants(self, grant_ids: Sequence[int], wait_s: float | None = None, cached: bool = True) -> list[bool]:
         """Take no more writes into ``grant_ids``; cut those receiving and wait until none is in flight
         (and, with ``cached``, until the master answered the commits of the cached puts in them)."""
-
-        def idle(g: _Grant) -> bool:
-            return g.active == 0 and (not cached or g.cached == 0)
-
-        with self._grants_cond:
-            grants = [g for i in grant_ids if (g := self._grants.get(i)) is not None]
-            for grant in grants:
-                grant.closed = True
-            # Writes in flight finish first (their connections carry other requests too); only a
-            # writer that stalls is cut off.
-            done = self._grants_cond.wait_for(lambda: all(idle(g) for g in grants), 2.0)
-            if not done:
-                for grant in grants:
-                    for sock in grant.receivers:
-                        cut(sock)
-                done = self._grants_cond.wait_for(
-                    lambda: all(idle(g) for g in grants), self.io_timeout if wait_s is None else wait_s
-                )
-            if not done:
-                raise Timeout("writes into ending grants did not stop in time")
-            for grant_id in grant_ids:
-                self._grants.pop(grant_id, None)
-        return [True] * len(grant_ids)
+        return self.grants.end(grant_ids, cut, self.io_timeout if wait_s is None else wait_s, cached)
 
     def reset_grants(self) -> None:
         """Forget every grant (a master that registers this node anew knows none of them). The
         cached puts' commits still queued are the registration's to carry (its inventory holds them)."""
         self.committer.registering()
-        with self._grants_cond:
-            ids = list(self._grants)
         with contextlib.suppress(Timeout):
             # Not for cached puts' commits: what they committed here the inventory carries.
-            self.end_grants(ids, cached=False)
-
-    def _release_grant(self, grant: object) -> None:
-        """A cached put's commit is done: its grant may end (:meth:`end_grants` waits for it)."""
-        if isinstance(grant, _Grant):
-            with self._grants_cond:
-                grant.cached -= 1
-                self._grants_cond.notify_all()
+            self.end_grants(self.grants.ids(), cached=False)
 
     def _flush_commits(self, msg: FlushCommits, sock: socket.socket, request_id: int) -> None:
         self.committer.flush(self.io_timeout)
@@ -583,33 +496,15 @@ class DaemonServer:
         if not len(msg.offsets) == len(msg.sizes) == len(msg.checksums) == n or any(s <= 0 for s in msg.sizes):
             raise ConnectionFailed("WriteGranted with mismatched or non-positive sizes")  # payload unknowable
         keys = self._keys(msg.keys)
-        alignment = self.storage.arena.alignment
-        refused: list[KVStoreError | None] = [None] * n
-        with self._grants_cond:
-            grant = self._grants.get(msg.grant_id)
-            tenant = self.gate.identity(sock).tenant
-            if grant is not None and tenant is not None and grant.owner != tenant:
-                refused = [PermissionDenied(f"grant {msg.grant_id} is not tenant {tenant!r}'s")] * n
-                grant = None
-            elif grant is None or grant.closed or time.monotonic() > grant.deadline:
-                refused = [GrantExpired(f"grant {msg.grant_id} has ended")] * n
-                grant = None
-            else:
-                for i, (offset, size) in enumerate(zip(msg.offsets, msg.sizes, strict=True)):
-                    if offset % alignment or not grant.claim(offset, offset + align_up(size, alignment)):
-                        refused[i] = InvalidArgument(
-                            f"block {keys[i]!r}: extent ({offset}, {size}) is not free space of grant {msg.grant_id}"
-                        )
-                grant.active += 1
-                grant.receivers.add(sock)
+        tenant = self.gate.identity(sock).tenant
+        grant, refused = self.grants.begin_write(
+            msg.grant_id, tenant, keys, msg.offsets, msg.sizes, sock, time.monotonic()
+        )
         try:
             self._write_into_grant(msg, keys, refused, sock, request_id)
         finally:
             if grant is not None:
-                with self._grants_cond:
-                    grant.active -= 1
-                    grant.receivers.discard(sock)
-                    self._grants_cond.notify_all()
+                self.grants.end_write(grant, sock)
 
     def _write_into_grant(
         self, msg: WriteGranted, keys: list[BlockKey], refused: list[KVStoreError | None], sock: socket.socket,
@@ -676,10 +571,7 @@ class DaemonServer:
         done = [i for j, i in enumerate(todo) if outcome[j] is None and verified[j]]
         if not done:
             return
-        with self._grants_cond:
-            grant = self._grants.get(msg.grant_id)
-            if grant is not None:
-                grant.cached += 1  # released by the committer once the master answered
+        grant = self.grants.hold(msg.grant_id)  # released by the committer once the master answered
         self.committer.add(
             msg.grant_id, [keys[i] for i in done], [msg.offsets[i] for i in done], [msg.sizes[i] for i in done],
             [msg.checksums[i] for i in done], msg.pinned, grant,
