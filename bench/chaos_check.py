@@ -185,8 +185,8 @@ def check(
         if res is None or res is False:
             put = last_put[key].before(r["t0"]) if key in last_put else None
             # The writer gets its cached put at once (from its node); exists asks the master, as others do.
-            own = r["op"] in READS and (key, r["w"]) in last_own_put
-            mine = last_own_put[key, r["w"]].before(r["t0"]) if own else None
+            writer_gets = r["op"] in READS and (key, r["w"]) in last_own_put
+            mine = last_own_put[key, r["w"]].before(r["t0"]) if writer_gets else None
             if mine is not None and (put is None or mine["t0"] > put["t0"]):
                 put = mine  # the writer reads its cached put at once
             early = unlagged[key].before(r["t0"]) if key in unlagged else None
