@@ -26,8 +26,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvstore.errors import GrantExpired, KVStoreError, NotLeader, NotReady, RetryLater, Timeout
@@ -43,6 +44,9 @@ _RETRY = frozenset({GrantExpired.code, NotLeader.code, NotReady.code, RetryLater
 
 Refused = tuple[BlockKey, int, int, int]
 """A block whose commit the master refused: (key, offset, size, checksum), as it was acknowledged."""
+
+REMEMBERED = 65_536
+"""Committed cached blocks a daemon remembers (see Committer.ours)."""
 
 Commit = Callable[[int, list[BlockKey], list[int], list[int], list[int], bool], list[tuple[int, str]]]
 """The master's commit of blocks written into a grant (MasterLink.commit_granted): per block (code, text)."""
@@ -90,6 +94,9 @@ class Committer:
         self._pending: set[int] = set()
         """Seqs queued or being committed."""
         self._keys: Counter[BlockKey] = Counter()
+        self._committed: OrderedDict[BlockKey, tuple[int, int, int]] = OrderedDict()
+        """The latest blocks whose commit the master took, (offset, size, checksum) by key (at most
+        :data:`REMEMBERED`): a drop of puts begun with an earlier master is never about them."""
         """Keys of the commits queued or being made."""
         self._seq = 0
         self.committed = 0
@@ -115,6 +122,25 @@ class Committer:
         """Whether a commit of ``key`` is queued or being made (its block is not an orphan)."""
         with self._cond:
             return key in self._keys
+
+    @contextmanager
+    def acknowledging(self, keys: list[BlockKey]) -> Iterator[None]:
+        """Around a cached put's local commit and :meth:`add`: its keys are held from before the block
+        is in the arena until the commit is queued (no drop finds the block and not the commit)."""
+        with self._cond:
+            self._keys.update(keys)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._keys.subtract(keys)
+                self._keys = +self._keys
+
+    def ours(self, key: BlockKey, state: tuple[int, int, int] | None) -> bool:
+        """Whether the block held under ``key`` (its state) is a cached put's of this daemon: its commit
+        queued or being made, or taken by the master lately (that very block)."""
+        with self._cond:
+            return key in self._keys or (state is not None and self._committed.get(key) == tuple(state))
 
     def registering(self) -> None:
         """A registration begins (before its inventory is taken, which carries every block
@@ -249,8 +275,18 @@ class Committer:
             finished = [p for p in entries if retry.isdisjoint(p.keys)]
             dropped = set(refused)
             self._count(committed=sum(1 for p in finished for k in p.keys if k not in dropped), refused=len(refused))
+            self._remember([(k, o, s, c) for p in finished for k, o, s, c in zip(p.keys, p.offsets, p.sizes,
+                            p.checksums, strict=True) if codes.get(k, (-1,))[0] == PUT_STORED])  # fmt: skip
             self._done(finished)
         return failed
+
+    def _remember(self, blocks: list[tuple[BlockKey, int, int, int]]) -> None:
+        with self._cond:
+            for key, offset, size, checksum in blocks:
+                self._committed.pop(key, None)
+                self._committed[key] = (offset, size, checksum)
+            while len(self._committed) > REMEMBERED:
+                self._committed.popitem(last=False)
 
     def _count(self, committed: int = 0, refused: int = 0, adopted: int = 0) -> None:
         with self._cond:

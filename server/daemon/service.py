@@ -566,16 +566,17 @@ class DaemonServer:
     ) -> None:  # fmt: skip
         """A cached put's blocks, checked: committed here and answered STORED now, their commit to
         the master queued (the grant held open until it is done)."""
-        outcome = batch.finish(verified)
-        _answer(keys, todo, outcome, verified, lambda j: (PUT_STORED, ""), codes, texts)
-        done = [i for j, i in enumerate(todo) if outcome[j] is None and verified[j]]
-        if not done:
-            return
-        grant = self.grants.hold(msg.grant_id)  # released by the committer once the master answered
-        self.committer.add(
-            msg.grant_id, [keys[i] for i in done], [msg.offsets[i] for i in done], [msg.sizes[i] for i in done],
-            [msg.checksums[i] for i in done], msg.pinned, grant,
-        )  # fmt: skip
+        with self.committer.acknowledging([keys[i] for i in todo]):
+            outcome = batch.finish(verified)
+            _answer(keys, todo, outcome, verified, lambda j: (PUT_STORED, ""), codes, texts)
+            done = [i for j, i in enumerate(todo) if outcome[j] is None and verified[j]]
+            if not done:
+                return
+            grant = self.grants.hold(msg.grant_id)  # released by the committer once the master answered
+            self.committer.add(
+                msg.grant_id, [keys[i] for i in done], [msg.offsets[i] for i in done], [msg.sizes[i] for i in done],
+                [msg.checksums[i] for i in done], msg.pinned, grant,
+            )  # fmt: skip
 
     def _write_slices(self, msg: WriteSlices, sock: socket.socket, request_id: int) -> None:
         n = len(msg.keys)
@@ -608,20 +609,15 @@ class DaemonServer:
         self, keys: list[BlockKey], tier: str = "", fences: Sequence[int] = (), void_until_ms: int = 0,
         at: Sequence[int] = (), keep_pending: bool = False,
     ) -> list[bool]:  # fmt: skip
-        kept: set[BlockKey] = set()
-        if at:  # reservations given up: a block of the key elsewhere is another put's, and stays
-            kept.update(self.storage.elsewhere(keys, at))
-        if keep_pending:  # a cached put's block, its commit pending (the master holds it off meanwhile)
-            kept.update(k for k in keys if self.committer.holds(k))
-        if kept:
-            mine = [i for i, k in enumerate(keys) if k not in kept]
-            rest = iter(self._drop([keys[i] for i in mine], tier, [fences[i] for i in mine] if fences else (),
-                                   void_until_ms))  # fmt: skip
-            return [False if k in kept else next(rest) for k in keys]
+        """The master's drop. ``at``: reservations given up, dropped only where reserved (a block of the
+        key elsewhere is a cached put's, its commit not yet taken). ``keep_pending``: puts begun
+        with an earlier master; a cached put's block here is not one (its commit is pending, or the
+        master took it) and stays. Both decided under the storage lock with the drop itself."""
+        keep = self.committer.ours if keep_pending else None
         self.gate.dropped(list(keys), void_until_ms)  # first: their reservations write nothing more
         if tier != "ssd":
             self.receivers.cut(keys, wait_s=self.io_timeout)
-        done = self.storage.drop(keys, tier, fences)
+        done = self.storage.drop(keys, tier, fences, at, keep)
         if not tier:  # dropped while absent: bytes that come later may be an orphan's
             self.orphans.dropped_absent([k for k, held in zip(keys, done, strict=True) if not held])
         return done

@@ -452,17 +452,6 @@ class DaemonStorage:
             self.engine.drop(gone)
         return gone
 
-    def elsewhere(self, keys: Sequence[BlockKey], offsets: Sequence[int]) -> list[BlockKey]:
-        """Those of ``keys`` whose DRAM block (committed or being written) lies at another offset than
-        the one given for it (negative: any offset is its own)."""
-        if len(offsets) != len(keys):
-            raise InvalidArgument(f"a drop of {len(keys)} blocks with {len(offsets)} reserved offsets")
-        with self.lock.shared():
-            return [
-                k for k, o in zip(keys, offsets, strict=True)
-                if o >= 0 and (held := self.arena.offset_of(k)) is not None and held != o
-            ]  # fmt: skip
-
     def drop_if_unchanged(self, blocks: Sequence[tuple[BlockKey, BlockState]]) -> list[BlockKey]:
         """Drop each of ``blocks`` still held exactly as described (a cached put's block whose commit
         the master refused, never another block written under its key since); returns those dropped.
@@ -535,10 +524,17 @@ class DaemonStorage:
             self._refuse_while_registering()
             return self.engine.demote(keys)
 
-    def drop(self, keys: Sequence[BlockKey], tier: str = "", fences: Sequence[int] = ()) -> list[bool]:
+    def drop(
+        self, keys: Sequence[BlockKey], tier: str = "", fences: Sequence[int] = (), at: Sequence[int] = (),
+        keep: Callable[[BlockKey, BlockState | None], bool] | None = None,
+    ) -> list[bool]:  # fmt: skip
         """Delete blocks from whichever tier holds them (and reservations given up, revoked or
         expired, with slices written), or from ``tier`` only ("dram" or "ssd"); False for a block
-        that was not held there.
+        that was not held there, or kept.
+
+        ``at`` (per key, a DRAM offset; negative: any): reservations given up, each dropped only
+        where it was reserved; a block of the key elsewhere is another put's and stays. ``keep``:
+        asked, under the same lock as the drop, about each block held (with its state): True keeps it.
 
         ``fences`` (per key, a DRAM offset): these are copies from other daemons that the master
         gave up on. One that has not arrived (neither stored nor being written in DRAM) is fenced
@@ -546,13 +542,23 @@ class DaemonStorage:
         was answered never becomes a stored block in an extent the master reuses."""
         if fences and len(fences) != len(keys):
             raise InvalidArgument(f"a drop of {len(keys)} blocks with {len(fences)} fences")
+        if at and len(at) != len(keys):
+            raise InvalidArgument(f"a drop of {len(keys)} blocks with {len(at)} reserved offsets")
         with self.lock.exclusive():
             self._refuse_while_registering()
             if fences:
                 for key, offset in zip(keys, fences, strict=True):
                     if key not in self.arena and not self.arena.is_pending(key):
                         self._fence(key, offset)
-            return self.engine.drop(keys, tier)
+            if not at and keep is None:
+                return self.engine.drop(keys, tier)
+            kept = [
+                (at and at[i] >= 0 and (held := self.arena.offset_of(k)) is not None and held != at[i])
+                or (keep is not None and keep(k, self._state(k)))
+                for i, k in enumerate(keys)
+            ]
+            done = iter(self.engine.drop([k for k, no in zip(keys, kept, strict=True) if not no], tier))
+            return [False if no else next(done) for no in kept]
 
     def _fence(self, key: BlockKey, offset: int) -> None:
         self._fences[(key, offset)] = None

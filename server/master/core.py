@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from kvstore.auth import ANYONE, Authority, Identity
@@ -120,10 +121,10 @@ class MasterCore:
         self.authority = authority
         """Tenants and their quotas, and the seals of their reservations (None: no tenants)."""
         self.loop_stall_max: Callable[[], float] | None = None
-        self._unplaced: set[str] = set()
-        """Keys every node is dropping now (puts begun with an earlier master, see put_revoke): no
-        commit of them is taken until the drop is over."""
         """The longest the event loop went without turning, in seconds (the service's probe), for Stats."""
+        self._unplaced: Counter[str] = Counter()
+        """Keys every node is dropping now (puts begun with an earlier master, see put_revoke), by
+        drops under way: no commit of them is taken until the drop is over."""
 
     @property
     def table(self) -> PlacementTable:
@@ -308,7 +309,8 @@ class MasterCore:
                 if not await self.commands.drop_everywhere(unknown):
                     raise RetryLater("a node did not confirm dropping a put begun with an earlier master")
             finally:
-                self._unplaced.difference_update(unknown)
+                self._unplaced.subtract(unknown)
+                self._unplaced = +self._unplaced
         return OkReply()
 
     # -- grants (one-trip puts) ------------------------------------------------------------------

@@ -74,13 +74,26 @@ def test_a_refused_commit_drops_only_the_very_block_it_was_for(storage: DaemonSt
 
 
 def test_a_reservation_given_up_names_its_extent_and_a_block_elsewhere_is_not_it(storage: DaemonStorage) -> None:
+    """A drop of reservations given up (``at``) takes a key's block only where it was reserved; a drop
+    with ``keep`` asks about each block held, with its state, under the drop's own lock."""
     write(storage, "k", 0, b"a" * KB)  # a cached put's block, its commit pending at the master
-    [view] = storage.begin_writes([(K("w"), 8 * KB, KB)])  # another key being written
+    write(storage, "j", 8 * KB, b"j" * KB)
+    [view] = storage.begin_writes([(K("w"), 16 * KB, KB)])  # another key being written
     assert isinstance(view, memoryview)
-    assert storage.elsewhere([K("k"), K("k"), K("w"), K("none"), K("k")], [4 * KB, 0, 8 * KB, 0, -1]) == [K("k")]
     with pytest.raises(InvalidArgument, match="reserved offsets"):
-        storage.elsewhere([K("k")], [])
-    storage.abort_writes([(K("w"), view)])
+        storage.drop([K("k")], at=[0, 4 * KB])
+    assert storage.drop([K("k"), K("none")], at=[4 * KB, 0]) == [False, False]  # elsewhere: kept
+    assert storage.describe([K("k")]) == [BlockState(0, KB, checksum(b"a" * KB))]
+    asked: list[tuple[BlockKey, object]] = []
+
+    def keep(key: BlockKey, state: object) -> bool:
+        asked.append((key, state))
+        return key == "j"
+
+    assert storage.drop([K("j"), K("w")], keep=keep) == [False, True]
+    assert asked == [(K("j"), BlockState(8 * KB, KB, checksum(b"j" * KB))), (K("w"), BlockState(16 * KB, KB, -1))]
+    assert storage.drop([K("k")], at=[0]) == [True]  # where it was reserved: dropped
+    view.release()
 
 
 def test_a_write_whose_bytes_do_not_match_is_discarded(storage: DaemonStorage) -> None:
