@@ -44,11 +44,15 @@ def _plant_forgetful_drops() -> None:
     drop = DaemonStorage.drop
 
     def forgetful(
-        self: DaemonStorage, keys: Sequence[BlockKey], tier: str = "", fences: Sequence[int] = ()
-    ) -> list[bool]:
+        self: DaemonStorage, keys: Sequence[BlockKey], tier: str = "", fences: Sequence[int] = (),
+        at: Sequence[int] = (), keep: object = None,
+    ) -> list[bool]:  # fmt: skip
         kept = {k for k in keys if random.random() < 0.5}
         real = [i for i, k in enumerate(keys) if k not in kept]
-        done = drop(self, [keys[i] for i in real], tier, [fences[i] for i in real] if fences else ())
+        done = drop(
+            self, [keys[i] for i in real], tier, [fences[i] for i in real] if fences else (),
+            [at[i] for i in real] if at else (), keep,  # type: ignore[arg-type]
+        )  # fmt: skip
         out = [True] * len(keys)
         for i, ok in zip(real, done, strict=True):
             out[i] = ok

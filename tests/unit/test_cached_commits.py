@@ -102,3 +102,20 @@ def test_a_refusal_names_the_block_as_it_was_acknowledged() -> None:
     c.add(7, [BlockKey("ok"), BlockKey("exists")], [0, 8192], [10, 20], [1, 2], False)
     assert c._round() is False
     assert got == [(BlockKey("exists"), 8192, 20, 2)]
+
+
+def test_a_daemon_knows_its_cached_blocks_from_before_their_local_commit_to_after_the_master_took_them() -> None:
+    """What a drop of puts begun with an earlier master must keep: a key whose commit is queued, or
+    being acknowledged (before the block is even in the arena), and the very block the master took
+    lately, nothing else."""
+    master = Master()
+    c = Committer(lambda: master.commit, lambda _: None, lambda _: None, threading.Event())
+    k = BlockKey("k")
+    assert not c.ours(k, None)
+    with c.acknowledging([k]):
+        assert c.ours(k, None) and c.holds(k)
+        c.add(7, [k], [4096], [10], [5], False)
+    assert c.ours(k, (4096, 10, 5))  # queued
+    assert c._round() is False  # the master took it
+    assert c.ours(k, (4096, 10, 5)) and not c.holds(k)
+    assert not c.ours(k, (8192, 10, 5)) and not c.ours(k, None)  # another block under the key: not ours
