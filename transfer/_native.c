@@ -387,25 +387,10 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(xxh3_doc, "xxh3(buffer) -> int\n\nThe xxh3-64 of a buffer, as this module computes it.");
-
-static PyObject *xxh3(PyObject *self, PyObject *arg) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    uint64_t sum;
-    Py_BEGIN_ALLOW_THREADS
-    sum = xxh3_oneshot(view.buf, (size_t)view.len);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLongLong(sum);
-}
-
 static PyMethodDef methods[] = {
     {"recv_frame", recv_frame, METH_VARARGS, recv_frame_doc},
     {"recv_parts", recv_parts, METH_VARARGS, recv_parts_doc},
     {"send_buffers", send_buffers, METH_VARARGS, send_buffers_doc},
-    {"xxh3", xxh3, METH_O, xxh3_doc},
     {NULL, NULL, 0, NULL},
 };
 
