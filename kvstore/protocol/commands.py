@@ -35,9 +35,9 @@ class DropBlocks(Message, tag=51, frozen=True):
     elsewhere is not the one given up (a cached put into a grant, its commit not yet taken by the
     master) and stays. Empty: whatever the daemon holds under each key."""
     keep_pending: bool = False
-    """Blocks of puts begun with an earlier master (no reservation of them is known): a block whose
-    cached put's commit is still pending on the daemon is not one (the master takes no commit of
-    these keys until the drop is answered) and stays."""
+    """Blocks of puts begun with an earlier master (no reservation of them is known): a cached put's
+    block on the daemon, its commit pending or lately taken by the master, is not one and stays
+    (the master takes no commit of these keys until the drop is answered)."""
 
 
 class PromoteBlocks(Message, tag=52, frozen=True):

@@ -94,10 +94,10 @@ class Committer:
         self._pending: set[int] = set()
         """Seqs queued or being committed."""
         self._keys: Counter[BlockKey] = Counter()
+        """Keys of the commits queued or being made (and of those being acknowledged)."""
         self._committed: OrderedDict[BlockKey, tuple[int, int, int]] = OrderedDict()
         """The latest blocks whose commit the master took, (offset, size, checksum) by key (at most
         :data:`REMEMBERED`): a drop of puts begun with an earlier master is never about them."""
-        """Keys of the commits queued or being made."""
         self._seq = 0
         self.committed = 0
         self.refused = 0
@@ -247,6 +247,8 @@ class Committer:
                     grant_id, [k for p in entries for k in p.keys], [o for p in entries for o in p.offsets],
                     [s for p in entries for s in p.sizes], [c for p in entries for c in p.checksums], pinned,
                 )  # fmt: skip
+                acked = {k: (o, s, c) for p in entries
+                         for k, o, s, c in zip(p.keys, p.offsets, p.sizes, p.checksums, strict=True)}  # fmt: skip
                 keys = [k for p in entries for k in p.keys]
                 codes = {k: (code, text) for k, (code, text) in zip(keys, answers, strict=True)}
                 retry = {k for k, (code, _) in codes.items() if code in _RETRY}
@@ -255,8 +257,6 @@ class Committer:
                     # Only the very block refused: another written under its key since (a remove,
                     # then a new put) is the master's now and stays. NotReady while a registration
                     # runs: all of it again later.
-                    acked = {k: (o, s, c) for p in entries for k, o, s, c in zip(p.keys, p.offsets, p.sizes,
-                                                                              p.checksums, strict=True)}  # fmt: skip
                     self._drop([(k, *acked[k]) for k in refused])
             except KVStoreError as exc:
                 self._failures.warning("cached-commit", "cached puts' commits to the master failed, retrying: %s", exc)
@@ -275,16 +275,15 @@ class Committer:
             finished = [p for p in entries if retry.isdisjoint(p.keys)]
             dropped = set(refused)
             self._count(committed=sum(1 for p in finished for k in p.keys if k not in dropped), refused=len(refused))
-            self._remember([(k, o, s, c) for p in finished for k, o, s, c in zip(p.keys, p.offsets, p.sizes,
-                            p.checksums, strict=True) if codes.get(k, (-1,))[0] == PUT_STORED])  # fmt: skip
+            self._remember({k: acked[k] for p in finished for k in p.keys if codes[k][0] == PUT_STORED})
             self._done(finished)
         return failed
 
-    def _remember(self, blocks: list[tuple[BlockKey, int, int, int]]) -> None:
+    def _remember(self, blocks: dict[BlockKey, tuple[int, int, int]]) -> None:
         with self._cond:
-            for key, offset, size, checksum in blocks:
+            for key, state in blocks.items():
                 self._committed.pop(key, None)
-                self._committed[key] = (offset, size, checksum)
+                self._committed[key] = state
             while len(self._committed) > REMEMBERED:
                 self._committed.popitem(last=False)
 

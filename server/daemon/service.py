@@ -61,7 +61,7 @@ from kvstore.protocol import (
     WriteSlices,
 )
 from kvstore.ratelog import RateLimitedLog
-from server.daemon.commits import Committer
+from server.daemon.commits import Committer, Refused
 from server.daemon.gate import Gate
 from server.daemon.grants import Grants
 from server.daemon.master_link import MasterLink
@@ -197,8 +197,7 @@ class DaemonServer:
         """Set once the link exists: one-trip puts commit through it, one-trip reads are reported to it."""
         self.committer = Committer(
             lambda: partial(self.master.commit_granted, cached=True) if self.master is not None else None,
-            lambda refused: self.storage.drop_if_unchanged([(k, BlockState(o, s, c)) for k, o, s, c in refused]),
-            self.grants.release, self._stop, linger_s=commit_linger_s,
+            self._drop_refused, self.grants.release, self._stop, linger_s=commit_linger_s,
         )  # fmt: skip
         """The master's commits of cached puts, acknowledged before it knew of them (see its module)."""
         self._handlers: dict[type[Message], Handler] = {
@@ -621,6 +620,12 @@ class DaemonServer:
         if not tier:  # dropped while absent: bytes that come later may be an orphan's
             self.orphans.dropped_absent([k for k, held in zip(keys, done, strict=True) if not held])
         return done
+
+    def _drop_refused(self, refused: list[Refused]) -> None:
+        """Drop cached puts' blocks whose commit the master refused: each only as it was acknowledged,
+        never another block written under its key since. NotReady while a registration runs."""
+        acked = {k: BlockState(o, s, c) for k, o, s, c in refused}
+        self.storage.drop(list(acked), keep=lambda key, state: state != acked[key])
 
     def _drop_orphans(self, blocks: list[tuple[BlockKey, BlockState]]) -> list[BlockKey]:
         """Drop orphans as the master's drops are made: their receivers cut first (no bytes land in

@@ -452,16 +452,6 @@ class DaemonStorage:
             self.engine.drop(gone)
         return gone
 
-    def drop_if_unchanged(self, blocks: Sequence[tuple[BlockKey, BlockState]]) -> list[BlockKey]:
-        """Drop each of ``blocks`` still held exactly as described (a cached put's block whose commit
-        the master refused, never another block written under its key since); returns those dropped.
-        NotReady while a registration runs (its inventory names them)."""
-        with self.lock.exclusive():
-            self._refuse_while_registering()
-            gone = [k for k, state in blocks if self._state(k) == state]
-            self.engine.drop(gone)
-        return gone
-
     def holds(self, key: BlockKey) -> bool:
         """Whether a committed block ``key`` is here, in either tier."""
         return key in self.arena or (self.ssd is not None and key in self.ssd)
@@ -553,7 +543,7 @@ class DaemonStorage:
             if not at and keep is None:
                 return self.engine.drop(keys, tier)
             kept = [
-                (at and at[i] >= 0 and (held := self.arena.offset_of(k)) is not None and held != at[i])
+                (bool(at) and at[i] >= 0 and self.arena.offset_of(k) not in (None, at[i]))
                 or (keep is not None and keep(k, self._state(k)))
                 for i, k in enumerate(keys)
             ]

@@ -12,6 +12,7 @@ from kvstore.errors import ConnectionFailed, CorruptBlock, InvalidArgument, NotR
 from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import CheckBlocks, CheckBlocksReply
 from server.daemon.orphans import Orphans
+from server.daemon.service import DaemonServer
 from server.daemon.storage import BlockState, DaemonStorage
 from tests.unit.conftest import storage_configs
 
@@ -60,17 +61,21 @@ def test_while_registering_the_blocks_stay_as_the_inventory_says(storage: Daemon
 def test_a_refused_commit_drops_only_the_very_block_it_was_for(storage: DaemonStorage) -> None:
     """A cached put's block whose commit the master refused goes; one written under its key since
     (the first dropped by a remove, then a new put) stays: the master knows that one."""
-    write(storage, "k", 0, b"a" * KB)
-    first = BlockState(0, KB, checksum(b"a" * KB))
-    assert storage.drop([K("k")]) == [True]
-    write(storage, "k", 8 * KB, b"b" * KB)
-    assert storage.drop_if_unchanged([(K("k"), first)]) == []
-    with storage.read_views([K("k")]) as [view]:
-        assert view is not None and bytes(view) == b"b" * KB
-    assert storage.drop_if_unchanged([(K("k"), BlockState(8 * KB, KB, checksum(b"b" * KB)))]) == [K("k")]
-    assert storage.describe([K("k")]) == [None]
-    with storage.registering(), pytest.raises(NotReady):
-        storage.drop_if_unchanged([(K("k"), first)])
+    server = DaemonServer(storage)  # not started: its drop of refused commits, on this storage
+    try:
+        write(storage, "k", 0, b"a" * KB)
+        first = (K("k"), 0, KB, checksum(b"a" * KB))
+        assert storage.drop([K("k")]) == [True]
+        write(storage, "k", 8 * KB, b"b" * KB)
+        server._drop_refused([first])
+        with storage.read_views([K("k")]) as [view]:
+            assert view is not None and bytes(view) == b"b" * KB
+        server._drop_refused([(K("k"), 8 * KB, KB, checksum(b"b" * KB))])
+        assert storage.describe([K("k")]) == [None]
+        with storage.registering(), pytest.raises(NotReady):
+            server._drop_refused([first])
+    finally:
+        server.stop()
 
 
 def test_a_reservation_given_up_names_its_extent_and_a_block_elsewhere_is_not_it(storage: DaemonStorage) -> None:
