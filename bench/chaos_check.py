@@ -129,12 +129,12 @@ def check(
 
     A put of ``mode`` "cached" is judged by its own rules: its writer's gets (the same worker: one
     client) may not miss it from its answer on, like a visible one; its writer's ``exists`` (the
-    master's answer) and another client only from its
-    commit, which the checker allows to come ``cached_lag_s`` after the answer, or, when a fault
-    was on meanwhile, ``cached_lag_s`` after the fault healed (plus ``grace_s``): the daemon
-    retries the commit until a master takes it. A miss sooner is counted
-    (``cached_misses_in_lag``), and a remove that began before the commit may come before it:
-    the key then holds the cached put's value (a client that needs the order flushes first)."""
+    master's answer) and another client only from its commit, which the checker allows to come
+    ``cached_lag_s`` after the answer, or, when a fault was on meanwhile, ``cached_lag_s`` after
+    the fault healed (plus ``grace_s``): the daemon retries the commit until a master takes it. A
+    miss sooner is counted (``cached_misses_in_lag``), and a remove that began before the commit
+    may come before it: the key then holds the cached put's value (a client that needs the order
+    flushes first)."""
     lag = int(cached_lag_s * 1e9)
     windows = sorted((f["t0"], f["t1"] + int(grace_s * 1e9)) for f in faults)
     records = [r for r in history if "begin" not in r]
@@ -188,7 +188,7 @@ def check(
             writer_gets = r["op"] in READS and (key, r["w"]) in last_own_put
             mine = last_own_put[key, r["w"]].before(r["t0"]) if writer_gets else None
             if mine is not None and (put is None or mine["t0"] > put["t0"]):
-                put = mine  # the writer reads its cached put at once
+                put = mine
             early = unlagged[key].before(r["t0"]) if key in unlagged else None
             rm = last_removal[key].before(r["t1"]) if key in last_removal else None
             if put is not None and (rm is None or rm["t1"] <= put["t0"]):
