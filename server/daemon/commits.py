@@ -116,7 +116,11 @@ class Committer:
                                         self._registration, hold))  # fmt: skip
             self._pending.add(self._seq)
             self._keys.update(keys)
-            self._cond.notify_all()
+            if len(self._queue) == 1 or len(self._queue) >= self.batch_max:
+                # The loop waits for a first commit, then lingers for a full round: waking it for
+                # each one between (to find the round not full yet) cost the daemon two thread
+                # switches a put.
+                self._cond.notify_all()
 
     def holds(self, key: BlockKey) -> bool:
         """Whether a commit of ``key`` is queued or being made (its block is not an orphan)."""
@@ -133,8 +137,7 @@ class Committer:
             yield
         finally:
             with self._cond:
-                self._keys.subtract(keys)
-                self._keys = +self._keys
+                self._leave(keys)
 
     def ours(self, key: BlockKey, state: tuple[int, int, int] | None) -> bool:
         """Whether the block held under ``key`` (its state) is a cached put's of this daemon: its commit
@@ -287,6 +290,17 @@ class Committer:
             while len(self._committed) > REMEMBERED:
                 self._committed.popitem(last=False)
 
+    def _leave(self, keys: list[BlockKey]) -> None:
+        """Count ``keys`` out of :attr:`_keys` (under the lock); a key counted out entirely leaves it
+        (one step a key: rebuilding the counter was a step per key held, on every put)."""
+        held = self._keys
+        for key in keys:
+            n = held[key] - 1
+            if n > 0:
+                held[key] = n
+            else:
+                held.pop(key, None)
+
     def _count(self, committed: int = 0, refused: int = 0, adopted: int = 0) -> None:
         with self._cond:
             self.committed += committed
@@ -297,8 +311,7 @@ class Committer:
         with self._cond:
             for p in entries:
                 self._pending.discard(p.seq)
-                self._keys.subtract(p.keys)
-            self._keys = +self._keys  # the keys done leave
+                self._leave(p.keys)
             self._cond.notify_all()
         for p in entries:
             self._release(p.hold)
