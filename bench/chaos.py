@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import put_modes
 from bench.chaos_check import check, load, read_value, unavailability, value_bytes
 from bench.chaos_faults import GROUPS, Partitions, Prometheus, SsdDisks, fill, judge_alerts
 from kvstore.config import ClientConfig, parse_size
@@ -422,9 +423,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
             kinds.remove(kind)  # the default asks for every kind this machine can inject
             skipped[kind] = why
             emit({"skipped_fault": kind, "why": why})
-    modes = [m.strip() for m in args.put_modes.split(",") if m.strip()]
-    if not modes or set(modes) - {"visible", "cached"}:
-        raise SystemExit(f"--put-modes: visible and/or cached, not {args.put_modes!r}")
+    modes: list[str] = args.put_modes
     keys = [f"c{i}" for i in range(args.keys)]
     etcd = LocalEtcd().start()
     workdir = etcd.dir / "run"
@@ -574,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory (histories, logs)")
     parser.add_argument(
         "--put-modes",
+        type=put_modes,
         default="visible,cached",
         help="each put in one of these modes, drawn (the checker judges each by its own rules)",
     )

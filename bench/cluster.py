@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import put_modes
 from kvstore.config import ClientConfig, parse_size
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import EvictionPolicy
@@ -379,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--security-only", action="store_true", help="only the --security comparisons")
     parser.add_argument("--no-native", action="store_true", help="the pure-Python data-plane loops (client and"
                         " daemon), not the native ones; every row says which ran (\"native\")")  # fmt: skip
-    parser.add_argument("--put-modes", default="visible,cached", help="put rows in each of these modes (visible:"
-                        " the master knows the block when put returns; cached: the daemon tells it after)")  # fmt: skip
+    parser.add_argument("--put-modes", type=put_modes, default="visible,cached", help="put rows in each of these"
+                        " modes (visible: the master knows the block when put returns; cached: the daemon tells it"
+                        " after)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.no_native:
         native.use(False)  # here and in the cluster's processes
@@ -407,9 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # transport=tcp: these figures are the network data plane against raw TCP (same-host clients would use shm).
     config = ClientConfig(transport="tcp")
-    modes = [m.strip() for m in args.put_modes.split(",") if m.strip()]
-    if not modes or set(modes) - {"visible", "cached"}:
-        parser.error(f"--put-modes: visible and/or cached, not {args.put_modes!r}")
+    modes: list[str] = args.put_modes
     with LocalCluster(1, dram=args.dram) as cluster, Store.connect(cluster.master_address, config) as store:
         raw = RawTcp(max(sizes) * max(batches))
         cpu = MasterCpu(cluster.master.pid if cluster.master is not None else None)
@@ -435,10 +435,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.peers == "auto" and PEERS.exists():
         for row in run_peers(sizes, total):
             for op in ("put", "get"):
-                for mode in modes if op == "put" else [None]:
+                row_modes: list[str | None] = [*modes] if op == "put" else [None]
+                for row_mode in row_modes:
                     mine = next((o for o in ours if o["op"] == op and o["size"] == row.get("size")
-                                 and o["batch"] == 1 and o.get("mode") == mode), None)  # fmt: skip
-                    name = f"kvstore_{op}_ratio" if mode in (None, "visible") else f"kvstore_{mode}_{op}_ratio"
+                                 and o["batch"] == 1 and o.get("mode") == row_mode), None)  # fmt: skip
+                    name = (f"kvstore_{op}_ratio" if row_mode in (None, "visible")
+                            else f"kvstore_{row_mode}_{op}_ratio")  # fmt: skip
                     if mine and row.get(f"{op}_GBps"):
                         row[name] = round(mine["GBps"] / row[f"{op}_GBps"], 3)
             print(json.dumps(row), flush=True)
