@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--security: unknown {sorted(unknown)}; there are {list(SECURITY)} and 'no'")
 
     def emit(line: dict[str, Any]) -> None:
-        print(json.dumps({**line, "native": native.NATIVE}), flush=True)
+        print(json.dumps({**line, "native": native.active()}), flush=True)
 
     def compare() -> None:
         for variant in variants:

@@ -43,18 +43,20 @@ def _load() -> tuple[ModuleType | None, str]:
 
 
 lib, reason = _load()
-NATIVE: bool = lib is not None
-"""Whether the native loops run in this process."""
+
+
+def active() -> bool:
+    """Whether the native loops run in this process."""
+    return lib is not None
 
 
 def use(on: bool) -> None:
     """Run the native loops (when loaded) or the fallback, in this process and in the processes it
     starts from now on (a benchmark's ``--no-native``)."""
-    global lib, NATIVE, reason
+    global lib, reason
     if on:
         os.environ.pop("KVSTORE_NO_NATIVE", None)
         lib, reason = _load()
     else:
         os.environ["KVSTORE_NO_NATIVE"] = "1"
         lib, reason = None, "KVSTORE_NO_NATIVE is set"
-    NATIVE = lib is not None

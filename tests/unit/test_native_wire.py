@@ -22,13 +22,13 @@ from transfer import native, wire
 def test_the_install_built_the_native_part() -> None:
     if os.environ.get("KVSTORE_NO_NATIVE", "") not in ("", "0"):
         pytest.skip("KVSTORE_NO_NATIVE is set: this run is the fallback's")
-    assert native.NATIVE, f"transfer._native did not load ({native.reason}): pip install -e . builds it with gcc"
+    assert native.active(), f"transfer._native did not load ({native.reason}): pip install -e . builds it with gcc"
 
 
 def _loads(env: dict[str, str]) -> str:
     base = {k: v for k, v in os.environ.items() if k not in ("KVSTORE_NO_NATIVE", "KVSTORE_NATIVE_PATH")}
     out = subprocess.run(
-        [sys.executable, "-c", "import transfer.native as n; print(n.NATIVE, n.reason)"],
+        [sys.executable, "-c", "import transfer.native as n; print(n.active(), n.reason)"],
         env={**base, **env}, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return out.stdout.strip() + out.stderr
@@ -42,7 +42,7 @@ def test_the_fallback_runs_when_asked_or_when_the_extension_cannot_load() -> Non
 
 
 def test_native_and_fallback_agree_on_a_fuzzed_stream() -> None:
-    if not native.NATIVE:
+    if not native.active():
         pytest.skip(f"the native part is not loaded ({native.reason})")
     summary = fuzz(300, seed=3)
     assert summary["inputs"] == 300
@@ -53,7 +53,7 @@ def test_native_and_fallback_agree_on_a_fuzzed_stream() -> None:
 def test_checksums_are_computed_as_a_large_block_streams_in(native_on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 3 MiB block sent in uneven pieces with a stall between them: the sum is the block's xxh3,
     the bytes land whole; a block cut short is an error, never a sum."""
-    if native_on and not native.NATIVE:
+    if native_on and not native.active():
         pytest.skip(f"the native part is not loaded ({native.reason})")
     monkeypatch.setattr(native, "lib", native.lib if native_on else None)
     block = os.urandom(3 * 1024 * 1024 + 5)
@@ -86,7 +86,7 @@ def test_lengths_no_stream_carries_are_refused_before_a_byte_is_read(
 ) -> None:
     """A peer's size of 2**63 or more (msgpack carries up to 2**64 - 1) to drop, an empty read-only
     target, a limit below zero: each answered the same way by both loops, the stream untouched."""
-    if native_on and not native.NATIVE:
+    if native_on and not native.active():
         pytest.skip(f"the native part is not loaded ({native.reason})")
     monkeypatch.setattr(native, "lib", native.lib if native_on else None)
     a, b = socket.socketpair()

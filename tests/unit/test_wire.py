@@ -30,7 +30,7 @@ from transfer.wire import (
 @pytest.fixture(autouse=True, params=["native", "python"])
 def _loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test here runs through the native loops and through the pure-Python fallback."""
-    if request.param == "native" and not native.NATIVE:
+    if request.param == "native" and not native.active():
         pytest.skip(f"the native part is not loaded ({native.reason})")
     monkeypatch.setattr(native, "lib", native.lib if request.param == "native" else None)
 
