@@ -13,7 +13,8 @@ peers' venv, ``setup.sh``); without it only our row is printed.
 measured at its full size without reading it all back; 0: every key).
 
 Last line: the ratios ``put_cpu``, ``get_cpu``, ``exists_cpu`` and ``memory`` (ours over
-Mooncake's: below 1 is cheaper).
+Mooncake's: below 1 is cheaper). Our row's ``daemon_index``: the daemons' arena files beyond their
+DRAM (header and index), over the blocks they hold (``bytes_per_block``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvstore.config import daemon_dram
+from kvstore.tiers.arena_files import arena_path
 from kvstore_cli.cluster import LocalCluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,11 +50,29 @@ def _load(python: str, args: list[str], env: dict[str, str], timeout: float) -> 
 
 
 def run_kvstore(keys: int, size: int, dram: str, timeout: float, sample: int = 0) -> dict[str, Any]:
-    with LocalCluster(2, dram=dram) as cluster:
+    with LocalCluster(2, dram=dram, daemon_metrics=True) as cluster:
         assert cluster.master is not None
         env = dict(os.environ)
         args = ["kvstore", cluster.master_address, str(cluster.master.pid), str(keys), str(size), str(sample)]
-        return _load(sys.executable, args, env, timeout)
+        row = _load(sys.executable, args, env, timeout)
+        if "error" not in row:
+            row["daemon_index"] = daemon_index(cluster)
+        return row
+
+
+def daemon_index(cluster: LocalCluster) -> dict[str, Any]:
+    """What the daemons' arena files hold beyond their data, over the blocks they hold: the files'
+    sizes (from the file system) less their DRAM (from each daemon's metrics), and the blocks."""
+    beyond = blocks = 0
+    for i, address in enumerate(cluster.daemon_metrics):
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        metric = {name: float(v) for name, v in re.findall(r"^kvstore_daemon_(dram_\w+)\{[^}]*\} (\S+)$", text, re.M)}
+        path = arena_path(daemon_dram(cluster.env, name=cluster.arena_name(i)))
+        beyond += path.stat().st_size - int(metric["dram_capacity_bytes"])
+        blocks += int(metric["dram_blocks"])
+    per_block = round(beyond / blocks, 1) if blocks else None
+    return {"blocks": blocks, "bytes_beyond_dram": beyond, "bytes_per_block": per_block}
 
 
 def run_mooncake(keys: int, size: int, timeout: float, sample: int = 0) -> dict[str, Any] | None:

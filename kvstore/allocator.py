@@ -215,6 +215,20 @@ class Allocator:
             alloc._add_free(pos, alloc.capacity - pos)
         return alloc
 
+    def grow(self, capacity: int) -> None:
+        """Extend the range to ``[0, capacity)`` (rounded down to the alignment): what is added is free."""
+        capacity -= capacity % self.alignment
+        if capacity <= self.capacity:
+            raise InvalidArgument(f"capacity {capacity} does not extend [0, {self.capacity})")
+        start, length = self.capacity, capacity - self.capacity
+        before = self._free_end.get(start)
+        if before is not None:
+            self._remove_free(before, start - before)
+            length += start - before
+            start = before
+        self._add_free(start, length)
+        self.capacity = capacity
+
     def take(self, extent: Extent) -> bool:
         """Reserve exactly ``extent`` (aligned) if it lies wholly in free space; False otherwise.
         Rare (an extent held by a block nobody placed): a scan of the free extents."""

@@ -171,9 +171,9 @@ class DramConfig(_Frozen):
     max_blocks: int = Field(
         default=0,
         ge=0,
-        description="Most blocks held at once (index slots, 320 bytes each, made as blocks need them); 0 means"
-        " one per 256 bytes of capacity (at least 1024), so that blocks of 256 bytes or more fill the bytes"
-        " before the index.",
+        description="Most blocks held at once (each an index record, made as blocks need them: 48 bytes for a key of"
+        " up to 19 bytes, 16 more for each 15 bytes past that); 0 means one per 256 bytes of capacity (at least"
+        " 1024), so that blocks of 256 bytes or more fill the bytes before the index.",
     )
 
     @model_validator(mode="after")
@@ -189,8 +189,8 @@ class DramConfig(_Frozen):
 
     @property
     def num_slots(self) -> int:
-        """Index slots of a new arena: one per 16 KiB of capacity (at least 1024, at most ``max_slots``);
-        the table doubles from there as blocks need slots."""
+        """Blocks a new arena's base index has room for (with keys of up to 34 bytes): one per 16 KiB
+        of capacity (at least 1024, at most ``max_slots``); the index grows from there as blocks need it."""
         return min(self.max_slots, max(1024, self.capacity // (16 * 1024)))
 
 

@@ -55,7 +55,7 @@ class RegisterNode(Message, tag=10, frozen=True):
     rdma: bool
     ucx_address: str
     max_blocks: int
-    """Blocks the DRAM arena can index at most (its slot table grows to this as blocks arrive); 0: no
+    """Blocks the DRAM arena can index at most (its index grows to this as blocks arrive); 0: no
     limit but capacity."""
     peers: list[str]
     """Node ids a master last told this daemon were in the cluster: a master that has just taken

@@ -3,27 +3,26 @@
 File layout (``<shm_dir>/kvstore-<name>.arena``, little-endian)::
 
     [0, 4096)             header: magic, version, geometry, xxh3 of the header
-    [4096, data_offset)   base slot table: num_slots x 320-byte slots
+    [4096, data_offset)   base index: 16-byte cells, BASE_CELLS_PER_SLOT per DramConfig.num_slots
     [data_offset, +cap)   data region, carved by :class:`kvstore.allocator.Allocator`
-    [page past it, EOF)   overflow slot table: grown on demand, the file's size says how many
+    [page past it, EOF)   overflow index: grown on demand, the file's size says how many cells
 
-The slot table (:mod:`kvstore.tiers.slots`) starts small and doubles as blocks
-need slots, up to ``DramConfig.max_slots``, so the index is sized by the blocks
-held, not by a fixed count per byte; a growth only extends the file, so it is
-crash-safe as it stands (see that module). An arena made before the table
-could grow is the same file with no overflow slots; an older kvstore refuses
-(as truncated or corrupt) one that grew, and never misreads it.
+The index (:mod:`kvstore.tiers.slots`) is a record of 2 cells and the key's (48 bytes a block
+for a key of up to 15 bytes) per block; it grows as blocks need records, so it is sized by
+the blocks held, not by a fixed count per byte; a growth only extends the file, so it is
+crash-safe as it stands (see that module). At most ``DramConfig.max_slots`` blocks are held.
+Format version 1 (a slot of 320 bytes each, key inline) is refused, with the way out.
 
-A block is written in this order: slot fields
-with state WRITING, then its bytes, then the single state byte COMMITTED. The
-file is a MAP_SHARED mapping of a tmpfs file, so every store has reached the
-file when the process dies, however it dies; re-opening keeps COMMITTED slots
-and frees WRITING ones. Hence a killed daemon restarts with its DRAM blocks,
-and a same-host client can later map the same file.
+A block is written in this order: its record with state WRITING, then its bytes, then the
+single state byte COMMITTED. The file is a MAP_SHARED mapping of a tmpfs file, so every store
+has reached the file when the process dies, however it dies; re-opening keeps COMMITTED records
+and frees the others. Hence a killed daemon restarts with its DRAM blocks, and a same-host
+client can later map the same file.
 
 One process owns an arena for writing at a time (an exclusive ``flock``).
-Invariants: ``_index`` holds exactly the COMMITTED slots; ``_pending`` the
-WRITING ones; their extents are exactly the allocator's allocated extents.
+Invariants: ``_index`` holds exactly the COMMITTED records; ``_pending`` the
+WRITING ones; their extents are exactly the allocator's allocated extents, their
+cells exactly the cell allocator's (with the one cell between the index's two parts).
 """
 
 from __future__ import annotations
@@ -58,37 +57,50 @@ from kvstore.resources import RESERVE_CHUNK, reserve
 from kvstore.tiers.arena_files import arena_path
 from kvstore.tiers.base import BlockRecord, IndexedTier
 from kvstore.tiers.slots import (
+    CELL,
     COMMITTED,
-    FLAG_PINNED,
     FREE,
     HEADER_SIZE,
-    KEY_OFFSET,
-    SEQ,
-    SEQ_OFFSET,
-    SLOT,
-    SLOT_SIZE,
+    KEY,
+    MAX_OFFSET,
+    MAX_SIZE,
+    PINNED,
+    STATE_MASK,
+    TAIL,
     WRITING,
     SlotTable,
-    overflow_slots,
+    encode_head,
+    encode_key,
+    overflow_cells,
+    record_cells,
 )
 from kvstore.tiers.slots import page_round as _page_round
 
 MAGIC = b"KVSARENA"
-VERSION = 1
-_HEADER = struct.Struct("<8sIIQQIIQ")  # magic, version, slot_size, capacity, num_slots, alignment, pad, data_offset
+VERSION = 2
+BASE_CELLS_PER_SLOT = 4
+"""Cells of a new arena's base index per ``DramConfig.num_slots``: a block with a key of up to 30 bytes."""
+_HEADER = struct.Struct("<8sIIQQIIQ")  # magic, version, cell size, capacity, base cells, alignment, pad, data_offset
 _HEADER_SUM = struct.Struct("<Q")
 
 
 @dataclass(slots=True)
 class _Slot(BlockRecord):
     index: int
+    """Its record's first cell."""
     extent: Extent
+    cells: int
+    """Its record's cells."""
+
+
+def base_cells(config: DramConfig) -> int:
+    return config.num_slots * BASE_CELLS_PER_SLOT
 
 
 def arena_size(config: DramConfig) -> int:
-    """Bytes of a new arena file of ``config``: header, base slot table and data region (the slot
-    table may grow past it later, by 320 bytes a slot)."""
-    return _page_round(HEADER_SIZE + config.num_slots * SLOT_SIZE) + config.capacity
+    """Bytes of a new arena file of ``config``: header, base index and data region (the index may
+    grow past it later, by 16 bytes a cell)."""
+    return _page_round(HEADER_SIZE + base_cells(config) * CELL) + config.capacity
 
 
 def capacity_within(config: DramConfig, total: int) -> int:
@@ -109,11 +121,11 @@ def backed(fd: int, total: int) -> bool:
 
 class _Geometry(NamedTuple):
     capacity: int
-    base_slots: int
+    base_cells: int
     alignment: int
     data_offset: int
     data_end: int
-    overflow_slots: int
+    overflow_cells: int
 
 
 def _check_header(path: Path | str, fd: int) -> _Geometry:
@@ -122,19 +134,23 @@ def _check_header(path: Path | str, fd: int) -> _Geometry:
     if size < HEADER_SIZE:
         raise CorruptStore(f"DRAM arena {path} is truncated: {size} bytes, smaller than its header")
     header = os.pread(fd, _HEADER.size + _HEADER_SUM.size, 0)
-    magic, version, slot_size, capacity, num_slots, alignment, _, data_offset = _HEADER.unpack_from(header)
+    magic, version, cell_size, capacity, num_cells, alignment, _, data_offset = _HEADER.unpack_from(header)
     if magic != MAGIC:
         raise CorruptStore(f"{path} is not a kvstore DRAM arena (magic {magic!r})")
     (stored_sum,) = _HEADER_SUM.unpack_from(header, _HEADER.size)
     if stored_sum != xxhash.xxh3_64_intdigest(header[: _HEADER.size]):
         raise CorruptStore(f"DRAM arena {path} has a corrupt header (checksum mismatch)")
-    if version != VERSION or slot_size != SLOT_SIZE:
-        raise CorruptStore(f"DRAM arena {path} has format version {version}; this kvstore reads {VERSION}")
-    expected_data_offset = _page_round(HEADER_SIZE + num_slots * SLOT_SIZE)
+    if version != VERSION or cell_size != CELL:
+        name = Path(path).name.removeprefix("kvstore-").removesuffix(".arena")
+        raise CorruptStore(
+            f"DRAM arena {path} has format version {version}; this kvstore reads {VERSION}. Its blocks cannot"
+            f" be served: remove it with `kvstore daemon --remove-arena {name}` (or start under another --name)"
+        )
+    expected_data_offset = _page_round(HEADER_SIZE + num_cells * CELL)
     if data_offset != expected_data_offset:
         raise CorruptStore(f"DRAM arena {path} has an inconsistent header (data offset {data_offset})")
     data_end = data_offset + capacity
-    return _Geometry(capacity, num_slots, alignment, data_offset, data_end, overflow_slots(path, data_end, size))
+    return _Geometry(capacity, num_cells, alignment, data_offset, data_end, overflow_cells(path, data_end, size))
 
 
 class ArenaMapping:
@@ -197,6 +213,8 @@ class DramArena(IndexedTier[_Slot]):
         holds the one allocator, but a wrong (or forged) extent must never land
         on another block's bytes.
         """
+        if config.capacity > MAX_OFFSET:
+            raise ConfigError(f"a DRAM arena holds at most {MAX_OFFSET} bytes; the config asks for {config.capacity}")
         self.config = config
         self.managed = managed
         self.path = arena_path(config)
@@ -218,7 +236,7 @@ class DramArena(IndexedTier[_Slot]):
             self._buf = memoryview(self._mm)
             if created and config.prefault:
                 self._prefault()
-            alloc, self._free_slots = self._recover()
+            alloc, self._cells = self._recover()
             self._used = alloc.used
             self._alloc: Allocator | None = alloc if managed else None
             self._placed: ExtentSet | None = None
@@ -252,7 +270,7 @@ class DramArena(IndexedTier[_Slot]):
             # Every page now, or a write to a page tmpfs cannot back kills the writer with SIGBUS.
             reserve(fd, total, f"DRAM arena {self.path}")
             header = _HEADER.pack(
-                MAGIC, VERSION, SLOT_SIZE, self.capacity, self.config.num_slots, self.config.alignment, 0, data_offset
+                MAGIC, VERSION, CELL, self.capacity, base_cells(self.config), self.config.alignment, 0, data_offset
             )
             os.pwrite(fd, header + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(header)), 0)
         except BaseException:
@@ -277,12 +295,10 @@ class DramArena(IndexedTier[_Slot]):
 
     def _map_and_check(self) -> mmap.mmap:
         g = _check_header(self.path, self._fd)
-        indexed = g.base_slots + g.overflow_slots
-        if (g.capacity, g.alignment) != (self.capacity, self.config.alignment) or indexed > self.config.max_slots:
+        if (g.capacity, g.alignment) != (self.capacity, self.config.alignment):
             raise ConfigError(
-                f"DRAM arena {self.path} was created with capacity={g.capacity}, alignment={g.alignment} and has "
-                f"{indexed} index slots; the config asks for capacity={self.capacity}, "
-                f"alignment={self.config.alignment}, at most {self.config.max_slots} slots"
+                f"DRAM arena {self.path} was created with capacity={g.capacity}, alignment={g.alignment}; the"
+                f" config asks for capacity={self.capacity}, alignment={self.config.alignment}"
             )
         self._data_offset = g.data_offset
         total = os.fstat(self._fd).st_size
@@ -297,8 +313,7 @@ class DramArena(IndexedTier[_Slot]):
                 ) from None
         mm = mmap.mmap(self._fd, g.data_end, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         try:
-            self._slots = SlotTable(self.path, self._fd, mm, g.base_slots, g.data_end, g.overflow_slots,
-                                    self.config.max_slots)  # fmt: skip
+            self._slots = SlotTable(self.path, self._fd, mm, g.base_cells, g.data_end, g.overflow_cells)
         except BaseException:
             mm.close()
             raise
@@ -314,46 +329,62 @@ class DramArena(IndexedTier[_Slot]):
         finally:
             del pages
 
-    def _recover(self) -> tuple[Allocator, list[int]]:
-        """Rebuild the index from COMMITTED slots; free WRITING ones (puts cut short by a crash)."""
-        table = self._slots.read()
-        states = table["state"]
-        if int(states.max(initial=0)) > COMMITTED:
-            bad = int(np.argmax(states > COMMITTED))
-            raise CorruptStore(f"DRAM arena {self.path}: slot {bad} has invalid state {int(states[bad])}")
-        for index in np.flatnonzero(states == WRITING).tolist():
-            self._slots.set_state(index, FREE)
-        used = np.flatnonzero(states == COMMITTED)
-        rows = {name: column[used] for name, column in table.items()}
+    def _recover(self) -> tuple[Allocator, Allocator]:
+        """Rebuild the index from COMMITTED records; free the others (puts cut short by a crash) and
+        every marker no record owns. The allocators of the data region and of the cells."""
+        cells = self._slots.read()
+        total = len(cells)
+        first = cells[:, 0]
+        kinds = (first & 0xFF).astype(np.uint8)
+        bad = ~np.isin(kinds, (FREE, WRITING, COMMITTED, WRITING | PINNED, COMMITTED | PINNED, TAIL, KEY))
+        if bad.any():
+            at = int(np.argmax(bad))
+            raise CorruptStore(f"DRAM arena {self.path}: cell {at} has invalid state {int(kinds[at])}")
+        heads = np.flatnonzero(np.isin(kinds & STATE_MASK, (WRITING, COMMITTED)) & (kinds < TAIL))
+        for cell in heads[(kinds[heads] & STATE_MASK) == WRITING].tolist():
+            self._slots.clear(cell, 1)  # its markers go with the others no record owns, below
+        heads = heads[(kinds[heads] & STATE_MASK) == COMMITTED]
+        if len(heads) and int(heads[-1]) + 1 >= total:
+            raise CorruptStore(f"DRAM arena {self.path}: the record at cell {int(heads[-1])} is cut short")
+        word0, word1 = first[heads], cells[heads, 1]
+        word2, word3 = first[heads + 1], cells[heads + 1, 1]
+        key_lens = ((word0 >> np.uint64(8)) & np.uint64(0xFF)) + np.uint64(1)
+        offsets = ((word0 >> np.uint64(16)) & np.uint64((1 << 40) - 1)) << np.uint64(3)
+        owned = np.zeros(total, dtype=bool)
+        records: list[tuple[int, int]] = []
         extents: list[tuple[int, int]] = []
-        for index, key_len, flags, offset, size, check, seq in zip(
-            used.tolist(),
-            rows["key_len"].tolist(),
-            rows["flags"].tolist(),
-            rows["offset"].tolist(),
-            rows["size"].tolist(),
-            rows["checksum"].tolist(),
-            rows["seq"].tolist(),
-            strict=True,
-        ):
-            if not 0 < key_len <= MAX_KEY_BYTES:
-                raise CorruptStore(f"DRAM arena {self.path}: slot {index} has key length {key_len}")
+        end = 0
+        sizes = word1 & np.uint64((1 << 40) - 1)
+        for cell, key_len, offset, size, tail, seq_word, check, kind in zip(
+            heads.tolist(), key_lens.tolist(), offsets.tolist(), sizes.tolist(), (word2 & np.uint64(0xFF)).tolist(),
+            (word2 >> np.uint64(8)).tolist(), word3.tolist(), kinds[heads].tolist(), strict=True,
+        ):  # fmt: skip
+            n = record_cells(key_len)
+            if cell < end or cell + n > total or tail != TAIL or not (kinds[cell + 2 : cell + n] == KEY).all():
+                raise CorruptStore(f"DRAM arena {self.path}: the record at cell {cell} is torn or overlaps another")
+            if not 0 < size < MAX_SIZE:
+                raise CorruptStore(f"DRAM arena {self.path}: the record at cell {cell} has size {size}")
             try:
-                key = self._slots.key(index, key_len).decode("utf-8")
+                key = self._slots.key(cell, key_len).decode("utf-8")
             except UnicodeDecodeError:
-                raise CorruptStore(f"DRAM arena {self.path}: slot {index} holds a key that is not UTF-8") from None
+                raise CorruptStore(f"DRAM arena {self.path}: cell {cell} holds a key that is not UTF-8") from None
             if key in self._index:
-                raise CorruptStore(f"DRAM arena {self.path}: key {key!r} is in two slots")
+                raise CorruptStore(f"DRAM arena {self.path}: key {key!r} is in two records")
             extent = Extent(offset, align_up(size, self.config.alignment))
-            self._index[key] = _Slot(size, check, seq, bool(flags & FLAG_PINNED), index, extent)
+            self._index[key] = _Slot(size, check, seq_word, bool(kind & PINNED), cell, extent, n)
             extents.append((offset, size))
+            records.append((cell, n))
+            owned[cell : cell + n] = True
+            end = cell + n
+        for cell in np.flatnonzero(((kinds == TAIL) | (kinds == KEY)) & ~owned).tolist():
+            self._slots.clear(cell, 1)  # a record's markers whose state byte never came (or went)
         try:
             alloc = Allocator.rebuild(self.capacity, self.config.alignment, extents)
         except InvalidArgument as exc:
             raise CorruptStore(f"DRAM arena {self.path}: {exc}") from None
-        used_set = set(used.tolist())
-        free_slots = [i for i in range(self._slots.num_slots - 1, -1, -1) if i not in used_set]
-        return alloc, free_slots
+        if self._slots.base < total:
+            records.append((self._slots.base, 1))  # no cell: where the data region lies between the two parts
+        return alloc, Allocator.rebuild(total, 1, records, track=False)  # its records are in _index and _pending
 
     # -- Tier interface -----------------------------------------------------
     @property
@@ -371,14 +402,14 @@ class DramArena(IndexedTier[_Slot]):
         return self.config.alignment
 
     @property
-    def num_slots(self) -> int:
-        """Index slots now (the table grows up to :attr:`max_slots` as blocks need them)."""
-        return self._slots.num_slots
+    def index_bytes(self) -> int:
+        """Bytes of the index in the arena file now (it grows as blocks need records)."""
+        return self._slots.nbytes
 
     @property
     def max_slots(self) -> int:
         """The most blocks this arena indexes at once: what a master may place on it."""
-        return self._slots.max_slots
+        return self.config.max_slots
 
     def extent(self, key: BlockKey) -> Extent:
         """Where the block lives in the data region (for zero-copy transports)."""
@@ -391,12 +422,15 @@ class DramArena(IndexedTier[_Slot]):
         crash) releases it.
         """
         self._check_new(key, size)
-        if not self._free_slots and not self._grow_slots():
+        raw = key.encode("utf-8")
+        cells = self._take_cells(len(raw))
+        if cells is None:
             return None
         extent = self.allocator.alloc(size)
         if extent is None:
+            self._cells.free(cells)
             return None
-        return self._begin_slot(key, extent, size)
+        return self._begin_slot(key, raw, cells, extent, size)
 
     def begin_at(self, key: BlockKey, offset: int, size: int) -> memoryview:
         """Like :meth:`begin`, at an extent the master chose; raises when it is out of bounds or no slot
@@ -410,9 +444,6 @@ class DramArena(IndexedTier[_Slot]):
         length = align_up(size, self.alignment)
         if offset < 0 or offset % self.alignment or offset + length > self.capacity:
             raise InvalidArgument(f"extent ({offset}, {size}) is misaligned or outside {self.description}")
-        if not self._free_slots and not self._grow_slots():
-            why = f"; {self._index_shortage}" if self.num_slots < self.max_slots else ""
-            raise CapacityError(f"{self.description} has no free index slot (max_blocks={self.max_slots}{why})")
         extent = Extent(offset, length)
         assert self._placed is not None
         other = self._placed.overlapping(extent)
@@ -421,34 +452,44 @@ class DramArena(IndexedTier[_Slot]):
                 f"extent ({offset}, {size}) overlaps the block at ({other.offset}, {other.length}) in"
                 f" {self.description}, which no put placed there (being dropped)"
             )
+        raw = key.encode("utf-8")
+        cells = self._take_cells(len(raw))
+        if cells is None:
+            why = f"; {self._index_shortage}" if len(self._index) + len(self._pending) < self.max_slots else ""
+            raise CapacityError(f"{self.description} has no free index slot (max_blocks={self.max_slots}{why})")
         self._placed.add(extent)
-        return self._begin_slot(key, extent, size)
+        return self._begin_slot(key, raw, cells, extent, size)
 
     def _check_new(self, key: BlockKey, size: int) -> None:
         self._check_open()
         if key in self._index or key in self._pending:
             raise InvalidArgument(f"key {key!r} is already in {self.description}")
-        if size <= 0:
-            raise InvalidArgument(f"block size must be positive, got {size}")
+        if not 0 < size < MAX_SIZE:
+            raise InvalidArgument(f"block size must be positive and below {MAX_SIZE}, got {size}")
 
-    def _grow_slots(self) -> bool:
-        """Add index slots; False when the table is at ``max_slots`` or its memory cannot be had."""
-        try:
-            added = self._slots.grow()
-        except ResourceShortage as exc:
-            self._index_shortage = str(exc)
-            return False
-        self._free_slots[:0] = reversed(added)  # lowest first, after any freed meanwhile
-        return bool(added)
+    def _take_cells(self, key_len: int) -> Extent | None:
+        """The cells of a new record for a key of ``key_len`` bytes (the index grown when it has no
+        room); None when ``max_slots`` blocks are held, or the index cannot grow."""
+        if not 0 < key_len <= MAX_KEY_BYTES:  # what a record can hold (keys are checked long before)
+            raise InvalidArgument(f"a key of {key_len} bytes: keys are 1 to {MAX_KEY_BYTES} bytes")
+        if len(self._index) + len(self._pending) >= self.max_slots:
+            return None
+        n = record_cells(key_len)
+        cells = self._cells.alloc(n)
+        if cells is None:
+            try:
+                self._slots.grow(n)
+            except ResourceShortage as exc:
+                self._index_shortage = str(exc)
+                return None
+            self._cells.grow(self._slots.total)
+            cells = self._cells.alloc(n)
+        return cells
 
-    def _begin_slot(self, key: BlockKey, extent: Extent, size: int) -> memoryview:
-        index = self._free_slots.pop()
+    def _begin_slot(self, key: BlockKey, raw: bytes, cells: Extent, extent: Extent, size: int) -> memoryview:
         self._used += extent.length
-        raw = key.encode("utf-8")
-        mm, base = self._slots.locate(index)
-        SLOT.pack_into(mm, base, WRITING, 0, len(raw), 0, extent.offset, size, 0, 0)
-        mm[base + KEY_OFFSET : base + KEY_OFFSET + len(raw)] = raw
-        self._pending[key] = _Slot(size, 0, 0, False, index, extent)
+        self._slots.write(cells.offset, encode_head(WRITING, False, raw, extent.offset, size, 0, 0), encode_key(raw))
+        self._pending[key] = _Slot(size, 0, 0, False, cells.offset, extent, cells.length)
         start = self._data_offset + extent.offset
         return self._buf[start : start + size]
 
@@ -482,12 +523,7 @@ class DramArena(IndexedTier[_Slot]):
     def commit(self, key: BlockKey, checksum: int, seq: int, pinned: bool = False) -> None:
         slot = self._pending.pop(key)
         slot.checksum, slot.seq, slot.pinned = checksum, seq, pinned
-        mm, base = self._slots.locate(slot.index)
-        SLOT.pack_into(
-            mm, base, WRITING, FLAG_PINNED if pinned else 0, len(key.encode("utf-8")), 0,
-            slot.extent.offset, slot.size, checksum, seq,
-        )  # fmt: skip
-        mm[base] = COMMITTED
+        self._slots.commit(slot.index, pinned, checksum, seq)
         self._index[key] = slot
 
     def abort(self, key: BlockKey) -> None:
@@ -495,13 +531,13 @@ class DramArena(IndexedTier[_Slot]):
         self._release(slot)
 
     def _release(self, slot: _Slot) -> None:
-        self._slots.set_state(slot.index, FREE)
+        self._slots.clear(slot.index, slot.cells)
+        self._cells.free(Extent(slot.index, slot.cells))
         if self._alloc is not None:
             self._alloc.free(slot.extent)
         if self._placed is not None:
             self._placed.remove(slot.extent)
         self._used -= slot.extent.length
-        self._free_slots.append(slot.index)
 
     def store(self, key: BlockKey, data: memoryview, checksum: int, seq: int, pinned: bool = False) -> bool:
         dst = self.begin(key, data.nbytes)
@@ -552,14 +588,12 @@ class DramArena(IndexedTier[_Slot]):
     def touch(self, key: BlockKey, seq: int) -> None:
         slot = self._record(key)
         slot.seq = seq
-        mm, base = self._slots.locate(slot.index)
-        SEQ.pack_into(mm, base + SEQ_OFFSET, seq)
+        self._slots.set_seq(slot.index, seq)
 
     def set_pinned(self, key: BlockKey, pinned: bool) -> None:
         slot = self._record(key)
         slot.pinned = pinned
-        mm, base = self._slots.locate(slot.index)
-        mm[base + 1] = FLAG_PINNED if pinned else 0
+        self._slots.set_pinned(slot.index, pinned)
 
     # -- lifecycle ----------------------------------------------------------
     def close(self) -> None:

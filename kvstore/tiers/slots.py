@@ -1,20 +1,35 @@
-"""The DRAM arena's slot table: where each slot lives in the arena file, and how the table grows.
+"""The DRAM arena's index: a table of 16-byte cells, each block a record of two cells and its key's.
 
-A slot is ``state u8, flags u8, key_len u16, pad u32, offset u64, size u64,
-checksum u64, seq u64, key[256]`` (320 bytes). The table has two parts:
+A block's record is ``2 + ceil((key_len - 4) / 15)`` consecutive cells (48 bytes for a key of up
+to 19 bytes, 64 for one of up to 34: 32 hex digits, ...), as four little-endian u64 words and then
+the rest of its key::
 
-- the **base** slots, right after the header, as many as the header says
-  (fixed when the file is made);
-- the **overflow** slots, from the first page boundary past the data region
-  to the end of the file. The file's size says how many there are: the table
-  grows by extending the file (``ftruncate``, which zero-fills: every new slot
-  is FREE) and reserving its pages, so a crash at any point of a growth
-  leaves either the old table or the old one plus FREE slots. Nothing else
-  (no header field) records the growth, so there is nothing to tear.
+    cell c      word0: state (byte 0: 1 WRITING, 2 COMMITTED, bit 7 pinned) | (key_len - 1) << 8
+                       | (offset // 8) << 16 (40 bits: arenas up to 8 TiB) | key byte 3 << 56
+                word1: size (40 bits: blocks up to 1 TiB) | key bytes 0-2 << 40
+    cell c + 1  word2: TAIL (byte 0) | seq << 8 (56 bits)    word3: checksum
+    cell c + 2  KEY (byte 0), then the next 15 bytes of the key (the last cell zero-padded), and so on
 
-The table grows (doubling) when a block needs a slot and none is free, up to
-``max_slots``, so that an arena of small blocks indexes as many as it holds
-without paying 320 bytes a slot up front for an index it may never use.
+Byte 0 of every cell says what it is: 0 free, a state (a record's first cell), :data:`TAIL` or
+:data:`KEY`. A record is written key cells first, then its second cell, then its first (state
+WRITING last), then the block's bytes, then the single state byte COMMITTED; it is freed by zeroing
+its first byte, then its markers. So a process that dies anywhere leaves records whose state byte
+tells all: re-opening keeps COMMITTED ones and frees the rest, with every marker no record owns.
+
+The table has two parts, as cells numbered in one space:
+
+- the **base** cells ``[0, base)``, right after the header, as many as the header says (fixed when
+  the file is made);
+- cell ``base`` is no cell at all (a record never straddles the data region);
+- the **overflow** cells ``base + 1 ...``, from the first page boundary past the data region to
+  the end of the file. The file's size says how many there are: the table grows by extending
+  the file (``ftruncate``, which zero-fills: every new cell is free) and reserving its pages, so
+  a crash at any point of a growth leaves either the old table or the old one plus free cells.
+  Nothing else (no header field) records the growth, so there is nothing to tear.
+
+The table grows by an eighth (at least :data:`GROW_MIN_CELLS`) when a record finds no room, so
+that an arena of small blocks indexes as many as it holds, paying for the index of the blocks it
+holds (the cells of 100,000 blocks with keys of 11 bytes take 4.8 MB), not 320 bytes a slot up front.
 """
 
 from __future__ import annotations
@@ -31,129 +46,194 @@ from kvstore.errors import CorruptStore, ResourceShortage
 from kvstore.resources import reserve
 
 HEADER_SIZE = 4096
-SLOT_SIZE = 320
-GROW_MIN_SLOTS = 64
-"""The fewest slots a growth adds (64 slots are five whole pages)."""
-
-SLOT = struct.Struct("<BBHIQQQQ")  # state, flags, key_len, pad, offset, size, checksum, seq
-SEQ = struct.Struct("<Q")
-SEQ_OFFSET = 32
-KEY_OFFSET = SLOT.size
+CELL = 16
+KEY_PER_CELL = 15
+HEAD_CELLS = 2
+KEY_IN_HEAD = 4
+"""Key bytes a record's first cell holds (the rest go in its key cells)."""
+GROW_MIN_CELLS = 256
+"""The fewest cells a growth adds (one page)."""
 
 FREE, WRITING, COMMITTED = 0, 1, 2
-FLAG_PINNED = 1
+PINNED = 0x80
+STATE_MASK = 0x7F
+TAIL = 0xFE
+KEY = 0xFF
 
-SLOT_DTYPE = np.dtype(
-    {
-        "names": ["state", "flags", "key_len", "offset", "size", "checksum", "seq"],
-        "formats": ["u1", "u1", "<u2", "<u8", "<u8", "<u8", "<u8"],
-        "offsets": [0, 1, 2, 8, 16, 24, 32],
-        "itemsize": SLOT_SIZE,
-    }
-)
+MAX_OFFSET = (1 << 40) * 8
+MAX_SIZE = 1 << 40
+
+HEAD = struct.Struct("<QQQQ")
+"""A record's first two cells: word0 .. word3 (see the module's docstring)."""
+SEQ = struct.Struct("<Q")
+TAIL_WORDS = struct.Struct("<QQ")
+SEQ_AT = CELL
+"""Where a record's word2 (TAIL | seq << 8) starts in it."""
+
+
+def record_cells(key_len: int) -> int:
+    """Cells of the record of a key of ``key_len`` bytes."""
+    return HEAD_CELLS + -(-max(0, key_len - KEY_IN_HEAD) // KEY_PER_CELL)
+
+
+def encode_head(state: int, pinned: bool, raw_key: bytes, offset: int, size: int, checksum: int, seq: int) -> bytes:
+    """A record's first two cells."""
+    first = raw_key[:KEY_IN_HEAD].ljust(KEY_IN_HEAD, b"\0")
+    return HEAD.pack(
+        state | (PINNED if pinned else 0) | (len(raw_key) - 1) << 8 | (offset >> 3) << 16 | first[3] << 56,
+        size | int.from_bytes(first[:3], "little") << 40,
+        TAIL | (seq & (1 << 56) - 1) << 8,
+        checksum,
+    )
+
+
+def encode_key(raw_key: bytes) -> bytes:
+    """A record's key cells (the key past the bytes its first cell holds)."""
+    if len(raw_key) <= KEY_IN_HEAD + KEY_PER_CELL:  # one cell or none: most keys
+        return b"\xff" + raw_key[KEY_IN_HEAD:].ljust(KEY_PER_CELL, b"\0") if len(raw_key) > KEY_IN_HEAD else b""
+    return b"".join(
+        b"\xff" + raw_key[i : i + KEY_PER_CELL].ljust(KEY_PER_CELL, b"\0")
+        for i in range(KEY_IN_HEAD, len(raw_key), KEY_PER_CELL)
+    )
 
 
 def page_round(n: int) -> int:
     return (n + 4095) & ~4095
 
 
-def overflow_slots(path: Path | str, data_end: int, size: int) -> int:
-    """How many overflow slots a file of ``size`` bytes whose data region ends at ``data_end`` holds;
+def overflow_cells(path: Path | str, data_end: int, size: int) -> int:
+    """How many overflow cells a file of ``size`` bytes whose data region ends at ``data_end`` holds;
     raises :class:`CorruptStore` when the size fits no table."""
     if size < data_end:
         raise CorruptStore(f"DRAM arena {path} is {size} bytes; its header says {data_end} (truncated?)")
     if size == data_end:
         return 0
     extra = size - page_round(data_end)
-    if extra <= 0 or extra % SLOT_SIZE:
+    if extra <= 0 or extra % CELL:
         raise CorruptStore(
-            f"DRAM arena {path} is {size} bytes: {size - data_end} past its data region, not a whole slot table"
+            f"DRAM arena {path} is {size} bytes: {size - data_end} past its data region, not a whole index table"
         )
-    return extra // SLOT_SIZE
+    return extra // CELL
 
 
 class SlotTable:
-    """The slots of one open arena file: their addresses, a copy of the table, and growth.
+    """The cells of one open arena file: their addresses, a copy of the table, and growth.
 
-    Owned by :class:`kvstore.tiers.dram.DramArena`, which alone writes slots (through :meth:`locate`)
-    and calls :meth:`grow`. ``num_slots`` only increases, up to ``max_slots``.
+    Owned by :class:`kvstore.tiers.dram.DramArena`, which alone writes records and calls :meth:`grow`.
+    ``total`` (the cells, the one between the two parts included) only increases.
     """
 
-    def __init__(
-        self, path: Path, fd: int, mm: mmap.mmap, base_slots: int, data_end: int, overflow: int, max_slots: int
-    ) -> None:
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, base: int, data_end: int, overflow: int) -> None:
         self._path, self._fd, self._mm = path, fd, mm
-        self.base_slots = base_slots
+        self.base = base
         self._overflow_offset = page_round(data_end)
         self._data_end = data_end
-        self.num_slots = base_slots + overflow
-        self.max_slots = max(max_slots, self.num_slots)
+        self.overflow = overflow
         self._ovf: mmap.mmap | None = self._map_overflow(overflow)
+
+    @property
+    def total(self) -> int:
+        """Cells in the numbering: base, the one between, overflow."""
+        return self.base + 1 + self.overflow
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the index in the file (both parts)."""
+        return (self.base + self.overflow) * CELL
 
     def _map_overflow(self, count: int) -> mmap.mmap | None:
         if count == 0:
             return None
         return mmap.mmap(
-            self._fd, count * SLOT_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=self._overflow_offset
+            self._fd, count * CELL, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=self._overflow_offset
         )
 
-    def locate(self, index: int) -> tuple[mmap.mmap, int]:
-        """The mapping that holds slot ``index`` and the slot's offset in it."""
-        if index < self.base_slots:
-            return self._mm, HEADER_SIZE + index * SLOT_SIZE
-        assert self._ovf is not None and index < self.num_slots
-        return self._ovf, (index - self.base_slots) * SLOT_SIZE
+    def locate(self, cell: int) -> tuple[mmap.mmap, int]:
+        """The mapping that holds ``cell`` and the cell's offset in it."""
+        if cell < self.base:
+            return self._mm, HEADER_SIZE + cell * CELL
+        assert self._ovf is not None and self.base < cell < self.total
+        return self._ovf, (cell - self.base - 1) * CELL
 
-    def set_state(self, index: int, state: int) -> None:
-        mm, base = self.locate(index)
-        mm[base] = state
+    def write(self, cell: int, head: bytes, keys: bytes = b"") -> None:
+        """Write the record at ``cell``: its key cells (when given), then its first two cells, their
+        state byte last (see the module)."""
+        mm, at = self.locate(cell)
+        if keys:
+            mm[at + HEAD_CELLS * CELL : at + HEAD_CELLS * CELL + len(keys)] = keys
+        mm[at + 1 : at + HEAD.size] = head[1:]
+        mm[at] = head[0]
 
-    def key(self, index: int, key_len: int) -> bytes:
-        mm, base = self.locate(index)
-        return bytes(mm[base + KEY_OFFSET : base + KEY_OFFSET + key_len])
+    def commit(self, cell: int, pinned: bool, checksum: int, seq: int) -> None:
+        """Commit the record at ``cell`` (written WRITING): its seq and checksum, then its state byte."""
+        mm, at = self.locate(cell)
+        TAIL_WORDS.pack_into(mm, at + SEQ_AT, TAIL | (seq & (1 << 56) - 1) << 8, checksum)
+        mm[at] = COMMITTED | (PINNED if pinned else 0)
 
-    def read(self) -> dict[str, np.ndarray]:
-        """Copies of every slot's fields (those of :data:`SLOT_DTYPE`, not the keys), by slot number.
+    def set_state(self, cell: int, state: int) -> None:
+        """The state of the record at ``cell``, its pin kept."""
+        mm, at = self.locate(cell)
+        mm[at] = mm[at] & PINNED | state
 
-        Copies, so that no numpy view of a mapping outlives this call (a live view
-        would keep the mapping from closing, or from being replaced by a growth).
-        """
-        segments = [(self._mm, HEADER_SIZE, self.base_slots)]
+    def set_pinned(self, cell: int, pinned: bool) -> None:
+        mm, at = self.locate(cell)
+        mm[at] = mm[at] & STATE_MASK | (PINNED if pinned else 0)
+
+    def set_seq(self, cell: int, seq: int) -> None:
+        mm, at = self.locate(cell)
+        SEQ.pack_into(mm, at + SEQ_AT, TAIL | (seq & (1 << 56) - 1) << 8)
+
+    def clear(self, cell: int, cells: int) -> None:
+        """Free the record of ``cells`` cells at ``cell``: its state byte first, then its markers."""
+        mm, at = self.locate(cell)
+        for i in range(cells):
+            mm[at + i * CELL] = FREE
+
+    def key(self, cell: int, key_len: int) -> bytes:
+        """The key bytes of the record at ``cell``."""
+        mm, at = self.locate(cell)
+        raw = mm[at : at + record_cells(key_len) * CELL]
+        rest = b"".join(raw[i + 1 : i + CELL] for i in range(HEAD_CELLS * CELL, len(raw), CELL))
+        return (raw[13:16] + raw[7:8] + rest)[:key_len]  # word1's top three bytes, word0's top byte, the rest
+
+    def read(self) -> np.ndarray:
+        """A copy of every cell as two u64 words, by cell number (shape ``(total, 2)``; the cell
+        between the parts reads as free). A copy, so that no numpy view of a mapping outlives this
+        call (a live view would keep the mapping from closing, or from being replaced by a growth)."""
+        out = np.zeros((self.total, 2), dtype="<u8")
+        segments = [(self._mm, HEADER_SIZE, 0, self.base)]
         if self._ovf is not None:
-            segments.append((self._ovf, 0, self.num_slots - self.base_slots))
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in SLOT_DTYPE.names or ()}
-        for mm, offset, count in segments:
-            view = np.frombuffer(mm, dtype=SLOT_DTYPE, count=count, offset=offset)
+            segments.append((self._ovf, 0, self.base + 1, self.overflow))
+        for mm, offset, first, count in segments:
+            view = np.frombuffer(mm, dtype="<u8", count=2 * count, offset=offset)
             try:
-                for name, arrays in parts.items():
-                    arrays.append(view[name].copy())
+                out[first : first + count] = view.reshape(count, 2)
             finally:
                 del view
-        return {name: np.concatenate(arrays) for name, arrays in parts.items()}
+        return out
 
-    def grow(self) -> range:
-        """Add slots (as many as there are, at least :data:`GROW_MIN_SLOTS`, at most up to ``max_slots``;
-        :data:`GROW_MIN_SLOTS` when memory is short for more); the numbers of the new slots, all FREE.
+    def grow(self, need: int) -> range:
+        """Add cells (an eighth of the table, at least ``need`` and :data:`GROW_MIN_CELLS`; as few as
+        ``need`` allows when memory is short for more); the numbers of the new cells, all free.
         Raises :class:`ResourceShortage` when no memory can be had (the table is then as it was)."""
-        add = min(max(self.num_slots, GROW_MIN_SLOTS), self.max_slots - self.num_slots)
-        if add <= 0:
-            return range(0)
+        least = max(need, GROW_MIN_CELLS)
+        add = max(least, (self.base + self.overflow) // 8)
         try:
             self._extend(add)
         except ResourceShortage:
-            if add <= GROW_MIN_SLOTS:
+            if add <= least:
                 raise
-            add = GROW_MIN_SLOTS
+            add = least
             self._extend(add)
-        first = self.num_slots
-        self.num_slots += add
-        return range(first, self.num_slots)
+        first = self.total
+        self.overflow += add
+        return range(first, self.total)
 
     def _extend(self, add: int) -> None:
-        overflow = self.num_slots - self.base_slots
-        old_size = self._overflow_offset + overflow * SLOT_SIZE if overflow else self._data_end
-        new_size = self._overflow_offset + (overflow + add) * SLOT_SIZE
-        # Size first (the new slots read FREE, also after a crash), then the pages, then use.
+        overflow = self.overflow
+        old_size = self._overflow_offset + overflow * CELL if overflow else self._data_end
+        new_size = self._overflow_offset + (overflow + add) * CELL
+        # Size first (the new cells read free, also after a crash), then the pages, then use.
         os.ftruncate(self._fd, new_size)
         try:
             reserve(self._fd, new_size, f"DRAM arena {self._path} index", start=page_round(old_size))

@@ -75,7 +75,11 @@ class DaemonCollector:
                           "(another writer's block under the key): dropped here.", c.refused)  # fmt: skip
             yield counter("cached_adopted", "Cached puts whose commit a registration's inventory carried instead.",
                           c.adopted)  # fmt: skip
-        yield gauge("dram_capacity_bytes", "The DRAM tier's data capacity.", self.storage.arena.capacity)
+        arena = self.storage.arena
+        yield gauge("dram_capacity_bytes", "The DRAM tier's data capacity.", arena.capacity)
+        yield gauge("dram_blocks", "Blocks held in the DRAM tier.", len(arena))
+        yield gauge("dram_index_bytes", "Bytes of the DRAM tier's index in its arena file, beyond its data capacity"
+                    " (it grows as blocks need it).", arena.index_bytes)  # fmt: skip
         ssd = self.storage.ssd
         if ssd is None:
             return

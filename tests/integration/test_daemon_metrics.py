@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvstore_cli.cluster import LocalCluster
+from kvstore_client.store import Store
 from tests.conftest import admin_call
 
 
@@ -31,6 +32,12 @@ def test_a_daemon_says_when_no_master_answers_it_and_when_one_does_again() -> No
         assert first["kvstore_daemon_ssd_configured_bytes"] == 16 << 20
         assert first["kvstore_daemon_ssd_capacity_bytes"] > 0 and first["kvstore_daemon_ssd_fault"] == 0
         assert first["kvstore_daemon_dram_capacity_bytes"] > 0
+        assert first["kvstore_daemon_dram_blocks"] == 0 and first["kvstore_daemon_dram_index_bytes"] > 0
+        with Store.connect(cluster.master_address) as store:
+            store.put_many([(f"m{i}", b"x" * 300) for i in range(3)])
+        held = scrape(address)
+        assert held["kvstore_daemon_dram_blocks"] == 3
+        assert held["kvstore_daemon_dram_index_bytes"] == first["kvstore_daemon_dram_index_bytes"]  # room already
         cluster.kill_master()
         time.sleep(2.5)
         cut = scrape(address)

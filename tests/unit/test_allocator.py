@@ -37,6 +37,22 @@ def test_free_coalesces_both_neighbours() -> None:
     a.check()
 
 
+def test_grow_adds_free_space_merged_with_a_free_tail() -> None:
+    a = Allocator(1024, 64)
+    x, y = a.alloc(512), a.alloc(256)
+    assert x is not None and y is not None
+    a.grow(2048 + 10)  # rounded down to the alignment
+    assert a.capacity == 2048 and a.largest_free == 2048 - 768  # the free tail and the new range: one extent
+    assert a.alloc(1280) == Extent(768, 1280)
+    a.check()
+    a.free(y)
+    a.grow(4096)  # no free tail now: a new extent of its own
+    assert a.stats().num_free_extents == 2 and a.largest_free == 2048
+    a.check()
+    with pytest.raises(InvalidArgument, match="does not extend"):
+        a.grow(4096)
+
+
 def test_best_fit_takes_the_smallest_extent_that_fits() -> None:
     a = Allocator(4096, 64)
     big, _, small, _ = a.alloc(1024), a.alloc(64), a.alloc(256), a.alloc(64)  # 64-byte separators

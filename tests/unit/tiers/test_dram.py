@@ -23,11 +23,11 @@ from kvstore.keys import BlockKey
 from kvstore.tiers.arena_files import find_arenas, remove_arena
 from kvstore.tiers.dram import (
     HEADER_SIZE,
-    SLOT_SIZE,
     ArenaMapping,
     DramArena,
     arena_path,
 )
+from kvstore.tiers.slots import CELL
 
 K = BlockKey
 
@@ -184,31 +184,109 @@ def test_corrupt_header_is_refused(config: DramConfig) -> None:
 
 @pytest.mark.parametrize(
     ("field_offset", "value", "match"),
-    [(0, b"\x09", "invalid state"), (2, b"\x00\x02", "key length"), (8, (1 << 40).to_bytes(8, "little"), "outside")],
+    [
+        (0, b"\x09", "invalid state"),
+        (CELL, b"\x00", "torn"),  # its second cell's marker
+        (2 * CELL, b"\x00", "torn"),  # its key cell's marker
+        (2, ((1 << 40) >> 3).to_bytes(5, "little"), "outside"),  # its offset
+        (8, bytes(5), "size 0"),
+        (2 * CELL + 1, b"\xff", "not UTF-8"),
+    ],
 )
-def test_corrupt_slots_are_refused(config: DramConfig, field_offset: int, value: bytes, match: str) -> None:
+def test_corrupt_records_are_refused(config: DramConfig, field_offset: int, value: bytes, match: str) -> None:
     arena = DramArena(config)
-    arena.store(K("a"), memoryview(b"abc"), 0, 0)
+    arena.store(K("abcdefgh"), memoryview(b"abc"), 0, 0)  # a record of three cells: the last one holds "efgh"
     arena.close()
     with open(arena_path(config), "r+b") as f:
-        f.seek(HEADER_SIZE + field_offset)  # slot 0 holds "a"
+        f.seek(HEADER_SIZE + field_offset)  # cell 0 holds its record
         f.write(value)
     with pytest.raises(CorruptStore, match=match):
         DramArena(config)
 
 
-def test_overlapping_slots_are_refused(config: DramConfig) -> None:
+def test_overlapping_records_are_refused(config: DramConfig) -> None:
     arena = DramArena(config)
     arena.store(K("a"), memoryview(b"abc"), 0, 0)
     arena.store(K("b"), memoryview(b"abc"), 0, 0)
     arena.close()
     with open(arena_path(config), "r+b") as f:
-        f.seek(HEADER_SIZE + 8)
-        slot0_offset = f.read(8)
-        f.seek(HEADER_SIZE + SLOT_SIZE + 8)
-        f.write(slot0_offset)
+        first = f.read(HEADER_SIZE + 8)[HEADER_SIZE:]  # state, key length, offset and a key byte of "a"'s record
+        f.seek(HEADER_SIZE + 2 * CELL)  # "b"'s record, after the two cells of "a"'s
+        f.write(first)
     with pytest.raises(CorruptStore, match="overlaps"):
         DramArena(config)
+
+
+def test_an_arena_of_the_320_byte_slot_format_is_refused_with_the_way_out(config: DramConfig) -> None:
+    import struct
+
+    import xxhash
+
+    path = _make_file(config)
+    with open(path, "r+b") as f:
+        header = bytearray(f.read(56))  # 48 bytes of fields, then their xxh3
+        struct.pack_into("<II", header, 8, 1, 320)  # version 1, 320-byte slots
+        header[48:56] = xxhash.xxh3_64_intdigest(bytes(header[:48])).to_bytes(8, "little")
+        f.seek(0)
+        f.write(header)
+    with pytest.raises(CorruptStore, match=r"format version 1; this kvstore reads 2.*--remove-arena unit"):
+        DramArena(config)
+
+
+@pytest.mark.parametrize("key_len", [1, 14, 15, 16, 30, 31, 255, 256])
+def test_keys_of_every_record_length_survive_reopen(config: DramConfig, key_len: int) -> None:
+    keys = [K("k" * key_len), K(("é" * key_len)[: key_len // 2] or "é"), K(("x" * (key_len - 1)) + "1")]
+    arena = DramArena(config)
+    for i, key in enumerate(keys):
+        assert arena.store(key, memoryview(bytes([i]) * 100), checksum=(1 << 64) - 1 - i, seq=(1 << 56) - 1 - i,
+                           pinned=i == 1)  # fmt: skip
+    arena.touch(keys[0], 7)
+    arena.close()
+    again = DramArena(config)
+    assert {e.key: (e.checksum, e.seq, e.pinned) for e in again.entries()} == {
+        keys[0]: ((1 << 64) - 1, 7, False), keys[1]: ((1 << 64) - 2, (1 << 56) - 2, True),
+        keys[2]: ((1 << 64) - 3, (1 << 56) - 3, False),
+    }  # fmt: skip
+    assert [again.read(k) for k in keys] == [bytes([i]) * 100 for i in range(3)]
+    again.destroy()
+
+
+def test_a_record_cut_short_by_a_crash_is_freed_and_its_cells_reused(config: DramConfig) -> None:
+    from kvstore.tiers.slots import encode_head, encode_key
+
+    arena = DramArena(config)
+    arena.store(K("kept"), memoryview(b"abc"), 5, 1)
+    # A second record written as far as its key cells and second cell: its state byte never came.
+    cells = arena._cells.alloc(4)
+    assert cells is not None
+    head = encode_head(0, False, b"z" * 20, 1024, 10, 9, 9)
+    mm, at = arena._slots.locate(cells.offset)
+    mm[at + 2 * CELL : at + 4 * CELL] = encode_key(b"z" * 20)
+    mm[at + 1 : at + 2 * CELL] = head[1:]
+    _crash(arena)
+    again = DramArena(config)
+    assert [e.key for e in again.entries()] == ["kept"] and not again.is_pending(K("z" * 20))
+    mm, at = again._slots.locate(cells.offset)
+    assert [mm[at + i * CELL] for i in range(4)] == [0, 0, 0, 0]  # no marker left behind
+    assert again.store(K("y" * 20), memoryview(b"new"), 1, 2)  # in those cells
+    assert again._index["y" * 20].index == cells.offset
+    again.close()
+    assert {e.key for e in DramArena(config).entries()} == {"kept", "y" * 20}
+
+
+def test_the_index_takes_48_bytes_a_block_of_short_keys(tmp_path: Path) -> None:
+    # 100,000 blocks of 256 bytes with keys of 11 bytes: the index in the file, over the blocks.
+    config = DramConfig(capacity=32 * 1024**2, name="dense", shm_dir=tmp_path, prefault=False)
+    arena = DramArena(config, managed=False)
+    for i in range(100_000):
+        arena.begin_at(K(f"m-{i:09d}"), i * 256, 256).release()
+        arena.commit(K(f"m-{i:09d}"), i, i)
+    size = arena_path(config).stat().st_size
+    per_block = (size - config.capacity) / 100_000
+    assert arena.index_bytes / 100_000 <= per_block <= 64, per_block
+    assert arena.index_bytes >= 100_000 * 3 * CELL  # a record of three cells each
+    arena.close()
+    assert len(DramArena(config, managed=False)) == 100_000
 
 
 def test_view_is_zero_copy(config: DramConfig) -> None:
@@ -322,11 +400,11 @@ def test_the_index_grows_with_small_blocks_and_survives_a_crash(tmp_path: Path) 
     # 1 MiB of data: a new arena has 1024 slots; blocks of 200 bytes take 256, so 4096 fit.
     config = DramConfig(capacity=1024**2, name="grow", shm_dir=tmp_path, prefault=False)
     arena = DramArena(config)
-    assert (arena.num_slots, arena.max_slots) == (1024, 4096)
+    assert (arena.index_bytes, arena.max_slots) == (1024 * 4 * CELL, 4096)  # room for 2048 records of 2 cells
     size = arena_path(config).stat().st_size
     for i in range(3000):
         assert arena.store(K(f"k{i}"), memoryview(bytes([i % 251]) * 200), i, i + 1), f"k{i} refused"
-    assert arena.num_slots == 4096 and arena_path(config).stat().st_size > size
+    assert arena.index_bytes >= 3000 * 2 * CELL and arena_path(config).stat().st_size > size
     half = arena.begin(K("half"), 100)  # in an overflow slot, never committed
     assert half is not None
     half.release()
@@ -344,7 +422,7 @@ def test_the_index_grows_with_small_blocks_and_survives_a_crash(tmp_path: Path) 
     again.close()
     with open(arena_path(config), "r+b") as f:
         f.truncate(arena_path(config).stat().st_size - 100)  # not a whole slot table
-    with pytest.raises(CorruptStore, match="not a whole slot table"):
+    with pytest.raises(CorruptStore, match="not a whole index table"):
         DramArena(config)
     DramArena.remove(config)
 
@@ -355,16 +433,20 @@ def test_an_index_that_cannot_grow_refuses_the_block_and_keeps_the_others(small_
     arena = DramArena(config, managed=False)
     offsets = iter(range(0, 1024**2, 64))
     stored = 0
+
+    def key(i: int) -> BlockKey:
+        return K(f"k{i}".ljust(200, "x"))  # a record of 16 cells: the index outgrows the 2 MiB first
+
     while True:
         try:
-            view = arena.begin_at(K(f"k{stored}"), next(offsets), 10)
+            view = arena.begin_at(key(stored), next(offsets), 10)
         except CapacityError as exc:
             assert "no free index slot" in str(exc) and "could be reserved" in str(exc)
             break
         view.release()
-        arena.commit(K(f"k{stored}"), 0, stored)
+        arena.commit(key(stored), 0, stored)
         stored += 1
-    assert stored > 2048 and len(arena) == stored  # the last doublings did not fit: smaller steps did
+    assert stored > 2048 and len(arena) == stored  # the last eighths did not fit: smaller steps did
     arena.close()
     again = DramArena(config, managed=False)
     assert len(again) == stored
