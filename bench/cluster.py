@@ -210,8 +210,9 @@ def bench_exists(store: Store, raw: RawTcp, cpu: MasterCpu, calls: int = 2000) -
 
 
 def bench_async_gets(master: str, config: ClientConfig, cpu: MasterCpu, size: int = 4096, concurrency: int = 64,
-                     rounds: int = 200) -> dict[str, Any]:  # fmt: skip
-    """``concurrency`` gets at once from one event loop (AsyncStore), ``rounds`` times."""
+                     rounds: int = 200, loop: str = "asyncio") -> dict[str, Any]:  # fmt: skip
+    """``concurrency`` gets at once from one event loop (AsyncStore), ``rounds`` times; ``loop``: the
+    standard library's event loop or uvloop's (what vLLM's and SGLang's servers run)."""
 
     async def run() -> dict[str, Any]:
         async with await AsyncStore.connect(master, config) as astore:
@@ -238,11 +239,16 @@ def bench_async_gets(master: str, config: ClientConfig, cpu: MasterCpu, size: in
             assert np.array_equal(out, data)
             await astore.remove_many(keys)
             lat.sort()
-            return {"bench": "cluster", "op": "get", "client": "async", "size": size, "concurrency": concurrency,
+            return {"bench": "cluster", "op": "get", "client": "async", "loop": loop, "size": size,
+                    "concurrency": concurrency,
                     "calls": rounds * concurrency, "ops": round(rounds * concurrency / seconds),
                     "GBps": round(rounds * concurrency * size / seconds / 1e9, 3),
                     "p50_us": round(lat[len(lat) // 2] * 1e6, 1), "master_cpu_us": per_op}  # fmt: skip
 
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(run())
     return asyncio.run(run())
 
 
@@ -425,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                             ours.append(line)
                             emit(line)
             emit(bench_exists(store, raw, cpu))
-            emit(bench_async_gets(cluster.master_address, config, cpu))
+            for loop in ("asyncio", "uvloop"):
+                emit(bench_async_gets(cluster.master_address, config, cpu, loop=loop))
             for line in bench_match_prefix(store, args.match_keys):
                 emit(line)
         finally:
