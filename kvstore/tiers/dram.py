@@ -8,7 +8,7 @@ File layout (``<shm_dir>/kvstore-<name>.arena``, little-endian)::
     [page past it, EOF)   overflow index: grown on demand, the file's size says how many cells
 
 The index (:mod:`kvstore.tiers.slots`) is a record of 2 cells and the key's (48 bytes a block
-for a key of up to 15 bytes) per block; it grows as blocks need records, so it is sized by
+for a key of up to 19 bytes) per block; it grows as blocks need records, so it is sized by
 the blocks held, not by a fixed count per byte; a growth only extends the file, so it is
 crash-safe as it stands (see that module). At most ``DramConfig.max_slots`` blocks are held.
 Format version 1 (a slot of 320 bytes each, key inline) is refused, with the way out.
@@ -63,6 +63,7 @@ from kvstore.tiers.slots import (
     HEADER_SIZE,
     KEY,
     MAX_OFFSET,
+    MAX_SEQ,
     MAX_SIZE,
     PINNED,
     STATE_MASK,
@@ -79,7 +80,7 @@ from kvstore.tiers.slots import page_round as _page_round
 MAGIC = b"KVSARENA"
 VERSION = 2
 BASE_CELLS_PER_SLOT = 4
-"""Cells of a new arena's base index per ``DramConfig.num_slots``: a block with a key of up to 30 bytes."""
+"""Cells of a new arena's base index per ``DramConfig.num_slots``: a block with a key of up to 34 bytes."""
 _HEADER = struct.Struct("<8sIIQQIIQ")  # magic, version, cell size, capacity, base cells, alignment, pad, data_offset
 _HEADER_SUM = struct.Struct("<Q")
 
@@ -91,6 +92,11 @@ class _Slot(BlockRecord):
     extent: Extent
     cells: int
     """Its record's cells."""
+
+
+def _check_seq(seq: int) -> None:
+    if not 0 <= seq < MAX_SEQ:
+        raise InvalidArgument(f"a block's seq is in [0, 2**56), got {seq}")
 
 
 def base_cells(config: DramConfig) -> int:
@@ -302,6 +308,11 @@ class DramArena(IndexedTier[_Slot]):
             )
         self._data_offset = g.data_offset
         total = os.fstat(self._fd).st_size
+        if not backed(self._fd, total) and g.overflow_cells:
+            # An index growth a crash cut short (the file extended, its pages not reserved yet) left free
+            # cells at the end: they go, so that reopening needs no more memory than the blocks held.
+            g = g._replace(overflow_cells=self._trim_free_tail(g))
+            total = os.fstat(self._fd).st_size
         if not backed(self._fd, total):  # an arena of an older kvstore, or one whose creation was cut short
             try:
                 reserve(self._fd, total, f"DRAM arena {self.path}")
@@ -318,6 +329,23 @@ class DramArena(IndexedTier[_Slot]):
             mm.close()
             raise
         return mm
+
+    def _trim_free_tail(self, g: _Geometry) -> int:
+        """Cut the free cells at the end of the overflow index off the file; the cells it keeps.
+        Read backwards with pread, which answers zeros for pages never reserved (a fault on a
+        mapping of them would have to allocate them, and SIGBUS where memory is short)."""
+        start = _page_round(g.data_end)
+        keep, chunk = g.overflow_cells, RESERVE_CHUNK // CELL
+        while keep:
+            first = max(0, keep - chunk)
+            raw = os.pread(self._fd, (keep - first) * CELL, start + first * CELL)
+            used = np.flatnonzero(np.frombuffer(raw, dtype=np.uint8)[::CELL])
+            if len(used):  # every cell of a record has a nonzero first byte
+                keep = first + int(used[-1]) + 1
+                break
+            keep = first
+        os.ftruncate(self._fd, start + keep * CELL if keep else g.data_end)
+        return keep
 
     def _prefault(self) -> None:
         """Write one byte in every page of the data region, so that no write pays a page fault later.
@@ -423,10 +451,15 @@ class DramArena(IndexedTier[_Slot]):
         """
         self._check_new(key, size)
         raw = key.encode("utf-8")
+        allocator = self.allocator  # before the cells: an unmanaged arena refuses here
         cells = self._take_cells(len(raw))
         if cells is None:
             return None
-        extent = self.allocator.alloc(size)
+        try:
+            extent = allocator.alloc(size)
+        except BaseException:
+            self._cells.free(cells)
+            raise
         if extent is None:
             self._cells.free(cells)
             return None
@@ -464,8 +497,8 @@ class DramArena(IndexedTier[_Slot]):
         self._check_open()
         if key in self._index or key in self._pending:
             raise InvalidArgument(f"key {key!r} is already in {self.description}")
-        if not 0 < size < MAX_SIZE:
-            raise InvalidArgument(f"block size must be positive and below {MAX_SIZE}, got {size}")
+        if type(size) is not int or not 0 < size < MAX_SIZE:
+            raise InvalidArgument(f"block size must be an int, positive and below {MAX_SIZE}, got {size!r}")
 
     def _take_cells(self, key_len: int) -> Extent | None:
         """The cells of a new record for a key of ``key_len`` bytes (the index grown when it has no
@@ -521,6 +554,7 @@ class DramArena(IndexedTier[_Slot]):
         return self._buf[start : start + size]
 
     def commit(self, key: BlockKey, checksum: int, seq: int, pinned: bool = False) -> None:
+        _check_seq(seq)
         slot = self._pending.pop(key)
         slot.checksum, slot.seq, slot.pinned = checksum, seq, pinned
         self._slots.commit(slot.index, pinned, checksum, seq)
@@ -540,6 +574,7 @@ class DramArena(IndexedTier[_Slot]):
         self._used -= slot.extent.length
 
     def store(self, key: BlockKey, data: memoryview, checksum: int, seq: int, pinned: bool = False) -> bool:
+        _check_seq(seq)
         dst = self.begin(key, data.nbytes)
         if dst is None:
             return False
@@ -586,6 +621,7 @@ class DramArena(IndexedTier[_Slot]):
             self.delete(key)
 
     def touch(self, key: BlockKey, seq: int) -> None:
+        _check_seq(seq)
         slot = self._record(key)
         slot.seq = seq
         self._slots.set_seq(slot.index, seq)

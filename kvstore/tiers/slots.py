@@ -62,6 +62,7 @@ KEY = 0xFF
 
 MAX_OFFSET = (1 << 40) * 8
 MAX_SIZE = 1 << 40
+MAX_SEQ = 1 << 56
 
 HEAD = struct.Struct("<QQQQ")
 """A record's first two cells: word0 .. word3 (see the module's docstring)."""

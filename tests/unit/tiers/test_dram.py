@@ -451,3 +451,49 @@ def test_an_index_that_cannot_grow_refuses_the_block_and_keeps_the_others(small_
     again = DramArena(config, managed=False)
     assert len(again) == stored
     again.destroy()
+
+
+def test_a_growth_a_crash_cut_short_is_trimmed_at_reopen(small_fs: Any) -> None:
+    # The daemon died inside an index growth: the file extended, its pages never reserved, on a
+    # file system that cannot back them. The free cells at the end go; every block stays.
+    fs = small_fs("2m")
+    config = DramConfig(capacity=1024**2, name="cut", shm_dir=fs, prefault=False)
+    arena = DramArena(config, managed=False)
+    for i in range(3000):  # past the base index: the last records are in the overflow part
+        arena.begin_at(K(f"k{i}"), i * 64, 10).release()
+        arena.commit(K(f"k{i}"), i, i)
+    grown = arena_path(config).stat().st_size
+    os.ftruncate(arena._fd, grown + 8 * 1024**2)  # more than the file system holds
+    _crash(arena)
+    again = DramArena(config, managed=False)
+    assert len(again) == 3000 and again.entry(K("k2999")).checksum == 2999
+    assert arena_path(config).stat().st_size <= grown  # its own free cells at the end went too
+    assert again.begin_at(K("next"), 3000 * 64, 10) is not None  # and it grows again from there
+    again.destroy()
+
+
+def test_a_refused_begin_leaves_no_cells_taken(config: DramConfig) -> None:
+    arena = DramArena(config, managed=False)
+    before = (arena._cells.used, arena.index_bytes)
+    for i in range(40):
+        with pytest.raises(InvalidArgument, match="unmanaged"):
+            arena.begin(K(f"k{i}"), 10)
+    assert (arena._cells.used, arena.index_bytes) == before
+    managed = DramArena(config.model_copy(update={"name": "managed"}))
+    taken = managed._cells.used  # the one cell between the index's two parts
+    with pytest.raises(InvalidArgument, match="an int"):
+        managed.begin(K("a"), np.int64(10))  # type: ignore[arg-type]
+    assert managed._cells.used == taken
+    managed.destroy()
+    arena.destroy()
+
+
+def test_a_seq_past_56_bits_is_refused_not_cut(config: DramConfig) -> None:
+    arena = DramArena(config)
+    with pytest.raises(InvalidArgument, match="seq"):
+        arena.store(K("a"), memoryview(b"x"), 0, 1 << 56)
+    assert "a" not in arena and not arena.is_pending(K("a"))
+    arena.store(K("a"), memoryview(b"x"), 0, (1 << 56) - 1)
+    with pytest.raises(InvalidArgument, match="seq"):
+        arena.touch(K("a"), -1)
+    arena.destroy()
