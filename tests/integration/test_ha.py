@@ -161,9 +161,15 @@ def test_three_failovers_in_a_row(ha: LocalCluster) -> None:
     assert lead["kvstore_master_failovers_total"] >= 1 and lead["kvstore_master_epoch"] > 0
     assert stand["kvstore_master_leading"] == 0 and stand["kvstore_master_ready"] == 0
     assert lead["kvstore_master_etcd_reachable"] == 1 and stand["kvstore_master_etcd_reachable"] == 1
-    # The new leader's epoch is the newest; the standby saw it too.
-    with urllib.request.urlopen(f"http://{ha.master_admin[1 - leader]}/api/v1/leadership", timeout=10) as resp:
-        seen = json.load(resp)
+    # The new leader's epoch is the newest; the standby saw it too (once it has read the election: it
+    # was started again a moment ago, and says "leader": null until then).
+    deadline = time.monotonic() + 10
+    while True:
+        with urllib.request.urlopen(f"http://{ha.master_admin[1 - leader]}/api/v1/leadership", timeout=10) as resp:
+            seen = json.load(resp)
+        if seen["leader"] is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert seen["role"] == "standby" and seen["leader"] == ha.master_rpc[leader]
     assert seen["epoch"] <= lead["kvstore_master_epoch"]
 
