@@ -24,7 +24,10 @@ pinned puts are held to that.
 
 One JSON line per fault as it heals, then the summary (last line): ``ops``, ``ok``,
 ``violations`` (a count; ``first``: the first few in full), ``faults`` by kind,
-``max_unavailable_s`` and ``unavailable_s`` by kind, ``max_op_s``, ``seed``.
+``max_unavailable_s`` and ``unavailable_s`` by fault class (a SIGSTOP of the leader or of a
+daemon, a partition of a daemon or of a client apart: :func:`bench.chaos_check.fault_class`),
+``get_p99_ms`` of the reads outside faults (``calm``) and during them, ``replicas`` (``--replicas``:
+the clients' default replicas of a put), ``max_op_s``, ``seed``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import put_modes
-from bench.chaos_check import check, load, read_value, unavailability, value_bytes
+from bench.chaos_check import check, get_p99_ms, load, read_value, unavailability, value_bytes
 from bench.chaos_faults import GROUPS, Partitions, Prometheus, SsdDisks, fill, judge_alerts
 from kvstore.config import ClientConfig, parse_size
 from kvstore.errors import KVStoreError
@@ -149,7 +152,7 @@ async def one_op(
 
 def worker(wid: str, master: str, seed: int, stop_at: float, keys: list[str], out: str, kind: str, tasks: int,
            transport: str, timeout_s: float, gid: int | None = None,
-           modes: Sequence[str] = ("visible",)) -> None:  # fmt: skip
+           modes: Sequence[str] = ("visible",), replicas: int = 1) -> None:  # fmt: skip
     """A client process: ops until ``stop_at`` (time.monotonic()), every one recorded to ``out``; with
     ``gid``, its sockets are that group's (a partition can cut it)."""
     if sys.platform == "linux":
@@ -157,7 +160,7 @@ def worker(wid: str, master: str, seed: int, stop_at: float, keys: list[str], ou
     if gid is not None:
         os.setgid(gid)
     rec = Recorder(Path(out), wid)
-    config = ClientConfig(transport=transport, timeout_s=timeout_s)  # type: ignore[arg-type]
+    config = ClientConfig(transport=transport, timeout_s=timeout_s, replicas=replicas)  # type: ignore[arg-type]
 
     async def run() -> None:
         if kind == "async":
@@ -453,7 +456,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                 path = workdir / f"history-w{w}.jsonl"
                 procs.append(ctx.Process(target=worker, daemon=True, args=(
                     f"w{w}", cluster.master_address, args.seed, stop_at, keys, str(path), kind, 4, transport_of(w),
-                    args.client_timeout, None if groups is None else worker_gid(w), modes,
+                    args.client_timeout, None if groups is None else worker_gid(w), modes, args.replicas,
                 )))  # fmt: skip
             for p in procs:
                 p.start()
@@ -518,7 +521,8 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                 "first": verdict.violations[: args.show], "misses_in_faults": verdict.misses_in_faults,
                 "own_exists_in_faults": verdict.own_exists_in_faults, "put_modes": modes,
                 "puts_by_mode": verdict.puts_by_mode, "cached_misses_in_lag": verdict.cached_misses_in_lag,
-                "faults": faults, "max_unavailable_s": worst, "unavailable_s": by_kind,
+                "faults": faults, "replicas": args.replicas, "max_unavailable_s": worst, "unavailable_s": by_kind,
+                "get_p99_ms": get_p99_ms(history, nemesis.faults),
                 "max_op_s": round(max(durations, default=0) / 1e9, 3),
                 "evictions_for_room": room, "demotions_failed": dropped, "eviction_log_whole": whole,
                 "nemesis_error": nemesis.error,
@@ -550,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dram", default="4MiB", help="each daemon's DRAM")
     parser.add_argument("--ssd", default="40MiB", help="each daemon's SSD (the key space must fit one node)")
     parser.add_argument("--client-timeout", type=float, default=5.0, help="the clients' timeout_s")
+    parser.add_argument("--replicas", type=int, default=1, choices=range(1, 4), metavar="1..3",
+                        help="the clients' default replicas of a put (three daemons)")  # fmt: skip
     parser.add_argument("--hang-s", type=float, default=60.0, help="an op running longer than this hung")
     parser.add_argument("--grace-s", type=float, default=3.0,
                         help="a miss this long after a fault healed is unavailability, not a loss")  # fmt: skip

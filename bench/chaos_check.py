@@ -253,11 +253,50 @@ def _miss(verdict: Verdict, r: dict[str, Any], put: dict[str, Any], windows: Seq
     )  # fmt: skip
 
 
+def fault_class(fault: dict[str, Any]) -> str:
+    """A fault's kind, split by what it hit where that changes who must answer for it: a SIGSTOP of
+    the leading master (``sigstop_leader``) or of a daemon (``sigstop_daemon``); a partition of a
+    daemon from the masters (``partition_daemon``) or of a client from a daemon (``partition_client``)."""
+    kind, target = fault["kind"], str(fault.get("target", ""))
+    if kind == "sigstop":
+        return "sigstop_leader" if target.startswith("master") else "sigstop_daemon"
+    if kind == "partition":
+        return "partition_daemon" if target.endswith("|masters") else "partition_client"
+    return str(kind)
+
+
+def get_p99_ms(history: Iterable[dict[str, Any]], faults: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """The p99 latency (ms) of the reads (get and get_many, a batch once) that overlapped no fault
+    (``calm``) and of those that overlapped one (``faults``, from its start until it healed); None
+    where there were none."""
+    spans = sorted((f["t0"], f["t1"]) for f in faults)
+    starts = [a for a, _ in spans]
+    calm: list[int] = []
+    hit: list[int] = []
+    seen: set[tuple[Any, Any]] = set()
+    for r in history:
+        if r.get("op") not in ("get", "get_many") or "begin" in r or not r.get("ok") or (r["w"], r["n"]) in seen:
+            continue
+        seen.add((r["w"], r["n"]))
+        t0, t1 = r["t0"], r["t1"]
+        i = bisect.bisect_right(starts, t1)  # faults that began before the read ended: any still on at t0?
+        overlaps = any(b >= t0 for _, b in spans[max(0, i - 8) : i])  # faults are apart: a few suffice
+        (hit if overlaps else calm).append(t1 - t0)
+
+    def p99(values: list[int]) -> float | None:
+        if not values:
+            return None
+        values.sort()
+        return round(values[min(len(values) - 1, int(len(values) * 0.99))] / 1e6, 2)
+
+    return {"calm": p99(calm), "faults": p99(hit)}
+
+
 def unavailability(
     history: Iterable[dict[str, Any]], faults: Sequence[dict[str, Any]]
 ) -> tuple[float, dict[str, float]]:
     """The longest stretch with no successful operation (seconds) from each fault's start until the
-    first success after it healed: overall, and the worst by fault kind."""
+    first success after it healed: overall, and the worst by fault class (:func:`fault_class`)."""
     done = sorted(r["t1"] for r in history if "begin" not in r and r.get("ok"))
     worst: dict[str, float] = {}
     for f in faults:
@@ -268,7 +307,8 @@ def unavailability(
         if j < len(done):
             points.append(done[j])
         gap = max((q - p for p, q in itertools.pairwise(points)), default=0) / 1e9
-        worst[f["kind"]] = round(max(worst.get(f["kind"], 0.0), gap), 3)
+        kind = fault_class(f)
+        worst[kind] = round(max(worst.get(kind, 0.0), gap), 3)
     return max(worst.values(), default=0.0), worst
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.chaos_check import fault_class
 from kvstore_cli.cluster import free_port
 from kvstore_client.children import terminate
 
@@ -220,14 +221,12 @@ def judge_alerts(firing: list[dict[str, Any]], faults: list[dict[str, Any]], cal
                  settle_s: float = 20.0) -> dict[str, Any]:  # fmt: skip
     """Which alerts fired for which fault (while it was on, or within ``settle_s`` of its healing),
     which fired in the calm stretch before the first fault, and which never resolved. Partitions
-    count by side: ``partition_daemon`` (a daemon cut from the masters) and ``partition_client`` (a
-    client cut from a daemon: no server sees it, so none is counted as a fault without an alert)."""
+    count by :func:`~bench.chaos_check.fault_class` (a ``partition_client``, a client cut from a
+    daemon, is seen by no server: none is counted as a fault without an alert)."""
     by_kind: dict[str, dict[str, int]] = {}
     silent: dict[str, int] = {}
     for f in faults:
-        kind = f["kind"]
-        if kind == "partition":
-            kind = "partition_daemon" if str(f.get("target", "")).endswith("|masters") else "partition_client"
+        kind = fault_class(f)
         names = sorted({a["alert"] for a in firing if a["from"] <= f["wall1"] + settle_s
                         and (a["to"] is None or a["to"] >= f["wall0"])})  # fmt: skip
         seen = by_kind.setdefault(kind, {})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.chaos_check import check, read_value, unavailability, value_bytes
+from bench.chaos_check import check, fault_class, get_p99_ms, read_value, unavailability, value_bytes
 
 MS = 1_000_000
 
@@ -115,6 +115,30 @@ def test_unavailability_is_the_longest_gap_from_a_fault_until_the_first_success_
     faults = [{"kind": "leader_kill", "t0": int(1.5 * seconds * MS), "t1": int(2 * seconds * MS)}]
     worst, by_kind = unavailability(history, faults)
     assert by_kind == {"leader_kill": 3.6} and worst == 3.6  # from 1.5 s to the success at 5.1 s
+
+
+def test_unavailability_and_alerts_split_sigstops_and_partitions_by_what_they_hit() -> None:
+    faults_hit = [
+        ("sigstop", "master-1"), ("sigstop", "daemon-2"), ("partition", "daemon-0|masters"),
+        ("partition", "w3|daemon-1"), ("leader_kill", "master-0"), ("daemon_kill", "daemon-1"),
+    ]  # fmt: skip
+    assert [fault_class({"kind": k, "target": t}) for k, t in faults_hit] == [
+        "sigstop_leader", "sigstop_daemon", "partition_daemon", "partition_client", "leader_kill", "daemon_kill",
+    ]  # fmt: skip
+    history = [get(0, "k", 0, 100, None), get(1, "k", 5000, 5100, None)]
+    faults = [{"kind": "sigstop", "target": "daemon-0", "t0": 1000 * MS, "t1": 2000 * MS}]
+    assert unavailability(history, faults)[1] == {"sigstop_daemon": 4.1}
+
+
+def test_read_p99_is_split_into_calm_and_fault_windows() -> None:
+    history = [get(i, "k", i * 10, i * 10 + 1, None) for i in range(100)]  # 1 ms each, calm
+    history += [get(100 + i, "k", 2000 + i, 2000 + i + 50, None) for i in range(10)]  # 50 ms, in the fault
+    history.append({**get(200, "k", 2001, 2900, None), "ok": False})  # failed reads are not timed
+    batch = [{**get(300, k, 1000, 1003, None), "op": "get_many"} for k in ("a", "b", "c")]  # one batch: once
+    faults = [{"kind": "daemon_kill", "t0": 1990 * MS, "t1": 2100 * MS}]
+    assert get_p99_ms(history + batch, faults) == {"calm": 1.0, "faults": 50.0}  # 101 calm reads: the batch is 1
+    assert get_p99_ms(history[:100], []) == {"calm": 1.0, "faults": None}
+    assert get_p99_ms(history[:10] + batch, []) == {"calm": 3.0, "faults": None}
 
 
 def test_cached_puts_are_judged_by_their_own_rules() -> None:
