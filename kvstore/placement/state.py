@@ -318,6 +318,14 @@ class Catalog:
                 if owner := owner_of(key):
                     owned.setdefault(owner, set()).add(key)
 
+    def know_tenant(self, tenant: str) -> None:
+        """``tenant`` made a request (its identity checked against the tenants file as read at its
+        login): a tenant now, though the last :meth:`PlacementTable.set_tenants` (the master's tick)
+        may predate it. Its keys must get its own LRU from the first one on: put in the shared log,
+        they would never be victims of its puts, which evict only its own."""
+        if tenant and self.tenants is not None and tenant not in self.tenants:
+            self.tenants = self.tenants | {tenant}
+
     def owner_id(self, owner: str) -> int:
         """The LRU owner of a key of ``owner`` (:meth:`Records.intern_owner`): its own with tenants
         (``keys_by_owner``), else 0 for all (a key's first path segment names no tenant then)."""

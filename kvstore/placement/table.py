@@ -181,6 +181,7 @@ class PlacementTable:
         now_ms: int,
         tenant: str = "",
     ) -> PutPlan:
+        self._catalog.know_tenant(tenant)
         return self._writes.put_start(keys, sizes, replicas, preferred_node, pin, now_ms, tenant)
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
@@ -196,6 +197,7 @@ class PlacementTable:
     def grant_space(
         self, length: int, preferred_node: str | None, ttl_ms: int, now_ms: int, owner: str = ""
     ) -> GrantPlan:
+        self._catalog.know_tenant(owner)
         return self._grants.grant_space(length, preferred_node, ttl_ms, now_ms, owner)
 
     def confirm_grant(self, grant_id: int, deadline_ms: int) -> None:

@@ -276,6 +276,25 @@ def test_a_tenants_put_never_evicts_another_tenants_block() -> None:
     assert plan.commands and plan.commands[0].keys[0] == "bob/0"
 
 
+def test_a_tenant_that_puts_before_the_master_next_reads_the_tenants_file_evicts_its_own() -> None:
+    # A tenant added to the file logs in at once (the file is read again at login); the table hears of
+    # it at the master's next tick. Its puts before that went to the shared LRU, where its own puts
+    # (which evict only its blocks) never found them: a full node refused it (the test_auth flake).
+    t = table("a", dram=8 * KB, policy=EvictionPolicy(0.99, 0.9))
+    t.set_tenants(["alice"])  # the last tick's snapshot: "churn" is not in it yet
+    for i in range(8):
+        plan = t.put_start([f"churn/{i}"], [KB], 1, None, False, 0, "churn")
+        assert plan.tickets[0].status == "ok", plan.tickets
+        assert t.put_end([f"churn/{i}"], [7]) == [True]
+    t.set_tenants(["alice", "churn"])  # the next tick
+    plan = t.put_start(["churn/8"], [KB], 1, None, False, 0, "churn")
+    victims = [k for c in plan.commands for k in c.keys]
+    assert plan.waiting == [0] and victims and all(k.startswith("churn/") for k in victims), victims  # its own
+    run(t, plan.commands)
+    assert t.put_start(["churn/8"], [KB], 1, None, False, 0, "churn").tickets[0].status == "ok"
+    t.check()
+
+
 def test_an_operators_namespaces_share_one_lru() -> None:
     """On a master with a cluster secret and no tenant named so, keys' first path segments are an
     operator's namespaces (``model/<hash>``), not tenants: a put of one namespace evicts another's
