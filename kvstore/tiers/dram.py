@@ -410,8 +410,7 @@ class DramArena(IndexedTier[_Slot]):
             alloc = Allocator.rebuild(self.capacity, self.config.alignment, extents)
         except InvalidArgument as exc:
             raise CorruptStore(f"DRAM arena {self.path}: {exc}") from None
-        if self._slots.base < total:
-            records.append((self._slots.base, 1))  # no cell: where the data region lies between the two parts
+        records.append((self._slots.base, 1))  # no cell: where the data region lies between the two parts
         return alloc, Allocator.rebuild(total, 1, records, track=False)  # its records are in _index and _pending
 
     # -- Tier interface -----------------------------------------------------

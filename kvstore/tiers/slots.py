@@ -72,6 +72,11 @@ SEQ_AT = CELL
 """Where a record's word2 (TAIL | seq << 8) starts in it."""
 
 
+def _tail_word(seq: int) -> int:
+    """A record's word2: the TAIL marker and its seq (56 bits)."""
+    return TAIL | (seq & (MAX_SEQ - 1)) << 8
+
+
 def record_cells(key_len: int) -> int:
     """Cells of the record of a key of ``key_len`` bytes."""
     return HEAD_CELLS + -(-max(0, key_len - KEY_IN_HEAD) // KEY_PER_CELL)
@@ -83,7 +88,7 @@ def encode_head(state: int, pinned: bool, raw_key: bytes, offset: int, size: int
     return HEAD.pack(
         state | (PINNED if pinned else 0) | (len(raw_key) - 1) << 8 | (offset >> 3) << 16 | first[3] << 56,
         size | int.from_bytes(first[:3], "little") << 40,
-        TAIL | (seq & (1 << 56) - 1) << 8,
+        _tail_word(seq),
         checksum,
     )
 
@@ -168,7 +173,7 @@ class SlotTable:
     def commit(self, cell: int, pinned: bool, checksum: int, seq: int) -> None:
         """Commit the record at ``cell`` (written WRITING): its seq and checksum, then its state byte."""
         mm, at = self.locate(cell)
-        TAIL_WORDS.pack_into(mm, at + SEQ_AT, TAIL | (seq & (1 << 56) - 1) << 8, checksum)
+        TAIL_WORDS.pack_into(mm, at + SEQ_AT, _tail_word(seq), checksum)
         mm[at] = COMMITTED | (PINNED if pinned else 0)
 
     def set_state(self, cell: int, state: int) -> None:
@@ -182,7 +187,7 @@ class SlotTable:
 
     def set_seq(self, cell: int, seq: int) -> None:
         mm, at = self.locate(cell)
-        SEQ.pack_into(mm, at + SEQ_AT, TAIL | (seq & (1 << 56) - 1) << 8)
+        SEQ.pack_into(mm, at + SEQ_AT, _tail_word(seq))
 
     def clear(self, cell: int, cells: int) -> None:
         """Free the record of ``cells`` cells at ``cell``: its state byte first, then its markers."""
