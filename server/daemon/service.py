@@ -500,14 +500,14 @@ class DaemonServer:
             msg.grant_id, tenant, keys, msg.offsets, msg.sizes, sock, time.monotonic()
         )
         try:
-            self._write_into_grant(msg, keys, refused, sock, request_id)
+            self._write_into_grant(msg, keys, refused, tenant, sock, request_id)
         finally:
             if grant is not None:
                 self.grants.end_write(grant, sock)
 
     def _write_into_grant(
-        self, msg: WriteGranted, keys: list[BlockKey], refused: list[KVStoreError | None], sock: socket.socket,
-        request_id: int,
+        self, msg: WriteGranted, keys: list[BlockKey], refused: list[KVStoreError | None], tenant: str | None,
+        sock: socket.socket, request_id: int,
     ) -> None:  # fmt: skip
         codes = [0] * len(keys)
         texts = [""] * len(keys)
@@ -536,7 +536,7 @@ class DaemonServer:
         verified = batch.verify([sums[i] for i in todo])
         # A tenant's puts are always visible: its quota and caps are checked at the commit, and a put
         # acknowledged before that could not be refused after without losing it.
-        if msg.cached and self.master is not None and self.gate.identity(sock).tenant is None:
+        if msg.cached and self.master is not None and tenant is None:
             self._acknowledge_cached(msg, keys, todo, batch, verified, codes, texts)
             send_message(sock, PutReply(codes, texts), request_id)
             return
