@@ -362,8 +362,13 @@ class MasterConfig(_Frozen):
         description="Mooncake's KV lease (--default-kv-lease-ttl): a key found by a get or an exists is neither"
         " evicted nor removed without force for this long; 0: off.",
     )
-    heartbeat_interval_ms: int = Field(default=500, gt=0, description="How often daemons heartbeat.")
-    node_ttl_ms: int = Field(default=3_000, gt=0, description="A node silent this long is marked down.")
+    heartbeat_interval_ms: int = Field(default=200, gt=0, description="How often daemons heartbeat.")
+    node_ttl_ms: int = Field(
+        default=1_000, gt=0,
+        description="A node silent this long is fenced: its daemon stopped serving (a lease of 0.9x this less "
+        "20 ms from its last answered heartbeat), so the master counts its drops done (a remove waits no longer) "
+        "and it comes back by registering again. A few heartbeats long.",
+    )  # fmt: skip
     command_timeout_ms: int = Field(default=10_000, gt=0, description="Bound on one command to a daemon.")
     idle_timeout_s: float = Field(default=600.0, gt=0, description="An idle client connection is closed after this.")
     tenant_max_sessions: int = Field(

@@ -32,7 +32,9 @@ def _master_arguments(p: argparse.ArgumentParser) -> None:
         "--default-kv-lease-ttl", "--default_kv_lease_ttl", dest="kv_lease_ms", type=int, default=None, metavar="MS",
         help="Mooncake's KV lease: a key read (get, exists) is not evicted or removed without force for this long",
     )  # fmt: skip
-    p.add_argument("--node-ttl-ms", type=int, default=None, help="mark a silent node down after this")
+    p.add_argument(
+        "--node-ttl-ms", type=int, default=None, help="fence a silent node after this (its daemon stops serving sooner)"
+    )
     p.add_argument("--heartbeat-ms", type=int, default=None, help="daemon heartbeat interval")
     p.add_argument("--admin-port", type=int, default=None, help="REST admin API, /metrics and dashboard port")
     p.add_argument("--etcd", default=None, metavar="H:2379[,H2:2379]", help="HA: elect a leader in this etcd")

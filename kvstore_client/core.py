@@ -234,10 +234,12 @@ class ClientCore:
         for attempt in range(self.config.put_retries + 1):
             if not todo:
                 break
-            retry = yield from self._put_round(items, todo, opts, statuses, unsure)
+            retry, unreached = yield from self._put_round(items, todo, opts, statuses, unsure)
             if not retry:
                 break
             if attempt == self.config.put_retries:
+                if unreached is not None:
+                    raise unreached
                 raise RetryLater(f"key {items[retry[0]][0]!r} stayed busy through {attempt} retries")
             yield Pause(min(0.01 * 2**attempt, 0.5))
             todo = retry
@@ -378,8 +380,9 @@ class ClientCore:
 
     def _put_round(
         self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None], unsure: list[int]
-    ) -> Op[list[int]]:
-        """One put_start/write/put_end round over ``todo``; returns the indexes to retry."""
+    ) -> Op[tuple[list[int], KVStoreError | None]]:
+        """One put_start/write/put_end round over ``todo``; returns the indexes to retry, and the
+        failure of a daemon that was not reached or did not answer, if one was."""
         keys: list[str] = [items[i][0] for i in todo]
         sizes = [items[i][1].nbytes for i in todo]
         start = PutStart(keys, sizes, opts.replicas or self.config.replicas, opts.preferred_node, opts.pin)
@@ -410,7 +413,7 @@ class ClientCore:
                 yield from call(PutRevoke([items[i][0] for i in plan.lost]), OkReply)
         if plan.failure is not None:
             raise plan.failure
-        return plan.retry + plan.lost
+        return plan.retry + plan.lost, plan.unreached
 
     # -- reads ---------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[Any], *, verify: bool) -> Op[list[bytes | None]]:

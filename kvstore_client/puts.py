@@ -33,6 +33,9 @@ _TWO_TRIP = frozenset({GrantExpired.code, RetryLater.code, ConnectionFailed.code
 """Codes of a one-trip put that send the block the two-trip way instead of failing the put (over its
 tenant's quota: that way the master evicts the tenant's own blocks for it, or refuses it)."""
 
+_AGAIN = frozenset({RetryLater.code, ConnectionFailed.code, Timeout.code})
+"""Codes of a two-trip write that put the block again (see :func:`take_write_codes`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class PutOptions:
@@ -88,6 +91,9 @@ class Placement:
     """Per daemon address, the blocks (by index) and the replica to write each into."""
     placed: dict[int, Place] = field(default_factory=dict)
     failure: KVStoreError | None = None
+    unreached: KVStoreError | None = None
+    """A daemon's failure to take writes that are put again (not reached, no answer): raised when the
+    retries run out."""
 
     def fail(self, error: KVStoreError) -> None:
         """Keep the first failure."""
@@ -120,14 +126,19 @@ def take_write_codes(
     codes: Sequence[tuple[int, str]], failed: set[int],
 ) -> None:  # fmt: skip
     """Note the blocks a daemon refused (into ``failed``, the first as the plan's failure). One
-    refused for RetryLater (another block, which the daemon is dropping, holds its key or extent)
-    is revoked and put again."""
+    refused for RetryLater (another block, which the daemon is dropping, holds its key or extent),
+    or whose daemon was not reached or did not answer (the master fences a silent node within its
+    TTL and places elsewhere), is revoked and put again."""
     for (i, _), (code, text) in zip(group, codes, strict=True):
         if code:
             failed.add(i)
-            if code == RetryLater.code:
+            if code in _AGAIN:
                 if i not in plan.retry:
                     plan.retry.append(i)
+                if code != RetryLater.code:
+                    plan.unreached = plan.unreached or error_from_code(
+                        code, f"writing {items[i][0]!r} to {address}: {text}"
+                    )
             else:
                 plan.fail(error_from_code(code, f"writing {items[i][0]!r} to {address}: {text}"))
 

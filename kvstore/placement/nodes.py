@@ -3,7 +3,13 @@
 A daemon's (re)registration replaces everything the table knew of that node by
 the daemon's inventory: the daemons are the source of truth, so a new master
 rebuilds the whole table from them. A node silent for longer than ``ttl_ms``
-is down: it keeps its replicas but serves none until it heartbeats again.
+is fenced: its daemon stopped serving by then (it serves only within a lease
+shorter than ``ttl_ms`` from its last answered heartbeat), so every drop it had
+not confirmed, and every one planned for it from then on, is done with at once
+(a remove waiting for it is answered, the key placeable again), each block noted
+in the node's ``gone``. Its other replicas stay, unread while it is down. The
+node comes back only by registering: its inventory adopted, less what ``gone``
+names.
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ class Membership:
         inventory = [
             i for i in inventory if 0 < i.size <= MAX_NODE_BYTES and 0 <= i.checksum < MAX_CHECKSUM and _is_key(i.key)
         ]  # fmt: skip
-        gone = self._dropping_on(node_id)
+        old = cat.nodes.get(node_id)
+        gone = self._dropping_on(node_id) | (old.gone if old is not None else set())
         commands = self._forget_node(node_id)
         capacity = dram_capacity - dram_capacity % alignment
         conflicts: dict[TierName, list[str]] = {DRAM: [], SSD: []}
@@ -246,9 +253,10 @@ class Membership:
         return self._forget_node(node_id)
 
     def heartbeat(self, node_id: str, now_ms: int) -> bool:
-        """Record that ``node_id`` is alive; False when the table does not know it (it must re-register)."""
+        """Record that ``node_id`` is alive; False when the table does not know it or fenced it (it
+        must register again: its inventory is what the table adopts)."""
         node = self.catalog.nodes.get(node_id)
-        if node is None:
+        if node is None or node.fenced:
             return False
         node.last_seen_ms = now_ms
         node.up = True
@@ -266,8 +274,50 @@ class Membership:
             node.ssd_capacity = capacity
         node.ssd_fault = fault
 
-    def mark_silent_down(self, now_ms: int) -> None:
-        """Nodes not heard from for longer than ``ttl_ms`` are down."""
+    def fence_silent(self, now_ms: int) -> None:
+        """Fence the nodes not heard from for longer than ``ttl_ms`` (see the module's text)."""
         for node in self.catalog.nodes.values():
-            if node.up and now_ms - node.last_seen_ms > self.ttl_ms:
-                node.up = False
+            if not node.fenced and now_ms - node.last_seen_ms > self.ttl_ms:
+                self.fence(node.node_id)
+
+    def postpone_fences(self, now_ms: int, by_ms: int) -> None:
+        """Give every node not fenced at least ``by_ms`` from ``now_ms`` before it is: after the
+        master itself stalled (it read no heartbeat meanwhile). Fencing later is always safe."""
+        floor = now_ms - self.ttl_ms + by_ms
+        for node in self.catalog.nodes.values():
+            if not node.fenced:
+                node.last_seen_ms = max(node.last_seen_ms, floor)
+
+    def fence(self, node_id: str) -> None:
+        """``node_id`` is down and fenced: only for a node whose daemon no longer serves (silent past
+        its lease). Its drops in flight are done with: their replicas forgotten, noted in
+        :attr:`NodeState.gone`; so are those of every command planned for it from now on
+        (:meth:`settle_fenced`). Its other replicas stay, unread while it is down, for its
+        registration to confirm."""
+        cat = self.catalog
+        node = cat.nodes[node_id]
+        node.up, node.fenced = False, True
+        rec = cat.rec
+        for slot in list(rec.index.values()):
+            row = rec.row_on(slot, node.idx)
+            key = rec.keys[slot]
+            if row >= 0 and key is not None and (rec.state[slot] & REMOVING or rec.r_status[row] == S_DROPPING):
+                node.gone.add((key, DRAM if rec.r_tier[row] == T_DRAM else SSD))
+                cat.drop_row(row)
+
+    def gone_with(self, command: NodeCommand) -> None:
+        """Note in its fenced node's :attr:`NodeState.gone` the blocks ``command`` drops or demotes
+        (a promotion is not made: the block stays where it is)."""
+        cat = self.catalog
+        node = cat.nodes.get(command.node_id)
+        if node is None or node.gen != command.node_gen or command.kind is ActionKind.PROMOTE:
+            return
+        gens = command.gens or (0,) * len(command.keys)
+        for key, gen in zip(command.keys, gens, strict=True):
+            found = cat.replica(key, node.node_id, gen) if gen else None
+            if found is not None:
+                node.gone.add((key, found[1].tier))
+            elif command.tier_only:
+                node.gone.add((key, command.tier))
+            else:
+                node.gone.update(((key, DRAM), (key, SSD)))

@@ -72,6 +72,13 @@ class NodeState:
     """DRAM extents of dropped blocks (a remove) that readers still hold leases on: a same-host
     reader copies straight from the arena, so the extent is not handed out again until no lease
     covers the block there (see :meth:`Catalog.free_parked`)."""
+    fenced: bool = False
+    """Silent past the node TTL: its daemon stopped serving (its serve lease is shorter), and the
+    commands for it are carried out without it; it comes back only by registering again (its
+    heartbeats are refused). See :mod:`kvstore.placement.nodes`."""
+    gone: set[tuple[str, TierName]] = field(default_factory=set)
+    """(key, tier) of the blocks the table gave up on this node (a removed key, an evicted copy)
+    while it was fenced, without its daemon's word: its registration drops them, never adopts them."""
     gen: int = field(default_factory=new_generation)
     """This registration's number: answers to commands planned before the node re-registered are
     void (its inventory replaced what they were planned on)."""

@@ -163,9 +163,12 @@ class PlacementTable:
     def is_draining(self, node_id: str) -> bool:
         return node_id in self._catalog.draining
 
+    def postpone_fences(self, now_ms: int, by_ms: int) -> None:
+        self._membership.postpone_fences(now_ms, by_ms)
+
     def expire(self, now_ms: int) -> list[NodeCommand]:
-        """Mark silent nodes down, end expired leases and reservations; returns the drops and promotions due."""
-        self._membership.mark_silent_down(now_ms)
+        """Fence silent nodes, end expired leases and reservations; returns the drops and promotions due."""
+        self._membership.fence_silent(now_ms)
         self.leases.expire(now_ms)
         self._catalog.free_parked()
         return self._writes.expire_reservations(now_ms) + self._tiering.plan_promotions()
@@ -256,6 +259,13 @@ class PlacementTable:
     # -- daemons' answers ----------------------------------------------------------------------
     def apply(self, command: NodeCommand, done: Sequence[bool]) -> None:
         self._tiering.apply(command, done)
+
+    def settle_fenced(self, command: NodeCommand) -> None:
+        """Carry out ``command`` for a fenced node without its daemon (it serves nothing until it
+        registers again, and its registration drops what is noted here): a drop or demotion as
+        made, the block noted to drop then; a promotion as not made."""
+        self._membership.gone_with(command)
+        self._tiering.apply(command, [False] * len(command.keys))
 
     # -- operators: evictions, drains, replication ---------------------------------------------
     def evict_keys(

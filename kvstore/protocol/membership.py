@@ -65,10 +65,17 @@ class RegisterNode(Message, tag=10, frozen=True):
 class RegisterReply(Message, tag=11, frozen=True):
     heartbeat_interval_ms: int
     node_ttl_ms: int
+    """The master fences a node silent this long (see kvstore.placement.nodes): its daemon serves by
+    key only within a lease shorter than this from the sending of its last answered heartbeat."""
     epoch: int
     """The master's leadership epoch (the revision of its etcd leader key; 0 without etcd). The
     daemon refuses commands from masters of an older epoch (see MasterHello)."""
     peers: list[str]
+    drops: list[str] = []
+    """Blocks of the inventory the master did not adopt (a removed key, a copy another node holds
+    with other bytes), each with its tier in ``drop_tiers``: the daemon drops them before it serves."""
+    drop_tiers: list[str] = []
+    """Per block of ``drops``: "dram" or "ssd" (that copy only), "" (wherever it is)."""
 
 
 class Heartbeat(Message, tag=12, frozen=True):

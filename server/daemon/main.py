@@ -131,6 +131,7 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
         supervisor=server.supervisor,
     )
     server.master = link
+    storage.serving = link.serving  # fenced while the master may count its drops done (see MasterLink.serving)
     # Before the link starts: a port it cannot have stops it before it registers.
     metrics = None
     if config.metrics_port is not None:

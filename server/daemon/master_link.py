@@ -24,7 +24,7 @@ from contextlib import AbstractContextManager
 
 from kvstore.auth import Credential
 from kvstore.errors import KVStoreError, ProtocolError
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, validate_key
 from kvstore.protocol import (
     AccessReport,
     CheckBlocksReply,
@@ -104,6 +104,9 @@ class MasterLink:
         self._interval = 1.0
         self.last_answer: float | None = None
         """When (time.monotonic()) the master last answered a registration or a heartbeat."""
+        self._lease_s = 0.0
+        self._serve_until = 0.0
+        """Until when (time.monotonic()) this node may serve blocks by key (:meth:`serving`)."""
         self.registrations = 0
         """Registrations a master answered: the first, then one after each failed heartbeat or
         registration (a master restarted, failed over or was cut off) or a master that forgot the node."""
@@ -123,6 +126,18 @@ class MasterLink:
         self._reporter.start()
         if self._orphans is not None:
             self._checker.start()
+
+    def serving(self) -> bool:
+        """Whether this node may serve blocks by key now: registered, with the blocks its registration
+        did not get adopted dropped, and within its lease: a fraction of the master's node TTL from
+        the sending of its last heartbeat (or registration) the master answered as known. The master
+        fences a node silent for the whole TTL, counting the drops it sent there as done (a removed
+        key placeable again at once), so by then this node must serve none of them: it stops
+        first, and serves again only once registered anew (its registration drops them)."""
+        return time.monotonic() < self._serve_until
+
+    def _renew(self, sent: float) -> None:
+        self._serve_until = max(self._serve_until, sent + self._lease_s)
 
     def _check_loop(self) -> None:
         orphans = self._orphans
@@ -176,7 +191,16 @@ class MasterLink:
                 list(self.rails or [self.address]), topology.host_id(), str(arena.path), os.stat(arena.path).st_ino,
                 topology.local_nics(), topology.has_rdma(), self.ucx_address, arena.max_slots, self.peers,
             )  # fmt: skip
+            sent = time.monotonic()
             reply = self._conn.call(message, RegisterReply)
+            if len(reply.drops) != len(reply.drop_tiers) or not set(reply.drop_tiers) <= {"", "dram", "ssd"}:
+                raise ProtocolError(
+                    f"a registration's answer names {len(reply.drops)} drops, tiers {reply.drop_tiers!r:.80}"
+                )
+            self.storage.drop_unadopted([validate_key(k) for k in reply.drops], reply.drop_tiers)
+        # A margin of a tenth (and 20 ms) for the two clocks' rates and the master's tick.
+        self._lease_s = max(reply.node_ttl_ms * 0.9 - 20, 0) / 1000
+        self._renew(sent)
         self.peers = reply.peers
         if self._on_epoch is not None:
             self._on_epoch(reply.epoch)
@@ -201,9 +225,11 @@ class MasterLink:
                     capacity, configured, fault = self.storage.ssd_health()
                     refused = self._refusals() if self._refusals is not None else {}
                     beat = Heartbeat(self.node_id, stats, capacity, configured, fault, refused)
+                    sent = time.monotonic()
                     reply = self._conn.call(beat, HeartbeatReply)
                     known = reply.known
                     if known:
+                        self._renew(sent)
                         self.peers = reply.peers
                 self.last_answer = time.monotonic()
 

@@ -25,6 +25,7 @@ from kvstore.errors import (
     AuthFailed,
     ConnectionFailed,
     CorruptBlock,
+    GrantExpired,
     InvalidArgument,
     KVStoreError,
     NotLeader,
@@ -63,7 +64,7 @@ from kvstore.protocol import (
 from kvstore.ratelog import RateLimitedLog
 from server.daemon.commits import Committer, Refused
 from server.daemon.gate import Gate
-from server.daemon.grants import Grants
+from server.daemon.grants import Grant, Grants
 from server.daemon.master_link import MasterLink
 from server.daemon.orphans import Orphans
 from server.daemon.receivers import Receivers
@@ -496,9 +497,14 @@ class DaemonServer:
             raise ConnectionFailed("WriteGranted with mismatched or non-positive sizes")  # payload unknowable
         keys = self._keys(msg.keys)
         tenant = self.gate.identity(sock).tenant
-        grant, refused = self.grants.begin_write(
-            msg.grant_id, tenant, keys, msg.offsets, msg.sizes, sock, time.monotonic()
-        )
+        grant: Grant | None = None
+        refused: list[KVStoreError | None]
+        if self.master is None or self.master.serving():
+            grant, refused = self.grants.begin_write(
+                msg.grant_id, tenant, keys, msg.offsets, msg.sizes, sock, time.monotonic()
+            )
+        else:  # fenced: the master forgot this node's grants (a cached put's block would be dropped after its answer)
+            refused = [GrantExpired("this node is fenced from the master; its grants ended")] * n
         try:
             self._write_into_grant(msg, keys, refused, tenant, sock, request_id)
         finally:

@@ -196,6 +196,10 @@ NO_TARGET = memoryview(b"")
 """The target of a block whose bytes are not kept (refused, or stored already): received into scratch."""
 
 
+def _always() -> bool:
+    return True
+
+
 class DaemonStorage:
     def __init__(self, dram: DramConfig, ssd: SsdConfig) -> None:
         self.engine = TierEngine(dram, ssd, managed=False)
@@ -212,6 +216,9 @@ class DaemonStorage:
         self._watch: set[BlockKey] | None = None
         """While an orphan check is in flight: the keys whose writes began meanwhile (not its to drop)."""
         self._registering = False
+        self.serving: Callable[[], bool] = _always
+        """Whether blocks may be served by key now (the master link's serve lease, see
+        :meth:`server.daemon.master_link.MasterLink.serving`): reads find nothing while it is False."""
 
     def ssd_health(self) -> tuple[int, int, str]:
         """The SSD tier's capacity now (checked against its disk's free space), its configured one and
@@ -238,6 +245,13 @@ class DaemonStorage:
         finally:
             with self.lock.exclusive():
                 self._registering = False
+
+    def drop_unadopted(self, keys: Sequence[BlockKey], tiers: Sequence[str]) -> None:
+        """Drop the blocks a registration's answer names (the master did not adopt them; per key its
+        tier, or "" for wherever it is), within that registration: before this node serves again."""
+        with self.lock.exclusive():
+            for tier in sorted(set(tiers)):
+                self.engine.drop([k for k, t in zip(keys, tiers, strict=True) if t == tier], tier)
 
     def _refuse_while_registering(self) -> None:
         """Under the lock: NotReady while a registration is under way (see :meth:`registering`)."""
@@ -465,6 +479,13 @@ class DaemonStorage:
         ``checksums``, when given, is filled with each block's checksum (0 for those not held);
         ``tiers`` with the tier each was read from ("dram", "ssd", or "" for those not held)."""
         arena = self.arena
+        if not self.serving():  # fenced: the master may have counted a drop here as done
+            if checksums is not None:
+                checksums[:] = [0] * len(keys)
+            if tiers is not None:
+                tiers[:] = [""] * len(keys)
+            yield [None] * len(keys)
+            return
         with self.lock.shared():
             views: list[memoryview | None] = [None] * len(keys)
             on_ssd: list[int] = []

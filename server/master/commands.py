@@ -92,9 +92,10 @@ class Commands:
         must end after it (:meth:`seal_end`)."""
         self.retry: list[NodeCommand] = []
         """Commands a daemon did not answer: sent again at the next tick while their node is up."""
-        self.dropping: Counter[str] = Counter()
-        """Keys with a drop on its way to a daemon, or waiting to be sent again: until it is made, a
-        reader that goes to the daemon directly may still find the block (a remove waits for them)."""
+        self._dropping: dict[tuple[str, int], Counter[str]] = {}
+        """Per node registration (id, gen), the keys with a drop on its way to its daemon, or waiting
+        to be sent again: until it is made, a reader that goes to the daemon directly may still find
+        the block (a remove waits for them; see :meth:`dropping`)."""
         self.room = Room()
         self._failures = RateLimitedLog(log)
         """Failures that repeat every tick (a command a daemon keeps refusing): a line a minute each."""
@@ -154,14 +155,28 @@ class Commands:
         return max(now_wall_ms + self.reservation_ms, self.void_until_ms + 1)
 
     def _track(self, commands: Iterable[NodeCommand], sign: int) -> None:
-        """Count the drops of ``commands`` in (1) or out (-1) of :attr:`dropping`."""
-        dropping = self.dropping
+        """Count the drops of ``commands`` in (1) or out (-1) of those under way (:meth:`dropping`)."""
         for c in commands:
             if c.kind is ActionKind.DROP:
+                dropping = self._dropping.setdefault((c.node_id, c.node_gen), Counter())
                 for key in c.keys:
                     dropping[key] += sign
                     if dropping[key] <= 0:
                         del dropping[key]
+                if not dropping:
+                    del self._dropping[c.node_id, c.node_gen]
+
+    def dropping(self, keys: Iterable[str]) -> set[str]:
+        """Of ``keys``, those with a drop under way to a node that may still serve them: one of its
+        registration now, not fenced. (A fenced node's daemon serves nothing until it registers
+        again, and its registration drops what it had not; a node registered anew was told in its
+        registration's answer.)"""
+        nodes = self.nodes.table.nodes
+        live = [
+            counter for (node_id, gen), counter in self._dropping.items()
+            if (node := nodes.get(node_id)) is not None and node.gen == gen and not node.fenced
+        ]  # fmt: skip
+        return {k for k in keys if any(k in counter for counter in live)} if live else set()
 
     async def run(self, commands: list[NodeCommand], table: PlacementTable | None = None) -> bool:
         """Send commands (each node's in order, nodes in parallel) and apply the answers; whether
@@ -182,7 +197,14 @@ class Commands:
             for i, command in enumerate(commands):
                 if not self.current(table):
                     return True  # void: another term's table (nothing to retry)
-                if command.node_id not in table.nodes:
+                node = table.nodes.get(command.node_id)
+                if node is None:
+                    continue
+                if node.fenced:  # its daemon serves nothing until it registers, which drops these
+                    table.settle_fenced(command)
+                    self._track(commands[done : i + 1], -1)
+                    done = i + 1
+                    self.room.freed()
                     continue
                 try:
                     reply = await self.call(command.node_id, Lane.BLOCKS, _message(command), CommandReply)

@@ -32,7 +32,7 @@ from kvstore.placement.leases import LeaseId
 from kvstore.placement.results import Ticket
 from kvstore.placement.state import Grant, Move, charged
 from kvstore.placement.table import PlacementTable
-from kvstore.policy import TierName
+from kvstore.policy import ActionKind, TierName
 from kvstore.protocol import (
     AccessReport,
     CheckBlocks,
@@ -143,11 +143,18 @@ class MasterCore:
     async def register(self, m: RegisterNode, caller: Identity = ANYONE) -> Message:
         commands = self.nodes.register(m, now_ms())
         self.commands.forget(m.node_id)  # the inventory superseded them
+        # Sent as well, for the table's accounts (an extent freed on the answer); made before the daemon serves.
+        own = [c for c in commands if c.node_id == m.node_id and c.kind is ActionKind.DROP]
         self.commands.later(commands, "register-drops")
         self.leadership.expect(m.peers)
         log.info("node %s registered at %s with %d blocks", m.node_id, m.address, len(m.inventory))
         return RegisterReply(
-            self.config.heartbeat_interval_ms, self.config.node_ttl_ms, self.leadership.epoch, self._peers()
+            self.config.heartbeat_interval_ms,
+            self.config.node_ttl_ms,
+            self.leadership.epoch,
+            self._peers(),
+            [k for c in own for k in c.keys],
+            [c.tier.value if c.tier_only else "" for c in own for _ in c.keys],
         )
 
     async def leave(self, m: LeaveNode, caller: Identity = ANYONE) -> Message:
@@ -486,8 +493,10 @@ class MasterCore:
     async def remove(self, m: Remove, caller: Identity = ANYONE) -> Message:
         """Answered once the daemons dropped the blocks, this remove's and those of earlier removes of
         the same keys still under way: a reader that goes straight to a daemon (no lease, no master)
-        must find nothing after remove returns. A daemon that does not answer gets its drop retried,
-        and the remove is answered Timeout (unsure: the drop is made once the daemon answers)."""
+        must find nothing after remove returns. A daemon that does not answer gets its drop retried
+        until its node is fenced (silent for the node TTL: it serves nothing from then until its
+        registration, which drops the block), which ends the wait; one that keeps answering but not
+        the drop makes the remove answer Timeout after the command timeout (unsure: retried)."""
         keys, held = m.keys, []
         if not m.force and self.table.hold_ms:
             held = self.table.held(keys, now_ms())
@@ -495,15 +504,16 @@ class MasterCore:
                 skip = set(held)
                 keys = [k for i, k in enumerate(keys) if i not in skip]
         removed, commands = self.table.remove(keys)
-        confirmed = await self.commands.run(commands)
-        # Keys an earlier remove took out whose drops are unconfirmed: this answer waits for them too
-        # (a reader that goes to the daemon directly finds the block until its drop is made).
-        pending = self._dropping(keys) if confirmed else []
+        self.commands.later(commands, "remove-drops")
+        # This remove's drops and those of earlier removes of the same keys still unconfirmed (a reader
+        # that goes to the daemon directly finds the block until its drop is made), each until its
+        # daemon confirms it or its node is fenced (it serves nothing then: see PlacementTable.expire).
+        pending = self._dropping(keys)
         deadline = time.monotonic() + self.nodes.command_timeout_s
         while pending and time.monotonic() < deadline:
             await self.commands.room.wait(deadline - time.monotonic())
             pending = self._dropping(pending)
-        if not confirmed or pending:
+        if pending:
             # The blocks are out of the table, but a daemon that did not confirm may still serve
             # them to a reader that goes to it directly: say so (the drop is retried until done).
             raise Timeout("a node holding removed blocks did not confirm dropping them yet; they are retried")
@@ -512,7 +522,7 @@ class MasterCore:
     def _dropping(self, keys: list[str]) -> list[str]:
         """Of ``keys``, those being removed or with a drop on its way (one a node's registration asked
         for, of a key the table has forgotten since, included)."""
-        dropping = self.commands.dropping
+        dropping = self.commands.dropping(keys)
         removing = set(self.table.removing(keys))
         return [k for k in keys if k in removing or k in dropping]
 

@@ -262,10 +262,18 @@ class MasterService:
             self.stalls.record(time.monotonic() - began - period)
 
     async def _tick_forever(self) -> None:
+        period = self.config.tick_ms / 1000
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.config.tick_ms / 1000)
+            await asyncio.sleep(period)
             try:
                 self.rpc.answers.prune()  # first: no failure below keeps a reply past its time
+                now = time.monotonic()
+                if now - last > period + self.config.node_ttl_ms / 4000:
+                    # This master stalled (a pause, an overload): the heartbeats it did not read are no
+                    # daemon's silence. Fence none before they had time to be read.
+                    self.table.postpone_fences(now_ms(), self.config.node_ttl_ms // 2)
+                last = now
                 self.commands.tick(self.table, now_ms())
                 self.evictions.add(self.table.take_evictions(), time.time())
                 for link in self.nodes.take_stale():

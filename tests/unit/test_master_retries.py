@@ -149,11 +149,11 @@ async def test_a_remove_after_a_registration_waits_for_the_drops_it_asked_for() 
         "n0", "127.0.0.1:40000", 64 * KB, 0, 64, [InventoryItem("k", "dram", replica["offset"], KB, 7)], [],
         "host", "", 0, [Nic("lo", "127.0.0.1", -1, -1)], False, "", 0, [],
     ))  # fmt: skip
-    assert service.table.removing(["k"]) == [] and "k" in service.commands.dropping  # forgotten, being dropped
+    assert service.table.removing(["k"]) == [] and service.commands.dropping(["k"]) == {"k"}  # forgotten, being dropped
     again = asyncio.create_task(service.core.remove(Remove(["k"])))
     await asyncio.sleep(0.1)
     assert not again.done()
     release.set()
     assert await again == RemoveReply(0, [])
-    assert not service.commands.dropping
+    assert not service.commands.dropping(["k"])
     await service.stop()

@@ -115,18 +115,57 @@ def test_a_late_release_ends_no_other_readers_lease() -> None:
     assert count == 1
 
 
-def test_down_nodes_serve_nothing_until_they_heartbeat() -> None:
+def test_silent_nodes_are_fenced_until_they_register_again() -> None:
     t = table("a", "b", node_ttl_ms=1000)
     put(t, "k", node="a")
     assert t.heartbeat("b", 900)
     t.expire(1500)
-    assert [n.node_id for n in t.up_nodes()] == ["b"]
+    assert [n.node_id for n in t.up_nodes()] == ["b"] and t.nodes["a"].fenced
     assert located(t.get_replicas(["k"], 1500), ["k"]) == [None] and t.match_prefix(["k"]) == 0
     [ticket] = put(t, "k2", node="a", now=1500)
     assert ticket is not None and ticket.replicas[0].node_id == "b"
-    assert t.heartbeat("a", 1600)
-    assert t.match_prefix(["k", "k2"]) == 2
+    # Its daemon stopped serving within its lease: a heartbeat does not bring it back, a registration does.
+    assert not t.heartbeat("a", 1600) and not t.nodes["a"].up
+    assert t.register_node("a", "a:1", 4 * KB, 0, 64, [HeldBlock("k", DRAM, 0, KB, 7)], 1600) == []
+    assert t.match_prefix(["k", "k2"]) == 2 and t.heartbeat("a", 1700)
     assert not t.heartbeat("ghost", 1600)
+    t.check()
+
+
+def test_a_master_that_stalled_postpones_its_fences() -> None:
+    """Heartbeats a stalled master did not read are no node's silence: each node gets time to be heard."""
+    t = table("a", node_ttl_ms=1000)
+    t.postpone_fences(900, 500)  # as if the master's loop stood still from 0 to 900
+    t.expire(1300)
+    assert t.nodes["a"].up
+    t.expire(1401)
+    assert t.nodes["a"].fenced
+
+
+def test_a_remove_waiting_for_a_silent_node_ends_when_it_is_fenced() -> None:
+    """A remove whose drop a node never confirmed (it died) is done once the node is fenced, and so is
+    a remove after that: the key is placeable again at once, and the node's registration drops its
+    copies instead of adopting them (a removed key never comes back)."""
+    t = table("a", "b", node_ttl_ms=1000)
+    put(t, "k", "j", node="a", replicas=2)
+    removed, commands = t.remove(["k"])
+    assert removed == 1 and sorted(c.node_id for c in commands) == ["a", "b"]
+    run(t, [c for c in commands if c.node_id == "b"])
+    assert t.removing(["k"]) == ["k"]  # a's copy may still be served
+    t.heartbeat("b", 1500)
+    t.expire(1500)
+    assert t.removing(["k"]) == [] and t.nodes["a"].gone == {("k", DRAM)}
+    removed, commands = t.remove(["j"])  # a is fenced: its drop is settled without it
+    for c in commands:
+        t.settle_fenced(c) if c.node_id == "a" else run(t, [c])
+    assert removed == 1 and t.removing(["j"]) == [] and t.nodes["a"].gone == {("k", DRAM), ("j", DRAM)}
+    put(t, "k", node="b", now=1500)  # placeable again: other bytes, say
+    inventory = [HeldBlock("k", DRAM, 0, KB, 7), HeldBlock("j", DRAM, KB, KB, 7)]
+    [drop] = t.register_node("a", "a:1", 4 * KB, 0, 64, inventory, 1600)
+    assert (drop.node_id, drop.kind, sorted(drop.keys)) == ("a", ActionKind.DROP, ["j", "k"])
+    assert [r["node_id"] for r in t.describe("k")["replicas"]] == ["b"]  # type: ignore[index]
+    assert t.exists(["j"]) == [False] and not t.nodes["a"].gone
+    run(t, [drop])
 
 
 def test_puts_refused_for_room_held_by_pins_or_leases_are_counted() -> None:

@@ -66,9 +66,11 @@ def test_heartbeats_keep_transfer_figures_and_tell_unknown_nodes_to_register() -
     assert nodes.heartbeat("n0", {"tcp|a|out": 5}, now_ms=1)
     view = nodes.view("n0")
     assert view is not None and dict(view.transfer_bytes) == {"tcp|a|out": 5}
-    nodes.table.expire(100)  # silent past its TTL: down, still listed
+    nodes.table.expire(100)  # silent past its TTL: fenced, still listed, down until it registers again
     assert [i.up for i in nodes.infos()] == [False]
-    assert nodes.heartbeat("n0", {}, now_ms=101) and [i.up for i in nodes.infos()] == [True]
+    assert not nodes.heartbeat("n0", {}, now_ms=101) and [i.up for i in nodes.infos()] == [False]
+    nodes.register(_register("n0", "127.0.0.1:1"), now_ms=102)
+    assert nodes.heartbeat("n0", {}, now_ms=103) and [i.up for i in nodes.infos()] == [True]
 
 
 def test_a_link_follows_the_nodes_address_and_carries_the_epoch() -> None:
