@@ -569,6 +569,12 @@ class ClientConfig(_Frozen):
     timeout_s: float = Field(default=10.0, gt=0, description="Bound on each network wait.")
     connections_per_daemon: int = Field(default=4, ge=1, le=64, description="Pooled data connections per node.")
     replicas: int = Field(default=1, ge=1, le=16, description="Default replicas of a put.")
+    failover_ms: int = Field(
+        default=100, ge=0,
+        description="A read from a replica that has not begun answering within this goes to the block's next "
+        "replica (the first is given up), as does a read by a remembered location (it asks the master then); "
+        "a read with no other replica waits up to timeout_s. 0: every read waits up to timeout_s.",
+    )  # fmt: skip
     put_retries: int = Field(default=20, ge=0, description="Retries of a put that the master asked to wait.")
     transport: Literal["auto", "tcp", "ucx"] = Field(
         default="auto",

@@ -175,7 +175,7 @@ class AsyncStore:
             return await self._read_direct(job)
         link = self._link(job.address)
         if isinstance(job, ReadLocated):
-            reply, data = await link.request(read_message(job.blocks), ReadReply)
+            reply, data = await link.request(read_message(job.blocks), ReadReply, patience=job.patience_s)
             targets = [view[: loc.size] for loc, _, view in job.blocks]
             return [size if size == loc.size else None for size, (loc, _, _) in  # another size: a stale copy
                     zip(_unpack(reply, data, targets, job), job.blocks, strict=True)]  # fmt: skip
@@ -197,7 +197,7 @@ class AsyncStore:
     async def _read_direct(self, job: ReadDirect) -> tuple[list[Direct | None], list[Any]]:
         batcher = self._readers.get(job.address)
         if batcher is None:
-            batcher = self._readers[job.address] = ReadBatcher(self._link(job.address))
+            batcher = self._readers[job.address] = ReadBatcher(self._link(job.address), job.patience_s)
         answers: list[Any]
         if len(job.keys) == 1:
             answers = [await batcher.read(job.keys[0])]  # its failure is the job's, raised as below

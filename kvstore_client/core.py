@@ -493,9 +493,10 @@ class ClientCore:
                 per_node.setdefault(place, []).append(i)
         if not per_node:
             return list(range(len(keys)))
+        patience = self.config.failover_ms / 1000  # a node that does not answer: the master's way instead
         jobs = [
             ReadDirect(node_id, address, [keys[i] for i in idx],
-                       [views[i] for i in idx] if views is not None else [None] * len(idx), exact_size)
+                       [views[i] for i in idx] if views is not None else [None] * len(idx), exact_size, patience)
             for (node_id, address), idx in per_node.items()
         ]  # fmt: skip
         missed: list[str] = []
@@ -537,12 +538,16 @@ class ClientCore:
         """Read located blocks, each from its replicas in turn; returns the node each was read from."""
         plan = Failover({i: loc for i, (loc, _) in blocks.items()})
         where: dict[int, tuple[str, str]] = {}
+        patience = self.config.failover_ms / 1000
         while plan:
             rounds = plan.round()
+            # A node that does not begin answering within the patience is given up for the next
+            # replicas, where every block it was asked for has one (a dead, frozen or cut-off node).
             jobs = [
-                ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group])
+                ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group],
+                            patience if all(plan.has_next(i) for i, _ in group) else 0.0)
                 for (node_id, address), group in rounds.items()
-            ]
+            ]  # fmt: skip
             for (place, group), outcome in zip(rounds.items(), (yield from daemons(jobs)), strict=True):
 
                 def hit(i: int, size: object, place: tuple[str, str] = place) -> bool:

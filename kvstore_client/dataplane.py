@@ -62,31 +62,34 @@ class DataPath:
         self.address = address
         self.pool = pool
 
-    def read(self, blocks: Sequence[Located]) -> list[int | None]:
+    def read(self, blocks: Sequence[Located], patience_s: float = 0.0) -> list[int | None]:
         """Read located blocks into their buffers; per block its size, None for a miss (a block of
-        another size than the master described is a stale copy: a miss)."""
+        another size than the master described is a stale copy: a miss). ``patience_s``: a Timeout
+        when the daemon has not begun answering within it (0: the pool's timeout); the paths that
+        do not go through the daemon's socket (shared memory, UCX, rails) wait their own way."""
         message = read_message(blocks)
         targets = [view[: loc.size] for loc, _, view in blocks]
         conn = self.pool.acquire()
         try:
-            with conn.exchange(message) as (reply, sock):
+            with conn.exchange(message, patience=patience_s) as (reply, sock):
                 got = recv_read_reply(reply, sock, targets, f"ReadBlocks from {self.address}")
         finally:
             self.pool.release(conn)
         return [loc.size if ok else None for ok, (loc, _, _) in zip(got, blocks, strict=True)]
 
     def read_direct(
-        self, keys: Sequence[str], views: Sequence[memoryview | None], exact_size: bool = False
-    ) -> tuple[list[Direct | None], list[bytearray | None]]:
+        self, keys: Sequence[str], views: Sequence[memoryview | None], exact_size: bool = False,
+        patience_s: float = 0.0,
+    ) -> tuple[list[Direct | None], list[bytearray | None]]:  # fmt: skip
         """Read blocks by key alone, in one round trip: per key its (size, checksum) or None for a
         miss; a None view gets a new buffer (returned beside). A block larger than its view, or of
-        another size with ``exact_size``, is skipped as a miss."""
+        another size with ``exact_size``, is skipped as a miss. ``patience_s``: as in :meth:`read`."""
         message = read_by_key_message(keys)
         out: list[Direct | None] = [None] * len(keys)
         made: list[bytearray | None] = [None] * len(keys)
         conn = self.pool.acquire()
         try:
-            with conn.exchange(message) as (reply, sock):
+            with conn.exchange(message, patience=patience_s) as (reply, sock):
                 if not isinstance(reply, ReadReply) or not len(reply.sizes) == len(reply.checksums) == len(keys):
                     raise ProtocolError(f"{self.address} sent a malformed reply to ReadBlocks")
                 targets: list[memoryview | int] = []
@@ -149,12 +152,12 @@ class ShmPath(DataPath):
         self.shm = shm
         self.arena = arena
 
-    def read(self, blocks: Sequence[Located]) -> list[int | None]:
+    def read(self, blocks: Sequence[Located], patience_s: float = 0.0) -> list[int | None]:
         dram = [(loc, r, v) for loc, r, v in blocks if r.tier == "dram"]
         if dram:
             self.shm.read_many([(self.arena, r.offset, loc.size, v) for loc, r, v in dram])
         ssd = [(loc, r, v) for loc, r, v in blocks if r.tier != "dram"]
-        from_ssd = iter(super().read(ssd) if ssd else [])
+        from_ssd = iter(super().read(ssd, patience_s) if ssd else [])
         return [loc.size if r.tier == "dram" else next(from_ssd) for loc, r, _ in blocks]
 
     def read_ranges(self, blocks: Sequence[Located], start: int, length: int) -> list[bool]:
@@ -183,7 +186,7 @@ class UcxPath(DataPath):
         self.client = client
         self.ucx_address = ucx_address
 
-    def read(self, blocks: Sequence[Located]) -> list[int | None]:
+    def read(self, blocks: Sequence[Located], patience_s: float = 0.0) -> list[int | None]:
         return self.client.read(
             self.ucx_address, [loc.key for loc, _, _ in blocks], [loc.size for loc, _, _ in blocks],
             [view for _, _, view in blocks],
@@ -204,7 +207,7 @@ class RailPath(DataPath):
         super().__init__(node_id, address, pool)
         self.railset = railset
 
-    def read(self, blocks: Sequence[Located]) -> list[int | None]:
+    def read(self, blocks: Sequence[Located], patience_s: float = 0.0) -> list[int | None]:
         return self.railset.read(
             [loc.key for loc, _, _ in blocks], [loc.size for loc, _, _ in blocks],
             [loc.checksum for loc, _, _ in blocks], [view for _, _, view in blocks],
@@ -310,9 +313,9 @@ class PathSelector:
         """Carry out one daemon job of the client core (see :mod:`kvstore_client.effects`)."""
         path = self.path(job.node_id, job.address)
         if isinstance(job, ReadLocated):
-            return path.read(job.blocks)
+            return path.read(job.blocks, job.patience_s)
         if isinstance(job, ReadDirect):
-            return path.read_direct(job.keys, job.views, job.exact_size)
+            return path.read_direct(job.keys, job.views, job.exact_size, job.patience_s)
         if isinstance(job, ReadRanges):
             return path.read_ranges(job.blocks, job.start, job.length)
         if isinstance(job, WriteReserved):

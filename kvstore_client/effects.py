@@ -83,6 +83,9 @@ class ReadLocated:
     node_id: str
     address: str
     blocks: list[Located]
+    patience_s: float = 0.0
+    """Give the read up (a Timeout) when the daemon has not begun answering within this: every
+    block has another replica to go to. 0: the client's timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,8 @@ class ReadDirect:
     keys: list[str]
     views: Sequence[memoryview | None]
     exact_size: bool
+    patience_s: float = 0.0
+    """As :attr:`ReadLocated.patience_s` (the master's way is the fallback)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,9 +115,13 @@ class AsyncLink:
         return next(self._ids)
 
     async def request(
-        self, message: Message, expect: type[R], payload: Sequence[memoryview | bytes] = (), request_id: int = 0
-    ) -> tuple[R, bytes]:
-        """One request and its reply; a retry passes the first attempt's ``request_id``."""
+        self, message: Message, expect: type[R], payload: Sequence[memoryview | bytes] = (), request_id: int = 0,
+        patience: float = 0.0,
+    ) -> tuple[R, bytes]:  # fmt: skip
+        """One request and its reply; a retry passes the first attempt's ``request_id``. ``patience``:
+        give this request up (a Timeout) when its reply has not come within it, leaving the
+        connection and the other requests on it be (a reply that comes later is read and dropped);
+        0: the link's timeout, which fails them all."""
         writer = self._writer or await self._connect()
         request_id = request_id or next(self._ids)
         future: asyncio.Future[tuple[Message, bytes]] = asyncio.get_running_loop().create_future()
@@ -131,8 +135,10 @@ class AsyncLink:
         try:
             if writer.transport.get_write_buffer_size() > 1 << 20:
                 await asyncio.wait_for(writer.drain(), self.timeout)
-            reply, data = await asyncio.wait_for(future, self.timeout)
+            reply, data = await asyncio.wait_for(future, patience or self.timeout)
         except TimeoutError:
+            if patience:
+                raise Timeout(f"{what}: no reply within {patience} s") from None
             self._fail_all(Timeout(f"{what}: no reply within {self.timeout} s"))
             raise Timeout(f"{what}: no reply within {self.timeout} s") from None
         except (OSError, ConnectionError) as exc:
@@ -157,8 +163,10 @@ class AsyncLink:
 class ReadBatcher:
     """Gets of one node issued in the same turn of the event loop, sent as one ReadBlocks by key."""
 
-    def __init__(self, link: AsyncLink) -> None:
+    def __init__(self, link: AsyncLink, patience: float = 0.0) -> None:
+        """``patience``: as :meth:`AsyncLink.request`'s, for each batch."""
         self.link = link
+        self.patience = patience
         self._pending: list[tuple[str, asyncio.Future[tuple[int, int, memoryview] | None]]] = []
 
     def read(self, key: str) -> asyncio.Future[tuple[int, int, memoryview] | None]:
@@ -177,7 +185,7 @@ class ReadBatcher:
     async def _send(self, batch: list[tuple[str, asyncio.Future[tuple[int, int, memoryview] | None]]]) -> None:
         keys = [k for k, _ in batch]
         try:
-            reply, data = await self.link.request(read_by_key_message(keys), ReadReply)
+            reply, data = await self.link.request(read_by_key_message(keys), ReadReply, patience=self.patience)
             if not len(reply.sizes) == len(reply.checksums) == len(keys):
                 raise ProtocolError(f"{self.link.address} sent a malformed reply to ReadBlocks")
         except BaseException as exc:

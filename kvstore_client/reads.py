@@ -58,6 +58,10 @@ class Failover:
             out.setdefault((replica.node_id, replica.address), []).append((i, replica))
         return out
 
+    def has_next(self, i: int) -> bool:
+        """Whether block ``i`` has a replica after its current one."""
+        return self._at[i] + 1 < len(self._order[i])
+
     def done(self, i: int) -> None:
         """Block ``i`` was read."""
         del self._at[i]

@@ -243,7 +243,8 @@ class Store:
         if place is None:
             return None
         try:
-            [found], [made] = self._paths.path(*place).read_direct([key], [view], exact_size)
+            path = self._paths.path(*place)
+            [found], [made] = path.read_direct([key], [view], exact_size, self.config.failover_ms / 1000)
         except KVStoreError:
             found = None
         if found is None:

@@ -26,7 +26,16 @@ from kvstore.protocol import ErrorReply, Message
 from transfer.auth import CredentialSource, authenticate, current
 from transfer.discovery import MasterLocator
 from transfer.tls import wrap_client
-from transfer.wire import NoRequest, connect, cut, io_errors, parse_address, recv_message, send_message
+from transfer.wire import (
+    NoRequest,
+    connect,
+    cut,
+    io_errors,
+    parse_address,
+    recv_message,
+    send_message,
+    set_recv_timeout,
+)
 
 M = TypeVar("M", bound=Message)
 
@@ -99,18 +108,20 @@ class Connection:
 
     @contextmanager
     def exchange(
-        self, message: Message, payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0
-    ) -> Iterator[tuple[Message, socket.socket]]:
+        self, message: Message, payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0,
+        patience: float = 0.0,
+    ) -> Iterator[tuple[Message, socket.socket]]:  # fmt: skip
         """Send ``message`` (and its payload) and yield the reply with the socket, for a payload that follows it.
 
         ``retry_for``: keep reconnecting and resending, with backoff, for up to this many seconds
         while the peer cannot be reached (a master restarting). The request keeps its id, so a
-        peer that already ran it answers as the first time.
+        peer that already ran it answers as the first time. ``patience``: a Timeout (the
+        connection closed) when the reply has not begun within it; 0: the connection's timeout.
         """
         with self._lock:
             what = f"{type(message).__name__} to {self.address}"
             try:
-                reply, sock = self._request(message, payload, what, retry_for)
+                reply, sock = self._request(message, payload, what, retry_for, patience)
                 with io_errors(what):
                     yield reply, sock
             except BaseException:
@@ -118,12 +129,13 @@ class Connection:
                 raise
 
     def _request(
-        self, message: Message, payload: Sequence[memoryview | bytes], what: str, retry_for: float
-    ) -> tuple[Message, socket.socket]:
+        self, message: Message, payload: Sequence[memoryview | bytes], what: str, retry_for: float,
+        patience: float = 0.0,
+    ) -> tuple[Message, socket.socket]:  # fmt: skip
         """(Holding the lock) send ``message`` under a new id and take its reply: an ErrorReply raised,
         a reply to another request a ProtocolError. The caller closes the connection on any failure."""
         request_id = next(self._ids)
-        reply_id, reply, sock = self._send(message, request_id, payload, what, retry_for)
+        reply_id, reply, sock = self._send(message, request_id, payload, what, retry_for, patience)
         if reply_id != request_id:
             raise ProtocolError(f"{what}: reply to request {reply_id}, expected {request_id}")
         if isinstance(reply, ErrorReply):
@@ -131,8 +143,9 @@ class Connection:
         return reply, sock
 
     def _send(
-        self, message: Message, request_id: int, payload: Sequence[memoryview | bytes], what: str, retry_for: float
-    ) -> tuple[int, Message, socket.socket]:
+        self, message: Message, request_id: int, payload: Sequence[memoryview | bytes], what: str, retry_for: float,
+        patience: float = 0.0,
+    ) -> tuple[int, Message, socket.socket]:  # fmt: skip
         """Send and read the reply frame. A pooled socket that the peer closed meanwhile is replaced
         at once; beyond that, attempts go on with backoff until ``retry_for`` runs out."""
         deadline = time.monotonic() + retry_for
@@ -151,10 +164,14 @@ class Connection:
                 sock = self._sock
                 with io_errors(what):
                     send_message(sock, message, request_id, payload)
+                    if patience:
+                        set_recv_timeout(sock, patience)
                     try:
                         reply_id, reply = recv_message(sock)
                     except NoRequest:
-                        raise Timeout(f"{what}: no reply within {self.timeout} s") from None
+                        raise Timeout(f"{what}: no reply within {patience or self.timeout} s") from None
+                    if patience:
+                        set_recv_timeout(sock, self.timeout)  # the payload behind it: the usual bound
                 if not (isinstance(reply, ErrorReply) and reply.code in _NOT_RUN):
                     return reply_id, reply, sock
                 if after_failure(reply.to_error(), dynamic=False) is Retry.ELSEWHERE:

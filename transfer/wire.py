@@ -63,6 +63,16 @@ def set_timeouts(sock: socket.socket, timeout: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def set_recv_timeout(sock: socket.socket, timeout: float) -> None:
+    """Bound the receives on ``sock`` by ``timeout`` seconds from now on (a TLS socket's Python-level
+    timeout bounds its sends too, until it is set back)."""
+    if sock.gettimeout() is not None:
+        sock.settimeout(timeout)
+        return
+    seconds = int(timeout)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, int((timeout - seconds) * 1e6)))
+
+
 def cut(sock: socket.socket) -> None:
     """Shut ``sock`` down from another thread: its reader sees the end of the stream. Under TLS, the
     socket below is shut (the TLS layer must not be torn from under a thread reading through it)."""

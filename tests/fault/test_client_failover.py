@@ -4,6 +4,7 @@ either face of the client (Store and AsyncStore share one core, so one failover)
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -65,3 +66,26 @@ def test_a_stalled_first_replica_times_out_and_is_read_from_the_second(cluster: 
             assert reader.get_many(keys, verify=True) == data
     finally:
         daemon.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_frozen_replica_is_given_up_after_the_failover_patience_not_the_timeout(
+    cluster: LocalCluster, face: str
+) -> None:
+    """The client's timeout is 30 s; a read from a frozen node (hinted by key, then located) goes on
+    to the next replica after ``failover_ms``. The bound below is half the timeout: only a read that
+    waited out the timeout fails it, however busy the machine."""
+    keys, data, first = put_twice(cluster, f"frozen-{face}")
+    daemon = cluster.daemons[first]
+    assert daemon is not None
+    config = ClientConfig(transport="tcp", timeout_s=30.0, failover_ms=100)
+    with connect_client(face, cluster.master_address, config) as reader:
+        assert reader.get_many(keys, verify=True) == data  # hints: the first replica of each, now
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            assert reader.get_many(keys, verify=True) == data  # by hint, then where the master says
+            assert [reader.get(k) for k in keys[:2]] == data[:2]
+            assert time.monotonic() - began < 15.0
+        finally:
+            daemon.send_signal(signal.SIGCONT)
