@@ -445,8 +445,12 @@ class MasterConfig(_Frozen):
         default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="The HA cluster's id in etcd."
     )
     etcd_lease_ttl_s: int = Field(
-        default=2, ge=2, le=60, description="The leader's etcd lease: a dead leader is replaced within about this."
-    )
+        default=1, ge=1, le=60,
+        description="The leader's etcd lease: a dead leader is replaced within about this. etcd grants at least "
+        "1.5 x its election timeout, rounded up to whole seconds (2 s with its defaults; 1 s with "
+        "--election-timeout=500 --heartbeat-interval=50, as this project's etcd runs); the leader fences itself "
+        "within this TTL all the same.",
+    )  # fmt: skip
     advertise: str | None = Field(
         default=None, description="host:port that clients and daemons reach this master at (default: host:port)."
     )

@@ -67,6 +67,8 @@ class LocalEtcd:
             "etcd", "--name", "local", "--data-dir", str(self.dir / "data"),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"local={peer}",
+            # Leases of 1 s (etcd's least is 1.5 election timeouts): a dead leader is replaced within it.
+            "--election-timeout", "500", "--heartbeat-interval", "50",
         ]  # fmt: skip
         with open(self.dir / "etcd.log", "a") as log:
             self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)

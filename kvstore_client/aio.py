@@ -63,7 +63,7 @@ from kvstore_client.effects import (
 from kvstore_client.links import AsyncCredential, AsyncLink, ReadBatcher
 from kvstore_client.puts import PutOptions, write_codes
 from transfer.discovery import MasterLocator
-from transfer.rpc import Retry, after_failure, attempt_timeout
+from transfer.rpc import LEADER_CHECK_S, Retry, after_failure, attempt_timeout
 from transfer.tls import contexts
 
 R = TypeVar("R", bound=Message)
@@ -142,7 +142,7 @@ class AsyncStore:
         while True:
             try:
                 await self._follow_master()
-                return (await self._master.request(message, expect, request_id=request_id))[0]
+                return await self._request_master(message, expect, request_id)
             except KVStoreError as exc:
                 # Ride out a master restart or failover as the blocking client does (one rule for both).
                 decision = after_failure(exc, dynamic=self._locator.dynamic)
@@ -153,7 +153,31 @@ class AsyncStore:
                 if time.monotonic() + backoff > deadline:
                     raise
                 await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, 0.5)
+                backoff = min(2 * backoff, LEADER_CHECK_S if self._locator.dynamic else 0.5)
+
+    async def _request_master(self, message: Message, expect: type[R], request_id: int) -> R:
+        """One attempt of a master call. For an HA master, etcd is asked every LEADER_CHECK_S who
+        leads until the reply comes: a new leader (this one frozen, cut off or deposed) raises
+        NotLeader, so that the call goes to it now rather than after the attempt's timeout."""
+        request = self._master.request(message, expect, request_id=request_id)
+        if not self._locator.dynamic:
+            return (await request)[0]
+        task = asyncio.ensure_future(request)
+        try:
+            while True:
+                done, _ = await asyncio.wait((task,), timeout=LEADER_CHECK_S)
+                if done:
+                    return task.result()[0]
+                try:
+                    leader = await asyncio.to_thread(self._locator.refresh, LEADER_CHECK_S)
+                except KVStoreError:
+                    continue  # etcd unreachable, or an election under way: wait on
+                if leader != self._master.address:
+                    raise NotLeader(f"{type(message).__name__}: {leader} leads {self._locator.spec} now")
+        finally:
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _one_job(self, job: Job) -> list[Any]:
         """``[outcome]`` of one daemon job, as gather(return_exceptions=True) would hand it back."""

@@ -13,6 +13,7 @@ import enum
 import itertools
 import queue
 import secrets
+import select
 import socket
 import ssl
 import threading
@@ -39,7 +40,11 @@ from transfer.wire import (
 
 M = TypeVar("M", bound=Message)
 
-_HA_ATTEMPT_S = 3.0
+HA_ATTEMPT_S = 3.0
+"""Bound on one attempt of a call to an HA master (see :func:`attempt_timeout`)."""
+
+LEADER_CHECK_S = 0.2
+"""How often a call waiting on an HA master's reply asks etcd whether another master leads now."""
 
 _NOT_RUN = frozenset({NotLeader.code, NotReady.code})
 """Answers of a master that ran nothing: a call with time left resends the same request."""
@@ -70,7 +75,7 @@ def after_failure(error: KVStoreError, *, dynamic: bool) -> Retry:
 def attempt_timeout(timeout: float, *, dynamic: bool) -> float:
     """Bound on one attempt of a master call: for an HA master (``dynamic``) a short one, so that a
     silent leader is given up and its successor asked within the call's overall time."""
-    return min(timeout, _HA_ATTEMPT_S) if dynamic else timeout
+    return min(timeout, HA_ATTEMPT_S) if dynamic else timeout
 
 
 def request_ids() -> itertools.count[int]:
@@ -164,6 +169,7 @@ class Connection:
                 sock = self._sock
                 with io_errors(what):
                     send_message(sock, message, request_id, payload)
+                    self._await_leader_reply(sock, what, patience)
                     if patience:
                         set_recv_timeout(sock, patience)
                     try:
@@ -190,7 +196,28 @@ class Connection:
                 if time.monotonic() + backoff > deadline:
                     raise
             time.sleep(backoff)
-            backoff = min(2 * backoff, 0.5)
+            backoff = min(2 * backoff, LEADER_CHECK_S if self.locator is not None and self.locator.dynamic else 0.5)
+
+    def _await_leader_reply(self, sock: socket.socket, what: str, patience: float) -> None:
+        """For an HA master (``dynamic``): until its reply begins, ask etcd every LEADER_CHECK_S who
+        leads; a new leader (this one frozen, cut off or deposed) raises NotLeader, so that the
+        request goes to it now rather than after the attempt's timeout. Waits for nothing otherwise."""
+        locator = self.locator
+        if locator is None or not locator.dynamic or patience:
+            return
+        deadline = time.monotonic() + self._attempt_timeout()
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLPRI)
+        while not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+            left = deadline - time.monotonic()
+            if left <= 0 or poller.poll(min(left, LEADER_CHECK_S) * 1000):
+                return  # readable (or out of time: the receive says so)
+            try:
+                leader = locator.refresh(min_interval=LEADER_CHECK_S)
+            except KVStoreError:
+                continue  # etcd unreachable, or an election under way: wait on
+            if leader != self.address:
+                raise NotLeader(f"{what}: {leader} leads cluster {locator.spec} now")
 
     def _open(self, timeout: float) -> socket.socket:
         """A new connection: over TLS when this one has a context, authenticated when it has a credential."""

@@ -43,7 +43,7 @@ from server.daemon.storage import DaemonStorage
 from server.supervisor import Supervisor
 from transfer import topology
 from transfer.discovery import MasterLocator
-from transfer.rpc import Connection, ConnectionPool
+from transfer.rpc import LEADER_CHECK_S, Connection, ConnectionPool
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -239,10 +239,10 @@ class MasterLink:
                 known = False
                 self.failures += 1
                 self._failures.warning(
-                    "unreachable", "master %s unreachable (%s); retrying every 0.1 to 0.5 s", self._conn.address, exc
+                    "unreachable", "master %s unreachable (%s); retrying every 0.1 to 0.2 s", self._conn.address, exc
                 )
                 self._stop.wait(backoff)
-                backoff = min(backoff * 2, 0.5)  # a new leader is met within half a second
+                backoff = min(backoff * 2, LEADER_CHECK_S)  # a new leader is met within this
 
     def leave(self) -> bool:
         """Tell the master this node leaves for good (it forgets the node's blocks); False when it

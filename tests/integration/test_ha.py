@@ -24,7 +24,7 @@ from kvstore_cli.cluster import LocalCluster, LocalEtcd, free_port
 from kvstore_client import Store
 from tests.conftest import FACES, admin_call, connect_client
 from transfer.discovery import EtcdCluster, read_masters
-from transfer.rpc import Connection
+from transfer.rpc import HA_ATTEMPT_S, Connection
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian: apt install etcd-server)"),
@@ -234,6 +234,27 @@ def test_a_partitioned_leader_stops_serving_once_its_lease_is_gone(ha: LocalClus
             assert time.monotonic() < deadline, "the deposed leader never listed itself again"
             time.sleep(0.1)
         assert ha.leader_index() != old
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_call_waiting_on_a_frozen_leader_goes_to_its_successor_once_elected(ha: LocalCluster, face: str) -> None:
+    """A call sent to a leader that then stops answering (SIGSTOP) is sent again to the standby that
+    takes over as soon as etcd names it (the client asks etcd while it waits), not once the attempt's
+    own timeout (3 s) ran out; the election is the gap (a lease of 1 s here)."""
+    with connect_client(face, ha.master_address, ClientConfig(timeout_s=15.0)) as store:
+        store.put("k", b"v" * 100)
+        old = ha.leader_index()
+        proc = ha.masters[old]
+        assert proc is not None
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            assert store.exists("k")  # asks the master: the frozen one first
+            took = time.monotonic() - began
+            assert ha.leader_index() != old
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        assert took < HA_ATTEMPT_S, f"the call waited {took:.2f} s: the attempt's timeout, not the election"
 
 
 def test_etcd_unreachable_at_start_names_the_endpoints_and_serves_nothing() -> None:
