@@ -142,6 +142,10 @@ class Tenant:
     max_inflight_bytes: int = 0
     """Bytes of frames the tenant may have begun sending and not finished, over all its sessions, on
     the master and on each daemon; 0: the cluster's default (``tenant_max_inflight_bytes``)."""
+    replicas: int = 0
+    """Copies each of the tenant's puts gets at least, whatever its clients ask (reads of its keys
+    then survive a node's failure); 0 or 1: as its clients ask. Puts into write grants (one copy)
+    are not for such a tenant: its clients put the two-trip way."""
 
     def taken(self, now_ms: int | None = None) -> list[bytes]:
         """The verifiers a login may match now: the current one, and a rotated one during its grace."""
@@ -222,12 +226,15 @@ def _entry(name: str, entry: Any, where: str, kind: str, settings: set[str]) -> 
 CAPS = ("max_sessions", "max_objects", "max_pinned", "max_inflight_bytes")
 """A tenant's caps beside its quota, as the tenants file names them (0: the default)."""
 
+MAX_REPLICAS = 16
+"""The most copies a put may ask for (as ``PutOptions.replicas``)."""
+
 
 def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
     entry = _entry(name, entry, where, "tenant", {"token_ed25519", "token_sha256", "quota_bytes", "operations",
                                                    "previous_token_ed25519", "previous_token_sha256",
                                                    "previous_until_ms", "max_sessions", "max_objects",
-                                                   "max_pinned", "max_inflight_bytes"})  # fmt: skip
+                                                   "max_pinned", "max_inflight_bytes", "replicas"})  # fmt: skip
     key = _stored_key_of(name, entry, f"{where}: tenant")
     previous, until = b"", entry.get("previous_until_ms", 0)
     if "previous_token_ed25519" in entry or "previous_token_sha256" in entry:
@@ -245,7 +252,10 @@ def _tenant_from(name: str, entry: Any, where: str) -> Tenant:
         caps[cap] = entry.get(cap, 0)
         if type(caps[cap]) is not int or caps[cap] < 0:
             raise ConfigError(f"{where}: tenant {name!r}: {cap} must be a non-negative integer")
-    return Tenant(name, key, quota, frozenset(ops), previous, until if previous else 0, **caps)
+    replicas = entry.get("replicas", 0)
+    if type(replicas) is not int or not 0 <= replicas <= MAX_REPLICAS:
+        raise ConfigError(f"{where}: tenant {name!r}: replicas must be an integer from 0 to {MAX_REPLICAS}")
+    return Tenant(name, key, quota, frozenset(ops), previous, until if previous else 0, **caps, replicas=replicas)
 
 
 def _admin_from(name: str, entry: Any, where: str) -> Admin:
@@ -338,11 +348,16 @@ def remove_tenant(path: str | os.PathLike[str], name: str) -> None:
 def set_tenant(path: str | os.PathLike[str], name: str, quota_bytes: int | None = None,
                operations: tuple[str, ...] | None = None, *, max_sessions: int | None = None,
                max_objects: int | None = None, max_pinned: int | None = None,
-               max_inflight_bytes: int | None = None) -> None:  # fmt: skip
-    """Change a tenant's quota, operations or caps (sessions, objects, pins, bytes in flight; 0: the
-    default, no cap for objects and pins); open sessions follow within a tick or two."""
+               max_inflight_bytes: int | None = None, replicas: int | None = None) -> None:  # fmt: skip
+    """Change a tenant's quota, operations, caps (sessions, objects, pins, bytes in flight; 0: the
+    default, no cap for objects and pins) or least replicas of its puts (:attr:`Tenant.replicas`);
+    open sessions follow within a tick or two."""
     p, data = _edit(path, "tenants", name)
     entry = data["tenants"][name]
+    if replicas is not None:
+        if type(replicas) is not int or not 0 <= replicas <= MAX_REPLICAS:
+            raise ConfigError(f"replicas is a number from 0 to {MAX_REPLICAS}, not {replicas!r}")
+        entry["replicas"] = replicas
     given = (max_sessions, max_objects, max_pinned, max_inflight_bytes)
     for cap, value in zip(CAPS, given, strict=True):
         if value is not None:

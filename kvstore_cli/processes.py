@@ -211,7 +211,8 @@ def _tenants_arguments(p: argparse.ArgumentParser) -> None:
         help="add: a new tenant; add-admin: a new admin API token (--role); list: every tenant and admin;"
              " remove: a tenant (its open sessions end within seconds); rotate: a new token, the old one"
              " taken for --grace seconds more; set-quota / set-operations / set-caps (--max-sessions,"
-             " --max-objects, --max-pinned): change them (open sessions follow). Tokens are printed once",
+             " --max-objects, --max-pinned, --max-inflight-bytes, --replicas): change them (open sessions"
+             " follow). Tokens are printed once",
     )  # fmt: skip
     p.add_argument(
         "name", nargs="?", help="the tenant's name (letters, digits, '_' and '-'; its keys live under NAME/)"
@@ -232,6 +233,8 @@ def _tenants_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pinned", type=int, help="set-caps: pinned keys the tenant may hold (0: no cap)")
     p.add_argument("--max-inflight-bytes", type=size_arg, help="set-caps: bytes of frames begun and not finished,"
                    " over its sessions, on the master and on each daemon (0: tenant_max_inflight_bytes)")  # fmt: skip
+    p.add_argument("--replicas", type=int, help="set-caps: copies each of the tenant's puts gets at least,"
+                   " whatever its clients ask (0: as they ask)")  # fmt: skip
 
 
 @command("tenants", "manage the tenants of a cluster that authenticates")
@@ -249,7 +252,8 @@ def _tenants(args: argparse.Namespace) -> int:
     operations = tuple(o.strip() for o in args.operations.split(",") if o.strip())
     if args.action == "list":
         access = load_access(args.file)
-        print(f"{'tenant':<24} {'quota':>14}  operations          caps (sessions/objects/pinned/inflight)  token")
+        print(f"{'tenant':<24} {'quota':>14}  operations          caps (sessions/objects/pinned/inflight)  replicas"
+              "  token")  # fmt: skip
         for t in sorted(access.tenants.values(), key=lambda t: t.name):
             quota = str(t.quota_bytes) if t.quota_bytes else "none"
             until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t.previous_until_ms / 1000))
@@ -258,7 +262,8 @@ def _tenants(args: argparse.Namespace) -> int:
             )
             limits = (t.max_sessions, t.max_objects, t.max_pinned, t.max_inflight_bytes)
             caps = "/".join(str(c) if c else "-" for c in limits)
-            print(f"{t.name:<24} {quota:>14}  {','.join(sorted(t.operations)):<18}  {caps:<39}  {rotating}")
+            print(f"{t.name:<24} {quota:>14}  {','.join(sorted(t.operations)):<18}  {caps:<39}  "
+                  f"{t.replicas or '-':>8}  {rotating}")  # fmt: skip
         for a in sorted(access.admins.values(), key=lambda a: a.name):
             print(f"{a.name:<24} {'(admin API)':>14}  {a.role}")
         return 0
@@ -277,12 +282,13 @@ def _tenants(args: argparse.Namespace) -> int:
         if args.action == "set-quota":
             set_tenant(args.file, args.name, quota_bytes=args.quota)
         elif args.action == "set-caps":
-            limits = (args.max_sessions, args.max_objects, args.max_pinned, args.max_inflight_bytes)
-            if all(v is None for v in limits):
-                raise ConfigError("kvstore tenants set-caps needs --max-sessions, --max-objects, --max-pinned"
-                                  " or --max-inflight-bytes")  # fmt: skip
+            given = (args.max_sessions, args.max_objects, args.max_pinned, args.max_inflight_bytes, args.replicas)
+            if all(v is None for v in given):
+                raise ConfigError("kvstore tenants set-caps needs --max-sessions, --max-objects, --max-pinned,"
+                                  " --max-inflight-bytes or --replicas")  # fmt: skip
             set_tenant(args.file, args.name, max_sessions=args.max_sessions, max_objects=args.max_objects,
-                       max_pinned=args.max_pinned, max_inflight_bytes=args.max_inflight_bytes)  # fmt: skip
+                       max_pinned=args.max_pinned, max_inflight_bytes=args.max_inflight_bytes,
+                       replicas=args.replicas)  # fmt: skip
         else:
             set_tenant(args.file, args.name, operations=operations)
         print(f"tenant {args.name} changed in {args.file}: open sessions follow within seconds", file=sys.stderr)

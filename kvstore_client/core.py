@@ -110,7 +110,8 @@ from kvstore_client.reads import Failover, raise_failure, unreachable
 T = TypeVar("T")
 
 _GRANTS_PAUSE_S = 10.0
-"""After a grant on a node this client does not reach through its daemon, how long puts skip grants."""
+"""After a grant on a node this client does not reach through its daemon, or a grant refused, how
+long puts skip grants."""
 
 
 class Transport(Protocol):
@@ -335,7 +336,11 @@ class ClientCore:
         except (ConnectionFailed, Timeout):
             raise
         except KVStoreError:
-            return todo  # no grant now (no room, no nodes): the two-trip put says why, if it fails too
+            # No grant now (no room, no nodes, a tenant whose puts take more copies than a grant
+            # holds): this put and those of the next while go the two-trip way, which says why if
+            # it fails too, without asking for a grant each time.
+            self._grants_paused_until = time.monotonic() + _GRANTS_PAUSE_S
+            return todo
         if carved is None:
             return todo
         grant, offsets = carved

@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from msgspec import structs
+
 from kvstore.auth import ANYONE, Authority, Identity
 from kvstore.config import MasterConfig
 from kvstore.errors import (
@@ -209,6 +211,8 @@ class MasterCore:
         todo = list(range(len(keys)))
         tenant = caller.tenant
         known = self._tenant(tenant) if tenant is not None else None
+        if known is not None and known.replicas > m.replicas:
+            m = structs.replace(m, replicas=known.replicas)  # the tenant's least copies, whatever its client asks
         admitted: set[int] = set()  # new keys counted against the quota until placed (PlacementTable.admit)
         if tenant is not None and known is not None and (known.quota_bytes or known.max_objects or known.max_pinned):
             quota = known.quota_bytes or 1 << 62
@@ -325,6 +329,11 @@ class MasterCore:
         """Reserve write space on one node (evicting first where needed) and open it on its daemon."""
         table = self.table
         owner = caller.tenant or ""
+        least = self._tenant(owner).replicas if owner else 0
+        if least > 1:
+            raise InvalidArgument(
+                f"tenant {owner!r}'s puts take {least} copies: a grant holds one; put the two-trip way"
+            )
         length = m.length
         if table.nodes:  # no larger than a grant may be: the quota is checked for what is granted
             largest = max(n.alloc.capacity for n in table.nodes.values())

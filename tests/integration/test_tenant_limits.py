@@ -22,6 +22,8 @@ from kvstore.protocol import (
     ErrorReply,
     Exists,
     GetReplicas,
+    GetReplicasReply,
+    GrantSpace,
     OkReply,
     PutRevoke,
     PutStart,
@@ -324,3 +326,32 @@ def test_tiny_pinned_objects_cost_an_index_slot_each_and_caps_hold(cluster: Loca
     assert isinstance(loose, PutStartReply)
     assert [t.status for t in loose.tickets()] == ["ok"] * 20 + ["error"] * 30
     assert "max_objects" in loose.tickets()[20].error
+
+
+def test_a_tenant_given_two_replicas_gets_them_whatever_its_clients_ask(cluster: LocalCluster) -> None:
+    """An operator gives a tenant two copies a put (`kvstore tenants set-caps --replicas 2`): its
+    clients' puts get them, one-key puts and cached ones included (grants, one copy, are refused to
+    it and the client puts the two-trip way); another tenant's puts get what its client asks."""
+    token = cluster.add_tenant("careful")
+    assert cluster.tenants_file is not None
+    set_tenant(cluster.tenants_file, "careful", replicas=2)
+    time.sleep(1.0)  # the master reads the tenants file again within a tick
+    credential = tenant_credential(token)
+    with pytest.raises(InvalidArgument, match="2 copies"):
+        ask(cluster.master_address, GrantSpace(1 << 20, None), credential)
+    config = ClientConfig(token=token, transport="tcp", replicas=1, put_mode="cached")
+    with Store.connect(cluster.master_address, config) as store:
+        assert store.put("one", b"1" * 4096) == PutStatus.STORED
+        assert store.put_many([(f"k{i}", bytes([i]) * 4096) for i in range(8)]) == [PutStatus.STORED] * 8
+        assert store.put("asked-one", b"a" * 4096, PutOptions(replicas=1, mode="visible")) == PutStatus.STORED
+        keys = ["one", "asked-one"] + [f"k{i}" for i in range(8)]  # the master reads them under careful/
+        reply = ask(cluster.master_address, GetReplicas(keys, [], False), credential)
+        assert isinstance(reply, GetReplicasReply)
+        assert all(loc is not None and len(loc.replicas) == 2 for loc in reply.located(keys))
+    other = ClientConfig(token=cluster.add_tenant("loose"), transport="tcp")
+    with Store.connect(cluster.master_address, other) as store:  # another tenant: as its client asks
+        assert store.put("one", b"1" * 4096) == PutStatus.STORED
+        reply = ask(cluster.master_address, GetReplicas(["one"], [], False), tenant_credential(other.token))
+        assert isinstance(reply, GetReplicasReply)
+        [loc] = reply.located(["one"])
+        assert loc is not None and len(loc.replicas) == 1
