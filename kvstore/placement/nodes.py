@@ -24,6 +24,24 @@ from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry
 from kvstore.policy import ActionKind, TierName
 
+Gone = set[tuple[str, TierName, int]]
+"""Blocks a node's registration must drop, not adopt: (key, tier, DRAM offset; -1: wherever it is)."""
+
+
+def _gone_of(key: str, tier: TierName, offset: int, tier_only: bool) -> list[tuple[str, TierName, int]]:
+    """The entries of a :data:`Gone` for a block given up: its copy in ``tier`` (in DRAM at ``offset``,
+    -1: wherever), and unless ``tier_only`` any copy in the other tier (a demotion or promotion cut
+    short leaves one there that the table does not know of)."""
+    out = [(key, tier, offset if tier is DRAM else -1)]
+    if not tier_only:
+        out.append((key, SSD if tier is DRAM else DRAM, -1))
+    return out
+
+
+def _is_gone(gone: Gone, key: str, tier: TierName, offset: int) -> bool:
+    return (key, tier, -1) in gone or (tier is DRAM and (key, tier, offset) in gone)
+
+
 MAX_NODE_BYTES = 1 << 50
 """Bound on a node's tier capacities and block sizes (1 PiB): beyond it a registration is refused."""
 
@@ -91,15 +109,15 @@ class Membership:
         gone = self._dropping_on(node_id) | (old.gone if old is not None else set())
         commands = self._forget_node(node_id)
         capacity = dram_capacity - dram_capacity % alignment
-        conflicts: dict[TierName, list[str]] = {DRAM: [], SSD: []}
+        conflicts: dict[TierName, list[tuple[str, int]]] = {DRAM: [], SSD: []}
         dram_items = sorted((i for i in inventory if i.tier is DRAM), key=lambda i: i.offset)
         extents: list[tuple[int, int]] = []
         end = 0
         adopted: set[str] = set()
         for item in dram_items:
             misplaced = item.offset < end or item.offset % alignment or item.offset + item.size > capacity
-            if misplaced or (item.key, DRAM) in gone:
-                conflicts[DRAM].append(item.key)
+            if misplaced or _is_gone(gone, item.key, DRAM, item.offset):
+                conflicts[DRAM].append((item.key, item.offset))
             else:
                 extents.append((item.offset, item.size))
                 end = item.offset + align_up(item.size, alignment)
@@ -107,10 +125,17 @@ class Membership:
         # The table keeps every extent it hands out (one per replica): the allocator need not.
         alloc = Allocator.rebuild(dram_capacity, alignment, extents, track=False)
         node = cat.add_node(node_id, address, alloc, ssd_capacity, now_ms=now_ms, max_blocks=max_blocks)
+        if gone:
+            # Kept until the daemon's first heartbeat, which says it took this registration's answer
+            # (and dropped them): one that lost the answer registers again, and must drop them then.
+            # Nothing is placed on it meanwhile.
+            node.gone, node.up = gone, False
         # A block to drop keeps its extent until the daemon confirms the drop (the DROP's answer frees
         # it): placed over before, a same-host writer would copy into a block the daemon still serves.
         for item in dram_items:
-            if (item.key, DRAM) in gone and not (item.offset % alignment or item.offset + item.size > capacity):
+            if _is_gone(gone, item.key, DRAM, item.offset) and not (
+                item.offset % alignment or item.offset + item.size > capacity
+            ):
                 kept = Extent(item.offset, alloc.round_up(item.size))
                 if alloc.take(kept):
                     node.quarantine[item.key] = kept
@@ -120,8 +145,8 @@ class Membership:
             tier = item.tier
             if tier is DRAM and item.key not in adopted:
                 continue
-            if (item.key, tier) in gone:
-                conflicts[tier].append(item.key)
+            if _is_gone(gone, item.key, tier, item.offset):
+                conflicts[tier].append((item.key, item.offset))
                 continue
             slot = rec.index.get(item.key)
             if slot is not None and (
@@ -130,7 +155,7 @@ class Membership:
                 or rec.checksum[slot] != item.checksum
                 or rec.row_on(slot, node.idx) >= 0  # its copy in the other tier is kept
             ):
-                conflicts[tier].append(item.key)
+                conflicts[tier].append((item.key, item.offset))
                 if tier is DRAM:  # kept out of the free space until its drop is confirmed (see above)
                     node.quarantine[item.key] = Extent(item.offset, alloc.round_up(item.size))
                 continue
@@ -140,13 +165,22 @@ class Membership:
             node.lru(tier).insert_row(cat.add_replica(slot, node, tier, extent))
             if tier is SSD:
                 node.ssd_used += item.size
+        # Each DRAM block dropped only where the inventory had it (``at``; its extent is quarantined):
+        # a drop retried after a put of the key placed anew there must not take the new block.
         return commands + cat.issue(
             [
                 NodeCommand(
-                    node_id, ActionKind.DROP, tier, tuple(keys), release=True, tier_only=True, gens=(0,) * len(keys)
+                    node_id,
+                    ActionKind.DROP,
+                    tier,
+                    tuple(k for k, _ in blocks),
+                    release=True,
+                    tier_only=True,
+                    gens=(0,) * len(blocks),
+                    at=tuple(o for _, o in blocks) if tier is DRAM else (),
                 )
-                for tier, keys in conflicts.items()
-                if keys
+                for tier, blocks in conflicts.items()
+                if blocks
             ]
         )
 
@@ -207,20 +241,23 @@ class Membership:
             if extent is not None:
                 node.alloc.free(extent)
 
-    def _dropping_on(self, node_id: str) -> set[tuple[str, TierName]]:
-        """(key, tier) of the replicas on ``node_id`` whose drop is in flight: of a key being removed,
-        or a copy evicted, demoted or promoted away."""
+    def _dropping_on(self, node_id: str, forget: bool = False) -> Gone:
+        """The blocks on ``node_id`` whose drop is in flight (of a key being removed, or a copy evicted,
+        demoted or promoted away), as :data:`Gone` entries; ``forget``: their replicas forgotten too."""
         cat = self.catalog
         node = cat.nodes.get(node_id)
         if node is None:
             return set()
         rec = cat.rec
-        out: set[tuple[str, TierName]] = set()
-        for slot in rec.index.values():
+        out: Gone = set()
+        for slot in list(rec.index.values()):
             row = rec.row_on(slot, node.idx)  # a key has one replica a node
             key = rec.keys[slot]
             if row >= 0 and key is not None and (rec.state[slot] & REMOVING or rec.r_status[row] == S_DROPPING):
-                out.add((key, DRAM if rec.r_tier[row] == T_DRAM else SSD))
+                tier = DRAM if rec.r_tier[row] == T_DRAM else SSD
+                out.update(_gone_of(key, tier, rec.r_offset[row] if tier is DRAM else -1, False))
+                if forget:
+                    cat.drop_row(row)
         return out
 
     def _forget_node(self, node_id: str) -> list[NodeCommand]:
@@ -260,6 +297,8 @@ class Membership:
             return False
         node.last_seen_ms = now_ms
         node.up = True
+        if node.gone:
+            node.gone = set()  # its registration's answer was taken (see register_node)
         return True
 
     def ssd_health(self, node_id: str, capacity: int, configured: int, fault: str) -> None:
@@ -294,16 +333,9 @@ class Membership:
         :attr:`NodeState.gone`; so are those of every command planned for it from now on
         (:meth:`settle_fenced`). Its other replicas stay, unread while it is down, for its
         registration to confirm."""
-        cat = self.catalog
-        node = cat.nodes[node_id]
+        node = self.catalog.nodes[node_id]
         node.up, node.fenced = False, True
-        rec = cat.rec
-        for slot in list(rec.index.values()):
-            row = rec.row_on(slot, node.idx)
-            key = rec.keys[slot]
-            if row >= 0 and key is not None and (rec.state[slot] & REMOVING or rec.r_status[row] == S_DROPPING):
-                node.gone.add((key, DRAM if rec.r_tier[row] == T_DRAM else SSD))
-                cat.drop_row(row)
+        node.gone |= self._dropping_on(node_id, forget=True)
 
     def gone_with(self, command: NodeCommand) -> None:
         """Note in its fenced node's :attr:`NodeState.gone` the blocks ``command`` drops or demotes
@@ -313,11 +345,14 @@ class Membership:
         if node is None or node.gen != command.node_gen or command.kind is ActionKind.PROMOTE:
             return
         gens = command.gens or (0,) * len(command.keys)
-        for key, gen in zip(command.keys, gens, strict=True):
+        at = command.at or (-1,) * len(command.keys)
+        for key, gen, offset in zip(command.keys, gens, at, strict=True):
             found = cat.replica(key, node.node_id, gen) if gen else None
-            if found is not None:
-                node.gone.add((key, found[1].tier))
-            elif command.tier_only:
-                node.gone.add((key, command.tier))
+            if offset >= 0:  # a reservation given up there: a block of the key elsewhere is another put's
+                node.gone.add((key, DRAM, offset))
+            elif found is not None:
+                replica = found[1]
+                where = replica.extent.offset if replica.extent is not None else -1
+                node.gone.update(_gone_of(key, replica.tier, where, command.tier_only))
             else:
-                node.gone.update(((key, DRAM), (key, SSD)))
+                node.gone.update(_gone_of(key, command.tier, -1, command.tier_only))

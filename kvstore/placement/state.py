@@ -76,9 +76,11 @@ class NodeState:
     """Silent past the node TTL: its daemon stopped serving (its serve lease is shorter), and the
     commands for it are carried out without it; it comes back only by registering again (its
     heartbeats are refused). See :mod:`kvstore.placement.nodes`."""
-    gone: set[tuple[str, TierName]] = field(default_factory=set)
-    """(key, tier) of the blocks the table gave up on this node (a removed key, an evicted copy)
-    while it was fenced, without its daemon's word: its registration drops them, never adopts them."""
+    gone: set[tuple[str, TierName, int]] = field(default_factory=set)
+    """(key, tier, DRAM offset or -1 for wherever) of the blocks the table gave up on this node (a
+    removed key, an evicted copy) without its daemon's word, while it was fenced: its registration
+    drops them, never adopts them. A registration keeps them until the node's first heartbeat (its
+    daemon took the answer that names them); the node is not up until then."""
     gen: int = field(default_factory=new_generation)
     """This registration's number: answers to commands planned before the node re-registered are
     void (its inventory replaced what they were planned on)."""

@@ -148,24 +148,67 @@ def test_a_remove_waiting_for_a_silent_node_ends_when_it_is_fenced() -> None:
     copies instead of adopting them (a removed key never comes back)."""
     t = table("a", "b", node_ttl_ms=1000)
     put(t, "k", "j", node="a", replicas=2)
+    offset = {k: t.describe(k)["replicas"][0]["offset"] for k in ("k", "j")}  # type: ignore[index]
     removed, commands = t.remove(["k"])
     assert removed == 1 and sorted(c.node_id for c in commands) == ["a", "b"]
     run(t, [c for c in commands if c.node_id == "b"])
     assert t.removing(["k"]) == ["k"]  # a's copy may still be served
     t.heartbeat("b", 1500)
     t.expire(1500)
-    assert t.removing(["k"]) == [] and t.nodes["a"].gone == {("k", DRAM)}
+    assert t.removing(["k"]) == [] and ("k", DRAM, offset["k"]) in t.nodes["a"].gone
     removed, commands = t.remove(["j"])  # a is fenced: its drop is settled without it
     for c in commands:
-        t.settle_fenced(c) if c.node_id == "a" else run(t, [c])
-    assert removed == 1 and t.removing(["j"]) == [] and t.nodes["a"].gone == {("k", DRAM), ("j", DRAM)}
+        if c.node_id == "a":
+            t.settle_fenced(c)
+        else:
+            run(t, [c])
+    assert removed == 1 and t.removing(["j"]) == [] and ("j", DRAM, offset["j"]) in t.nodes["a"].gone
     put(t, "k", node="b", now=1500)  # placeable again: other bytes, say
-    inventory = [HeldBlock("k", DRAM, 0, KB, 7), HeldBlock("j", DRAM, KB, KB, 7)]
+    inventory = [HeldBlock("k", DRAM, offset["k"], KB, 7), HeldBlock("j", DRAM, offset["j"], KB, 7)]
     [drop] = t.register_node("a", "a:1", 4 * KB, 0, 64, inventory, 1600)
     assert (drop.node_id, drop.kind, sorted(drop.keys)) == ("a", ActionKind.DROP, ["j", "k"])
+    assert dict(zip(drop.keys, drop.at, strict=True)) == offset  # only where the inventory had them
     assert [r["node_id"] for r in t.describe("k")["replicas"]] == ["b"]  # type: ignore[index]
-    assert t.exists(["j"]) == [False] and not t.nodes["a"].gone
-    run(t, [drop])
+    assert t.exists(["j"]) == [False]
+    # Kept, and the node not up, until its daemon heartbeats (it took the answer naming the drops):
+    # one that lost the answer registers again and drops them then.
+    assert t.nodes["a"].gone and not t.nodes["a"].up
+    [again] = t.register_node("a", "a:1", 4 * KB, 0, 64, inventory, 1650)
+    assert sorted(again.keys) == ["j", "k"] and t.exists(["j"]) == [False]
+    assert t.heartbeat("a", 1700) and t.nodes["a"].up and not t.nodes["a"].gone
+    run(t, [drop, again])
+
+
+def test_a_fenced_node_drops_a_removed_key_from_either_tier() -> None:
+    """A demotion cut short leaves a node the block on SSD while the table has it in DRAM: a remove
+    settled while the node was fenced drops it from both tiers at its registration."""
+    t = table("a", "b", dram=4 * KB, ssd=4 * KB, node_ttl_ms=1000)
+    put(t, "k", node="a")
+    t.heartbeat("b", 1500)
+    t.expire(1500)
+    _, commands = t.remove(["k"])
+    for c in commands:
+        t.settle_fenced(c)
+    [drop] = t.register_node("a", "a:1", 4 * KB, 4 * KB, 64, [HeldBlock("k", SSD, -1, KB, 7)], 1600)
+    assert drop.keys == ("k",) and drop.tier is SSD and t.exists(["k"]) == [False]
+
+
+def test_a_settled_drop_of_a_reservation_spares_the_keys_block_elsewhere() -> None:
+    """A put's reservation given up while its node is fenced is dropped only where it was reserved: a
+    block of the key the daemon holds at another offset (a cached put of it, its commit pending) is
+    adopted at the registration."""
+    t = table("a", node_ttl_ms=1000)
+    plan = t.put_start(["k"], [KB], 1, "a", False, 0)
+    [ticket] = plan.tickets
+    assert ticket is not None
+    reserved = ticket.replicas[0].offset
+    t.expire(1500)  # a is fenced
+    for c in t.put_revoke(["k"]):
+        t.settle_fenced(c)
+    assert t.nodes["a"].gone == {("k", DRAM, reserved)}
+    elsewhere = 2 * KB if reserved != 2 * KB else 0
+    assert t.register_node("a", "a:1", 4 * KB, 0, 64, [HeldBlock("k", DRAM, elsewhere, KB, 7)], 1600) == []
+    assert t.heartbeat("a", 1700) and t.exists(["k"]) == [True]
 
 
 def test_puts_refused_for_room_held_by_pins_or_leases_are_counted() -> None:
@@ -259,6 +302,7 @@ def test_a_removed_key_whose_drop_was_not_confirmed_stays_removed_when_its_node_
     assert removed == 1 and drop.node_id == "a" and drop.keys == ("k0",)
     inventory = [HeldBlock("k0", DRAM, 0, KB, 7), HeldBlock("k1", DRAM, KB, KB, 7)]
     commands = t.register_node("a", "a:2", 4 * KB, 0, 64, inventory, 0)
+    assert t.heartbeat("a", 0)  # its daemon took the answer (up from here: see register_node)
     assert t.exists(["k0", "k1"]) == [False, True]
     assert [(c.node_id, c.kind, c.keys) for c in commands] == [("a", ActionKind.DROP, ("k0",))]
     # Found by bench.chaos too: until the daemon confirms that drop, its extent is not handed out (a
