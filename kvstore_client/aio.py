@@ -218,10 +218,15 @@ class AsyncStore:
         put, _ = await link.request(granted_message(job.grant_id, job.blocks, job.pinned, job.cached), PutReply, views)
         return write_codes(put.codes, put.errors, len(job.blocks), job.address)
 
-    async def _read_direct(self, job: ReadDirect) -> tuple[list[Direct | None], list[Any]]:
-        batcher = self._readers.get(job.address)
+    def _batcher(self, address: str) -> ReadBatcher:
+        """The batching of this node's reads by key, each batch given up after ``failover_ms``."""
+        batcher = self._readers.get(address)
         if batcher is None:
-            batcher = self._readers[job.address] = ReadBatcher(self._link(job.address), job.patience_s)
+            batcher = self._readers[address] = ReadBatcher(self._link(address), self.config.failover_ms / 1000)
+        return batcher
+
+    async def _read_direct(self, job: ReadDirect) -> tuple[list[Direct | None], list[Any]]:
+        batcher = self._batcher(job.address)
         answers: list[Any]
         if len(job.keys) == 1:
             answers = [await batcher.read(job.keys[0])]  # its failure is the job's, raised as below
@@ -352,12 +357,10 @@ class AsyncStore:
         place = self._core.hinted(key)
         if place is None:
             return None
-        batcher = self._readers.get(place[1])
-        if batcher is None:
-            batcher = self._readers[place[1]] = ReadBatcher(self._link(place[1]))
         try:
-            answer = await batcher.read(key)
-        except KVStoreError:
+            answer = await self._batcher(place[1]).read(key)
+        except KVStoreError as exc:
+            self._core.note_unreachable(place[0], exc, self.config.failover_ms / 1000)
             answer = None
         if answer is None:
             # Not there, or its node failed: the core asks the master, not that node again (a

@@ -38,6 +38,7 @@ from kvstore.errors import (
     KVStoreError,
     RetryLater,
     Timeout,
+    Unreachable,
 )
 from kvstore.keys import BlockKey, checksum, validate_key
 from kvstore.node_store import PutStatus
@@ -109,6 +110,12 @@ from kvstore_client.reads import Failover, raise_failure, unreachable
 
 T = TypeVar("T")
 
+_SUSPECT_S = 1.0
+"""How long after one of its daemons was not reached (refused, reset) or did not answer within the
+whole timeout this client reads nothing from that node: a block with another replica is read there,
+one without is a miss at once, not another wait (the master fences a silent node within its TTL,
+1 s by default, and lists it no more)."""
+
 _GRANTS_PAUSE_S = 10.0
 """After a grant on a node this client does not reach through its daemon, or a grant refused, how
 long puts skip grants."""
@@ -161,6 +168,8 @@ class ClientCore:
         self.hints = LocationHints(config.location_hints)
         self.grants = GrantPool(int(config.grant_bytes))
         self._grants_paused_until = 0.0
+        self._suspects: dict[str, float] = {}
+        """Nodes this client reads nothing from until a time (time.monotonic()); see :data:`_SUSPECT_S`."""
         self.closed = False
         self._unflushed: set[tuple[str, str]] = set()
         """Nodes (node_id, address) that acknowledged cached puts of this client since its last flush."""
@@ -482,9 +491,28 @@ class ClientCore:
 
     def hinted(self, key: str) -> tuple[str, str] | None:
         """Where a read of ``key`` by key alone goes: its remembered node, when that node's reads by
-        key go through its daemon's socket (None: ask the master)."""
+        key go through its daemon's socket and it is not suspected (None: ask the master)."""
         place = self.hints.get(key)
-        return place if place is not None and self.transport.one_trip(*place) else None
+        if place is None or not self.transport.one_trip(*place) or self.suspected(place[0]):
+            return None
+        return place
+
+    def suspected(self, node_id: str) -> bool:
+        """Whether this client reads nothing from ``node_id`` now (see :data:`_SUSPECT_S`)."""
+        until = self._suspects.get(node_id)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        self._suspects.pop(node_id, None)
+        return False
+
+    def note_unreachable(self, node_id: str, outcome: object, patience_s: float) -> None:
+        """A read from ``node_id`` ended with ``outcome``: a node that a new connection did not reach
+        (nothing listens), or silent for the whole timeout (not only a read's ``patience_s``: a busy
+        node is no suspect), is suspected. A dropped connection is not: it may be a pooled one."""
+        if isinstance(outcome, Unreachable) or (isinstance(outcome, Timeout) and not patience_s):
+            self._suspects[node_id] = time.monotonic() + _SUSPECT_S
 
     def _read_hinted(
         self, keys: list[BlockKey], views: list[memoryview] | None, verify: bool, exact_size: bool, out: list[Any]
@@ -508,6 +536,7 @@ class ClientCore:
         for job, idx, outcome in zip(jobs, per_node.values(), (yield from daemons(jobs)), strict=True):
             raise_failure(outcome)
             if unreachable(outcome):
+                self.note_unreachable(job.node_id, outcome, job.patience_s)
                 missed.extend(keys[i] for i in idx)
                 continue
             hits, made = outcome
@@ -546,6 +575,12 @@ class ClientCore:
         patience = self.config.failover_ms / 1000
         while plan:
             rounds = plan.round()
+            suspects = [group for (node_id, _), group in rounds.items() if self.suspected(node_id)]
+            if suspects:  # their next replicas, or misses at once
+                for group in suspects:
+                    for i, _ in group:
+                        plan.missed(i)
+                continue
             # A node that does not begin answering within the patience is given up for the next
             # replicas, where every block it was asked for has one (a dead, frozen or cut-off node).
             jobs = [
@@ -553,7 +588,9 @@ class ClientCore:
                             patience if all(plan.has_next(i) for i, _ in group) else 0.0)
                 for (node_id, address), group in rounds.items()
             ]  # fmt: skip
-            for (place, group), outcome in zip(rounds.items(), (yield from daemons(jobs)), strict=True):
+            for job, (place, group), outcome in zip(jobs, rounds.items(), (yield from daemons(jobs)), strict=True):
+                if unreachable(outcome):
+                    self.note_unreachable(job.node_id, outcome, job.patience_s)
 
                 def hit(i: int, size: object, place: tuple[str, str] = place) -> bool:
                     if size is None:

@@ -28,6 +28,10 @@ BACKGROUND: set[asyncio.Future[None]] = set()
 """Tasks nobody awaits (a batch of reads being sent), kept from the collector."""
 
 
+class _GaveUp(Exception):
+    """A request's patience ran out before its reply began (see :meth:`AsyncLink.request`)."""
+
+
 class AsyncLink:
     """One pipelined connection: requests go out as they come; a reader task matches replies (and
     the block bytes behind a ReadReply) to their requests by id. A failure or a timeout closes it
@@ -52,6 +56,8 @@ class AsyncLink:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._waiting: dict[int, asyncio.Future[tuple[Message, bytes]]] = {}
+        self._begun: set[int] = set()
+        """Requests whose reply's payload is being read now (past any patience of theirs)."""
         self._connecting: asyncio.Lock = asyncio.Lock()
 
     async def _connect(self) -> asyncio.StreamWriter:
@@ -88,7 +94,12 @@ class AsyncLink:
                 data = b""
                 if isinstance(reply, ReadReply):
                     total = sum(n for n in reply.sizes if n > 0)
-                    data = await reader.readexactly(total) if total else b""
+                    if total:
+                        self._begun.add(request_id)  # its patience is over: the bytes are coming
+                        try:
+                            data = await reader.readexactly(total)
+                        finally:
+                            self._begun.discard(request_id)
                 future = self._waiting.pop(request_id, None)
                 if future is not None and not future.done():
                     future.set_result((reply, data))
@@ -119,9 +130,9 @@ class AsyncLink:
         patience: float = 0.0,
     ) -> tuple[R, bytes]:  # fmt: skip
         """One request and its reply; a retry passes the first attempt's ``request_id``. ``patience``:
-        give this request up (a Timeout) when its reply has not come within it, leaving the
+        give this request up (a Timeout) when its reply has not begun within it, leaving the
         connection and the other requests on it be (a reply that comes later is read and dropped);
-        0: the link's timeout, which fails them all."""
+        a reply begun has the link's timeout, which fails them all."""
         writer = self._writer or await self._connect()
         request_id = request_id or next(self._ids)
         future: asyncio.Future[tuple[Message, bytes]] = asyncio.get_running_loop().create_future()
@@ -132,13 +143,14 @@ class AsyncLink:
         else:
             writer.write(frame)
         what = f"{type(message).__name__} to {self.address}"
+        impatient = asyncio.get_running_loop().call_later(patience, self._give_up, request_id) if patience else None
         try:
             if writer.transport.get_write_buffer_size() > 1 << 20:
                 await asyncio.wait_for(writer.drain(), self.timeout)
-            reply, data = await asyncio.wait_for(future, patience or self.timeout)
+            reply, data = await asyncio.wait_for(future, self.timeout)
+        except _GaveUp:
+            raise Timeout(f"{what}: no reply began within {patience} s") from None
         except TimeoutError:
-            if patience:
-                raise Timeout(f"{what}: no reply within {patience} s") from None
             self._fail_all(Timeout(f"{what}: no reply within {self.timeout} s"))
             raise Timeout(f"{what}: no reply within {self.timeout} s") from None
         except (OSError, ConnectionError) as exc:
@@ -146,11 +158,20 @@ class AsyncLink:
             raise ConnectionFailed(f"{what}: {exc}") from None
         finally:
             self._waiting.pop(request_id, None)
+            if impatient is not None:
+                impatient.cancel()
         if isinstance(reply, ErrorReply):
             raise reply.to_error()
         if not isinstance(reply, expect):
             raise ProtocolError(f"{what} got {type(reply).__name__}, expected {expect.__name__}")
         return reply, data
+
+    def _give_up(self, request_id: int) -> None:
+        """A request's patience ran out: unless its reply has begun, it ends (with _GaveUp) alone."""
+        if request_id not in self._begun:
+            future = self._waiting.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_exception(_GaveUp())
 
     async def close(self) -> None:
         self._fail_all(ConnectionFailed(f"the connection to {self.address} is closed"))

@@ -242,10 +242,11 @@ class Store:
         place = self._core.hinted(key)
         if place is None:
             return None
+        patience = self.config.failover_ms / 1000
         try:
-            path = self._paths.path(*place)
-            [found], [made] = path.read_direct([key], [view], exact_size, self.config.failover_ms / 1000)
-        except KVStoreError:
+            [found], [made] = self._paths.path(*place).read_direct([key], [view], exact_size, patience)
+        except KVStoreError as exc:
+            self._core.note_unreachable(place[0], exc, patience)
             found = None
         if found is None:
             # Not there, or its node failed: the core asks the master, not that node again (a

@@ -89,3 +89,28 @@ def test_a_frozen_replica_is_given_up_after_the_failover_patience_not_the_timeou
             assert time.monotonic() - began < 15.0
         finally:
             daemon.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_after_a_node_failed_a_read_its_single_copies_miss_at_once(cluster: LocalCluster, face: str) -> None:
+    """Blocks with one copy on a frozen node: the first read waits the client's timeout and misses;
+    from then on (for a second) the client reads nothing from that node, so another such block is a
+    miss at once, not another whole timeout; blocks with a copy elsewhere are read there."""
+    node = cluster.node_name(0)
+    daemon = cluster.daemons[0]
+    assert daemon is not None
+    with Store.connect(cluster.master_address, TCP) as writer:
+        for i in range(3):
+            writer.put(f"alone-{face}-{i}", b"a" * 4096, PutOptions(preferred_node=node))
+    keys, data, _ = put_twice(cluster, f"paired-{face}")
+    timeout = 3.0
+    with connect_client(face, cluster.master_address, ClientConfig(transport="tcp", timeout_s=timeout)) as reader:
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            assert reader.get(f"alone-{face}-0") is None  # waited the timeout: the node is suspected now
+            began = time.monotonic()
+            assert reader.get(f"alone-{face}-1") is None
+            assert reader.get_many([f"alone-{face}-2", *keys], verify=True) == [None, *data]
+            assert time.monotonic() - began < timeout / 2
+        finally:
+            daemon.send_signal(signal.SIGCONT)
