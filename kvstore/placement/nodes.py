@@ -74,6 +74,15 @@ class Membership:
     def __init__(self, catalog: Catalog, *, ttl_ms: int) -> None:
         self.catalog = catalog
         self.ttl_ms = ttl_ms
+        self.gone_changed: set[str] = set()
+        """Nodes whose :attr:`NodeState.gone` changed since :meth:`take_gone_changes` (an HA leader
+        keeps them in etcd: a new leader must drop them too)."""
+
+    def take_gone_changes(self) -> dict[str, Gone]:
+        """The nodes whose ``gone`` changed since the last call, each with it now (empty: cleared)."""
+        changed, self.gone_changed = self.gone_changed, set()
+        nodes = self.catalog.nodes
+        return {n: set(nodes[n].gone) if n in nodes else set() for n in changed}
 
     def register_node(
         self,
@@ -85,6 +94,7 @@ class Membership:
         inventory: Sequence[HeldBlock],
         now_ms: int,
         max_blocks: int = 0,
+        gone: Gone | None = None,
     ) -> list[NodeCommand]:
         """(Re)build what the table knows of ``node_id`` from its inventory (oldest use first).
 
@@ -96,7 +106,7 @@ class Membership:
         drops that copy and not the one kept. So are the blocks the table had
         given up on this node and whose drop the daemon had not confirmed (a
         removed key, an evicted copy): adopting them would bring back a key a
-        remove took away.
+        remove took away; and so are those ``gone`` names (an earlier leader's, from etcd).
         """
         cat = self.catalog
         validate_key(node_id)
@@ -106,7 +116,10 @@ class Membership:
             i for i in inventory if 0 < i.size <= MAX_NODE_BYTES and 0 <= i.checksum < MAX_CHECKSUM and _is_key(i.key)
         ]  # fmt: skip
         old = cat.nodes.get(node_id)
-        gone = self._dropping_on(node_id) | (old.gone if old is not None else set())
+        earlier = old.gone if old is not None else set()
+        gone = self._dropping_on(node_id) | earlier | (gone or set())
+        if gone != earlier:
+            self.gone_changed.add(node_id)
         commands = self._forget_node(node_id)
         capacity = dram_capacity - dram_capacity % alignment
         conflicts: dict[TierName, list[tuple[str, int]]] = {DRAM: [], SSD: []}
@@ -299,6 +312,7 @@ class Membership:
         node.up = True
         if node.gone:
             node.gone = set()  # its registration's answer was taken (see register_node)
+            self.gone_changed.add(node_id)
         return True
 
     def ssd_health(self, node_id: str, capacity: int, configured: int, fault: str) -> None:
@@ -336,6 +350,7 @@ class Membership:
         node = self.catalog.nodes[node_id]
         node.up, node.fenced = False, True
         node.gone |= self._dropping_on(node_id, forget=True)
+        self.gone_changed.add(node_id)
 
     def gone_with(self, command: NodeCommand) -> None:
         """Note in its fenced node's :attr:`NodeState.gone` the blocks ``command`` drops or demotes
@@ -344,6 +359,7 @@ class Membership:
         node = cat.nodes.get(command.node_id)
         if node is None or node.gen != command.node_gen or command.kind is ActionKind.PROMOTE:
             return
+        self.gone_changed.add(node.node_id)
         gens = command.gens or (0,) * len(command.keys)
         at = command.at or (-1,) * len(command.keys)
         for key, gen, offset in zip(command.keys, gens, at, strict=True):

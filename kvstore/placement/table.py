@@ -122,9 +122,10 @@ class PlacementTable:
         inventory: Sequence[HeldBlock],
         now_ms: int,
         max_blocks: int = 0,
+        gone: set[tuple[str, TierName, int]] | None = None,
     ) -> list[NodeCommand]:
         return self._membership.register_node(
-            node_id, address, dram_capacity, ssd_capacity, alignment, inventory, now_ms, max_blocks
+            node_id, address, dram_capacity, ssd_capacity, alignment, inventory, now_ms, max_blocks, gone
         )
 
     def check_blocks(
@@ -162,6 +163,17 @@ class PlacementTable:
 
     def is_draining(self, node_id: str) -> bool:
         return node_id in self._catalog.draining
+
+    def take_gone_changes(self) -> dict[str, set[tuple[str, TierName, int]]]:
+        return self._membership.take_gone_changes()
+
+    def gone_pending(self) -> bool:
+        """Whether some node's ``gone`` changed since :meth:`take_gone_changes`."""
+        return bool(self._membership.gone_changed)
+
+    def gone_changed(self, node_id: str) -> None:
+        """``node_id``'s ``gone`` is to be taken again (keeping it in etcd failed)."""
+        self._membership.gone_changed.add(node_id)
 
     def postpone_fences(self, now_ms: int, by_ms: int) -> None:
         self._membership.postpone_fences(now_ms, by_ms)

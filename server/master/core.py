@@ -10,6 +10,8 @@ two awaits is atomic; what the daemons must do is carried out by :mod:`server.ma
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from collections import Counter
@@ -23,8 +25,10 @@ from kvstore.errors import (
     AuthFailed,
     CapacityError,
     InvalidArgument,
+    KVStoreError,
     NotFound,
     NotLeader,
+    ProtocolError,
     QuotaExceeded,
     RetryLater,
     Timeout,
@@ -124,6 +128,7 @@ class MasterCore:
         """Tenants and their quotas, and the seals of their reservations (None: no tenants)."""
         self.loop_stall_max: Callable[[], float] | None = None
         """The longest the event loop went without turning, in seconds (the service's probe), for Stats."""
+        self._saving_gone = asyncio.Lock()
         self._unplaced: Counter[str] = Counter()
         """Keys every node is dropping now (puts begun with an earlier master, see put_revoke), by
         drops under way: no commit of them is taken until the drop is over."""
@@ -143,7 +148,8 @@ class MasterCore:
 
     # -- nodes ----------------------------------------------------------------------------------
     async def register(self, m: RegisterNode, caller: Identity = ANYONE) -> Message:
-        commands = self.nodes.register(m, now_ms())
+        # What an earlier leader gave up on this node while it was fenced (a new leader knows it from etcd).
+        commands = self.nodes.register(m, now_ms(), await self._load_gone(m.node_id))
         self.commands.forget(m.node_id)  # the inventory superseded them
         # Sent as well, for the table's accounts (an extent freed on the answer); made before the daemon serves.
         own = [c for c in commands if c.node_id == m.node_id and c.kind is ActionKind.DROP]
@@ -165,6 +171,41 @@ class MasterCore:
         self.commands.later(commands, "leave-revokes")
         log.info("node %s left: its blocks are forgotten", m.node_id)
         return OkReply()
+
+    async def _load_gone(self, node_id: str) -> set[tuple[str, TierName, int]] | None:
+        """The blocks an HA leader keeps in etcd for ``node_id`` to drop at its registration (see
+        :meth:`save_gone`); None without etcd. etcd unreachable: ConnectionFailed (the daemon registers
+        again later: adopting its inventory blindly could bring back a removed key)."""
+        election = self.leadership.election
+        if election is None:
+            return None
+        value = await election.load(election.cluster.gone_key(node_id))
+        if value is None:
+            return None
+        try:
+            return {(str(k), TierName(t), int(o)) for k, t, o in json.loads(value)}
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(f"etcd holds a malformed list of blocks for node {node_id!r} to drop: {exc}") from None
+
+    async def save_gone(self) -> None:
+        """Keep in etcd (an HA leader) the blocks each fenced node must drop when it registers again,
+        so that a new leader drops them too: a remove settled by a fence is answered only after this.
+        Without etcd, a no-op. Raises ConnectionFailed or NotLeader when etcd did not take them (they
+        are tried again)."""
+        election = self.leadership.election
+        if election is None:
+            self.table.take_gone_changes()
+            return
+        async with self._saving_gone:  # one at a time: a later list never overwritten by an earlier one
+            changes = self.table.take_gone_changes()
+            for node_id, gone in changes.items():
+                value = json.dumps(sorted([k, t.value, o] for k, t, o in gone)).encode() if gone else None
+                try:
+                    await election.save(election.cluster.gone_key(node_id), value)
+                except KVStoreError:
+                    for again in changes:
+                        self.table.gone_changed(again)
+                    raise
 
     def _peers(self) -> list[str]:
         return [n.node_id for n in self.table.up_nodes()]
@@ -526,6 +567,7 @@ class MasterCore:
             # The blocks are out of the table, but a daemon that did not confirm may still serve
             # them to a reader that goes to it directly: say so (the drop is retried until done).
             raise Timeout("a node holding removed blocks did not confirm dropping them yet; they are retried")
+        await self.save_gone()  # drops settled by a fence: a new leader must make them too
         return RemoveReply(removed, held)
 
     def _dropping(self, keys: list[str]) -> list[str]:

@@ -33,6 +33,7 @@ import aetcd
 import aetcd.exceptions
 import aetcd.rtypes
 
+from kvstore.errors import ConnectionFailed, NotLeader
 from transfer.discovery import EtcdCluster, MasterRecord
 from transfer.wire import parse_address
 
@@ -229,6 +230,28 @@ class Election:
         self.etcd_reachable = True
 
     # -- etcd plumbing -----------------------------------------------------------------------
+    async def save(self, key: bytes, value: bytes | None) -> None:
+        """Put ``value`` under ``key`` in etcd (None: delete it), while this master leads; raises
+        NotLeader when it does not, ConnectionFailed when etcd does not take it."""
+        if not self.leading():
+            raise NotLeader(f"master {self.record.address} no longer leads: it writes nothing to etcd")
+        try:
+            client = await self._connect()
+            await self._bounded(client.delete(key) if value is None else client.put(key, value))
+        except (aetcd.exceptions.ClientError, OSError, TimeoutError) as exc:
+            self.etcd_errors += 1
+            raise ConnectionFailed(f"etcd did not take {key.decode()!r}: {exc}") from None
+
+    async def load(self, key: bytes) -> bytes | None:
+        """The value under ``key`` in etcd (None: none); ConnectionFailed when etcd does not answer."""
+        try:
+            client = await self._connect()
+            held = await self._bounded(client.get(key))
+        except (aetcd.exceptions.ClientError, OSError, TimeoutError) as exc:
+            self.etcd_errors += 1
+            raise ConnectionFailed(f"etcd did not answer a read of {key.decode()!r}: {exc}") from None
+        return None if held is None else bytes(held.value)
+
     def _masters_key(self) -> bytes:
         return self.cluster.masters_prefix + self.record.address.encode()
 

@@ -86,9 +86,12 @@ class NodeRegistry:
         self._stale: list[AsyncConnection] = []
 
     # -- membership ----------------------------------------------------------------------------
-    def register(self, m: RegisterNode, now_ms: int) -> list[NodeCommand]:
+    def register(
+        self, m: RegisterNode, now_ms: int, gone: set[tuple[str, TierName, int]] | None = None
+    ) -> list[NodeCommand]:
         """(Re)register a node from its daemon's message; returns drops for blocks the table
-        could not adopt. A node that comes back at another address gets a new link."""
+        could not adopt (and those ``gone`` names: see PlacementTable.register_node). A node that
+        comes back at another address gets a new link."""
         commands = self.table.register_node(
             m.node_id,
             m.address,
@@ -98,6 +101,7 @@ class NodeRegistry:
             held_blocks(m.inventory),
             now_ms,
             m.max_blocks,
+            gone,
         )
         info = NodeInfo(
             m.node_id, m.address, m.rails or [m.address], m.host_id, m.arena_path, m.arena_inode, m.nics, m.rdma,

@@ -71,7 +71,7 @@ log = logging.getLogger("kvstore.master")
 Handler = Callable[[Any, Identity], Awaitable[Message]]
 
 # Requests whose handlers wait for daemons (they run in a task; the others are answered inline).
-_WAITS: frozenset[type[Message]] = frozenset({PutStart, PutRevoke, GrantSpace, Remove, Replicate})
+_WAITS: frozenset[type[Message]] = frozenset({PutStart, PutRevoke, GrantSpace, Remove, Replicate, RegisterNode})
 
 # Requests whose repetition would change the outcome: their answers are kept for retries.
 _NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset(

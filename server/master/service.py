@@ -22,6 +22,7 @@ from kvstore.errors import ConfigError, KVStoreError
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import EvictionPolicy
 from kvstore.protocol import Message, OkReply, TenantsPolicy
+from kvstore.ratelog import RateLimitedLog
 from kvstore.tenants import is_legacy
 from server.master.answers import Answers
 from server.master.commands import Commands, Lane
@@ -65,6 +66,7 @@ class MasterService:
         )  # fmt: skip
         """The nodes, and through them the placement table (:attr:`table`)."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self._gone_failures = RateLimitedLog(log)
         self.leadership = Leadership(config, lambda: set(self.nodes.table.nodes))
         self.commands = Commands(self.nodes, self._spawn, self.config.reservation_ms)
         self.core = MasterCore(config, self.nodes, self.commands, self.leadership, self.authority)
@@ -254,6 +256,13 @@ class MasterService:
             if policy is self._policy:
                 self._policy_told.discard(node_id)
 
+    async def _save_gone(self) -> None:
+        """Keep what fenced nodes must drop in etcd (MasterCore.save_gone), in the background."""
+        try:
+            await self.core.save_gone()
+        except KVStoreError as exc:
+            self._gone_failures.warning("save-gone", "keeping fenced nodes' drops in etcd failed (%s); will retry", exc)
+
     async def _probe_stalls(self) -> None:
         period = self.stalls.period_s
         while True:
@@ -275,6 +284,8 @@ class MasterService:
                     self.table.postpone_fences(now_ms(), self.config.node_ttl_ms // 2)
                 last = now
                 self.commands.tick(self.table, now_ms())
+                if self.leadership.election is not None and self.table.gone_pending():
+                    self._spawn(self._save_gone(), "save-gone")
                 self.evictions.add(self.table.take_evictions(), time.time())
                 for link in self.nodes.take_stale():
                     self._spawn(link.close(), "close-daemon-link")

@@ -19,11 +19,13 @@ import pytest
 
 from kvstore.config import ClientConfig, MasterConfig
 from kvstore.errors import ConfigError, KVStoreError, NotLeader
+from kvstore.node_store import PutStatus
 from kvstore.protocol import Stats, StatsReply
 from kvstore_cli.cluster import LocalCluster, LocalEtcd, free_port
-from kvstore_client import Store
+from kvstore_client import PutOptions, Store
 from tests.conftest import FACES, admin_call, connect_client
-from transfer.discovery import EtcdCluster, read_masters
+from tests.fault.test_fencing import read_by_key
+from transfer.discovery import EtcdCluster, etcd_range, read_masters
 from transfer.rpc import HA_ATTEMPT_S, Connection
 
 pytestmark = [
@@ -255,6 +257,32 @@ def test_a_call_waiting_on_a_frozen_leader_goes_to_its_successor_once_elected(ha
         finally:
             proc.send_signal(signal.SIGCONT)
         assert took < HA_ATTEMPT_S, f"the call waited {took:.2f} s: the attempt's timeout, not the election"
+
+
+def test_a_remove_settled_by_a_fence_holds_across_a_leader_change(ha: LocalCluster) -> None:
+    """A remove of a key with a copy on a frozen daemon is answered once that node is fenced; the
+    leader keeps what the node must drop in etcd, so when the leader dies before the node comes back,
+    its successor drops the removed key at the node's registration instead of adopting it."""
+    with Store.connect(ha.master_address, ClientConfig(timeout_s=15.0, transport="tcp")) as store:
+        assert store.put("k", b"v" * 4096, PutOptions(replicas=2)) == PutStatus.STORED
+        daemon = ha.daemons[0]
+        assert daemon is not None
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            assert store.remove("k")  # answered once the frozen node is fenced
+            assert etcd_range(EtcdCluster((str(ha.etcd),), CLUSTER), b"/kvstore/" + CLUSTER.encode() + b"/gone/"
+                              + ha.node_name(0).encode(), 2.0)  # fmt: skip
+            old = ha.leader_index()
+            ha.kill_ha_master(old)
+            deadline = time.monotonic() + 15
+            while ha.leader_index() == old:
+                assert time.monotonic() < deadline, "the standby never took over"
+                time.sleep(0.05)
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        ha.wait_for_nodes(2)  # node 0 registered with the new leader
+        assert not store.exists("k") and store.get("k") is None
+        assert read_by_key(ha.daemon_addresses[0], "k") is None
 
 
 def test_etcd_unreachable_at_start_names_the_endpoints_and_serves_nothing() -> None:
