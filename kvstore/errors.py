@@ -115,11 +115,6 @@ class ConnectionFailed(KVStoreError, ConnectionError):
     code = 41
 
 
-class Unreachable(ConnectionFailed):
-    """A new connection to a peer failed (nothing listens there, no route): not a dropped one. The
-    same code on the wire as ConnectionFailed."""
-
-
 class RetryLater(KVStoreError):
     """The key is being moved, removed or written right now; the same call may succeed shortly."""
 
@@ -181,8 +176,6 @@ def _all_subclasses(cls: type[KVStoreError]) -> list[type[KVStoreError]]:
 def _build_registry() -> dict[int, type[KVStoreError]]:
     registry: dict[int, type[KVStoreError]] = {}
     for cls in _all_subclasses(KVStoreError):
-        if "code" not in vars(cls):
-            continue  # a local refinement of its parent's code (Unreachable): the parent on the wire
         other = registry.setdefault(cls.code, cls)
         assert other is cls, f"error code {cls.code} used by {other.__name__} and {cls.__name__}"
     return registry

@@ -38,7 +38,6 @@ from kvstore.errors import (
     KVStoreError,
     RetryLater,
     Timeout,
-    Unreachable,
 )
 from kvstore.keys import BlockKey, checksum, validate_key
 from kvstore.node_store import PutStatus
@@ -111,9 +110,10 @@ from kvstore_client.reads import Failover, raise_failure, unreachable
 T = TypeVar("T")
 
 _SUSPECT_S = 1.0
-"""How long after one of its daemons was not reached (refused, reset) or did not answer within the
-whole timeout this client reads nothing from that node: a block with another replica is read there,
-one without is a miss at once, not another wait (the master fences a silent node within its TTL,
+"""How long after one of its daemons did not answer within the whole timeout this client suspects
+that node: a block with another replica is read there, one without is read with the failover
+patience (a miss within it, not another whole timeout), and reads by remembered location ask the
+master. An answer from the node ends it sooner (the master fences a silent node within its TTL,
 1 s by default, and lists it no more)."""
 
 _GRANTS_PAUSE_S = 10.0
@@ -498,7 +498,7 @@ class ClientCore:
         return place
 
     def suspected(self, node_id: str) -> bool:
-        """Whether this client reads nothing from ``node_id`` now (see :data:`_SUSPECT_S`)."""
+        """Whether this client suspects ``node_id`` now (see :data:`_SUSPECT_S`)."""
         until = self._suspects.get(node_id)
         if until is None:
             return False
@@ -508,10 +508,10 @@ class ClientCore:
         return False
 
     def note_unreachable(self, node_id: str, outcome: object, patience_s: float) -> None:
-        """A read from ``node_id`` ended with ``outcome``: a node that a new connection did not reach
-        (nothing listens), or silent for the whole timeout (not only a read's ``patience_s``: a busy
-        node is no suspect), is suspected. A dropped connection is not: it may be a pooled one."""
-        if isinstance(outcome, Unreachable) or (isinstance(outcome, Timeout) and not patience_s):
+        """A read from ``node_id`` ended with ``outcome``: a node silent for the whole timeout (not only
+        a read's ``patience_s``: a busy node is no suspect) is suspected. One that refused or dropped
+        the connection is not: that costs no wait (and a daemon restarted is read again at once)."""
+        if isinstance(outcome, Timeout) and not patience_s:
             self._suspects[node_id] = time.monotonic() + _SUSPECT_S
 
     def _read_hinted(
@@ -575,22 +575,26 @@ class ClientCore:
         patience = self.config.failover_ms / 1000
         while plan:
             rounds = plan.round()
-            suspects = [group for (node_id, _), group in rounds.items() if self.suspected(node_id)]
-            if suspects:  # their next replicas, or misses at once
-                for group in suspects:
-                    for i, _ in group:
-                        plan.missed(i)
+            suspects = {node_id for node_id, _ in rounds if self.suspected(node_id)}
+            skipped = [i for (node_id, _), group in rounds.items() if node_id in suspects for i, _ in group
+                       if plan.has_next(i)]  # fmt: skip
+            if skipped:  # a suspected node's blocks with another replica: read there
+                for i in skipped:
+                    plan.missed(i)
                 continue
             # A node that does not begin answering within the patience is given up for the next
-            # replicas, where every block it was asked for has one (a dead, frozen or cut-off node).
+            # replicas, where every block it was asked for has one (a dead, frozen or cut-off node);
+            # so is a suspected node for its blocks' last replicas: a miss within it, not a timeout.
             jobs = [
                 ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group],
-                            patience if all(plan.has_next(i) for i, _ in group) else 0.0)
+                            patience if node_id in suspects or all(plan.has_next(i) for i, _ in group) else 0.0)
                 for (node_id, address), group in rounds.items()
             ]  # fmt: skip
             for job, (place, group), outcome in zip(jobs, rounds.items(), (yield from daemons(jobs)), strict=True):
                 if unreachable(outcome):
                     self.note_unreachable(job.node_id, outcome, job.patience_s)
+                elif job.node_id in suspects:
+                    self._suspects.pop(job.node_id, None)  # it answered: back
 
                 def hit(i: int, size: object, place: tuple[str, str] = place) -> bool:
                     if size is None:

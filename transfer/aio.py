@@ -13,7 +13,7 @@ import ssl
 from typing import TypeVar
 
 from kvstore.auth import ClientHandshake, Credential
-from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout, Unreachable
+from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout
 from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, ErrorReply, Message, decode_payload, encode
 from transfer.tls import refusal
 from transfer.wire import parse_address
@@ -53,7 +53,7 @@ async def open_stream(
     except ssl.SSLError as exc:
         raise refusal(exc, f"connecting to {address}") from None
     except OSError as exc:
-        raise Unreachable(f"connecting to {address}: {exc.strerror or exc}") from None
+        raise ConnectionFailed(f"cannot connect to {address}: {exc.strerror or exc}") from None
 
 
 async def authenticate_stream(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import ModuleType
 
-from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout, Unreachable
+from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout
 from kvstore.keys import checksum
 from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, Message, decode_payload, encode
 from transfer import native
@@ -82,11 +82,8 @@ def cut(sock: socket.socket) -> None:
 
 def connect(address: str, timeout: float) -> socket.socket:
     host, port = parse_address(address)
-    try:
-        with io_errors(f"connecting to {address}"):
-            sock = socket.create_connection((host, port), timeout=timeout)
-    except ConnectionFailed as exc:
-        raise Unreachable(str(exc)) from None
+    with io_errors(f"connecting to {address}"):
+        sock = socket.create_connection((host, port), timeout=timeout)
     set_timeouts(sock, timeout)
     return sock
 

@@ -94,8 +94,9 @@ def test_a_frozen_replica_is_given_up_after_the_failover_patience_not_the_timeou
 @pytest.mark.parametrize("face", FACES)
 def test_after_a_node_failed_a_read_its_single_copies_miss_at_once(cluster: LocalCluster, face: str) -> None:
     """Blocks with one copy on a frozen node: the first read waits the client's timeout and misses;
-    from then on (for a second) the client reads nothing from that node, so another such block is a
-    miss at once, not another whole timeout; blocks with a copy elsewhere are read there."""
+    from then on (for a second, or until it answers) the client suspects that node, so another such
+    block is a miss within the failover patience, not another whole timeout; blocks with a copy
+    elsewhere are read there."""
     node = cluster.node_name(0)
     daemon = cluster.daemons[0]
     assert daemon is not None
