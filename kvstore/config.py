@@ -483,6 +483,12 @@ class MasterConfig(_Frozen):
                 "cluster_id names an HA cluster in etcd and needs etcd endpoints (and etcd needs a cluster_id);"
                 " without etcd a master runs alone: two masters of one cluster cannot agree who leads"
             )
+        if self.node_ttl_ms < 2 * self.heartbeat_interval_ms or self.node_ttl_ms < 100:
+            raise ValueError(
+                f"node_ttl_ms ({self.node_ttl_ms}) must be at least two heartbeats ({self.heartbeat_interval_ms} ms"
+                " each) and 100 ms: a daemon serves within a lease of 0.9 TTL - 20 ms from its last answered"
+                " heartbeat, and the master fences a node silent for a whole TTL"
+            )
         return self
 
 

@@ -77,6 +77,7 @@ def test_cross_field_rules() -> None:
         (lambda: ClientConfig(transport="carrier-pigeon"), "transport='carrier-pigeon'"),
         (lambda: ClientConfig(slice_bytes="12XB"), r"slice_bytes='12XB': size '12XB' is not a number"),
         (lambda: MasterConfig(port=70000), "port=70000"),
+        (lambda: MasterConfig(node_ttl_ms=300, heartbeat_interval_ms=200), r"node_ttl_ms \(300\) must be at least two"),
         (lambda: DaemonConfig(dram={"capacity": 0}), r"invalid DaemonConfig: dram.capacity=0"),
         (lambda: EvictionConfig(high_watermark=2), "high_watermark=2"),
         (lambda: NodeConfig(ssd={"capacity": -1}), r"ssd.capacity=-1: size must not be negative"),
