@@ -106,13 +106,13 @@ def _iptables(*args: str) -> None:
 
 
 def fill(path: Path) -> None:
-    """Write ``path`` until its filesystem has no room left (ENOSPC)."""
+    """Write ``path`` until its filesystem has no room left (ENOSPC). Unbuffered: a buffered file's
+    close would flush what the full disk refused, and raise it (it once ended a run's faults)."""
     chunk = b"\0" * (1 << 20)
-    with open(path, "wb") as f:
+    with open(path, "wb", buffering=0) as f:
         try:
             while True:
                 f.write(chunk)
-                f.flush()
         except OSError:
             pass
 
