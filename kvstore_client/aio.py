@@ -222,7 +222,7 @@ class AsyncStore:
         """The batching of this node's reads by key, each batch given up after ``failover_ms``."""
         batcher = self._readers.get(address)
         if batcher is None:
-            batcher = self._readers[address] = ReadBatcher(self._link(address), self.config.failover_ms / 1000)
+            batcher = self._readers[address] = ReadBatcher(self._link(address), self._core.failover_s)
         return batcher
 
     async def _read_direct(self, job: ReadDirect) -> tuple[list[Direct | None], list[Any]]:
@@ -360,7 +360,7 @@ class AsyncStore:
         try:
             answer = await self._batcher(place[1]).read(key)
         except KVStoreError as exc:
-            self._core.note_unreachable(place[0], exc, self.config.failover_ms / 1000)
+            self._core.note_unreachable(place[0], exc, self._core.failover_s)
             answer = None
         if answer is None:
             # Not there, or its node failed: the core asks the master, not that node again (a

@@ -497,6 +497,12 @@ class ClientCore:
             return None
         return place
 
+    @property
+    def failover_s(self) -> float:
+        """How long a read waits for a daemon to begin answering when it has somewhere else to go
+        (``ClientConfig.failover_ms``, in seconds)."""
+        return self.config.failover_ms / 1000
+
     def suspected(self, node_id: str) -> bool:
         """Whether this client suspects ``node_id`` now (see :data:`_SUSPECT_S`)."""
         until = self._suspects.get(node_id)
@@ -526,7 +532,7 @@ class ClientCore:
                 per_node.setdefault(place, []).append(i)
         if not per_node:
             return list(range(len(keys)))
-        patience = self.config.failover_ms / 1000  # a node that does not answer: the master's way instead
+        patience = self.failover_s  # a node that does not answer: the master's way instead
         jobs = [
             ReadDirect(node_id, address, [keys[i] for i in idx],
                        [views[i] for i in idx] if views is not None else [None] * len(idx), exact_size, patience)
@@ -572,7 +578,7 @@ class ClientCore:
         """Read located blocks, each from its replicas in turn; returns the node each was read from."""
         plan = Failover({i: loc for i, (loc, _) in blocks.items()})
         where: dict[int, tuple[str, str]] = {}
-        patience = self.config.failover_ms / 1000
+        patience = self.failover_s
         while plan:
             rounds = plan.round()
             suspects = {node_id for node_id, _ in rounds if self.suspected(node_id)}

@@ -242,7 +242,7 @@ class Store:
         place = self._core.hinted(key)
         if place is None:
             return None
-        patience = self.config.failover_ms / 1000
+        patience = self._core.failover_s
         try:
             [found], [made] = self._paths.path(*place).read_direct([key], [view], exact_size, patience)
         except KVStoreError as exc:

@@ -55,8 +55,7 @@ def set_timeouts(sock: socket.socket, timeout: float) -> None:
     fails with EAGAIN, which :func:`io_errors` reports as a Timeout.
     """
     sock.settimeout(None)
-    seconds = int(timeout)
-    value = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
+    value = _timeval(timeout)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -69,8 +68,13 @@ def set_recv_timeout(sock: socket.socket, timeout: float) -> None:
     if sock.gettimeout() is not None:
         sock.settimeout(timeout)
         return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
+
+
+def _timeval(timeout: float) -> bytes:
+    """``timeout`` seconds as the kernel's struct timeval (SO_RCVTIMEO, SO_SNDTIMEO)."""
     seconds = int(timeout)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, int((timeout - seconds) * 1e6)))
+    return struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
 
 
 def cut(sock: socket.socket) -> None:

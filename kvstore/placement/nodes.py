@@ -363,10 +363,9 @@ class Membership:
         gens = command.gens or (0,) * len(command.keys)
         at = command.at or (-1,) * len(command.keys)
         for key, gen, offset in zip(command.keys, gens, at, strict=True):
-            found = cat.replica(key, node.node_id, gen) if gen else None
             if offset >= 0:  # a reservation given up there: a block of the key elsewhere is another put's
                 node.gone.add((key, DRAM, offset))
-            elif found is not None:
+            elif (found := cat.replica(key, node.node_id, gen) if gen else None) is not None:
                 replica = found[1]
                 where = replica.extent.offset if replica.extent is not None else -1
                 node.gone.update(_gone_of(key, replica.tier, where, command.tier_only))

@@ -503,7 +503,7 @@ class DaemonServer:
             grant, refused = self.grants.begin_write(
                 msg.grant_id, tenant, keys, msg.offsets, msg.sizes, sock, time.monotonic()
             )
-        else:  # fenced: the master forgot this node's grants (a cached put's block would be dropped after its answer)
+        else:  # lease over: the master may have fenced this node, and a cached put answered now could be lost
             refused = [GrantExpired("this node is fenced from the master; its grants ended")] * n
         try:
             self._write_into_grant(msg, keys, refused, tenant, sock, request_id)

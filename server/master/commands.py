@@ -202,23 +202,20 @@ class Commands:
                     continue
                 if node.fenced:  # its daemon serves nothing until it registers, which drops these
                     table.settle_fenced(command)
-                    self._track(commands[done : i + 1], -1)
-                    done = i + 1
-                    self.room.freed()
-                    continue
-                try:
-                    reply = await self.call(command.node_id, Lane.BLOCKS, _message(command), CommandReply)
-                except KVStoreError as exc:
-                    self._failures.warning(f"command-{command.kind.value}-{command.node_id}",
-                                           "command %s to %s failed (%s); will retry", command.kind.value,
-                                           command.node_id, exc)  # fmt: skip
-                    if self.current(table):
-                        self.retry.extend(commands[i:])
-                        done = len(commands)  # still dropping: they are sent again
-                    return False
-                if not self.current(table):
-                    return True  # answered to a term that ended while it ran: the new one rebuilds
-                table.apply(command, reply.done)
+                else:
+                    try:
+                        reply = await self.call(command.node_id, Lane.BLOCKS, _message(command), CommandReply)
+                    except KVStoreError as exc:
+                        self._failures.warning(f"command-{command.kind.value}-{command.node_id}",
+                                               "command %s to %s failed (%s); will retry", command.kind.value,
+                                               command.node_id, exc)  # fmt: skip
+                        if self.current(table):
+                            self.retry.extend(commands[i:])
+                            done = len(commands)  # still dropping: they are sent again
+                        return False
+                    if not self.current(table):
+                        return True  # answered to a term that ended while it ran: the new one rebuilds
+                    table.apply(command, reply.done)
                 self._track(commands[done : i + 1], -1)
                 done = i + 1
                 self.room.freed()

@@ -235,22 +235,20 @@ class Election:
         NotLeader when it does not, ConnectionFailed when etcd does not take it."""
         if not self.leading():
             raise NotLeader(f"master {self.record.address} no longer leads: it writes nothing to etcd")
-        try:
-            client = await self._connect()
-            await self._bounded(client.delete(key) if value is None else client.put(key, value))
-        except (aetcd.exceptions.ClientError, OSError, TimeoutError) as exc:
-            self.etcd_errors += 1
-            raise ConnectionFailed(f"etcd did not take {key.decode()!r}: {exc}") from None
+        await self._kv(lambda c: c.delete(key) if value is None else c.put(key, value), f"a write of {key.decode()!r}")
 
     async def load(self, key: bytes) -> bytes | None:
         """The value under ``key`` in etcd (None: none); ConnectionFailed when etcd does not answer."""
+        held = await self._kv(lambda c: c.get(key), f"a read of {key.decode()!r}")
+        return None if held is None else bytes(held.value)
+
+    async def _kv(self, call: Callable[[Any], Any], what: str) -> Any:
+        """``call(client)``'s answer, bounded; an etcd that fails it is counted and a ConnectionFailed."""
         try:
-            client = await self._connect()
-            held = await self._bounded(client.get(key))
+            return await self._bounded(call(await self._connect()))
         except (aetcd.exceptions.ClientError, OSError, TimeoutError) as exc:
             self.etcd_errors += 1
-            raise ConnectionFailed(f"etcd did not answer a read of {key.decode()!r}: {exc}") from None
-        return None if held is None else bytes(held.value)
+            raise ConnectionFailed(f"etcd did not answer {what}: {exc}") from None
 
     def _masters_key(self) -> bytes:
         return self.cluster.masters_prefix + self.record.address.encode()
