@@ -105,7 +105,7 @@ from kvstore_client.puts import (
     take_granted,
     take_write_codes,
 )
-from kvstore_client.reads import Failover, raise_failure, unreachable
+from kvstore_client.reads import Failover, raise_failure, refused, unreachable
 
 T = TypeVar("T")
 
@@ -541,7 +541,7 @@ class ClientCore:
         missed: list[str] = []
         for job, idx, outcome in zip(jobs, per_node.values(), (yield from daemons(jobs)), strict=True):
             raise_failure(outcome)
-            if unreachable(outcome):
+            if unreachable(outcome) or refused(outcome):  # the master's way: maybe another replica
                 self.note_unreachable(job.node_id, outcome, job.patience_s)
                 missed.extend(keys[i] for i in idx)
                 continue
@@ -612,6 +612,7 @@ class ClientCore:
                     return True
 
                 plan.take(group, outcome, hit)
+        plan.finish()
         return where
 
     def get_range_many_into(
@@ -646,6 +647,7 @@ class ClientCore:
                 ]  # fmt: skip
                 for group, outcome in zip(rounds.values(), (yield from daemons(jobs)), strict=True):
                     plan.take(group, outcome, lambda _, ok: bool(ok))
+            plan.finish()
             return [length if i in plan.read else None for i in range(len(checked))]
         finally:
             self.release(first_lease, located)

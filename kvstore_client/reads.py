@@ -4,14 +4,17 @@ failure means for a read.
 Both clients read the same way: a block is read from its first replica (a copy this client can
 read locally first, when it has one); a replica that misses (evicted, a stale copy) or whose
 daemon is gone or stalled is followed by the block's next replica; a block is a miss only when
-every replica failed. Any other error (a malformed reply, a buffer too small) fails the read.
+every replica failed. A daemon that answers NotReady (its lease with the master lapsed: it may
+not vouch for what it holds) is followed by the next replica too, but a block whose last replica
+answered so fails the read with that error: it may well be stored, so a miss would be a lie. Any
+other error (a malformed reply, a buffer too small) fails the read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvstore.errors import ConnectionFailed, Timeout
+from kvstore.errors import ConnectionFailed, NotReady, Timeout
 from kvstore.protocol import LocatedRef, ReplicaRef
 
 Place = tuple[str, str]
@@ -24,9 +27,15 @@ def unreachable(outcome: object) -> bool:
     return isinstance(outcome, ConnectionFailed | Timeout)
 
 
+def refused(outcome: object) -> bool:
+    """Whether a daemon job's outcome says its node may not serve now (NotReady): its blocks are
+    read elsewhere, and a block with nowhere else to go fails the read with it."""
+    return isinstance(outcome, NotReady)
+
+
 def raise_failure(outcome: object) -> None:
-    """Raise an outcome that is an error other than an unreachable node."""
-    if isinstance(outcome, BaseException) and not unreachable(outcome):
+    """Raise an outcome that is an error other than an unreachable or refusing node."""
+    if isinstance(outcome, BaseException) and not unreachable(outcome) and not refused(outcome):
         raise outcome
 
 
@@ -49,6 +58,8 @@ class Failover:
                 self._order[i] = replicas
         self._at = dict.fromkeys(self._order, 0)
         self.read: set[int] = set()
+        self.unserved: NotReady | None = None
+        """The refusal of a block's last replica, once one was refused (see :func:`refused`)."""
 
     def round(self) -> dict[Place, list[tuple[int, ReplicaRef]]]:
         """Per node, the blocks to read from it now and the replica of each (empty when done)."""
@@ -79,8 +90,10 @@ class Failover:
         """Note a node's answer for ``group``: an unreachable node misses them all; otherwise
         ``ok(i, per_block_result)`` tells a hit. Raises an outcome that is another error."""
         raise_failure(outcome)
-        if unreachable(outcome):
+        if unreachable(outcome) or refused(outcome):
             for i, _ in group:
+                if isinstance(outcome, NotReady) and not self.has_next(i):
+                    self.unserved = outcome
                 self.missed(i)
             return
         assert isinstance(outcome, Sequence)
@@ -89,6 +102,11 @@ class Failover:
                 self.done(i)
             else:
                 self.missed(i)
+
+    def finish(self) -> None:
+        """Once every round is done: raise the refusal that left a block unread, if one did."""
+        if self.unserved is not None:
+            raise self.unserved
 
     def __bool__(self) -> bool:
         return bool(self._at)

@@ -107,6 +107,9 @@ class MasterLink:
         self._lease_s = 0.0
         self._serve_until = 0.0
         """Until when (time.monotonic()) this node may serve blocks by key (:meth:`serving`)."""
+        self._renewed = threading.Condition()
+        """Notified whenever the lease is renewed (readers waiting in :meth:`serving`)."""
+        self._lapses = RateLimitedLog(log)
         self.registrations = 0
         """Registrations a master answered: the first, then one after each failed heartbeat or
         registration (a master restarted, failed over or was cut off) or a master that forgot the node."""
@@ -127,17 +130,42 @@ class MasterLink:
         if self._orphans is not None:
             self._checker.start()
 
-    def serving(self) -> bool:
+    def serving(self, wait_s: float = 0.0) -> bool:
         """Whether this node may serve blocks by key now: registered, with the blocks its registration
         did not get adopted dropped, and within its lease: a fraction of the master's node TTL from
         the sending of its last heartbeat (or registration) the master answered as known. The master
         fences a node silent for the whole TTL, counting the drops it sent there as done (a removed
         key placeable again at once), so by then this node must serve none of them: it stops
-        first, and serves again only once registered anew (its registration drops them)."""
-        return time.monotonic() < self._serve_until
+        first, and serves again only once registered anew (its registration drops them).
+
+        A lease lapses in calm too, when the master stalls for most of the TTL: ``wait_s`` waits that
+        long for a renewal (a heartbeat on its way), so that such a stall costs a reader time, not
+        a wrong answer."""
+        if time.monotonic() < self._serve_until:
+            return True
+        deadline = time.monotonic() + wait_s
+        with self._renewed:
+            while (now := time.monotonic()) >= self._serve_until:
+                if now >= deadline:
+                    if self.registered.is_set():
+                        self._lapses.warning(
+                            "lapsed", "node %s serves no block: its lease with the master lapsed %.2f s ago",
+                            self.node_id, now - self._serve_until,
+                        )  # fmt: skip
+                    return False
+                self._renewed.wait(deadline - now)
+        return True
+
+    @property
+    def renewal_s(self) -> float:
+        """How long a read waits for a lapsed lease to be renewed: two heartbeats, at most half a
+        second (a registration on its way too: the master lists the node before its answer lands)."""
+        return min(2 * self._interval, 0.5)
 
     def _renew(self, sent: float) -> None:
-        self._serve_until = max(self._serve_until, sent + self._lease_s)
+        with self._renewed:
+            self._serve_until = max(self._serve_until, sent + self._lease_s)
+            self._renewed.notify_all()
 
     def _check_loop(self) -> None:
         orphans = self._orphans
@@ -263,10 +291,9 @@ class MasterLink:
         # A master that does not answer must not hold the stop up.
         for conn in (self._conn, self._reports, self._checks):
             conn.abort()
-        self._thread.join(timeout=5)
-        self._reporter.join(timeout=5)
-        if self._checker.is_alive():
-            self._checker.join(timeout=5)
+        for thread in (self._thread, self._reporter, self._checker):
+            if thread.is_alive():  # a link never started stops too
+                thread.join(timeout=5)
         self._conn.close()
         self._calls.close()
         self._reports.close()

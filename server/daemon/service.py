@@ -646,13 +646,17 @@ class DaemonServer:
     def _write_reply(self, sock: socket.socket, request_id: int, outcome: list[KVStoreError | None]) -> None:
         send_message(sock, WriteReply.from_outcomes(outcome), request_id)
 
+    def _renewal_s(self) -> float:
+        """How long a read waits for a lapsed serve lease to come back (see MasterLink.serving)."""
+        return self.master.renewal_s if self.master is not None else 0.0
+
     def _read(self, msg: ReadBlocks, sock: socket.socket, request_id: int) -> None:
         if not len(msg.keys) == len(msg.tiers) == len(msg.offsets) == len(msg.sizes):
             raise InvalidArgument("ReadBlocks with mismatched keys, tiers, offsets and sizes")
         keys = self._keys(msg.keys)
         sums: list[int] = []
         tiers: list[str] = []
-        with self.storage.read_views(keys, sums, tiers) as views:
+        with self.storage.read_views(keys, sums, tiers, self._renewal_s()) as views:
             sizes = [-1 if v is None else v.nbytes for v in views]
             send_message(sock, ReadReply(sizes, sums), request_id, [v for v in views if v is not None])
         self.count("tcp", self._rail(sock), "out", sum(n for n in sizes if n > 0))
@@ -666,7 +670,7 @@ class DaemonServer:
         if not len(msg.keys) == len(msg.starts) == len(msg.lengths):
             raise InvalidArgument("ReadSlices with mismatched keys, starts and lengths")
         keys = self._keys(msg.keys)
-        with self.storage.read_views(keys) as views:
+        with self.storage.read_views(keys, wait_s=self._renewal_s()) as views:
             parts = [
                 v[start : start + length] if v is not None and start >= 0 and 0 < length <= v.nbytes - start else None
                 for v, start, length in zip(views, msg.starts, msg.lengths, strict=True)

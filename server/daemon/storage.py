@@ -196,7 +196,7 @@ NO_TARGET = memoryview(b"")
 """The target of a block whose bytes are not kept (refused, or stored already): received into scratch."""
 
 
-def _always() -> bool:
+def _always(wait_s: float = 0.0) -> bool:
     return True
 
 
@@ -216,9 +216,10 @@ class DaemonStorage:
         self._watch: set[BlockKey] | None = None
         """While an orphan check is in flight: the keys whose writes began meanwhile (not its to drop)."""
         self._registering = False
-        self.serving: Callable[[], bool] = _always
-        """Whether blocks may be served by key now (the master link's serve lease, see
-        :meth:`server.daemon.master_link.MasterLink.serving`): reads find nothing while it is False."""
+        self.serving: Callable[[float], bool] = _always
+        """Whether blocks may be served by key now, waiting up to the given seconds for it (the master
+        link's serve lease, see :meth:`server.daemon.master_link.MasterLink.serving`): reads raise
+        NotReady while it is False."""
 
     def ssd_health(self) -> tuple[int, int, str]:
         """The SSD tier's capacity now (checked against its disk's free space), its configured one and
@@ -473,19 +474,23 @@ class DaemonStorage:
     # -- reads ---------------------------------------------------------------------
     @contextmanager
     def read_views(
-        self, keys: Sequence[BlockKey], checksums: list[int] | None = None, tiers: list[str] | None = None
+        self,
+        keys: Sequence[BlockKey],
+        checksums: list[int] | None = None,
+        tiers: list[str] | None = None,
+        wait_s: float = 0.0,
     ) -> Iterator[list[memoryview | None]]:
         """Zero-copy views of the blocks held (None for the others), valid inside the ``with``.
         ``checksums``, when given, is filled with each block's checksum (0 for those not held);
-        ``tiers`` with the tier each was read from ("dram", "ssd", or "" for those not held)."""
+        ``tiers`` with the tier each was read from ("dram", "ssd", or "" for those not held).
+
+        Raises NotReady when this node may not serve by key (:attr:`serving`, waited for up to
+        ``wait_s``): the master may have counted a drop here as done, and a miss would be a lie
+        about the blocks it holds for the others."""
         arena = self.arena
-        if not self.serving():  # fenced: the master may have counted a drop here as done
-            if checksums is not None:
-                checksums[:] = [0] * len(keys)
-            if tiers is not None:
-                tiers[:] = [""] * len(keys)
-            yield [None] * len(keys)
-            return
+        if not self.serving(wait_s):
+            raise NotReady("this node's lease with the master lapsed (cut off, or the master stalled): "
+                           "it serves no block until the master answers it")  # fmt: skip
         with self.lock.shared():
             views: list[memoryview | None] = [None] * len(keys)
             on_ssd: list[int] = []

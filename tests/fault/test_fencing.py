@@ -1,6 +1,7 @@
 """A node silent past the node TTL is fenced: its daemon has stopped serving by then, so the master
 counts the drops it never confirmed as done (a remove is answered, the key placeable again), and the
-node serves again only once registered anew, its stale copies dropped. Checked with real processes:
+node serves again only once registered anew, its stale copies dropped; until then it refuses reads
+(NotReady), never answering a miss for what it may hold. Checked with real processes:
 a daemon killed and restarted, one frozen (SIGSTOP) and thawed, each read straight by key as a
 hinted reader reads (no master in between)."""
 
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.config import ClientConfig
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, NotReady
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.dataplane import DataPath
 from kvstore_client.store import PutOptions, Store
@@ -31,12 +32,17 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-def read_by_key(address: str, key: str) -> bytes | None:
+REFUSED = "refused"
+
+
+def read_by_key(address: str, key: str) -> bytes | str | None:
     """The block under ``key`` as the daemon at ``address`` serves it to a reader that goes to it
-    directly (a hinted read), None for a miss."""
+    directly (a hinted read), None for a miss, REFUSED for NotReady (it may not serve now)."""
     pool = ConnectionPool(address, 2.0, 1)
     try:
         [found], [made] = DataPath("direct", address, pool).read_direct([key], [None])
+    except NotReady:
+        return REFUSED
     finally:
         pool.close()
     return None if found is None or made is None else bytes(made)
@@ -68,7 +74,7 @@ def wait_registered(cluster: LocalCluster, i: int, key: str, timeout: float = 20
             probe = f"{key}-probe-{time.monotonic_ns()}"
             try:
                 store.put(probe, b"p" * 4096, PutOptions(replicas=2))
-                if read_by_key(cluster.daemon_addresses[i], probe) is not None:
+                if read_by_key(cluster.daemon_addresses[i], probe) == b"p" * 4096:
                     return
             except KVStoreError:
                 pass
@@ -83,7 +89,8 @@ def test_a_killed_node_is_fenced_and_its_restart_drops_what_was_removed(cluster:
         took = remove_and_put_again(store, "k")
         assert took < 5.0, took  # bounded by the TTL (plus ticks), not by the daemon's return
     cluster.start_daemon(0)  # on its arena, "k" (the old bytes) still in it
-    assert read_by_key(cluster.daemon_addresses[0], "k") is None  # not registered yet: serves nothing
+    # Not registered yet: it refuses (or waits for its registration, which drops the old "k")...
+    assert read_by_key(cluster.daemon_addresses[0], "k") in (REFUSED, None)
     wait_registered(cluster, 0, "k")
     assert read_by_key(cluster.daemon_addresses[0], "k") is None  # its registration dropped the old "k"
     with Store.connect(cluster.master_address, TCP) as store:
@@ -103,9 +110,10 @@ def test_a_frozen_node_serves_nothing_when_thawed_until_it_registers_again(clust
             time.sleep(TTL_MS / 1000)
         finally:
             daemon.send_signal(signal.SIGCONT)
-        # Thawed past its lease: it serves nothing (the master counted its drops as done)...
-        assert read_by_key(cluster.daemon_addresses[0], "f") is None
-        assert read_by_key(cluster.daemon_addresses[0], "g") is None
+        # Thawed past its lease: it serves nothing (the master counted its drops as done); it refuses,
+        # or it registered anew meanwhile (its heartbeat refused, the registration dropped both)...
+        assert read_by_key(cluster.daemon_addresses[0], "f") in (REFUSED, None)
+        assert read_by_key(cluster.daemon_addresses[0], "g") in (REFUSED, None)
         wait_registered(cluster, 0, "f")
         # ... and once registered anew, the old "f" and "g" are gone: never the removed bytes.
         assert read_by_key(cluster.daemon_addresses[0], "f") is None

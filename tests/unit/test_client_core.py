@@ -56,6 +56,20 @@ def test_failover_raises_a_failure_that_is_not_an_unreachable_node() -> None:
         plan.take([(0, A)], ProtocolError("malformed"), lambda i, got: True)
 
 
+def test_failover_passes_a_refusing_node_by_but_never_calls_its_last_refusal_a_miss() -> None:
+    plan = Failover({0: located("a", A, B), 1: located("b", B)})
+    plan.take([(0, A)], NotReady("node0's lease lapsed"), lambda i, got: True)  # block 0: to B
+    plan.take([(1, B)], NotReady("node1's lease lapsed"), lambda i, got: True)  # block 1: nowhere else
+    assert plan.round() == {("node1", B.address): [(0, B)]}
+    plan.take([(0, B)], [10], lambda i, got: got is not None)
+    assert not plan and plan.read == {0}
+    with pytest.raises(NotReady, match="node1"):
+        plan.finish()  # block 1 may well be stored: the read cannot tell, and says so
+    unreachable = Failover({0: located("a", A)})
+    unreachable.take([(0, A)], ConnectionFailed("gone"), lambda i, got: True)
+    unreachable.finish()  # a node gone: its blocks are misses, as before
+
+
 def test_failover_of_blocks_without_replicas_is_done_at_once() -> None:
     assert not Failover({0: located("a")})
 
@@ -121,7 +135,9 @@ def test_after_failure(error: Exception, dynamic: bool, decision: Retry) -> None
 # -- an operation, driven by a script ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("failure", [ConnectionFailed("node0 is gone"), Timeout("node0 did not answer")])
+@pytest.mark.parametrize(
+    "failure", [ConnectionFailed("node0 is gone"), Timeout("node0 did not answer"), NotReady("node0's lease lapsed")]
+)
 def test_a_get_reads_the_next_replica_when_the_first_node_fails(failure: Exception) -> None:
     core = ClientCore(ClientConfig(), OverTcp())
     data = b"0123456789"
@@ -146,3 +162,26 @@ def test_a_get_reads_the_next_replica_when_the_first_node_fails(failure: Excepti
     assert drive(core.get_many(["k"], verify=True), answer) == [data]
     assert reads == ["node0", "node1"]
     assert core.hints.get("k") == ("node1", B.address)  # remembered where it was read
+
+
+def test_a_get_whose_only_copy_is_on_a_refusing_node_raises_instead_of_missing() -> None:
+    """A node whose lease with the master lapsed answers NotReady: the hinted read goes the master's
+    way, and a located block with no other replica fails the get (a miss would be a lie)."""
+    core = ClientCore(ClientConfig(), OverTcp())
+    core.hints.note([("k", ("node0", A.address))])
+    refusal = NotReady("node0's lease with the master lapsed")
+    asked: list[str] = []
+
+    def answer(effect: Effect) -> Any:
+        if isinstance(effect, Call):
+            asked.append("master")
+            return GetReplicasReply([10], [0], [1], ["node0"], [A.address], ["dram"], [0], 0, 0)
+        assert isinstance(effect, Daemons)
+        [job] = effect.jobs
+        asked.append(type(job).__name__)
+        return [refusal]
+
+    with pytest.raises(NotReady, match="lapsed"):
+        drive(core.get_many(["k"], verify=True), answer)
+    assert asked == ["ReadDirect", "master", "ReadLocated"]
+    assert core.hints.get("k") is None and not core.suspected("node0")  # alive: no suspect

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from kvstore.config import DramConfig, SsdConfig
 from kvstore.errors import ConnectionFailed, CorruptBlock, InvalidArgument, NotReady, RetryLater
 from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import CheckBlocks, CheckBlocksReply
+from server.daemon.master_link import MasterLink
 from server.daemon.orphans import Orphans
 from server.daemon.service import DaemonServer
 from server.daemon.storage import BlockState, DaemonStorage
@@ -56,6 +58,38 @@ def test_while_registering_the_blocks_stay_as_the_inventory_says(storage: Daemon
     assert storage.drop([K("a")]) == [True]  # answered: changes go on
     write(storage, "c", 8 * KB, b"c" * KB)
     assert [i.key for i in storage.inventory()] == ["b", "c"]
+
+
+def test_a_node_out_of_its_lease_refuses_reads_instead_of_answering_misses(storage: DaemonStorage) -> None:
+    """A lapsed serve lease (the master may have fenced the node, or only stalled) is NotReady, never
+    a miss: the block may be stored elsewhere or here; the reader fails over or says it cannot tell."""
+    write(storage, "a", 0, b"a" * KB)
+    waits: list[float] = []
+    storage.serving = lambda wait_s=0.0: bool(waits.append(wait_s))
+    with pytest.raises(NotReady, match="lease"), storage.read_views([K("a"), K("zz")], wait_s=0.3):
+        pass
+    assert waits == [0.3]  # asked to wait for a renewal first
+    storage.serving = lambda wait_s=0.0: True
+    with storage.read_views([K("a"), K("zz")]) as views:
+        assert [None if v is None else bytes(v) for v in views] == [b"a" * KB, None]
+
+
+def test_a_lapsed_lease_is_waited_for_until_a_heartbeat_renews_it(storage: DaemonStorage) -> None:
+    link = MasterLink("127.0.0.1:1", "n0", "127.0.0.1:2", storage)  # not started: no master needed
+    try:
+        assert not link.serving() and not link.serving(0.01)  # never registered
+        assert link.renewal_s == 0.5  # a registration on its way: at most half a second
+        link._lease_s, link._interval = 5.0, 0.05
+        link.registered.set()
+        assert link.renewal_s == 0.1
+        renewer = threading.Timer(0.05, lambda: link._renew(time.monotonic()))
+        renewer.start()
+        assert link.serving(30.0)  # woken by the renewal, long before the 30 s
+        renewer.join()
+        link._serve_until = time.monotonic() - 1  # lapsed, and no heartbeat comes
+        assert not link.serving(0.05)
+    finally:
+        link.stop()
 
 
 def test_a_refused_commit_drops_only_the_very_block_it_was_for(storage: DaemonStorage) -> None:
