@@ -178,6 +178,7 @@ class Orphans:
                     raise KVStoreError(f"the master answered {len(reply.orphans)} of {len(asked)} orphan checks")
                 orphans = [b for b, orphan in zip(asked, reply.orphans, strict=True) if orphan]
                 dropped = self._drop(orphans) if orphans else []
+                self.storage.confirm([b for b, orphan in zip(asked, reply.orphans, strict=True) if not orphan])
         except KVStoreError as exc:
             # Asked again after the delay (an answer lost after the master kept an extent out is
             # answered again, and given back then).

@@ -455,7 +455,9 @@ class DaemonServer:
         keys = self._keys(msg.keys)
         self.orphans.wrote(keys)
         try:
-            batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned)
+            batch = self.storage.write_batch(
+                keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned, confirmed=False
+            )  # a two-trip put's: the master learns of it from its writer, after
         except InvalidArgument as exc:
             # The payload length is unknowable: the stream is out of step, so the connection must go.
             raise ConnectionFailed(f"WriteBlocks: {exc}") from None
@@ -604,7 +606,9 @@ class DaemonServer:
         slices): reserve where needed, check in place, commit."""
         keys = self._keys(msg.keys)
         self.orphans.wrote(keys)
-        batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned, join=True)
+        batch = self.storage.write_batch(
+            keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned, join=True, confirmed=False
+        )  # a two-trip put's (see _write)
         outcome = batch.finish()
         self.count("shm", self.address, "in", sum(n for n, err in zip(msg.sizes, outcome, strict=True) if err is None))
         self.receivers.cut(keys)  # slices still coming for a committed block: stale
@@ -656,7 +660,7 @@ class DaemonServer:
         keys = self._keys(msg.keys)
         sums: list[int] = []
         tiers: list[str] = []
-        with self.storage.read_views(keys, sums, tiers, self._renewal_s()) as views:
+        with self.storage.read_views(keys, sums, tiers, self._renewal_s(), (msg.offsets, msg.sizes)) as views:
             sizes = [-1 if v is None else v.nbytes for v in views]
             send_message(sock, ReadReply(sizes, sums), request_id, [v for v in views if v is not None])
         self.count("tcp", self._rail(sock), "out", sum(n for n in sizes if n > 0))

@@ -38,6 +38,9 @@ class BlockState(NamedTuple):
 
 
 MAX_FENCES = 65_536
+MAX_UNCONFIRMED = 1 << 20
+"""Two-trip blocks awaiting the master's word at most (see ``DaemonStorage._unconfirmed``): beyond,
+the oldest are served by key as before (the orphan sweep is their only check then)."""
 """Copies a daemon remembers as given up (see :meth:`DaemonStorage.drop`)."""
 
 
@@ -131,8 +134,10 @@ class WriteBatch:
         pinned: bool | Sequence[bool],
         join: bool = False,
         fenced: bool = False,
+        confirmed: bool = True,
     ) -> None:
-        """``pinned``: for every block, or per block (a drain's copies: each as its source holds it)."""
+        """``pinned``: for every block, or per block (a drain's copies: each as its source holds it).
+        ``confirmed``: False for a two-trip put's blocks (see :meth:`DaemonStorage.write_batch`)."""
         if not len(offsets) == len(sizes) == len(checksums) == len(keys) or any(s <= 0 for s in sizes):
             raise InvalidArgument("a write batch with mismatched or non-positive sizes")
         self._storage = storage
@@ -145,6 +150,7 @@ class WriteBatch:
         )
         self.targets = [r if isinstance(r, memoryview) else NO_TARGET for r in self._reserved]
         self._open = True
+        self._confirmed = confirmed
 
     def abort(self) -> None:
         """Give every reserved extent back (the bytes never all arrived)."""
@@ -187,6 +193,7 @@ class WriteBatch:
                 accept=[a for a, r in zip(accept, self._reserved, strict=True) if isinstance(r, memoryview)]
                 if accept is not None
                 else None,
+                confirmed=self._confirmed,
             )
         )
         return [next(done) if isinstance(r, memoryview) else r for r in self._reserved]
@@ -216,6 +223,15 @@ class DaemonStorage:
         self._watch: set[BlockKey] | None = None
         """While an orphan check is in flight: the keys whose writes began meanwhile (not its to drop)."""
         self._registering = False
+        self._unconfirmed: OrderedDict[BlockKey, tuple[int, int]] = OrderedDict()
+        """Blocks two-trip puts wrote here that the master has not vouched for: (DRAM offset, checksum).
+        The put commits at the master after its bytes land, and may never (its reservation given up:
+        an orphan), so such a block is served only to a reader the master sent (a located read,
+        which confirms it when it names its extent), never to one that came by key alone (a hint:
+        the reader asks the master instead). An orphan check the master answers "known", and a
+        registration (the master adopted what it did not drop), confirm too. At most
+        ``MAX_UNCONFIRMED``; an entry for a block since dropped or rewritten is stale, and
+        forgotten when met."""
         self.serving: Callable[[float], bool] = _always
         """Whether blocks may be served by key now, waiting up to the given seconds for it (the master
         link's serve lease, see :meth:`server.daemon.master_link.MasterLink.serving`): reads raise
@@ -253,6 +269,7 @@ class DaemonStorage:
         with self.lock.exclusive():
             for tier in sorted(set(tiers)):
                 self.engine.drop([k for k, t in zip(keys, tiers, strict=True) if t == tier], tier)
+            self._unconfirmed.clear()  # the master adopted every block it did not name
 
     def _refuse_while_registering(self) -> None:
         """Under the lock: NotReady while a registration is under way (see :meth:`registering`)."""
@@ -296,10 +313,13 @@ class DaemonStorage:
         pinned: bool | Sequence[bool] = False,
         join: bool = False,
         fenced: bool = False,
+        confirmed: bool = True,
     ) -> WriteBatch:
         """``join``: a block already being written at the same extent (by WriteSlices) is committed as it is.
-        ``fenced``: a copy from another daemon, refused where a drop fenced it off (see :meth:`drop`)."""
-        return WriteBatch(self, keys, offsets, sizes, checksums, pinned, join, fenced)
+        ``fenced``: a copy from another daemon, refused where a drop fenced it off (see :meth:`drop`).
+        ``confirmed``: False for a two-trip put's blocks, which the master learns of only after
+        (see ``_unconfirmed``); a grant's, a copy's are the master's already."""
+        return WriteBatch(self, keys, offsets, sizes, checksums, pinned, join, fenced, confirmed)
 
     def begin_writes(
         self,
@@ -352,10 +372,11 @@ class DaemonStorage:
         pinned: bool | Sequence[bool] = False,
         sums: Sequence[int | None] | None = None,
         accept: Sequence[bool] | None = None,
+        confirmed: bool = True,
     ) -> list[KVStoreError | None]:
         """Commit blocks whose bytes are in their views and match their checksums; discard the others
         (and those ``accept`` refuses: reported as None, their fate told by whoever refused them).
-        ``sums``: the checksums of the views, computed already."""
+        ``sums``: the checksums of the views, computed already. ``confirmed``: see :meth:`write_batch`."""
         if sums is None:
             sums = [checksum(view) for _, view, _ in blocks]  # outside the lock: readers go on meanwhile
         pins = [pinned] * len(blocks) if isinstance(pinned, bool) else pinned
@@ -382,6 +403,11 @@ class DaemonStorage:
                     )
                 else:
                     self.engine.commit(key, expected, pinned=pins[i])
+                    self._unconfirmed.pop(key, None)
+                    if not confirmed:
+                        self._unconfirmed[key] = (self.arena.extent(key).offset, expected)
+                        if len(self._unconfirmed) > MAX_UNCONFIRMED:
+                            self._unconfirmed.popitem(last=False)
                     out.append(None)
         return out
 
@@ -479,10 +505,16 @@ class DaemonStorage:
         checksums: list[int] | None = None,
         tiers: list[str] | None = None,
         wait_s: float = 0.0,
+        asked: tuple[Sequence[int], Sequence[int]] | None = None,
     ) -> Iterator[list[memoryview | None]]:
         """Zero-copy views of the blocks held (None for the others), valid inside the ``with``.
         ``checksums``, when given, is filled with each block's checksum (0 for those not held);
         ``tiers`` with the tier each was read from ("dram", "ssd", or "" for those not held).
+
+        ``asked``: the (offsets, sizes) a ReadBlocks named; a block asked with size 0 came by key
+        alone, and one the master has not vouched for is not held for it (``_unconfirmed``); one
+        asked at its very extent by a reader the master sent is vouched for from then on. Without
+        ``asked`` every block held is served (a range read, located first).
 
         Raises NotReady when this node may not serve by key (:attr:`serving`, waited for up to
         ``wait_s``): the master may have counted a drop here as done, and a miss would be a lie
@@ -497,6 +529,9 @@ class DaemonStorage:
             taken: list[memoryview] = []
             try:
                 for i, key in enumerate(keys):
+                    unsure = asked is not None and key in self._unconfirmed
+                    if unsure and not self._vouched(key, asked[0][i], asked[1][i]):  # type: ignore[index]
+                        continue
                     if key in arena:
                         view = views[i] = arena.view(key)
                         taken.append(view)
@@ -529,6 +564,33 @@ class DaemonStorage:
                         failure = failure or exc
                 if failure is not None:
                     raise failure
+
+    def _vouched(self, key: BlockKey, offset: int, size: int) -> bool:
+        """(Under the lock, ``key`` in ``_unconfirmed``.) Whether ``key`` may be served to a reader who
+        asked for it at (``offset``, ``size``): size 0 is a reader by key alone."""
+        noted = self._unconfirmed.get(key)  # another reader may have taken it meanwhile
+        if noted is None:
+            return True
+        at, check = noted
+        if key not in self.arena or self.arena.extent(key).offset != at or self.arena.entry(key).checksum != check:
+            self._unconfirmed.pop(key, None)  # dropped, moved or rewritten since: not that block
+            return True
+        if not size:
+            return False
+        if offset == at:
+            self._unconfirmed.pop(key, None)  # the master sent this reader to this very block
+        return True
+
+    def confirm(self, blocks: Sequence[tuple[BlockKey, BlockState]]) -> None:
+        """Blocks the master said it knows as described (an orphan check): served by key from now on."""
+        with self.lock.exclusive():
+            for key, state in blocks:
+                if self._unconfirmed.get(key) == (state.offset, state.checksum):
+                    del self._unconfirmed[key]
+
+    def unconfirmed(self) -> int:
+        """How many blocks wait for the master's word (see ``_unconfirmed``)."""
+        return len(self._unconfirmed)
 
     # -- the master's commands -------------------------------------------------------------
     def demote(self, keys: Sequence[BlockKey]) -> list[bool]:

@@ -13,8 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.frames import ask
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError, NotReady
+from kvstore.protocol import GetReplicas, GetReplicasReply
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.dataplane import DataPath
 from kvstore_client.store import PutOptions, Store
@@ -48,8 +50,28 @@ def read_by_key(address: str, key: str) -> bytes | str | None:
     return None if found is None or made is None else bytes(made)
 
 
+def read_located(cluster: LocalCluster, key: str) -> list[bytes]:
+    """``key`` read from each replica where the master says it is (which vouches for a two-trip put's
+    block: the daemon serves it by key from then on)."""
+    reply = ask(cluster.master_address, GetReplicas([key], [], False))
+    assert isinstance(reply, GetReplicasReply)
+    [loc] = reply.located([key])
+    assert loc is not None
+    out = []
+    for replica in loc.replicas:
+        pool = ConnectionPool(replica.address, 2.0, 1)
+        try:
+            view = memoryview(bytearray(loc.size))
+            assert DataPath(replica.node_id, replica.address, pool).read([(loc, replica, view)]) == [loc.size]
+            out.append(bytes(view))
+        finally:
+            pool.close()
+    return out
+
+
 def both_replicas(cluster: LocalCluster, store: Store, key: str) -> None:
     assert store.put(key, OLD, PutOptions(replicas=2)).value == "stored"
+    assert read_located(cluster, key) == [OLD, OLD]
     for i in range(2):
         assert read_by_key(cluster.daemon_addresses[i], key) == OLD
 
@@ -74,6 +96,7 @@ def wait_registered(cluster: LocalCluster, i: int, key: str, timeout: float = 20
             probe = f"{key}-probe-{time.monotonic_ns()}"
             try:
                 store.put(probe, b"p" * 4096, PutOptions(replicas=2))
+                read_located(cluster, probe)
                 if read_by_key(cluster.daemon_addresses[i], probe) == b"p" * 4096:
                     return
             except KVStoreError:

@@ -17,6 +17,8 @@ from kvstore.keys import checksum
 from kvstore.protocol import OkReply, PutRevoke, PutStart, PutStartReply, WriteBlocks, WriteReply
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
+from kvstore_client.dataplane import DataPath
+from transfer.rpc import ConnectionPool
 
 MiB = 1024 * 1024
 
@@ -66,3 +68,29 @@ def test_an_orphan_is_dropped_and_puts_over_it_succeed(cluster: LocalCluster) ->
         assert time.monotonic() < deadline, "the daemon never dropped the orphan"
         time.sleep(0.25)
     assert _metric(cluster, "kvstore_orphans_total") >= 1
+
+
+def _by_key(address: str, key: str) -> bytes | None:
+    """``key`` as its daemon serves it to a reader that came by key alone (a hinted read)."""
+    pool = ConnectionPool(address, 5.0, 1)
+    try:
+        [found], [made] = DataPath("direct", address, pool).read_direct([key], [None])
+    finally:
+        pool.close()
+    return None if found is None or made is None else bytes(made)
+
+
+def test_a_late_write_is_never_served_and_a_two_trip_put_is_served_once_vouched_for(cluster: LocalCluster) -> None:
+    """Served orphans (issue 40): the bytes of a put the master gave up land all the same; a reader
+    by key alone must not get them (the orphan check drops them seconds later). A two-trip put's
+    own block is served by key once a reader the master sent has read it at its extent."""
+    [daemon] = cluster.daemon_addresses
+    _orphan(cluster, "late", 64 * 1024)
+    assert _by_key(daemon, "late") is None  # served to any hinted reader before (issue 40)
+    config = cluster.client_config(transport="tcp", timeout_s=5.0, grant_bytes=0)  # every put two trips
+    with Store.connect(cluster.master_address, config) as s:
+        assert s.get("late") is None  # the master knows no such put
+        assert s.put("mine", b"m" * 4096).value == "stored"
+        assert _by_key(daemon, "mine") is None  # the master's word not yet heard here
+        assert s.get("mine") == b"m" * 4096  # its hint missed; the master sent the read to its extent
+        assert _by_key(daemon, "mine") == b"m" * 4096  # vouched for from then on

@@ -92,6 +92,49 @@ def test_a_lapsed_lease_is_waited_for_until_a_heartbeat_renews_it(storage: Daemo
         link.stop()
 
 
+def write_two_trip(s: DaemonStorage, key: str, offset: int, data: bytes) -> None:
+    batch = s.write_batch([K(key)], [offset], [len(data)], [checksum(data)], confirmed=False)
+    batch.targets[0][:] = data
+    batch.verify()
+    assert batch.finish() == [None]
+
+
+def by_key(s: DaemonStorage, key: str) -> bytes | None:
+    with s.read_views([K(key)], asked=([0], [0])) as [view]:
+        return None if view is None else bytes(view)
+
+
+def test_a_two_trip_block_is_served_by_key_only_once_the_master_vouched_for_it(storage: DaemonStorage) -> None:
+    """A two-trip put's bytes land before its commit at the master, which may never come (an orphan):
+    a reader by key alone is not served them until a reader the master sent names their extent."""
+    write_two_trip(storage, "t", 0, b"t" * KB)
+    assert storage.unconfirmed() == 1 and by_key(storage, "t") is None  # the hinted reader asks the master
+    with storage.read_views([K("t")], asked=([8 * KB], [KB])) as [view]:  # located, another extent: served
+        assert view is not None
+    assert by_key(storage, "t") is None
+    with storage.read_views([K("t")], asked=([0], [KB])) as [view]:  # located at its extent: vouched for
+        assert view is not None and bytes(view) == b"t" * KB
+    assert storage.unconfirmed() == 0 and by_key(storage, "t") == b"t" * KB
+    # An orphan check the master answered "known" confirms; one for other bytes does not.
+    write_two_trip(storage, "u", 4 * KB, b"u" * KB)
+    storage.confirm([(K("u"), BlockState(4 * KB, KB, checksum(b"x" * KB)))])
+    assert by_key(storage, "u") is None
+    [state] = storage.describe([K("u")])
+    assert state is not None
+    storage.confirm([(K("u"), state)])
+    assert by_key(storage, "u") == b"u" * KB
+    # A registration's answer: the master adopted every block it did not name.
+    write_two_trip(storage, "v", 8 * KB, b"v" * KB)
+    with storage.registering():
+        storage.drop_unadopted([], [])
+    assert by_key(storage, "v") == b"v" * KB
+    # Dropped and put again by a grant (the master's already): served at once, the old note forgotten.
+    write_two_trip(storage, "w", 12 * KB, b"w" * KB)
+    assert storage.drop([K("w")]) == [True]
+    write(storage, "w", 12 * KB, b"W" * KB)
+    assert by_key(storage, "w") == b"W" * KB and storage.unconfirmed() == 0
+
+
 def test_a_refused_commit_drops_only_the_very_block_it_was_for(storage: DaemonStorage) -> None:
     """A cached put's block whose commit the master refused goes; one written under its key since
     (the first dropped by a remove, then a new put) stays: the master knows that one."""

@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -198,7 +199,7 @@ class UcxServer:
     async def _read(self, ep: Any, msg: ReadBlocks, request_id: int) -> None:
         keys = [validate_key(k) for k in msg.keys]
         sums: list[int] = []
-        with self.storage.read_views(keys, sums) as views:
+        with self.storage.read_views(keys, sums, asked=(msg.offsets, msg.sizes)) as views:
             sizes = [-1 if v is None else v.nbytes for v in views]
             await _send_frame(ep, ReadReply(sizes, sums), request_id)
             for view in views:
@@ -211,9 +212,10 @@ class UcxServer:
         # The storage's exclusive steps run in a worker thread: on this loop they could wait for the
         # shared lock a read on this same loop holds across its sends, and neither would go on.
         try:
-            batch = await asyncio.to_thread(
-                self.storage.write_batch, keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned
-            )
+            batch = await asyncio.to_thread(  # a two-trip put's: unconfirmed until the master vouches
+                partial(self.storage.write_batch, confirmed=False), keys, msg.offsets, msg.sizes, msg.checksums,
+                msg.pinned,
+            )  # fmt: skip
         except InvalidArgument as exc:
             raise ConnectionFailed(f"WriteBlocks: {exc}") from None  # the payload is unknowable
         try:
