@@ -212,7 +212,9 @@ class AsyncStore:
             return None
         views = [b.view for b in job.blocks]
         if isinstance(job, WriteReserved):
-            wrote, _ = await link.request(write_message(job.blocks, job.pinned), WriteReply, views)
+            wrote, _ = await link.request(
+                write_message(job.blocks, job.pinned), WriteReply, views, patience=job.patience_s
+            )
             return write_codes(wrote.codes, wrote.errors, len(job.blocks), job.address)
         assert isinstance(job, PutGranted)
         put, _ = await link.request(granted_message(job.grant_id, job.blocks, job.pinned, job.cached), PutReply, views)

@@ -116,6 +116,10 @@ patience (a miss within it, not another whole timeout), and reads by remembered 
 master. An answer from the node ends it sooner (the master fences a silent node within its TTL,
 1 s by default, and lists it no more)."""
 
+_WRITE_FLOOR_BPS = 100e6
+"""The slowest rate a two-trip write's bytes are allowed before its daemon is given up (see
+:meth:`ClientCore.write_patience_s`)."""
+
 _GRANTS_PAUSE_S = 10.0
 """After a grant on a node this client does not reach through its daemon, or a grant refused, how
 long puts skip grants."""
@@ -404,7 +408,8 @@ class ClientCore:
         sums = {i: checksum(items[i][1]) for group in plan.writes.values() for i, _ in group}
         jobs = [
             WriteReserved(group[0][1].node_id, address,
-                  [Block(items[i][0], items[i][1], r.offset, sums[i], r.seal) for i, r in group], opts.pin)
+                  [Block(items[i][0], items[i][1], r.offset, sums[i], r.seal) for i, r in group], opts.pin,
+                  self.write_patience_s(sum(items[i][1].nbytes for i, _ in group)))
             for address, group in plan.writes.items()
         ]  # fmt: skip
         failed: set[int] = set()
@@ -502,6 +507,18 @@ class ClientCore:
         """How long a read waits for a daemon to begin answering when it has somewhere else to go
         (``ClientConfig.failover_ms``, in seconds)."""
         return self.config.failover_ms / 1000
+
+    def write_patience_s(self, nbytes: int) -> float:
+        """How long a two-trip write of ``nbytes`` waits for its daemon to answer before the put gives
+        it up (revoked, then put again: elsewhere once the master fenced a frozen or cut-off node,
+        within a node TTL): five read failovers (500 ms by default) and the bytes at 100 MB/s. 0 (the
+        whole timeout) with ``failover_ms`` 0, or where that would reach the timeout. A write given up
+        may still land: never served by key (the daemon waits for the master's word on a two-trip
+        block), dropped by the revoke or as an orphan."""
+        if not self.config.failover_ms:
+            return 0.0
+        patience = 5 * self.failover_s + nbytes / _WRITE_FLOOR_BPS
+        return patience if patience < self.config.timeout_s else 0.0
 
     def suspected(self, node_id: str) -> bool:
         """Whether this client suspects ``node_id`` now (see :data:`_SUSPECT_S`)."""

@@ -120,10 +120,11 @@ class DataPath:
         finally:
             self.pool.release(conn)
 
-    def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
+    def write(self, blocks: Sequence[Block], pinned: bool, patience_s: float = 0.0) -> list[tuple[int, str]]:
         """Write blocks into extents the master reserved and have the daemon commit them;
-        per block (0, "") or an error's (code, text)."""
-        reply = self.pool.call(write_message(blocks, pinned), WriteReply, [b.view for b in blocks])
+        per block (0, "") or an error's (code, text). ``patience_s``: a Timeout (the connection
+        closed) when the daemon has not begun answering within it once the bytes went out."""
+        reply = self.pool.call(write_message(blocks, pinned), WriteReply, [b.view for b in blocks], patience=patience_s)
         return write_codes(reply.codes, reply.errors, len(blocks), self.address)
 
     def write_granted(
@@ -168,11 +169,11 @@ class ShmPath(DataPath):
         from_ssd = iter(super().read_ranges(ssd, start, length) if ssd else [])
         return [True if r.tier == "dram" else next(from_ssd) for _, r, _ in blocks]
 
-    def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
+    def write(self, blocks: Sequence[Block], pinned: bool, patience_s: float = 0.0) -> list[tuple[int, str]]:
         if not self.arena.writable:
-            return super().write(blocks, pinned)  # a tenant's: through the daemon's socket
+            return super().write(blocks, pinned, patience_s)  # a tenant's: through the daemon's socket
         self.shm.write_many(self.arena, [(b.offset, b.view) for b in blocks])
-        reply = self.pool.call(commit_message(blocks, pinned), WriteReply)
+        reply = self.pool.call(commit_message(blocks, pinned), WriteReply, patience=patience_s)
         return write_codes(reply.codes, reply.errors, len(blocks), self.address)
 
 
@@ -192,7 +193,8 @@ class UcxPath(DataPath):
             [view for _, _, view in blocks],
         )  # fmt: skip
 
-    def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
+    def write(self, blocks: Sequence[Block], pinned: bool, patience_s: float = 0.0) -> list[tuple[int, str]]:
+        # UCX's own timeout bounds it (no patience there yet: a frozen node costs it).
         reply = self.client.write(write_message(blocks, pinned), self.ucx_address, [b.view for b in blocks])
         return write_codes(reply.codes, reply.errors, len(blocks), self.ucx_address)
 
@@ -213,7 +215,8 @@ class RailPath(DataPath):
             [loc.checksum for loc, _, _ in blocks], [view for _, _, view in blocks],
         )  # fmt: skip
 
-    def write(self, blocks: Sequence[Block], pinned: bool) -> list[tuple[int, str]]:
+    def write(self, blocks: Sequence[Block], pinned: bool, patience_s: float = 0.0) -> list[tuple[int, str]]:
+        # Slices over every rail, each its own exchange: the connection's timeout bounds them.
         return self.railset.write(
             [b.key for b in blocks], [b.offset for b in blocks], [b.checksum for b in blocks],
             [b.view for b in blocks], pinned, seals(blocks),
@@ -319,7 +322,7 @@ class PathSelector:
         if isinstance(job, ReadRanges):
             return path.read_ranges(job.blocks, job.start, job.length)
         if isinstance(job, WriteReserved):
-            return path.write(job.blocks, job.pinned)
+            return path.write(job.blocks, job.pinned, job.patience_s)
         if isinstance(job, FlushCached):
             return path.flush_cached()
         assert isinstance(job, PutGranted)

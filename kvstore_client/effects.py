@@ -123,6 +123,8 @@ class WriteReserved:
     address: str
     blocks: list[Block]
     pinned: bool
+    patience_s: float = 0.0
+    """A Timeout when the daemon has not begun answering within it (0: the whole timeout)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -277,14 +277,15 @@ class Connection:
                 raise
 
     def call(
-        self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0
-    ) -> M:
-        """Send ``message`` (and its payload) and return its reply, of type ``expect`` (see :meth:`exchange`;
-        the same steps without its context managers: no payload follows a reply here)."""
+        self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0,
+        patience: float = 0.0,
+    ) -> M:  # fmt: skip
+        """Send ``message`` (and its payload) and return its reply, of type ``expect`` (see :meth:`exchange`,
+        ``patience`` too; the same steps without its context managers: no payload follows a reply here)."""
         with self._lock:
             what = f"{type(message).__name__} to {self.address}"
             try:
-                reply, _ = self._request(message, payload, what, retry_for)
+                reply, _ = self._request(message, payload, what, retry_for, patience)
                 if not isinstance(reply, expect):
                     raise ProtocolError(
                         f"{type(message).__name__} got {type(reply).__name__}, expected {expect.__name__}"
@@ -410,11 +411,12 @@ class ConnectionPool:
             self.release(conn)
 
     def call(
-        self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0
-    ) -> M:
+        self, message: Message, expect: type[M], payload: Sequence[memoryview | bytes] = (), *, retry_for: float = 0.0,
+        patience: float = 0.0,
+    ) -> M:  # fmt: skip
         conn = self.acquire()
         try:
-            return conn.call(message, expect, payload, retry_for=retry_for)
+            return conn.call(message, expect, payload, retry_for=retry_for, patience=patience)
         finally:
             self.release(conn)
 

@@ -115,3 +115,29 @@ def test_after_a_node_failed_a_read_its_single_copies_miss_at_once(cluster: Loca
             assert time.monotonic() - began < timeout / 2
         finally:
             daemon.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_two_trip_put_to_a_frozen_node_is_put_again_elsewhere_not_after_the_timeout(face: str) -> None:
+    """A write the master reserved on a node that then froze: the client gives it up once its daemon
+    has not answered within the write patience (half a second and the bytes at 100 MB/s), revokes
+    and puts it again, elsewhere once the master fenced the node (its TTL, 1 s). The client's
+    timeout is 30 s: only a put that waited it out fails the half-timeout bound below."""
+    with LocalCluster(2, dram="8MiB") as cluster:  # the default node TTL: the frozen node is fenced
+        frozen = cluster.node_name(0)
+        daemon = cluster.daemons[0]
+        assert daemon is not None
+        data = [bytes([i]) * 4096 for i in range(4)]
+        keys = [f"two-trip-{face}-{i}" for i in range(len(data))]
+        config = ClientConfig(transport="tcp", timeout_s=30.0, grant_bytes=0)  # every put two trips
+        with connect_client(face, cluster.master_address, config) as writer:
+            assert writer.put("warm", b"w" * 4096, PutOptions(preferred_node=frozen)).value == "stored"
+            daemon.send_signal(signal.SIGSTOP)
+            try:
+                began = time.monotonic()
+                statuses = writer.put_many(zip(keys, data, strict=True), PutOptions(preferred_node=frozen))
+                assert [s.value for s in statuses] == ["stored"] * len(keys)
+                assert time.monotonic() - began < 15.0
+                assert writer.get_many(keys, verify=True) == data  # from the node that took them
+            finally:
+                daemon.send_signal(signal.SIGCONT)
