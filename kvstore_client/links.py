@@ -143,10 +143,14 @@ class AsyncLink:
         else:
             writer.write(frame)
         what = f"{type(message).__name__} to {self.address}"
-        impatient = asyncio.get_running_loop().call_later(patience, self._give_up, request_id) if patience else None
+        impatient: asyncio.TimerHandle | None = None
         try:
             if writer.transport.get_write_buffer_size() > 1 << 20:
                 await asyncio.wait_for(writer.drain(), self.timeout)
+            # The patience runs from here, as the sync face's from the end of its send: a payload
+            # queued behind others' on this one connection is not given up before it went out.
+            if patience:
+                impatient = asyncio.get_running_loop().call_later(patience, self._give_up, request_id)
             reply, data = await asyncio.wait_for(future, self.timeout)
         except _GaveUp:
             raise Timeout(f"{what}: no reply began within {patience} s") from None

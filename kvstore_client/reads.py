@@ -5,8 +5,9 @@ Both clients read the same way: a block is read from its first replica (a copy t
 read locally first, when it has one); a replica that misses (evicted, a stale copy) or whose
 daemon is gone or stalled is followed by the block's next replica; a block is a miss only when
 every replica failed. A daemon that answers NotReady (its lease with the master lapsed: it may
-not vouch for what it holds) is followed by the next replica too, but a block whose last replica
-answered so fails the read with that error: it may well be stored, so a miss would be a lie. Any
+not vouch for what it holds) is followed by the next replica too, but a block that no replica
+served after one answered so fails the read with that error: it may well be stored there, so a
+miss would be a lie. Any
 other error (a malformed reply, a buffer too small) fails the read.
 """
 
@@ -58,8 +59,8 @@ class Failover:
                 self._order[i] = replicas
         self._at = dict.fromkeys(self._order, 0)
         self.read: set[int] = set()
-        self.unserved: NotReady | None = None
-        """The refusal of a block's last replica, once one was refused (see :func:`refused`)."""
+        self._refusals: dict[int, NotReady] = {}
+        """Per block, a replica's refusal (see :func:`refused`): raised if no later replica serves it."""
 
     def round(self) -> dict[Place, list[tuple[int, ReplicaRef]]]:
         """Per node, the blocks to read from it now and the replica of each (empty when done)."""
@@ -92,8 +93,8 @@ class Failover:
         raise_failure(outcome)
         if unreachable(outcome) or refused(outcome):
             for i, _ in group:
-                if isinstance(outcome, NotReady) and not self.has_next(i):
-                    self.unserved = outcome
+                if isinstance(outcome, NotReady):
+                    self._refusals[i] = outcome
                 self.missed(i)
             return
         assert isinstance(outcome, Sequence)
@@ -104,9 +105,10 @@ class Failover:
                 self.missed(i)
 
     def finish(self) -> None:
-        """Once every round is done: raise the refusal that left a block unread, if one did."""
-        if self.unserved is not None:
-            raise self.unserved
+        """Once every round is done: raise a refusal that left a block unread, if one did."""
+        for i, refusal in self._refusals.items():
+            if i not in self.read:
+                raise refusal
 
     def __bool__(self) -> bool:
         return bool(self._at)

@@ -31,6 +31,7 @@ from kvstore.errors import (
     NotLeader,
     ProtocolError,
     QuotaExceeded,
+    RetryLater,
     Timeout,
 )
 from kvstore.keys import BlockKey, validate_key
@@ -520,11 +521,19 @@ class DaemonServer:
         codes = [0] * len(keys)
         texts = [""] * len(keys)
         todo = [i for i, r in enumerate(refused) if r is None and not self.storage.holds(keys[i])]
+        unvouched: list[tuple[BlockKey, int, int]] = []
         for i, r in enumerate(refused):
             if r is not None:
                 codes[i], texts[i] = r.code, str(r)
-            elif i not in todo:
+            elif i in todo:
+                continue
+            elif self.storage.vouched(keys[i]):
                 codes[i] = PUT_EXISTS  # stored here already
+            else:  # a two-trip put's block the master has not vouched for: maybe an orphan, asked about now
+                codes[i], texts[i] = RetryLater.code, f"block {keys[i]!r} here awaits the master's word; retry"
+                unvouched.append((keys[i], msg.offsets[i], msg.sizes[i]))
+        if unvouched and self.storage.on_conflict is not None:
+            self.storage.on_conflict(unvouched)
         batch = self.storage.write_batch(
             [keys[i] for i in todo], [msg.offsets[i] for i in todo], [msg.sizes[i] for i in todo],
             [msg.checksums[i] for i in todo], msg.pinned,

@@ -491,11 +491,18 @@ class DaemonStorage:
                 return []
             gone = [k for k, _ in self._unchanged(blocks)]
             self.engine.drop(gone)
+            self._left_dram(gone)
         return gone
 
     def holds(self, key: BlockKey) -> bool:
         """Whether a committed block ``key`` is here, in either tier."""
         return key in self.arena or (self.ssd is not None and key in self.ssd)
+
+    def vouched(self, key: BlockKey) -> bool:
+        """Whether the block ``key`` held here (if any) is one the master knows of: not a two-trip
+        put's block it has not vouched for (``_unconfirmed``), which may be an orphan."""
+        with self.lock.shared():
+            return key not in self._unconfirmed or self._vouched(key, 0, 0)  # as a reader by key alone
 
     # -- reads ---------------------------------------------------------------------
     @contextmanager
@@ -600,7 +607,9 @@ class DaemonStorage:
         here, it is evicted before it lands, so it must not land in the extent the master frees now."""
         with self.lock.exclusive():
             self._refuse_while_registering()
-            return self.engine.demote(keys)
+            moved = self.engine.demote(keys)
+            self._left_dram(keys)  # the master's command: it knows them (and dropped ones are gone)
+            return moved
 
     def drop(
         self, keys: Sequence[BlockKey], tier: str = "", fences: Sequence[int] = (), at: Sequence[int] = (),
@@ -629,14 +638,25 @@ class DaemonStorage:
                     if key not in self.arena and not self.arena.is_pending(key):
                         self._fence(key, offset)
             if not at and keep is None:
-                return self.engine.drop(keys, tier)
-            kept = [
-                (bool(at) and at[i] >= 0 and self.arena.offset_of(k) not in (None, at[i]))
-                or (keep is not None and keep(k, self._state(k)))
-                for i, k in enumerate(keys)
-            ]
-            done = iter(self.engine.drop([k for k, no in zip(keys, kept, strict=True) if not no], tier))
-            return [False if no else next(done) for no in kept]
+                dropped = self.engine.drop(keys, tier)
+            else:
+                kept = [
+                    (bool(at) and at[i] >= 0 and self.arena.offset_of(k) not in (None, at[i]))
+                    or (keep is not None and keep(k, self._state(k)))
+                    for i, k in enumerate(keys)
+                ]
+                done = iter(self.engine.drop([k for k, no in zip(keys, kept, strict=True) if not no], tier))
+                dropped = [False if no else next(done) for no in kept]
+            self._left_dram(keys)
+            return dropped
+
+    def _left_dram(self, keys: Sequence[BlockKey]) -> None:
+        """(Under the exclusive lock.) Forget the unconfirmed notes of ``keys`` no longer in DRAM, so
+        that notes of dropped blocks do not pile up (``_unconfirmed``)."""
+        if self._unconfirmed:
+            for key in keys:
+                if key in self._unconfirmed and key not in self.arena:
+                    del self._unconfirmed[key]
 
     def _fence(self, key: BlockKey, offset: int) -> None:
         self._fences[(key, offset)] = None

@@ -94,3 +94,13 @@ def test_a_late_write_is_never_served_and_a_two_trip_put_is_served_once_vouched_
         assert _by_key(daemon, "mine") is None  # the master's word not yet heard here
         assert s.get("mine") == b"m" * 4096  # its hint missed; the master sent the read to its extent
         assert _by_key(daemon, "mine") == b"m" * 4096  # vouched for from then on
+
+
+def test_a_one_trip_put_over_an_orphan_is_stored_not_answered_exists(cluster: LocalCluster) -> None:
+    """A grant's write of a key whose block here is a late write the master never committed: not
+    EXISTS (the master knows no such key, so the put would claim bytes nobody can read); the put goes
+    the two-trip way, the orphan is asked about at once and dropped, and the put stores."""
+    _orphan(cluster, "over", 64 * 1024)
+    with Store.connect(cluster.master_address, cluster.client_config(transport="tcp", timeout_s=5.0)) as s:
+        assert s.put("over", b"n" * 4096).value == "stored"
+        assert s.get("over") == b"n" * 4096

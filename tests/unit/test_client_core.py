@@ -65,6 +65,11 @@ def test_failover_passes_a_refusing_node_by_but_never_calls_its_last_refusal_a_m
     assert not plan and plan.read == {0}
     with pytest.raises(NotReady, match="node1"):
         plan.finish()  # block 1 may well be stored: the read cannot tell, and says so
+    earlier = Failover({0: located("a", A, B)})
+    earlier.take([(0, A)], NotReady("node0's lease lapsed"), lambda i, got: True)
+    earlier.take([(0, B)], [None], lambda i, got: got is not None)  # B has no copy; A may well have
+    with pytest.raises(NotReady, match="node0"):
+        earlier.finish()
     unreachable = Failover({0: located("a", A)})
     unreachable.take([(0, A)], ConnectionFailed("gone"), lambda i, got: True)
     unreachable.finish()  # a node gone: its blocks are misses, as before

@@ -130,7 +130,9 @@ def test_a_two_trip_block_is_served_by_key_only_once_the_master_vouched_for_it(s
     assert by_key(storage, "v") == b"v" * KB
     # Dropped and put again by a grant (the master's already): served at once, the old note forgotten.
     write_two_trip(storage, "w", 12 * KB, b"w" * KB)
+    assert not storage.vouched(K("w")) and storage.vouched(K("v")) and storage.vouched(K("absent"))
     assert storage.drop([K("w")]) == [True]
+    assert storage.unconfirmed() == 0  # a dropped block's note goes with it
     write(storage, "w", 12 * KB, b"W" * KB)
     assert by_key(storage, "w") == b"W" * KB and storage.unconfirmed() == 0
 

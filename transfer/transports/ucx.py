@@ -197,6 +197,8 @@ class UcxServer:
                 ep.abort()
 
     async def _read(self, ep: Any, msg: ReadBlocks, request_id: int) -> None:
+        if not len(msg.keys) == len(msg.tiers) == len(msg.offsets) == len(msg.sizes):
+            raise InvalidArgument("ReadBlocks with mismatched keys, tiers, offsets and sizes")
         keys = [validate_key(k) for k in msg.keys]
         sums: list[int] = []
         with self.storage.read_views(keys, sums, asked=(msg.offsets, msg.sizes)) as views:
