@@ -230,7 +230,12 @@ class Commands:
 
     def tick(self, table: PlacementTable, now_ms: int) -> None:
         """Expire what ran out of time and send again what was not answered."""
+        fenced = {n for n, node in table.nodes.items() if node.fenced}
         commands = table.expire(now_ms)
+        for node_id, node in table.nodes.items():
+            if node.fenced and node_id not in fenced:  # what an operator reads first after a fault
+                log.warning("node %s fenced: silent for over its TTL; its drops count as made, and it serves "
+                            "nothing until it registers again", node_id)  # fmt: skip
         for node_id, grant_ids in table.expired_grants(now_ms).items():
             self._spawn(self.close_grants(node_id, grant_ids), "grant-expiry")
         retry, self.retry = self.retry, []
