@@ -80,6 +80,7 @@ from kvstore.protocol import (
     StatsReply,
 )
 from kvstore_client.effects import (
+    WRITE_FLOOR_BPS,
     Block,
     FlushCached,
     Notify,
@@ -115,10 +116,6 @@ that node: a block with another replica is read there, one without is read with 
 patience (a miss within it, not another whole timeout), and reads by remembered location ask the
 master. An answer from the node ends it sooner (the master fences a silent node within its TTL,
 1 s by default, and lists it no more)."""
-
-_WRITE_FLOOR_BPS = 100e6
-"""The slowest rate a two-trip write's bytes are allowed before its daemon is given up (see
-:meth:`ClientCore.write_patience_s`)."""
 
 _GRANTS_PAUSE_S = 10.0
 """After a grant on a node this client does not reach through its daemon, or a grant refused, how
@@ -517,7 +514,7 @@ class ClientCore:
         block), dropped by the revoke or as an orphan."""
         if not self.config.failover_ms:
             return 0.0
-        patience = 5 * self.failover_s + nbytes / _WRITE_FLOOR_BPS
+        patience = 5 * self.failover_s + nbytes / WRITE_FLOOR_BPS
         return patience if patience < self.config.timeout_s else 0.0
 
     def suspected(self, node_id: str) -> bool:

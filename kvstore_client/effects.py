@@ -54,6 +54,12 @@ class Block(NamedTuple):
     """The master's seal of the extent (a tenant's two-trip put); empty otherwise."""
 
 
+WRITE_FLOOR_BPS = 100e6
+"""The slowest a write's bytes may go out before its daemon is given up: a two-trip write's
+patience allows its own bytes this rate (:meth:`kvstore_client.core.ClientCore.write_patience_s`),
+an AsyncStore request with patience the bytes queued ahead of it on its link."""
+
+
 @dataclass(frozen=True, slots=True)
 class Call(Generic[R]):
     """A request to the master, retried through its restarts and failovers (up to the timeout)."""

@@ -17,7 +17,7 @@ from typing import TypeVar
 from kvstore.auth import Credential
 from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout
 from kvstore.protocol import ErrorReply, Message, ReadReply, decode_payload, encode
-from kvstore_client.effects import read_by_key_message
+from kvstore_client.effects import WRITE_FLOOR_BPS, read_by_key_message
 from transfer.aio import authenticate_stream, open_stream, read_payload
 from transfer.rpc import request_ids
 
@@ -145,8 +145,11 @@ class AsyncLink:
         what = f"{type(message).__name__} to {self.address}"
         impatient: asyncio.TimerHandle | None = None
         try:
-            if writer.transport.get_write_buffer_size() > 1 << 20:
-                await asyncio.wait_for(writer.drain(), self.timeout)
+            if (queued := writer.transport.get_write_buffer_size()) > 1 << 20:
+                if patience:  # a node that takes no bytes (frozen, cut off) is given up, as one that does not answer
+                    await self._drain_within(writer, patience + queued / WRITE_FLOOR_BPS)
+                else:
+                    await asyncio.wait_for(writer.drain(), self.timeout)
             # The patience runs from here, as the sync face's from the end of its send: a payload
             # queued behind others' on this one connection is not given up before it went out.
             if patience:
@@ -169,6 +172,22 @@ class AsyncLink:
         if not isinstance(reply, expect):
             raise ProtocolError(f"{what} got {type(reply).__name__}, expected {expect.__name__}")
         return reply, data
+
+    async def _drain_within(self, writer: asyncio.StreamWriter, bound: float) -> None:
+        """Wait until the link's buffer drained, for a request with patience: this request alone is
+        given up (a Timeout; its frame stays queued, its late reply is dropped) when it has not
+        within ``bound``, and the link fails only past its whole timeout, as for any request."""
+        drained = asyncio.ensure_future(writer.drain())
+        done, _ = await asyncio.wait({drained}, timeout=min(bound, self.timeout))
+        if not done:
+            if bound >= self.timeout:
+                drained.cancel()
+                raise TimeoutError
+            BACKGROUND.add(drained)  # the buffer drains (or the link fails) without this request
+            drained.add_done_callback(BACKGROUND.discard)
+            drained.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: never logged
+            raise _GaveUp
+        drained.result()
 
     def _give_up(self, request_id: int) -> None:
         """A request's patience ran out: unless its reply has begun, it ends (with _GaveUp) alone."""

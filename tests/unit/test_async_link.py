@@ -1,0 +1,52 @@
+"""AsyncLink's patience against a peer that takes no bytes (a frozen daemon, as TCP sees one: the
+connection accepted by the kernel, nothing read): a request with patience is given up alone within
+about it, even behind a megabyte of queued payload, and the link survives; one without waits the
+link's timeout, which fails the link."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvstore.errors import Timeout
+from kvstore.protocol import OkReply, WriteBlocks
+from kvstore_client.links import AsyncLink
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def frozen() -> Iterator[str]:
+    """A listening socket whose connections are accepted (by the kernel's backlog) and never read."""
+    with socket.create_server(("127.0.0.1", 0), backlog=8) as server:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_a_request_with_patience_is_given_up_behind_a_full_buffer_and_the_link_lives(frozen: str) -> None:
+    async def run() -> None:
+        link = AsyncLink(frozen, timeout=20.0)
+        big = WriteBlocks(["k"], [0], [8 * MiB], [0], False)
+        began = time.monotonic()
+        with pytest.raises(Timeout, match="no reply began"):
+            await link.request(big, OkReply, [bytes(8 * MiB)], patience=0.2)
+        with pytest.raises(Timeout, match="no reply began"):  # the same link, not failed
+            await link.request(big, OkReply, [bytes(MiB)], patience=0.2)
+        assert time.monotonic() - began < 10.0  # half the link's timeout: only a wait for it fails this
+        assert link._writer is not None and not link._writer.is_closing()
+        await link.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_without_patience_waits_the_links_timeout_and_fails_it(frozen: str) -> None:
+    async def run() -> None:
+        link = AsyncLink(frozen, timeout=1.0)
+        with pytest.raises(Timeout, match="no reply within 1.0 s"):
+            await link.request(WriteBlocks(["k"], [0], [8 * MiB], [0], False), OkReply, [bytes(8 * MiB)])
+        await link.close()
+
+    asyncio.run(run())
