@@ -45,7 +45,7 @@ def test_a_request_with_patience_is_given_up_behind_a_full_buffer_and_the_link_l
 def test_a_request_without_patience_waits_the_links_timeout_and_fails_it(frozen: str) -> None:
     async def run() -> None:
         link = AsyncLink(frozen, timeout=1.0)
-        with pytest.raises(Timeout, match="no reply within 1.0 s"):
+        with pytest.raises(Timeout, match=r"no reply within 1\.0 s"):
             await link.request(WriteBlocks(["k"], [0], [8 * MiB], [0], False), OkReply, [bytes(8 * MiB)])
         await link.close()
 
