@@ -7,8 +7,7 @@ daemon is gone or stalled is followed by the block's next replica; a block is a 
 every replica failed. A daemon that answers NotReady (its lease with the master lapsed: it may
 not vouch for what it holds) is followed by the next replica too, but a block that no replica
 served after one answered so fails the read with that error: it may well be stored there, so a
-miss would be a lie. Any
-other error (a malformed reply, a buffer too small) fails the read.
+miss would be a lie. Any other error (a malformed reply, a buffer too small) fails the read.
 """
 
 from __future__ import annotations

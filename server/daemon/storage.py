@@ -38,10 +38,10 @@ class BlockState(NamedTuple):
 
 
 MAX_FENCES = 65_536
+"""Copies a daemon remembers as given up (see :meth:`DaemonStorage.drop`)."""
 MAX_UNCONFIRMED = 1 << 20
 """Two-trip blocks awaiting the master's word at most (see ``DaemonStorage._unconfirmed``): beyond,
 the oldest are served by key as before (the orphan sweep is their only check then)."""
-"""Copies a daemon remembers as given up (see :meth:`DaemonStorage.drop`)."""
 
 
 class RWLock:
@@ -527,6 +527,8 @@ class DaemonStorage:
         ``wait_s``): the master may have counted a drop here as done, and a miss would be a lie
         about the blocks it holds for the others."""
         arena = self.arena
+        if asked is not None and not len(asked[0]) == len(asked[1]) == len(keys):
+            raise InvalidArgument(f"a read of {len(keys)} blocks with {len(asked[0])} offsets, {len(asked[1])} sizes")
         if not self.serving(wait_s):
             raise NotReady("this node's lease with the master lapsed (cut off, or the master stalled): "
                            "it serves no block until the master answers it")  # fmt: skip
@@ -536,8 +538,11 @@ class DaemonStorage:
             taken: list[memoryview] = []
             try:
                 for i, key in enumerate(keys):
-                    unsure = asked is not None and key in self._unconfirmed
-                    if unsure and not self._vouched(key, asked[0][i], asked[1][i]):  # type: ignore[index]
+                    if (
+                        asked is not None
+                        and key in self._unconfirmed
+                        and not self._vouched(key, asked[0][i], asked[1][i])
+                    ):
                         continue
                     if key in arena:
                         view = views[i] = arena.view(key)

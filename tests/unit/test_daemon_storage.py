@@ -109,6 +109,8 @@ def test_a_two_trip_block_is_served_by_key_only_once_the_master_vouched_for_it(s
     a reader by key alone is not served them until a reader the master sent names their extent."""
     write_two_trip(storage, "t", 0, b"t" * KB)
     assert storage.unconfirmed() == 1 and by_key(storage, "t") is None  # the hinted reader asks the master
+    with pytest.raises(InvalidArgument, match="1 offsets, 2 sizes"), storage.read_views([K("t")], asked=([0], [0, 0])):
+        pass  # a malformed ReadBlocks: refused before any index is read
     with storage.read_views([K("t")], asked=([8 * KB], [KB])) as [view]:  # located, another extent: served
         assert view is not None
     assert by_key(storage, "t") is None

@@ -197,11 +197,9 @@ class UcxServer:
                 ep.abort()
 
     async def _read(self, ep: Any, msg: ReadBlocks, request_id: int) -> None:
-        if not len(msg.keys) == len(msg.tiers) == len(msg.offsets) == len(msg.sizes):
-            raise InvalidArgument("ReadBlocks with mismatched keys, tiers, offsets and sizes")
         keys = [validate_key(k) for k in msg.keys]
         sums: list[int] = []
-        with self.storage.read_views(keys, sums, asked=(msg.offsets, msg.sizes)) as views:
+        with self.storage.read_views(keys, sums, asked=(msg.offsets, msg.sizes)) as views:  # checks their lengths
             sizes = [-1 if v is None else v.nbytes for v in views]
             await _send_frame(ep, ReadReply(sizes, sums), request_id)
             for view in views:
