@@ -81,6 +81,7 @@ from kvstore.protocol import (
     ReleaseLeases,
     Remove,
     Replicate,
+    ReportNode,
     ReturnGrants,
     Stats,
     TenantsPolicy,
@@ -118,7 +119,7 @@ from kvstore.tenants import (  # noqa: E402
 _OPERATION_OF: dict[type[Message], Operation] = {
     GetReplicas: "read", ReleaseLeases: "read", MatchPrefix: "read", MatchPrefixNodes: "read", Exists: "read",
     Stats: "read", ListNodes: "read", AdminInfo: "read", GetTicket: "read", ReadBlocks: "read",
-    ReadSlices: "read", ListKeys: "read",
+    ReadSlices: "read", ListKeys: "read", ReportNode: "read",
     PutStart: "write", PutEnd: "write", PutRevoke: "write", GrantSpace: "write", ReturnGrants: "write",
     Replicate: "write", WriteBlocks: "write", WriteGranted: "write", WriteSlices: "write", CommitBlocks: "write",
     FlushCommits: "write",

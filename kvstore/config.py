@@ -369,6 +369,13 @@ class MasterConfig(_Frozen):
         "20 ms from its last answered heartbeat), so the master counts its drops done (a remove waits no longer) "
         "and it comes back by registering again. A few heartbeats long.",
     )  # fmt: skip
+    fence_refused: bool = Field(
+        default=True,
+        description="Fence a node at once, not after node_ttl_ms, when its daemon's port refuses the master's "
+        "connection (the process is gone: a killed or crashed daemon). The master asks when a client reports the "
+        "node unreachable, when a command to it fails, and when it missed two heartbeats. Turn off where a "
+        "firewall between master and daemons answers refusals (iptables REJECT) while clients still reach them.",
+    )  # fmt: skip
     command_timeout_ms: int = Field(default=10_000, gt=0, description="Bound on one command to a daemon.")
     idle_timeout_s: float = Field(default=600.0, gt=0, description="An idle client connection is closed after this.")
     tenant_max_sessions: int = Field(

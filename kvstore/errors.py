@@ -115,6 +115,14 @@ class ConnectionFailed(KVStoreError, ConnectionError):
     code = 41
 
 
+class ConnectionRefused(ConnectionFailed):
+    """Nothing listens at a peer's address: its process is gone (or not started yet). Raised where
+    a connection is opened; a master fences a node whose daemon's port answers this (see
+    ``MasterConfig.fence_refused``)."""
+
+    code = 48
+
+
 class RetryLater(KVStoreError):
     """The key is being moved, removed or written right now; the same call may succeed shortly."""
 

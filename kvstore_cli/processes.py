@@ -36,6 +36,10 @@ def _master_arguments(p: argparse.ArgumentParser) -> None:
         "--node-ttl-ms", type=int, default=None, help="fence a silent node after this (its daemon stops serving sooner)"
     )
     p.add_argument("--heartbeat-ms", type=int, default=None, help="daemon heartbeat interval")
+    p.add_argument(
+        "--no-fence-refused", dest="fence_refused", action="store_false", default=None,
+        help="fence a node only after its TTL, even when its daemon's port refuses (a firewall answers refusals)",
+    )  # fmt: skip
     p.add_argument("--admin-port", type=int, default=None, help="REST admin API, /metrics and dashboard port")
     p.add_argument("--etcd", default=None, metavar="H:2379[,H2:2379]", help="HA: elect a leader in this etcd")
     p.add_argument("--cluster-id", default=None, help="HA: the cluster's id in etcd (with --etcd)")
@@ -82,6 +86,7 @@ def _master(args: argparse.Namespace) -> int:
         "kv_lease_ms": args.kv_lease_ms,
         "node_ttl_ms": args.node_ttl_ms,
         "heartbeat_interval_ms": args.heartbeat_ms,
+        "fence_refused": args.fence_refused,
         "admin_port": args.admin_port,
         "etcd": args.etcd,
         "cluster_id": args.cluster_id,

@@ -33,6 +33,7 @@ from kvstore.protocol import (
     PutReply,
     ReadReply,
     Replicated,
+    ReportNode,
     Stats,
     StatsReply,
     TicketReply,
@@ -85,6 +86,8 @@ class AsyncStore:
         self._links: dict[str, AsyncLink] = {}
         self._readers: dict[str, ReadBatcher] = {}
         self._core = ClientCore(self.config, OverTcp())
+        self._core.reporter = self._report
+        self._reports: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(cls, master: str, config: ClientConfig | None = None) -> Self:
@@ -435,12 +438,25 @@ class AsyncStore:
     async def stats(self) -> dict[str, int | float]:
         return await self._run(self._core.stats())
 
+    def _report(self, node_id: str) -> None:
+        """Send ReportNode in a task of its own (see ClientCore.report); called on the loop."""
+        task = asyncio.get_running_loop().create_task(self._send_report(node_id))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _send_report(self, node_id: str) -> None:
+        if not self._core.closed:
+            with contextlib.suppress(KVStoreError):  # best effort: the master fences the node by its TTL anyway
+                await self._master.request(ReportNode(node_id), OkReply)
+
     async def close(self) -> None:
         if self._core.closed:
             return
         with contextlib.suppress(KVStoreError):
             for effect in self._core.close():
                 await self._do(effect)
+        for task in self._reports:
+            task.cancel()
         for link in [self._master, *self._links.values()]:
             await link.close()
 

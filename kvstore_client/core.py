@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from kvstore.buffers import as_view
@@ -83,6 +83,7 @@ from kvstore_client.effects import (
     WRITE_FLOOR_BPS,
     Block,
     FlushCached,
+    Job,
     Notify,
     Op,
     Pause,
@@ -116,6 +117,11 @@ that node: a block with another replica is read there, one without is read with 
 patience (a miss within it, not another whole timeout), and reads by remembered location ask the
 master. An answer from the node ends it sooner (the master fences a silent node within its TTL,
 1 s by default, and lists it no more)."""
+
+_REPORT_GAP_S = 0.25
+"""A node this client could not reach is reported to the master (ReportNode) at most this often: the
+master then looks whether its daemon is gone and fences it at once if so (a killed daemon costs its
+keys' removes and puts milliseconds, not the node TTL)."""
 
 _GRANTS_PAUSE_S = 10.0
 """After a grant on a node this client does not reach through its daemon, or a grant refused, how
@@ -171,6 +177,10 @@ class ClientCore:
         self._grants_paused_until = 0.0
         self._suspects: dict[str, float] = {}
         """Nodes this client reads nothing from until a time (time.monotonic()); see :data:`_SUSPECT_S`."""
+        self.reporter: Callable[[str], None] = lambda node_id: None
+        """Sends ReportNode for a node in the background (the face's: nothing waits for it)."""
+        self._reported: dict[str, float] = {}
+        """Node -> when this client last reported it (see :data:`_REPORT_GAP_S`)."""
         self.closed = False
         self._unflushed: set[tuple[str, str]] = set()
         """Nodes (node_id, address) that acknowledged cached puts of this client since its last flush."""
@@ -214,7 +224,7 @@ class ClientCore:
         Raises the first failure (the nodes not confirmed stay to flush again)."""
         with self._unflushed_lock:
             nodes, self._unflushed = sorted(self._unflushed), set()
-        outcomes = yield from daemons([FlushCached(node_id, address) for node_id, address in nodes])
+        outcomes = yield from self._daemons([FlushCached(node_id, address) for node_id, address in nodes])
         failed = [(node, o) for node, o in zip(nodes, outcomes, strict=True) if isinstance(o, BaseException)]
         if failed:
             with self._unflushed_lock:
@@ -286,6 +296,7 @@ class ClientCore:
         it raised); where that is not STORED or EXISTS, the rest of :meth:`put_many` from that
         answer on (the grant dropped and given back as there, then the two-trip way, or the
         failure raised), for the face to run."""
+        self.report(job.node_id, outcome)
         if isinstance(outcome, list) and len(outcome) == 1:
             code = outcome[0][0]
             if code == PUT_STORED:
@@ -362,7 +373,7 @@ class ClientCore:
             return todo
         blocks = [Block(items[i][0], items[i][1], o, checksum(items[i][1])) for i, o in zip(todo, offsets, strict=True)]
         job = PutGranted(grant.node_id, grant.address, grant.grant_id, blocks, opts.pin, self._cached(opts))
-        [outcome] = yield from daemons([job])
+        [outcome] = yield from self._daemons([job])
         return (yield from self._granted_outcome(items, todo, grant, job, outcome, out, unsure))
 
     def _granted_outcome(
@@ -411,7 +422,7 @@ class ClientCore:
         ]  # fmt: skip
         failed: set[int] = set()
         unsure.extend(sums)  # their bytes go out now: a commit cut short may keep them all the same
-        for (address, group), outcome in zip(plan.writes.items(), (yield from daemons(jobs)), strict=True):
+        for (address, group), outcome in zip(plan.writes.items(), (yield from self._daemons(jobs)), strict=True):
             if isinstance(outcome, KVStoreError):
                 codes = [(outcome.code, str(outcome))] * len(group)
             elif isinstance(outcome, BaseException):
@@ -530,9 +541,30 @@ class ClientCore:
     def note_unreachable(self, node_id: str, outcome: object, patience_s: float) -> None:
         """A read from ``node_id`` ended with ``outcome``: a node silent for the whole timeout (not only
         a read's ``patience_s``: a busy node is no suspect) is suspected. One that refused or dropped
-        the connection is not: that costs no wait (and a daemon restarted is read again at once)."""
+        the connection is not (that costs no wait, and a daemon restarted is read again at once), but
+        it is reported to the master (see :meth:`report`)."""
         if isinstance(outcome, Timeout) and not patience_s:
             self._suspects[node_id] = time.monotonic() + _SUSPECT_S
+        else:
+            self.report(node_id, outcome)
+
+    def report(self, node_id: str, outcome: object) -> None:
+        """Tell the master that ``node_id``'s daemon refused or dropped this client's connection
+        (``outcome`` a ConnectionFailed; anything else is not reported), at most every
+        :data:`_REPORT_GAP_S`: it fences the node at once when the daemon's process is gone."""
+        if not isinstance(outcome, ConnectionFailed):
+            return
+        now = time.monotonic()
+        if now - self._reported.get(node_id, -_REPORT_GAP_S) >= _REPORT_GAP_S:
+            self._reported[node_id] = now
+            self.reporter(node_id)
+
+    def _daemons(self, jobs: Sequence[Job]) -> Op[list[Any]]:
+        """:func:`daemons`, reporting to the master the nodes that could not be reached."""
+        outcomes = yield from daemons(jobs)
+        for job, outcome in zip(jobs, outcomes, strict=True):
+            self.report(job.node_id, outcome)
+        return outcomes
 
     def _read_hinted(
         self, keys: list[BlockKey], views: list[memoryview] | None, verify: bool, exact_size: bool, out: list[Any]
@@ -553,7 +585,7 @@ class ClientCore:
             for (node_id, address), idx in per_node.items()
         ]  # fmt: skip
         missed: list[str] = []
-        for job, idx, outcome in zip(jobs, per_node.values(), (yield from daemons(jobs)), strict=True):
+        for job, idx, outcome in zip(jobs, per_node.values(), (yield from self._daemons(jobs)), strict=True):
             raise_failure(outcome)
             if unreachable(outcome) or refused(outcome):  # the master's way: maybe another replica
                 self.note_unreachable(job.node_id, outcome, job.patience_s)
@@ -610,7 +642,9 @@ class ClientCore:
                             patience if node_id in suspects or all(plan.has_next(i) for i, _ in group) else 0.0)
                 for (node_id, address), group in rounds.items()
             ]  # fmt: skip
-            for job, (place, group), outcome in zip(jobs, rounds.items(), (yield from daemons(jobs)), strict=True):
+            for job, (place, group), outcome in zip(
+                jobs, rounds.items(), (yield from self._daemons(jobs)), strict=True
+            ):
                 if unreachable(outcome):
                     self.note_unreachable(job.node_id, outcome, job.patience_s)
                 elif job.node_id in suspects:
@@ -659,7 +693,7 @@ class ClientCore:
                                start, length)
                     for (node_id, address), group in rounds.items()
                 ]  # fmt: skip
-                for group, outcome in zip(rounds.values(), (yield from daemons(jobs)), strict=True):
+                for group, outcome in zip(rounds.values(), (yield from self._daemons(jobs)), strict=True):
                     plan.take(group, outcome, lambda _, ok: bool(ok))
             plan.finish()
             return [length if i in plan.read else None for i in range(len(checked))]

@@ -31,6 +31,7 @@ from kvstore.protocol import (
     PrefixMatch,
     ReleaseLeases,
     Replicated,
+    ReportNode,
     Stats,
     StatsReply,
     TicketReply,
@@ -71,6 +72,7 @@ class Store:
         )
         self._leases = LeaseReleaser(self._send_releases)
         self._core = ClientCore(self.config, self._paths, self._leases)
+        self._core.reporter = self._report
 
     @classmethod
     def connect(cls, master: str, config: ClientConfig | None = None) -> Self:
@@ -169,6 +171,15 @@ class Store:
             yield located
         finally:
             self._core.release(first_lease, located)
+
+    def _report(self, node_id: str) -> None:
+        """Send ReportNode in the background (rare: a node this client could not reach, see ClientCore.report)."""
+        threading.Thread(target=self._send_report, args=(node_id,), name="kvstore-report", daemon=True).start()
+
+    def _send_report(self, node_id: str) -> None:
+        if not self._core.closed:
+            with contextlib.suppress(KVStoreError):  # best effort: the master fences the node by its TTL anyway
+                self._master.call(ReportNode(node_id), OkReply)
 
     def _send_releases(self, lease_ids: list[int]) -> None:
         with contextlib.suppress(KVStoreError):  # best effort: a lease also ends by itself

@@ -13,7 +13,7 @@ import ssl
 from typing import TypeVar
 
 from kvstore.auth import ClientHandshake, Credential
-from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeout
+from kvstore.errors import ConnectionFailed, ConnectionRefused, KVStoreError, ProtocolError, Timeout
 from kvstore.protocol import FRAME_HEADER, MAX_FRAME_BYTES, ErrorReply, Message, decode_payload, encode
 from transfer.tls import refusal
 from transfer.wire import parse_address
@@ -52,6 +52,8 @@ async def open_stream(
         raise Timeout(f"connecting to {address}: no answer in {timeout} s") from None
     except ssl.SSLError as exc:
         raise refusal(exc, f"connecting to {address}") from None
+    except ConnectionRefusedError:
+        raise ConnectionRefused(f"cannot connect to {address}: nothing listens there") from None
     except OSError as exc:
         raise ConnectionFailed(f"cannot connect to {address}: {exc.strerror or exc}") from None
 

@@ -9,7 +9,8 @@ not confirmed, and every one planned for it from then on, is done with at once
 (a remove waiting for it is answered, the key placeable again), each block noted
 in the node's ``gone``. Its other replicas stay, unread while it is down. The
 node comes back only by registering: its inventory adopted, less what ``gone``
-names.
+names. A node whose daemon's process is known gone (the master found its port
+refusing connections) is fenced the same way at once (:meth:`Membership.fence_gone`).
 """
 
 from __future__ import annotations
@@ -333,6 +334,18 @@ class Membership:
             if not node.fenced and now_ms - node.last_seen_ms > self.ttl_ms:
                 self.fence(node.node_id)
 
+    def fence_gone(self, node_id: str, gen: int, seen_ms: int) -> bool:
+        """Fence ``node_id`` now, ahead of its TTL, because its daemon's process is gone (its port
+        refused a connection): only the registration ``gen`` the finding was about, and only if it
+        was not heard from since ``seen_ms`` (a restarted daemon that registered or heartbeated
+        since is not the one found gone). Whether it was fenced."""
+        node = self.catalog.nodes.get(node_id)
+        if node is None or node.fenced or node.gen != gen or node.last_seen_ms != seen_ms:
+            return False
+        self.fence(node_id)
+        self.catalog.counters["fences_refused"] += 1
+        return True
+
     def postpone_fences(self, now_ms: int, by_ms: int) -> None:
         """Give every node not fenced at least ``by_ms`` from ``now_ms`` before it is: after the
         master itself stalled (it read no heartbeat meanwhile). Fencing later is always safe."""
@@ -349,6 +362,7 @@ class Membership:
         registration to confirm."""
         node = self.catalog.nodes[node_id]
         node.up, node.fenced = False, True
+        self.catalog.counters["fences"] += 1
         node.gone |= self._dropping_on(node_id, forget=True)
         self.gone_changed.add(node_id)
 

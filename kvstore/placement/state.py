@@ -184,6 +184,8 @@ COUNTERS = (
     "room_refused_leased",
     "room_refused_pinned",
     "room_refused_tenants",
+    "fences",
+    "fences_refused",
 )
 
 

@@ -175,6 +175,9 @@ class PlacementTable:
         """``node_id``'s ``gone`` is to be taken again (keeping it in etcd failed)."""
         self._membership.gone_changed.add(node_id)
 
+    def fence_gone(self, node_id: str, gen: int, seen_ms: int) -> bool:
+        return self._membership.fence_gone(node_id, gen, seen_ms)
+
     def postpone_fences(self, now_ms: int, by_ms: int) -> None:
         self._membership.postpone_fences(now_ms, by_ms)
 

@@ -82,6 +82,7 @@ from kvstore.protocol.membership import (
     NodeInfo,
     RegisterNode,
     RegisterReply,
+    ReportNode,
 )
 from kvstore.protocol.put_get import (
     GetReplicas,
@@ -197,6 +198,7 @@ __all__ = [
     "Replicate",
     "ReplicateReply",
     "Replicated",
+    "ReportNode",
     "ReturnGrants",
     "Stats",
     "StatsReply",

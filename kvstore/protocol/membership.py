@@ -140,6 +140,15 @@ class AccessReport(Message, tag=73, frozen=True):
     tiers: list[Tier]
 
 
+class ReportNode(Message, tag=92, frozen=True):
+    """A client could not reach ``node_id``'s daemon (the connection was refused or dropped): the
+    master looks at once whether its process is gone, and fences it if so (see
+    ``MasterConfig.fence_refused``) instead of after its TTL. Answered by OkReply; a report of a
+    node that answers the master changes nothing."""
+
+    node_id: str
+
+
 class LeaveNode(Message, tag=88, frozen=True):
     """A daemon leaves for good (``kvstore daemon --leave-on-exit``, as a Mooncake client unmounts
     its segment at close): the master forgets the node and every replica on it. Answered by OkReply."""

@@ -567,7 +567,10 @@ class _Collector:
                                  "evicted is leased by readers or being written."),
                                 ("room_refused_pinned", "Puts and grants refused: all DRAM is pinned."),
                                 ("room_refused_tenants", "Tenants' puts and grants refused: the nodes are full "
-                                 "of pinned and other tenants' blocks, which no tenant's put evicts.")):  # fmt: skip
+                                 "of pinned and other tenants' blocks, which no tenant's put evicts."),
+                                ("fences", "Nodes fenced: silent past their TTL, or their daemon gone."),
+                                ("fences_refused", "Of the fences, those of a daemon whose port refused the "
+                                 "master (its process gone): fenced at once, not after the TTL.")):  # fmt: skip
             yield CounterMetricFamily(f"kvstore_{name}", help_text, value=c[name])
         tenants = service.quotas()
         held = GaugeMetricFamily("kvstore_tenant_held_bytes", "Bytes a tenant holds or reserves (keys, puts in "

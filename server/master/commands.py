@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import TypeVar
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConnectionFailed, KVStoreError
 from kvstore.placement.state import Move, NodeCommand
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind
@@ -44,6 +44,8 @@ class Lane(enum.StrEnum):
     """Drops, demotions and promotions (a drop may wait for the block's receivers)."""
     COPIES = "copies"
     """Copies of blocks between daemons (drain, replicate): the longest calls."""
+    PROBE = "probe"
+    """Whether the daemon's process is still there (:mod:`server.master.probes`): never behind anything."""
 
 
 class Room:
@@ -97,6 +99,8 @@ class Commands:
         to be sent again: until it is made, a reader that goes to the daemon directly may still find
         the block (a remove waits for them; see :meth:`dropping`)."""
         self.room = Room()
+        self.unreachable: Callable[[str], None] = lambda node_id: None
+        """Told the node of every command that could not reach its daemon (the service's prober)."""
         self._failures = RateLimitedLog(log)
         """Failures that repeat every tick (a command a daemon keeps refusing): a line a minute each."""
 
@@ -206,6 +210,8 @@ class Commands:
                     try:
                         reply = await self.call(command.node_id, Lane.BLOCKS, _message(command), CommandReply)
                     except KVStoreError as exc:
+                        if isinstance(exc, ConnectionFailed):
+                            self.unreachable(command.node_id)
                         self._failures.warning(f"command-{command.kind.value}-{command.node_id}",
                                                "command %s to %s failed (%s); will retry", command.kind.value,
                                                command.node_id, exc)  # fmt: skip

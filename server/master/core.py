@@ -79,6 +79,7 @@ from kvstore.protocol import (
     Replicate,
     Replicated,
     ReplicateReply,
+    ReportNode,
     ReturnGrants,
     Stats,
     StatsReply,
@@ -87,6 +88,7 @@ from kvstore.tenants import Tenant
 from server.master.commands import Commands, Lane
 from server.master.leadership import Leadership
 from server.master.nodes import NodeRegistry
+from server.master.probes import Prober
 
 log = logging.getLogger("kvstore.master")
 
@@ -126,6 +128,8 @@ class MasterCore:
         self.leadership = leadership
         self.authority = authority
         """Tenants and their quotas, and the seals of their reservations (None: no tenants)."""
+        self.prober: Prober | None = None
+        """Looks whether a node clients report unreachable is gone (the service's; None: nobody looks)."""
         self.loop_stall_max: Callable[[], float] | None = None
         """The longest the event loop went without turning, in seconds (the service's probe), for Stats."""
         self._saving_gone = asyncio.Lock()
@@ -164,6 +168,11 @@ class MasterCore:
             [k for c in own for k in c.keys],
             [c.tier.value if c.tier_only else "" for c in own for _ in c.keys],
         )
+
+    async def report_node(self, m: ReportNode, caller: Identity = ANYONE) -> Message:
+        if self.prober is not None:
+            self.prober.suspect(m.node_id, f"client {caller.name or '(anonymous)'} could not reach it")
+        return OkReply()
 
     async def leave(self, m: LeaveNode, caller: Identity = ANYONE) -> Message:
         commands = self.nodes.leave(m.node_id)

@@ -48,6 +48,7 @@ from kvstore.protocol import (
     ReleaseLeases,
     Remove,
     Replicate,
+    ReportNode,
     ReturnGrants,
     Stats,
     StatsReply,
@@ -241,6 +242,7 @@ class RpcServer:
             MatchPrefixNodes: core.match_prefix_nodes, Replicate: core.replicate, Exists: core.exists,
             Remove: core.remove, ListKeys: core.list_keys, ListNodes: core.list_nodes, Stats: self._stats,
             AdminInfo: self._admin_info, AuthHello: self._unauthenticated_hello, CheckBlocks: core.check_blocks,
+            ReportNode: core.report_node,
         }  # fmt: skip
 
     async def start(self) -> int:

@@ -31,6 +31,7 @@ from server.master.evictions import EvictionLog
 from server.master.leadership import Leadership
 from server.master.metrics import LatencyHistogram, LoopStalls, Sampler
 from server.master.nodes import NodeRegistry
+from server.master.probes import Prober
 from server.master.rpc import RpcServer
 from transfer.tls import contexts, server_context
 from transfer.topology import warn_if_open
@@ -69,7 +70,12 @@ class MasterService:
         self._gone_failures = RateLimitedLog(log)
         self.leadership = Leadership(config, lambda: set(self.nodes.table.nodes))
         self.commands = Commands(self.nodes, self._spawn, self.config.reservation_ms)
+        self.prober = Prober(self.commands, self._spawn, enabled=config.fence_refused,
+                             heartbeat_ms=config.heartbeat_interval_ms)  # fmt: skip
+        """Fences nodes whose daemon is gone without waiting out their TTL."""
+        self.commands.unreachable = lambda node_id: self.prober.suspect(node_id, "a command could not reach it")
         self.core = MasterCore(config, self.nodes, self.commands, self.leadership, self.authority)
+        self.core.prober = self.prober
         self.admin_address = ""
         """Where the REST admin API (server.master.admin) serves, once whoever runs the master started it."""
         self.rpc = RpcServer(config, self.core, self.leadership, self.authority, self.tls, self._spawn,
@@ -284,6 +290,7 @@ class MasterService:
                     self.table.postpone_fences(now_ms(), self.config.node_ttl_ms // 2)
                 last = now
                 self.commands.tick(self.table, now_ms())
+                self.prober.tick(self.table, now_ms())
                 if self.leadership.election is not None and self.table.gone_pending():
                     self._spawn(self._save_gone(), "save-gone")
                 self.evictions.add(self.table.take_evictions(), time.time())

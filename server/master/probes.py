@@ -1,0 +1,98 @@
+"""Finding out at once that a daemon's process is gone, instead of waiting out its node TTL.
+
+A silent node is fenced once its TTL passed: its daemon's lease is over by then, so it serves
+nothing, and the drops it never confirmed count as made (a remove waiting for them is answered).
+A killed or crashed daemon is known gone long before that: its port refuses connections. The
+master looks (a MasterHello on a connection of its own, :attr:`Lane.PROBE`, within
+:data:`PROBE_TIMEOUT_S`) when a client reports the node unreachable (ReportNode), when one of its
+own commands to the node could not reach it, and when the node missed two heartbeats; a refusal
+fences the node at once (``MasterConfig.fence_refused``). A frozen daemon (the kernel still accepts
+its connections) and a cut-off one (nothing answers) are not refused: either may still serve a
+client, so they are fenced by their TTL as before. A probe that finds the daemon answering changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from kvstore.errors import ConnectionFailed, ConnectionRefused, KVStoreError
+from kvstore.placement.table import PlacementTable
+from kvstore.protocol import MasterHello, OkReply
+from server.master.commands import Commands, Lane, Spawn
+
+log = logging.getLogger("kvstore.master")
+
+PROBE_TIMEOUT_S = 0.2
+"""How long a probe waits for the daemon to connect and answer (a busy one that takes longer is not
+fenced: only a refusal fences)."""
+
+PROBE_GAP_S = 0.1
+"""A node is probed at most this often, however many reports come."""
+
+
+class Prober:
+    """Probes nodes suspected of being gone and fences those whose daemon's port refuses."""
+
+    def __init__(self, commands: Commands, spawn: Spawn, *, enabled: bool, heartbeat_ms: int) -> None:
+        self.commands = commands
+        self.enabled = enabled
+        self.heartbeat_ms = heartbeat_ms
+        self._spawn = spawn
+        self._began: dict[str, float] = {}
+        """Node -> when its last probe began (monotonic seconds)."""
+        self.fenced = 0
+        """Nodes fenced because their daemon's port refused (for Stats and /metrics)."""
+        self.probes = 0
+
+    def suspect(self, node_id: str, why: str) -> None:
+        """Look whether ``node_id``'s daemon is gone (``why``: what made it suspect, for the log)."""
+        table = self.commands.nodes.table
+        node = table.nodes.get(node_id)
+        if not self.enabled or node is None or node.fenced:
+            return
+        now = time.monotonic()
+        if now - self._began.get(node_id, -PROBE_GAP_S) < PROBE_GAP_S:
+            return
+        self._began[node_id] = now
+        self.probes += 1
+        self._spawn(self._probe(table, node_id, node.gen, node.last_seen_ms, why), "node-probe")
+
+    def tick(self, table: PlacementTable, now_ms: int) -> None:
+        """Probe the nodes that missed two heartbeats (and forget nodes the table no longer has)."""
+        for node_id in [n for n in self._began if n not in table.nodes]:
+            del self._began[node_id]
+        for node in list(table.nodes.values()):
+            if not node.fenced and now_ms - node.last_seen_ms > 2 * self.heartbeat_ms:
+                self.suspect(node.node_id, f"no heartbeat for {now_ms - node.last_seen_ms} ms")
+
+    async def _probe(self, table: PlacementTable, node_id: str, gen: int, seen_ms: int, why: str) -> None:
+        if not await self._refused(node_id):
+            return
+        if self.commands.current(table) and table.fence_gone(node_id, gen, seen_ms):
+            self.fenced += 1
+            log.warning("node %s fenced: its daemon's port refuses connections (the process is gone; suspected: "
+                        "%s); its drops count as made, and it serves nothing until it registers again",
+                        node_id, why)  # fmt: skip
+            self.commands.room.freed()  # removes and revokes waiting for its drops are answered now
+
+    async def _refused(self, node_id: str) -> bool:
+        """Whether the daemon's port refuses the master's connection. A link the daemon's death cut
+        fails once before a new connection is tried: twice, then."""
+        for _ in range(2):
+            try:
+                link = self.commands.nodes.link(node_id, Lane.PROBE)
+            except KeyError:
+                return False  # the node left meanwhile
+            try:
+                await asyncio.wait_for(link.call(MasterHello(self.commands.nodes.epoch), OkReply), PROBE_TIMEOUT_S)
+                return False
+            except ConnectionRefused:
+                return True
+            except ConnectionFailed:
+                continue
+            except (KVStoreError, TimeoutError):
+                return False  # answering slowly, or not at all: frozen, cut off or busy, never refused
+        return False

@@ -1,0 +1,115 @@
+"""A daemon whose process is gone is fenced at once, not after the node TTL: the master finds its
+port refusing connections when one of its commands to the node fails, when a client reports the
+node unreachable, or when the node missed two heartbeats. A frozen daemon (the kernel still
+accepts its connections) is never fenced that way: it may still serve. Checked with real processes
+and a node TTL of a minute, so that a fence within the test can only be the early one."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bench.frames import ask
+from kvstore.config import ClientConfig
+from kvstore.errors import Timeout
+from kvstore.protocol import OkReply, ReportNode, Stats, StatsReply
+from kvstore_cli.cluster import LocalCluster
+from kvstore_client.store import PutOptions, Store
+
+TTL_MS = 60_000
+SLOW_HEARTBEATS = ("--node-ttl-ms", str(TTL_MS), "--heartbeat-ms", "20000")
+"""Heartbeats every 20 s: neither the TTL nor two missed heartbeats come within a test."""
+TCP = ClientConfig(transport="tcp", timeout_s=5.0)
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    extra = getattr(request, "param", ())
+    with LocalCluster(2, dram="8MiB", master_args=(*SLOW_HEARTBEATS, *extra)) as c:
+        yield c
+
+
+def stats(cluster: LocalCluster) -> dict[str, int | float]:
+    reply = ask(cluster.master_address, Stats())
+    assert isinstance(reply, StatsReply)
+    return reply.stats
+
+
+def up(store: Store, node: str) -> bool:
+    return next(n.up for n in store.nodes() if n.node_id == node)
+
+
+def wait_down(store: Store, node: str, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while up(store, node):
+        assert time.monotonic() < deadline, f"{node} still up after {within_s} s"
+        time.sleep(0.05)
+
+
+def test_a_remove_on_a_killed_node_is_answered_once_the_master_finds_it_gone(cluster: LocalCluster) -> None:
+    """The remove's drop to the dead daemon fails; the master's probe is refused, so it fences the
+    node and the remove is answered (with the fence at the TTL it answered Timeout: a minute away)."""
+    with Store.connect(cluster.master_address, TCP) as store:
+        assert store.put("k", b"v" * 4096, PutOptions(replicas=2)).value == "stored"
+        cluster.kill_daemon(0)
+        assert store.remove("k")
+        assert not up(store, cluster.node_name(0))
+        assert store.put("k", b"w" * 4096).value == "stored"  # placed on the live node
+        assert store.get("k") == b"w" * 4096
+    counted = stats(cluster)
+    assert counted["fences_refused"] == counted["fences"] == 1
+
+
+@pytest.mark.parametrize("cluster", [("--no-fence-refused",)], indirect=True)
+def test_without_fence_refused_the_remove_waits_for_the_ttl(cluster: LocalCluster) -> None:
+    """What the test above would see without the probe's fence (the check fails on the old code)."""
+    with Store.connect(cluster.master_address, TCP) as store:
+        assert store.put("k", b"v" * 4096, PutOptions(replicas=2)).value == "stored"
+        cluster.kill_daemon(0)
+        with pytest.raises(Timeout):
+            store.remove("k")
+        assert up(store, cluster.node_name(0))
+    assert stats(cluster)["fences"] == 0
+
+
+def test_a_clients_report_of_a_killed_node_fences_it(cluster: LocalCluster) -> None:
+    """No master command goes to the node: the client's get, refused by the dead daemon, reports it."""
+    node = cluster.node_name(0)
+    with Store.connect(cluster.master_address, TCP) as store:
+        assert store.put("only-there", b"v" * 4096, PutOptions(preferred_node=node)).value == "stored"
+        cluster.kill_daemon(0)
+        assert store.get("only-there") is None  # its one copy is on the dead node: a miss
+        wait_down(store, node, within_s=10.0)  # the report's probe; no heartbeat is missed for 40 s
+    assert stats(cluster)["fences_refused"] == 1
+
+
+def test_a_frozen_node_is_not_fenced_by_reports(cluster: LocalCluster) -> None:
+    """A frozen daemon may still serve (it thaws within its lease): its port does not refuse, so
+    reports of it, however many, leave it up; the TTL fences it if it stays silent."""
+    daemon = cluster.daemons[0]
+    assert daemon is not None
+    node = cluster.node_name(0)
+    with Store.connect(cluster.master_address, TCP) as store:
+        assert store.put("k", b"v" * 4096, PutOptions(preferred_node=node)).value == "stored"
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(5):
+                assert isinstance(ask(cluster.master_address, ReportNode(node)), OkReply)
+                time.sleep(0.3)  # past the probe's gap and its timeout: each report probes
+            assert up(store, node)
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        assert store.get("k") == b"v" * 4096
+        assert isinstance(ask(cluster.master_address, ReportNode("no-such-node")), OkReply)
+    assert stats(cluster)["fences"] == 0
+
+
+def test_a_killed_node_that_misses_two_heartbeats_is_fenced_without_any_client() -> None:
+    with LocalCluster(2, dram="8MiB", master_args=("--node-ttl-ms", str(TTL_MS), "--heartbeat-ms", "200")) as c:
+        c.kill_daemon(0)
+        with Store.connect(c.master_address, TCP) as store:
+            wait_down(store, c.node_name(0), within_s=20.0)  # the TTL is a minute away
+        assert stats(c)["fences_refused"] == 1
