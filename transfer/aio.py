@@ -58,6 +58,21 @@ async def open_stream(
         raise ConnectionFailed(f"cannot connect to {address}: {exc.strerror or exc}") from None
 
 
+async def port_refuses(address: str, timeout: float) -> bool:
+    """Whether ``host:port`` refuses a TCP connection: nothing listens there (a process gone). A
+    connection made is closed at once, before any byte; one not answered in ``timeout`` (a frozen
+    or cut-off host) is no refusal."""
+    host, port = parse_address(address)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return False
+
+
 async def authenticate_stream(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, credential: Credential
 ) -> bytes:  # fmt: skip

@@ -94,6 +94,14 @@ log = logging.getLogger("kvstore.master")
 
 # A put waits for at most this many rounds of evictions before its keys fail.
 _MAX_EVICTION_ROUNDS = 64
+_EVICTION_WAIT_S = 0.25
+"""How long a put or grant waits for the evictions it sent before it plans again: a daemon answers
+them in milliseconds; one frozen or cut off is fenced within its TTL, and until then every round
+waits for room (a tick at most), after it the put goes to another node. (Waiting for the commands
+themselves held a put until the daemon came back, up to the command timeout: 10 s.)"""
+_OPEN_GRANT_WAIT_S = 1.0
+"""How long a grant waits for its daemon to open it: one that does not answer by then is given up
+(closed once it answers or is fenced) and the client puts the two-trip way meanwhile."""
 _MAX_KEYS_PAGE = 10_000
 """Most keys one ListKeys answers (a page: the table is scanned once per page)."""
 
@@ -324,7 +332,7 @@ class MasterCore:
                 self.commands.later(placed.commands, "background-eviction")
                 break
             if placed.commands:
-                await self.commands.run(placed.commands)
+                await self.commands.soon(placed.commands, "eviction", _EVICTION_WAIT_S)
             else:
                 await self._until_room()  # room is coming from commands another request sent
         stuck = Ticket("error", [], CapacityError.code, "no room after repeated rounds of eviction")
@@ -401,7 +409,7 @@ class MasterCore:
                     grant = plan.grant
                     break
                 if plan.commands:
-                    await self.commands.run(plan.commands)
+                    await self.commands.soon(plan.commands, "eviction", _EVICTION_WAIT_S)
                 else:
                     await self._until_room()
         finally:
@@ -413,7 +421,11 @@ class MasterCore:
         ttl = self.config.grant_ttl_ms
         try:
             message = OpenGrant(grant.grant_id, extent.offset, extent.length, ttl, owner)
-            await self.commands.call(grant.node_id, Lane.GRANTS, message, CommandReply)
+            opening = self.commands.call(grant.node_id, Lane.GRANTS, message, CommandReply)
+            try:
+                await asyncio.wait_for(opening, _OPEN_GRANT_WAIT_S)
+            except TimeoutError:
+                raise RetryLater(f"node {grant.node_id} did not open a grant within {_OPEN_GRANT_WAIT_S} s") from None
         except BaseException:
             # The daemon may have taken it: close it there before the space is reused.
             self.commands.close_grants_later(table.end_grants([grant.grant_id]), "grant-close")

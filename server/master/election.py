@@ -34,12 +34,17 @@ import aetcd.exceptions
 import aetcd.rtypes
 
 from kvstore.errors import ConnectionFailed, NotLeader
+from transfer.aio import port_refuses
 from transfer.discovery import EtcdCluster, MasterRecord
 from transfer.wire import parse_address
 
 log = logging.getLogger("kvstore.master.election")
 
 Role = Literal["standby", "leader"]
+
+
+LEADER_PROBE_S = 0.1
+"""How often a standby looks whether the leader's process is gone (its RPC port refuses)."""
 
 
 class LeaseLost(Exception):
@@ -54,8 +59,13 @@ class Election:
         ttl_s: int,
         on_leader: Callable[[int], None],
         on_standby: Callable[[], None],
+        revoke_gone: bool = False,
     ) -> None:
+        """``revoke_gone``: a standby that finds the leader's RPC port refusing (its process is gone)
+        revokes the leader's etcd lease, so that a new leader is elected now, not once the lease ran
+        out (``MasterConfig.fence_refused``)."""
         self.cluster = cluster
+        self.revoke_gone = revoke_gone
         self.record = record
         self.ttl_s = ttl_s
         self._on_leader = on_leader
@@ -183,19 +193,43 @@ class Election:
         if self.role == "leader":
             raise LeaseLost("another master holds the leader key")
         self.leader = MasterRecord.from_kv(value, meta.create_revision)
-        await self._wait_for_vacancy(client, meta.header.revision + 1)
+        await self._wait_for_vacancy(client, meta.header.revision + 1, meta.lease)
 
-    async def _wait_for_vacancy(self, client: Any, after_revision: int) -> None:
+    async def _wait_for_vacancy(self, client: Any, after_revision: int, leader_lease: int) -> None:
+        """Until the leader key is deleted, or ``ttl_s`` passed (then look again anyway). A leader
+        whose process is gone is not waited for: its lease is revoked (see ``revoke_gone``)."""
         watch = await self._bounded(
             client.watch(self.cluster.leader_key, start_revision=after_revision, kind=aetcd.rtypes.EventKind.DELETE)
         )
         try:
-            events = watch.__aiter__()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(events.__anext__(), self.ttl_s)  # a deletion, or look again anyway
+            vacancy = asyncio.ensure_future(watch.__aiter__().__anext__())
+            gone = asyncio.ensure_future(self._leader_gone())
+            try:
+                done, _ = await asyncio.wait({vacancy, gone}, timeout=self.ttl_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                vacancy.cancel()
+                gone.cancel()
+            if vacancy in done:
+                vacancy.result()  # a deletion, or the watch's failure
+            elif gone in done and gone.result():
+                gone_at = self.leader.address if self.leader else "?"
+                log.warning("leader %s refuses connections (its process is gone): revoking its etcd lease %x "
+                            "to elect a new leader now", gone_at, leader_lease)  # fmt: skip
+                with contextlib.suppress(aetcd.exceptions.ClientError):  # already ended: nothing to do
+                    await self._bounded(client.revoke_lease(leader_lease))
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(watch.cancel(), 1.0)
+
+    async def _leader_gone(self) -> bool:
+        """True once the leader's RPC port refuses a connection (with ``revoke_gone``); else never."""
+        leader = self.leader
+        if not self.revoke_gone or leader is None:
+            await asyncio.sleep(self.ttl_s)
+            return False
+        while not await port_refuses(leader.address, LEADER_PROBE_S * 2):
+            await asyncio.sleep(LEADER_PROBE_S)
+        return True
 
     def _lead(self, epoch: int) -> None:
         if self.role == "leader" and self.epoch == epoch:

@@ -119,7 +119,7 @@ class Leadership:
         cluster = EtcdCluster(parse_endpoints(self.config.etcd), self.config.cluster_id)
         self.election = Election(
             cluster, MasterRecord(self.address, admin_address), self.config.etcd_lease_ttl_s,
-            on_leader=on_leader, on_standby=on_standby,
+            on_leader=on_leader, on_standby=on_standby, revoke_gone=self.config.fence_refused,
         )  # fmt: skip
         self.election.start()
 

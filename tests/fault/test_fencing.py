@@ -15,8 +15,8 @@ import pytest
 
 from bench.frames import ask
 from kvstore.config import ClientConfig
-from kvstore.errors import KVStoreError, NotReady
-from kvstore.protocol import GetReplicas, GetReplicasReply
+from kvstore.errors import KVStoreError, NotReady, RetryLater
+from kvstore.protocol import GetReplicas, GetReplicasReply, GrantSpace
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.dataplane import DataPath
 from kvstore_client.store import PutOptions, Store
@@ -142,3 +142,37 @@ def test_a_frozen_node_serves_nothing_when_thawed_until_it_registers_again(clust
         assert read_by_key(cluster.daemon_addresses[0], "f") is None
         assert read_by_key(cluster.daemon_addresses[0], "g") is None
         assert store.get("f") == NEW and store.get("g") is None and not store.exists("g")
+
+
+def test_a_put_that_must_evict_on_a_frozen_node_goes_elsewhere_once_it_is_fenced() -> None:
+    """Every node's DRAM is full, so a put's placement evicts on each node it asks, the frozen one
+    included. The put waited for those evictions to be answered, up to the master's command timeout
+    (10 s: the client's 5 s ran out first); now it plans again while they are under way, and once
+    the frozen node is fenced it goes to the other two."""
+    with LocalCluster(3, dram="1MiB", ssd="16MiB", master_args=TTL) as cluster:
+        with Store.connect(cluster.master_address, TCP) as store:
+            for i in range(3 * 16):  # three DRAMs of 1 MiB, full: the blocks that follow evict
+                assert store.put(f"fill-{i}", bytes([i]) * (64 << 10)).value == "stored"
+            frozen = cluster.daemons[0]
+            assert frozen is not None
+            frozen.send_signal(signal.SIGSTOP)
+            try:
+                for i in range(3):
+                    assert store.put(f"new-{i}", b"n" * (64 << 10), PutOptions(replicas=2)).value == "stored"
+            finally:
+                frozen.send_signal(signal.SIGCONT)
+            assert store.get("new-0") == b"n" * (64 << 10)
+
+
+def test_a_grant_on_a_frozen_node_is_given_up_within_a_second(cluster: LocalCluster) -> None:
+    """The master opens a grant on its daemon before answering: a frozen daemon held the GrantSpace
+    for the command timeout (10 s, past a client's 5 s: the put failed with Timeout); now it answers
+    RetryLater after a second and the client puts the two-trip way meanwhile."""
+    frozen = cluster.daemons[0]
+    assert frozen is not None
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(RetryLater):  # the old code answered Timeout, after the 10 s command timeout
+            ask(cluster.master_address, GrantSpace(1 << 20, cluster.node_name(0)))
+    finally:
+        frozen.send_signal(signal.SIGCONT)
