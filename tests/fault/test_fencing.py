@@ -149,19 +149,21 @@ def test_a_put_that_must_evict_on_a_frozen_node_goes_elsewhere_once_it_is_fenced
     included. The put waited for those evictions to be answered, up to the master's command timeout
     (10 s: the client's 5 s ran out first); now it plans again while they are under way, and once
     the frozen node is fenced it goes to the other two."""
-    with LocalCluster(3, dram="1MiB", ssd="16MiB", master_args=TTL) as cluster:
-        with Store.connect(cluster.master_address, TCP) as store:
-            for i in range(3 * 16):  # three DRAMs of 1 MiB, full: the blocks that follow evict
-                assert store.put(f"fill-{i}", bytes([i]) * (64 << 10)).value == "stored"
-            frozen = cluster.daemons[0]
-            assert frozen is not None
-            frozen.send_signal(signal.SIGSTOP)
-            try:
-                for i in range(3):
-                    assert store.put(f"new-{i}", b"n" * (64 << 10), PutOptions(replicas=2)).value == "stored"
-            finally:
-                frozen.send_signal(signal.SIGCONT)
-            assert store.get("new-0") == b"n" * (64 << 10)
+    with (
+        LocalCluster(3, dram="1MiB", ssd="16MiB", master_args=TTL) as cluster,
+        Store.connect(cluster.master_address, TCP) as store,
+    ):
+        for i in range(3 * 16):  # three DRAMs of 1 MiB, full: the blocks that follow evict
+            assert store.put(f"fill-{i}", bytes([i]) * (64 << 10)).value == "stored"
+        frozen = cluster.daemons[0]
+        assert frozen is not None
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            for i in range(3):
+                assert store.put(f"new-{i}", b"n" * (64 << 10), PutOptions(replicas=2)).value == "stored"
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        assert store.get("new-0") == b"n" * (64 << 10)
 
 
 def test_a_grant_on_a_frozen_node_is_given_up_within_a_second(cluster: LocalCluster) -> None:
