@@ -373,8 +373,9 @@ class MasterConfig(_Frozen):
         default=True,
         description="Fence a node at once, not after node_ttl_ms, when its daemon's port refuses the master's "
         "connection (the process is gone: a killed or crashed daemon). The master asks when a client reports the "
-        "node unreachable, when a command to it fails, and when it missed two heartbeats. Turn off where a "
-        "firewall between master and daemons answers refusals (iptables REJECT) while clients still reach them.",
+        "node unreachable, when a command to it fails, and when it missed two heartbeats. Likewise an HA standby "
+        "whose leader's port refuses revokes the leader's etcd lease and is elected at once. Turn off where a "
+        "firewall between the processes answers refusals (iptables REJECT) while others still reach them.",
     )  # fmt: skip
     command_timeout_ms: int = Field(default=10_000, gt=0, description="Bound on one command to a daemon.")
     idle_timeout_s: float = Field(default=600.0, gt=0, description="An idle client connection is closed after this.")
@@ -453,7 +454,8 @@ class MasterConfig(_Frozen):
     )
     etcd_lease_ttl_s: int = Field(
         default=1, ge=1, le=60,
-        description="The leader's etcd lease: a dead leader is replaced within about this. etcd grants at least "
+        description="The leader's etcd lease: a frozen or cut-off leader is replaced within about this (a killed "
+        "one at once: see fence_refused). etcd grants at least "
         "1.5 x its election timeout, rounded up to whole seconds (2 s with its defaults; 1 s with "
         "--election-timeout=500 --heartbeat-interval=50, as this project's etcd runs); the leader fences itself "
         "within this TTL all the same.",

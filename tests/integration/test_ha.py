@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.config import ClientConfig, MasterConfig
-from kvstore.errors import ConfigError, KVStoreError, NotLeader
+from kvstore.errors import ConfigError, KVStoreError, NotLeader, Timeout
 from kvstore.node_store import PutStatus
 from kvstore.protocol import Stats, StatsReply
 from kvstore_cli.cluster import LocalCluster, LocalEtcd, free_port
@@ -322,3 +322,18 @@ def test_bad_etcd_addresses_are_typed_errors() -> None:
     for bad in ["etcd://", "etcd://h:1", "etcd://h/x", "etcd://h:99999/x", "etcd://h:1/bad id"]:
         with pytest.raises(InvalidArgument):
             Store.connect(bad)
+
+
+@pytest.mark.parametrize("fence_refused", [True, False])
+def test_a_killed_leader_is_replaced_before_its_lease_runs_out(etcd: LocalEtcd, fence_refused: bool) -> None:
+    """A standby that finds the leader's port refusing (its process is gone) revokes its etcd lease:
+    a new leader now, not once the lease ran out (30 s here). Without fence_refused it waits it out."""
+    flags = ("--etcd-lease-ttl", "30", *(() if fence_refused else ("--no-fence-refused",)))
+    with LocalCluster(1, dram="16MiB", etcd=etcd.endpoint, cluster_id=CLUSTER, masters=2, master_args=flags) as c:
+        old = c.leader_index()
+        c.kill_ha_master(old)
+        if fence_refused:
+            assert c.leader_index(timeout=15.0) == 1 - old
+        else:
+            with pytest.raises(Timeout):
+                c.leader_index(timeout=5.0)
