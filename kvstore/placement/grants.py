@@ -19,7 +19,7 @@ from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, KVStore
 from kvstore.keys import validate_key
 from kvstore.placement.records import MAX_CHECKSUM
 from kvstore.placement.results import PUT_EXISTS, PUT_STORED
-from kvstore.placement.state import DRAM, Catalog, Grant, NodeCommand, no_room_text
+from kvstore.placement.state import DRAM, Catalog, Grant, NodeCommand, no_room_text, suspects_last
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import Strategy
 
@@ -58,7 +58,7 @@ class Grants:
             return GrantPlan(None, [], False, NoNodes("no storage node is up"))
         commands: list[NodeCommand] = []
         waiting = False
-        for node in self.strategy(placeable, preferred_node, self.rng):
+        for node in suspects_last(self.strategy(placeable, preferred_node, self.rng)):
             if node.alloc.capacity < length:
                 continue
             extent, evicting = self.tiering.reserve(node, length, commands, owner)

@@ -311,6 +311,7 @@ class Membership:
             return False
         node.last_seen_ms = now_ms
         node.up = True
+        node.suspect = False
         if node.gone:
             node.gone = set()  # its registration's answer was taken (see register_node)
             self.gone_changed.add(node_id)
@@ -344,6 +345,18 @@ class Membership:
             return False
         self.fence(node_id)
         self.catalog.counters["fences_refused"] += 1
+        return True
+
+    def suspect(self, node_id: str, gen: int, seen_ms: int) -> bool:
+        """Suspect ``node_id`` (registration ``gen``, not heard from since ``seen_ms``): it missed
+        heartbeats and did not answer the master. New blocks go elsewhere first until its next
+        heartbeat. Whether it is suspected now."""
+        node = self.catalog.nodes.get(node_id)
+        if node is None or node.fenced or node.gen != gen or node.last_seen_ms != seen_ms:
+            return False
+        if not node.suspect:
+            node.suspect = True
+            self.catalog.counters["suspicions"] += 1
         return True
 
     def postpone_fences(self, now_ms: int, by_ms: int) -> None:

@@ -72,6 +72,9 @@ class NodeState:
     """DRAM extents of dropped blocks (a remove) that readers still hold leases on: a same-host
     reader copies straight from the arena, so the extent is not handed out again until no lease
     covers the block there (see :meth:`Catalog.free_parked`)."""
+    suspect: bool = False
+    """Missed heartbeats and did not answer the master's probe (frozen, cut off or overloaded): new
+    blocks and grants go to other nodes first (:func:`suspects_last`) until its next heartbeat."""
     fenced: bool = False
     """Silent past the node TTL: its daemon stopped serving (its serve lease is shorter), and the
     commands for it are carried out without it; it comes back only by registering again (its
@@ -91,6 +94,14 @@ class NodeState:
     @property
     def dram_free_ratio(self) -> float:
         return self.alloc.free_bytes / self.alloc.capacity
+
+
+def suspects_last(nodes: list[NodeState]) -> list[NodeState]:
+    """``nodes`` in the same order, but suspected ones after the others (placed on only when the
+    others cannot take a put or a grant)."""
+    if not any(n.suspect for n in nodes):
+        return nodes
+    return [n for n in nodes if not n.suspect] + [n for n in nodes if n.suspect]
 
 
 @dataclass(slots=True)
@@ -186,6 +197,7 @@ COUNTERS = (
     "room_refused_tenants",
     "fences",
     "fences_refused",
+    "suspicions",
 )
 
 

@@ -175,6 +175,9 @@ class PlacementTable:
         """``node_id``'s ``gone`` is to be taken again (keeping it in etcd failed)."""
         self._membership.gone_changed.add(node_id)
 
+    def suspect(self, node_id: str, gen: int, seen_ms: int) -> bool:
+        return self._membership.suspect(node_id, gen, seen_ms)
+
     def fence_gone(self, node_id: str, gen: int, seen_ms: int) -> bool:
         return self._membership.fence_gone(node_id, gen, seen_ms)
 

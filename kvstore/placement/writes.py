@@ -34,6 +34,7 @@ from kvstore.placement.state import (
     NodeState,
     ObjectEntry,
     no_room_text,
+    suspects_last,
 )
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import ActionKind, TierName
@@ -164,7 +165,7 @@ class Writes:
         plan = PutPlan()
         # One ordering for the whole batch: a batch is usually one request's chain of blocks, and
         # keeping it together on a node keeps a prefix from spanning nodes that evict independently.
-        ordered = self.strategy(self.catalog.placeable(), preferred_node, self.rng)
+        ordered = suspects_last(self.strategy(self.catalog.placeable(), preferred_node, self.rng))
         run = self._reserve_run(checked, sizes, ordered[0]) if replicas == 1 and ordered else None
         if run is not None:
             self._record_run(checked, sizes, ordered[0], run, pin, now_ms, plan)

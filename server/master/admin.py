@@ -570,7 +570,9 @@ class _Collector:
                                  "of pinned and other tenants' blocks, which no tenant's put evicts."),
                                 ("fences", "Nodes fenced: silent past their TTL, or their daemon gone."),
                                 ("fences_refused", "Of the fences, those of a daemon whose port refused the "
-                                 "master (its process gone): fenced at once, not after the TTL.")):  # fmt: skip
+                                 "master (its process gone): fenced at once, not after the TTL."),
+                                ("suspicions", "Times a node missed heartbeats and did not answer the master's "
+                                 "probe: new blocks went to other nodes first until its next heartbeat.")):  # fmt: skip
             yield CounterMetricFamily(f"kvstore_{name}", help_text, value=c[name])
         tenants = service.quotas()
         held = GaugeMetricFamily("kvstore_tenant_held_bytes", "Bytes a tenant holds or reserves (keys, puts in "

@@ -8,8 +8,9 @@ master looks (a MasterHello on a connection of its own, :attr:`Lane.PROBE`, with
 own commands to the node could not reach it, and when the node missed two heartbeats; a refusal
 fences the node at once (``MasterConfig.fence_refused``). A frozen daemon (the kernel still accepts
 its connections) and a cut-off one (nothing answers) are not refused: either may still serve a
-client, so they are fenced by their TTL as before. A probe that finds the daemon answering changes
-nothing.
+client, so they are fenced by their TTL as before, suspected meanwhile (new blocks and grants go to
+other nodes first, until the node's next heartbeat). A probe that finds the daemon answering
+changes nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Literal
 
 from kvstore.errors import ConnectionFailed, ConnectionRefused, KVStoreError
 from kvstore.placement.table import PlacementTable
@@ -69,7 +71,10 @@ class Prober:
                 self.suspect(node.node_id, f"no heartbeat for {now_ms - node.last_seen_ms} ms")
 
     async def _probe(self, table: PlacementTable, node_id: str, gen: int, seen_ms: int, why: str) -> None:
-        if not await self._refused(node_id):
+        found = await self._look(node_id)
+        if found == "silent" and self.commands.current(table):
+            table.suspect(node_id, gen, seen_ms)  # new blocks elsewhere first, until its next heartbeat
+        if found != "refused":
             return
         if self.commands.current(table) and table.fence_gone(node_id, gen, seen_ms):
             self.fenced += 1
@@ -78,21 +83,22 @@ class Prober:
                         node_id, why)  # fmt: skip
             self.commands.room.freed()  # removes and revokes waiting for its drops are answered now
 
-    async def _refused(self, node_id: str) -> bool:
-        """Whether the daemon's port refuses the master's connection. A link the daemon's death cut
-        fails once before a new connection is tried: twice, then."""
+    async def _look(self, node_id: str) -> Literal["refused", "answered", "silent"]:
+        """Whether the daemon's port refuses the master's connection, or the daemon answers it, or
+        neither within :data:`PROBE_TIMEOUT_S` (frozen, cut off, overloaded: never refused). A link
+        the daemon's death cut fails once before a new connection is tried: twice, then."""
         for _ in range(2):
             try:
                 link = self.commands.nodes.link(node_id, Lane.PROBE)
             except KeyError:
-                return False  # the node left meanwhile
+                return "answered"  # the node left meanwhile: nothing to do
             try:
                 await asyncio.wait_for(link.call(MasterHello(self.commands.nodes.epoch), OkReply), PROBE_TIMEOUT_S)
-                return False
+                return "answered"
             except ConnectionRefused:
-                return True
+                return "refused"
             except ConnectionFailed:
                 continue
             except (KVStoreError, TimeoutError):
-                return False  # answering slowly, or not at all: frozen, cut off or busy, never refused
-        return False
+                break
+        return "silent"

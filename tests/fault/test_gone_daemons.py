@@ -2,7 +2,8 @@
 port refusing connections when one of its commands to the node fails, when a client reports the
 node unreachable, or when the node missed two heartbeats. A frozen daemon (the kernel still
 accepts its connections) is never fenced that way: it may still serve. Checked with real processes
-and a node TTL of a minute, so that a fence within the test can only be the early one."""
+and a node TTL of a minute, so that a fence within the test can only be the early one. A frozen
+one that missed heartbeats is suspected instead: new blocks go elsewhere until it heartbeats again."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from bench.frames import ask
 from kvstore.config import ClientConfig
 from kvstore.errors import Timeout
-from kvstore.protocol import OkReply, ReportNode, Stats, StatsReply
+from kvstore.protocol import GetReplicas, GetReplicasReply, OkReply, ReportNode, Stats, StatsReply
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import PutOptions, Store
 
@@ -113,3 +114,42 @@ def test_a_killed_node_that_misses_two_heartbeats_is_fenced_without_any_client()
         with Store.connect(c.master_address, TCP) as store:
             wait_down(store, c.node_name(0), within_s=20.0)  # the TTL is a minute away
         assert stats(c)["fences_refused"] == 1
+
+
+def test_a_frozen_node_is_suspected_and_new_blocks_go_elsewhere_until_it_heartbeats() -> None:
+    """A frozen daemon misses two heartbeats and does not answer the master's probe: the master
+    suspects it and places new blocks on the others first, even a put that prefers it (a put placed
+    there waited out its write patience, was put again there, and so on until the fence: a minute
+    here). Its first heartbeat after the thaw clears the suspicion."""
+    grantless = ClientConfig(transport="tcp", timeout_s=5.0, grant_bytes=0)
+    flags = ("--node-ttl-ms", str(TTL_MS), "--heartbeat-ms", "200")
+    with LocalCluster(3, dram="8MiB", master_args=flags) as c, Store.connect(c.master_address, grantless) as store:
+        node = c.node_name(0)
+        daemon = c.daemons[0]
+        assert daemon is not None
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 20.0
+            while not stats(c)["suspicions"]:
+                assert time.monotonic() < deadline, "the frozen node was not suspected"
+                time.sleep(0.05)
+            for i in range(5):
+                assert store.put(f"p{i}", b"v" * 4096, PutOptions(preferred_node=node)).value == "stored"
+            reply = ask(c.master_address, GetReplicas([f"p{i}" for i in range(5)], [], False))
+            assert isinstance(reply, GetReplicasReply)
+            placed = {r.node_id for loc in reply.located([f"p{i}" for i in range(5)]) if loc for r in loc.replicas}
+            assert node not in placed and placed
+            assert up(store, node)  # suspected, not fenced: it may still serve (its TTL is a minute)
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 20.0
+        while True:  # its heartbeat clears the suspicion: a put that prefers it goes to it again
+            assert store.put("after", b"a" * 4096, PutOptions(preferred_node=node)).value == "stored"
+            reply = ask(c.master_address, GetReplicas(["after"], [], False))
+            assert isinstance(reply, GetReplicasReply)
+            [loc] = reply.located(["after"])
+            if loc is not None and loc.replicas[0].node_id == node:
+                break
+            assert store.remove("after")
+            assert time.monotonic() < deadline, "the thawed node stayed suspected"
+            time.sleep(0.1)
