@@ -594,6 +594,12 @@ class ClientConfig(_Frozen):
         "replica (the first is given up), as does a read by a remembered location (it asks the master then); "
         "a read with no other replica waits up to timeout_s. 0: every read waits up to timeout_s.",
     )  # fmt: skip
+    hedge_reads: bool = Field(
+        default=True,
+        description="A read with another replica to go to waits for its daemon only this client's recent p99 "
+        "read time (at least 2 ms, at most failover_ms), then reads the next replica; at most 5% of reads are "
+        "hedged so (kvstore_client.hedging). False: such reads wait failover_ms.",
+    )  # fmt: skip
     put_retries: int = Field(default=20, ge=0, description="Retries of a put that the master asked to wait.")
     transport: Literal["auto", "tcp", "ucx"] = Field(
         default="auto",

@@ -227,7 +227,7 @@ class AsyncStore:
         """The batching of this node's reads by key, each batch given up after ``failover_ms``."""
         batcher = self._readers.get(address)
         if batcher is None:
-            batcher = self._readers[address] = ReadBatcher(self._link(address), self._core.failover_s)
+            batcher = self._readers[address] = ReadBatcher(self._link(address), self._core.read_patience_s)
         return batcher
 
     async def _read_direct(self, job: ReadDirect) -> tuple[list[Direct | None], list[Any]]:
@@ -362,11 +362,16 @@ class AsyncStore:
         place = self._core.hinted(key)
         if place is None:
             return None
+        batcher = self._batcher(place[1])
+        batcher.patience = patience = self._core.read_patience_s
+        began = time.monotonic()
         try:
-            answer = await self._batcher(place[1]).read(key)
+            answer = await batcher.read(key)
         except KVStoreError as exc:
-            self._core.note_unreachable(place[0], exc, self._core.failover_s)
+            self._core.note_unreachable(place[0], exc, patience)
             answer = None
+        else:
+            self._core.read_times.add(time.monotonic() - began)
         if answer is None:
             # Not there, or its node failed: the core asks the master, not that node again (a
             # stalled node used to cost the get two timeouts).

@@ -96,6 +96,7 @@ from kvstore_client.effects import (
     daemons,
 )
 from kvstore_client.grants import Carved, Grant, GrantPool, NeedGrant
+from kvstore_client.hedging import SLOW_S, ReadTimes
 from kvstore_client.hints import LocationHints
 from kvstore_client.puts import (
     Items,
@@ -177,8 +178,12 @@ class ClientCore:
         self._grants_paused_until = 0.0
         self._suspects: dict[str, float] = {}
         """Nodes this client reads nothing from until a time (time.monotonic()); see :data:`_SUSPECT_S`."""
+        self._slow: dict[str, float] = {}
+        """Nodes this client reads last until a time (see :meth:`slow`)."""
         self.reporter: Callable[[str], None] = lambda node_id: None
         """Sends ReportNode for a node in the background (the face's: nothing waits for it)."""
+        self.read_times = ReadTimes(self.failover_s, config.hedge_reads)
+        """Recent read times: the patience of a read with somewhere else to go (see kvstore_client.hedging)."""
         self._reported: dict[str, float] = {}
         """Node -> when this client last reported it (see :data:`_REPORT_GAP_S`)."""
         self.closed = False
@@ -506,7 +511,7 @@ class ClientCore:
         """Where a read of ``key`` by key alone goes: its remembered node, when that node's reads by
         key go through its daemon's socket and it is not suspected (None: ask the master)."""
         place = self.hints.get(key)
-        if place is None or not self.transport.one_trip(*place) or self.suspected(place[0]):
+        if place is None or not self.transport.one_trip(*place) or self.suspected(place[0]) or self.slow(place[0]):
             return None
         return place
 
@@ -515,6 +520,13 @@ class ClientCore:
         """How long a read waits for a daemon to begin answering when it has somewhere else to go
         (``ClientConfig.failover_ms``, in seconds)."""
         return self.config.failover_ms / 1000
+
+    @property
+    def read_patience_s(self) -> float:
+        """How long a read with somewhere else to go (another replica, or the master for a read by
+        remembered location) waits for its daemon to begin answering: the recent p99 read time when
+        hedging (``ClientConfig.hedge_reads``), else :attr:`failover_s`."""
+        return self.read_times.patience_s
 
     def write_patience_s(self, nbytes: int) -> float:
         """How long a two-trip write of ``nbytes`` waits for its daemon to answer before the put gives
@@ -528,6 +540,17 @@ class ClientCore:
         patience = 5 * self.failover_s + nbytes / WRITE_FLOOR_BPS
         return patience if patience < self.config.timeout_s else 0.0
 
+    def slow(self, node_id: str) -> bool:
+        """Whether a read gave ``node_id`` up lately (see :data:`~kvstore_client.hedging.SLOW_S`): its
+        blocks are read at their other replicas first, reads by remembered location ask the master."""
+        until = self._slow.get(node_id)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        self._slow.pop(node_id, None)
+        return False
+
     def suspected(self, node_id: str) -> bool:
         """Whether this client suspects ``node_id`` now (see :data:`_SUSPECT_S`)."""
         until = self._suspects.get(node_id)
@@ -539,12 +562,16 @@ class ClientCore:
         return False
 
     def note_unreachable(self, node_id: str, outcome: object, patience_s: float) -> None:
-        """A read from ``node_id`` ended with ``outcome``: a node silent for the whole timeout (not only
-        a read's ``patience_s``: a busy node is no suspect) is suspected. One that refused or dropped
-        the connection is not (that costs no wait, and a daemon restarted is read again at once), but
-        it is reported to the master (see :meth:`report`)."""
+        """A read from ``node_id`` ended with ``outcome``: a node silent for the whole timeout is
+        suspected for :data:`_SUSPECT_S`, one that did not answer within a read's ``patience_s`` (a
+        hedge, or the failover) for :data:`~kvstore_client.hedging.SLOW_S` only (a busy node soon
+        answers again). One that refused or dropped the connection is not (that costs no wait, and a
+        daemon restarted is read again at once), but it is reported to the master (:meth:`report`)."""
         if isinstance(outcome, Timeout) and not patience_s:
             self._suspects[node_id] = time.monotonic() + _SUSPECT_S
+        elif isinstance(outcome, Timeout):  # given up at the read's patience: slow now, read last a while
+            self.read_times.gave_up(patience_s)
+            self._slow[node_id] = time.monotonic() + SLOW_S
         else:
             self.report(node_id, outcome)
 
@@ -558,6 +585,12 @@ class ClientCore:
         if now - self._reported.get(node_id, -_REPORT_GAP_S) >= _REPORT_GAP_S:
             self._reported[node_id] = now
             self.reporter(node_id)
+
+    def _timed(self, began: float, outcomes: list[Any]) -> None:
+        """A round of reads that began at ``began`` ended now: its time counts toward the hedge
+        patience when every node served it (a round with a failure says nothing of read times)."""
+        if not any(isinstance(o, BaseException) for o in outcomes):
+            self.read_times.add(time.monotonic() - began)
 
     def _daemons(self, jobs: Sequence[Job]) -> Op[list[Any]]:
         """:func:`daemons`, reporting to the master the nodes that could not be reached."""
@@ -578,14 +611,17 @@ class ClientCore:
                 per_node.setdefault(place, []).append(i)
         if not per_node:
             return list(range(len(keys)))
-        patience = self.failover_s  # a node that does not answer: the master's way instead
+        patience = self.read_patience_s  # a node that does not answer: the master's way instead
         jobs = [
             ReadDirect(node_id, address, [keys[i] for i in idx],
                        [views[i] for i in idx] if views is not None else [None] * len(idx), exact_size, patience)
             for (node_id, address), idx in per_node.items()
         ]  # fmt: skip
         missed: list[str] = []
-        for job, idx, outcome in zip(jobs, per_node.values(), (yield from self._daemons(jobs)), strict=True):
+        began = time.monotonic()
+        outcomes = yield from self._daemons(jobs)
+        self._timed(began, outcomes)
+        for job, idx, outcome in zip(jobs, per_node.values(), outcomes, strict=True):
             raise_failure(outcome)
             if unreachable(outcome) or refused(outcome):  # the master's way: maybe another replica
                 self.note_unreachable(job.node_id, outcome, job.patience_s)
@@ -624,27 +660,31 @@ class ClientCore:
         """Read located blocks, each from its replicas in turn; returns the node each was read from."""
         plan = Failover({i: loc for i, (loc, _) in blocks.items()})
         where: dict[int, tuple[str, str]] = {}
-        patience = self.failover_s
+        patience = self.read_patience_s
         while plan:
             rounds = plan.round()
             suspects = {node_id for node_id, _ in rounds if self.suspected(node_id)}
-            skipped = [i for (node_id, _), group in rounds.items() if node_id in suspects for i, _ in group
+            last = suspects.union(node_id for node_id, _ in rounds if self.slow(node_id))
+            skipped = [i for (node_id, _), group in rounds.items() if node_id in last for i, _ in group
                        if plan.has_next(i)]  # fmt: skip
-            if skipped:  # a suspected node's blocks with another replica: read there
+            if skipped:  # a suspected or slow node's blocks with another replica: read there
                 for i in skipped:
                     plan.missed(i)
                 continue
-            # A node that does not begin answering within the patience is given up for the next
-            # replicas, where every block it was asked for has one (a dead, frozen or cut-off node);
-            # so is a suspected node for its blocks' last replicas: a miss within it, not a timeout.
+            # A node that does not begin answering within the patience (the hedge's) is given up for
+            # the next replicas, where every block it was asked for has one (a slow, dead, frozen or
+            # cut-off node); so is a suspected node for its blocks' last replicas, after the failover
+            # patience: a miss within it, not a timeout. A slow node's last replicas are waited for.
             jobs = [
                 ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group],
-                            patience if node_id in suspects or all(plan.has_next(i) for i, _ in group) else 0.0)
+                            patience if all(plan.has_next(i) for i, _ in group)
+                            else self.failover_s if node_id in suspects else 0.0)
                 for (node_id, address), group in rounds.items()
             ]  # fmt: skip
-            for job, (place, group), outcome in zip(
-                jobs, rounds.items(), (yield from self._daemons(jobs)), strict=True
-            ):
+            began = time.monotonic()
+            outcomes = yield from self._daemons(jobs)
+            self._timed(began, outcomes)
+            for job, (place, group), outcome in zip(jobs, rounds.items(), outcomes, strict=True):
                 if unreachable(outcome):
                     self.note_unreachable(job.node_id, outcome, job.patience_s)
                 elif job.node_id in suspects:

@@ -253,12 +253,15 @@ class Store:
         place = self._core.hinted(key)
         if place is None:
             return None
-        patience = self._core.failover_s
+        patience = self._core.read_patience_s
+        began = time.monotonic()
         try:
             [found], [made] = self._paths.path(*place).read_direct([key], [view], exact_size, patience)
         except KVStoreError as exc:
             self._core.note_unreachable(place[0], exc, patience)
             found = None
+        else:
+            self._core.read_times.add(time.monotonic() - began)
         if found is None:
             # Not there, or its node failed: the core asks the master, not that node again (a
             # stalled node used to cost the get two timeouts).

@@ -14,6 +14,7 @@ from kvstore.protocol import GetReplicas, GetReplicasReply, GrantReply, LocatedR
 from kvstore_client.core import ClientCore, OverTcp
 from kvstore_client.effects import Call, Daemons, Effect, ReadLocated, drive
 from kvstore_client.grants import GrantPool, NeedGrant
+from kvstore_client.hedging import WINDOW
 from kvstore_client.reads import Failover
 from transfer.rpc import Retry, after_failure
 
@@ -197,3 +198,39 @@ def test_a_two_trip_write_waits_its_patience_then_the_whole_timeout_only_where_t
     assert core.write_patience_s(4096) == pytest.approx(0.5 + 4096 / 100e6)  # five read failovers, the bytes
     assert core.write_patience_s(1 << 30) == 0.0  # 10.7 s of bytes at the floor rate: the timeout bounds it
     assert ClientCore(ClientConfig(failover_ms=0), OverTcp()).write_patience_s(4096) == 0.0
+
+
+def test_a_hedged_read_reads_a_slow_node_last_but_waits_for_its_last_copy() -> None:
+    """A read given up at the hedge patience makes its node slow for a while: its blocks are read at
+    their other replicas first. When every replica's node is slow, the last is waited for (no
+    patience): a slow node is alive, and giving its last copy up would make a stored key a miss."""
+    core = ClientCore(ClientConfig(), OverTcp())
+    for _ in range(WINDOW):
+        core.read_times.add(0.003)
+    assert core.read_patience_s == 0.003
+    data = b"0123456789"
+    jobs: list[tuple[str, float]] = []
+
+    def answer(effect: Effect) -> Any:
+        if isinstance(effect, Call):
+            return GetReplicasReply(
+                [10], [checksum(data)], [2], ["node0", "node1"], [A.address, B.address], ["dram", "dram"], [0, 64], 0, 0
+            )
+        assert isinstance(effect, Daemons)
+        [job] = effect.jobs
+        assert isinstance(job, ReadLocated)
+        jobs.append((job.node_id, job.patience_s))
+        if job.node_id == "node0" and job.patience_s:
+            return [Timeout("node0 paused")]
+        [(_, _, view)] = job.blocks
+        view[:10] = data
+        return [[10]]
+
+    assert drive(core.get_many(["k"], verify=True), answer) == [data]
+    assert jobs == [("node0", 0.003), ("node1", 0.0)]  # hedged after the p99, then the last copy waited for
+    assert core.slow("node0") and core.read_times.hedged == 1
+    core.note_unreachable("node1", Timeout("node1 paused too"), 0.003)
+    jobs.clear()
+    assert drive(core.get_many(["k"], verify=True), answer) == [data]
+    assert jobs == [("node1", 0.0)]  # both slow: node0 passed by, node1's last copy waited for
+    assert not core.suspected("node0") and not core.suspected("node1")  # slow, not suspected
