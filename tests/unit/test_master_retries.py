@@ -97,7 +97,9 @@ async def test_a_second_remove_of_a_key_waits_for_the_first_ones_drop() -> None:
     """A remove answered while an earlier remove's drop is still on its way would let a reader that
     goes to the daemon directly read the value after the answer (bench.chaos saw it: the second remove
     said "not stored" at once)."""
-    service = await _service_with(["k", "j"], command_timeout_ms=300)
+    # A cut-off daemon: the master's probe would go unanswered, not refused (nothing listens at the
+    # test's node address, so the probe's fence is off: it would fence the node as gone).
+    service = await _service_with(["k", "j"], command_timeout_ms=300, fence_refused=False)
     release, fail = asyncio.Event(), False
 
     async def slow_drop(node_id: str, lane: str, message: Message, expect: type) -> CommandReply:
@@ -131,7 +133,7 @@ async def test_a_remove_after_a_registration_waits_for_the_drops_it_asked_for() 
     """A daemon cut off while "k" was removed registers again with "k" in its inventory: the master
     forgets the key and asks the daemon to drop it. Until that drop is made the daemon still serves
     "k" to readers that go to it directly, so a remove of "k" meanwhile is not answered "not stored"."""
-    service = await _service_with(["k"], command_timeout_ms=300)
+    service = await _service_with(["k"], command_timeout_ms=300, fence_refused=False)  # cut off, not gone
     [replica] = service.table.describe("k")["replicas"]  # type: ignore[index]
     release, cut = asyncio.Event(), True
 
@@ -156,4 +158,19 @@ async def test_a_remove_after_a_registration_waits_for_the_drops_it_asked_for() 
     release.set()
     assert await again == RemoveReply(0, [])
     assert not service.commands.dropping(["k"])
+    await service.stop()
+
+
+async def test_a_remove_whose_drop_finds_the_daemon_gone_is_answered_once_the_probe_fences_it() -> None:
+    """The drop cannot reach the daemon, and nothing listens at its address (its process is gone):
+    the master's probe is refused, so it fences the node at once and the remove is answered, where
+    a cut-off daemon (above) makes it wait until its TTL or the command timeout."""
+    service = await _service_with(["k"], command_timeout_ms=2000)
+
+    async def gone(node_id: str, lane: str, message: Message, expect: type) -> CommandReply:
+        raise ConnectionFailed("connection reset by the daemon")
+
+    service.commands.call = gone  # type: ignore[method-assign]
+    assert await service.core.remove(Remove(["k"])) == RemoveReply(1, [])
+    assert service.table.nodes["n0"].fenced and service.table.counters["fences_refused"] == 1
     await service.stop()
