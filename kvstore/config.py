@@ -596,9 +596,9 @@ class ClientConfig(_Frozen):
     )  # fmt: skip
     hedge_reads: bool = Field(
         default=True,
-        description="A read with another replica to go to waits for its daemon only this client's recent p99 "
-        "read time (at least 2 ms, at most failover_ms), then reads the next replica; at most 5% of reads are "
-        "hedged so (kvstore_client.hedging). False: such reads wait failover_ms.",
+        description="A read with another replica to go to waits for its daemon only three times this client's "
+        "recent p99 read time (at least 5 ms, at most failover_ms), then reads the next replica; at most 5% of "
+        "reads are hedged so (kvstore_client.hedging). False: such reads wait failover_ms.",
     )  # fmt: skip
     put_retries: int = Field(default=20, ge=0, description="Retries of a put that the master asked to wait.")
     transport: Literal["auto", "tcp", "ucx"] = Field(

@@ -1,8 +1,8 @@
-"""The hedge patience: the recent p99 read time, within [FLOOR_S, failover], and a budget of hedges."""
+"""The hedge patience: MULTIPLE x the recent p99 read time, within [FLOOR_S, failover], and a budget of hedges."""
 
 from __future__ import annotations
 
-from kvstore_client.hedging import BUDGET, EVERY, FLOOR_S, WINDOW, ReadTimes
+from kvstore_client.hedging import BUDGET, EVERY, FLOOR_S, MULTIPLE, WINDOW, ReadTimes
 
 
 def test_no_hedging_until_enough_reads_are_known() -> None:
@@ -16,7 +16,7 @@ def test_the_patience_is_the_p99_within_its_bounds() -> None:
     times = ReadTimes(0.1)
     for i in range(WINDOW):
         times.add(0.030 if i % 100 == 99 else 0.003)  # 1% slow: the p99 is one of the fast
-    assert times.patience_s == 0.003
+    assert times.patience_s == MULTIPLE * 0.003
     for _ in range(WINDOW):
         times.add(0.0001)  # faster than a give-up is worth
     assert times.patience_s == FLOOR_S
@@ -29,15 +29,16 @@ def test_over_budget_reads_wait_the_failover_until_the_window_ends() -> None:
     times = ReadTimes(0.1)
     for _ in range(WINDOW):
         times.add(0.003)
+    hedge = MULTIPLE * 0.003
     allowed = int(BUDGET * WINDOW)
     for _ in range(allowed):
         times.gave_up(times.patience_s)
-    assert times.patience_s == 0.003
+    assert times.patience_s == hedge
     times.gave_up(times.patience_s)
     assert times.patience_s == 0.1 and times.hedged == allowed + 1
     for _ in range(WINDOW + EVERY):  # a new window: hedging again
         times.add(0.003)
-    assert times.patience_s == 0.003
+    assert times.patience_s == hedge
 
 
 def test_give_ups_at_the_failover_are_no_hedges_and_hedging_can_be_off() -> None:
@@ -48,4 +49,4 @@ def test_give_ups_at_the_failover_are_no_hedges_and_hedging_can_be_off() -> None
     for _ in range(WINDOW):
         off.add(0.003)
     assert off.patience_s == 0.1
-    assert ReadTimes(0.001).patience_s == 0.001  # failover below the floor: no hedging
+    assert ReadTimes(0.004).patience_s == 0.004  # failover below the floor: no hedging
