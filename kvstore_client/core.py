@@ -180,8 +180,6 @@ class ClientCore:
         """Nodes this client reads nothing from until a time (time.monotonic()); see :data:`_SUSPECT_S`."""
         self._slow: dict[str, float] = {}
         """Nodes this client reads last until a time (see :meth:`slow`)."""
-        self._gave_up: dict[str, float] = {}
-        """Node -> when a read last gave it up at its patience."""
         self.reporter: Callable[[str], None] = lambda node_id: None
         """Sends ReportNode for a node in the background (the face's: nothing waits for it)."""
         self.read_times = ReadTimes(self.failover_s, config.hedge_reads)
@@ -566,18 +564,15 @@ class ClientCore:
     def note_unreachable(self, node_id: str, outcome: object, patience_s: float) -> None:
         """A read from ``node_id`` ended with ``outcome``: a node silent for the whole timeout is
         suspected for :data:`_SUSPECT_S`; one that did not answer within a read's ``patience_s`` (a
-        hedge, or the failover) twice within :data:`~kvstore_client.hedging.SLOW_S` is read last for
-        that long (:meth:`slow`: a paused node, not a one-off hiccup). One that refused or dropped
+        hedge, or the failover) is read last for :data:`~kvstore_client.hedging.SLOW_S`
+        (:meth:`slow`: the reads behind it, and this read's next round, go elsewhere first). One that refused or dropped
         the connection is not suspected (that costs no wait, and a daemon restarted is read again at
         once), but it is reported to the master (:meth:`report`)."""
         if isinstance(outcome, Timeout) and not patience_s:
             self._suspects[node_id] = time.monotonic() + _SUSPECT_S
-        elif isinstance(outcome, Timeout):  # given up at the read's patience: slow now if it was lately too
+        elif isinstance(outcome, Timeout):  # given up at the read's patience: slow now, read last a while
             self.read_times.gave_up(patience_s)
-            now = time.monotonic()
-            if now - self._gave_up.get(node_id, -SLOW_S) < SLOW_S:
-                self._slow[node_id] = now + SLOW_S
-            self._gave_up[node_id] = now
+            self._slow[node_id] = time.monotonic() + SLOW_S
         else:
             self.report(node_id, outcome)
 

@@ -8,7 +8,7 @@ replica instead (over the last :data:`WINDOW` reads, at least :data:`FLOOR_S`), 
 slowdown of every node does not double the load, at most :data:`BUDGET` of the reads of a window
 are hedged; past it a read waits ``failover_ms`` again until the next window.
 
-A node reads gave up on twice in a row is read last for :data:`SLOW_S`. The first read is given up, not
+A node a read gave up on is read last for :data:`SLOW_S`. The first read is given up, not
 raced: on the blocking face its connection is closed (a new one is made for the next read), on the
 asyncio face the request alone is abandoned on its link and its late reply dropped. Either way the
 read is served by the next replica.
@@ -39,10 +39,10 @@ BUDGET = 0.05
 """The most reads of a window that may be hedged; past it reads wait ``failover_ms``."""
 
 SLOW_S = 0.05
-"""A node reads gave up on twice within this is read last (its blocks read at their other replicas,
-reads by remembered location asking the master) for this long: the reads behind them do not each
-wait out the patience while the node is paused. (One give-up is a hiccup: marking the node for it
-sent every read of its keys through the master for the while, 3-11% of a calm client's gets.)"""
+"""A node a read gave up on is read last (its blocks read at their other replicas, reads by
+remembered location asking the master) for this long: the reads behind it do not each wait out the
+patience while the node is paused. (Calm reads are seldom given up at three p99s: a one-off costs
+one node's reads a master round trip each for this long.)"""
 
 
 class ReadTimes:
