@@ -374,8 +374,10 @@ class MasterConfig(_Frozen):
         description="Fence a node at once, not after node_ttl_ms, when its daemon's port refuses the master's "
         "connection (the process is gone: a killed or crashed daemon). The master asks when a client reports the "
         "node unreachable, when a command to it fails, and when it missed two heartbeats. Likewise an HA standby "
-        "whose leader's port refuses revokes the leader's etcd lease and is elected at once. Turn off where a "
-        "firewall between the processes answers refusals (iptables REJECT) while others still reach them.",
+        "whose leader's port refuses revokes the leader's etcd lease and is elected at once. Turn off where "
+        "something between the processes answers refusals for a live one while others still reach it: a firewall "
+        "that REJECTs, a proxy or load balancer at a daemon's or a master's advertised address (a Kubernetes "
+        "Service with no ready endpoint).",
     )  # fmt: skip
     command_timeout_ms: int = Field(default=10_000, gt=0, description="Bound on one command to a daemon.")
     idle_timeout_s: float = Field(default=600.0, gt=0, description="An idle client connection is closed after this.")

@@ -223,15 +223,17 @@ class AsyncStore:
         put, _ = await link.request(granted_message(job.grant_id, job.blocks, job.pinned, job.cached), PutReply, views)
         return write_codes(put.codes, put.errors, len(job.blocks), job.address)
 
-    def _batcher(self, address: str) -> ReadBatcher:
-        """The batching of this node's reads by key, each batch given up after ``failover_ms``."""
+    def _batcher(self, address: str, patience: float) -> ReadBatcher:
+        """The batching of this node's reads by key, the next batch given up after ``patience`` (the
+        read patience of the read that asks: a batch takes the last one given)."""
         batcher = self._readers.get(address)
         if batcher is None:
-            batcher = self._readers[address] = ReadBatcher(self._link(address), self._core.read_patience_s)
+            batcher = self._readers[address] = ReadBatcher(self._link(address))
+        batcher.patience = patience
         return batcher
 
     async def _read_direct(self, job: ReadDirect) -> tuple[list[Direct | None], list[Any]]:
-        batcher = self._batcher(job.address)
+        batcher = self._batcher(job.address, job.patience_s)
         answers: list[Any]
         if len(job.keys) == 1:
             answers = [await batcher.read(job.keys[0])]  # its failure is the job's, raised as below
@@ -362,8 +364,8 @@ class AsyncStore:
         place = self._core.hinted(key)
         if place is None:
             return None
-        batcher = self._batcher(place[1])
-        batcher.patience = patience = self._core.read_patience_s
+        patience = self._core.read_patience_s
+        batcher = self._batcher(place[1], patience)
         began = time.monotonic()
         try:
             answer = await batcher.read(key)

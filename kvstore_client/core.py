@@ -666,16 +666,20 @@ class ClientCore:
             rounds = plan.round()
             suspects = {node_id for node_id, _ in rounds if self.suspected(node_id)}
             last = suspects.union(node_id for node_id, _ in rounds if self.slow(node_id))
-            skipped = [i for (node_id, _), group in rounds.items() if node_id in last for i, _ in group
+            skipped = [(i, node_id) for (node_id, _), group in rounds.items() if node_id in last for i, _ in group
                        if plan.has_next(i)]  # fmt: skip
-            if skipped:  # a suspected or slow node's blocks with another replica: read there
-                for i in skipped:
-                    plan.missed(i)
+            if skipped:  # a suspected or slow node's blocks with another replica: read there (a slow one's last)
+                for i, node_id in skipped:
+                    if node_id in suspects:
+                        plan.missed(i)
+                    else:
+                        plan.defer(i)
                 continue
             # A node that does not begin answering within the patience (the hedge's) is given up for
             # the next replicas, where every block it was asked for has one (a slow, dead, frozen or
-            # cut-off node); so is a suspected node for its blocks' last replicas, after the failover
-            # patience: a miss within it, not a timeout. A slow node's last replicas are waited for.
+            # cut-off node), and read again last (Failover.defer: it may be the one alive); so is a
+            # suspected node for its blocks' last replicas, after the failover patience: a miss within
+            # it, not a timeout. A slow node's last replicas are waited for.
             jobs = [
                 ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group],
                             patience if all(plan.has_next(i) for i, _ in group)
@@ -700,7 +704,7 @@ class ClientCore:
                     where[i] = place
                     return True
 
-                plan.take(group, outcome, hit)
+                plan.take(group, outcome, hit, gave_up=job.patience_s > 0 and job.node_id not in suspects)
         plan.finish()
         return where
 

@@ -57,6 +57,8 @@ class Failover:
             if replicas:
                 self._order[i] = replicas
         self._at = dict.fromkeys(self._order, 0)
+        self._deferred: set[tuple[int, str]] = set()
+        """(block, node) put off to the end of the block's order once (see :meth:`defer`)."""
         self.read: set[int] = set()
         self._refusals: dict[int, NotReady] = {}
         """Per block, a replica's refusal (see :func:`refused`): raised if no later replica serves it."""
@@ -86,10 +88,32 @@ class Failover:
         else:
             del self._at[i]
 
-    def take(self, group: Sequence[tuple[int, ReplicaRef]], outcome: object, ok: Callable[[int, object], bool]) -> None:
-        """Note a node's answer for ``group``: an unreachable node misses them all; otherwise
-        ``ok(i, per_block_result)`` tells a hit. Raises an outcome that is another error."""
+    def defer(self, i: int) -> None:
+        """Block ``i``'s current replica is on a node that is alive but slow now (a read gave it up
+        at its patience, or it is marked slow): read the block's next replicas first and this one
+        again last, once. (Missing it for good made a stored block a miss when the replicas after
+        it were dead or gone.) A replica deferred before, or the last one, is :meth:`missed`."""
+        order, at = self._order[i], self._at[i]
+        replica = order[at]
+        if at + 1 >= len(order) or (i, replica.node_id) in self._deferred:
+            self.missed(i)
+            return
+        self._deferred.add((i, replica.node_id))
+        order.append(replica)
+        self._at[i] = at + 1
+
+    def take(
+        self, group: Sequence[tuple[int, ReplicaRef]], outcome: object, ok: Callable[[int, object], bool],
+        gave_up: bool = False,
+    ) -> None:  # fmt: skip
+        """Note a node's answer for ``group``: an unreachable node misses them all (``gave_up``: the
+        read gave it up at its patience, a Timeout: it is alive, its blocks are :meth:`defer`-red);
+        otherwise ``ok(i, per_block_result)`` tells a hit. Raises an outcome that is another error."""
         raise_failure(outcome)
+        if gave_up and isinstance(outcome, Timeout):
+            for i, _ in group:
+                self.defer(i)
+            return
         if unreachable(outcome) or refused(outcome):
             for i, _ in group:
                 if isinstance(outcome, NotReady):

@@ -122,11 +122,18 @@ class Commands:
     async def soon(self, commands: list[NodeCommand], name: str, wait_s: float) -> None:
         """:meth:`later`, waiting up to ``wait_s`` for it to be done (a daemon that does not answer
         holds the caller no longer; its commands go on in the background and are retried)."""
+        if commands:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.start(commands, name).wait(), wait_s)
+
+    def start(self, commands: list[NodeCommand], name: str) -> asyncio.Event:
+        """:meth:`later`, returning an event set once every node answered its commands or failed."""
+        finished = asyncio.Event()
         if not commands:
-            return
+            finished.set()
+            return finished
         commands = self._stamped(commands)
         self._track(commands, 1)
-        finished = asyncio.Event()
 
         async def run() -> None:
             try:
@@ -135,8 +142,7 @@ class Commands:
                 finished.set()
 
         self._spawn(run(), name)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(finished.wait(), wait_s)
+        return finished
 
     def _stamped(self, commands: list[NodeCommand]) -> list[NodeCommand]:
         """Drops that give reservations or keys up (``release``: revokes, expiries, removals; an

@@ -11,6 +11,7 @@ two awaits is atomic; what the daemons must do is carried out by :mod:`server.ma
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -36,7 +37,7 @@ from kvstore.errors import (
 from kvstore.placement import quotas
 from kvstore.placement.leases import LeaseId
 from kvstore.placement.results import Ticket
-from kvstore.placement.state import Grant, Move, charged
+from kvstore.placement.state import Grant, Move, NodeCommand, charged
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, TierName
 from kvstore.protocol import (
@@ -94,14 +95,6 @@ log = logging.getLogger("kvstore.master")
 
 # A put waits for at most this many rounds of evictions before its keys fail.
 _MAX_EVICTION_ROUNDS = 64
-_EVICTION_WAIT_S = 0.25
-"""How long a put or grant waits for the evictions it sent before it plans again: a daemon answers
-them in milliseconds; one frozen or cut off is fenced within its TTL, and until then every round
-waits for room (a tick at most), after it the put goes to another node. (Waiting for the commands
-themselves held a put until the daemon came back, up to the command timeout: 10 s.)"""
-_OPEN_GRANT_WAIT_S = 1.0
-"""How long a grant waits for its daemon to open it: one that does not answer by then is given up
-(closed once it answers or is fenced) and the client puts the two-trip way meanwhile."""
 _MAX_KEYS_PAGE = 10_000
 """Most keys one ListKeys answers (a page: the table is scanned once per page)."""
 
@@ -157,6 +150,39 @@ class MasterCore:
 
     async def _until_room(self) -> None:
         await self.commands.room.wait(self.config.tick_ms / 1000)
+
+    async def _open_grant(self, table: PlacementTable, node_id: str, message: OpenGrant) -> None:
+        """Have the daemon open a grant; given up (RetryLater: the client puts the two-trip way) once
+        its node is suspected or down (frozen, cut off, gone: it waited up to the command timeout, 10 s,
+        past a client's 5 s), not while a busy daemon that still heartbeats takes its time."""
+        opening = asyncio.ensure_future(self.commands.call(node_id, Lane.GRANTS, message, CommandReply))
+        try:
+            while True:
+                done, _ = await asyncio.wait({opening}, timeout=self.config.tick_ms / 1000)
+                if done:
+                    opening.result()
+                    return
+                node = table.nodes.get(node_id)
+                if node is None or not node.up or node.suspect:
+                    raise RetryLater(f"node {node_id} did not open a grant and is suspected or down; put again")
+        finally:
+            opening.cancel()
+
+    async def _evicted(self, commands: list[NodeCommand]) -> None:
+        """Send a put's or a grant's evictions and wait until their daemons answered, or until one
+        of their nodes is down (fenced: its commands are settled without it, and the next round
+        places elsewhere), or the command timeout. (Waiting for the commands alone held a put until
+        a frozen daemon came back, up to the command timeout, well past its fence; planning again
+        before they are answered evicted again for room the first evictions were freeing.)"""
+        finished = self.commands.start(commands, "eviction")
+        nodes = {c.node_id for c in commands}
+        deadline = time.monotonic() + self.nodes.command_timeout_s
+        while not finished.is_set() and time.monotonic() < deadline:
+            table = self.table
+            if any((node := table.nodes.get(n)) is None or not node.up for n in nodes):
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(finished.wait(), self.config.tick_ms / 1000)
 
     # -- nodes ----------------------------------------------------------------------------------
     async def register(self, m: RegisterNode, caller: Identity = ANYONE) -> Message:
@@ -332,7 +358,7 @@ class MasterCore:
                 self.commands.later(placed.commands, "background-eviction")
                 break
             if placed.commands:
-                await self.commands.soon(placed.commands, "eviction", _EVICTION_WAIT_S)
+                await self._evicted(placed.commands)
             else:
                 await self._until_room()  # room is coming from commands another request sent
         stuck = Ticket("error", [], CapacityError.code, "no room after repeated rounds of eviction")
@@ -409,7 +435,7 @@ class MasterCore:
                     grant = plan.grant
                     break
                 if plan.commands:
-                    await self.commands.soon(plan.commands, "eviction", _EVICTION_WAIT_S)
+                    await self._evicted(plan.commands)
                 else:
                     await self._until_room()
         finally:
@@ -421,11 +447,7 @@ class MasterCore:
         ttl = self.config.grant_ttl_ms
         try:
             message = OpenGrant(grant.grant_id, extent.offset, extent.length, ttl, owner)
-            opening = self.commands.call(grant.node_id, Lane.GRANTS, message, CommandReply)
-            try:
-                await asyncio.wait_for(opening, _OPEN_GRANT_WAIT_S)
-            except TimeoutError:
-                raise RetryLater(f"node {grant.node_id} did not open a grant within {_OPEN_GRANT_WAIT_S} s") from None
+            await self._open_grant(table, grant.node_id, message)
         except BaseException:
             # The daemon may have taken it: close it there before the space is reused.
             self.commands.close_grants_later(table.end_grants([grant.grant_id]), "grant-close")

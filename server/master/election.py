@@ -215,8 +215,11 @@ class Election:
                 gone_at = self.leader.address if self.leader else "?"
                 log.warning("leader %s refuses connections (its process is gone): revoking its etcd lease %x "
                             "to elect a new leader now", gone_at, leader_lease)  # fmt: skip
-                with contextlib.suppress(aetcd.exceptions.ClientError):  # already ended: nothing to do
+                try:
                     await self._bounded(client.revoke_lease(leader_lease))
+                except aetcd.exceptions.ClientError as exc:  # already ended, or not ours to revoke
+                    log.warning("revoking lease %x failed (%s); waiting for it to end", leader_lease, exc)
+                    await asyncio.sleep(LEADER_PROBE_S)  # not a loop of refused probes and failed revokes
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(watch.cancel(), 1.0)

@@ -228,7 +228,7 @@ def test_a_hedged_read_reads_a_slow_node_last_but_waits_for_its_last_copy() -> N
         return [[10]]
 
     assert drive(core.get_many(["k"], verify=True), answer) == [data]
-    assert jobs == [("node0", hedge), ("node1", 0.0)]  # hedged after the p99, then the last copy waited for
+    assert jobs == [("node0", hedge), ("node1", hedge)]  # hedged after three p99s; node0 is still to come
     assert core.slow("node0") and core.read_times.hedged == 1
     core.note_unreachable("node1", Timeout("node1 paused too"), hedge)
     jobs.clear()
@@ -236,3 +236,34 @@ def test_a_hedged_read_reads_a_slow_node_last_but_waits_for_its_last_copy() -> N
     assert drive(core.get_many(["k"], verify=True), answer) == [data]
     assert jobs == [("node1", 0.0)]  # both slow: node0 passed by, node1's last copy waited for
     assert not core.suspected("node0") and not core.suspected("node1")  # slow, not suspected
+
+
+def test_a_replica_given_up_at_the_hedge_is_read_again_last_when_the_others_fail() -> None:
+    """A slow node given up at the hedge patience may be the one alive: its next replica's node is
+    gone (refused), so the slow one is read again, waited for, and the get is a hit, not a miss."""
+    core = ClientCore(ClientConfig(), OverTcp())
+    for _ in range(WINDOW):
+        core.read_times.add(0.003)
+    hedge = core.read_patience_s
+    data = b"0123456789"
+    jobs: list[tuple[str, float]] = []
+
+    def answer(effect: Effect) -> Any:
+        if isinstance(effect, Call):
+            return GetReplicasReply(
+                [10], [checksum(data)], [2], ["node0", "node1"], [A.address, B.address], ["dram", "dram"], [0, 64], 0, 0
+            )
+        assert isinstance(effect, Daemons)
+        [job] = effect.jobs
+        assert isinstance(job, ReadLocated)
+        jobs.append((job.node_id, job.patience_s))
+        if job.node_id == "node1":
+            return [ConnectionFailed("node1 is gone")]
+        if job.patience_s:
+            return [Timeout("node0 is slow")]
+        [(_, _, view)] = job.blocks
+        view[:10] = data
+        return [[10]]
+
+    assert drive(core.get_many(["k"], verify=True), answer) == [data]
+    assert jobs == [("node0", hedge), ("node1", hedge), ("node0", 0.0)]  # node0 last, waited for: a hit
