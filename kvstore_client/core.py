@@ -543,23 +543,11 @@ class ClientCore:
     def slow(self, node_id: str) -> bool:
         """Whether a read gave ``node_id`` up lately (see :data:`~kvstore_client.hedging.SLOW_S`): its
         blocks are read at their other replicas first, reads by remembered location ask the master."""
-        until = self._slow.get(node_id)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        self._slow.pop(node_id, None)
-        return False
+        return _marked(self._slow, node_id)
 
     def suspected(self, node_id: str) -> bool:
         """Whether this client suspects ``node_id`` now (see :data:`_SUSPECT_S`)."""
-        until = self._suspects.get(node_id)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        self._suspects.pop(node_id, None)
-        return False
+        return _marked(self._suspects, node_id)
 
     def note_unreachable(self, node_id: str, outcome: object, patience_s: float) -> None:
         """A read from ``node_id`` ended with ``outcome``: a node silent for the whole timeout is
@@ -853,3 +841,14 @@ def _batches(items: list[T]) -> Iterator[list[T]]:
 def _checked(keys: Sequence[Any]) -> list[str]:
     """The keys, each checked (InvalidArgument names the first bad one)."""
     return [validate_key(k) for k in keys]
+
+
+def _marked(marks: dict[str, float], node_id: str) -> bool:
+    """Whether ``node_id``'s mark in ``marks`` (until a time.monotonic()) still holds; a spent one goes."""
+    until = marks.get(node_id)
+    if until is None:
+        return False
+    if time.monotonic() < until:
+        return True
+    marks.pop(node_id, None)
+    return False

@@ -200,26 +200,45 @@ def test_a_two_trip_write_waits_its_patience_then_the_whole_timeout_only_where_t
     assert ClientCore(ClientConfig(failover_ms=0), OverTcp()).write_patience_s(4096) == 0.0
 
 
+def _hedging_core() -> ClientCore:
+    """A client whose last reads took 3 ms each: it hedges at three of them."""
+    core = ClientCore(ClientConfig(), OverTcp())
+    for _ in range(WINDOW):
+        core.read_times.add(0.003)
+    return core
+
+
+def _on_two_nodes(data: bytes) -> GetReplicasReply:
+    """The master's answer for one block "k" of ``data`` held on node0 and node1."""
+    return GetReplicasReply(
+        [10], [checksum(data)], [2], ["node0", "node1"], [A.address, B.address], ["dram", "dram"], [0, 64], 0, 0
+    )
+
+
+def _located_job(effect: Effect, data: bytes) -> ReadLocated | None:
+    """The one ReadLocated job of ``effect``; None for the master's call (answer :func:`_on_two_nodes`)."""
+    if isinstance(effect, Call):
+        return None
+    assert isinstance(effect, Daemons)
+    [job] = effect.jobs
+    assert isinstance(job, ReadLocated)
+    return job
+
+
 def test_a_hedged_read_reads_a_slow_node_last_but_waits_for_its_last_copy() -> None:
     """A read given up at the hedge patience makes its node slow for a while: its blocks are read at
     their other replicas first. When every replica's node is slow, the last is waited for (no
     patience): a slow node is alive, and giving its last copy up would make a stored key a miss."""
-    core = ClientCore(ClientConfig(), OverTcp())
-    for _ in range(WINDOW):
-        core.read_times.add(0.003)
+    core = _hedging_core()
     hedge = core.read_patience_s
     assert hedge == MULTIPLE * 0.003
     data = b"0123456789"
     jobs: list[tuple[str, float]] = []
 
     def answer(effect: Effect) -> Any:
-        if isinstance(effect, Call):
-            return GetReplicasReply(
-                [10], [checksum(data)], [2], ["node0", "node1"], [A.address, B.address], ["dram", "dram"], [0, 64], 0, 0
-            )
-        assert isinstance(effect, Daemons)
-        [job] = effect.jobs
-        assert isinstance(job, ReadLocated)
+        job = _located_job(effect, data)
+        if job is None:
+            return _on_two_nodes(data)
         jobs.append((job.node_id, job.patience_s))
         if job.node_id == "node0" and job.patience_s:
             return [Timeout("node0 paused")]
@@ -241,21 +260,15 @@ def test_a_hedged_read_reads_a_slow_node_last_but_waits_for_its_last_copy() -> N
 def test_a_replica_given_up_at_the_hedge_is_read_again_last_when_the_others_fail() -> None:
     """A slow node given up at the hedge patience may be the one alive: its next replica's node is
     gone (refused), so the slow one is read again, waited for, and the get is a hit, not a miss."""
-    core = ClientCore(ClientConfig(), OverTcp())
-    for _ in range(WINDOW):
-        core.read_times.add(0.003)
+    core = _hedging_core()
     hedge = core.read_patience_s
     data = b"0123456789"
     jobs: list[tuple[str, float]] = []
 
     def answer(effect: Effect) -> Any:
-        if isinstance(effect, Call):
-            return GetReplicasReply(
-                [10], [checksum(data)], [2], ["node0", "node1"], [A.address, B.address], ["dram", "dram"], [0, 64], 0, 0
-            )
-        assert isinstance(effect, Daemons)
-        [job] = effect.jobs
-        assert isinstance(job, ReadLocated)
+        job = _located_job(effect, data)
+        if job is None:
+            return _on_two_nodes(data)
         jobs.append((job.node_id, job.patience_s))
         if job.node_id == "node1":
             return [ConnectionFailed("node1 is gone")]
