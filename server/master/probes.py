@@ -45,9 +45,6 @@ class Prober:
         self._spawn = spawn
         self._began: dict[str, float] = {}
         """Node -> when its last probe began (monotonic seconds)."""
-        self.fenced = 0
-        """Nodes fenced because their daemon's port refused (for Stats and /metrics)."""
-        self.probes = 0
 
     def suspect(self, node_id: str, why: str) -> None:
         """Look whether ``node_id``'s daemon is gone (``why``: what made it suspect, for the log)."""
@@ -59,7 +56,6 @@ class Prober:
         if now - self._began.get(node_id, -PROBE_GAP_S) < PROBE_GAP_S:
             return
         self._began[node_id] = now
-        self.probes += 1
         self._spawn(self._probe(table, node_id, node.gen, node.last_seen_ms, why), "node-probe")
 
     def tick(self, table: PlacementTable, now_ms: int) -> None:
@@ -77,7 +73,6 @@ class Prober:
         if found != "refused":
             return
         if self.commands.current(table) and table.fence_gone(node_id, gen, seen_ms):
-            self.fenced += 1
             log.warning("node %s fenced: its daemon's port refuses connections (the process is gone; suspected: "
                         "%s); its drops count as made, and it serves nothing until it registers again",
                         node_id, why)  # fmt: skip
