@@ -79,10 +79,14 @@ class EtcdCluster:
     def masters_prefix(self) -> bytes:
         return f"/kvstore/{self.cluster_id}/masters/".encode()
 
+    @property
+    def gone_prefix(self) -> bytes:
+        return f"/kvstore/{self.cluster_id}/gone/".encode()
+
     def gone_key(self, node_id: str) -> bytes:
-        """Where the leader keeps the blocks a fenced node must drop when it registers again (so that
-        a new leader knows them too)."""
-        return f"/kvstore/{self.cluster_id}/gone/{node_id}".encode()
+        """Where the leader keeps the blocks a fenced or absent node must drop when it registers again
+        (so that a new leader knows them, and the node, too)."""
+        return self.gone_prefix + node_id.encode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,13 @@ in the node's ``gone``. Its other replicas stay, unread while it is down. The
 node comes back only by registering: its inventory adopted, less what ``gone``
 names. A node whose daemon's process is known gone (the master found its port
 refusing connections) is fenced the same way at once (:meth:`Membership.fence_gone`).
+
+A node of the cluster that is not in the table at all is *absent*: one a new
+leader expected (the daemons named it) and that did not register within the
+leader's readiness wait, or one an earlier leader fenced (its ``gone`` kept in
+etcd). The table cannot know which keys it holds, so every key removed meanwhile
+is noted in its ``gone`` (:meth:`Membership.removed`): its registration drops
+them rather than bringing a removed key back.
 """
 
 from __future__ import annotations
@@ -39,8 +46,17 @@ def _gone_of(key: str, tier: TierName, offset: int, tier_only: bool) -> list[tup
     return out
 
 
+EVERYTHING = ("", DRAM, -1)
+"""A :data:`Gone` entry that names every block (no key is empty): an absent node through more
+removes than :data:`MAX_ABSENT_GONE` keeps track of drops its whole inventory at registration."""
+
+MAX_ABSENT_GONE = 4096
+"""Most entries an absent node's ``gone`` keeps before it becomes :data:`EVERYTHING` (in etcd as
+JSON: about 1.1 MB with keys of the longest, under etcd's 1.5 MiB request limit)."""
+
+
 def _is_gone(gone: Gone, key: str, tier: TierName, offset: int) -> bool:
-    return (key, tier, -1) in gone or (tier is DRAM and (key, tier, offset) in gone)
+    return (key, tier, -1) in gone or (tier is DRAM and (key, tier, offset) in gone) or EVERYTHING in gone
 
 
 MAX_NODE_BYTES = 1 << 50
@@ -76,14 +92,50 @@ class Membership:
         self.catalog = catalog
         self.ttl_ms = ttl_ms
         self.gone_changed: set[str] = set()
-        """Nodes whose :attr:`NodeState.gone` changed since :meth:`take_gone_changes` (an HA leader
-        keeps them in etcd: a new leader must drop them too)."""
+        """Nodes whose :attr:`NodeState.gone` (or absence) changed since :meth:`take_gone_changes`
+        (an HA leader keeps them in etcd: a new leader must drop them too)."""
+        self.absent: dict[str, Gone] = {}
+        """Absent nodes (see the module's text), each with what its registration must drop."""
 
-    def take_gone_changes(self) -> dict[str, Gone]:
-        """The nodes whose ``gone`` changed since the last call, each with it now (empty: cleared)."""
+    def take_gone_changes(self) -> dict[str, Gone | None]:
+        """The nodes whose ``gone`` changed since the last call, each with what it must drop now;
+        None for a node that is up and owes nothing (or left): nothing to keep. A fenced node and an
+        absent one are kept even with nothing to drop, so that a new leader knows them absent."""
         changed, self.gone_changed = self.gone_changed, set()
         nodes = self.catalog.nodes
-        return {n: set(nodes[n].gone) if n in nodes else set() for n in changed}
+        out: dict[str, Gone | None] = {}
+        for n in changed:
+            node = nodes.get(n)
+            if n in self.absent:
+                out[n] = set(self.absent[n])
+            elif node is not None and (node.fenced or node.gone):
+                out[n] = set(node.gone)
+            else:
+                out[n] = None
+        return out
+
+    def note_absent(self, node_id: str, gone: Gone) -> None:
+        """``node_id`` is of the cluster but not in the table (see the module's text); its registration
+        must drop ``gone`` (an earlier leader's list) and every key removed from now on."""
+        if node_id in self.catalog.nodes:
+            return  # it registered meanwhile: what it owed was given to its registration
+        held = self.absent.get(node_id)
+        if held is None:
+            held = self.absent[node_id] = set()
+        elif EVERYTHING in held or gone <= held:
+            return
+        held |= gone
+        if len(held) > MAX_ABSENT_GONE:
+            self.absent[node_id] = {EVERYTHING}
+        self.gone_changed.add(node_id)
+
+    def removed(self, keys: Sequence[str]) -> None:
+        """``keys`` were removed: an absent node that holds one must not bring it back."""
+        if not keys:
+            return
+        entries = [(k, t, -1) for k in keys for t in (DRAM, SSD)]
+        for node_id in self.absent:
+            self.note_absent(node_id, set(entries))
 
     def register_node(
         self,
@@ -118,9 +170,9 @@ class Membership:
         ]  # fmt: skip
         old = cat.nodes.get(node_id)
         earlier = old.gone if old is not None else set()
-        gone = self._dropping_on(node_id) | earlier | (gone or set())
-        if gone != earlier:
-            self.gone_changed.add(node_id)
+        gone = self._dropping_on(node_id) | earlier | (gone or set()) | self.absent.pop(node_id, set())
+        # Kept in etcd from now on as this registration's (cleared by the node's first heartbeat).
+        self.gone_changed.add(node_id)
         commands = self._forget_node(node_id)
         capacity = dram_capacity - dram_capacity % alignment
         conflicts: dict[TierName, list[tuple[str, int]]] = {DRAM: [], SSD: []}
@@ -301,6 +353,8 @@ class Membership:
         """``node_id`` leaves for good (its daemon unmounted its segment): its replicas are forgotten
         (keys held nowhere else are gone), and its puts in flight revoked on their other nodes."""
         self.catalog.draining.discard(node_id)
+        self.absent.pop(node_id, None)
+        self.gone_changed.add(node_id)
         return self._forget_node(node_id)
 
     def heartbeat(self, node_id: str, now_ms: int) -> bool:

@@ -164,8 +164,16 @@ class PlacementTable:
     def is_draining(self, node_id: str) -> bool:
         return node_id in self._catalog.draining
 
-    def take_gone_changes(self) -> dict[str, set[tuple[str, TierName, int]]]:
+    def take_gone_changes(self) -> dict[str, set[tuple[str, TierName, int]] | None]:
         return self._membership.take_gone_changes()
+
+    def note_absent(self, node_id: str, gone: set[tuple[str, TierName, int]]) -> None:
+        self._membership.note_absent(node_id, gone)
+
+    @property
+    def absent(self) -> list[str]:
+        """The absent nodes (see :mod:`kvstore.placement.nodes`)."""
+        return sorted(self._membership.absent)
 
     def gone_pending(self) -> bool:
         """Whether some node's ``gone`` changed since :meth:`take_gone_changes`."""
@@ -212,7 +220,10 @@ class PlacementTable:
         return self._writes.put_revoke(keys)
 
     def remove(self, keys: Iterable[str]) -> tuple[int, list[NodeCommand]]:
-        return self._writes.remove(keys)
+        keys = list(keys)
+        removed = self._writes.remove(keys)
+        self._membership.removed(keys)  # after: a key that is not valid raised first
+        return removed
 
     # -- grants --------------------------------------------------------------------------------
     def grant_space(
@@ -401,7 +412,7 @@ class PlacementTable:
         return self._inspection.blocks_on(node_id)
 
     def stats(self) -> dict[str, int | float]:
-        return self._inspection.stats()
+        return {**self._inspection.stats(), "nodes_absent": len(self._membership.absent)}
 
     def check(self) -> None:
         self._inspection.check()

@@ -108,6 +108,14 @@ _REVOKE_WAIT_S = 1.0
 """How long a PutRevoke waits for its daemons to drop (and fence) what it gives up."""
 
 
+def _parse_gone(node_id: str, value: bytes) -> set[tuple[str, TierName, int]]:
+    """A list of blocks for ``node_id`` to drop as :meth:`MasterCore.save_gone` keeps it in etcd."""
+    try:
+        return {(str(k), TierName(t), int(o)) for k, t, o in json.loads(value)}
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"etcd holds a malformed list of blocks for node {node_id!r} to drop: {exc}") from None
+
+
 def now_ms() -> int:
     return int(time.monotonic() * 1000)
 
@@ -223,12 +231,24 @@ class MasterCore:
         if election is None:
             return None
         value = await election.load(election.cluster.gone_key(node_id))
-        if value is None:
-            return None
-        try:
-            return {(str(k), TierName(t), int(o)) for k, t, o in json.loads(value)}
-        except (ValueError, TypeError) as exc:
-            raise ProtocolError(f"etcd holds a malformed list of blocks for node {node_id!r} to drop: {exc}") from None
+        return None if value is None else _parse_gone(node_id, value)
+
+    async def load_absent(self) -> None:
+        """An HA leader's first step before it is ready: the nodes an earlier leader kept in etcd as
+        fenced or absent and that have not registered in this term are absent in this one too (the
+        removes it answers are noted for them). ConnectionFailed when etcd does not answer."""
+        election = self.leadership.election
+        table = self.table
+        if election is not None:
+            prefix = election.cluster.gone_prefix
+            held = await election.load_prefix(prefix)
+            self._same_term(table, "the load of absent nodes")
+            for key, value in held.items():
+                node_id = key[len(prefix) :].decode(errors="replace")
+                table.note_absent(node_id, _parse_gone(node_id, value))
+            if table.absent:
+                log.info("nodes absent since an earlier term: %s", ", ".join(table.absent))
+        self.leadership.know_absent()
 
     async def save_gone(self) -> None:
         """Keep in etcd (an HA leader) the blocks each fenced node must drop when it registers again,
@@ -242,7 +262,7 @@ class MasterCore:
         async with self._saving_gone:  # one at a time: a later list never overwritten by an earlier one
             changes = self.table.take_gone_changes()
             for node_id, gone in changes.items():
-                value = json.dumps(sorted([k, t.value, o] for k, t, o in gone)).encode() if gone else None
+                value = None if gone is None else json.dumps(sorted([k, t.value, o] for k, t, o in gone)).encode()
                 try:
                     await election.save(election.cluster.gone_key(node_id), value)
                 except KVStoreError:

@@ -279,6 +279,11 @@ class Election:
         held = await self._kv(lambda c: c.get(key), f"a read of {key.decode()!r}")
         return None if held is None else bytes(held.value)
 
+    async def load_prefix(self, prefix: bytes) -> dict[bytes, bytes]:
+        """The keys under ``prefix`` in etcd with their values; ConnectionFailed when etcd does not answer."""
+        held = await self._kv(lambda c: c.get_prefix(prefix), f"a read under {prefix.decode()!r}")
+        return {bytes(kv.key): bytes(kv.value) for kv in held}
+
     async def _kv(self, call: Callable[[Any], Any], what: str) -> Any:
         """``call(client)``'s answer, bounded; an etcd that fails it is counted and a ConnectionFailed."""
         try:

@@ -3,8 +3,9 @@
 A master without etcd leads from its start, in term 0. With etcd it serves only while its
 :class:`~server.master.election.Election` says it leads; each time it is elected it starts a new
 term with an empty placement table, rebuilt from the daemons' inventories as they register, and it
-answers reads and puts only once it is *ready*: every node the daemons named is back, or the wait
-for them ran out.
+answers reads and puts only once it is *ready*: it knows the nodes an earlier leader left absent
+(kept in etcd), and every node the daemons named is back, or the wait for them ran out (those still
+missing are absent from then on: see :mod:`kvstore.placement.nodes`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class Leadership:
         self._ready = False
         self._expected: set[str] = set()
         """Nodes the daemons said were in the cluster: a new leader waits for their inventories."""
+        self._absent_known = True
+        """Whether this term knows the nodes earlier terms left absent (without etcd: none)."""
+        self.on_ready: Callable[[list[str]], None] = lambda missing: None
+        """Called once a term is ready, with the expected nodes still missing (absent from then on)."""
 
     def begin_term(self, epoch: int) -> None:
         """Lead with an empty table; until the nodes it expects are back requests get NotReady."""
@@ -52,6 +57,7 @@ class Leadership:
         self._since = time.monotonic()
         self._ready = False
         self._expected = set()
+        self._absent_known = self.election is None
         self.failovers += 1
 
     def end_term(self) -> None:
@@ -62,11 +68,21 @@ class Leadership:
         if not self._ready:
             self._expected.update(p for p in peers if p)
 
+    def wants_absent(self) -> bool:
+        """Whether this term still has to load the nodes earlier terms left absent (MasterCore.load_absent)."""
+        return not self._absent_known and self.election is not None and self.election.leading()
+
+    def know_absent(self) -> None:
+        self._absent_known = True
+
     def ready(self) -> bool:
-        """Whether reads and puts can be answered truly: every expected node is back, or some node
-        is and the wait for the rest ran out, or none came within three waits (a cluster starting)."""
+        """Whether reads and puts can be answered truly: the nodes earlier terms left absent are
+        known, and every expected node is back, or some node is and the wait for the rest ran out,
+        or none came within three waits (a cluster starting)."""
         if self._ready:
             return True
+        if not self._absent_known:
+            return False
         nodes = self._nodes()
         waited = time.monotonic() - self._since
         # A moment for the first daemons' peer lists to come in before "every expected node" holds.
@@ -81,8 +97,9 @@ class Leadership:
             missing = sorted(self._expected - nodes)
             log.info(
                 "ready after %.2f s with %d nodes%s", waited, len(nodes),
-                f"; still missing {', '.join(missing)}" if missing else "",
+                f"; still missing {', '.join(missing)} (absent: removes are noted for them)" if missing else "",
             )  # fmt: skip
+            self.on_ready(missing)
         return self._ready
 
     def refusal(self, kind: type[Message] | None = None) -> KVStoreError | None:

@@ -69,6 +69,8 @@ class MasterService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._gone_failures = RateLimitedLog(log)
         self.leadership = Leadership(config, lambda: set(self.nodes.table.nodes))
+        self.leadership.on_ready = self._note_missing
+        self._loading_absent = False
         self.commands = Commands(self.nodes, self._spawn, self.config.reservation_ms)
         self.prober = Prober(self.commands, self._spawn, enabled=config.fence_refused,
                              heartbeat_ms=config.heartbeat_interval_ms)  # fmt: skip
@@ -262,6 +264,21 @@ class MasterService:
             if policy is self._policy:
                 self._policy_told.discard(node_id)
 
+    def _note_missing(self, missing: list[str]) -> None:
+        """The nodes a new term expected and did not see by its readiness are absent from then on."""
+        for node_id in missing:
+            self.table.note_absent(node_id, set())
+
+    async def _load_absent(self) -> None:
+        """The nodes earlier terms left absent (MasterCore.load_absent), in the background."""
+        self._loading_absent = True
+        try:
+            await self.core.load_absent()
+        except KVStoreError as exc:
+            self._gone_failures.warning("load-absent", "loading absent nodes from etcd failed (%s); will retry", exc)
+        finally:
+            self._loading_absent = False
+
     async def _save_gone(self) -> None:
         """Keep what fenced nodes must drop in etcd (MasterCore.save_gone), in the background."""
         try:
@@ -291,6 +308,8 @@ class MasterService:
                 last = now
                 self.commands.tick(self.table, now_ms())
                 self.prober.tick(self.table, now_ms())
+                if self.leadership.wants_absent() and not self._loading_absent:
+                    self._spawn(self._load_absent(), "load-absent")
                 if self.leadership.election is not None and self.table.gone_pending():
                     self._spawn(self._save_gone(), "save-gone")
                 self.evictions.add(self.table.take_evictions(), time.time())

@@ -285,6 +285,53 @@ def test_a_remove_settled_by_a_fence_holds_across_a_leader_change(ha: LocalClust
         assert read_by_key(ha.daemon_addresses[0], "k") is None
 
 
+def _new_leader(ha: LocalCluster, old: int) -> None:
+    ha.kill_ha_master(old)
+    deadline = time.monotonic() + 15
+    while ha.leader_index() == old:
+        assert time.monotonic() < deadline, "the standby never took over"
+        time.sleep(0.05)
+
+
+def _removed_while_frozen(ha: LocalCluster, store: Store, fenced_first: bool) -> None:
+    """Put "k" on both nodes, freeze daemon 0 (fenced by the old leader first or not), change the
+    leader, remove "k" through the new one, thaw daemon 0: its registration must drop its copy."""
+    assert store.put("k", b"v" * 4096, PutOptions(replicas=2)) == PutStatus.STORED
+    daemon = ha.daemons[0]
+    assert daemon is not None
+    daemon.send_signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 15
+        while fenced_first and store.stats()["nodes_up"] != 1:
+            assert time.monotonic() < deadline, "the frozen node was never fenced"
+            time.sleep(0.05)
+        _new_leader(ha, ha.leader_index())
+        assert store.remove("k")
+        assert store.stats()["nodes_absent"] == 1  # the new leader notes removes for node 0
+    finally:
+        daemon.send_signal(signal.SIGCONT)
+    ha.wait_for_nodes(2)  # node 0 registered with the new leader
+    assert not store.exists("k") and store.get("k") is None
+    assert read_by_key(ha.daemon_addresses[0], "k") is None
+
+
+def test_a_remove_while_an_expected_node_is_missing_holds_when_it_registers(ha: LocalCluster) -> None:
+    """The window bench.chaos found (30 minutes, seed 1001): a daemon frozen or cut off just as the
+    leader changes is named by the others, so the new leader waits for it, then is ready without it;
+    a remove answered then knew nothing of that node's copy, and its registration adopted it (the
+    removed key read again). It is absent now: removes are noted for it, its registration drops them."""
+    with Store.connect(ha.master_address, ClientConfig(timeout_s=15.0, transport="tcp")) as store:
+        _removed_while_frozen(ha, store, fenced_first=False)
+
+
+def test_a_node_fenced_before_a_leader_change_drops_what_the_successor_removed(ha: LocalCluster) -> None:
+    """A node fenced by the old leader is named by nobody to the new one (the daemons name the nodes
+    up): the old leader keeps it in etcd as fenced (even with nothing to drop), so that the new
+    leader knows it absent and notes its removes for it."""
+    with Store.connect(ha.master_address, ClientConfig(timeout_s=15.0, transport="tcp")) as store:
+        _removed_while_frozen(ha, store, fenced_first=True)
+
+
 def test_etcd_unreachable_at_start_names_the_endpoints_and_serves_nothing() -> None:
     port = free_port()
     endpoint = f"127.0.0.1:{free_port()}"  # nobody listens
