@@ -69,6 +69,8 @@ class LocalEtcd:
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"local={peer}",
             # Leases of 1 s (etcd's least is 1.5 election timeouts): a dead leader is replaced within it.
             "--election-timeout", "500", "--heartbeat-interval", "50",
+            # The masters rewrite a few keys (a node's drops) again and again: old revisions go after 5 minutes.
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "5m",
         ]  # fmt: skip
         with open(self.dir / "etcd.log", "a") as log:
             self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)

@@ -80,13 +80,13 @@ class EtcdCluster:
         return f"/kvstore/{self.cluster_id}/masters/".encode()
 
     @property
-    def gone_prefix(self) -> bytes:
-        return f"/kvstore/{self.cluster_id}/gone/".encode()
+    def nodes_prefix(self) -> bytes:
+        return f"/kvstore/{self.cluster_id}/nodes/".encode()
 
-    def gone_key(self, node_id: str) -> bytes:
-        """Where the leader keeps the blocks a fenced or absent node must drop when it registers again
-        (so that a new leader knows them, and the node, too)."""
-        return self.gone_prefix + node_id.encode()
+    def node_key(self, node_id: str) -> bytes:
+        """Where the leader keeps its record of a node (a member or not, the blocks it must drop
+        when it registers again), so that a new leader knows it too."""
+        return self.nodes_prefix + node_id.encode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,16 +13,18 @@ names. A node whose daemon's process is known gone (the master found its port
 refusing connections) is fenced the same way at once (:meth:`Membership.fence_gone`).
 
 A node of the cluster that is not in the table at all is *absent*: one a new
-leader expected (the daemons named it) and that did not register within the
-leader's readiness wait, or one an earlier leader fenced (its ``gone`` kept in
-etcd). The table cannot know which keys it holds, so every key removed meanwhile
-is noted in its ``gone`` (:meth:`Membership.removed`): its registration drops
-them rather than bringing a removed key back.
+leader expected and that did not register within its readiness wait, or one an
+earlier leader fenced or knew absent. The table cannot know which keys it holds,
+so every key removed meanwhile is noted for it (:meth:`Membership.removed`): its
+registration drops them rather than bringing a removed key back. An HA leader
+keeps a :class:`NodeRecord` of every node in etcd (:meth:`Membership.take_records`),
+which is how the next leader knows the nodes to wait for and those absent.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvstore.allocator import Allocator, Extent, align_up
 from kvstore.errors import InvalidArgument, InvalidKey
@@ -50,9 +52,18 @@ EVERYTHING = ("", DRAM, -1)
 """A :data:`Gone` entry that names every block (no key is empty): an absent node through more
 removes than :data:`MAX_ABSENT_GONE` keeps track of drops its whole inventory at registration."""
 
-MAX_ABSENT_GONE = 4096
-"""Most entries an absent node's ``gone`` keeps before it becomes :data:`EVERYTHING` (in etcd as
-JSON: about 1.1 MB with keys of the longest, under etcd's 1.5 MiB request limit)."""
+MAX_ABSENT_GONE = 1024
+"""Most entries the removes add to an absent node's ``gone`` before it becomes :data:`EVERYTHING`
+(512 keys; in etcd as JSON at most ~280 KB, rewritten at each remove: kept small)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """What an HA leader keeps in etcd of a node for the next leader: whether it was in the table and
+    not fenced (``member``: the next leader waits for it), and what its registration must drop."""
+
+    member: bool
+    gone: frozenset[tuple[str, TierName, int]]
 
 
 def _is_gone(gone: Gone, key: str, tier: TierName, offset: int) -> bool:
@@ -91,25 +102,25 @@ class Membership:
     def __init__(self, catalog: Catalog, *, ttl_ms: int) -> None:
         self.catalog = catalog
         self.ttl_ms = ttl_ms
-        self.gone_changed: set[str] = set()
-        """Nodes whose :attr:`NodeState.gone` (or absence) changed since :meth:`take_gone_changes`
-        (an HA leader keeps them in etcd: a new leader must drop them too)."""
+        self.records_changed: set[str] = set()
+        """Nodes whose :class:`NodeRecord` changed since :meth:`take_records` (an HA leader keeps
+        them in etcd: a new leader must know them)."""
         self.absent: dict[str, Gone] = {}
         """Absent nodes (see the module's text), each with what its registration must drop."""
+        self._noted_from: dict[str, int] = {}
+        """Per absent node, the size of its ``gone`` before removes were noted (the bound is on those)."""
 
-    def take_gone_changes(self) -> dict[str, Gone | None]:
-        """The nodes whose ``gone`` changed since the last call, each with what it must drop now;
-        None for a node that is up and owes nothing (or left): nothing to keep. A fenced node and an
-        absent one are kept even with nothing to drop, so that a new leader knows them absent."""
-        changed, self.gone_changed = self.gone_changed, set()
+    def take_records(self) -> dict[str, NodeRecord | None]:
+        """The records that changed since the last call; None for a node that left (none to keep)."""
+        changed, self.records_changed = self.records_changed, set()
         nodes = self.catalog.nodes
-        out: dict[str, Gone | None] = {}
+        out: dict[str, NodeRecord | None] = {}
         for n in changed:
             node = nodes.get(n)
             if n in self.absent:
-                out[n] = set(self.absent[n])
-            elif node is not None and (node.fenced or node.gone):
-                out[n] = set(node.gone)
+                out[n] = NodeRecord(False, frozenset(self.absent[n]))
+            elif node is not None:
+                out[n] = NodeRecord(not node.fenced, frozenset(node.gone))
             else:
                 out[n] = None
         return out
@@ -121,21 +132,27 @@ class Membership:
             return  # it registered meanwhile: what it owed was given to its registration
         held = self.absent.get(node_id)
         if held is None:
-            held = self.absent[node_id] = set()
+            held = self.absent[node_id] = set(gone)
         elif EVERYTHING in held or gone <= held:
             return
-        held |= gone
-        if len(held) > MAX_ABSENT_GONE:
-            self.absent[node_id] = {EVERYTHING}
-        self.gone_changed.add(node_id)
+        else:
+            held |= gone
+        self._noted_from[node_id] = len(held)
+        self.records_changed.add(node_id)
 
     def removed(self, keys: Sequence[str]) -> None:
         """``keys`` were removed: an absent node that holds one must not bring it back."""
-        if not keys:
+        if not keys or not self.absent:
             return
-        entries = [(k, t, -1) for k in keys for t in (DRAM, SSD)]
-        for node_id in self.absent:
-            self.note_absent(node_id, set(entries))
+        entries = {(k, t, -1) for k in keys for t in (DRAM, SSD)}
+        for node_id, held in self.absent.items():
+            if EVERYTHING in held or entries <= held:
+                continue
+            held |= entries
+            if len(held) > self._noted_from.get(node_id, 0) + MAX_ABSENT_GONE:
+                held.clear()
+                held.add(EVERYTHING)
+            self.records_changed.add(node_id)
 
     def register_node(
         self,
@@ -171,8 +188,8 @@ class Membership:
         old = cat.nodes.get(node_id)
         earlier = old.gone if old is not None else set()
         gone = self._dropping_on(node_id) | earlier | (gone or set()) | self.absent.pop(node_id, set())
-        # Kept in etcd from now on as this registration's (cleared by the node's first heartbeat).
-        self.gone_changed.add(node_id)
+        self._noted_from.pop(node_id, None)
+        self.records_changed.add(node_id)  # a member now (and what it owes until its first heartbeat)
         commands = self._forget_node(node_id)
         capacity = dram_capacity - dram_capacity % alignment
         conflicts: dict[TierName, list[tuple[str, int]]] = {DRAM: [], SSD: []}
@@ -354,7 +371,8 @@ class Membership:
         (keys held nowhere else are gone), and its puts in flight revoked on their other nodes."""
         self.catalog.draining.discard(node_id)
         self.absent.pop(node_id, None)
-        self.gone_changed.add(node_id)
+        self._noted_from.pop(node_id, None)
+        self.records_changed.add(node_id)
         return self._forget_node(node_id)
 
     def heartbeat(self, node_id: str, now_ms: int) -> bool:
@@ -368,7 +386,7 @@ class Membership:
         node.suspect = False
         if node.gone:
             node.gone = set()  # its registration's answer was taken (see register_node)
-            self.gone_changed.add(node_id)
+            self.records_changed.add(node_id)
         return True
 
     def ssd_health(self, node_id: str, capacity: int, configured: int, fault: str) -> None:
@@ -431,7 +449,7 @@ class Membership:
         node.up, node.fenced = False, True
         self.catalog.counters["fences"] += 1
         node.gone |= self._dropping_on(node_id, forget=True)
-        self.gone_changed.add(node_id)
+        self.records_changed.add(node_id)
 
     def gone_with(self, command: NodeCommand) -> None:
         """Note in its fenced node's :attr:`NodeState.gone` the blocks ``command`` drops or demotes
@@ -440,7 +458,7 @@ class Membership:
         node = cat.nodes.get(command.node_id)
         if node is None or node.gen != command.node_gen or command.kind is ActionKind.PROMOTE:
             return
-        self.gone_changed.add(node.node_id)
+        self.records_changed.add(node.node_id)
         gens = command.gens or (0,) * len(command.keys)
         at = command.at or (-1,) * len(command.keys)
         for key, gen, offset in zip(command.keys, gens, at, strict=True):

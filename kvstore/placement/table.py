@@ -33,7 +33,7 @@ from kvstore.errors import InvalidArgument, NotFound
 from kvstore.placement.grants import GrantPlan, Grants
 from kvstore.placement.inspection import Inspection
 from kvstore.placement.moves import Moves
-from kvstore.placement.nodes import Membership
+from kvstore.placement.nodes import Membership, NodeRecord
 from kvstore.placement.reads import Reads
 from kvstore.placement.records import REMOVING
 from kvstore.placement.results import HeldBlock, PrefixMatch, ReplicaLookup
@@ -164,24 +164,24 @@ class PlacementTable:
     def is_draining(self, node_id: str) -> bool:
         return node_id in self._catalog.draining
 
-    def take_gone_changes(self) -> dict[str, set[tuple[str, TierName, int]] | None]:
-        return self._membership.take_gone_changes()
+    def take_records(self) -> dict[str, NodeRecord | None]:
+        return self._membership.take_records()
 
-    def note_absent(self, node_id: str, gone: set[tuple[str, TierName, int]]) -> None:
-        self._membership.note_absent(node_id, gone)
+    def records_pending(self) -> bool:
+        """Whether some node's record changed since :meth:`take_records`."""
+        return bool(self._membership.records_changed)
+
+    def record_changed(self, node_id: str) -> None:
+        """``node_id``'s record is to be taken again (keeping it in etcd failed)."""
+        self._membership.records_changed.add(node_id)
+
+    def note_absent(self, node_id: str, gone: Iterable[tuple[str, TierName, int]]) -> None:
+        self._membership.note_absent(node_id, set(gone))
 
     @property
     def absent(self) -> list[str]:
         """The absent nodes (see :mod:`kvstore.placement.nodes`)."""
         return sorted(self._membership.absent)
-
-    def gone_pending(self) -> bool:
-        """Whether some node's ``gone`` changed since :meth:`take_gone_changes`."""
-        return bool(self._membership.gone_changed)
-
-    def gone_changed(self, node_id: str) -> None:
-        """``node_id``'s ``gone`` is to be taken again (keeping it in etcd failed)."""
-        self._membership.gone_changed.add(node_id)
 
     def suspect(self, node_id: str, gen: int, seen_ms: int) -> bool:
         return self._membership.suspect(node_id, gen, seen_ms)

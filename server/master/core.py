@@ -29,13 +29,13 @@ from kvstore.errors import (
     KVStoreError,
     NotFound,
     NotLeader,
-    ProtocolError,
     QuotaExceeded,
     RetryLater,
     Timeout,
 )
 from kvstore.placement import quotas
 from kvstore.placement.leases import LeaseId
+from kvstore.placement.nodes import EVERYTHING, NodeRecord
 from kvstore.placement.results import Ticket
 from kvstore.placement.state import Grant, Move, NodeCommand, charged
 from kvstore.placement.table import PlacementTable
@@ -108,12 +108,22 @@ _REVOKE_WAIT_S = 1.0
 """How long a PutRevoke waits for its daemons to drop (and fence) what it gives up."""
 
 
-def _parse_gone(node_id: str, value: bytes) -> set[tuple[str, TierName, int]]:
-    """A list of blocks for ``node_id`` to drop as :meth:`MasterCore.save_gone` keeps it in etcd."""
+def _record_bytes(record: NodeRecord) -> bytes:
+    """A node's record as :meth:`MasterCore.save_records` keeps it in etcd (UTF-8 JSON)."""
+    drop = sorted([k, t.value, o] for k, t, o in record.gone)
+    return json.dumps({"member": record.member, "drop": drop}, ensure_ascii=False).encode()
+
+
+def _parse_record(node_id: str, value: bytes) -> NodeRecord:
+    """A record :func:`_record_bytes` made (or, from before records, a bare list of blocks to drop).
+    One that cannot be read costs the node its blocks, never a removed key read again: it drops all."""
     try:
-        return {(str(k), TierName(t), int(o)) for k, t, o in json.loads(value)}
-    except (ValueError, TypeError) as exc:
-        raise ProtocolError(f"etcd holds a malformed list of blocks for node {node_id!r} to drop: {exc}") from None
+        held = json.loads(value)
+        member, drop = (False, held) if isinstance(held, list) else (bool(held["member"]), held["drop"])
+        return NodeRecord(member, frozenset((str(k), TierName(t), int(o)) for k, t, o in drop))
+    except (ValueError, TypeError, KeyError) as exc:
+        log.error("etcd holds a malformed record of node %s (%s): it drops every block when it registers", node_id, exc)
+        return NodeRecord(False, frozenset({EVERYTHING}))
 
 
 def now_ms() -> int:
@@ -141,7 +151,7 @@ class MasterCore:
         """Looks whether a node clients report unreachable is gone (the service's; None: nobody looks)."""
         self.loop_stall_max: Callable[[], float] | None = None
         """The longest the event loop went without turning, in seconds (the service's probe), for Stats."""
-        self._saving_gone = asyncio.Lock()
+        self._saving_records = asyncio.Lock()
         self._unplaced: Counter[str] = Counter()
         """Keys every node is dropping now (puts begun with an earlier master, see put_revoke), by
         drops under way: no commit of them is taken until the drop is over."""
@@ -194,13 +204,13 @@ class MasterCore:
 
     # -- nodes ----------------------------------------------------------------------------------
     async def register(self, m: RegisterNode, caller: Identity = ANYONE) -> Message:
+        self.leadership.expect(m.peers)  # before any wait: a term not ready yet must not go without them
         # What an earlier leader gave up on this node while it was fenced (a new leader knows it from etcd).
         commands = self.nodes.register(m, now_ms(), await self._load_gone(m.node_id))
         self.commands.forget(m.node_id)  # the inventory superseded them
         # Sent as well, for the table's accounts (an extent freed on the answer); made before the daemon serves.
         own = [c for c in commands if c.node_id == m.node_id and c.kind is ActionKind.DROP]
         self.commands.later(commands, "register-drops")
-        self.leadership.expect(m.peers)
         log.info("node %s registered at %s with %d blocks", m.node_id, m.address, len(m.inventory))
         return RegisterReply(
             self.config.heartbeat_interval_ms,
@@ -225,53 +235,68 @@ class MasterCore:
 
     async def _load_gone(self, node_id: str) -> set[tuple[str, TierName, int]] | None:
         """The blocks an HA leader keeps in etcd for ``node_id`` to drop at its registration (see
-        :meth:`save_gone`); None without etcd. etcd unreachable: ConnectionFailed (the daemon registers
+        :meth:`save_records`); None without etcd. etcd unreachable: ConnectionFailed (the daemon registers
         again later: adopting its inventory blindly could bring back a removed key)."""
         election = self.leadership.election
         if election is None:
             return None
-        value = await election.load(election.cluster.gone_key(node_id))
-        return None if value is None else _parse_gone(node_id, value)
+        value = await election.load(election.cluster.node_key(node_id))
+        return None if value is None else set(_parse_record(node_id, value).gone)
 
     async def load_absent(self) -> None:
-        """An HA leader's first step before it is ready: the nodes an earlier leader kept in etcd as
-        fenced or absent and that have not registered in this term are absent in this one too (the
-        removes it answers are noted for them). ConnectionFailed when etcd does not answer."""
+        """An HA leader's first step before it is ready: every node an earlier leader kept a record of
+        and that has not registered in this term is absent in this one (the removes it answers are
+        noted for it); those that were members then are waited for as well. ConnectionFailed when
+        etcd does not answer."""
         election = self.leadership.election
         table = self.table
+        members: list[str] = []
         if election is not None:
-            prefix = election.cluster.gone_prefix
-            held = await election.load_prefix(prefix)
+            prefix = election.cluster.nodes_prefix
+            # Each record by itself: all in one answer could pass gRPC's 4 MiB.
+            keys = await election.list_prefix(prefix)
+            values = await asyncio.gather(*(election.load(key) for key in keys))
             self._same_term(table, "the load of absent nodes")
-            for key, value in held.items():
+            for key, value in zip(keys, values, strict=True):
                 node_id = key[len(prefix) :].decode(errors="replace")
-                table.note_absent(node_id, _parse_gone(node_id, value))
+                if value is not None and node_id not in table.nodes:
+                    record = _parse_record(node_id, value)
+                    table.note_absent(node_id, record.gone)
+                    if record.member:
+                        members.append(node_id)
             if table.absent:
-                log.info("nodes absent since an earlier term: %s", ", ".join(table.absent))
-        self.leadership.know_absent()
+                log.info("nodes absent since the last term: %s (waiting for %s)", ", ".join(table.absent),
+                         ", ".join(members) or "none")  # fmt: skip
+        self.leadership.know_absent(members, table.absent)
 
-    async def save_gone(self) -> None:
-        """Keep in etcd (an HA leader) the blocks each fenced node must drop when it registers again,
-        so that a new leader drops them too: a remove settled by a fence is answered only after this.
-        Without etcd, a no-op. Raises ConnectionFailed or NotLeader when etcd did not take them (they
-        are tried again)."""
+    async def save_records(self) -> None:
+        """Keep in etcd (an HA leader) the record of each node whose record changed: whether it is a
+        member, and the blocks it must drop when it registers again (a fenced node's, an absent
+        one's removed keys), so that a new leader knows them too; a remove whose drops a fence settled,
+        or that was noted for an absent node, is answered only after this. Without etcd, a no-op.
+        Raises ConnectionFailed or NotLeader when etcd did not take them (they are tried again)."""
         election = self.leadership.election
         if election is None:
-            self.table.take_gone_changes()
+            self.table.take_records()
             return
-        async with self._saving_gone:  # one at a time: a later list never overwritten by an earlier one
-            changes = self.table.take_gone_changes()
-            for node_id, gone in changes.items():
-                value = None if gone is None else json.dumps(sorted([k, t.value, o] for k, t, o in gone)).encode()
+        async with self._saving_records:  # one at a time: a later record never overwritten by an earlier one
+            changes = self.table.take_records()
+            for node_id, record in changes.items():
+                value = None if record is None else _record_bytes(record)
                 try:
-                    await election.save(election.cluster.gone_key(node_id), value)
+                    await election.save(election.cluster.node_key(node_id), value)
                 except KVStoreError:
                     for again in changes:
-                        self.table.gone_changed(again)
+                        self.table.record_changed(again)
                     raise
 
     def _peers(self) -> list[str]:
-        return [n.node_id for n in self.table.up_nodes()]
+        """The nodes the daemons are told of (and name to a new leader): those up, and while this
+        term is not ready, every node it has or waits for (a term that never became ready must not
+        make the next one forget a node it was waiting for)."""
+        peers = {n.node_id for n in self.table.up_nodes()}
+        peers |= self.leadership.waiting_for(self.table.nodes)
+        return sorted(peers)
 
     async def check_blocks(self, m: CheckBlocks, caller: Identity = ANYONE) -> Message:
         """A daemon asks which of its blocks no put placed (orphans: it drops them), and tells which
@@ -630,7 +655,7 @@ class MasterCore:
             # The blocks are out of the table, but a daemon that did not confirm may still serve
             # them to a reader that goes to it directly: say so (the drop is retried until done).
             raise Timeout("a node holding removed blocks did not confirm dropping them yet; they are retried")
-        await self.save_gone()  # drops settled by a fence: a new leader must make them too
+        await self.save_records()  # drops settled by a fence, removes noted for absent nodes: a new leader must know
         return RemoveReply(removed, held)
 
     def _dropping(self, keys: list[str]) -> list[str]:

@@ -272,17 +272,28 @@ class Election:
         NotLeader when it does not, ConnectionFailed when etcd does not take it."""
         if not self.leading():
             raise NotLeader(f"master {self.record.address} no longer leads: it writes nothing to etcd")
-        await self._kv(lambda c: c.delete(key) if value is None else c.put(key, value), f"a write of {key.decode()!r}")
+        epoch, leader_key = self.epoch, self.cluster.leader_key
+
+        def write(client: Any) -> Any:
+            # Only while the leader key is the one this term created: a write delayed past the end of
+            # this master's lease must not undo what the next leader wrote.
+            tx = client.transactions
+            change = tx.delete(key) if value is None else tx.put(key, value)
+            return client.transaction(compare=[tx.create(leader_key) == epoch], success=[change], failure=[])
+
+        done, _ = await self._kv(write, f"a write of {key.decode()!r}")
+        if not done:
+            raise NotLeader(f"master {self.record.address} no longer leads (epoch {epoch}): its write was refused")
 
     async def load(self, key: bytes) -> bytes | None:
         """The value under ``key`` in etcd (None: none); ConnectionFailed when etcd does not answer."""
         held = await self._kv(lambda c: c.get(key), f"a read of {key.decode()!r}")
         return None if held is None else bytes(held.value)
 
-    async def load_prefix(self, prefix: bytes) -> dict[bytes, bytes]:
-        """The keys under ``prefix`` in etcd with their values; ConnectionFailed when etcd does not answer."""
-        held = await self._kv(lambda c: c.get_prefix(prefix), f"a read under {prefix.decode()!r}")
-        return {bytes(kv.key): bytes(kv.value) for kv in held}
+    async def list_prefix(self, prefix: bytes) -> list[bytes]:
+        """The keys under ``prefix`` in etcd (not their values); ConnectionFailed when etcd does not answer."""
+        held = await self._kv(lambda c: c.get_prefix(prefix, keys_only=True), f"a listing of {prefix.decode()!r}")
+        return [bytes(kv.key) for kv in held]
 
     async def _kv(self, call: Callable[[Any], Any], what: str) -> Any:
         """``call(client)``'s answer, bounded; an etcd that fails it is counted and a ConnectionFailed."""

@@ -3,16 +3,17 @@
 A master without etcd leads from its start, in term 0. With etcd it serves only while its
 :class:`~server.master.election.Election` says it leads; each time it is elected it starts a new
 term with an empty placement table, rebuilt from the daemons' inventories as they register, and it
-answers reads and puts only once it is *ready*: it knows the nodes an earlier leader left absent
-(kept in etcd), and every node the daemons named is back, or the wait for them ran out (those still
-missing are absent from then on: see :mod:`kvstore.placement.nodes`).
+answers reads and puts only once it is *ready*: it read the records of the nodes an earlier leader
+kept in etcd (those not back are absent: see :mod:`kvstore.placement.nodes`), and every node that
+was a member then or that the daemons name is back, or the wait for them ran out (those still
+missing are absent from then on).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvstore.config import MasterConfig
@@ -47,7 +48,9 @@ class Leadership:
         self._expected: set[str] = set()
         """Nodes the daemons said were in the cluster: a new leader waits for their inventories."""
         self._absent_known = True
-        """Whether this term knows the nodes earlier terms left absent (without etcd: none)."""
+        """Whether this term read the records earlier terms kept (without etcd: there are none)."""
+        self._not_members: set[str] = set()
+        """Nodes the records say were not members (fenced, absent): not waited for, whoever names them."""
         self.on_ready: Callable[[list[str]], None] = lambda missing: None
         """Called once a term is ready, with the expected nodes still missing (absent from then on)."""
 
@@ -57,6 +60,7 @@ class Leadership:
         self._since = time.monotonic()
         self._ready = False
         self._expected = set()
+        self._not_members = set()
         self._absent_known = self.election is None
         self.failovers += 1
 
@@ -72,8 +76,18 @@ class Leadership:
         """Whether this term still has to load the nodes earlier terms left absent (MasterCore.load_absent)."""
         return not self._absent_known and self.election is not None and self.election.leading()
 
-    def know_absent(self) -> None:
+    def know_absent(self, members: Iterable[str], absent: Iterable[str]) -> None:
+        """The records are read: ``members`` (not registered yet) are waited for; the other ``absent``
+        nodes are not, even if a daemon names them."""
+        members = set(members)
+        self._expected |= members
+        self._not_members = set(absent) - members
         self._absent_known = True
+
+    def waiting_for(self, registered: Iterable[str]) -> set[str]:
+        """While not ready: the nodes registered and those still waited for (the daemons are told of
+        them, so that a next term waits for them too); once ready, none."""
+        return set() if self._ready else set(registered) | (self._expected - self._not_members)
 
     def ready(self) -> bool:
         """Whether reads and puts can be answered truly: the nodes earlier terms left absent are
@@ -88,13 +102,14 @@ class Leadership:
         # A moment for the first daemons' peer lists to come in before "every expected node" holds.
         settle = min(2 * self.config.heartbeat_interval_ms / 1000, 0.2)
         wait = self.config.ready_wait_ms / 1000
+        expected = self._expected - self._not_members
         if (
-            (nodes and self._expected <= nodes and waited >= settle)
+            (nodes and expected <= nodes and waited >= settle)
             or (nodes and waited >= wait)
             or waited >= 3 * wait  # no daemon at all: a cluster still starting (or none left)
         ):
             self._ready = True
-            missing = sorted(self._expected - nodes)
+            missing = sorted(expected - nodes)
             log.info(
                 "ready after %.2f s with %d nodes%s", waited, len(nodes),
                 f"; still missing {', '.join(missing)} (absent: removes are noted for them)" if missing else "",
@@ -114,7 +129,7 @@ class Leadership:
         if not self._ready and (kind is None or kind not in _WHILE_NOT_READY) and not self.ready():
             return NotReady(
                 f"master {self.address} is taking over: waiting for the inventories of "
-                f"{len(self._expected - self._nodes()) or 'its'} nodes"
+                f"{len(self._expected - self._not_members - self._nodes()) or 'its'} nodes"
             )
         return None
 

@@ -119,10 +119,9 @@ class NodeRegistry:
         """Forget a node for good (see PlacementTable.leave_node); its link is handed over with
         :meth:`take_stale`. Returns the revocations of its puts' replicas on other nodes."""
         entry = self._entries.pop(node_id, None)
-        if entry is None:
-            return []
-        self._stale.extend(entry.links.values())
-        return self.table.leave_node(node_id)
+        if entry is not None:
+            self._stale.extend(entry.links.values())
+        return self.table.leave_node(node_id)  # an absent node leaves too
 
     def heartbeat(
         self, node_id: str, transfer_bytes: dict[str, int], now_ms: int, refusals: dict[str, int] | None = None

@@ -67,7 +67,7 @@ class MasterService:
         )  # fmt: skip
         """The nodes, and through them the placement table (:attr:`table`)."""
         self._tasks: set[asyncio.Task[None]] = set()
-        self._gone_failures = RateLimitedLog(log)
+        self._etcd_failures = RateLimitedLog(log)
         self.leadership = Leadership(config, lambda: set(self.nodes.table.nodes))
         self.leadership.on_ready = self._note_missing
         self._loading_absent = False
@@ -177,6 +177,8 @@ class MasterService:
         Until the nodes they name are back (or ``ready_wait_ms`` passes) requests get NotReady."""
         self.nodes.epoch = epoch
         self.leadership.begin_term(epoch)
+        self._loading_absent = False  # one of an earlier term (cancelled, maybe before it ran) is not this term's
+        self._start_load_absent()
 
     def _become_standby(self) -> None:
         """Leadership lost: forget everything (a new leader owns the cluster now); a later
@@ -269,22 +271,27 @@ class MasterService:
         for node_id in missing:
             self.table.note_absent(node_id, set())
 
+    def _start_load_absent(self) -> None:
+        """Read the nodes' records in the background (MasterCore.load_absent), once a term (again
+        after a failure): until then the term is not ready."""
+        if self.leadership.wants_absent() and not self._loading_absent:
+            self._loading_absent = True
+            self._spawn(self._load_absent(), "load-absent")
+
     async def _load_absent(self) -> None:
-        """The nodes earlier terms left absent (MasterCore.load_absent), in the background."""
-        self._loading_absent = True
         try:
             await self.core.load_absent()
         except KVStoreError as exc:
-            self._gone_failures.warning("load-absent", "loading absent nodes from etcd failed (%s); will retry", exc)
+            self._etcd_failures.warning("load-absent", "reading nodes' records from etcd failed (%s); will retry", exc)
         finally:
             self._loading_absent = False
 
-    async def _save_gone(self) -> None:
-        """Keep what fenced nodes must drop in etcd (MasterCore.save_gone), in the background."""
+    async def _save_records(self) -> None:
+        """Keep the nodes' records in etcd (MasterCore.save_records), in the background."""
         try:
-            await self.core.save_gone()
+            await self.core.save_records()
         except KVStoreError as exc:
-            self._gone_failures.warning("save-gone", "keeping fenced nodes' drops in etcd failed (%s); will retry", exc)
+            self._etcd_failures.warning("save-records", "keeping nodes' records in etcd failed (%s); will retry", exc)
 
     async def _probe_stalls(self) -> None:
         period = self.stalls.period_s
@@ -308,10 +315,9 @@ class MasterService:
                 last = now
                 self.commands.tick(self.table, now_ms())
                 self.prober.tick(self.table, now_ms())
-                if self.leadership.wants_absent() and not self._loading_absent:
-                    self._spawn(self._load_absent(), "load-absent")
-                if self.leadership.election is not None and self.table.gone_pending():
-                    self._spawn(self._save_gone(), "save-gone")
+                self._start_load_absent()
+                if self.leadership.election is not None and self.table.records_pending():
+                    self._spawn(self._save_records(), "save-records")
                 self.evictions.add(self.table.take_evictions(), time.time())
                 for link in self.nodes.take_stale():
                     self._spawn(link.close(), "close-daemon-link")

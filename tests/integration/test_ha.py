@@ -4,6 +4,7 @@ daemons); figures go to the test's output (``pytest -s``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -270,7 +271,7 @@ def test_a_remove_settled_by_a_fence_holds_across_a_leader_change(ha: LocalClust
         daemon.send_signal(signal.SIGSTOP)
         try:
             assert store.remove("k")  # answered once the frozen node is fenced
-            assert etcd_range(EtcdCluster((str(ha.etcd),), CLUSTER), b"/kvstore/" + CLUSTER.encode() + b"/gone/"
+            assert etcd_range(EtcdCluster((str(ha.etcd),), CLUSTER), b"/kvstore/" + CLUSTER.encode() + b"/nodes/"
                               + ha.node_name(0).encode(), 2.0)  # fmt: skip
             old = ha.leader_index()
             ha.kill_ha_master(old)
@@ -330,6 +331,38 @@ def test_a_node_fenced_before_a_leader_change_drops_what_the_successor_removed(h
     leader knows it absent and notes its removes for it."""
     with Store.connect(ha.master_address, ClientConfig(timeout_s=15.0, transport="tcp")) as store:
         _removed_while_frozen(ha, store, fenced_first=True)
+
+
+def test_a_write_of_a_master_whose_term_ended_is_refused_by_etcd(etcd: LocalEtcd) -> None:
+    """A leader's writes (the nodes' records) are made only while the leader key is the one its term
+    created: a write that reaches etcd after a successor was elected must not undo the successor's."""
+    import aetcd
+
+    from server.master.election import Election
+    from transfer.discovery import MasterRecord
+
+    async def run() -> None:
+        cluster = EtcdCluster((etcd.endpoint,), "txn-test")
+        led = asyncio.Event()
+        election = Election(cluster, MasterRecord("127.0.0.1:1", None), 2, lambda _: led.set(), lambda: None)
+        election.start()
+        host, port = etcd.endpoint.rsplit(":", 1)
+        client = aetcd.Client(host=host, port=int(port), timeout=5)
+        try:
+            await asyncio.wait_for(led.wait(), 15)
+            key = cluster.node_key("n")
+            await election.save(key, b"mine")
+            await client.delete(cluster.leader_key)  # a successor's term, behind this master's back
+            await client.put(cluster.leader_key, b"successor")
+            with pytest.raises(NotLeader):
+                await election.save(key, b"late")
+            held = await client.get(key)
+            assert held is not None and held.value == b"mine"
+        finally:
+            await election.stop()
+            await client.close()
+
+    asyncio.run(run())
 
 
 def test_etcd_unreachable_at_start_names_the_endpoints_and_serves_nothing() -> None:

@@ -3,7 +3,7 @@ fenced one); the keys removed meanwhile are dropped, not adopted, when they regi
 
 from __future__ import annotations
 
-from kvstore.placement.nodes import EVERYTHING, MAX_ABSENT_GONE
+from kvstore.placement.nodes import EVERYTHING, MAX_ABSENT_GONE, NodeRecord
 from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import NodeCommand
 from kvstore.policy import ActionKind
@@ -18,34 +18,44 @@ def _dropped(commands: list[NodeCommand]) -> set[str]:
     return {k for c in commands if c.kind is ActionKind.DROP for k in c.keys}
 
 
+def _absent(*entries: tuple[str, object, int]) -> NodeRecord:
+    return NodeRecord(False, frozenset(entries))  # type: ignore[arg-type]
+
+
 def test_a_key_removed_while_a_node_is_absent_is_dropped_at_its_registration() -> None:
     t = table("a", dram=8 * KB)
     put(t, "k", "kept")
-    t.take_gone_changes()  # a's registration: nothing to keep
+    assert t.take_records() == {"a": NodeRecord(True, frozenset())}
     t.note_absent("b", set())
     assert t.absent == ["b"] and t.stats()["nodes_absent"] == 1
-    assert t.take_gone_changes() == {"b": set()}  # kept (in etcd) even with nothing to drop yet
+    assert t.take_records() == {"b": _absent()}  # kept (in etcd) even with nothing to drop yet
     removed, _ = t.remove(["k", "unknown"])  # "unknown": a key only the absent node may hold
     assert removed == 1
-    assert t.take_gone_changes() == {"b": {(k, tier, -1) for k in ("k", "unknown") for tier in (DRAM, SSD)}}
+    assert t.take_records() == {"b": _absent(*[(k, tier, -1) for k in ("k", "unknown") for tier in (DRAM, SSD)])}
     commands = t.register_node("b", "b:1", 8 * KB, 0, 64, _blocks("k", "unknown", "kept", "other"), now_ms=0)
     assert _dropped(commands) == {"k", "unknown"}
     assert t.absent == []
-    assert t.take_gone_changes()["b"]  # owed until its first heartbeat says it took the answer
+    record = t.take_records()["b"]
+    assert record is not None and record.member and record.gone  # owed until its first heartbeat
     assert t.heartbeat("b", 1)
-    assert t.take_gone_changes() == {"b": None}
+    assert t.take_records() == {"b": NodeRecord(True, frozenset())}
     assert t.exists(["k", "unknown", "kept", "other"]) == [False, False, True, True]
     t.check()
 
 
 def test_an_absent_node_through_too_many_removes_drops_everything() -> None:
     t = table("a", dram=8 * KB)
-    t.take_gone_changes()
+    big = {(f"f{i}", DRAM, -1) for i in range(2 * MAX_ABSENT_GONE)}
+    t.note_absent("big", big)  # an earlier leader's list of a fenced node is kept whole: the bound is on removes
     t.note_absent("b", set())
-    t.remove([f"r{i}" for i in range(MAX_ABSENT_GONE // 2 + 1)])
-    assert t.take_gone_changes() == {"b": {EVERYTHING}}
+    t.take_records()
+    t.remove(["r"])
+    assert len(t.take_records()["big"].gone) == len(big) + 2  # type: ignore[union-attr]
+    t.remove([f"r{i}" for i in range(MAX_ABSENT_GONE // 2)])
+    records = t.take_records()
+    assert records["b"] == _absent(EVERYTHING) and records["big"] == _absent(EVERYTHING)
     t.remove(["more"])  # nothing more to note
-    assert t.take_gone_changes() == {}
+    assert t.take_records() == {}
     commands = t.register_node("b", "b:1", 8 * KB, 8 * KB, 64, [*_blocks("x", "y"), HeldBlock("z", SSD, -1, KB, 7)], 0)
     assert _dropped(commands) == {"x", "y", "z"}
     assert t.heartbeat("b", 1)
@@ -53,16 +63,15 @@ def test_an_absent_node_through_too_many_removes_drops_everything() -> None:
     t.check()
 
 
-def test_a_fenced_node_is_kept_with_nothing_to_drop_and_forgotten_once_back_or_gone() -> None:
+def test_a_fenced_node_is_kept_as_no_member_and_forgotten_once_it_leaves() -> None:
     t = table("a", "b")
-    assert t.take_gone_changes() == {"a": None, "b": None}
+    t.take_records()
     t._membership.fence("b")
-    assert t.take_gone_changes() == {"b": set()}  # a new leader learns it absent from this
+    assert t.take_records() == {"b": _absent()}  # a new leader learns it is not to be waited for
     t.register_node("b", "b:1", 4 * KB, 0, 64, [], now_ms=0)
-    assert t.heartbeat("b", 1)
-    assert t.take_gone_changes() == {"b": None}
+    assert t.take_records() == {"b": NodeRecord(True, frozenset())}
     t.note_absent("c", set())
     t.leave_node("c")
-    assert t.absent == [] and t.take_gone_changes() == {"c": None}
+    assert t.absent == [] and t.take_records() == {"c": None}
     t.note_absent("a", {("k", DRAM, -1)})  # registered in this table: its own registration's rules hold
     assert t.absent == []
