@@ -45,6 +45,7 @@ import argparse
 import bisect
 import itertools
 import json
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -312,11 +313,35 @@ def unavailability(
     return max(worst.values(), default=0.0), worst
 
 
+_SHARED = ("w", "op", "key", "mode", "res", "v", "reason", "node")
+"""Fields whose strings repeat across records: one object each (an hour's history is ~13 M records)."""
+
+
 def load(directory: str | Path) -> list[dict[str, Any]]:
-    """Every record of the ``history-*.jsonl`` files in ``directory`` (a run kept with ``--keep``)."""
+    """The records of the ``history-*.jsonl`` files in ``directory`` (a run kept with ``--keep``),
+    read a line at a time and kept small: a ``begin`` record only for an op that never ended (the
+    only ones :func:`check` looks at), a batch's ``keys`` left out (each of its keys has its own
+    record), repeated strings shared."""
     out: list[dict[str, Any]] = []
+    intern = sys.intern
     for path in sorted(Path(directory).glob("history-*.jsonl")):
-        out.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+        begun: dict[tuple[str, int], dict[str, Any]] = {}  # a writer's begin line comes before its record
+        with path.open() as lines:
+            for line in lines:
+                if not line.strip():
+                    continue
+                r = json.loads(line)
+                for name in _SHARED:
+                    value = r.get(name)
+                    if type(value) is str:
+                        r[name] = intern(value)
+                if "begin" in r:
+                    begun[r["w"], r["begin"]] = r
+                    continue
+                r.pop("keys", None)
+                begun.pop((r["w"], r.get("n")), None)
+                out.append(r)
+        out.extend(begun.values())
     return out
 
 
