@@ -87,7 +87,11 @@ class Leadership:
     def waiting_for(self, registered: Iterable[str]) -> set[str]:
         """While not ready: the nodes registered and those still waited for (the daemons are told of
         them, so that a next term waits for them too); once ready, none."""
-        return set() if self._ready else set(registered) | (self._expected - self._not_members)
+        return set() if self._ready else set(registered) | self._awaited()
+
+    def _awaited(self) -> set[str]:
+        """The nodes this term waits for: those expected, less those the records call absent."""
+        return self._expected - self._not_members
 
     def ready(self) -> bool:
         """Whether reads and puts can be answered truly: the nodes earlier terms left absent are
@@ -102,7 +106,7 @@ class Leadership:
         # A moment for the first daemons' peer lists to come in before "every expected node" holds.
         settle = min(2 * self.config.heartbeat_interval_ms / 1000, 0.2)
         wait = self.config.ready_wait_ms / 1000
-        expected = self._expected - self._not_members
+        expected = self._awaited()
         if (
             (nodes and expected <= nodes and waited >= settle)
             or (nodes and waited >= wait)
@@ -129,7 +133,7 @@ class Leadership:
         if not self._ready and (kind is None or kind not in _WHILE_NOT_READY) and not self.ready():
             return NotReady(
                 f"master {self.address} is taking over: waiting for the inventories of "
-                f"{len(self._expected - self._not_members - self._nodes()) or 'its'} nodes"
+                f"{len(self._awaited() - self._nodes()) or 'its'} nodes"
             )
         return None
 
