@@ -26,7 +26,9 @@ One JSON line per fault as it heals, then the summary (last line): ``ops``, ``ok
 ``violations`` (a count; ``first``: the first few in full), ``faults`` by kind,
 ``max_unavailable_s`` and ``unavailable_s`` by fault class (a SIGSTOP of the leader or of a
 daemon, a partition of a daemon or of a client apart: :func:`bench.chaos_check.fault_class`),
-``get_p99_ms`` of the reads outside faults (``calm``) and during them, ``replicas`` (``--replicas``:
+``get_p99_ms`` of the reads outside faults (``calm``) and during them, ``read_max_s`` (the longest
+read that overlapped a fault, by fault class: what a fault costs a reader, while
+``unavailable_s`` counts the writers that wait on a frozen node too), ``replicas`` (``--replicas``:
 the clients' default replicas of a put), ``max_op_s``, ``seed``.
 """
 
@@ -50,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import put_modes
-from bench.chaos_check import check, get_p99_ms, load, read_value, unavailability, value_bytes
+from bench.chaos_check import check, get_p99_ms, load, longest_reads, read_value, unavailability, value_bytes
 from bench.chaos_faults import GROUPS, Partitions, Prometheus, SsdDisks, fill, judge_alerts
 from kvstore.config import ClientConfig, parse_size
 from kvstore.errors import KVStoreError
@@ -522,7 +524,7 @@ def run(args: argparse.Namespace, emit: Callable[[dict[str, Any]], None]) -> dic
                 "own_exists_in_faults": verdict.own_exists_in_faults, "put_modes": modes,
                 "puts_by_mode": verdict.puts_by_mode, "cached_misses_in_lag": verdict.cached_misses_in_lag,
                 "faults": faults, "replicas": args.replicas, "max_unavailable_s": worst, "unavailable_s": by_kind,
-                "get_p99_ms": get_p99_ms(history, nemesis.faults),
+                "get_p99_ms": get_p99_ms(history, nemesis.faults), "read_max_s": longest_reads(history, nemesis.faults),
                 "max_op_s": round(max(durations, default=0) / 1e9, 3),
                 "evictions_for_room": room, "demotions_failed": dropped, "eviction_log_whole": whole,
                 "nemesis_error": nemesis.error,

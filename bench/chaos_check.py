@@ -293,6 +293,24 @@ def get_p99_ms(history: Iterable[dict[str, Any]], faults: Sequence[dict[str, Any
     return {"calm": p99(calm), "faults": p99(hit)}
 
 
+def longest_reads(history: Iterable[dict[str, Any]], faults: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """By fault class (:func:`fault_class`), the longest read (get or get_many, answered or failed)
+    that overlapped a fault of that class (seconds): what a fault costs a reader, apart from the
+    writers that wait on a frozen node (which :func:`unavailability` counts too)."""
+    spans = sorted((f["t0"], f["t1"], fault_class(f)) for f in faults)
+    starts = [a for a, _, _ in spans]
+    worst: dict[str, float] = {}
+    for r in history:
+        if r.get("op") not in ("get", "get_many") or "begin" in r:
+            continue
+        t0, t1 = r["t0"], r["t1"]
+        i = bisect.bisect_right(starts, t1)
+        for _, b, kind in spans[max(0, i - 8) : i]:
+            if b >= t0:
+                worst[kind] = round(max(worst.get(kind, 0.0), (t1 - t0) / 1e9), 3)
+    return worst
+
+
 def unavailability(
     history: Iterable[dict[str, Any]], faults: Sequence[dict[str, Any]]
 ) -> tuple[float, dict[str, float]]:

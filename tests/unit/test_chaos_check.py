@@ -7,7 +7,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.chaos_check import check, fault_class, get_p99_ms, load, read_value, unavailability, value_bytes
+from bench.chaos_check import (
+    check,
+    fault_class,
+    get_p99_ms,
+    load,
+    longest_reads,
+    read_value,
+    unavailability,
+    value_bytes,
+)
 
 MS = 1_000_000
 
@@ -141,6 +150,18 @@ def test_read_p99_is_split_into_calm_and_fault_windows() -> None:
     assert get_p99_ms(history + batch, faults) == {"calm": 1.0, "faults": 50.0}  # 101 calm reads: the batch is 1
     assert get_p99_ms(history[:100], []) == {"calm": 1.0, "faults": None}
     assert get_p99_ms(history[:10] + batch, []) == {"calm": 3.0, "faults": None}
+
+
+def test_the_longest_read_in_a_fault_is_kept_by_its_class_failed_or_not() -> None:
+    history = [get(0, "k", 0, 900, None)]  # calm: not counted, however long
+    history.append({**get(1, "k", 1500, 1700, None), "ok": False})  # failed after 0.2 s: counted
+    history.append(get(2, "k", 1900, 2050, None))  # began before the fault ended
+    history.append({"w": "w0", "n": 7, "op": "put", "key": "k", "t0": 1000 * MS, "t1": 9000 * MS, "ok": True})
+    faults = [
+        {"kind": "sigstop", "target": "daemon-1", "t0": 1000 * MS, "t1": 2000 * MS},
+        {"kind": "leader_kill", "target": "master-0", "t0": 5000 * MS, "t1": 6000 * MS},
+    ]
+    assert longest_reads(history, faults) == {"sigstop_daemon": 0.2}
 
 
 def test_cached_puts_are_judged_by_their_own_rules() -> None:
