@@ -470,6 +470,13 @@ class MasterConfig(_Frozen):
         ge=0,
         description="After taking over, longest wait for the nodes the daemons name before answering without them.",
     )
+    takeover_hold_ms: int = Field(
+        default=500,
+        ge=0,
+        le=60_000,
+        description="Longest a request that comes while the master takes over waits for it to be ready before "
+        "it is answered NotReady (the client then sends it again); 0: answered NotReady at once.",
+    )
     cluster_secret_file: str | None = Field(
         default=None,
         description="File holding the cluster secret (also KVSTORE_CLUSTER_SECRET): every connection must then"

@@ -75,7 +75,11 @@ class AsyncStore:
     def __init__(self, master: str, config: ClientConfig | None = None) -> None:
         self.master = master
         self.config = config or ClientConfig()
-        self._locator = MasterLocator(master, self.config.timeout_s)
+        # With etcd, a watch of the leader key: a failover is followed the moment etcd elects the successor.
+        self._locator = MasterLocator(master, self.config.timeout_s, watch=True)
+        self._moved: asyncio.Future[None] | None = None
+        """Done when the locator's watch next names a new leader (for the calls waiting on one)."""
+        self._locator.on_change(self._leader_changed)
         credential = master_credential(self.config)
         self._credential = credential
         self._tickets = Tickets(credential.name) if credential is not None and credential.kind == "tenant" else None
@@ -155,22 +159,59 @@ class AsyncStore:
                     await self._relocate_master()
                 if time.monotonic() + backoff > deadline:
                     raise
-                await asyncio.sleep(backoff)
+                await self._wait_moved(backoff)
                 backoff = min(2 * backoff, LEADER_CHECK_S if self._locator.dynamic else 0.5)
 
+    async def _wait_moved(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less: until the locator's watch names a leader other than the one asked."""
+        if not self._locator.watching:
+            await asyncio.sleep(seconds)
+            return
+        moved = self._next_move()
+        if self._locator.current() not in (None, self._master.address):
+            return
+        await asyncio.wait((moved,), timeout=seconds)
+
+    def _next_move(self) -> asyncio.Future[None]:
+        """A future done when the watch next names a new leader (made before the leader is looked at:
+        a change between the two is not missed)."""
+        if self._moved is None or self._moved.done():
+            self._moved = asyncio.get_running_loop().create_future()
+        return self._moved
+
+    def _leader_changed(self) -> None:
+        """(The watch's thread, or a read's) a new leader: wake the calls waiting on one."""
+        moved = self._moved
+        if moved is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                moved.get_loop().call_soon_threadsafe(_set_done, moved)
+
     async def _request_master(self, message: Message, expect: type[R], request_id: int) -> R:
-        """One attempt of a master call. For an HA master, etcd is asked every LEADER_CHECK_S who
-        leads until the reply comes: a new leader (this one frozen, cut off or deposed) raises
-        NotLeader, so that the call goes to it now rather than after the attempt's timeout."""
+        """One attempt of a master call. For an HA master, until the reply comes: a new leader the
+        locator's watch pushes, or etcd names when asked (every LEADER_CHECK_S), raises NotLeader (this
+        one frozen, cut off or deposed), so that the call goes to it now rather than after the
+        attempt's timeout."""
         request = self._master.request(message, expect, request_id=request_id)
         if not self._locator.dynamic:
             return (await request)[0]
         task = asyncio.ensure_future(request)
         try:
+            ask = time.monotonic() + LEADER_CHECK_S
             while True:
-                done, _ = await asyncio.wait((task,), timeout=LEADER_CHECK_S)
-                if done:
+                waits: set[asyncio.Future[Any]] = {task}
+                if self._locator.watching:
+                    waits.add(self._next_move())
+                pushed = self._locator.current()
+                if pushed is not None and pushed != self._master.address:
+                    raise NotLeader(f"{type(message).__name__}: {pushed} leads {self._locator.spec} now")
+                done, _ = await asyncio.wait(
+                    waits, timeout=max(ask - time.monotonic(), 0.0), return_when=asyncio.FIRST_COMPLETED
+                )
+                if task in done:
                     return task.result()[0]
+                if done:
+                    continue  # a new leader pushed: looked at above
+                ask = time.monotonic() + LEADER_CHECK_S
                 try:
                     leader = await asyncio.to_thread(self._locator.refresh, LEADER_CHECK_S)
                 except KVStoreError:
@@ -259,7 +300,12 @@ class AsyncStore:
 
     # -- connections ---------------------------------------------------------------------------
     async def _follow_master(self) -> None:
-        """Point the master link at the address the locator names (resolving etcd on first use)."""
+        """Point the master link at the address the locator names (resolving etcd on first use; a
+        leader its watch pushed since, at once)."""
+        pushed = self._locator.current()
+        if pushed is not None and pushed != self._master.address and self._locator.dynamic:
+            old, self._master = self._master, self._master_link(pushed)
+            await old.close()
         if self._locator.dynamic and self._master.address == self._locator.spec:
             await self._relocate_master()
             if self._master.address == self._locator.spec:
@@ -365,6 +411,7 @@ class AsyncStore:
         if place is None:
             return None
         patience = self._core.read_patience_s
+        since = self._core.hints.now()
         batcher = self._batcher(place[1], patience)
         began = time.monotonic()
         try:
@@ -377,7 +424,7 @@ class AsyncStore:
         if answer is None:
             # Not there, or its node failed: the core asks the master, not that node again (a
             # stalled node used to cost the get two timeouts).
-            self._core.hints.forget([key])
+            self._core.hints.forget([key], since)
             return None
         size, check, data = answer
         if (0 <= room < size) or (verify and checksum(data) != check):
@@ -466,6 +513,7 @@ class AsyncStore:
             task.cancel()
         for link in [self._master, *self._links.values()]:
             await link.close()
+        await asyncio.to_thread(self._locator.close)
 
     async def __aenter__(self) -> Self:
         return self
@@ -487,3 +535,8 @@ def _unpack(reply: ReadReply, data: bytes, targets: Sequence[memoryview], job: R
             target[:] = view[at : at + size]
         at += size
     return list(reply.sizes)
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -479,7 +479,8 @@ class ClientCore:
                 got += yield from self._get(keys[start : start + MAX_BATCH_KEYS], part, verify, exact_size=exact_size)
             return got
         out: list[Any] = [None] * len(keys)
-        rest = yield from self._read_hinted(keys, views, verify, exact_size, out)
+        since = self.hints.now()  # what this read finds of a key says nothing of a hint set after this
+        rest = yield from self._read_hinted(keys, views, verify, exact_size, out, since)
         if not rest:
             return out
         # The others: where the master says they are.
@@ -502,7 +503,7 @@ class ClientCore:
             read = yield from self._read_located(found, verify)
             for i in read:
                 out[i] = found[i][0].size if views is not None else bufs[i]
-            self.hints.note((keys[i], read.get(i)) for i in rest)  # where each was read; the rest forgotten
+            self.hints.note(((keys[i], read.get(i)) for i in rest), since)  # where each was read; the rest forgotten
             return out
         finally:
             self.release(first_lease, located)
@@ -589,10 +590,12 @@ class ClientCore:
         return outcomes
 
     def _read_hinted(
-        self, keys: list[BlockKey], views: list[memoryview] | None, verify: bool, exact_size: bool, out: list[Any]
-    ) -> Op[list[int]]:
+        self, keys: list[BlockKey], views: list[memoryview] | None, verify: bool, exact_size: bool, out: list[Any],
+        since: int,
+    ) -> Op[list[int]]:  # fmt: skip
         """Read the keys whose node is remembered, one trip to that node by key; returns the
-        indexes still to read (misses there are forgotten: the master knows better)."""
+        indexes still to read (misses there are forgotten: the master knows better; ``since``: the
+        read's :meth:`LocationHints.now`)."""
         per_node: dict[tuple[str, str], list[int]] = {}
         for i, key in enumerate(keys):
             place = self.hinted(key)
@@ -626,7 +629,7 @@ class ClientCore:
                 if verify and checksum(memoryview(target)[: hit.size]) != hit.checksum:
                     raise CorruptBlock(f"block {keys[i]!r} read from {job.address} fails its checksum")
                 out[i] = buf if buf is not None else hit.size
-        self.hints.forget(missed)
+        self.hints.forget(missed, since)
         return [i for i in range(len(keys)) if out[i] is None]
 
     def locate(self, keys: list[str]) -> Op[tuple[list[LocatedRef | None], int]]:

@@ -58,9 +58,10 @@ class Store:
         self.config = config or ClientConfig()
         credential = master_credential(self.config)
         to_master, to_daemons = contexts(self.config.tls)
+        # With etcd, a watch of the leader key: a failover is followed the moment etcd elects the successor.
+        self._locator = MasterLocator(master, self.config.timeout_s, watch=True)
         self._master = ConnectionPool(
-            MasterLocator(master, self.config.timeout_s), self.config.timeout_s, 4, credential, to_master,
-            bounded=False,
+            self._locator, self.config.timeout_s, 4, credential, to_master, bounded=False
         )  # fmt: skip
         self._tickets = Tickets(credential.name) if credential is not None and credential.kind == "tenant" else None
         self._lock = threading.Lock()
@@ -254,6 +255,7 @@ class Store:
         if place is None:
             return None
         patience = self._core.read_patience_s
+        since = self._core.hints.now()
         began = time.monotonic()
         try:
             [found], [made] = self._paths.path(*place).read_direct([key], [view], exact_size, patience)
@@ -265,7 +267,7 @@ class Store:
         if found is None:
             # Not there, or its node failed: the core asks the master, not that node again (a
             # stalled node used to cost the get two timeouts).
-            self._core.hints.forget([key])
+            self._core.hints.forget([key], since)
             return None
         target = made if made is not None else view
         if verify and checksum(memoryview(target)[: found.size]) != found.checksum:  # type: ignore[arg-type]
@@ -341,6 +343,7 @@ class Store:
             for effect in self._core.close():
                 self._do(effect)
         self._master.close()
+        self._locator.close()
         self._paths.close()
         with self._lock:
             if self._executor is not None:

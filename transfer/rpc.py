@@ -46,6 +46,9 @@ HA_ATTEMPT_S = 3.0
 LEADER_CHECK_S = 0.2
 """How often a call waiting on an HA master's reply asks etcd whether another master leads now."""
 
+WATCHED_CHECK_S = 0.01
+"""How often it looks at the leader a watch pushed (:meth:`MasterLocator.current`: no I/O)."""
+
 _NOT_RUN = frozenset({NotLeader.code, NotReady.code})
 """Answers of a master that ran nothing: a call with time left resends the same request."""
 
@@ -195,7 +198,10 @@ class Connection:
                     continue
                 if time.monotonic() + backoff > deadline:
                     raise
-            time.sleep(backoff)
+            if self.locator is not None:
+                self.locator.wait_moved(self.address, backoff)  # a new leader ends the wait
+            else:
+                time.sleep(backoff)
             backoff = min(2 * backoff, LEADER_CHECK_S if self.locator is not None and self.locator.dynamic else 0.5)
 
     def _await_leader_reply(self, sock: socket.socket, what: str, patience: float) -> None:
@@ -205,13 +211,22 @@ class Connection:
         locator = self.locator
         if locator is None or not locator.dynamic or patience:
             return
-        deadline = time.monotonic() + self._attempt_timeout()
+        now = time.monotonic()
+        deadline, ask = now + self._attempt_timeout(), now + LEADER_CHECK_S
+        # With a watch, a new leader is pushed: look at it often (no I/O); ask etcd as well, less often.
+        step = WATCHED_CHECK_S if locator.watching else LEADER_CHECK_S
         poller = select.poll()
         poller.register(sock, select.POLLIN | select.POLLPRI)
         while not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
             left = deadline - time.monotonic()
-            if left <= 0 or poller.poll(min(left, LEADER_CHECK_S) * 1000):
+            if left <= 0 or poller.poll(min(left, step) * 1000):
                 return  # readable (or out of time: the receive says so)
+            leader = locator.current()
+            if leader is not None and leader != self.address:
+                raise NotLeader(f"{what}: {leader} leads cluster {locator.spec} now")
+            if time.monotonic() < ask:
+                continue
+            ask = time.monotonic() + LEADER_CHECK_S
             try:
                 leader = locator.refresh(min_interval=LEADER_CHECK_S)
             except KVStoreError:

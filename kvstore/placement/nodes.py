@@ -125,9 +125,11 @@ class Membership:
                 out[n] = None
         return out
 
-    def note_absent(self, node_id: str, gone: Gone) -> None:
+    def note_absent(self, node_id: str, gone: Gone, recorded: bool = False) -> None:
         """``node_id`` is of the cluster but not in the table (see the module's text); its registration
-        must drop ``gone`` (an earlier leader's list) and every key removed from now on."""
+        must drop ``gone`` (an earlier leader's list) and every key removed from now on. ``recorded``:
+        etcd's record says as much already (a new leader reading it): not written again for this; a
+        member's record says "member" until the term is ready without it (see MasterService)."""
         if node_id in self.catalog.nodes:
             return  # it registered meanwhile: what it owed was given to its registration
         held = self.absent.get(node_id)
@@ -138,7 +140,8 @@ class Membership:
         else:
             held |= gone
         self._noted_from[node_id] = len(held)
-        self.records_changed.add(node_id)
+        if not recorded:
+            self.records_changed.add(node_id)
 
     def removed(self, keys: Sequence[str]) -> None:
         """``keys`` were removed: an absent node that holds one must not bring it back."""
@@ -153,6 +156,18 @@ class Membership:
                 held.clear()
                 held.add(EVERYTHING)
             self.records_changed.add(node_id)
+
+    def record_at_registration(self, node_id: str, gone: Gone | None) -> NodeRecord:
+        """The record ``node_id`` is to have once registered with ``gone`` (an earlier leader's list):
+        a member that must drop what its registration drops (an HA leader keeps it in etcd first)."""
+        return NodeRecord(True, frozenset(self._owed(node_id, gone)))
+
+    def _owed(self, node_id: str, gone: Gone | None) -> Gone:
+        """What a registration of ``node_id`` must drop rather than adopt: blocks whose drop is under
+        way, what the node owed since its last registration, ``gone``, and what it owes as absent."""
+        old = self.catalog.nodes.get(node_id)
+        earlier = old.gone if old is not None else set()
+        return self._dropping_on(node_id) | earlier | (gone or set()) | self.absent.get(node_id, set())
 
     def register_node(
         self,
@@ -185,9 +200,8 @@ class Membership:
         inventory = [
             i for i in inventory if 0 < i.size <= MAX_NODE_BYTES and 0 <= i.checksum < MAX_CHECKSUM and _is_key(i.key)
         ]  # fmt: skip
-        old = cat.nodes.get(node_id)
-        earlier = old.gone if old is not None else set()
-        gone = self._dropping_on(node_id) | earlier | (gone or set()) | self.absent.pop(node_id, set())
+        gone = self._owed(node_id, gone)
+        self.absent.pop(node_id, None)
         self._noted_from.pop(node_id, None)
         self.records_changed.add(node_id)  # a member now (and what it owes until its first heartbeat)
         commands = self._forget_node(node_id)

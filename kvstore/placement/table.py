@@ -167,6 +167,9 @@ class PlacementTable:
     def take_records(self) -> dict[str, NodeRecord | None]:
         return self._membership.take_records()
 
+    def record_at_registration(self, node_id: str, gone: Iterable[tuple[str, TierName, int]] | None) -> NodeRecord:
+        return self._membership.record_at_registration(node_id, set(gone) if gone is not None else None)
+
     def records_pending(self) -> bool:
         """Whether some node's record changed since :meth:`take_records`."""
         return bool(self._membership.records_changed)
@@ -175,8 +178,8 @@ class PlacementTable:
         """``node_id``'s record is to be taken again (keeping it in etcd failed)."""
         self._membership.records_changed.add(node_id)
 
-    def note_absent(self, node_id: str, gone: Iterable[tuple[str, TierName, int]]) -> None:
-        self._membership.note_absent(node_id, set(gone))
+    def note_absent(self, node_id: str, gone: Iterable[tuple[str, TierName, int]], recorded: bool = False) -> None:
+        self._membership.note_absent(node_id, set(gone), recorded)
 
     @property
     def absent(self) -> list[str]:

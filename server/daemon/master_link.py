@@ -48,6 +48,11 @@ from transfer.rpc import LEADER_CHECK_S, Connection, ConnectionPool
 log = logging.getLogger("kvstore.daemon")
 
 
+_FIRST_RETRY_S = 0.01
+"""The first retry after a failed registration or heartbeat, doubling to LEADER_CHECK_S: a new leader
+the watch pushes may answer NotLeader for the moment between winning etcd's election and leading."""
+
+
 class MasterLink:
     """Registers this node with the master, heartbeats, and re-registers whenever the master forgot it."""
 
@@ -82,7 +87,12 @@ class MasterLink:
         self._registering = registering or contextlib.nullcontext
         self._on_epoch = on_epoch
         self._timeout = timeout
-        locator = MasterLocator(master, timeout)  # etcd://: the leader, followed across failovers
+        # etcd://: the leader, followed across failovers; its watch wakes the link to register with a new one at once.
+        locator = self._locator = MasterLocator(master, timeout, watch=True)
+        self._wake = threading.Event()
+        """Set to cut a pause short: a new leader pushed by the locator's watch, or stop."""
+        self._registered_with: str | None = None
+        locator.on_change(self._wake.set)
         self._calls = ConnectionPool(locator, timeout, size=4, credential=credential, tls=tls)  # one-trip commits
         # Access reports, apart: they never hold up a commit.
         self._reports = Connection(locator, timeout, credential, tls)
@@ -234,6 +244,7 @@ class MasterLink:
             self._on_epoch(reply.epoch)
         self._interval = max(reply.heartbeat_interval_ms, 50) / 1000
         self.registrations += 1
+        self._registered_with = self._conn.address
         if not self.registered.is_set():
             self.registered.set()
             if self._on_registered is not None:
@@ -241,10 +252,13 @@ class MasterLink:
         log.info("registered %s at %s with master %s", self.node_id, self.address, self._conn.address)
 
     def _run(self) -> None:
-        backoff = 0.1
+        backoff = _FIRST_RETRY_S
         known = False
         while not self._stop.is_set():
             try:
+                leader = self._locator.current()
+                if known and leader is not None and leader != self._registered_with:
+                    known = False  # etcd elected another master: register with it now, not after a failed heartbeat
                 if not known:
                     self._register()
                     known = True
@@ -261,22 +275,28 @@ class MasterLink:
                         self.peers = reply.peers
                 self.last_answer = time.monotonic()
 
-                backoff = 0.1
-                self._stop.wait(self._interval if known else 0)
+                backoff = _FIRST_RETRY_S
+                self._pause(self._interval if known else 0)
             except KVStoreError as exc:
                 known = False
                 self.failures += 1
                 self._failures.warning(
-                    "unreachable", "master %s unreachable (%s); retrying every 0.1 to 0.2 s", self._conn.address, exc
+                    "unreachable", "master %s unreachable (%s); retrying within 0.2 s", self._conn.address, exc
                 )
-                self._stop.wait(backoff)
+                self._pause(backoff)  # at once for a leader the watch pushed meanwhile
                 backoff = min(backoff * 2, LEADER_CHECK_S)  # a new leader is met within this
+
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds``, less when stopped or when a new leader is pushed."""
+        self._wake.wait(seconds)
+        self._wake.clear()
 
     def leave(self) -> bool:
         """Tell the master this node leaves for good (it forgets the node's blocks); False when it
         could not be told (it then marks the node down when its heartbeats stop). Heartbeats end
         first: one after this would register the node again."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
         try:
             with self._calls.connection() as conn:
@@ -288,6 +308,7 @@ class MasterLink:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         # A master that does not answer must not hold the stop up.
         for conn in (self._conn, self._reports, self._checks):
             conn.abort()
@@ -298,3 +319,4 @@ class MasterLink:
         self._calls.close()
         self._reports.close()
         self._checks.close()
+        self._locator.close()

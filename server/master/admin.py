@@ -601,6 +601,8 @@ class _Collector:
                                   value=service.refused_connections)  # fmt: skip
         yield CounterMetricFamily("kvstore_rpc_errors", "RPC requests answered with an error.",
                                   value=service.rpc_errors)  # fmt: skip
+        yield CounterMetricFamily("kvstore_master_requests_held", "Requests held until a master taking over was "
+                                  "ready (instead of answered NotReady).", value=service.requests_held)  # fmt: skip
         security = service.security()
         guard = self.guard
         yield CounterMetricFamily("kvstore_admin_refused_connections", "Admin API connections answered 503 and "

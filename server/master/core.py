@@ -87,6 +87,7 @@ from kvstore.protocol import (
 )
 from kvstore.tenants import Tenant
 from server.master.commands import Commands, Lane
+from server.master.election import Election
 from server.master.leadership import Leadership
 from server.master.nodes import NodeRegistry
 from server.master.probes import Prober
@@ -152,6 +153,8 @@ class MasterCore:
         self.loop_stall_max: Callable[[], float] | None = None
         """The longest the event loop went without turning, in seconds (the service's probe), for Stats."""
         self._saving_records = asyncio.Lock()
+        self._holds_of: PlacementTable | None = None
+        self._holds: dict[str, bytes | None] = {}
         self._unplaced: Counter[str] = Counter()
         """Keys every node is dropping now (puts begun with an earlier master, see put_revoke), by
         drops under way: no commit of them is taken until the drop is over."""
@@ -206,11 +209,22 @@ class MasterCore:
     async def register(self, m: RegisterNode, caller: Identity = ANYONE) -> Message:
         self.leadership.expect(m.peers)  # before any wait: a term not ready yet must not go without them
         # What an earlier leader gave up on this node while it was fenced (a new leader knows it from etcd).
-        commands = self.nodes.register(m, now_ms(), await self._load_gone(m.node_id))
+        stored = await self._load_record(m.node_id)
+        gone = set(stored.gone) if stored is not None else None
+        election, table = self.leadership.election, self.table
+        async with self._saving_records:  # no save of an older record of it in between
+            if election is not None:
+                # In etcd before the node is in the table: a next leader waits for every node that this one
+                # placed blocks on (and needs no moment for the daemons' peer lists to name them). After a
+                # failover etcd mostly holds it already (a member, nothing owed): then nothing is written.
+                await self._keep_record(election, m.node_id, table.record_at_registration(m.node_id, gone))
+                self._same_term(table, "the registration")
+            commands = self.nodes.register(m, now_ms(), gone)
         self.commands.forget(m.node_id)  # the inventory superseded them
         # Sent as well, for the table's accounts (an extent freed on the answer); made before the daemon serves.
         own = [c for c in commands if c.node_id == m.node_id and c.kind is ActionKind.DROP]
         self.commands.later(commands, "register-drops")
+        self.leadership.ready()  # the last node waited for makes the term ready now, not at the next request
         log.info("node %s registered at %s with %d blocks", m.node_id, m.address, len(m.inventory))
         return RegisterReply(
             self.config.heartbeat_interval_ms,
@@ -233,15 +247,34 @@ class MasterCore:
         log.info("node %s left: its blocks are forgotten", m.node_id)
         return OkReply()
 
-    async def _load_gone(self, node_id: str) -> set[tuple[str, TierName, int]] | None:
-        """The blocks an HA leader keeps in etcd for ``node_id`` to drop at its registration (see
-        :meth:`save_records`); None without etcd. etcd unreachable: ConnectionFailed (the daemon registers
-        again later: adopting its inventory blindly could bring back a removed key)."""
+    async def _load_record(self, node_id: str) -> NodeRecord | None:
+        """``node_id``'s record as an HA leader keeps it in etcd (see :meth:`save_records`): with the
+        blocks it must drop at its registration; None without etcd or without a record. etcd
+        unreachable: ConnectionFailed (the daemon registers again later: adopting its inventory
+        blindly could bring back a removed key)."""
         election = self.leadership.election
         if election is None:
             return None
         value = await election.load(election.cluster.node_key(node_id))
-        return None if value is None else set(_parse_record(node_id, value).gone)
+        self._etcd_holds().setdefault(node_id, value)
+        return None if value is None else _parse_record(node_id, value)
+
+    def _etcd_holds(self) -> dict[str, bytes | None]:
+        """What this term knows etcd holds as each node's record (read or written in it): a record equal
+        to it is not written again. It stays true: only this term's leader writes there (Election.save)."""
+        if self._holds_of is not self.table:
+            self._holds_of, self._holds = self.table, {}
+        return self._holds
+
+    async def _keep_record(self, election: Election, node_id: str, record: NodeRecord | None) -> None:
+        """Put ``record`` in etcd (None: delete it) unless etcd holds it already."""
+        value = None if record is None else _record_bytes(record)
+        holds = self._etcd_holds()
+        if node_id in holds and holds[node_id] == value:
+            return
+        holds.pop(node_id, None)  # not known while the write is out (it may land or not)
+        await election.save(election.cluster.node_key(node_id), value)
+        holds[node_id] = value
 
     async def load_absent(self) -> None:
         """An HA leader's first step before it is ready: every node an earlier leader kept a record of
@@ -251,23 +284,27 @@ class MasterCore:
         election = self.leadership.election
         table = self.table
         members: list[str] = []
+        recorded = False
         if election is not None:
             prefix = election.cluster.nodes_prefix
             # Each record by itself: all in one answer could pass gRPC's 4 MiB.
             keys = await election.list_prefix(prefix)
+            recorded = bool(keys)
             values = await asyncio.gather(*(election.load(key) for key in keys))
             self._same_term(table, "the load of absent nodes")
+            holds = self._etcd_holds()
             for key, value in zip(keys, values, strict=True):
                 node_id = key[len(prefix) :].decode(errors="replace")
+                holds.setdefault(node_id, value)
                 if value is not None and node_id not in table.nodes:
                     record = _parse_record(node_id, value)
-                    table.note_absent(node_id, record.gone)
+                    table.note_absent(node_id, record.gone, recorded=True)
                     if record.member:
                         members.append(node_id)
             if table.absent:
                 log.info("nodes absent since the last term: %s (waiting for %s)", ", ".join(table.absent),
                          ", ".join(members) or "none")  # fmt: skip
-        self.leadership.know_absent(members, table.absent)
+        self.leadership.know_absent(members, table.absent, recorded)
 
     async def save_records(self) -> None:
         """Keep in etcd (an HA leader) the record of each node whose record changed: whether it is a
@@ -282,9 +319,8 @@ class MasterCore:
         async with self._saving_records:  # one at a time: a later record never overwritten by an earlier one
             changes = self.table.take_records()
             for node_id, record in changes.items():
-                value = None if record is None else _record_bytes(record)
                 try:
-                    await election.save(election.cluster.node_key(node_id), value)
+                    await self._keep_record(election, node_id, record)
                 except KVStoreError:
                     for again in changes:
                         self.table.record_changed(again)

@@ -11,6 +11,8 @@ missing are absent from then on).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -28,6 +30,10 @@ log = logging.getLogger("kvstore.master")
 _WHILE_NOT_READY: frozenset[type[Message]] = frozenset(
     {RegisterNode, Heartbeat, AccessReport, CommitGranted, Stats, ListNodes, AdminInfo}
 )
+
+
+_READY_POLL_S = 0.05
+"""How often a request waiting for readiness looks whether a wait (``ready_wait_ms``, the settle) ran out."""
 
 
 class Leadership:
@@ -51,6 +57,11 @@ class Leadership:
         """Whether this term read the records earlier terms kept (without etcd: there are none)."""
         self._not_members: set[str] = set()
         """Nodes the records say were not members (fenced, absent): not waited for, whoever names them."""
+        self._from_records = False
+        """Whether there were records of earlier terms' nodes (then every node that registered with an
+        earlier leader is in them: see MasterCore.register)."""
+        self._readied = asyncio.Event()
+        """Set when the term becomes ready or ends (requests waiting in :meth:`until_ready` look again)."""
         self.on_ready: Callable[[list[str]], None] = lambda missing: None
         """Called once a term is ready, with the expected nodes still missing (absent from then on)."""
 
@@ -62,10 +73,13 @@ class Leadership:
         self._expected = set()
         self._not_members = set()
         self._absent_known = self.election is None
+        self._from_records = False
+        self._readied = asyncio.Event()
         self.failovers += 1
 
     def end_term(self) -> None:
         self._ready = False
+        self._readied.set()  # the requests waiting for readiness are answered NotLeader
 
     def expect(self, peers: list[str]) -> None:
         """Nodes a registering daemon named: a master taking over waits for them too."""
@@ -76,13 +90,16 @@ class Leadership:
         """Whether this term still has to load the nodes earlier terms left absent (MasterCore.load_absent)."""
         return not self._absent_known and self.election is not None and self.election.leading()
 
-    def know_absent(self, members: Iterable[str], absent: Iterable[str]) -> None:
+    def know_absent(self, members: Iterable[str], absent: Iterable[str], recorded: bool = False) -> None:
         """The records are read: ``members`` (not registered yet) are waited for; the other ``absent``
-        nodes are not, even if a daemon names them."""
+        nodes are not, even if a daemon names them. ``recorded``: there were records (every node an
+        earlier leader had registered is in them: see MasterCore.register)."""
         members = set(members)
         self._expected |= members
         self._not_members = set(absent) - members
         self._absent_known = True
+        self._from_records = recorded
+        self.ready()
 
     def waiting_for(self, registered: Iterable[str]) -> set[str]:
         """While not ready: the nodes registered and those still waited for (the daemons are told of
@@ -103,8 +120,9 @@ class Leadership:
             return False
         nodes = self._nodes()
         waited = time.monotonic() - self._since
-        # A moment for the first daemons' peer lists to come in before "every expected node" holds.
-        settle = min(2 * self.config.heartbeat_interval_ms / 1000, 0.2)
+        # A moment for the first daemons' peer lists to come in before "every expected node" holds;
+        # none when the records named the nodes (each registration was in them before it was answered).
+        settle = 0.0 if self._from_records else min(2 * self.config.heartbeat_interval_ms / 1000, 0.2)
         wait = self.config.ready_wait_ms / 1000
         expected = self._awaited()
         if (
@@ -119,7 +137,23 @@ class Leadership:
                 f"; still missing {', '.join(missing)} (absent: removes are noted for them)" if missing else "",
             )  # fmt: skip
             self.on_ready(missing)
+            self._readied.set()
         return self._ready
+
+    async def until_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for this term to be ready (a request that came while the master
+        takes over waits for it, rather than being refused and sent again after a backoff); False
+        when it is not (or the term ended meanwhile)."""
+        deadline = time.monotonic() + timeout
+        readied = self._readied
+        while not self.ready():
+            left = deadline - time.monotonic()
+            if left <= 0 or readied.is_set():
+                return False
+            with contextlib.suppress(TimeoutError):
+                # Woken by a registration that made it ready; looked at again for the waits that run out.
+                await asyncio.wait_for(readied.wait(), min(left, _READY_POLL_S))
+        return True
 
     def refusal(self, kind: type[Message] | None = None) -> KVStoreError | None:
         """Why this master must not run a request of ``kind`` now, if it must not (without a

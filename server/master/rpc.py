@@ -1,8 +1,9 @@
 """The master's RPC port: connections, the handshake, dispatch, idempotency and timing.
 
 A thin adapter over :class:`~server.master.core.MasterCore`: a frame is decoded, its sender's
-rights checked (:mod:`kvstore.auth`), refused while this master does not lead or is not ready
-(:mod:`server.master.leadership`), and handed to the core's operation for its type. Requests whose
+rights checked (:mod:`kvstore.auth`), refused while this master does not lead (held while it takes
+over, until it is ready: :mod:`server.master.leadership`), and handed to the core's operation for
+its type. Requests whose
 repetition would change the outcome are answered once per (sender, request id, request bytes); a
 retry gets the first answer.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 from kvstore.auth import ANYONE, Authority, Identity, ServerHandshake, as_refusal
 from kvstore.config import MasterConfig
-from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied, ProtocolError, QuotaExceeded
+from kvstore.errors import AuthFailed, KVStoreError, NotReady, PermissionDenied, ProtocolError, QuotaExceeded
 from kvstore.protocol import (
     MAX_FRAME_BYTES,
     AccessReport,
@@ -194,6 +195,10 @@ def _revoked(conn: _Connection) -> AuthFailed:
     return AuthFailed(f"tenant {tenant!r} was removed from the tenants file or its token replaced: the session is over")
 
 
+MAX_PARKED = 4096
+"""Requests waiting for readiness at once; beyond them, NotReady at once."""
+
+
 class RpcServer:
     """The RPC port of one master over ``core`` (see the module's text)."""
 
@@ -230,6 +235,11 @@ class RpcServer:
         self.refused_inflight = 0
         """Connections closed because they took their tenant past its ``max_inflight_bytes``."""
         self.latency: dict[str, LatencyHistogram] = {}
+        self.parked = 0
+        """Requests waiting for this master to be ready (:meth:`_serve_when_ready`)."""
+        self.parked_total = 0
+        """Requests held for readiness so far (a takeover's, instead of NotReady)."""
+        self._held: set[asyncio.Task[None]] = set()
         self.answers = Answers(config.answer_ttl_s, config.answer_cache)
         """Answers of requests that must not run twice, by (who sent it, request id, its bytes' hash)."""
         self._failures = RateLimitedLog(log)
@@ -390,11 +400,24 @@ class RpcServer:
             return
         refusal = self.leadership.refusal(type(message))
         if refusal is not None:
+            if isinstance(refusal, NotReady) and self.config.takeover_hold_ms and self.parked < MAX_PARKED:
+                self.parked += 1
+                self.parked_total += 1
+                held = self._serve_when_ready(conn, message, request_id, identity, hash(payload))
+                # Not the service's task: a term's end cancels those, and this one must still answer.
+                task = asyncio.create_task(held, name=f"rpc-held-{type(message).__name__}")
+                self._held.add(task)
+                task.add_done_callback(self._held.discard)
+                return
             conn.reply(ErrorReply.from_error(refusal), request_id)
             return
         # A retry resends the same bytes under the same id: the id and the bytes' hash name a request, so
         # two clients whose ids collide (ids drawn from a seeded generator) never get each other's answers.
-        coro = self.dispatch(message, request_id, identity, hash(payload))
+        self._run(conn, message, request_id, identity, hash(payload))
+
+    def _run(self, conn: _Connection, message: Message, request_id: int, identity: Identity, digest: int) -> None:
+        """Dispatch an admitted request: inline, or in a task of the service's for one that waits."""
+        coro = self.dispatch(message, request_id, identity, digest)
         if type(message) in _WAITS:
             self._spawn(self._reply_later(conn, coro, request_id), f"rpc-{type(message).__name__}")
             return
@@ -409,6 +432,26 @@ class RpcServer:
 
     async def _reply_later(self, conn: _Connection, coro: Coroutine[Any, Any, Message], request_id: int) -> None:
         conn.reply(await coro, request_id)
+
+    async def _serve_when_ready(
+        self, conn: _Connection, message: Message, request_id: int, identity: Identity, digest: int
+    ) -> None:  # fmt: skip
+        """A request that came while this master takes over: run once it is ready (the last inventory
+        in), up to ``takeover_hold_ms``, rather than refused and sent again after the client's backoff.
+        Run in the term it came in or not at all (then refused: it ran nothing, the client sends it
+        again)."""
+        epoch = self.leadership.epoch
+        try:
+            await self.leadership.until_ready(self.config.takeover_hold_ms / 1000)
+        finally:
+            self.parked -= 1
+        refusal = self.leadership.refusal(type(message))
+        if refusal is None and self.leadership.epoch != epoch:
+            refusal = NotReady(f"master {self.leadership.address} began another term; send the request again")
+        if refusal is not None:
+            conn.reply(ErrorReply.from_error(refusal), request_id)
+            return
+        self._run(conn, message, request_id, identity, digest)  # as if it came now
 
     def _ticket(self, conn: _Connection) -> Message:
         identity = conn.identity
@@ -476,6 +519,7 @@ class RpcServer:
         assert isinstance(reply, StatsReply)
         if caller.tenant is None:  # the cluster's own figure: a tenant sees only its own
             reply.stats["rpc_errors"] = self.rpc_errors
+            reply.stats["requests_held"] = self.parked_total
         return reply
 
     async def _admin_info(self, m: AdminInfo, caller: Identity) -> Message:

@@ -117,6 +117,10 @@ class MasterService:
     def refused_connections(self) -> int:
         return self.rpc.refused_connections
 
+    @property
+    def requests_held(self) -> int:
+        return self.rpc.parked_total
+
     def security(self) -> dict[str, int]:
         """Counters of refusals and revocations, and whether the tenants file loads, for /metrics."""
         authority = self.rpc.authority
@@ -267,9 +271,11 @@ class MasterService:
                 self._policy_told.discard(node_id)
 
     def _note_missing(self, missing: list[str]) -> None:
-        """The nodes a new term expected and did not see by its readiness are absent from then on."""
+        """The nodes a new term expected and did not see by its readiness are absent from then on (and
+        no longer members in their records: a next leader does not wait for them)."""
         for node_id in missing:
             self.table.note_absent(node_id, set())
+            self.table.record_changed(node_id)
 
     def _start_load_absent(self) -> None:
         """Read the nodes' records in the background (MasterCore.load_absent), once a term (again

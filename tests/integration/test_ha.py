@@ -21,13 +21,13 @@ import pytest
 from kvstore.config import ClientConfig, MasterConfig
 from kvstore.errors import ConfigError, KVStoreError, NotLeader, Timeout
 from kvstore.node_store import PutStatus
-from kvstore.protocol import Stats, StatsReply
+from kvstore.protocol import Exists, ExistsReply, Stats, StatsReply
 from kvstore_cli.cluster import LocalCluster, LocalEtcd, free_port
 from kvstore_client import PutOptions, Store
 from tests.conftest import FACES, admin_call, connect_client
 from tests.fault.test_fencing import read_by_key
 from transfer.discovery import EtcdCluster, etcd_range, read_masters
-from transfer.rpc import HA_ATTEMPT_S, Connection
+from transfer.rpc import HA_ATTEMPT_S, LEADER_CHECK_S, Connection
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian: apt install etcd-server)"),
@@ -260,6 +260,24 @@ def test_a_call_waiting_on_a_frozen_leader_goes_to_its_successor_once_elected(ha
         assert took < HA_ATTEMPT_S, f"the call waited {took:.2f} s: the attempt's timeout, not the election"
 
 
+@pytest.mark.parametrize("face", FACES)
+def test_calls_a_leader_answers_end_with_its_answer(ha: LocalCluster, face: str) -> None:
+    """A call to a leader that answers ends when the answer comes: it does not wait out the look
+    at etcd it would take after LEADER_CHECK_S without one (nor ask etcd). The bound is structural:
+    50 calls of about a millisecond each against 50 such waits."""
+    with connect_client(face, ha.master_address, ClientConfig(timeout_s=15.0)) as store:
+        store.put("k", b"v" * 100)
+        locator = store._locator
+        assert locator.watching
+        asked = locator.asked
+        began = time.monotonic()
+        for _ in range(50):
+            assert store.exists("k")
+        took = time.monotonic() - began
+        assert took < 50 * LEADER_CHECK_S, f"50 calls took {took:.1f} s: each waited for LEADER_CHECK_S"
+        assert locator.asked - asked < 50, "every call asked etcd who leads"
+
+
 def test_a_remove_settled_by_a_fence_holds_across_a_leader_change(ha: LocalCluster) -> None:
     """A remove of a key with a copy on a frozen daemon is answered once that node is fenced; the
     leader keeps what the node must drop in etcd, so when the leader dies before the node comes back,
@@ -417,3 +435,45 @@ def test_a_killed_leader_is_replaced_before_its_lease_runs_out(etcd: LocalEtcd, 
         else:
             with pytest.raises(Timeout):
                 c.leader_index(timeout=5.0)
+
+
+def test_a_registration_is_answered_once_the_node_is_in_etcd(etcd: LocalEtcd) -> None:
+    """A daemon registered with a leader is a member in etcd's records by the time its registration is
+    answered, not at the leader's next tick (60 s here): a leader that dies the moment after leaves a
+    successor that waits for the node (it holds blocks that removes must reach), so that a successor
+    needs no moment for the daemons' peer lists before it is ready."""
+    env = {"KVSTORE_MASTER_TICK_MS": "60000"}
+    with LocalCluster(1, dram="16MiB", etcd=etcd.endpoint, cluster_id=CLUSTER, masters=2, env=env) as c:
+        c.wait_for_nodes(1)
+        deadline = time.monotonic() + 30
+        while "registered node" not in (c.workdir / "daemon-0.log").read_text(errors="replace"):
+            assert time.monotonic() < deadline, "the daemon never logged its registration"
+            time.sleep(0.02)
+        record = etcd_range(EtcdCluster((etcd.endpoint,), CLUSTER), b"/kvstore/" + CLUSTER.encode() + b"/nodes/"
+                            + c.node_name(0).encode(), 2.0)  # fmt: skip
+        assert record and json.loads(record[0]["value"])["member"] is True
+
+
+def test_a_request_that_comes_while_a_new_leader_takes_over_waits_for_it(etcd: LocalEtcd) -> None:
+    """A request that reaches a new leader before it is ready (here: one member frozen, waited for
+    for 1.5 s) is held until the term is ready and then answered, not refused NotReady (the client
+    would send it again only after its backoff)."""
+    env = {"KVSTORE_MASTER_READY_WAIT_MS": "1500", "KVSTORE_MASTER_TAKEOVER_HOLD_MS": "10000"}
+    with LocalCluster(2, dram="16MiB", etcd=etcd.endpoint, cluster_id=CLUSTER, masters=2, env=env) as c:
+        c.wait_for_nodes(2)
+        daemon = c.daemons[1]
+        assert daemon is not None
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            old = c.leader_index()
+            c.kill_ha_master(old)
+            new = c.leader_index(timeout=15.0)
+            conn = Connection(c.master_rpc[new], timeout=20.0)
+            try:
+                # Not one of the requests a master answers while it takes over: held, then answered.
+                assert conn.call(Exists(["k"]), ExistsReply).exists == [False]
+                assert conn.call(Stats(), StatsReply).stats["requests_held"] >= 1
+            finally:
+                conn.close()
+        finally:
+            daemon.send_signal(signal.SIGCONT)
