@@ -303,9 +303,8 @@ class AsyncStore:
         """Point the master link at the address the locator names (resolving etcd on first use; a
         leader its watch pushed since, at once)."""
         pushed = self._locator.current()
-        if pushed is not None and pushed != self._master.address and self._locator.dynamic:
-            old, self._master = self._master, self._master_link(pushed)
-            await old.close()
+        if pushed is not None and self._locator.dynamic:
+            await self._point_master(pushed)
         if self._locator.dynamic and self._master.address == self._locator.spec:
             await self._relocate_master()
             if self._master.address == self._locator.spec:
@@ -318,6 +317,10 @@ class AsyncStore:
             address = await asyncio.to_thread(self._locator.refresh, 0.05)
         except KVStoreError:
             return
+        await self._point_master(address)
+
+    async def _point_master(self, address: str) -> None:
+        """The master link at ``address`` from now on (the old one closed)."""
         if address != self._master.address:
             old, self._master = self._master, self._master_link(address)
             await old.close()

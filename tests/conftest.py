@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, settings
 
 from kvstore.config import NodeConfig
 from kvstore.tiers.dram import DramArena
+from kvstore_cli.cluster import LocalEtcd
 
 settings.register_profile(
     "default",
@@ -68,6 +69,16 @@ def admin_call(address: str, method: str, path: str, body: Any = None, token: st
             return resp.status, json.loads(raw) if "json" in kind else raw.decode()
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture
+def etcd() -> Iterator[LocalEtcd]:
+    """A one-member etcd on loopback for HA tests (they skip where etcd is not installed)."""
+    server = LocalEtcd().start()
+    try:
+        yield server
+    finally:
+        server.remove()
 
 
 @pytest.fixture

@@ -38,15 +38,6 @@ CLUSTER = "ha-test"
 
 
 @pytest.fixture
-def etcd() -> Iterator[LocalEtcd]:
-    server = LocalEtcd().start()
-    try:
-        yield server
-    finally:
-        server.remove()
-
-
-@pytest.fixture
 def ha(etcd: LocalEtcd) -> Iterator[LocalCluster]:
     with LocalCluster(2, dram="64MiB", etcd=etcd.endpoint, cluster_id=CLUSTER, masters=2, admin=True) as cluster:
         yield cluster

@@ -10,7 +10,6 @@ import shutil
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 
@@ -23,15 +22,6 @@ pytestmark = [
 ]
 
 CLUSTER = "watch-test"
-
-
-@pytest.fixture
-def etcd() -> Iterator[LocalEtcd]:
-    server = LocalEtcd().start()
-    try:
-        yield server
-    finally:
-        server.remove()
 
 
 def _post(etcd: LocalEtcd, path: str, body: dict[str, str]) -> None:
