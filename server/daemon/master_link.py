@@ -254,9 +254,12 @@ class MasterLink:
     def _run(self) -> None:
         backoff = _FIRST_RETRY_S
         known = False
+        seen: str | None = None
         while not self._stop.is_set():
             try:
                 leader = self._locator.current()
+                if leader != seen:  # a new leader: its refusals (before it calls itself leader) are brief
+                    seen, backoff = leader, _FIRST_RETRY_S
                 if known and leader is not None and leader != self._registered_with:
                     known = False  # etcd elected another master: register with it now, not after a failed heartbeat
                 if not known:
