@@ -19,7 +19,7 @@ from kvstore.errors import ConnectionFailed, KVStoreError, ProtocolError, Timeou
 from kvstore.protocol import ErrorReply, Message, ReadReply, decode_payload, encode
 from kvstore_client.effects import WRITE_FLOOR_BPS, read_by_key_message
 from transfer.aio import authenticate_stream, open_stream, read_payload
-from transfer.rpc import request_ids
+from transfer.rpc import connect_timeout, request_ids
 
 AsyncCredential = Callable[[], Awaitable[Credential]]
 R = TypeVar("R", bound=Message)
@@ -60,20 +60,22 @@ class AsyncLink:
         """Requests whose reply's payload is being read now (past any patience of theirs)."""
         self._connecting: asyncio.Lock = asyncio.Lock()
 
-    async def _connect(self) -> asyncio.StreamWriter:
+    async def _connect(self, timeout: float | None = None) -> asyncio.StreamWriter:
+        """The link's connection, made (within ``timeout``, the link's by default) if there is none."""
+        timeout = timeout or self.timeout
         async with self._connecting:
             if self._writer is None:
-                reader, writer = await open_stream(self.address, self.timeout, self.tls)
+                reader, writer = await open_stream(self.address, timeout, self.tls)
                 if self.credential is not None:
                     try:
                         credential = await self.credential()
                         self.session_key = await asyncio.wait_for(
-                            authenticate_stream(reader, writer, credential), self.timeout
+                            authenticate_stream(reader, writer, credential), timeout
                         )
                     except BaseException as exc:
                         writer.close()
                         if isinstance(exc, TimeoutError):
-                            raise Timeout(f"authenticating to {self.address}: no answer in {self.timeout} s") from None
+                            raise Timeout(f"authenticating to {self.address}: no answer in {timeout} s") from None
                         if isinstance(exc, OSError | ConnectionError) and not isinstance(exc, KVStoreError):
                             raise ConnectionFailed(f"authenticating to {self.address}: {exc}") from None
                         raise
@@ -133,7 +135,7 @@ class AsyncLink:
         give this request up (a Timeout) when its reply has not begun within it, leaving the
         connection and the other requests on it be (a reply that comes later is read and dropped);
         a reply begun has the link's timeout, which fails them all."""
-        writer = self._writer or await self._connect()
+        writer = self._writer or await self._connect(connect_timeout(self.timeout, patience))
         request_id = request_id or next(self._ids)
         future: asyncio.Future[tuple[Message, bytes]] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future

@@ -53,6 +53,18 @@ _NOT_RUN = frozenset({NotLeader.code, NotReady.code})
 """Answers of a master that ran nothing: a call with time left resends the same request."""
 
 
+CONNECT_PATIENCE_S = 0.5
+"""The longest a request with a patience waits for a new connection (TCP, TLS and the handshake)
+before it is given up as its reply would be (a Timeout): a host cut off from this one (its SYNs
+dropped) would otherwise hold it for the whole timeout. Longer than any patience: a connection
+within a data centre takes a millisecond, and a connection given up is made again from scratch."""
+
+
+def connect_timeout(timeout: float, patience: float) -> float:
+    """The bound on making a new connection for a request with ``patience`` (0: none)."""
+    return min(timeout, max(patience, CONNECT_PATIENCE_S)) if patience else timeout
+
+
 class Retry(enum.Enum):
     """What a call to the master does after a failure, while its time lasts."""
 
@@ -166,7 +178,7 @@ class Connection:
                 if self.locator is not None:
                     self._follow(self.locator.address)
                 if self._sock is None:
-                    self._sock = self._open(self._attempt_timeout())
+                    self._sock = self._open(connect_timeout(self._attempt_timeout(), patience))
                     if self._aborted:  # aborted while it connected: abort() found no socket to cut
                         raise ConnectionFailed(f"{what}: the connection was closed")
                 sock = self._sock
