@@ -56,8 +56,9 @@ _NOT_RUN = frozenset({NotLeader.code, NotReady.code})
 CONNECT_PATIENCE_S = 0.5
 """The longest a request with a patience waits for a new connection (TCP, TLS and the handshake)
 before it is given up as its reply would be (a Timeout): a host cut off from this one (its SYNs
-dropped) would otherwise hold it for the whole timeout. Longer than any patience: a connection
-within a data centre takes a millisecond, and a connection given up is made again from scratch."""
+dropped) would otherwise hold it for the whole timeout. A request whose patience is longer gets
+its patience (:func:`connect_timeout`): a connection within a data centre takes a millisecond, and
+a connection given up is made again from scratch."""
 
 
 def connect_timeout(timeout: float, patience: float) -> float:
