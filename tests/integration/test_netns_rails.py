@@ -45,6 +45,14 @@ def _result(client: subprocess.Popen[str]) -> dict[str, object]:
     return result
 
 
+def _cut_when_busy(hosts: TwoHosts, link: int, sent: int, timeout: float = 30.0) -> None:
+    """Take host a's end of ``link`` down once host b has sent ``sent`` bytes over it (or after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while hosts.tx_bytes("b", link) < sent and time.monotonic() < deadline:
+        time.sleep(0.005)
+    hosts.set_link("a", link, "down")
+
+
 def test_a_large_get_uses_both_links_at_once(hosts: TwoHosts, tmp_path: object) -> None:
     master, procs = hosts.start_store(str(tmp_path))
     try:
@@ -71,7 +79,8 @@ def test_a_link_going_down_mid_get_moves_its_slices_to_the_other_link(hosts: Two
     try:
         client = _client(hosts, master)
         assert client.stdin is not None
-        cut = threading.Timer(0.3, hosts.set_link, args=("a", 2, "down"))
+        # Cut the second link once it has carried some of the get (a timer raced the client's start under load).
+        cut = threading.Thread(target=_cut_when_busy, args=(hosts, 2, hosts.tx_bytes("b", 2) + (8 << 20)))
         client.stdin.write("go\n")
         client.stdin.flush()
         start = time.monotonic()
