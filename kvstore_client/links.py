@@ -115,9 +115,14 @@ class AsyncLink:
             else:
                 writer.close()
 
-    def _fail_all(self, failure: KVStoreError) -> None:
+    def _fail_all(self, failure: KVStoreError, abort: bool = True) -> None:
         writer, self._writer = self._writer, None
-        if writer is not None:
+        if writer is not None and abort:
+            # A failed connection is aborted, not closed: a close waits to send what is queued, which
+            # a frozen or cut-off peer never takes, and its reader task would wait on that until the
+            # collector destroyed it pending.
+            writer.transport.abort()
+        elif writer is not None:
             writer.close()
         waiting, self._waiting = self._waiting, {}
         for future in waiting.values():
@@ -160,9 +165,11 @@ class AsyncLink:
         except _GaveUp:
             raise Timeout(f"{what}: no reply began within {patience} s") from None
         except TimeoutError:
+            self._waiting.pop(request_id, None)  # raised here: not failed again by _fail_all, never read
             self._fail_all(Timeout(f"{what}: no reply within {self.timeout} s"))
             raise Timeout(f"{what}: no reply within {self.timeout} s") from None
         except (OSError, ConnectionError) as exc:
+            self._waiting.pop(request_id, None)
             self._fail_all(ConnectionFailed(f"{what}: {exc}"))
             raise ConnectionFailed(f"{what}: {exc}") from None
         finally:
@@ -199,7 +206,7 @@ class AsyncLink:
                 future.set_exception(_GaveUp())
 
     async def close(self) -> None:
-        self._fail_all(ConnectionFailed(f"the connection to {self.address} is closed"))
+        self._fail_all(ConnectionFailed(f"the connection to {self.address} is closed"), abort=False)
         if self._reader_task is not None:
             self._reader_task.cancel()
             with contextlib.suppress(BaseException):

@@ -6,6 +6,7 @@ link's timeout, which fails the link."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import time
 from collections.abc import Iterator
@@ -50,3 +51,30 @@ def test_a_request_without_patience_waits_the_links_timeout_and_fails_it(frozen:
         await link.close()
 
     asyncio.run(run())
+
+
+def test_a_failed_connections_reader_ends_with_it_when_the_link_reconnects(
+    frozen: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A link failed by a timeout with bytes still queued for the peer (frozen: it reads nothing)
+    connects anew for its next request. The old connection's reader task must end then, not be left
+    pending until the collector destroys it ("Task was destroyed but it is pending", which bench.chaos's
+    clients logged after client cuts), and a request failed with its link raises its error once
+    (no "Future exception was never retrieved")."""
+
+    async def run() -> None:
+        link = AsyncLink(frozen, timeout=0.5)
+        big = WriteBlocks(["k"], [0], [8 * MiB], [0], False)
+        with pytest.raises(Timeout, match="no reply within"):
+            await link.request(big, OkReply, [bytes(8 * MiB)])
+        old = link._reader_task
+        assert old is not None
+        with pytest.raises(Timeout):
+            await link.request(big, OkReply, [bytes(MiB)])
+        await asyncio.sleep(0.1)
+        assert old.done(), "the failed connection's reader task is still pending"
+        await link.close()
+
+    asyncio.run(run())
+    gc.collect()
+    assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
