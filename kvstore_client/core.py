@@ -668,13 +668,17 @@ class ClientCore:
                 continue
             # A node that does not begin answering within the patience (the hedge's) is given up for
             # the next replicas, where every block it was asked for has one (a slow, dead, frozen or
-            # cut-off node), and read again last (Failover.defer: it may be the one alive); so is a
-            # suspected node for its blocks' last replicas, after the failover patience: a miss within
-            # it, not a timeout. A slow node's last replicas are waited for.
+            # cut-off node), and read again last (Failover.defer: it may be the one alive). Read again
+            # so by this read, because the block's other replicas missed (its key removed or moved
+            # meanwhile) or failed too, it gets the failover patience, as a suspected node does for its
+            # blocks' last replicas: a miss within it, not a wait of the whole timeout on a node that
+            # already did not answer. A last replica this read has not given up is waited for (a slow
+            # node is alive: giving its last copy up would make a stored key a miss).
             jobs = [
                 ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group],
                             patience if all(plan.has_next(i) for i, _ in group)
-                            else self.failover_s if node_id in suspects else 0.0)
+                            else self.failover_s if node_id in suspects
+                            or all(plan.has_next(i) or plan.returning(i) for i, _ in group) else 0.0)
                 for (node_id, address), group in rounds.items()
             ]  # fmt: skip
             began = time.monotonic()

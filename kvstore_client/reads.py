@@ -59,6 +59,8 @@ class Failover:
         self._at = dict.fromkeys(self._order, 0)
         self._deferred: set[tuple[int, str]] = set()
         """(block, node) put off to the end of the block's order once (see :meth:`defer`)."""
+        self._gave_up: set[tuple[int, str]] = set()
+        """(block, node) this read asked and gave up at its patience (see :meth:`returning`)."""
         self.read: set[int] = set()
         self._refusals: dict[int, NotReady] = {}
         """Per block, a replica's refusal (see :func:`refused`): raised if no later replica serves it."""
@@ -74,6 +76,12 @@ class Failover:
     def has_next(self, i: int) -> bool:
         """Whether block ``i`` has a replica after its current one."""
         return self._at[i] + 1 < len(self._order[i])
+
+    def returning(self, i: int) -> bool:
+        """Whether block ``i``'s current replica is one this read gave up at its patience (see
+        :meth:`take`) and comes back to because its other replicas missed or failed: its last."""
+        order, at = self._order[i], self._at[i]
+        return at + 1 == len(order) and (i, order[at].node_id) in self._gave_up
 
     def done(self, i: int) -> None:
         """Block ``i`` was read."""
@@ -111,7 +119,8 @@ class Failover:
         otherwise ``ok(i, per_block_result)`` tells a hit. Raises an outcome that is another error."""
         raise_failure(outcome)
         if gave_up and isinstance(outcome, Timeout):
-            for i, _ in group:
+            for i, replica in group:
+                self._gave_up.add((i, replica.node_id))
                 self.defer(i)
             return
         if unreachable(outcome) or refused(outcome):

@@ -48,7 +48,7 @@ def test_the_bound_is_the_patience_or_the_connections_own_never_past_the_timeout
     assert connect_timeout(10.0, 0.0) == 10.0
     assert connect_timeout(10.0, 0.05) == CONNECT_PATIENCE_S
     assert connect_timeout(10.0, 2.0) == 2.0
-    assert connect_timeout(0.2, 0.05) == 0.2
+    assert connect_timeout(0.08, 0.05) == 0.08
 
 
 def test_a_blocking_request_with_patience_gives_a_cut_off_peer_up_at_the_connection(cut_off: str) -> None:
