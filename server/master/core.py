@@ -91,6 +91,7 @@ from server.master.election import Election
 from server.master.leadership import Leadership
 from server.master.nodes import NodeRegistry
 from server.master.probes import Prober
+from server.master.removed import RecentRemovals
 
 log = logging.getLogger("kvstore.master")
 
@@ -158,6 +159,14 @@ class MasterCore:
         self._unplaced: Counter[str] = Counter()
         """Keys every node is dropping now (puts begun with an earlier master, see put_revoke), by
         drops under way: no commit of them is taken until the drop is over."""
+        self._removals: tuple[PlacementTable, RecentRemovals] | None = None
+
+    def _recent_removals(self) -> RecentRemovals:
+        """This term's :class:`RecentRemovals` (a new table: a new term, nothing removed yet)."""
+        table = self.table
+        if self._removals is None or self._removals[0] is not table:
+            self._removals = (table, RecentRemovals())
+        return self._removals[1]
 
     @property
     def table(self) -> PlacementTable:
@@ -372,6 +381,7 @@ class MasterCore:
         keys, sizes = list(m.keys), list(m.sizes)
         if len(keys) != len(sizes):
             raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
+        self._recent_removals().reserved(keys)  # a put of them begun now: its PutEnd is judged by the table
         tickets: list[Ticket | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         tenant = caller.tenant
@@ -462,10 +472,12 @@ class MasterCore:
     async def put_end(self, m: PutEnd, caller: Identity = ANYONE) -> Message:
         committed = self.table.put_end(m.keys, m.checksums)
         # A put begun with a master that has since gone: its block came back in its daemon's
-        # inventory when the daemon registered here (the same bytes: the same checksum).
-        objects = self.table.objects
+        # inventory when the daemon registered here (the same bytes: the same checksum), and may
+        # have been removed since (see server.master.removed).
+        objects, removals = self.table.objects, self._recent_removals()
         return PutEndReply([
             ok or ((e := objects.get(k)) is not None and e.committed and e.checksum == c)
+            or removals.was_committed(k, c)
             for k, c, ok in zip(m.keys, m.checksums, committed, strict=True)
         ])  # fmt: skip
 
@@ -677,7 +689,10 @@ class MasterCore:
             if held:
                 skip = set(held)
                 keys = [k for i, k in enumerate(keys) if i not in skip]
+        objects = self.table.objects
+        stored = [(k, e.checksum) for k in keys if (e := objects.get(k)) is not None and e.committed and not e.removing]
         removed, commands = self.table.remove(keys)
+        self._recent_removals().removed(stored)
         self.commands.later(commands, "remove-drops")
         # This remove's drops and those of earlier removes of the same keys still unconfirmed (a reader
         # that goes to the daemon directly finds the block until its drop is made), each until its
