@@ -59,8 +59,8 @@ class Failover:
         self._at = dict.fromkeys(self._order, 0)
         self._deferred: set[tuple[int, str]] = set()
         """(block, node) put off to the end of the block's order once (see :meth:`defer`)."""
-        self._gave_up: set[tuple[int, str]] = set()
-        """(block, node) this read asked and gave up at its patience (see :meth:`returning`)."""
+        self._gave_up: dict[int, set[str]] = {}
+        """Per block, the nodes this read asked and gave up at its patience (see :meth:`returning`)."""
         self.read: set[int] = set()
         self._refusals: dict[int, NotReady] = {}
         """Per block, a replica's refusal (see :func:`refused`): raised if no later replica serves it."""
@@ -78,10 +78,12 @@ class Failover:
         return self._at[i] + 1 < len(self._order[i])
 
     def returning(self, i: int) -> bool:
-        """Whether block ``i``'s current replica is one this read gave up at its patience (see
-        :meth:`take`) and comes back to because its other replicas missed or failed: its last."""
+        """Whether block ``i``'s current replica, its last, is one this read gave up at its patience
+        (see :meth:`take`) and comes back to because every other replica missed it or failed (was
+        refused, or gone). Not when another was given up at its patience too: two slow nodes say
+        more of this client or its host than of either node, and one of them is waited for."""
         order, at = self._order[i], self._at[i]
-        return at + 1 == len(order) and (i, order[at].node_id) in self._gave_up
+        return at + 1 == len(order) and self._gave_up.get(i) == {order[at].node_id}
 
     def done(self, i: int) -> None:
         """Block ``i`` was read."""
@@ -120,7 +122,7 @@ class Failover:
         raise_failure(outcome)
         if gave_up and isinstance(outcome, Timeout):
             for i, replica in group:
-                self._gave_up.add((i, replica.node_id))
+                self._gave_up.setdefault(i, set()).add(replica.node_id)
                 self.defer(i)
             return
         if unreachable(outcome) or refused(outcome):

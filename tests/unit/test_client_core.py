@@ -304,3 +304,27 @@ def test_a_replica_given_up_and_read_again_last_is_a_miss_within_the_failover_no
 
     assert drive(core.get_many(["k"], verify=True), answer) == [None]
     assert jobs == [("node0", hedge), ("node1", hedge), ("node0", core.failover_s)]
+
+
+def test_a_block_whose_every_replica_was_given_up_at_the_hedge_waits_for_its_last() -> None:
+    """Both nodes slower than the hedge in one read (a busy client or host says as much as either
+    node): the last replica is waited for, as before, never given the failover patience: two
+    healthy slow nodes must not make a stored key a miss."""
+    core = _hedging_core()
+    hedge = core.read_patience_s
+    data = b"0123456789"
+    jobs: list[tuple[str, float]] = []
+
+    def answer(effect: Effect) -> Any:
+        job = _located_job(effect, data)
+        if job is None:
+            return _on_two_nodes(data)
+        jobs.append((job.node_id, job.patience_s))
+        if job.patience_s:
+            return [Timeout(f"{job.node_id} is slow")]
+        [(_, _, view)] = job.blocks
+        view[:10] = data
+        return [[10]]
+
+    assert drive(core.get_many(["k"], verify=True), answer) == [data]
+    assert jobs == [("node0", hedge), ("node1", hedge), ("node1", 0.0)]  # node0 slow, passed by; node1 waited for
