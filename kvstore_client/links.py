@@ -129,6 +129,14 @@ class AsyncLink:
             if not future.done():
                 future.set_exception(failure)
 
+    def _fail(self, writer: asyncio.StreamWriter, request_id: int, failure: KVStoreError) -> None:
+        """Request ``request_id`` on ``writer`` failed with ``failure``, which it raises itself: the
+        link fails with it, unless it has connected anew meanwhile (another request's failure ended
+        that connection: the new one is not this request's to end)."""
+        self._waiting.pop(request_id, None)  # raised by the request: not failed again, never read
+        if self._writer is writer:
+            self._fail_all(failure)
+
     def next_id(self) -> int:
         return next(self._ids)
 
@@ -164,13 +172,13 @@ class AsyncLink:
             reply, data = await asyncio.wait_for(future, self.timeout)
         except _GaveUp:
             raise Timeout(f"{what}: no reply began within {patience} s") from None
+        except KVStoreError:
+            raise  # its connection failed under it (another request's timeout, the peer gone): failed already
         except TimeoutError:
-            self._waiting.pop(request_id, None)  # raised here: not failed again by _fail_all, never read
-            self._fail_all(Timeout(f"{what}: no reply within {self.timeout} s"))
+            self._fail(writer, request_id, Timeout(f"{what}: no reply within {self.timeout} s"))
             raise Timeout(f"{what}: no reply within {self.timeout} s") from None
         except (OSError, ConnectionError) as exc:
-            self._waiting.pop(request_id, None)
-            self._fail_all(ConnectionFailed(f"{what}: {exc}"))
+            self._fail(writer, request_id, ConnectionFailed(f"{what}: {exc}"))
             raise ConnectionFailed(f"{what}: {exc}") from None
         finally:
             self._waiting.pop(request_id, None)
