@@ -384,6 +384,12 @@ class MasterCore:
         self._recent_removals().reserved(keys)  # a put of them begun now: its PutEnd is judged by the table
         tickets: list[Ticket | None] = [None] * len(keys)
         todo = list(range(len(keys)))
+        if self._unplaced:  # being dropped on every node (see _drop_unplaced): a block written now would go too
+            for i in todo:
+                if keys[i] in self._unplaced:
+                    text = f"key {keys[i]!r} is being dropped on every node; retry"
+                    tickets[i] = Ticket("error", [], RetryLater.code, text)
+            todo = [i for i in todo if tickets[i] is None]
         tenant = caller.tenant
         known = self._tenant(tenant) if tenant is not None else None
         if known is not None and known.replicas > m.replicas:
@@ -475,11 +481,21 @@ class MasterCore:
         # inventory when the daemon registered here (the same bytes: the same checksum), and may
         # have been removed since (see server.master.removed).
         objects, removals = self.table.objects, self._recent_removals()
-        return PutEndReply([
-            ok or ((e := objects.get(k)) is not None and e.committed and e.checksum == c)
-            or removals.was_committed(k, c)
-            for k, c, ok in zip(m.keys, m.checksums, committed, strict=True)
-        ])  # fmt: skip
+        out, gone = [], []
+        for k, c, ok in zip(m.keys, m.checksums, committed, strict=True):
+            if ok or ((e := objects.get(k)) is not None and e.committed and e.checksum == c):
+                out.append(True)
+            elif removals.was_committed(k, c):
+                out.append(True)
+                gone.append(k)
+            else:
+                out.append(False)
+        # Told committed, the writer revokes nothing: a copy of its write that no node's inventory had
+        # when the remove dropped the key's (written after its daemon registered) is dropped here, as
+        # the revoke of a put begun with an earlier master would drop it.
+        if gone and not await self._drop_unplaced(gone):
+            log.warning("a node did not confirm dropping %d removed keys a late PutEnd named", len(gone))
+        return PutEndReply(out)
 
     async def put_revoke(self, m: PutRevoke, caller: Identity = ANYONE) -> Message:
         # Waited for (a second at most): once answered, the daemons refuse every write under the
@@ -489,17 +505,20 @@ class MasterCore:
         unknown = [k for k in m.keys if self.table.describe(k) is None]
         # Reserved by a master that has since gone, so nobody knows where it was written: every
         # node drops it, before the writer's retry can store it anew.
-        if unknown:
-            # A cached put's commit of one of these that came in meanwhile would be dropped with them
-            # (its daemon keeps a block whose commit is pending, and asks again after).
-            self._unplaced.update(unknown)
-            try:
-                if not await self.commands.drop_everywhere(unknown):
-                    raise RetryLater("a node did not confirm dropping a put begun with an earlier master")
-            finally:
-                self._unplaced.subtract(unknown)
-                self._unplaced = +self._unplaced
+        if unknown and not await self._drop_unplaced(unknown):
+            raise RetryLater("a node did not confirm dropping a put begun with an earlier master")
         return OkReply()
+
+    async def _drop_unplaced(self, keys: list[str]) -> bool:
+        """Every node drops ``keys``, blocks of puts this term never placed; whether all confirmed.
+        No commit of them is taken meanwhile: a cached put's commit that came in would be dropped
+        with them (its daemon keeps a block whose commit is pending, and asks again after)."""
+        self._unplaced.update(keys)
+        try:
+            return await self.commands.drop_everywhere(keys)
+        finally:
+            self._unplaced.subtract(keys)
+            self._unplaced = +self._unplaced
 
     # -- grants (one-trip puts) ------------------------------------------------------------------
     async def grant_space(self, m: GrantSpace, caller: Identity = ANYONE) -> Message:

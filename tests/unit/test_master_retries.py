@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from kvstore.config import MasterConfig
-from kvstore.errors import ConnectionFailed, NotLeader, Timeout
+from kvstore.errors import ConnectionFailed, NotLeader, RetryLater, Timeout
 from kvstore.protocol import (
     CommandReply,
+    DropBlocks,
     GetReplicas,
     GetReplicasReply,
     InventoryItem,
@@ -184,10 +185,17 @@ async def test_a_put_end_of_an_adopted_block_removed_before_it_came_says_committ
     inventory, every reader saw it, and a remove took it away before the put's PutEnd reached the
     successor, which never made the reservation: the put's bytes were stored, so the PutEnd says
     committed (it said not, and the put's retry answered EXISTS of its own bytes: bench.chaos's
-    own-EXISTS). Other bytes are not; nor is a PutEnd after a put of the key begun on this term."""
+    own-EXISTS), once every node dropped what it may still hold of the put (the writer revokes
+    nothing now), a put of "k" meanwhile told to retry. Other bytes are not committed; nor is a
+    PutEnd after a put of the key begun on this term."""
     service = MasterService(MasterConfig(port=0))
+    drops: list[list[str]] = []
+    dropped = asyncio.Event()
 
     async def daemon(node_id: str, lane: str, message: Message, expect: type) -> CommandReply:
+        if isinstance(message, DropBlocks) and message.keep_pending:  # a drop on every node
+            drops.append(list(message.keys))
+            await dropped.wait()
         return CommandReply([True] * len(message.keys))  # type: ignore[attr-defined]
 
     service.commands.call = daemon  # type: ignore[method-assign]
@@ -198,7 +206,13 @@ async def test_a_put_end_of_an_adopted_block_removed_before_it_came_says_committ
     assert service.table.describe("k") is not None  # adopted
     assert await service.core.remove(Remove(["k"])) == RemoveReply(1, [])
     assert await service.core.put_end(PutEnd(["k"], [8])) == PutEndReply([False])  # not these bytes
-    assert await service.core.put_end(PutEnd(["k"], [7])) == PutEndReply([True])
+    late = asyncio.create_task(service.core.put_end(PutEnd(["k"], [7])))
+    await asyncio.sleep(0.05)
+    assert drops == [["k"]] and not late.done()  # dropped everywhere first
+    other = await service.core.put_start(PutStart(["k"], [KB], 1, None, False))
+    assert isinstance(other, PutStartReply) and other.error_codes == [RetryLater.code]
+    dropped.set()
+    assert await late == PutEndReply([True])
     start = await service.core.put_start(PutStart(["k"], [KB], 1, None, False))  # a put of "k" on this term
     assert isinstance(start, PutStartReply) and start.statuses == ["ok"]
     await service.core.put_revoke(PutRevoke(["k"]))
