@@ -3,6 +3,7 @@ operation driven by a script of answers (what both Store and AsyncStore carry ou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,6 +22,10 @@ from transfer.rpc import Retry, after_failure
 A = ReplicaRef("node0", "10.0.0.1:1", "dram", 0)
 B = ReplicaRef("node1", "10.0.0.2:1", "dram", 64)
 C = ReplicaRef("node2", "10.0.0.3:1", "ssd", 0)
+
+
+DATA = b"0123456789"
+"""The block "k" that the scripted reads serve (see :func:`_two_node_reads`)."""
 
 
 def located(key: str, *replicas: ReplicaRef, size: int = 10) -> LocatedRef:
@@ -225,14 +230,12 @@ def _located_job(effect: Effect, data: bytes) -> ReadLocated | None:
     return job
 
 
-def test_a_hedged_read_reads_a_slow_node_last_but_waits_for_its_last_copy() -> None:
-    """A read given up at the hedge patience makes its node slow for a while: its blocks are read at
-    their other replicas first. When every replica's node is slow, the last is waited for (no
-    patience): a slow node is alive, and giving its last copy up would make a stored key a miss."""
-    core = _hedging_core()
-    hedge = core.read_patience_s
-    assert hedge == MULTIPLE * 0.003
-    data = b"0123456789"
+def _two_node_reads(
+    node: Callable[[str, float], Any], data: bytes = DATA
+) -> tuple[Callable[[Effect], Any], list[tuple[str, float]]]:
+    """A script of answers for gets of "k" (``data`` on node0 and node1), and the (node, patience)
+    of each read it was asked: ``node(node_id, patience)`` gives a read's outcome, or None to serve
+    ``data``."""
     jobs: list[tuple[str, float]] = []
 
     def answer(effect: Effect) -> Any:
@@ -240,19 +243,33 @@ def test_a_hedged_read_reads_a_slow_node_last_but_waits_for_its_last_copy() -> N
         if job is None:
             return _on_two_nodes(data)
         jobs.append((job.node_id, job.patience_s))
-        if job.node_id == "node0" and job.patience_s:
-            return [Timeout("node0 paused")]
+        outcome = node(job.node_id, job.patience_s)
+        if outcome is not None:
+            return outcome
         [(_, _, view)] = job.blocks
-        view[:10] = data
-        return [[10]]
+        view[: len(data)] = data
+        return [[len(data)]]
 
-    assert drive(core.get_many(["k"], verify=True), answer) == [data]
+    return answer, jobs
+
+
+def test_a_hedged_read_reads_a_slow_node_last_but_waits_for_its_last_copy() -> None:
+    """A read given up at the hedge patience makes its node slow for a while: its blocks are read at
+    their other replicas first. When every replica's node is slow, the last is waited for (no
+    patience): a slow node is alive, and giving its last copy up would make a stored key a miss."""
+    core = _hedging_core()
+    hedge = core.read_patience_s
+    assert hedge == MULTIPLE * 0.003
+    answer, jobs = _two_node_reads(
+        lambda node, patience: [Timeout("node0 paused")] if node == "node0" and patience else None
+    )
+    assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
     assert jobs == [("node0", hedge), ("node1", hedge)]  # hedged after three p99s; node0 is still to come
     assert core.slow("node0") and core.read_times.hedged == 1
     core.note_unreachable("node1", Timeout("node1 paused too"), hedge)
     jobs.clear()
     core.hints.forget(["k"])
-    assert drive(core.get_many(["k"], verify=True), answer) == [data]
+    assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
     assert jobs == [("node1", 0.0)]  # both slow: node0 passed by, node1's last copy waited for
     assert not core.suspected("node0") and not core.suspected("node1")  # slow, not suspected
 
@@ -263,23 +280,16 @@ def test_a_replica_given_up_at_the_hedge_is_read_again_last_when_the_others_fail
     not a miss."""
     core = _hedging_core()
     hedge = core.read_patience_s
-    data = b"0123456789"
-    jobs: list[tuple[str, float]] = []
 
-    def answer(effect: Effect) -> Any:
-        job = _located_job(effect, data)
-        if job is None:
-            return _on_two_nodes(data)
-        jobs.append((job.node_id, job.patience_s))
-        if job.node_id == "node1":
+    def node(node_id: str, patience: float) -> Any:
+        if node_id == "node1":
             return [ConnectionFailed("node1 is gone")]
-        if job.patience_s < 0.02:  # node0 answers in 20 ms: slower than the hedge, within the failover
+        if patience < 0.02:  # node0 answers in 20 ms: slower than the hedge, within the failover
             return [Timeout("node0 is slow")]
-        [(_, _, view)] = job.blocks
-        view[:10] = data
-        return [[10]]
+        return None
 
-    assert drive(core.get_many(["k"], verify=True), answer) == [data]
+    answer, jobs = _two_node_reads(node)
+    assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
     assert jobs == [("node0", hedge), ("node1", hedge), ("node0", core.failover_s)]  # node0 last: a hit
 
 
@@ -289,19 +299,14 @@ def test_a_replica_given_up_and_read_again_last_is_a_miss_within_the_failover_no
     failover patience, not a wait of the whole timeout (bench.chaos found reads of 3-5 s so)."""
     core = _hedging_core()
     hedge = core.read_patience_s
-    data = b"0123456789"
-    jobs: list[tuple[str, float]] = []
 
-    def answer(effect: Effect) -> Any:
-        job = _located_job(effect, data)
-        if job is None:
-            return _on_two_nodes(data)
-        jobs.append((job.node_id, job.patience_s))
-        if job.node_id == "node1":
+    def node(node_id: str, patience: float) -> Any:
+        if node_id == "node1":
             return [[None]]  # removed here
-        assert job.patience_s, "a read of a node this read gave up waited the whole timeout"
+        assert patience, "a read of a node this read gave up waited the whole timeout"
         return [Timeout("node0 is frozen")]
 
+    answer, jobs = _two_node_reads(node)
     assert drive(core.get_many(["k"], verify=True), answer) == [None]
     assert jobs == [("node0", hedge), ("node1", hedge), ("node0", core.failover_s)]
 
@@ -312,19 +317,6 @@ def test_a_block_whose_every_replica_was_given_up_at_the_hedge_waits_for_its_las
     healthy slow nodes must not make a stored key a miss."""
     core = _hedging_core()
     hedge = core.read_patience_s
-    data = b"0123456789"
-    jobs: list[tuple[str, float]] = []
-
-    def answer(effect: Effect) -> Any:
-        job = _located_job(effect, data)
-        if job is None:
-            return _on_two_nodes(data)
-        jobs.append((job.node_id, job.patience_s))
-        if job.patience_s:
-            return [Timeout(f"{job.node_id} is slow")]
-        [(_, _, view)] = job.blocks
-        view[:10] = data
-        return [[10]]
-
-    assert drive(core.get_many(["k"], verify=True), answer) == [data]
+    answer, jobs = _two_node_reads(lambda node, patience: [Timeout(f"{node} is slow")] if patience else None)
+    assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
     assert jobs == [("node0", hedge), ("node1", hedge), ("node1", 0.0)]  # node0 slow, passed by; node1 waited for
