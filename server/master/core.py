@@ -384,12 +384,10 @@ class MasterCore:
         self._recent_removals().reserved(keys)  # a put of them begun now: its PutEnd is judged by the table
         tickets: list[Ticket | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        if self._unplaced:  # being dropped on every node (see _drop_unplaced): a block written now would go too
-            for i in todo:
-                if keys[i] in self._unplaced:
-                    text = f"key {keys[i]!r} is being dropped on every node; retry"
-                    tickets[i] = Ticket("error", [], RetryLater.code, text)
-            todo = [i for i in todo if tickets[i] is None]
+        if busy := self._being_dropped(keys, todo):  # a block written now would go too
+            for i, text in busy.items():
+                tickets[i] = Ticket("error", [], RetryLater.code, text)
+            todo = [i for i in todo if i not in busy]
         tenant = caller.tenant
         known = self._tenant(tenant) if tenant is not None else None
         if known is not None and known.replicas > m.replicas:
@@ -508,6 +506,14 @@ class MasterCore:
         if unknown and not await self._drop_unplaced(unknown):
             raise RetryLater("a node did not confirm dropping a put begun with an earlier master")
         return OkReply()
+
+    def _being_dropped(self, keys: list[str], at: list[int]) -> dict[int, str]:
+        """Of ``keys[i]`` for ``i`` in ``at``, those every node is dropping now (see _drop_unplaced),
+        each with the text of its RetryLater: no put of them is taken until the drop is over."""
+        unplaced = self._unplaced
+        if not unplaced:
+            return {}
+        return {i: f"key {keys[i]!r} is being dropped on every node; retry" for i in at if keys[i] in unplaced}
 
     async def _drop_unplaced(self, keys: list[str]) -> bool:
         """Every node drops ``keys``, blocks of puts this term never placed; whether all confirmed.
@@ -630,11 +636,10 @@ class MasterCore:
             over = quotas.over_caps(self.table, owner, known.max_objects, known.max_pinned, kept_new, m.pinned)
             keep = [i for i in keep if i not in over]
         outcome = [(QuotaExceeded.code, f"tenant {owner!r} is at its quota")] * len(m.keys)
-        if self._unplaced:
-            busy = [i for i in keep if m.keys[i] in self._unplaced]
-            for i in busy:
-                outcome[i] = (RetryLater.code, f"key {m.keys[i]!r} is being dropped on every node; retry")
-            keep = [i for i in keep if m.keys[i] not in self._unplaced]
+        if busy := self._being_dropped(m.keys, keep):
+            for i, text in busy.items():
+                outcome[i] = (RetryLater.code, text)
+            keep = [i for i in keep if i not in busy]
         if len(keep) == len(m.keys):
             outcome = self.table.commit_granted(
                 m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned, m.cached
