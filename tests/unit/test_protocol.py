@@ -197,7 +197,7 @@ def register_node(inventory: list[Any], nics: list[Any]) -> bytes:
         (body(P.StatsReply.KIND, {1: 2}), "^StatsReply.stats key: expected `str`, got `int`"),
         (body(P.Replicate.KIND, ["a"], "n", "1"), "^Replicate.max_bytes: expected `int`, got `str`"),
         (body(P.MatchPrefixNodesReply.KIND, 1, "n", [1], [1]), "^MatchPrefixNodesReply.node_ids: expected `array`"),
-        (body(P.Exists.KIND, ["\x7f"]).replace(b"\xa1\x7f", b"\xa1\x80"), "not valid msgpack: 'utf-8' codec"),
+        (body(P.Exists.KIND, ["\x7f"]).replace(b"\xa1\x7f", b"\xa1\x80"), r"not valid msgpack: .*(?i:utf-8)"),
         (b"\x91" * 100_000 + b"\x01", "nested too deeply"),
         # StatsReply's map swapped for {{1: 2}: 3}: valid msgpack, but no Python dict can hold it
         (body(P.StatsReply.KIND, {})[:-1] + b"\x81\x81\x01\x02\x03", "map keys must be hashable"),
