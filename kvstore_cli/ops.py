@@ -244,11 +244,12 @@ def _key_arguments(p: argparse.ArgumentParser) -> None:
     _connection_arguments(p)
 
 
-@command("key", "one key's metadata: size, checksum, pin, replicas and their tiers and leases")
+@command("key", "one key's metadata: size, checksum, write id, pin, replicas and their tiers and leases")
 def _key(args: argparse.Namespace) -> int:
     k = _client(args).get(f"/api/v1/keys/{urllib.parse.quote(args.key, safe='')}")
+    write = f", write {k['write_id']:#x}" if k.get("write_id") else ""
     t = Table(title=f"{k['key']}: {format_size(k['size'])}, {k['state']}, checksum {k['checksum']:#018x}"
-                    f"{', pinned' if k['pinned'] else ''}")  # fmt: skip
+                    f"{write}{', pinned' if k['pinned'] else ''}")  # fmt: skip
     for col in ("node", "tier", "offset", "leased", "moving", "dropping", "node up"):
         t.add_column(col)
     for r in k["replicas"]:

@@ -79,6 +79,7 @@ from kvstore.protocol import (
     Stats,
     StatsReply,
 )
+from kvstore.write_ids import next_write_id, same_write
 from kvstore_client.effects import (
     WRITE_FLOOR_BPS,
     Block,
@@ -204,15 +205,16 @@ class ClientCore:
         statuses: list[PutStatus | None] = [None] * len(checked)
         todo = list(range(len(checked)))
         unsure: list[int] = []
+        write_id = next_write_id()  # every message of this put carries it, retries too
         if (
             (opts.replicas or self.config.replicas) == 1
             and self.config.grant_bytes
             and todo
             and time.monotonic() >= self._grants_paused_until
         ):
-            todo = yield from self._put_granted(checked, todo, opts, statuses, unsure)
-        done = yield from self._put_rounds(checked, todo, opts, statuses, unsure)
-        return (yield from self._own_exists(checked, unsure, done))
+            todo = yield from self._put_granted(checked, todo, opts, statuses, unsure, write_id)
+        done = yield from self._put_rounds(checked, todo, opts, statuses, unsure, write_id)
+        return (yield from self._own_exists(checked, unsure, done, write_id))
 
     def _cached(self, options: PutOptions | None) -> bool:
         mode = options.mode if options is not None and options.mode is not None else self.config.put_mode
@@ -236,31 +238,36 @@ class ClientCore:
                 self._unflushed.update(node for node, _ in failed)
             raise failed[0][1]
 
-    def _own_exists(self, items: Items, unsure: list[int], statuses: list[PutStatus]) -> Op[list[PutStatus]]:
+    def _own_exists(
+        self, items: Items, unsure: list[int], statuses: list[PutStatus], write_id: int
+    ) -> Op[list[PutStatus]]:
         """A write whose bytes went out but whose put did not end with them (no answer came, the
         daemon's commit failed or answered EXISTS, or a new leader did not know the reservation and
         a retry found the key) may have been committed all the same: a new leader adopts blocks from the daemons'
         inventories, and the retry then finds the key stored. Where the stored block is this put's
-        bytes (size and checksum), it was this put that stored it: STORED, not EXISTS. (A put that
-        sent no bytes and found the key answers EXISTS without asking.)"""
+        write (its write id, or where the master knows none, its size and checksum), it was this put
+        that stored it: STORED, not EXISTS. (A put that sent no bytes and found the key answers
+        EXISTS without asking.)"""
         asked = sorted({i for i in unsure if statuses[i] is PutStatus.EXISTS})
         if asked:
             keys: list[str] = [items[i][0] for i in asked]
-            reply = yield from call(GetReplicas(keys, [], False), GetReplicasReply)
-            for i, size, check in zip(asked, reply.sizes, reply.checksums, strict=True):
-                if size == items[i][1].nbytes and check == checksum(items[i][1]):
+            reply = yield from call(GetReplicas(keys, [], False, write_ids=True), GetReplicasReply)
+            ids = reply.write_ids if len(reply.write_ids) == len(keys) else [0] * len(keys)  # a master without ids
+            for i, size, check, stored in zip(asked, reply.sizes, reply.checksums, ids, strict=True):
+                if size == items[i][1].nbytes and same_write(stored, check, write_id, checksum(items[i][1])):
                     statuses[i] = PutStatus.STORED
         return statuses
 
     def _put_rounds(
-        self, items: Items, todo: list[int], opts: PutOptions, statuses: list[PutStatus | None], unsure: list[int]
-    ) -> Op[list[PutStatus]]:
+        self, items: Items, todo: list[int], opts: PutOptions, statuses: list[PutStatus | None], unsure: list[int],
+        write_id: int,
+    ) -> Op[list[PutStatus]]:  # fmt: skip
         """Put ``todo`` the two-trip way, retrying the keys that were busy; every item's status.
         ``unsure`` gets the indexes whose bytes went to a daemon (see :meth:`_own_exists`)."""
         for attempt in range(self.config.put_retries + 1):
             if not todo:
                 break
-            retry, unreached = yield from self._put_round(items, todo, opts, statuses, unsure)
+            retry, unreached = yield from self._put_round(items, todo, opts, statuses, unsure, write_id)
             if not retry:
                 break
             if attempt == self.config.put_retries:
@@ -292,7 +299,7 @@ class ClientCore:
         grant, [offset] = carved
         if not self.transport.one_trip(grant.node_id, grant.address):
             return None
-        block = Block(key, view, offset, checksum(view))
+        block = Block(key, view, offset, checksum(view), write_id=next_write_id())
         pin = options is not None and options.pin
         return PutGranted(grant.node_id, grant.address, grant.grant_id, [block], pin, self._cached(options))
 
@@ -316,7 +323,8 @@ class ClientCore:
     def _granted_exists(self, job: PutGranted) -> Op[list[PutStatus]]:
         """EXISTS from a write into a grant: the block may be this put's own (see :meth:`_own_exists`)."""
         block = job.blocks[0]
-        return (yield from self._own_exists([(BlockKey(block.key), block.view)], [0], [PutStatus.EXISTS]))
+        items: Items = [(BlockKey(block.key), block.view)]
+        return (yield from self._own_exists(items, [0], [PutStatus.EXISTS], block.write_id))
 
     def _after_granted(self, job: PutGranted, outcome: Any) -> Op[list[PutStatus]]:
         block = job.blocks[0]
@@ -332,8 +340,8 @@ class ClientCore:
         )
         unsure: list[int] = []
         todo = yield from self._granted_outcome(items, [0], grant, job, outcome, statuses, unsure)
-        done = yield from self._put_rounds(items, todo, PutOptions(pin=job.pinned), statuses, unsure)
-        return (yield from self._own_exists(items, unsure, done))
+        done = yield from self._put_rounds(items, todo, PutOptions(pin=job.pinned), statuses, unsure, block.write_id)
+        return (yield from self._own_exists(items, unsure, done, block.write_id))
 
     def _carve(self, sizes: list[int], preferred: str | None) -> Op[Carved | None]:
         step = self.grants.carve(sizes, preferred)
@@ -354,8 +362,9 @@ class ClientCore:
             yield Notify(ReturnGrants(grant_ids))  # best effort: a grant also ends by itself
 
     def _put_granted(
-        self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None], unsure: list[int]
-    ) -> Op[list[int]]:
+        self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None], unsure: list[int],
+        write_id: int,
+    ) -> Op[list[int]]:  # fmt: skip
         """Put ``todo`` in one round trip into granted space; returns the indexes left to the two-trip way."""
         try:
             carved = yield from self._carve([items[i][1].nbytes for i in todo], opts.preferred_node)
@@ -376,7 +385,10 @@ class ClientCore:
             yield from self._give_back(self.grants.drop(grant))
             self._grants_paused_until = time.monotonic() + _GRANTS_PAUSE_S
             return todo
-        blocks = [Block(items[i][0], items[i][1], o, checksum(items[i][1])) for i, o in zip(todo, offsets, strict=True)]
+        blocks = [
+            Block(items[i][0], items[i][1], o, checksum(items[i][1]), write_id=write_id)
+            for i, o in zip(todo, offsets, strict=True)
+        ]
         job = PutGranted(grant.node_id, grant.address, grant.grant_id, blocks, opts.pin, self._cached(opts))
         [outcome] = yield from self._daemons([job])
         return (yield from self._granted_outcome(items, todo, grant, job, outcome, out, unsure))
@@ -410,18 +422,19 @@ class ClientCore:
         return left
 
     def _put_round(
-        self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None], unsure: list[int]
-    ) -> Op[tuple[list[int], KVStoreError | None]]:
+        self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None], unsure: list[int],
+        write_id: int,
+    ) -> Op[tuple[list[int], KVStoreError | None]]:  # fmt: skip
         """One put_start/write/put_end round over ``todo``; returns the indexes to retry, and the
         failure of a daemon that was not reached or did not answer, if one was."""
         keys: list[str] = [items[i][0] for i in todo]
         sizes = [items[i][1].nbytes for i in todo]
-        start = PutStart(keys, sizes, opts.replicas or self.config.replicas, opts.preferred_node, opts.pin)
+        start = PutStart(keys, sizes, opts.replicas or self.config.replicas, opts.preferred_node, opts.pin, write_id)
         plan = sort_tickets((yield from call(start, PutStartReply)), todo, out)
         sums = {i: checksum(items[i][1]) for group in plan.writes.values() for i, _ in group}
         jobs = [
             WriteReserved(group[0][1].node_id, address,
-                  [Block(items[i][0], items[i][1], r.offset, sums[i], r.seal) for i, r in group], opts.pin,
+                  [Block(items[i][0], items[i][1], r.offset, sums[i], r.seal, write_id) for i, r in group], opts.pin,
                   self.write_patience_s(sum(items[i][1].nbytes for i, _ in group)))
             for address, group in plan.writes.items()
         ]  # fmt: skip
@@ -439,7 +452,8 @@ class ClientCore:
         if failed:
             yield from call(PutRevoke([items[i][0] for i in sorted(failed)]), OkReply)
         if done:
-            committed = yield from call(PutEnd([items[i][0] for i in done], [sums[i] for i in done]), PutEndReply)
+            ending = PutEnd([items[i][0] for i in done], [sums[i] for i in done], write_id)
+            committed = yield from call(ending, PutEndReply)
             self.hints.note(take_commits(plan, items, done, committed.committed, out))
             if plan.lost:
                 yield from call(PutRevoke([items[i][0] for i in plan.lost]), OkReply)

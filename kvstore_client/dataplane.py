@@ -38,6 +38,7 @@ from kvstore_client.effects import (
     read_by_key_message,
     read_message,
     seals,
+    write_ids,
     write_message,
 )
 from kvstore_client.puts import write_codes
@@ -219,7 +220,7 @@ class RailPath(DataPath):
         # Slices over every rail, each its own exchange: the connection's timeout bounds them.
         return self.railset.write(
             [b.key for b in blocks], [b.offset for b in blocks], [b.checksum for b in blocks],
-            [b.view for b in blocks], pinned, seals(blocks),
+            [b.view for b in blocks], pinned, seals(blocks), write_ids(blocks),
         )  # fmt: skip
 
     def close(self) -> None:

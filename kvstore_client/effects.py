@@ -52,6 +52,8 @@ class Block(NamedTuple):
     checksum: int
     seal: bytes = b""
     """The master's seal of the extent (a tenant's two-trip put); empty otherwise."""
+    write_id: int = 0
+    """Its put's write id (:mod:`kvstore.write_ids`), kept with the block by its daemon."""
 
 
 WRITE_FLOOR_BPS = 100e6
@@ -234,14 +236,19 @@ def seals(blocks: Sequence[Block]) -> list[bytes]:
     return [b.seal for b in blocks] if any(b.seal for b in blocks) else []
 
 
+def write_ids(blocks: Sequence[Block]) -> list[int]:
+    """The write ids of ``blocks`` as a write message carries them: none when none has one."""
+    return [b.write_id for b in blocks] if any(b.write_id for b in blocks) else []
+
+
 def write_message(blocks: Sequence[Block], pinned: bool) -> WriteBlocks:
-    return WriteBlocks(*_columns(blocks), pinned, seals(blocks))
+    return WriteBlocks(*_columns(blocks), pinned, seals(blocks), write_ids(blocks))
 
 
 def commit_message(blocks: Sequence[Block], pinned: bool) -> CommitBlocks:
     """Commit blocks already copied into their extents (through shared memory)."""
-    return CommitBlocks(*_columns(blocks), pinned, seals(blocks))
+    return CommitBlocks(*_columns(blocks), pinned, seals(blocks), write_ids(blocks))
 
 
 def granted_message(grant_id: int, blocks: Sequence[Block], pinned: bool, cached: bool = False) -> WriteGranted:
-    return WriteGranted(grant_id, *_columns(blocks), pinned, cached)
+    return WriteGranted(grant_id, *_columns(blocks), pinned, cached, write_ids(blocks))

@@ -206,9 +206,11 @@ class RailSet:
         views: Sequence[memoryview],
         pinned: bool,
         seals: Sequence[bytes] = (),
+        write_ids: Sequence[int] = (),
     ) -> list[tuple[int, str]]:
         """Write blocks into their reserved extents over every rail; per block (error code or 0, message).
-        ``seals``: per block, the master's seal of its extent (a tenant's), or none at all.
+        ``seals``: per block, the master's seal of its extent (a tenant's), or none at all; ``write_ids``
+        likewise, each block's put's write id.
 
         Blocks up to ``slice_bytes`` travel whole, several to a WriteBlocks; larger ones in
         slices (WriteSlices, any rail each), then one CommitBlocks makes the daemon check and
@@ -220,6 +222,9 @@ class RailSet:
         def sealed(idx: Sequence[int]) -> list[bytes]:
             return [seals[i] for i in idx] if seals else []
 
+        def ids(idx: Sequence[int]) -> list[int]:
+            return [write_ids[i] for i in idx] if write_ids else []
+
         lock = threading.Lock()
 
         def put(rail: Rail, job: _Job) -> None:
@@ -228,7 +233,7 @@ class RailSet:
             if idx[0] not in sliced_set:
                 message = WriteBlocks([keys[i] for i in idx], [offsets[i] for i in idx],
                                       [views[i].nbytes for i in idx], [checksums[i] for i in idx], pinned,
-                                      sealed(idx))  # fmt: skip
+                                      sealed(idx), ids(idx))  # fmt: skip
                 payload = [views[i] for i in idx]
             else:
                 i, start, length = job.parts[0]
@@ -256,6 +261,7 @@ class RailSet:
                     [checksums[i] for i in ready],
                     pinned,
                     sealed(ready),
+                    ids(ready),
                 )
                 with rail.pool.connection() as conn:
                     reply = conn.call(message, WriteReply)

@@ -22,6 +22,7 @@ from kvstore.placement.results import PUT_EXISTS, PUT_STORED
 from kvstore.placement.state import DRAM, Catalog, Grant, NodeCommand, no_room_text, suspects_last
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import Strategy
+from kvstore.write_ids import check_write_ids, same_write
 
 
 @dataclass(slots=True)
@@ -133,10 +134,12 @@ class Grants:
         checksums: Sequence[int],
         pinned: bool,
         cached: bool = False,
+        write_ids: Sequence[int] = (),
     ) -> list[tuple[int, str]]:
-        """Commit blocks a daemon holds written into a grant, each at its extent; per block
-        (PUT_STORED, "") or (PUT_EXISTS, "") or an error's (code, text). Idempotent: a block
-        already committed at that extent with that checksum answers PUT_STORED again.
+        """Commit blocks a daemon holds written into a grant, each at its extent, by its put's write id
+        (``write_ids``: one per block, or none); per block (PUT_STORED, "") or (PUT_EXISTS, "") or an
+        error's (code, text). Idempotent: a block already committed at that extent by that write
+        (:func:`kvstore.write_ids.same_write`) answers PUT_STORED again.
 
         ``cached``: the daemon acknowledged them already. A key still being written by another
         put (reserved, not committed) is then answered RetryLater, not EXISTS: the daemon keeps its
@@ -146,17 +149,18 @@ class Grants:
         cat = self.catalog
         if not len(keys) == len(offsets) == len(sizes) == len(checksums):
             raise InvalidArgument("commit_granted got lists of different lengths")
+        ids = check_write_ids(write_ids, len(keys))
         grant = cat.grants.get(grant_id)
         node = cat.nodes.get(node_id)
         out: list[tuple[int, str]] = []
-        for key, offset, size, check in zip(keys, offsets, sizes, checksums, strict=True):
+        for key, offset, size, check, write_id in zip(keys, offsets, sizes, checksums, ids, strict=True):
             key = validate_key(key)
             entry = cat.entry(key)
             if entry is not None:
                 same = entry.committed and any(
                     r.node_id == node_id and r.extent is not None and r.extent.offset == offset for r in entry.replicas
                 )
-                if same and entry.checksum == check and entry.size == size:
+                if same and entry.size == size and same_write(entry.write_id, entry.checksum, write_id, check):
                     out.append((PUT_STORED, ""))
                 elif entry.removing:
                     out.append((RetryLater.code, f"key {key!r} is being moved or removed; retry"))
@@ -187,7 +191,7 @@ class Grants:
                 )
                 continue
             grant.pieces[at : at + 1] = node.alloc.carve(grant.pieces[at], extent)
-            slot = cat.new_key(key, size, check, committed=True, pinned=pinned)
+            slot = cat.new_key(key, size, check, committed=True, pinned=pinned, write_id=write_id)
             node.dram_lru.insert_row(cat.add_replica(slot, node, DRAM, extent))
             cat.counters["puts"] += 1
             cat.counters["bytes_written"] += size

@@ -67,8 +67,8 @@ class Inspection:
                 "node_up": bool(node is not None and node.up),
             })  # fmt: skip
         state = "removing" if entry.removing else "committed" if entry.committed else "writing"
-        return {"key": entry.key, "size": entry.size, "checksum": entry.checksum, "pinned": entry.pinned,
-                "state": state, "replicas": replicas}  # fmt: skip
+        return {"key": entry.key, "size": entry.size, "checksum": entry.checksum, "write_id": entry.write_id,
+                "pinned": entry.pinned, "state": state, "replicas": replicas}  # fmt: skip
 
     def _stored(self) -> Iterator[tuple[str, int]]:
         """(key, slot) of every stored key not being removed."""

@@ -148,7 +148,7 @@ class Moves:
         copy = ReplicaState(cat.rec, cat.add_replica(entry.slot, target, DRAM, extent, COPYING))
         return Move(
             entry.key, entry.size, entry.checksum, source.tier, target.node_id, extent, source.node_id, entry.pinned,
-            copy.gen, source.gen,
+            copy.gen, source.gen, entry.write_id,
         )  # fmt: skip
 
     def finish_moves(

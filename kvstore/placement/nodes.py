@@ -33,6 +33,7 @@ from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_DROPP
 from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry
 from kvstore.policy import ActionKind, TierName
+from kvstore.write_ids import MAX_WRITE_ID
 
 Gone = set[tuple[str, TierName, int]]
 """Blocks a node's registration must drop, not adopt: (key, tier, DRAM offset; -1: wherever it is)."""
@@ -198,7 +199,9 @@ class Membership:
         _check_registration(address, dram_capacity, ssd_capacity, alignment, max_blocks)
         # Items that cannot be blocks (a bad key, a size out of range) are left out: no daemon writes them.
         inventory = [
-            i for i in inventory if 0 < i.size <= MAX_NODE_BYTES and 0 <= i.checksum < MAX_CHECKSUM and _is_key(i.key)
+            i for i in inventory
+            if 0 < i.size <= MAX_NODE_BYTES and 0 <= i.checksum < MAX_CHECKSUM and 0 <= i.write_id < MAX_WRITE_ID
+            and _is_key(i.key)
         ]  # fmt: skip
         gone = self._owed(node_id, gone)
         self.absent.pop(node_id, None)
@@ -257,7 +260,11 @@ class Membership:
                     node.quarantine[item.key] = Extent(item.offset, alloc.round_up(item.size))
                 continue
             if slot is None:
-                slot = cat.new_key(item.key, item.size, item.checksum, committed=True, pinned=item.pinned)
+                slot = cat.new_key(
+                    item.key, item.size, item.checksum, committed=True, pinned=item.pinned, write_id=item.write_id
+                )
+            elif not rec.write_id[slot]:
+                rec.write_id[slot] = item.write_id  # the same bytes: of the write whose id this copy kept
             extent = Extent(item.offset, alloc.round_up(item.size)) if tier is DRAM else None
             node.lru(tier).insert_row(cat.add_replica(slot, node, tier, extent))
             if tier is SSD:

@@ -6,7 +6,8 @@ cache misses per lookup. Here a key is one dict entry (its key string to its slo
 bytes in each column, and a replica a few bytes in each replica column; node ids are interned as
 small ints. The rules live in the table's parts; this module only stores and links.
 
-- Keys: ``index`` maps a key to its slot; the slot's columns hold its size, checksum, state bits
+- Keys: ``index`` maps a key to its slot; the slot's columns hold its size, checksum, write id
+  (:mod:`kvstore.write_ids`), state bits
   (:data:`COMMITTED`, :data:`PINNED`, :data:`REMOVING`), last use, SSD hits and its first replica's
   row (``head``). Slots of removed keys are reused.
 - Replicas: rows linked from ``head`` through ``r_next``; each names its key's slot, its node (an
@@ -63,6 +64,8 @@ class Records:
         self.keys: list[str | None] = []
         self.size = array("q")
         self.checksum = array("Q")
+        self.write_id = array("Q")
+        """Slot -> the write id of the put that reserved or wrote it (0: not known)."""
         self.state = array("B")
         self.last_use = array("q")
         self.ssd_hits = array("I")
@@ -131,14 +134,17 @@ class Records:
         return (self.size[slot] + mask) & ~mask
 
     # -- keys --------------------------------------------------------------------------------------
-    def add_key(self, key: str, size: int, checksum: int, state: int, last_use: int, owner: int = 0) -> int:
-        """A new key (not in ``index``) of ``owner`` (:meth:`intern_owner`); its slot."""
+    def add_key(
+        self, key: str, size: int, checksum: int, state: int, last_use: int, owner: int = 0, write_id: int = 0
+    ) -> int:
+        """A new key (not in ``index``) of ``owner`` (:meth:`intern_owner`), written by ``write_id``; its slot."""
         free = self._free_slots
         if free:
             slot = free.pop()
             self.keys[slot] = key
             self.size[slot] = size
             self.checksum[slot] = checksum
+            self.write_id[slot] = write_id
             self.state[slot] = state
             self.last_use[slot] = last_use
             self.ssd_hits[slot] = 0
@@ -149,6 +155,7 @@ class Records:
             self.keys.append(key)
             self.size.append(size)
             self.checksum.append(checksum)
+            self.write_id.append(write_id)
             self.state.append(state)
             self.last_use.append(last_use)
             self.ssd_hits.append(0)
@@ -160,17 +167,18 @@ class Records:
         return slot
 
     def add_run(self, keys: Sequence[str], sizes: Sequence[int], state: int, last_use: range, node: int,
-                offsets: list[int], gens: range, deadline: int, owners: Sequence[int] | int = 0) -> None:  # fmt: skip
+                offsets: list[int], gens: range, deadline: int, owners: Sequence[int] | int = 0,
+                write_id: int = 0) -> None:  # fmt: skip
         """New keys (distinct, none in ``index``, not committed), each with one DRAM replica on node
         index ``node`` at its offset (in no LRU): :meth:`add_key` and :meth:`add_replica` for a whole
         batch, appended as columns when no slot or row is free to reuse. ``owners``: each key's, or
-        one for all."""
+        one for all; ``write_id``: the put's, for all."""
         assert not state & COMMITTED
         n = len(keys)
         if self._free_slots or self._free_rows:
             each = [owners] * n if isinstance(owners, int) else owners
             for key, size, clock, offset, gen, owner in zip(keys, sizes, last_use, offsets, gens, each, strict=True):
-                slot = self.add_key(key, size, 0, state, clock, owner)
+                slot = self.add_key(key, size, 0, state, clock, owner, write_id)
                 self.add_replica(slot, node, T_DRAM, offset, S_READY, gen)
                 self.deadlines[slot] = deadline
             return
@@ -179,6 +187,7 @@ class Records:
         self.keys.extend(keys)
         self.size.extend(sizes)
         self.checksum.extend(array("Q", [0]) * n)
+        self.write_id.extend(array("Q", [write_id]) * n)
         self.state.extend(array("B", [state]) * n)
         self.last_use.extend(last_use)
         self.ssd_hits.extend(array("I", [0]) * n)
@@ -209,12 +218,6 @@ class Records:
         self.deadlines.pop(slot, None)
         self.holds.pop(slot, None)
         self._free_slots.append(slot)
-
-    def commit(self, slot: int, checksum: int) -> None:
-        self.state[slot] |= COMMITTED
-        self.checksum[slot] = checksum
-        self.committed += 1
-        self.deadlines.pop(slot, None)
 
     # -- replicas ----------------------------------------------------------------------------------
     def add_replica(self, slot: int, node: int, tier: int, offset: int, status: int, gen: int) -> int:

@@ -28,6 +28,8 @@ class HeldBlock(NamedTuple):
     size: int
     checksum: int
     pinned: bool = False
+    write_id: int = 0
+    """The write id its daemon kept with it (0: not known)."""
 
 
 class PlacedReplica(NamedTuple):

@@ -138,6 +138,8 @@ class Move:
     gen: int = 0
     """The generation of the COPYING replica reserved on ``target``."""
     source_gen: int = 0
+    write_id: int = 0
+    """The write id of the put that wrote the block: the copy keeps it too."""
     """The generation of the replica on ``source`` it is copied from."""
 
 
@@ -294,13 +296,13 @@ class Catalog:
         slot = self.rec.index.get(key)
         return ObjectEntry(self.rec, slot) if slot is not None else None
 
-    def new_key(self, key: str, size: int, checksum: int, *, committed: bool, pinned: bool) -> int:
+    def new_key(self, key: str, size: int, checksum: int, *, committed: bool, pinned: bool, write_id: int = 0) -> int:
         """Record a key that came to exist (reserved by a put, committed into a grant, found in an
-        inventory) and count it for its owner; its slot."""
+        inventory) by the put of ``write_id``, and count it for its owner; its slot."""
         self.clock += 1
         state = (COMMITTED if committed else 0) | (PINNED if pinned else 0)
         owner = owner_of(key)
-        slot = self.rec.add_key(key, size, checksum, state, self.clock, self.owner_id(owner))
+        slot = self.rec.add_key(key, size, checksum, state, self.clock, self.owner_id(owner), write_id)
         self.usage[owner] += charged(size)
         if pinned:
             self.pinned_keys[owner] += 1
@@ -309,7 +311,7 @@ class Catalog:
         return slot
 
     def new_run(self, keys: Sequence[str], sizes: Sequence[int], node: NodeState, offsets: list[int], *, pinned: bool,
-                deadline: int) -> None:  # fmt: skip
+                deadline: int, write_id: int = 0) -> None:  # fmt: skip
         """Record new keys (distinct, none in the table) reserved at ``offsets`` of ``node``'s DRAM,
         each with one replica there: what :meth:`new_key` and :meth:`add_replica` do key by key."""
         n = len(keys)
@@ -324,7 +326,7 @@ class Catalog:
         )
         owners = self.owner_id(owner) if one else [self.owner_id(owner_of(k)) for k in keys]
         self.rec.add_run(keys, sizes, (PINNED if pinned else 0), range(first_clock, first_clock + n),
-                         node.idx, offsets, new_generations(n), deadline, owners)  # fmt: skip
+                         node.idx, offsets, new_generations(n), deadline, owners, write_id)  # fmt: skip
         usage = self.usage
         if one:
             usage[owner] += sum(sizes) + sum(MIN_BLOCK_BYTES - s for s in sizes if s < MIN_BLOCK_BYTES)

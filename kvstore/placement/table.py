@@ -212,12 +212,13 @@ class PlacementTable:
         pin: bool,
         now_ms: int,
         tenant: str = "",
+        write_id: int = 0,
     ) -> PutPlan:
         self._catalog.know_tenant(tenant)
-        return self._writes.put_start(keys, sizes, replicas, preferred_node, pin, now_ms, tenant)
+        return self._writes.put_start(keys, sizes, replicas, preferred_node, pin, now_ms, tenant, write_id)
 
-    def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
-        return self._writes.put_end(keys, checksums)
+    def put_end(self, keys: Sequence[str], checksums: Sequence[int], write_id: int = 0) -> list[bool]:
+        return self._writes.put_end(keys, checksums, write_id)
 
     def put_revoke(self, keys: Iterable[str]) -> list[NodeCommand]:
         return self._writes.put_revoke(keys)
@@ -257,8 +258,11 @@ class PlacementTable:
         checksums: Sequence[int],
         pinned: bool,
         cached: bool = False,
+        write_ids: Sequence[int] = (),
     ) -> list[tuple[int, str]]:
-        return self._grants.commit_granted(node_id, grant_id, keys, offsets, sizes, checksums, pinned, cached)
+        return self._grants.commit_granted(
+            node_id, grant_id, keys, offsets, sizes, checksums, pinned, cached, write_ids
+        )
 
     # -- reads ---------------------------------------------------------------------------------
     def get_replicas(self, keys: Sequence[str], now_ms: int, lease: bool = True) -> ReplicaLookup:

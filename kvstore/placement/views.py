@@ -172,6 +172,11 @@ class ObjectEntry:
         return self._rec.checksum[self.slot]
 
     @property
+    def write_id(self) -> int:
+        """The write id of the put that reserved or wrote it (0: not known)."""
+        return self._rec.write_id[self.slot]
+
+    @property
     def committed(self) -> bool:
         return bool(self._rec.state[self.slot] & COMMITTED)
 

@@ -5,9 +5,10 @@
   (the master holds the one allocator of every arena). A node that has no
   extent for the block gets eviction commands; the key waits for them
   (``PutPlan.waiting``) and is placed when the caller asks again. A key that
-  is already stored or being written reports ``exists``.
-- ``put_end`` commits: only then is a block visible. An uncommitted
-  reservation expires after ``reservation_ms``.
+  is already stored or being written reports ``exists``, unless it is being
+  written by the same put (its write id): a retried PutStart gets its extents again.
+- ``put_end`` commits: only then is a block visible, and only a reservation of
+  the put's own write id. An uncommitted reservation expires after ``reservation_ms``.
 - A revoked, expired or removed block is ``removing`` (not readable, not
   placeable) until its daemons confirm the drop; only then is its extent reused.
 """
@@ -24,7 +25,7 @@ from kvstore.allocator import Extent
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, RetryLater
 from kvstore.keys import BlockKey, validate_key, validate_keys
 from kvstore.placement.leases import LeaseId
-from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_COPYING, TierLRU, gather, scatter
+from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_COPYING, T_DRAM, TierLRU, gather, scatter
 from kvstore.placement.results import PlacedReplica, Ticket
 from kvstore.placement.state import (
     DRAM,
@@ -150,9 +151,11 @@ class Writes:
         pin: bool,
         now_ms: int,
         tenant: str = "",
+        write_id: int = 0,
     ) -> PutPlan:
-        """Place ``keys`` (see :meth:`PlacementTable.put_start`); a put of ``tenant`` ("": of none, an
-        operator's or a cluster's without tenants) evicts only that tenant's blocks for its room."""
+        """Place ``keys`` (see :meth:`PlacementTable.put_start`) for the put ``write_id``; a put of
+        ``tenant`` ("": of none, an operator's or a cluster's without tenants) evicts only that
+        tenant's blocks for its room."""
         if len(keys) != len(sizes):
             raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
         checked = validate_keys(keys)
@@ -168,12 +171,12 @@ class Writes:
         ordered = suspects_last(self.strategy(self.catalog.placeable(), preferred_node, self.rng))
         run = self._reserve_run(checked, sizes, ordered[0]) if replicas == 1 and ordered else None
         if run is not None:
-            self._record_run(checked, sizes, ordered[0], run, pin, now_ms, plan)
+            self._record_run(checked, sizes, ordered[0], run, pin, now_ms, plan, write_id)
             return plan
         smallest = min((n.alloc.capacity for n in ordered), default=0)
         for i, (key, size) in enumerate(zip(checked, sizes, strict=True)):
             fits = ordered if size <= smallest else [n for n in ordered if n.alloc.capacity >= size]
-            plan.add(self._place(key, size, replicas, fits, pin, now_ms, plan, i, tenant), size)
+            plan.add(self._place(key, size, replicas, fits, pin, now_ms, plan, i, tenant, write_id), size)
         return plan
 
     def _reserve_run(self, keys: list[BlockKey], sizes: Sequence[int], node: NodeState) -> list[int] | None:
@@ -189,12 +192,12 @@ class Writes:
 
     def _record_run(
         self, keys: list[BlockKey], sizes: Sequence[int], node: NodeState, offsets: list[int], pin: bool, now_ms: int,
-        plan: PutPlan,
+        plan: PutPlan, write_id: int,
     ) -> None:  # fmt: skip
         """Record new keys reserved at ``offsets`` of ``node`` (:meth:`_record` for a whole run), into ``plan``."""
         cat = self.catalog
         n = len(keys)
-        cat.new_run(keys, sizes, node, offsets, pinned=pin, deadline=now_ms + self.reservation_ms)
+        cat.new_run(keys, sizes, node, offsets, pinned=pin, deadline=now_ms + self.reservation_ms, write_id=write_id)
         cat.counters["puts"] += n
         plan.statuses.extend(["ok"] * n)
         plan.error_codes.extend([0] * n)
@@ -216,6 +219,7 @@ class Writes:
         plan: PutPlan,
         i: int,
         tenant: str = "",
+        write_id: int = 0,
     ) -> Ticket | None:
         cat = self.catalog
         slot = cat.rec.index.get(key)
@@ -223,6 +227,8 @@ class Writes:
             state = cat.rec.state[slot]
             if state & REMOVING:
                 return _ticket_error(RetryLater(f"key {key!r} is being moved or removed; retry"))
+            if write_id and not state & COMMITTED and cat.rec.write_id[slot] == write_id:
+                return self._reserved_again(slot, size)
             cat.counters["put_exists"] += 1
             if state & COMMITTED:
                 cat.touch(slot)
@@ -264,14 +270,31 @@ class Writes:
             return _ticket_error(
                 CapacityError(f"no room for block {key!r} of {size} bytes: every node's DRAM is pinned")
             )
-        return self._record(key, size, chosen, pin, now_ms)
+        return self._record(key, size, chosen, pin, now_ms, write_id)
+
+    def _reserved_again(self, slot: int, size: int) -> Ticket:
+        """The ticket of a reservation the same put asks for again (its first answer lost): its
+        extents, as they were given (a size that differs is another put's: refused)."""
+        cat = self.catalog
+        rec = cat.rec
+        if rec.size[slot] != size:
+            return _ticket_error(InvalidArgument(
+                f"key {rec.keys[slot]!r} is being written by this put with {rec.size[slot]} bytes, not {size}"
+            ))  # fmt: skip
+        replicas = []
+        for row in rec.rows(slot):
+            node = cat.node_at[rec.r_node[row]]
+            if node is not None and rec.r_tier[row] == T_DRAM and rec.r_offset[row] >= 0:
+                replicas.append(PlacedReplica(node.node_id, node.address, DRAM, rec.r_offset[row], size))
+        return Ticket("ok", replicas, 0, "")
 
     def _record(
-        self, key: BlockKey, size: int, chosen: list[tuple[NodeState, Extent]], pin: bool, now_ms: int
-    ) -> Ticket:
-        """Record a new key reserved in the DRAM extents of ``chosen``; its ticket."""
+        self, key: BlockKey, size: int, chosen: list[tuple[NodeState, Extent]], pin: bool, now_ms: int,
+        write_id: int = 0,
+    ) -> Ticket:  # fmt: skip
+        """Record a new key reserved in the DRAM extents of ``chosen`` for the put ``write_id``; its ticket."""
         cat = self.catalog
-        slot = cat.new_key(key, size, 0, committed=False, pinned=pin)
+        slot = cat.new_key(key, size, 0, committed=False, pinned=pin, write_id=write_id)
         cat.rec.deadlines[slot] = now_ms + self.reservation_ms
         for node, extent in chosen:
             cat.add_replica(slot, node, DRAM, extent)
@@ -279,8 +302,9 @@ class Writes:
         return Ticket("ok", [PlacedReplica(node.node_id, node.address, DRAM, extent.offset, size)
                              for node, extent in chosen], 0, "")  # fmt: skip
 
-    def put_end(self, keys: Sequence[str], checksums: Sequence[int]) -> list[bool]:
-        """Commit reserved keys; False for a key whose reservation is gone (expired or revoked)."""
+    def put_end(self, keys: Sequence[str], checksums: Sequence[int], write_id: int = 0) -> list[bool]:
+        """Commit keys reserved for the put ``write_id``; False for a key whose reservation is gone
+        (expired or revoked), or is another put's (0, from a writer without ids: any reservation)."""
         cat = self.catalog
         if len(keys) != len(checksums):
             raise InvalidArgument(f"put_end got {len(keys)} keys but {len(checksums)} checksums")
@@ -289,11 +313,11 @@ class Writes:
         ):
             bad = next(c for c in checksums if type(c) is not int or not 0 <= c < MAX_CHECKSUM)
             raise InvalidArgument(f"a checksum must be an int in [0, 2**64), got {bad!r}")
-        if len(keys) >= _RUN_MIN and self._commit_run(keys, checksums):
+        if len(keys) >= _RUN_MIN and self._commit_run(keys, checksums, write_id):
             return [True] * len(keys)
         out = []
         rec = cat.rec
-        index, state, head, nxt, sizes = rec.index, rec.state, rec.head, rec.r_next, rec.size
+        index, state, head, nxt, sizes, ids = rec.index, rec.state, rec.head, rec.r_next, rec.size, rec.write_id
         r_node, checksum, deadlines, node_at = rec.r_node, rec.checksum, rec.deadlines, cat.node_at
         written = committed = 0
         # Rows to enter each DRAM LRU, in order (a put reserves DRAM only), one append of each run.
@@ -302,7 +326,7 @@ class Writes:
         rows: list[int] = []
         for key, check in zip(keys, checksums, strict=True):
             slot = index.get(key)
-            if slot is None or (bits := state[slot]) & (COMMITTED | REMOVING):
+            if slot is None or (bits := state[slot]) & (COMMITTED | REMOVING) or (write_id and ids[slot] != write_id):
                 out.append(False)
                 continue
             state[slot] = bits | COMMITTED
@@ -330,7 +354,7 @@ class Writes:
         cat.counters["bytes_written"] += written
         return out
 
-    def _commit_run(self, keys: Sequence[str], checksums: Sequence[int]) -> bool:
+    def _commit_run(self, keys: Sequence[str], checksums: Sequence[int], write_id: int) -> bool:
         """:meth:`put_end` of a batch of distinct keys each being written once, all on one node (a
         batch put, the common case), column-wise; False, having changed nothing, for any other."""
         cat = self.catalog
@@ -340,7 +364,7 @@ class Writes:
             return False
         at = np.array(slots, np.intp)
         state = gather(rec.state, at)
-        if (state & (COMMITTED | REMOVING)).any():
+        if (state & (COMMITTED | REMOVING)).any() or (write_id and (gather(rec.write_id, at) != write_id).any()):
             return False
         rows = gather(rec.head, at).astype(np.intp)
         nodes = gather(rec.r_node, rows)

@@ -73,6 +73,8 @@ class InventoryItem(Struct, frozen=True):
     checksum: int
     pinned: bool = False
     """Written with pin=True: never evicted, including by a master that rebuilt its table."""
+    write_id: int = 0
+    """The write id of the put that wrote it (0: not known here: read back after a restart, or on SSD)."""
 
 
 # -- replies shared by many requests ----------------------------------------------

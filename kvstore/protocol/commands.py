@@ -58,6 +58,8 @@ class FetchBlocks(Message, tag=54, frozen=True):
     sizes: list[int]
     checksums: list[int]
     pinned: list[bool] = []
+    write_ids: list[int] = []
+    """Per block, the write id of its put (empty: none), kept with the copy."""
 
 
 class CommandReply(Message, tag=53, frozen=True):

@@ -25,6 +25,9 @@ class WriteBlocks(Message, tag=60, frozen=True):
     seals: list[bytes] = []
     """Per block, the master's seal of its reservation: a tenant's write lands only where the master
     reserved for it (empty for the cluster's own writes and on a cluster without authentication)."""
+    write_ids: list[int] = []
+    """Per block, the write id of the put that wrote it (:mod:`kvstore.write_ids`; empty: none), kept
+    with the block and reported in the node's inventory."""
 
 
 class WriteSlices(Message, tag=66, frozen=True):
@@ -56,6 +59,8 @@ class CommitBlocks(Message, tag=64, frozen=True):
     pinned: bool
     seals: list[bytes] = []
     """Per block, its reservation seal (as in WriteBlocks)."""
+    write_ids: list[int] = []
+    """Per block, its put's write id (as in WriteBlocks)."""
 
 
 class WriteReply(Message, tag=61, frozen=True):

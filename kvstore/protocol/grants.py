@@ -62,6 +62,8 @@ class WriteGranted(Message, tag=67, frozen=True):
     checksums: list[int]
     pinned: bool
     cached: bool = False
+    write_ids: list[int] = []
+    """Per block, its put's write id (as in WriteBlocks)."""
 
 
 class FlushCommits(Message, tag=68, frozen=True):
@@ -84,6 +86,9 @@ class CommitGranted(Message, tag=74, frozen=True):
     cached: bool = False
     """The daemon answered these puts STORED already (cached puts): a key another put is still
     being written under is answered RetryLater, not EXISTS, until that put ends one way or the other."""
+    write_ids: list[int] = []
+    """Per block, the write id its writer gave (empty: none): the master keeps it with the block, and
+    a block committed already answers PUT_STORED again to its own write only."""
 
 
 # PUT_STORED, PUT_EXISTS (from the placement table): per-block codes of a one-trip put in :class:`PutReply`.

@@ -23,6 +23,9 @@ class PutStart(Message, tag=20, frozen=True):
     replicas: int
     preferred_node: str | None
     pin: bool
+    write_id: int = 0
+    """The put's write id (see :data:`kvstore.keys.WriteId`; 0: none): kept with each block it places,
+    so that a PutEnd, a retried PutStart or a lookup knows the put's own write from another's."""
 
 
 class PutStartReply(Message, tag=21, frozen=True):
@@ -77,6 +80,8 @@ class PutStartReply(Message, tag=21, frozen=True):
 class PutEnd(Message, tag=22, frozen=True):
     keys: list[str]
     checksums: list[int]
+    write_id: int = 0
+    """The put's write id, as its PutStart gave it: only a reservation of that write is committed."""
 
 
 class PutEndReply(Message, tag=23, frozen=True):
@@ -94,6 +99,9 @@ class GetReplicas(Message, tag=30, frozen=True):
     lease: bool = True
     """Lease the replicas: needed by readers that touch memory without the daemon (shared memory,
     RDMA). A reader that reads through the daemon, which copies under its own lock, asks for none."""
+    write_ids: bool = False
+    """Answer each hit's write id too (:attr:`GetReplicasReply.write_ids`): a put that found its key
+    stored asks whether the block is its own."""
 
 
 class GetReplicasReply(Message, tag=31, frozen=True):
@@ -111,6 +119,8 @@ class GetReplicasReply(Message, tag=31, frozen=True):
     first_lease: int
     """The lease id of the first hit when the get asked for leases (0 when it did not): the hits'
     leases are consecutive from there, and a reader releases those ids."""
+    write_ids: list[int] = []
+    """Per key, its block's write id (0 for a miss or an unknown one), when the get asked; else empty."""
 
     @classmethod
     def from_lookup(cls, lookup: ReplicaLookup) -> GetReplicasReply:

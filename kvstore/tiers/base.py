@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from kvstore.errors import NotFound, StoreClosed
@@ -19,6 +19,9 @@ class TierEntry:
     checksum: int
     seq: int
     pinned: bool
+    write_id: int = 0
+    """The write id of the put that wrote it (:mod:`kvstore.write_ids`), kept in memory only: 0 after a
+    restart, and on SSD."""
 
 
 class Tier(Protocol):
@@ -69,6 +72,8 @@ class BlockRecord:
     checksum: int
     seq: int
     pinned: bool
+    write_id: int = field(default=0, kw_only=True)
+    """See :attr:`TierEntry.write_id`."""
 
 
 R = TypeVar("R", bound=BlockRecord)
@@ -99,11 +104,11 @@ class IndexedTier(Generic[R]):
 
     def entry(self, key: BlockKey) -> TierEntry:
         r = self._record(key)
-        return TierEntry(key, r.size, r.checksum, r.seq, r.pinned)
+        return TierEntry(key, r.size, r.checksum, r.seq, r.pinned, r.write_id)
 
     def entries(self) -> Iterator[TierEntry]:
         for key, r in list(self._index.items()):
-            yield TierEntry(BlockKey(key), r.size, r.checksum, r.seq, r.pinned)
+            yield TierEntry(BlockKey(key), r.size, r.checksum, r.seq, r.pinned, r.write_id)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -552,10 +552,11 @@ class DramArena(IndexedTier[_Slot]):
         start = self._data_offset + offset
         return self._buf[start : start + size]
 
-    def commit(self, key: BlockKey, checksum: int, seq: int, pinned: bool = False) -> None:
+    def commit(self, key: BlockKey, checksum: int, seq: int, pinned: bool = False, write_id: int = 0) -> None:
+        """Make the block being written under ``key`` readable; ``write_id`` is kept in memory only."""
         _check_seq(seq)
         slot = self._pending.pop(key)
-        slot.checksum, slot.seq, slot.pinned = checksum, seq, pinned
+        slot.checksum, slot.seq, slot.pinned, slot.write_id = checksum, seq, pinned, write_id
         self._slots.commit(slot.index, pinned, checksum, seq)
         self._index[key] = slot
 

@@ -76,9 +76,9 @@ class TierEngine:
         return self._seq
 
     # -- writes ------------------------------------------------------------------
-    def commit(self, key: BlockKey, checksum: int, *, pinned: bool = False) -> None:
-        """Make the block being written under ``key`` visible, as the newest block."""
-        self.arena.commit(key, checksum, self.next_seq(), pinned)
+    def commit(self, key: BlockKey, checksum: int, *, pinned: bool = False, write_id: int = 0) -> None:
+        """Make the block being written under ``key`` by the put ``write_id`` visible, as the newest block."""
+        self.arena.commit(key, checksum, self.next_seq(), pinned, write_id)
 
     def abort(self, key: BlockKey) -> bool:
         """Give up the write of ``key`` if one is pending (its extent is free again); whether one was."""

@@ -48,7 +48,7 @@ Refused = tuple[BlockKey, int, int, int]
 REMEMBERED = 65_536
 """Committed cached blocks a daemon remembers (see Committer.ours)."""
 
-Commit = Callable[[int, list[BlockKey], list[int], list[int], list[int], bool], list[tuple[int, str]]]
+Commit = Callable[[int, list[BlockKey], list[int], list[int], list[int], bool, list[int]], list[tuple[int, str]]]
 """The master's commit of blocks written into a grant (MasterLink.commit_granted): per block (code, text)."""
 
 
@@ -61,6 +61,7 @@ class _Pending:
     sizes: list[int]
     checksums: list[int]
     pinned: bool
+    write_ids: list[int]
     registration: int
     """The daemon's registrations when it was acknowledged: a later one carried it to the master."""
     hold: object
@@ -106,13 +107,15 @@ class Committer:
 
     def add(
         self, grant_id: int, keys: list[BlockKey], offsets: list[int], sizes: list[int], checksums: list[int],
-        pinned: bool, hold: object = None,
+        pinned: bool, hold: object = None, write_ids: list[int] | None = None,
     ) -> None:  # fmt: skip
-        """Queue the commit of blocks acknowledged in grant ``grant_id``; ``hold`` (what holds the
-        grant open for it) goes back to ``release`` when the commit is done."""
+        """Queue the commit of blocks acknowledged in grant ``grant_id`` (``write_ids``: their puts'
+        write ids, one per block); ``hold`` (what holds the grant open for it) goes back to
+        ``release`` when the commit is done."""
+        ids = write_ids if write_ids is not None else [0] * len(keys)
         with self._cond:
             self._seq += 1
-            self._queue.append(_Pending(self._seq, grant_id, keys, offsets, sizes, checksums, pinned,
+            self._queue.append(_Pending(self._seq, grant_id, keys, offsets, sizes, checksums, pinned, ids,
                                         self._registration, hold))  # fmt: skip
             self._pending.add(self._seq)
             self._keys.update(keys)
@@ -249,6 +252,7 @@ class Committer:
                 answers = commit(
                     grant_id, [k for p in entries for k in p.keys], [o for p in entries for o in p.offsets],
                     [s for p in entries for s in p.sizes], [c for p in entries for c in p.checksums], pinned,
+                    [w for p in entries for w in p.write_ids],
                 )  # fmt: skip
                 acked = {k: (o, s, c) for p in entries
                          for k, o, s, c in zip(p.keys, p.offsets, p.sizes, p.checksums, strict=True)}  # fmt: skip

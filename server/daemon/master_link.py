@@ -186,11 +186,12 @@ class MasterLink:
 
     def commit_granted(
         self, grant_id: int, keys: list[BlockKey], offsets: list[int], sizes: list[int], checksums: list[int],
-        pinned: bool, cached: bool = False,
+        pinned: bool, write_ids: list[int], cached: bool = False,
     ) -> list[tuple[int, str]]:  # fmt: skip
-        """Have the master commit blocks written into a grant; per block (code, text) as in PutReply.
-        ``cached``: puts this daemon answered already (see CommitGranted)."""
-        message = CommitGranted(self.node_id, grant_id, list(keys), offsets, sizes, checksums, pinned, cached)
+        """Have the master commit blocks written into a grant, each by its put's write id; per block
+        (code, text) as in PutReply. ``cached``: puts this daemon answered already (see CommitGranted)."""
+        ids = write_ids if any(write_ids) else []
+        message = CommitGranted(self.node_id, grant_id, list(keys), offsets, sizes, checksums, pinned, cached, ids)
         # The same request id on every attempt: a commit the master made but whose answer was
         # lost is answered again, never made twice nor left unknown for a passing glitch.
         reply = self._calls.call(message, PutReply, retry_for=self._timeout)

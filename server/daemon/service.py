@@ -63,6 +63,7 @@ from kvstore.protocol import (
     WriteSlices,
 )
 from kvstore.ratelog import RateLimitedLog
+from kvstore.write_ids import check_write_ids
 from server.daemon.commits import Committer, Refused
 from server.daemon.gate import Gate
 from server.daemon.grants import Grant, Grants
@@ -434,7 +435,9 @@ class DaemonServer:
         keys = self._keys(msg.keys)
         if msg.pinned and len(msg.pinned) != len(keys):
             raise InvalidArgument(f"FetchBlocks of {len(keys)} blocks with {len(msg.pinned)} pins")
-        batch = self.storage.write_batch(keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned or False, fenced=True)
+        batch = self.storage.write_batch(
+            keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned or False, fenced=True, write_ids=msg.write_ids
+        )
         try:
             conn = Connection(msg.source, self.io_timeout, self.credential, self.peer_tls)
             try:
@@ -457,7 +460,7 @@ class DaemonServer:
         self.orphans.wrote(keys)
         try:
             batch = self.storage.write_batch(
-                keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned, confirmed=False
+                keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned, confirmed=False, write_ids=msg.write_ids
             )  # a two-trip put's: the master learns of it from its writer, after
         except InvalidArgument as exc:
             # The payload length is unknowable: the stream is out of step, so the connection must go.
@@ -498,6 +501,10 @@ class DaemonServer:
         n = len(msg.keys)
         if not len(msg.offsets) == len(msg.sizes) == len(msg.checksums) == n or any(s <= 0 for s in msg.sizes):
             raise ConnectionFailed("WriteGranted with mismatched or non-positive sizes")  # payload unknowable
+        try:
+            write_ids = check_write_ids(msg.write_ids, n, "WriteGranted.write_ids")
+        except InvalidArgument as exc:
+            raise ConnectionFailed(str(exc)) from None  # refused before its payload: the stream is out of step
         keys = self._keys(msg.keys)
         tenant = self.gate.identity(sock).tenant
         grant: Grant | None = None
@@ -509,14 +516,14 @@ class DaemonServer:
         else:  # lease over: the master may have fenced this node, and a cached put answered now could be lost
             refused = [GrantExpired("this node is fenced from the master; its grants ended")] * n
         try:
-            self._write_into_grant(msg, keys, refused, tenant, sock, request_id)
+            self._write_into_grant(msg, keys, write_ids, refused, tenant, sock, request_id)
         finally:
             if grant is not None:
                 self.grants.end_write(grant, sock)
 
     def _write_into_grant(
-        self, msg: WriteGranted, keys: list[BlockKey], refused: list[KVStoreError | None], tenant: str | None,
-        sock: socket.socket, request_id: int,
+        self, msg: WriteGranted, keys: list[BlockKey], write_ids: list[int], refused: list[KVStoreError | None],
+        tenant: str | None, sock: socket.socket, request_id: int,
     ) -> None:  # fmt: skip
         codes = [0] * len(keys)
         texts = [""] * len(keys)
@@ -536,7 +543,7 @@ class DaemonServer:
             self.storage.on_conflict(unvouched)
         batch = self.storage.write_batch(
             [keys[i] for i in todo], [msg.offsets[i] for i in todo], [msg.sizes[i] for i in todo],
-            [msg.checksums[i] for i in todo], msg.pinned,
+            [msg.checksums[i] for i in todo], msg.pinned, write_ids=[write_ids[i] for i in todo],
         )  # fmt: skip
         targets: list[memoryview] = []
         at = iter(batch.targets)
@@ -554,7 +561,7 @@ class DaemonServer:
         # A tenant's puts are always visible: its quota and caps are checked at the commit, and a put
         # acknowledged before that could not be refused after without losing it.
         if msg.cached and self.master is not None and tenant is None:
-            self._acknowledge_cached(msg, keys, todo, batch, verified, codes, texts)
+            self._acknowledge_cached(msg, keys, write_ids, todo, batch, verified, codes, texts)
             send_message(sock, PutReply(codes, texts), request_id)
             return
         ask = [j for j, ok in enumerate(verified) if ok]
@@ -566,6 +573,7 @@ class DaemonServer:
                 answers = self.master.commit_granted(
                     msg.grant_id, [keys[todo[j]] for j in ask], [msg.offsets[todo[j]] for j in ask],
                     [msg.sizes[todo[j]] for j in ask], [msg.checksums[todo[j]] for j in ask], msg.pinned,
+                    [write_ids[todo[j]] for j in ask],
                 )  # fmt: skip
             except BaseException:
                 batch.finish([False] * len(todo))
@@ -577,8 +585,8 @@ class DaemonServer:
         send_message(sock, PutReply(codes, texts), request_id)
 
     def _acknowledge_cached(
-        self, msg: WriteGranted, keys: list[BlockKey], todo: list[int], batch: WriteBatch, verified: list[bool],
-        codes: list[int], texts: list[str],
+        self, msg: WriteGranted, keys: list[BlockKey], write_ids: list[int], todo: list[int], batch: WriteBatch,
+        verified: list[bool], codes: list[int], texts: list[str],
     ) -> None:  # fmt: skip
         """A cached put's blocks, checked: committed here and answered STORED now, their commit to
         the master queued (the grant held open until it is done)."""
@@ -591,7 +599,7 @@ class DaemonServer:
             grant = self.grants.hold(msg.grant_id)  # released by the committer once the master answered
             self.committer.add(
                 msg.grant_id, [keys[i] for i in done], [msg.offsets[i] for i in done], [msg.sizes[i] for i in done],
-                [msg.checksums[i] for i in done], msg.pinned, grant,
+                [msg.checksums[i] for i in done], msg.pinned, grant, [write_ids[i] for i in done],
             )  # fmt: skip
 
     def _write_slices(self, msg: WriteSlices, sock: socket.socket, request_id: int) -> None:
@@ -616,7 +624,14 @@ class DaemonServer:
         keys = self._keys(msg.keys)
         self.orphans.wrote(keys)
         batch = self.storage.write_batch(
-            keys, msg.offsets, msg.sizes, msg.checksums, msg.pinned, join=True, confirmed=False
+            keys,
+            msg.offsets,
+            msg.sizes,
+            msg.checksums,
+            msg.pinned,
+            join=True,
+            confirmed=False,
+            write_ids=msg.write_ids,
         )  # a two-trip put's (see _write)
         outcome = batch.finish()
         self.count("shm", self.address, "in", sum(n for n, err in zip(msg.sizes, outcome, strict=True) if err is None))

@@ -25,6 +25,7 @@ from kvstore.errors import CorruptBlock, InvalidArgument, KVStoreError, NotReady
 from kvstore.keys import BlockKey, checksum
 from kvstore.protocol import InventoryItem
 from kvstore.tiers.engine import TierEngine
+from kvstore.write_ids import check_write_ids
 
 
 class BlockState(NamedTuple):
@@ -135,11 +136,14 @@ class WriteBatch:
         join: bool = False,
         fenced: bool = False,
         confirmed: bool = True,
+        write_ids: Sequence[int] = (),
     ) -> None:
         """``pinned``: for every block, or per block (a drain's copies: each as its source holds it).
-        ``confirmed``: False for a two-trip put's blocks (see :meth:`DaemonStorage.write_batch`)."""
+        ``confirmed``: False for a two-trip put's blocks (see :meth:`DaemonStorage.write_batch`).
+        ``write_ids``: per block, its put's write id, kept with it (none: not known)."""
         if not len(offsets) == len(sizes) == len(checksums) == len(keys) or any(s <= 0 for s in sizes):
             raise InvalidArgument("a write batch with mismatched or non-positive sizes")
+        self._write_ids = check_write_ids(write_ids, len(keys))
         self._storage = storage
         self._keys, self._checksums = list(keys), list(checksums)
         self._pinned = [pinned] * len(keys) if isinstance(pinned, bool) else list(pinned)
@@ -187,6 +191,9 @@ class WriteBatch:
                     if isinstance(r, memoryview)
                 ],
                 [p for p, r in zip(self._pinned, self._reserved, strict=True) if isinstance(r, memoryview)],
+                write_ids=[
+                    w for w, r in zip(self._write_ids, self._reserved, strict=True) if isinstance(r, memoryview)
+                ],
                 sums=[s for s, r in zip(sums, self._reserved, strict=True) if isinstance(r, memoryview)]
                 if sums is not None
                 else None,
@@ -279,8 +286,9 @@ class DaemonStorage:
     def inventory(self) -> list[InventoryItem]:
         """Everything held, oldest use first, as the master rebuilds its table from it."""
         with self.lock.shared():
+            extent = self.arena.extent
             dram = [
-                (e.seq, InventoryItem(e.key, "dram", self.arena.extent(e.key).offset, e.size, e.checksum, e.pinned))
+                (e.seq, InventoryItem(e.key, "dram", extent(e.key).offset, e.size, e.checksum, e.pinned, e.write_id))
                 for e in self.arena.entries()
             ]
             ssd = [
@@ -314,12 +322,15 @@ class DaemonStorage:
         join: bool = False,
         fenced: bool = False,
         confirmed: bool = True,
+        write_ids: Sequence[int] = (),
     ) -> WriteBatch:
         """``join``: a block already being written at the same extent (by WriteSlices) is committed as it is.
         ``fenced``: a copy from another daemon, refused where a drop fenced it off (see :meth:`drop`).
         ``confirmed``: False for a two-trip put's blocks, which the master learns of only after
-        (see ``_unconfirmed``); a grant's, a copy's are the master's already."""
-        return WriteBatch(self, keys, offsets, sizes, checksums, pinned, join, fenced, confirmed)
+        (see ``_unconfirmed``); a grant's, a copy's are the master's already. ``write_ids``: per
+        block its put's write id (:mod:`kvstore.write_ids`), kept with it and in the inventory;
+        InvalidArgument when they do not fit the blocks."""
+        return WriteBatch(self, keys, offsets, sizes, checksums, pinned, join, fenced, confirmed, write_ids)
 
     def begin_writes(
         self,
@@ -373,6 +384,7 @@ class DaemonStorage:
         sums: Sequence[int | None] | None = None,
         accept: Sequence[bool] | None = None,
         confirmed: bool = True,
+        write_ids: Sequence[int] = (),
     ) -> list[KVStoreError | None]:
         """Commit blocks whose bytes are in their views and match their checksums; discard the others
         (and those ``accept`` refuses: reported as None, their fate told by whoever refused them).
@@ -380,6 +392,7 @@ class DaemonStorage:
         if sums is None:
             sums = [checksum(view) for _, view, _ in blocks]  # outside the lock: readers go on meanwhile
         pins = [pinned] * len(blocks) if isinstance(pinned, bool) else pinned
+        ids = write_ids or [0] * len(blocks)
         out: list[KVStoreError | None] = []
         with self.lock.exclusive():
             for i, ((key, view, expected), actual) in enumerate(zip(blocks, sums, strict=True)):
@@ -402,7 +415,7 @@ class DaemonStorage:
                         CorruptBlock(f"block {key!r} does not match the checksum its writer sent ({expected:#x})")
                     )
                 else:
-                    self.engine.commit(key, expected, pinned=pins[i])
+                    self.engine.commit(key, expected, pinned=pins[i], write_id=ids[i])
                     self._unconfirmed.pop(key, None)
                     if not confirmed:
                         self._unconfirmed[key] = (self.arena.extent(key).offset, expected)

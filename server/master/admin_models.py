@@ -113,6 +113,7 @@ class KeyModel(BaseModel):
     key: str
     size: int
     checksum: int
+    write_id: int = Field(description="The id of the put that wrote it (0: not known; see kvstore.write_ids).")
     pinned: bool
     state: Literal["committed", "writing", "removing"]
     replicas: list[ReplicaModel]

@@ -288,7 +288,7 @@ class Commands:
         reserved for it; per block whether it is committed there, None when the target did not answer."""
         message = FetchBlocks(
             source_address, [m.key for m in group], [m.extent.offset for m in group], [m.size for m in group],
-            [m.checksum for m in group], [m.pinned for m in group],
+            [m.checksum for m in group], [m.pinned for m in group], [m.write_id for m in group],
         )  # fmt: skip
         try:
             done = (await self.call(target, Lane.COPIES, message, CommandReply)).done

@@ -86,6 +86,7 @@ from kvstore.protocol import (
     StatsReply,
 )
 from kvstore.tenants import Tenant
+from kvstore.write_ids import check_write_id, check_write_ids, same_write
 from server.master.commands import Commands, Lane
 from server.master.election import Election
 from server.master.leadership import Leadership
@@ -381,6 +382,7 @@ class MasterCore:
         keys, sizes = list(m.keys), list(m.sizes)
         if len(keys) != len(sizes):
             raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
+        check_write_id(m.write_id, "PutStart.write_id")
         self._recent_removals().reserved(keys)  # a put of them begun now: its PutEnd is judged by the table
         tickets: list[Ticket | None] = [None] * len(keys)
         todo = list(range(len(keys)))
@@ -432,7 +434,7 @@ class MasterCore:
             every = len(todo) == len(keys)
             placed = self.table.put_start(
                 keys if every else [keys[i] for i in todo], sizes if every else [sizes[i] for i in todo],
-                m.replicas, m.preferred_node, m.pin, now_ms(), tenant or "",
+                m.replicas, m.preferred_node, m.pin, now_ms(), tenant or "", m.write_id,
             )  # fmt: skip
             if every and not placed.waiting and tenant is None:
                 # Every key answered at the first ask (the common case): the reply is the plan as it is.
@@ -474,16 +476,19 @@ class MasterCore:
         ]
 
     async def put_end(self, m: PutEnd, caller: Identity = ANYONE) -> Message:
-        committed = self.table.put_end(m.keys, m.checksums)
+        write_id = check_write_id(m.write_id, "PutEnd.write_id")
+        committed = self.table.put_end(m.keys, m.checksums, write_id)
         # A put begun with a master that has since gone: its block came back in its daemon's
-        # inventory when the daemon registered here (the same bytes: the same checksum), and may
-        # have been removed since (see server.master.removed).
+        # inventory when the daemon registered here (with the put's write id), and may have been
+        # removed since (see server.master.removed). Or this answer is a retry's, the first lost.
         objects, removals = self.table.objects, self._recent_removals()
         out, gone = [], []
         for k, c, ok in zip(m.keys, m.checksums, committed, strict=True):
-            if ok or ((e := objects.get(k)) is not None and e.committed and e.checksum == c):
+            if ok or (
+                (e := objects.get(k)) is not None and e.committed and same_write(e.write_id, e.checksum, write_id, c)
+            ):
                 out.append(True)
-            elif removals.was_committed(k, c):
+            elif removals.was_committed(k, c, write_id):
                 out.append(True)
                 gone.append(k)
             else:
@@ -640,14 +645,16 @@ class MasterCore:
             for i, text in busy.items():
                 outcome[i] = (RetryLater.code, text)
             keep = [i for i in keep if i not in busy]
+        ids = check_write_ids(m.write_ids, len(m.keys), "CommitGranted.write_ids")
         if len(keep) == len(m.keys):
             outcome = self.table.commit_granted(
-                m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned, m.cached
+                m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned, m.cached, ids
             )
         else:
             part = self.table.commit_granted(
                 m.node_id, m.grant_id, [m.keys[i] for i in keep], [m.offsets[i] for i in keep],
                 [m.sizes[i] for i in keep], [m.checksums[i] for i in keep], m.pinned, m.cached,
+                [ids[i] for i in keep],
             )  # fmt: skip
             for i, result in zip(keep, part, strict=True):
                 outcome[i] = result
@@ -657,7 +664,12 @@ class MasterCore:
     async def get_replicas(self, m: GetReplicas, caller: Identity = ANYONE) -> Message:
         if m.release:
             await self.release_leases(ReleaseLeases(m.release), caller)
-        return GetReplicasReply.from_lookup(self.table.get_replicas(m.keys, now_ms(), m.lease))
+        reply = GetReplicasReply.from_lookup(self.table.get_replicas(m.keys, now_ms(), m.lease))
+        if m.write_ids:  # a put that found its key stored asks whose the block is
+            objects = self.table.objects
+            ids = [e.write_id if (e := objects.get(k)) is not None and e.committed else 0 for k in m.keys]
+            reply = structs.replace(reply, write_ids=ids)
+        return reply
 
     async def release_leases(self, m: ReleaseLeases, caller: Identity = ANYONE) -> Message:
         lease_ids = m.lease_ids
@@ -714,7 +726,11 @@ class MasterCore:
                 skip = set(held)
                 keys = [k for i, k in enumerate(keys) if i not in skip]
         objects = self.table.objects
-        stored = [(k, e.checksum) for k in keys if (e := objects.get(k)) is not None and e.committed and not e.removing]
+        stored = [
+            (k, e.write_id, e.checksum)
+            for k in keys
+            if (e := objects.get(k)) is not None and e.committed and not e.removing
+        ]
         removed, commands = self.table.remove(keys)
         self._recent_removals().removed(stored)
         self.commands.later(commands, "remove-drops")

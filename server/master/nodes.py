@@ -28,7 +28,7 @@ from transfer.aio import AsyncConnection
 
 def held_blocks(inventory: list[InventoryItem]) -> list[HeldBlock]:
     """A daemon's inventory as the placement table takes it."""
-    return [HeldBlock(i.key, TierName(i.tier), i.offset, i.size, i.checksum, i.pinned) for i in inventory]
+    return [HeldBlock(i.key, TierName(i.tier), i.offset, i.size, i.checksum, i.pinned, i.write_id) for i in inventory]
 
 
 @dataclass

@@ -242,8 +242,9 @@ def test_a_write_answered_exists_for_its_own_bytes_reports_stored(
     cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A write into a grant answered EXISTS (the daemon holds the key already) for a block that is the
-    put's own bytes, as when an earlier attempt of it landed: STORED. A put of other bytes under a
-    stored key is still EXISTS (with one more trip, to compare checksums)."""
+    put's own write, as when an earlier attempt of it landed: STORED. A put of other bytes under a
+    stored key is still EXISTS (with one more trip, to compare writes), and so is another put of the
+    same bytes."""
     write_granted = DataPath.write_granted
 
     def twice(path: DataPath, grant_id: int, blocks: list[Block], pinned: bool, cached: bool = False) -> object:
@@ -259,4 +260,7 @@ def test_a_write_answered_exists_for_its_own_bytes_reports_stored(
         assert store.put_many([("twice-2", b"2" * 100)]) == [PutStatus.STORED]
         monkeypatch.setattr(DataPath, "write_granted", write_granted)
         assert store.put("twice-1", b"x" * 100) is PutStatus.EXISTS
+        # The same bytes from another put: EXISTS (by its write id; by its checksum it said STORED).
+        assert store.put("twice-1", b"1" * 100) is PutStatus.EXISTS
+        assert store.put_many([("twice-2", b"2" * 100)]) == [PutStatus.EXISTS]
         assert store.get("twice-1") == b"1" * 100

@@ -24,7 +24,7 @@ class Master:
         self.down = False
 
     def commit(self, grant_id: int, keys: list[BlockKey], offsets: list[int], sizes: list[int],
-               checksums: list[int], pinned: bool) -> list[tuple[int, str]]:  # fmt: skip
+               checksums: list[int], pinned: bool, write_ids: list[int]) -> list[tuple[int, str]]:  # fmt: skip
         if self.down:
             raise Timeout("no reply")
         self.calls.append(list(keys))

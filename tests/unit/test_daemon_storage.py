@@ -422,3 +422,27 @@ def test_a_block_written_again_with_the_same_bytes_while_asked_about_is_kept(sto
 
     assert orphans.check(master, now=time.monotonic() + 1) == 0
     assert storage.holds(K("k"))
+
+
+def test_a_block_keeps_its_puts_write_id_for_the_next_master(tmp_path: Path) -> None:
+    """Each block's write id (kvstore.write_ids) is in the inventory a new leader adopts it from, so
+    that leader knows whose write the block is; ids are kept in memory, so an arena reopened after a
+    restart reports them unknown (0), and a batch whose ids do not fit its blocks is refused."""
+    dram = DramConfig(capacity=64 * KB, name="wid", shm_dir=tmp_path, prefault=False)
+    s = DaemonStorage(dram, SsdConfig(capacity=0))
+    batch = s.write_batch([K("a"), K("b")], [0, KB], [10, 10], [checksum(b"a" * 10), checksum(b"b" * 10)],
+                          confirmed=False, write_ids=[41, 42])  # fmt: skip
+    for target, data in zip(batch.targets, (b"a" * 10, b"b" * 10), strict=True):
+        target[:] = data
+    batch.verify()
+    assert batch.finish() == [None, None]
+    write(s, "c", 2 * KB, b"c" * 10)  # a writer that sent none
+    assert [(i.key, i.write_id) for i in s.inventory()] == [("a", 41), ("b", 42), ("c", 0)]
+    with pytest.raises(InvalidArgument, match="write_ids has 1 entries for 2 blocks"):
+        s.write_batch([K("d"), K("e")], [3 * KB, 4 * KB], [1, 1], [0, 0], write_ids=[1])
+    with pytest.raises(InvalidArgument, match=r"in \[0, 2\*\*64\), got -1"):
+        s.write_batch([K("d")], [3 * KB], [1], [0], write_ids=[-1])
+    s.close()
+    again = DaemonStorage(dram, SsdConfig(capacity=0))
+    assert [(i.key, i.write_id) for i in again.inventory()] == [("a", 0), ("b", 0), ("c", 0)]
+    again.close()

@@ -15,6 +15,7 @@ from kvstore.errors import ConnectionFailed, NotLeader, RetryLater, Timeout
 from kvstore.protocol import (
     CommandReply,
     DropBlocks,
+    FetchBlocks,
     GetReplicas,
     GetReplicasReply,
     InventoryItem,
@@ -29,6 +30,7 @@ from kvstore.protocol import (
     ReleaseLeases,
     Remove,
     RemoveReply,
+    Replicate,
 )
 from server.master.service import MasterService
 
@@ -217,4 +219,115 @@ async def test_a_put_end_of_an_adopted_block_removed_before_it_came_says_committ
     assert isinstance(start, PutStartReply) and start.statuses == ["ok"]
     await service.core.put_revoke(PutRevoke(["k"]))
     assert await service.core.put_end(PutEnd(["k"], [7])) == PutEndReply([False])  # its reservation was revoked
+    await service.stop()
+
+
+async def _one_node(inventory: list[InventoryItem] | None = None) -> tuple[MasterService, list[list[str]]]:
+    """A master with node "n0" (holding ``inventory``) whose daemon answers every command at once;
+    the drops it was sent."""
+    service = MasterService(MasterConfig(port=0))
+    drops: list[list[str]] = []
+
+    async def daemon(node_id: str, lane: str, message: Message, expect: type) -> CommandReply:
+        if isinstance(message, DropBlocks):
+            drops.append(list(message.keys))
+        return CommandReply([True] * len(message.keys))  # type: ignore[attr-defined]
+
+    service.commands.call = daemon  # type: ignore[method-assign]
+    await service.core.register(RegisterNode(
+        "n0", "127.0.0.1:40000", 64 * KB, 0, 64, inventory or [], [], "host", "", 0,
+        [Nic("lo", "127.0.0.1", -1, -1)], False, "", 0, [],
+    ))  # fmt: skip
+    return service, drops
+
+
+async def test_a_late_put_end_commits_only_a_reservation_of_its_own_write() -> None:
+    """Put 11 reserved "k", its writer stalled past the reservation, which was revoked; put 22
+    reserved "k" anew and has not written yet. Put 11's PutEnd comes now: it must not commit put
+    22's reservation (its extent holds no bytes of either yet, and its checksum would be 11's),
+    nor should put 22's end then answer EXISTS of a block that is not there. Without write ids the
+    table committed whatever reservation "k" had."""
+    service, _ = await _one_node()
+    core = service.core
+    first = await core.put_start(PutStart(["k"], [KB], 1, None, False, 11))
+    assert isinstance(first, PutStartReply) and first.statuses == ["ok"]
+    await core.put_revoke(PutRevoke(["k"]))  # as the reservation's expiry does
+    second = await core.put_start(PutStart(["k"], [KB], 1, None, False, 22))
+    assert isinstance(second, PutStartReply) and second.statuses == ["ok"]
+    assert await core.put_end(PutEnd(["k"], [7], 11)) == PutEndReply([False])
+    entry = service.table.describe("k")
+    assert entry is not None and entry["state"] == "writing"  # still put 22's, uncommitted
+    assert await core.put_end(PutEnd(["k"], [9], 22)) == PutEndReply([True])
+    assert await core.put_end(PutEnd(["k"], [9], 22)) == PutEndReply([True])  # its answer lost: asked again
+    assert await core.put_end(PutEnd(["k"], [9], 23)) == PutEndReply([False])  # the same bytes, another put's
+    got = await core.get_replicas(GetReplicas(["k", "none"], [], False, write_ids=True))
+    assert isinstance(got, GetReplicasReply) and got.checksums[0] == 9 and got.write_ids == [22, 0]
+    plain = await core.get_replicas(GetReplicas(["k"], [], False))
+    assert isinstance(plain, GetReplicasReply) and plain.write_ids == []  # only when asked
+    await service.stop()
+
+
+async def test_a_put_start_asked_again_by_its_own_put_gets_its_reservation_back() -> None:
+    """A PutStart whose answer was lost is sent again by its client: the put finds its own
+    reservation and is given the same extents (it answered EXISTS, and the put, having written
+    nothing, gave up while its reservation lingered to expiry). Another put of the key is told
+    EXISTS; the same put naming another size is refused."""
+    service, _ = await _one_node()
+    core = service.core
+    first = await core.put_start(PutStart(["a", "b"], [KB, 2 * KB], 1, None, False, 5))
+    again = await core.put_start(PutStart(["a", "b"], [KB, 2 * KB], 1, None, False, 5))
+    assert isinstance(first, PutStartReply) and isinstance(again, PutStartReply)
+    assert again.statuses == ["ok", "ok"] and again.offsets == first.offsets and again.nodes == first.nodes
+    other = await core.put_start(PutStart(["a"], [KB], 1, None, False, 6))
+    assert isinstance(other, PutStartReply) and other.statuses == ["exists"]
+    unknown = await core.put_start(PutStart(["a"], [KB], 1, None, False))  # a writer without ids
+    assert isinstance(unknown, PutStartReply) and unknown.statuses == ["exists"]
+    resized = await core.put_start(PutStart(["a"], [3 * KB], 1, None, False, 5))
+    assert isinstance(resized, PutStartReply) and resized.statuses == ["error"]
+    assert "with 1024 bytes, not 3072" in resized.errors[0]
+    assert await core.put_end(PutEnd(["a", "b"], [1, 2], 5)) == PutEndReply([True, True])
+    done = await core.put_start(PutStart(["a"], [KB], 1, None, False, 5))  # committed: nothing to resume
+    assert isinstance(done, PutStartReply) and done.statuses == ["exists"]
+    await service.stop()
+
+
+async def test_a_removed_blocks_put_knows_its_write_after_the_key_was_put_again() -> None:
+    """Put 31's block was adopted from the daemon's inventory with its write id, removed, and
+    "k" put again (put 32 begun) before put 31's PutEnd came: its bytes were the key's value,
+    so it was committed (without ids a put of the key begun here made the leader forget the
+    removal, and the put said EXISTS of its own bytes). A PutEnd of the same bytes from another
+    put (33) is not; nor is one of a removal the leader no longer remembers of the key."""
+    service, drops = await _one_node([InventoryItem("k", "dram", 0, KB, 7, False, 31)])
+    core = service.core
+    entry = service.table.objects.get("k")
+    assert entry is not None and entry.write_id == 31  # adopted with its write
+    assert await core.remove(Remove(["k"])) == RemoveReply(1, [])
+    start = await core.put_start(PutStart(["k"], [KB], 1, None, False, 32))
+    assert isinstance(start, PutStartReply) and start.statuses == ["ok"]
+    assert await core.put_end(PutEnd(["k"], [7], 33)) == PutEndReply([False])
+    assert await core.put_end(PutEnd(["k"], [7], 31)) == PutEndReply([True])
+    assert ["k"] in drops  # what the late put may still hold is dropped everywhere
+    entry = service.table.describe("k")
+    assert entry is not None and entry["state"] == "writing"  # put 32's reservation is untouched
+    await service.stop()
+
+
+async def test_a_copy_keeps_the_write_id_of_its_block() -> None:
+    """A replicate (or a drain) has the target's daemon copy a block: the copy keeps the block's write
+    id (the FetchBlocks names it), so that its inventory tells a new leader whose write it is."""
+    service, _ = await _one_node([InventoryItem("k", "dram", 0, KB, 7, False, 31)])
+    fetched: list[FetchBlocks] = []
+
+    async def daemon(node_id: str, lane: str, message: Message, expect: type) -> CommandReply:
+        if isinstance(message, FetchBlocks):
+            fetched.append(message)
+        return CommandReply([True] * len(message.keys))  # type: ignore[attr-defined]
+
+    service.commands.call = daemon  # type: ignore[method-assign]
+    await service.core.register(RegisterNode(
+        "n1", "127.0.0.1:40001", 64 * KB, 0, 64, [], [], "host", "", 0, [Nic("lo", "127.0.0.1", -1, -1)], False,
+        "", 0, [],
+    ))  # fmt: skip
+    await service.core.replicate(Replicate(["k"], "n1", 1 << 20))
+    assert [(f.keys, f.checksums, f.write_ids) for f in fetched] == [(["k"], [7], [31])]
     await service.stop()

@@ -76,7 +76,7 @@ def test_every_operation_has_its_own_kind() -> None:
 def test_the_frame_layout_is_version_request_id_then_kind_and_fields() -> None:
     frame = P.encode(P.GetReplicas(["a", "b"], [3]), 7)
     assert P.FRAME_HEADER.unpack_from(frame) == (len(frame) - 4,)
-    assert msgpack.unpackb(frame[4:]) == [P.PROTOCOL_VERSION, 7, [P.GetReplicas.KIND, ["a", "b"], [3], True]]
+    assert msgpack.unpackb(frame[4:]) == [P.PROTOCOL_VERSION, 7, [P.GetReplicas.KIND, ["a", "b"], [3], True, False]]
 
 
 def test_defaults_positional_construction_and_frozen_fields() -> None:
@@ -94,7 +94,7 @@ def test_a_trailing_field_with_a_default_may_be_left_out_and_no_other() -> None:
     assert P.decode_payload(raw(P.PROTOCOL_VERSION, 1, [P.GetReplicas.KIND, ["a"], []]))[1] == P.GetReplicas(
         ["a"], [], True
     )
-    with pytest.raises(ProtocolError, match="GetReplicas: expected 2 to 3 fields, got 1"):
+    with pytest.raises(ProtocolError, match="GetReplicas: expected 2 to 4 fields, got 1"):
         P.decode_payload(raw(P.PROTOCOL_VERSION, 1, [P.GetReplicas.KIND, ["a"]]))
 
 
@@ -181,8 +181,8 @@ def register_node(inventory: list[Any], nics: list[Any]) -> bytes:
             r"^RegisterNode.inventory\[0\].tier: invalid enum value 'tape' \(expected one of \('dram', 'ssd'\)\)",
         ),
         (
-            register_node([[*INVENTORY_ITEM, 7]], []),
-            r"^RegisterNode.inventory\[0\]: expected `array` of at most length 6",
+            register_node([[*INVENTORY_ITEM, 7, 8]], []),
+            r"^RegisterNode.inventory\[0\]: expected `array` of at most length 7",
         ),
         (
             register_node([INVENTORY_ITEM], [["eth0", "a", 1.5, 0]]),
