@@ -51,6 +51,9 @@ DISK_SHARE = 0.9
 """Of a disk that cannot hold the configured capacity, the share the tier's blocks may take."""
 IO_FAULT_HOLD_S = 60.0
 """After a write failed for another reason than space, how long the tier takes nothing."""
+ROOM_PRIOR_BYTES = 1 << 20
+"""How a tier's pages compare with its blocks' bytes is taken as equal for this much of each, before
+what it holds says otherwise (see ``SsdTier._room``)."""
 
 
 class _WriteFailed(Exception):
@@ -252,7 +255,10 @@ class SsdTier(IndexedTier[_Meta]):
     def _room(self) -> int:
         """Block bytes the disk can hold: its free space and the data file (what it holds and the
         pages it has freed, which LMDB reuses), in the proportion of the file's pages in use to the
-        block bytes they hold now (a block takes whole pages, and the tree some more)."""
+        block bytes they hold now (a block takes whole pages, and the tree some more), counted from
+        :data:`ROOM_PRIOR_BYTES` of pages and bytes alike: the few pages of a tier that holds little
+        (each tree's first leaf) say nothing of what blocks will take (one 4 KiB block in four pages
+        made a 56 MiB disk look able to hold 14 MiB, and the tier degraded before it was used)."""
         disk = allocated(self.path / "data.mdb") + fs_free(self.path)
         pages = 0
         with self._env.begin() as txn:
@@ -260,7 +266,9 @@ class SsdTier(IndexedTier[_Meta]):
                 stat = txn.stat(db)
                 pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
         in_use = pages * self._env.stat()["psize"]
-        return disk if in_use <= self._used else disk * self._used // in_use
+        if in_use <= self._used:
+            return disk
+        return disk * (self._used + ROOM_PRIOR_BYTES) // (in_use + ROOM_PRIOR_BYTES)
 
     @property
     def degraded(self) -> bool:
