@@ -252,7 +252,7 @@ class ClientCore:
         if asked:
             keys: list[str] = [items[i][0] for i in asked]
             reply = yield from call(GetReplicas(keys, [], False, write_ids=True), GetReplicasReply)
-            ids = reply.write_ids if len(reply.write_ids) == len(keys) else [0] * len(keys)  # a master without ids
+            ids = reply.write_ids if len(reply.write_ids) == len(keys) else [0] * len(keys)  # none named: unknown
             for i, size, check, stored in zip(asked, reply.sizes, reply.checksums, ids, strict=True):
                 if size == items[i][1].nbytes and same_write(stored, check, write_id, checksum(items[i][1])):
                     statuses[i] = PutStatus.STORED
@@ -450,13 +450,13 @@ class ClientCore:
             take_write_codes(plan, items, address, group, codes, failed)
         done = [i for i in sums if i not in failed]
         if failed:
-            yield from call(PutRevoke([items[i][0] for i in sorted(failed)]), OkReply)
+            yield from call(PutRevoke([items[i][0] for i in sorted(failed)], write_id), OkReply)
         if done:
             ending = PutEnd([items[i][0] for i in done], [sums[i] for i in done], write_id)
             committed = yield from call(ending, PutEndReply)
             self.hints.note(take_commits(plan, items, done, committed.committed, out))
             if plan.lost:
-                yield from call(PutRevoke([items[i][0] for i in plan.lost]), OkReply)
+                yield from call(PutRevoke([items[i][0] for i in plan.lost], write_id), OkReply)
         if plan.failure is not None:
             raise plan.failure
         return plan.retry + plan.lost, plan.unreached

@@ -263,8 +263,9 @@ class Membership:
                 slot = cat.new_key(
                     item.key, item.size, item.checksum, committed=True, pinned=item.pinned, write_id=item.write_id
                 )
-            elif not rec.write_id[slot]:
-                rec.write_id[slot] = item.write_id  # the same bytes: of the write whose id this copy kept
+            elif item.write_id and rec.write_id[slot] != item.write_id:
+                # The same bytes: of the write whose id this copy kept; copies that disagree, unknown.
+                rec.write_id[slot] = 0 if rec.write_id[slot] else item.write_id
             extent = Extent(item.offset, alloc.round_up(item.size)) if tier is DRAM else None
             node.lru(tier).insert_row(cat.add_replica(slot, node, tier, extent))
             if tier is SSD:

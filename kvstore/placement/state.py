@@ -138,9 +138,9 @@ class Move:
     gen: int = 0
     """The generation of the COPYING replica reserved on ``target``."""
     source_gen: int = 0
+    """The generation of the replica on ``source`` it is copied from."""
     write_id: int = 0
     """The write id of the put that wrote the block: the copy keeps it too."""
-    """The generation of the replica on ``source`` it is copied from."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,8 +220,8 @@ class PlacementTable:
     def put_end(self, keys: Sequence[str], checksums: Sequence[int], write_id: int = 0) -> list[bool]:
         return self._writes.put_end(keys, checksums, write_id)
 
-    def put_revoke(self, keys: Iterable[str]) -> list[NodeCommand]:
-        return self._writes.put_revoke(keys)
+    def put_revoke(self, keys: Iterable[str], write_id: int = 0) -> list[NodeCommand]:
+        return self._writes.put_revoke(keys, write_id)
 
     def remove(self, keys: Iterable[str]) -> tuple[int, list[NodeCommand]]:
         keys = list(keys)

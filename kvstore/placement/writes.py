@@ -5,10 +5,10 @@
   (the master holds the one allocator of every arena). A node that has no
   extent for the block gets eviction commands; the key waits for them
   (``PutPlan.waiting``) and is placed when the caller asks again. A key that
-  is already stored or being written reports ``exists``, unless it is being
-  written by the same put (its write id): a retried PutStart gets its extents again.
+  is already stored or being written reports ``exists``.
 - ``put_end`` commits: only then is a block visible, and only a reservation of
-  the put's own write id. An uncommitted reservation expires after ``reservation_ms``.
+  the put's own write id (``put_revoke`` gives up only those too). An uncommitted
+  reservation expires after ``reservation_ms``.
 - A revoked, expired or removed block is ``removing`` (not readable, not
   placeable) until its daemons confirm the drop; only then is its extent reused.
 """
@@ -25,7 +25,7 @@ from kvstore.allocator import Extent
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, RetryLater
 from kvstore.keys import BlockKey, validate_key, validate_keys
 from kvstore.placement.leases import LeaseId
-from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_COPYING, T_DRAM, TierLRU, gather, scatter
+from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_COPYING, TierLRU, gather, scatter
 from kvstore.placement.results import PlacedReplica, Ticket
 from kvstore.placement.state import (
     DRAM,
@@ -227,8 +227,6 @@ class Writes:
             state = cat.rec.state[slot]
             if state & REMOVING:
                 return _ticket_error(RetryLater(f"key {key!r} is being moved or removed; retry"))
-            if write_id and not state & COMMITTED and cat.rec.write_id[slot] == write_id:
-                return self._reserved_again(slot, size)
             cat.counters["put_exists"] += 1
             if state & COMMITTED:
                 cat.touch(slot)
@@ -272,22 +270,6 @@ class Writes:
             )
         return self._record(key, size, chosen, pin, now_ms, write_id)
 
-    def _reserved_again(self, slot: int, size: int) -> Ticket:
-        """The ticket of a reservation the same put asks for again (its first answer lost): its
-        extents, as they were given (a size that differs is another put's: refused)."""
-        cat = self.catalog
-        rec = cat.rec
-        if rec.size[slot] != size:
-            return _ticket_error(InvalidArgument(
-                f"key {rec.keys[slot]!r} is being written by this put with {rec.size[slot]} bytes, not {size}"
-            ))  # fmt: skip
-        replicas = []
-        for row in rec.rows(slot):
-            node = cat.node_at[rec.r_node[row]]
-            if node is not None and rec.r_tier[row] == T_DRAM and rec.r_offset[row] >= 0:
-                replicas.append(PlacedReplica(node.node_id, node.address, DRAM, rec.r_offset[row], size))
-        return Ticket("ok", replicas, 0, "")
-
     def _record(
         self, key: BlockKey, size: int, chosen: list[tuple[NodeState, Extent]], pin: bool, now_ms: int,
         write_id: int = 0,
@@ -304,7 +286,7 @@ class Writes:
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int], write_id: int = 0) -> list[bool]:
         """Commit keys reserved for the put ``write_id``; False for a key whose reservation is gone
-        (expired or revoked), or is another put's (0, from a writer without ids: any reservation)."""
+        (expired or revoked), or is another put's (another id: 0 is the id of a put that named none)."""
         cat = self.catalog
         if len(keys) != len(checksums):
             raise InvalidArgument(f"put_end got {len(keys)} keys but {len(checksums)} checksums")
@@ -326,7 +308,7 @@ class Writes:
         rows: list[int] = []
         for key, check in zip(keys, checksums, strict=True):
             slot = index.get(key)
-            if slot is None or (bits := state[slot]) & (COMMITTED | REMOVING) or (write_id and ids[slot] != write_id):
+            if slot is None or (bits := state[slot]) & (COMMITTED | REMOVING) or ids[slot] != write_id:
                 out.append(False)
                 continue
             state[slot] = bits | COMMITTED
@@ -364,7 +346,7 @@ class Writes:
             return False
         at = np.array(slots, np.intp)
         state = gather(rec.state, at)
-        if (state & (COMMITTED | REMOVING)).any() or (write_id and (gather(rec.write_id, at) != write_id).any()):
+        if (state & (COMMITTED | REMOVING)).any() or (gather(rec.write_id, at) != write_id).any():
             return False
         rows = gather(rec.head, at).astype(np.intp)
         nodes = gather(rec.r_node, rows)
@@ -381,10 +363,13 @@ class Writes:
         cat.counters["bytes_written"] += int(gather(rec.size, at).sum())
         return True
 
-    def put_revoke(self, keys: Iterable[str]) -> list[NodeCommand]:
-        """Give up reservations; their daemons must drop whatever was written before the extents are reused."""
+    def put_revoke(self, keys: Iterable[str], write_id: int = 0) -> list[NodeCommand]:
+        """Give up the reservations of the put ``write_id`` (0: of a put that named none); their
+        daemons must drop whatever was written before the extents are reused."""
         pending = self.catalog.pending
-        return self.catalog.revoke([e for k in keys if (e := pending.get(k)) is not None and not e.removing])
+        return self.catalog.revoke(
+            [e for k in keys if (e := pending.get(k)) is not None and not e.removing and e.write_id == write_id]
+        )
 
     def expire_reservations(self, now_ms: int) -> list[NodeCommand]:
         """Revoke the puts not committed by their deadline."""

@@ -24,8 +24,8 @@ class PutStart(Message, tag=20, frozen=True):
     preferred_node: str | None
     pin: bool
     write_id: int = 0
-    """The put's write id (see :data:`kvstore.keys.WriteId`; 0: none): kept with each block it places,
-    so that a PutEnd, a retried PutStart or a lookup knows the put's own write from another's."""
+    """The put's write id (:mod:`kvstore.write_ids`; 0: none): kept with each key it reserves, so that
+    its PutEnd, its PutRevoke and a lookup know the put's own write from another's."""
 
 
 class PutStartReply(Message, tag=21, frozen=True):
@@ -90,6 +90,8 @@ class PutEndReply(Message, tag=23, frozen=True):
 
 class PutRevoke(Message, tag=24, frozen=True):
     keys: list[str]
+    write_id: int = 0
+    """The put's write id, as its PutStart gave it: only reservations of that write are given up."""
 
 
 class GetReplicas(Message, tag=30, frozen=True):

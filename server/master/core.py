@@ -490,12 +490,15 @@ class MasterCore:
                 out.append(True)
             elif removals.was_committed(k, c, write_id):
                 out.append(True)
-                gone.append(k)
+                if self.table.describe(k) is None:
+                    gone.append(k)
             else:
                 out.append(False)
         # Told committed, the writer revokes nothing: a copy of its write that no node's inventory had
         # when the remove dropped the key's (written after its daemon registered) is dropped here, as
-        # the revoke of a put begun with an earlier master would drop it.
+        # the revoke of a put begun with an earlier master would drop it. Not where another put holds
+        # the key now (a drop everywhere would take its block): a stray copy is then an orphan, which
+        # its daemon's orphan check drops (no reservation of the key names that node and extent).
         if gone and not await self._drop_unplaced(gone):
             log.warning("a node did not confirm dropping %d removed keys a late PutEnd named", len(gone))
         return PutEndReply(out)
@@ -504,7 +507,8 @@ class MasterCore:
         # Waited for (a second at most): once answered, the daemons refuse every write under the
         # reservations given up (their drops void the seals), so a writer cannot half-fill an extent
         # the master hands out again. A daemon that does not answer gets its drop in the background.
-        await self.commands.soon(self.table.put_revoke(m.keys), "revoke-drops", _REVOKE_WAIT_S)
+        write_id = check_write_id(m.write_id, "PutRevoke.write_id")
+        await self.commands.soon(self.table.put_revoke(m.keys, write_id), "revoke-drops", _REVOKE_WAIT_S)
         unknown = [k for k in m.keys if self.table.describe(k) is None]
         # Reserved by a master that has since gone, so nobody knows where it was written: every
         # node drops it, before the writer's retry can store it anew.

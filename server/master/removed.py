@@ -34,8 +34,9 @@ class RecentRemovals:
     def __init__(self, kept_s: float = KEPT_S, most: int = MOST) -> None:
         self.kept_s = kept_s
         self.most = most
-        self._removed: OrderedDict[str, list[tuple[int, int, float]]] = OrderedDict()
-        """Key -> its removed blocks, oldest first: (write id, checksum, when)."""
+        self._removed: OrderedDict[str, list[tuple[int, int, float, bool]]] = OrderedDict()
+        """Key -> its removed blocks, oldest first: (write id, checksum, when, whether only a PutEnd
+        with that write id may match it: the key was reserved here since)."""
 
     def removed(self, blocks: Iterable[tuple[str, int, int]]) -> None:
         """These committed blocks, (key, write id, checksum), were removed now."""
@@ -44,7 +45,7 @@ class RecentRemovals:
         for key, write_id, check in blocks:
             kept = removed.pop(key, None) or []
             kept = [b for b in kept if now - b[2] <= self.kept_s][-(PER_KEY - 1) :]
-            kept.append((write_id, check, now))
+            kept.append((write_id, check, now, False))
             removed[key] = kept
         while len(removed) > self.most:
             removed.popitem(last=False)
@@ -57,7 +58,7 @@ class RecentRemovals:
             for key in keys:
                 kept = removed.get(key)
                 if kept is not None:
-                    kept[:] = [b for b in kept if b[0]]
+                    kept[:] = [(w, c, t, True) for w, c, t, _ in kept if w]
                     if not kept:
                         del removed[key]
 
@@ -67,4 +68,7 @@ class RecentRemovals:
         if not kept:
             return False
         now = time.monotonic()
-        return any(now - when <= self.kept_s and same_write(wid, c, write_id, check) for wid, c, when in kept)
+        return any(
+            now - when <= self.kept_s and (write_id or not by_id) and same_write(wid, c, write_id, check)
+            for wid, c, when, by_id in kept
+        )

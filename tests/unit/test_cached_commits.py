@@ -21,6 +21,7 @@ class Master:
     def __init__(self) -> None:
         self.codes: dict[str, int] = {}
         self.calls: list[list[str]] = []
+        self.write_ids: list[list[int]] = []
         self.down = False
 
     def commit(self, grant_id: int, keys: list[BlockKey], offsets: list[int], sizes: list[int],
@@ -28,6 +29,7 @@ class Master:
         if self.down:
             raise Timeout("no reply")
         self.calls.append(list(keys))
+        self.write_ids.append(list(write_ids))
         return [(self.codes.get(k, PUT_STORED), "why") for k in keys]
 
 
@@ -44,10 +46,11 @@ def test_one_group_of_every_answer_commits_refuses_and_retries_each_as_its_code_
     master, dropped, released, fails = Master(), [], [], []  # type: ignore[var-annotated]
     c = committer(master, dropped, released, fails)
     master.codes = {"exists": PUT_EXISTS, "bad": InvalidArgument.code, "busy": RetryLater.code}
-    for key, hold in (("ok", "h1"), ("exists", "h2"), ("bad", "h3"), ("busy", "h4")):
-        c.add(7, [BlockKey(key)], [0], [10], [1], False, hold)
+    for n, (key, hold) in enumerate((("ok", "h1"), ("exists", "h2"), ("bad", "h3"), ("busy", "h4"))):
+        c.add(7, [BlockKey(key)], [0], [10], [1], False, hold, [40 + n])
     assert c._round() is True  # "busy" goes back
     assert master.calls == [["ok", "exists", "bad", "busy"]]  # one request for the grant's four puts
+    assert master.write_ids == [[40, 41, 42, 43]]  # each with its put's write id
     assert sorted(dropped) == ["bad", "exists"] and c.refused == 2 and c.committed == 1
     assert sorted(released) == ["h1", "h2", "h3"] and c.holds(BlockKey("busy")) and not c.holds(BlockKey("ok"))
     master.codes = {}

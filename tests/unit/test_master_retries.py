@@ -6,6 +6,7 @@ that its block was committed though it was removed before its PutEnd came."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ from kvstore.protocol import (
     RemoveReply,
     Replicate,
 )
+from server.master.removed import PER_KEY, RecentRemovals
 from server.master.service import MasterService
 
 KB = 1024
@@ -251,7 +253,7 @@ async def test_a_late_put_end_commits_only_a_reservation_of_its_own_write() -> N
     core = service.core
     first = await core.put_start(PutStart(["k"], [KB], 1, None, False, 11))
     assert isinstance(first, PutStartReply) and first.statuses == ["ok"]
-    await core.put_revoke(PutRevoke(["k"]))  # as the reservation's expiry does
+    await core.put_revoke(PutRevoke(["k"], 11))  # as the reservation's expiry does
     second = await core.put_start(PutStart(["k"], [KB], 1, None, False, 22))
     assert isinstance(second, PutStartReply) and second.statuses == ["ok"]
     assert await core.put_end(PutEnd(["k"], [7], 11)) == PutEndReply([False])
@@ -267,27 +269,26 @@ async def test_a_late_put_end_commits_only_a_reservation_of_its_own_write() -> N
     await service.stop()
 
 
-async def test_a_put_start_asked_again_by_its_own_put_gets_its_reservation_back() -> None:
-    """A PutStart whose answer was lost is sent again by its client: the put finds its own
-    reservation and is given the same extents (it answered EXISTS, and the put, having written
-    nothing, gave up while its reservation lingered to expiry). Another put of the key is told
-    EXISTS; the same put naming another size is refused."""
+async def test_a_late_revoke_gives_up_only_a_reservation_of_its_own_write() -> None:
+    """Put 11's reservation of "k" expired and put 22 took the key; put 11's PutEnd then answered
+    not committed, and its writer revoked what it believed its own reservation: put 22's (whose
+    PutEnd then failed, and whose revoke could take 11's retry in turn). A revoke names its put's
+    write id now (one that names none gives up only a reservation that has none)."""
     service, _ = await _one_node()
     core = service.core
-    first = await core.put_start(PutStart(["a", "b"], [KB, 2 * KB], 1, None, False, 5))
-    again = await core.put_start(PutStart(["a", "b"], [KB, 2 * KB], 1, None, False, 5))
-    assert isinstance(first, PutStartReply) and isinstance(again, PutStartReply)
-    assert again.statuses == ["ok", "ok"] and again.offsets == first.offsets and again.nodes == first.nodes
-    other = await core.put_start(PutStart(["a"], [KB], 1, None, False, 6))
-    assert isinstance(other, PutStartReply) and other.statuses == ["exists"]
-    unknown = await core.put_start(PutStart(["a"], [KB], 1, None, False))  # a writer without ids
-    assert isinstance(unknown, PutStartReply) and unknown.statuses == ["exists"]
-    resized = await core.put_start(PutStart(["a"], [3 * KB], 1, None, False, 5))
-    assert isinstance(resized, PutStartReply) and resized.statuses == ["error"]
-    assert "with 1024 bytes, not 3072" in resized.errors[0]
-    assert await core.put_end(PutEnd(["a", "b"], [1, 2], 5)) == PutEndReply([True, True])
-    done = await core.put_start(PutStart(["a"], [KB], 1, None, False, 5))  # committed: nothing to resume
-    assert isinstance(done, PutStartReply) and done.statuses == ["exists"]
+    await core.put_start(PutStart(["k", "j"], [KB, KB], 1, None, False, 11))
+    await core.put_revoke(PutRevoke(["k", "j"], 11))
+    await core.put_start(PutStart(["k", "j"], [KB, KB], 1, None, False, 22))
+    assert await core.put_end(PutEnd(["k"], [7], 11)) == PutEndReply([False])
+    await core.put_revoke(PutRevoke(["k"], 11))  # the late writer's revoke
+    assert await core.put_end(PutEnd(["k"], [9], 22)) == PutEndReply([True])
+    await core.put_revoke(PutRevoke(["j"]))  # no id: only a reservation that has none
+    assert await core.put_end(PutEnd(["j"], [9])) == PutEndReply([False])  # nor is one committed
+    assert await core.put_end(PutEnd(["j"], [9], 22)) == PutEndReply([True])
+    many = [f"m{i}" for i in range(10)]  # a batch commits column-wise: the same rule
+    await core.put_start(PutStart(many, [KB] * 10, 1, None, False, 33))
+    assert await core.put_end(PutEnd(many, [1] * 10, 34)) == PutEndReply([False] * 10)
+    assert await core.put_end(PutEnd(many, [1] * 10, 33)) == PutEndReply([True] * 10)
     await service.stop()
 
 
@@ -296,7 +297,9 @@ async def test_a_removed_blocks_put_knows_its_write_after_the_key_was_put_again(
     "k" put again (put 32 begun) before put 31's PutEnd came: its bytes were the key's value,
     so it was committed (without ids a put of the key begun here made the leader forget the
     removal, and the put said EXISTS of its own bytes). A PutEnd of the same bytes from another
-    put (33) is not; nor is one of a removal the leader no longer remembers of the key."""
+    put (33), or from one that names no id, is not. Put 32 holds the key: nothing is dropped for
+    put 31's PutEnd (a drop on every node would take put 32's block); once nothing holds it, what
+    put 31 may still have written is dropped everywhere."""
     service, drops = await _one_node([InventoryItem("k", "dram", 0, KB, 7, False, 31)])
     core = service.core
     entry = service.table.objects.get("k")
@@ -304,12 +307,40 @@ async def test_a_removed_blocks_put_knows_its_write_after_the_key_was_put_again(
     assert await core.remove(Remove(["k"])) == RemoveReply(1, [])
     start = await core.put_start(PutStart(["k"], [KB], 1, None, False, 32))
     assert isinstance(start, PutStartReply) and start.statuses == ["ok"]
+    drops.clear()
     assert await core.put_end(PutEnd(["k"], [7], 33)) == PutEndReply([False])
+    assert await core.put_end(PutEnd(["k"], [7])) == PutEndReply([False])
     assert await core.put_end(PutEnd(["k"], [7], 31)) == PutEndReply([True])
-    assert ["k"] in drops  # what the late put may still hold is dropped everywhere
-    entry = service.table.describe("k")
-    assert entry is not None and entry["state"] == "writing"  # put 32's reservation is untouched
+    assert drops == []
+    described = service.table.describe("k")
+    assert described is not None and described["state"] == "writing"  # put 32's reservation is untouched
+    assert await core.put_end(PutEnd(["k"], [8], 32)) == PutEndReply([True])
+    assert await core.put_end(PutEnd(["k"], [7], 31)) == PutEndReply([True]) and drops == []
+    assert await core.remove(Remove(["k"])) == RemoveReply(1, [])
+    drops.clear()
+    assert await core.put_end(PutEnd(["k"], [7], 31)) == PutEndReply([True])  # remembered with put 32's
+    assert drops == [["k"]]  # nothing holds the key now: dropped everywhere
     await service.stop()
+
+
+def test_removals_are_remembered_per_key_by_write_for_a_while() -> None:
+    """The last PER_KEY removed blocks of a key, for kept_s; a block removed without a write id is
+    matched by its checksum until the key is reserved anew, one with an id by its id only then."""
+    removals = RecentRemovals(kept_s=60.0)
+    removals.removed([("k", i, 100 + i) for i in range(1, PER_KEY + 2)])  # one too many: the first goes
+    assert not removals.was_committed("k", 101, 1)
+    assert all(removals.was_committed("k", 100 + i, i) for i in range(2, PER_KEY + 2))
+    assert not removals.was_committed("k", 999, 2)  # the same write names its own bytes
+    assert removals.was_committed("k", 102)  # no id given: by checksum
+    removals.removed([("u", 0, 5)])  # a block whose write was not known
+    assert removals.was_committed("u", 5, 77)
+    removals.reserved(["k", "u"])
+    assert not removals.was_committed("u", 5, 77)  # the table judges it from now on
+    assert removals.was_committed("k", 102, 2) and not removals.was_committed("k", 102)
+    expired = RecentRemovals(kept_s=0.0)
+    expired.removed([("k", 1, 2)])
+    time.sleep(0.01)
+    assert not expired.was_committed("k", 2, 1)
 
 
 async def test_a_copy_keeps_the_write_id_of_its_block() -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, NoNodes, RetryLater
@@ -459,6 +461,30 @@ def test_grants_are_carved_committed_and_freed_without_handing_space_out_twice()
     table.check()
     assert table.nodes["n"].alloc.used == 64 * 1024 + 4096 + 128 + 64
     assert table.exists(["a", "b", "c", "d", "e"]) == [True, True, False, True, False]
+
+
+def test_a_grant_commit_is_answered_stored_again_for_its_own_write_only() -> None:
+    """A daemon's commit into a grant names each block's write id: asked again (its answer lost) it
+    is PUT_STORED for the same write, PUT_EXISTS for another put's of the same bytes at the same
+    extent; where either names no id, the checksum decides, as before ids."""
+    table = PlacementTable(EvictionPolicy())
+    table.register_node("n", "n:1", 1 << 20, 0, 64, [], 0)
+    grant = table.grant_space(64 * 1024, None, 1000, 0).grant
+    assert grant is not None
+    base = grant.pieces[0].offset
+    commit = partial(table.commit_granted, "n", grant.grant_id)
+    assert (
+        commit(["a", "b"], [base, base + 4096], [100, 100], [1, 2], False, write_ids=[5, 0]) == [(PUT_STORED, "")] * 2
+    )
+    assert table.objects["a"].write_id == 5 and table.objects["b"].write_id == 0
+    assert commit(["a"], [base], [100], [1], False, write_ids=[5]) == [(PUT_STORED, "")]
+    assert commit(["a"], [base], [100], [1], False, write_ids=[6])[0][0] == PUT_EXISTS
+    assert commit(["a"], [base], [100], [9], False, write_ids=[5])[0][0] == PUT_EXISTS  # its id, other bytes
+    assert commit(["a"], [base], [100], [1], False) == [(PUT_STORED, "")]  # no id: by checksum
+    assert commit(["b"], [base + 4096], [100], [2], False, write_ids=[7]) == [(PUT_STORED, "")]
+    with pytest.raises(InvalidArgument, match="write_ids has 1 entries for 2 blocks"):
+        commit(["c", "d"], [base + 8192, base + 12288], [100, 100], [1, 1], False, write_ids=[1])
+    table.check()
 
 
 def test_a_cached_commit_waits_for_a_put_still_being_written_under_its_key() -> None:

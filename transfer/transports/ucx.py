@@ -213,8 +213,8 @@ class UcxServer:
         # shared lock a read on this same loop holds across its sends, and neither would go on.
         try:
             batch = await asyncio.to_thread(  # a two-trip put's: unconfirmed until the master vouches
-                partial(self.storage.write_batch, confirmed=False), keys, msg.offsets, msg.sizes, msg.checksums,
-                msg.pinned,
+                partial(self.storage.write_batch, confirmed=False, write_ids=msg.write_ids), keys, msg.offsets,
+                msg.sizes, msg.checksums, msg.pinned,
             )  # fmt: skip
         except InvalidArgument as exc:
             raise ConnectionFailed(f"WriteBlocks: {exc}") from None  # the payload is unknowable
