@@ -119,6 +119,10 @@ that node: a block with another replica is read there, one without is read with 
 patience (a miss within it, not another whole timeout), and reads by remembered location ask the
 master. An answer from the node ends it sooner (the master fences a silent node within its TTL,
 1 s by default, and lists it no more)."""
+_GAVE_UP_KEPT_S = 1.0
+"""How long a read's give-up of a node for a key counts for that read's next step (see ClientCore._gave_up_keys)."""
+_GAVE_UP_KEYS_MAX = 4096
+"""Keys given up lately that a client remembers at most (each read's next step takes its own out)."""
 
 _REPORT_GAP_S = 0.25
 """A node this client could not reach is reported to the master (ReportNode) at most this often: the
@@ -180,6 +184,11 @@ class ClientCore:
         self._suspects: dict[str, float] = {}
         """Nodes this client reads nothing from until a time (time.monotonic()); see :data:`_SUSPECT_S`."""
         self._slow: dict[str, float] = {}
+        self._gave_up_keys: dict[str, tuple[str, float]] = {}
+        """Key -> the node a read of it gave up at its patience a moment ago, and until when that
+        counts (:data:`_GAVE_UP_KEPT_S`): the read's next step (the faces' fast path, then the
+        core's read; hinted, then located) counts that node given up for the key (see
+        :meth:`_read_located`)."""
         """Nodes this client reads last until a time (see :meth:`slow`)."""
         self.reporter: Callable[[str], None] = lambda node_id: None
         """Sends ReportNode for a node in the background (the face's: nothing waits for it)."""
@@ -564,18 +573,29 @@ class ClientCore:
         """Whether this client suspects ``node_id`` now (see :data:`_SUSPECT_S`)."""
         return _marked(self._suspects, node_id)
 
-    def note_unreachable(self, node_id: str, outcome: object, patience_s: float) -> None:
+    def note_unreachable(self, node_id: str, outcome: object, patience_s: float, keys: Sequence[str] = ()) -> None:
         """A read from ``node_id`` ended with ``outcome``: a node silent for the whole timeout is
         suspected for :data:`_SUSPECT_S`; one that did not answer within a read's ``patience_s`` (a
         hedge, or the failover) is read last for :data:`~kvstore_client.hedging.SLOW_S`
-        (:meth:`slow`: the reads behind it, and this read's next round, go elsewhere first). One that refused or dropped
+        (:meth:`slow`: the reads behind it, and this read's next round, go elsewhere first), and for
+        the read's ``keys``, given up by this read (:attr:`_gave_up_keys`). One that refused or dropped
         the connection is not suspected (that costs no wait, and a daemon restarted is read again at
         once), but it is reported to the master (:meth:`report`)."""
         if isinstance(outcome, Timeout) and not patience_s:
             self._suspects[node_id] = time.monotonic() + _SUSPECT_S
         elif isinstance(outcome, Timeout):  # given up at the read's patience: slow now, read last a while
             self.read_times.gave_up(patience_s)
-            self._slow[node_id] = time.monotonic() + SLOW_S
+            now = time.monotonic()
+            self._slow[node_id] = now + SLOW_S
+            if keys:
+                given = self._gave_up_keys
+                if len(given) + len(keys) > _GAVE_UP_KEYS_MAX:  # expired ones out, then the oldest
+                    for key in [k for k, (_, until) in given.items() if until <= now]:
+                        given.pop(key, None)
+                    while given and len(given) + len(keys) > _GAVE_UP_KEYS_MAX:
+                        given.pop(next(iter(given)), None)
+                for key in keys:
+                    given[key] = (node_id, now + _GAVE_UP_KEPT_S)
         else:
             self.report(node_id, outcome)
 
@@ -630,7 +650,7 @@ class ClientCore:
         for job, idx, outcome in zip(jobs, per_node.values(), outcomes, strict=True):
             raise_failure(outcome)
             if unreachable(outcome) or refused(outcome):  # the master's way: maybe another replica
-                self.note_unreachable(job.node_id, outcome, job.patience_s)
+                self.note_unreachable(job.node_id, outcome, job.patience_s, [keys[i] for i in idx])
                 missed.extend(keys[i] for i in idx)
                 continue
             hits, made = outcome
@@ -663,8 +683,18 @@ class ClientCore:
     def _read_located(
         self, blocks: dict[int, tuple[LocatedRef, memoryview]], verify: bool
     ) -> Op[dict[int, tuple[str, str]]]:
-        """Read located blocks, each from its replicas in turn; returns the node each was read from."""
-        plan = Failover({i: loc for i, (loc, _) in blocks.items()})
+        """Read located blocks, each from its replicas in turn; returns the node each was read from.
+        A node this read gave up a moment ago for a block (its fast path, or its read by remembered
+        location) counts as given up by this read for that block: marked slow, it is read last, and
+        its copy, when the others missed, gets the failover patience (it waited the whole timeout
+        there: 5 s reads in bench.chaos's client cuts and daemon SIGSTOPs)."""
+        now = time.monotonic()
+        given = self._gave_up_keys
+        earlier = {
+            i: node for i, (loc, _) in blocks.items()
+            if (seen := given.pop(loc.key, None)) is not None and (node := seen[0]) and seen[1] > now
+        }  # fmt: skip
+        plan = Failover({i: loc for i, (loc, _) in blocks.items()}, gave_up=earlier)
         where: dict[int, tuple[str, str]] = {}
         patience = self.read_patience_s
         while plan:

@@ -12,7 +12,7 @@ miss would be a lie. Any other error (a malformed reply, a buffer too small) fai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvstore.errors import ConnectionFailed, NotReady, Timeout
 from kvstore.protocol import LocatedRef, ReplicaRef
@@ -48,7 +48,12 @@ class Failover:
     which lists DRAM first). Only the caller that drives the rounds changes it.
     """
 
-    def __init__(self, blocks: dict[int, LocatedRef], local: Callable[[ReplicaRef], bool] | None = None) -> None:
+    def __init__(
+        self, blocks: dict[int, LocatedRef], local: Callable[[ReplicaRef], bool] | None = None,
+        gave_up: Mapping[int, str] | None = None,
+    ) -> None:  # fmt: skip
+        """``gave_up``: per block, a node this read gave up at its patience before these rounds (see
+        :meth:`returning`)."""
         self._order: dict[int, list[ReplicaRef]] = {}
         for i, loc in blocks.items():
             replicas = list(loc.replicas)
@@ -59,7 +64,7 @@ class Failover:
         self._at = dict.fromkeys(self._order, 0)
         self._deferred: set[tuple[int, str]] = set()
         """(block, node) put off to the end of the block's order once (see :meth:`defer`)."""
-        self._gave_up: dict[int, set[str]] = {}
+        self._gave_up: dict[int, set[str]] = {i: {node} for i, node in (gave_up or {}).items() if i in self._order}
         """Per block, the nodes this read asked and gave up at its patience (see :meth:`returning`)."""
         self.read: set[int] = set()
         self._refusals: dict[int, NotReady] = {}

@@ -311,6 +311,32 @@ def test_a_replica_given_up_and_read_again_last_is_a_miss_within_the_failover_no
     assert jobs == [("node0", hedge), ("node1", hedge), ("node0", core.failover_s)]
 
 
+def test_a_node_the_gets_fast_path_gave_up_is_a_miss_within_the_failover_not_the_timeout() -> None:
+    """A get's fast path (a read by remembered location, Store._hit) gave node0 up at its patience
+    for "k" (cut off from this client), and the get goes on the core's way at once: node0 is slow,
+    so "k" is read at node1 first, which misses (removed meanwhile), and node0 last. That is a node
+    this get gave up: the failover patience, a miss (it waited the whole timeout: a 5 s get in
+    bench.chaos's client cut, 3.7 s in a daemon SIGSTOP). The same read without the fast path's
+    give-up (node0 only slow for other reads) still waits for node0's last copy."""
+    core = _hedging_core()
+    hedge = core.read_patience_s
+
+    def node(node_id: str, patience: float) -> Any:
+        if node_id == "node1":
+            return [[None]]  # removed here
+        return [Timeout("node0 is cut off")]
+
+    core.note_unreachable("node0", Timeout("no reply began"), hedge, ("k",))  # the fast path's give-up
+    answer, jobs = _two_node_reads(node)
+    assert drive(core.get_many(["k"], verify=True), answer) == [None]
+    assert jobs == [("node1", hedge), ("node0", core.failover_s)]
+    core.note_unreachable("node0", Timeout("no reply began"), hedge, ("j",))  # another key's give-up
+    jobs.clear()
+    answer, jobs = _two_node_reads(lambda node_id, patience: [[None]] if node_id == "node1" else None)
+    assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
+    assert jobs == [("node1", hedge), ("node0", 0.0)]  # slow for another read: its last copy waited for
+
+
 def test_a_block_whose_every_replica_was_given_up_at_the_hedge_waits_for_its_last() -> None:
     """Both nodes slower than the hedge in one read (a busy client or host says as much as either
     node): the last replica is waited for, as before, never given the failover patience: two
