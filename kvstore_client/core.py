@@ -184,12 +184,12 @@ class ClientCore:
         self._suspects: dict[str, float] = {}
         """Nodes this client reads nothing from until a time (time.monotonic()); see :data:`_SUSPECT_S`."""
         self._slow: dict[str, float] = {}
+        """Nodes this client reads last until a time (see :meth:`slow`)."""
         self._gave_up_keys: dict[str, tuple[str, float]] = {}
         """Key -> the node a read of it gave up at its patience a moment ago, and until when that
         counts (:data:`_GAVE_UP_KEPT_S`): the read's next step (the faces' fast path, then the
         core's read; hinted, then located) counts that node given up for the key (see
         :meth:`_read_located`)."""
-        """Nodes this client reads last until a time (see :meth:`slow`)."""
         self.reporter: Callable[[str], None] = lambda node_id: None
         """Sends ReportNode for a node in the background (the face's: nothing waits for it)."""
         self.read_times = ReadTimes(self.failover_s, config.hedge_reads)
@@ -689,11 +689,11 @@ class ClientCore:
         its copy, when the others missed, gets the failover patience (it waited the whole timeout
         there: 5 s reads in bench.chaos's client cuts and daemon SIGSTOPs)."""
         now = time.monotonic()
-        given = self._gave_up_keys
-        earlier = {
-            i: node for i, (loc, _) in blocks.items()
-            if (seen := given.pop(loc.key, None)) is not None and (node := seen[0]) and seen[1] > now
-        }  # fmt: skip
+        earlier: dict[int, str] = {}
+        for i, (loc, _) in blocks.items():
+            seen = self._gave_up_keys.pop(loc.key, None)
+            if seen is not None and seen[1] > now:
+                earlier[i] = seen[0]
         plan = Failover({i: loc for i, (loc, _) in blocks.items()}, gave_up=earlier)
         where: dict[int, tuple[str, str]] = {}
         patience = self.read_patience_s
