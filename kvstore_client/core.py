@@ -716,8 +716,9 @@ class ClientCore:
             # so by this read, because the block's other replicas missed (its key removed or moved
             # meanwhile) or failed too, it gets the failover patience, as a suspected node does for its
             # blocks' last replicas: a miss within it, not a wait of the whole timeout on a node that
-            # already did not answer. A last replica this read has not given up is waited for (a slow
-            # node is alive: giving its last copy up would make a stored key a miss).
+            # already did not answer. So does a last replica after another answered it does not hold
+            # the block (Failover.returning). Any other last replica is waited for (a slow node is
+            # alive: giving its last copy up would make a stored key a miss).
             jobs = [
                 ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group],
                             patience if all(plan.has_next(i) for i, _ in group)

@@ -66,6 +66,8 @@ class Failover:
         """(block, node) put off to the end of the block's order once (see :meth:`defer`)."""
         self._gave_up: dict[int, set[str]] = {i: {node} for i, node in (gave_up or {}).items() if i in self._order}
         """Per block, the nodes this read asked and gave up at its patience (see :meth:`returning`)."""
+        self._not_held: dict[int, set[str]] = {}
+        """Per block, the nodes that answered they do not hold it (see :meth:`returning`)."""
         self.read: set[int] = set()
         self._refusals: dict[int, NotReady] = {}
         """Per block, a replica's refusal (see :func:`refused`): raised if no later replica serves it."""
@@ -83,12 +85,19 @@ class Failover:
         return self._at[i] + 1 < len(self._order[i])
 
     def returning(self, i: int) -> bool:
-        """Whether block ``i``'s current replica, its last, is one this read gave up at its patience
-        (see :meth:`take`) and comes back to because every other replica missed it or failed (was
-        refused, or gone). Not when another was given up at its patience too: two slow nodes say
-        more of this client or its host than of either node, and one of them is waited for."""
+        """Whether block ``i``'s current replica, its last, gets the failover patience rather than the
+        whole timeout: the read comes back to a node it gave up at its patience (see :meth:`take`)
+        because every other replica missed the block or failed (was refused, or gone), or another
+        replica's node answered that it does not hold the block (its key removed or moved since the
+        master located it: what is left is at most one copy, a miss within the failover patience as
+        for a key with one copy, not a wait of the whole timeout on a frozen node). Not when two
+        nodes were given up at their patience and none answered so: two slow nodes say more of this
+        client or its host than of either node, and one of them is waited for."""
         order, at = self._order[i], self._at[i]
-        return at + 1 == len(order) and self._gave_up.get(i) == {order[at].node_id}
+        if at + 1 != len(order):
+            return False
+        node_id = order[at].node_id
+        return self._gave_up.get(i) == {node_id} or bool(self._not_held.get(i, set()) - {node_id})
 
     def done(self, i: int) -> None:
         """Block ``i`` was read."""
@@ -137,10 +146,11 @@ class Failover:
                 self.missed(i)
             return
         assert isinstance(outcome, Sequence)
-        for (i, _), got in zip(group, outcome, strict=True):
+        for (i, replica), got in zip(group, outcome, strict=True):
             if ok(i, got):
                 self.done(i)
             else:
+                self._not_held.setdefault(i, set()).add(replica.node_id)
                 self.missed(i)
 
     def finish(self) -> None:
