@@ -55,6 +55,12 @@ class AsyncLink:
         self._ids = request_ids()
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
+        self._readers: set[asyncio.Task[None]] = set()
+        """Every reader task not ended yet, this connection's and failed ones': held here because the
+        event loop holds tasks weakly and a stream's protocol its reader too (one only the link held,
+        dropped with the link, was destroyed pending)."""
+        self._closed = False
+        """:meth:`close`-d: it connects no more (a request still holding it fails)."""
         self._waiting: dict[int, asyncio.Future[tuple[Message, bytes]]] = {}
         self._begun: set[int] = set()
         """Requests whose reply's payload is being read now (past any patience of theirs)."""
@@ -64,6 +70,8 @@ class AsyncLink:
         """The link's connection, made (within ``timeout``, the link's by default) if there is none."""
         timeout = timeout or self.timeout
         async with self._connecting:
+            if self._closed:
+                raise ConnectionFailed(f"the connection to {self.address} is closed")
             if self._writer is None:
                 reader, writer = await open_stream(self.address, timeout, self.tls)
                 if self.credential is not None:
@@ -79,10 +87,15 @@ class AsyncLink:
                         if isinstance(exc, OSError | ConnectionError) and not isinstance(exc, KVStoreError):
                             raise ConnectionFailed(f"authenticating to {self.address}: {exc}") from None
                         raise
+                if self._closed:  # while it connected: this connection would outlive the link
+                    writer.transport.abort()
+                    raise ConnectionFailed(f"the connection to {self.address} is closed")
                 self._writer = writer
-                self._reader_task = asyncio.create_task(
+                task = self._reader_task = asyncio.create_task(
                     self._read_replies(reader, writer), name=f"kvstore-link-{self.address}"
                 )
+                self._readers.add(task)
+                task.add_done_callback(self._readers.discard)
             return self._writer
 
     async def _read_replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -214,11 +227,17 @@ class AsyncLink:
                 future.set_exception(_GaveUp())
 
     async def close(self) -> None:
+        """Close the connection and end its reader tasks; the link connects no more. (A request on
+        it still in flight, one that took it before a new leader's link replaced it, say, would
+        otherwise connect it anew: a connection, and its reader task, nobody closes.)"""
+        self._closed = True
         self._fail_all(ConnectionFailed(f"the connection to {self.address} is closed"), abort=False)
-        if self._reader_task is not None:
-            self._reader_task.cancel()
+        readers = list(self._readers)
+        for task in readers:
+            task.cancel()
+        for task in readers:
             with contextlib.suppress(BaseException):
-                await self._reader_task
+                await task
 
 
 class ReadBatcher:
