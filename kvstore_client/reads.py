@@ -67,7 +67,7 @@ class Failover:
         self._gave_up: dict[int, set[str]] = {i: {node} for i, node in (gave_up or {}).items() if i in self._order}
         """Per block, the nodes this read asked and gave up at its patience (see :meth:`returning`)."""
         self._not_held: dict[int, set[str]] = {}
-        """Per block, the nodes that answered they do not hold it (see :meth:`returning`)."""
+        """Per block, the nodes that answered they do not hold it (see :meth:`doubted`)."""
         self.read: set[int] = set()
         self._refusals: dict[int, NotReady] = {}
         """Per block, a replica's refusal (see :func:`refused`): raised if no later replica serves it."""
@@ -85,19 +85,23 @@ class Failover:
         return self._at[i] + 1 < len(self._order[i])
 
     def returning(self, i: int) -> bool:
-        """Whether block ``i``'s current replica, its last, gets the failover patience rather than the
-        whole timeout: the read comes back to a node it gave up at its patience (see :meth:`take`)
-        because every other replica missed the block or failed (was refused, or gone), or another
-        replica's node answered that it does not hold the block (its key removed or moved since the
-        master located it: what is left is at most one copy, a miss within the failover patience as
-        for a key with one copy, not a wait of the whole timeout on a frozen node). Not when two
-        nodes were given up at their patience and none answered so: two slow nodes say more of this
-        client or its host than of either node, and one of them is waited for."""
+        """Whether block ``i``'s current replica, its last, is one this read gave up at its patience
+        (see :meth:`take`) and comes back to because every other replica missed it or failed (was
+        refused, or gone). Not when another was given up at its patience too: two slow nodes say
+        more of this client or its host than of either node, and one of them is waited for."""
         order, at = self._order[i], self._at[i]
-        if at + 1 != len(order):
-            return False
-        node_id = order[at].node_id
-        return self._gave_up.get(i) == {node_id} or bool(self._not_held.get(i, set()) - {node_id})
+        return at + 1 == len(order) and self._gave_up.get(i) == {order[at].node_id}
+
+    def doubted(self, i: int) -> bool:
+        """Whether block ``i``'s current replica is its last and another replica's node answered
+        that it does not hold the block: the key may have been removed (or put again, or moved)
+        since the master located it, or that node alone lost its copy (evicted there, drained)."""
+        order, at = self._order[i], self._at[i]
+        return at + 1 == len(order) and bool(self._not_held.get(i, set()) - {order[at].node_id})
+
+    def current(self, i: int) -> ReplicaRef:
+        """Block ``i``'s replica read next."""
+        return self._order[i][self._at[i]]
 
     def done(self, i: int) -> None:
         """Block ``i`` was read."""
