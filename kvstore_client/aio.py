@@ -141,12 +141,12 @@ class AsyncStore:
         return None
 
     async def _call(self, message: Message, expect: type[R]) -> R:
-        if self._core.closed:
-            raise StoreClosed("this AsyncStore is closed")
         deadline = time.monotonic() + self.config.timeout_s
         backoff = 0.01
         request_id = self._master.next_id()  # every attempt the same: the master answers a retry once
         while True:
+            if self._core.closed:  # closed meanwhile too: its links connect no more
+                raise StoreClosed("this AsyncStore is closed")
             try:
                 await self._follow_master()
                 return await self._request_master(message, expect, request_id)
