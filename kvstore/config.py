@@ -604,7 +604,8 @@ class ClientConfig(_Frozen):
         description="A read from a replica that has not begun answering within this goes to the block's next "
         "replica (the first is given up), as does a read by a remembered location (it asks the master then); "
         "a read with no other replica waits up to timeout_s, unless the read gave that node up already (its "
-        "other replicas missed since): then a miss after failover_ms. (A last replica after another answered "
+        "other replicas missed since) or the block has one copy, on a node a read gave up lately: then a miss "
+        "after failover_ms. (A last replica after another answered "
         "that it does not hold the block is read only where the master still places the block.) 0: every "
         "read waits up to timeout_s.",
     )  # fmt: skip

@@ -722,13 +722,18 @@ class ClientCore:
             # so by this read, because the block's other replicas missed (its key removed or moved
             # meanwhile) or failed too, it gets the failover patience, as a suspected node does for its
             # blocks' last replicas: a miss within it, not a wait of the whole timeout on a node that
-            # already did not answer. Any other last replica is waited for (a slow node is alive:
-            # giving its last copy up would make a stored key a miss).
+            # already did not answer. So does a block's one copy on a node a read gave up lately (slow:
+            # frozen, cut off from this client, or slow): a miss within it, not a wait of the whole
+            # timeout (4.7 s in bench.chaos's client cut) on a node that already did not answer. Any
+            # other last replica is waited for (two slow nodes say more of this client or its host
+            # than of either: giving the last copy up would make a stored key a miss).
             jobs = [
                 ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group],
                             patience if all(plan.has_next(i) for i, _ in group)
                             else self.failover_s if node_id in suspects
-                            or all(plan.has_next(i) or plan.returning(i) for i, _ in group) else 0.0)
+                            or all(plan.has_next(i) or plan.returning(i) or (node_id in last and plan.alone(i))
+                                   for i, _ in group)
+                            else 0.0)
                 for (node_id, address), group in rounds.items()
             ]  # fmt: skip
             began = time.monotonic()

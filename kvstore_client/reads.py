@@ -62,6 +62,8 @@ class Failover:
             if replicas:
                 self._order[i] = replicas
         self._at = dict.fromkeys(self._order, 0)
+        self._copies = {i: len(order) for i, order in self._order.items()}
+        """Per block, how many replicas the master located (see :meth:`alone`)."""
         self._deferred: set[tuple[int, str]] = set()
         """(block, node) put off to the end of the block's order once (see :meth:`defer`)."""
         self._gave_up: dict[int, set[str]] = {i: {node} for i, node in (gave_up or {}).items() if i in self._order}
@@ -98,6 +100,10 @@ class Failover:
         since the master located it, or that node alone lost its copy (evicted there, drained)."""
         order, at = self._order[i], self._at[i]
         return at + 1 == len(order) and bool(self._not_held.get(i, set()) - {order[at].node_id})
+
+    def alone(self, i: int) -> bool:
+        """Whether block ``i`` has one copy (the master located one replica)."""
+        return self._copies[i] == 1
 
     def current(self, i: int) -> ReplicaRef:
         """Block ``i``'s replica read next."""

@@ -377,6 +377,28 @@ def test_a_last_replica_after_another_answered_it_does_not_hold_the_block_is_rea
     assert jobs == ([("node0", hedge)] if read is None else [("node0", hedge), ("node1", 0.0)])
 
 
+def test_a_keys_one_copy_on_a_node_given_up_lately_is_a_miss_within_the_failover_not_the_timeout() -> None:
+    """The one copy of "k" is on node0, which this client gave up a moment ago (cut off from it: its
+    reads there do not begin within their patience; nothing fails, the packets are dropped): a miss
+    within the failover patience, not a wait of the whole timeout (4.7 s in bench.chaos's client
+    cut). On a node not given up, the one copy is waited for (a first attempt, not a failed one)."""
+    one_copy = GetReplicasReply([10], [checksum(DATA)], [1], ["node0"], [A.address], ["dram"], [0], 0, 0)
+    core = _hedging_core()
+
+    def node(node_id: str, patience: float) -> Any:
+        assert patience, "waited the whole timeout on a node this client gave up"
+        return [Timeout("node0 is cut off from this client")]
+
+    answer, jobs = _two_node_reads(node)
+    core.note_unreachable("node0", Timeout("no reply began"), core.read_patience_s, ("j",))  # another read's
+    assert drive(core.get_many(["k"], verify=True), lambda e: one_copy if isinstance(e, Call) else answer(e)) == [None]
+    assert jobs == [("node0", core.failover_s)]
+    core = _hedging_core()
+    answer, jobs = _two_node_reads(lambda node_id, patience: None)
+    assert drive(core.get_many(["k"], verify=True), lambda e: one_copy if isinstance(e, Call) else answer(e)) == [DATA]
+    assert jobs == [("node0", 0.0)]
+
+
 @pytest.mark.parametrize("failure", [ConnectionFailed("node0 is gone"), NotReady("node0's lease lapsed")])
 def test_a_last_replica_after_another_failed_is_waited_for_without_a_second_look(failure: Exception) -> None:
     """A node0 that failed instead of answering (gone, refusing) says nothing of the key: node1's
