@@ -760,17 +760,24 @@ class ClientCore:
 
     def _recheck(self, plan: Failover, blocks: list[int], located: list[LocatedRef]) -> Op[None]:
         """Blocks of ``plan`` (``located`` as this read found them) whose last replica is to be read
-        after another replica's node answered that it does not hold the block: a block the master no
-        longer places on that last node (its key removed, put again or moved since) is a miss now,
-        not a wait on that node (frozen, it would cost the whole timeout: 3.7 s in bench.chaos's
+        after another replica's node answered that it does not hold the block: where the master
+        places the block now. A block removed, or put again with other bytes, is a miss now, not a
+        wait on that last node (frozen, it would cost the whole timeout: 3.7 s in bench.chaos's
         daemon SIGSTOP); one still there is waited for as any last copy (the other node may only
-        have lost its copy: evicted there, or drained). One master round trip, only on such a miss."""
+        have lost its copy: evicted there); one moved is read where it is now, but for copies this
+        client would read without the daemon (they need the lease this second look does not take).
+        One master round trip, only after such a miss; a master that does not answer leaves the
+        blocks as they were (the read needs no master to finish)."""
         keys = [loc.key for loc in located]
-        reply = yield from call(GetReplicas(keys, [], False), GetReplicasReply)
+        try:
+            reply = yield from call(GetReplicas(keys, [], False), GetReplicasReply)
+        except KVStoreError:
+            return
         for i, before, now in zip(blocks, located, reply.located(keys), strict=True):
-            node_id = plan.current(i).node_id
-            if now is None or now.checksum != before.checksum or all(r.node_id != node_id for r in now.replicas):
+            if now is None or now.checksum != before.checksum:
                 plan.missed(i)
+            else:
+                plan.relocate(i, [r for r in now.replicas if r in before.replicas or not self.transport.local(r)])
 
     def get_range_many_into(
         self, keys: Sequence[Any], start: int, length: int, buffers: Sequence[Any]

@@ -105,6 +105,17 @@ class Failover:
         """Whether block ``i`` has one copy (the master located one replica)."""
         return self._copies[i] == 1
 
+    def relocate(self, i: int, replicas: Sequence[ReplicaRef]) -> None:
+        """Block ``i``'s replicas from its current one on are ``replicas`` now (the master's answer
+        when asked again), less those of nodes that answered they do not hold it; none left: missed."""
+        order, at = self._order[i], self._at[i]
+        gone = self._not_held.get(i, set())
+        rest = [r for r in replicas if r.node_id not in gone]
+        if not rest:
+            del self._at[i]
+            return
+        self._order[i] = order[:at] + rest
+
     def current(self, i: int) -> ReplicaRef:
         """Block ``i``'s replica read next."""
         return self._order[i][self._at[i]]

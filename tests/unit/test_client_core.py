@@ -331,13 +331,12 @@ def test_a_node_the_gets_fast_path_gave_up_is_a_miss_within_the_failover_not_the
     assert drive(core.get_many(["k"], verify=True), answer) == [None]
     assert jobs == [("node1", hedge), ("node0", core.failover_s)]
     core.note_unreachable("node0", Timeout("no reply began"), hedge, ("j",))  # another key's give-up
-    jobs.clear()
     answer, jobs = _two_node_reads(lambda node_id, patience: [[None]] if node_id == "node1" else None)
     assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
     assert jobs == [("node1", hedge), ("node0", 0.0)]  # slow for another read: its last copy waited for
 
 
-@pytest.mark.parametrize("again", ["removed", "evicted_on_node0", "still_on_both"])
+@pytest.mark.parametrize("again", ["removed", "put_again", "evicted_on_node0", "still_on_both", "moved", "no_master"])
 def test_a_last_replica_after_another_answered_it_does_not_hold_the_block_is_read_where_the_master_places_it(
     again: str,
 ) -> None:
@@ -345,13 +344,19 @@ def test_a_last_replica_after_another_answered_it_does_not_hold_the_block_is_rea
     connections stay open, nothing marks it slow or suspected). Before a wait on node1 the read asks
     the master again: "k" removed since it was located is a miss at once (bench.chaos's hour run
     waited 3.7 s on the frozen node so); "k" still on node1 (node0 alone lost its copy: evicted
-    there) is waited for, as any last copy (a stored key is never a miss for a slow node)."""
+    there) is waited for, as any last copy (a stored key is never a miss for a slow node); "k" moved
+    to node2 is read there; a master that does not answer leaves the read as it was."""
     reply = {
         "removed": GetReplicasReply([-1], [0], [0], [], [], [], [], 0, 0),
+        "put_again": GetReplicasReply(
+            [10], [checksum(b"another!!!")], [1], ["node1"], [B.address], ["dram"], [64], 0, 0
+        ),
         "evicted_on_node0": GetReplicasReply([10], [checksum(DATA)], [1], ["node1"], [B.address], ["dram"], [64], 0, 0),
         "still_on_both": _on_two_nodes(DATA),
+        "moved": GetReplicasReply([10], [checksum(DATA)], [1], ["node2"], ["10.0.0.3:1"], ["ssd"], [0], 0, 0),
+        "no_master": Timeout("the master did not answer"),
     }[again]
-    read = None if again == "removed" else DATA
+    read = None if again in ("removed", "put_again") else DATA
     core = _hedging_core()
     hedge = core.read_patience_s
     asked: list[GetReplicas] = []
@@ -360,6 +365,7 @@ def test_a_last_replica_after_another_answered_it_does_not_hold_the_block_is_rea
         if node_id == "node0":
             return [[None]]  # not held here
         assert read is not None, "waited on the frozen last replica of a removed key"
+        assert node_id == ("node2" if again == "moved" else "node1")
         return None
 
     answer, jobs = _two_node_reads(node)
@@ -369,12 +375,15 @@ def test_a_last_replica_after_another_answered_it_does_not_hold_the_block_is_rea
             assert isinstance(effect.message, GetReplicas)
             asked.append(effect.message)
             if len(asked) == 2:
+                if isinstance(reply, Exception):
+                    raise reply
                 return reply
         return answer(effect)
 
     assert drive(core.get_many(["k"], verify=True), with_master) == [read]
     assert [m.keys for m in asked] == [["k"], ["k"]] and not asked[1].lease
-    assert jobs == ([("node0", hedge)] if read is None else [("node0", hedge), ("node1", 0.0)])
+    then = [] if read is None else [("node2", 0.0)] if again == "moved" else [("node1", 0.0)]
+    assert jobs == [("node0", hedge), *then]
 
 
 def test_a_keys_one_copy_on_a_node_given_up_lately_is_a_miss_within_the_failover_not_the_timeout() -> None:
