@@ -424,6 +424,7 @@ class AsyncStore:
             answer = None
         else:
             self._core.read_times.add(time.monotonic() - began)
+            self._core.answered(place[0])
         if answer is None:
             # Not there, or its node failed: the core asks the master, not that node again (a
             # stalled node used to cost the get two timeouts).

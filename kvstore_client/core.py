@@ -119,6 +119,10 @@ that node: a block with another replica is read there, one without is read with 
 patience (a miss within it, not another whole timeout), and reads by remembered location ask the
 master. An answer from the node ends it sooner (the master fences a silent node within its TTL,
 1 s by default, and lists it no more)."""
+_UNREACHED_S = 5.0
+"""At most how long a node this client could not reach (:meth:`ClientCore.unreached`) is named to
+the master as one to place this client's puts and grants on last: an answer from the node ends it
+sooner."""
 _GAVE_UP_KEPT_S = 1.0
 """How long a read's give-up of a node for a key counts for that read's next step (see ClientCore._gave_up_keys)."""
 _GAVE_UP_KEYS_MAX = 4096
@@ -190,6 +194,9 @@ class ClientCore:
         counts (:data:`_GAVE_UP_KEPT_S`): the read's next step (the faces' fast path, then the
         core's read; hinted, then located) counts that node given up for the key (see
         :meth:`_read_located`)."""
+        self._unreached: dict[str, float] = {}
+        """Node -> until when this client names it to the master as one it could not reach lately
+        (see :meth:`unreached`)."""
         self.reporter: Callable[[str], None] = lambda node_id: None
         """Sends ReportNode for a node in the background (the face's: nothing waits for it)."""
         self.read_times = ReadTimes(self.failover_s, config.hedge_reads)
@@ -319,6 +326,7 @@ class ClientCore:
         failure raised), for the face to run."""
         self.report(job.node_id, outcome)
         if isinstance(outcome, list) and len(outcome) == 1:
+            self.answered(job.node_id)
             code = outcome[0][0]
             if code == PUT_STORED:
                 self.hints.note([(job.blocks[0].key, (job.node_id, job.address))])
@@ -358,7 +366,7 @@ class ClientCore:
             return step
         try:
             yield from self._give_back(step.retired)
-            reply = yield from call(GrantSpace(self.grants.size, preferred), GrantReply)
+            reply = yield from call(GrantSpace(self.grants.size, preferred, self.unreached()), GrantReply)
         except BaseException:
             self.grants.abandon(preferred)
             raise
@@ -413,6 +421,7 @@ class ClientCore:
         short by a change of leader after the bytes were in: a new leader adopts them from its
         inventory)."""
         if unreachable(outcome):
+            self._unreachable(job.node_id)
             if grant is not None:  # gone or stalled: the master places elsewhere
                 yield from self._give_back(self.grants.drop(grant))
             unsure.extend(todo)
@@ -438,7 +447,15 @@ class ClientCore:
         failure of a daemon that was not reached or did not answer, if one was."""
         keys: list[str] = [items[i][0] for i in todo]
         sizes = [items[i][1].nbytes for i in todo]
-        start = PutStart(keys, sizes, opts.replicas or self.config.replicas, opts.preferred_node, opts.pin, write_id)
+        start = PutStart(
+            keys,
+            sizes,
+            opts.replicas or self.config.replicas,
+            opts.preferred_node,
+            opts.pin,
+            write_id,
+            self.unreached(),
+        )
         plan = sort_tickets((yield from call(start, PutStartReply)), todo, out)
         sums = {i: checksum(items[i][1]) for group in plan.writes.values() for i, _ in group}
         jobs = [
@@ -449,7 +466,11 @@ class ClientCore:
         ]  # fmt: skip
         failed: set[int] = set()
         unsure.extend(sums)  # their bytes go out now: a commit cut short may keep them all the same
-        for (address, group), outcome in zip(plan.writes.items(), (yield from self._daemons(jobs)), strict=True):
+        for job, (address, group), outcome in zip(
+            jobs, plan.writes.items(), (yield from self._daemons(jobs)), strict=True
+        ):
+            if unreachable(outcome):  # given up at its patience, or refused: the retry is placed elsewhere
+                self._unreachable(job.node_id)
             if isinstance(outcome, KVStoreError):
                 codes = [(outcome.code, str(outcome))] * len(group)
             elif isinstance(outcome, BaseException):
@@ -583,10 +604,13 @@ class ClientCore:
         once), but it is reported to the master (:meth:`report`)."""
         if isinstance(outcome, Timeout) and not patience_s:
             self._suspects[node_id] = time.monotonic() + _SUSPECT_S
+            self._unreachable(node_id)
         elif isinstance(outcome, Timeout):  # given up at the read's patience: slow now, read last a while
             self.read_times.gave_up(patience_s)
             now = time.monotonic()
             self._slow[node_id] = now + SLOW_S
+            if patience_s >= self.failover_s:  # a failed attempt, not a hedge
+                self._unreachable(node_id)
             if keys:
                 given = self._gave_up_keys
                 if len(given) + len(keys) > _GAVE_UP_KEYS_MAX:  # expired ones out, then the oldest
@@ -599,12 +623,35 @@ class ClientCore:
         else:
             self.report(node_id, outcome)
 
+    def _unreachable(self, node_id: str) -> None:
+        self._unreached[node_id] = time.monotonic() + _UNREACHED_S
+
+    def answered(self, node_id: str) -> None:
+        """``node_id``'s daemon answered this client: it is reached (see :meth:`unreached`)."""
+        if self._unreached:
+            self._unreached.pop(node_id, None)
+
+    def unreached(self) -> list[str]:
+        """The nodes this client could not reach lately, to place its puts and grants on last
+        (``PutStart.avoid``): a write there given up at its patience or refused, a read given up
+        at the failover patience or the whole timeout, until the node's daemon answers this client
+        again (at most :data:`_UNREACHED_S`). The master may reach such a node (cut off from this
+        client alone) or not yet suspect it (frozen): it placed puts there again and again (2-3 s
+        puts in bench.chaos's client cuts, 1 s in daemon SIGSTOPs)."""
+        if not self._unreached:
+            return []
+        now = time.monotonic()
+        for node_id in [n for n, until in self._unreached.items() if until <= now]:
+            del self._unreached[node_id]
+        return sorted(self._unreached)
+
     def report(self, node_id: str, outcome: object) -> None:
         """Tell the master that ``node_id``'s daemon refused or dropped this client's connection
         (``outcome`` a ConnectionFailed; anything else is not reported), at most every
         :data:`_REPORT_GAP_S`: it fences the node at once when the daemon's process is gone."""
         if not isinstance(outcome, ConnectionFailed):
             return
+        self._unreachable(node_id)
         now = time.monotonic()
         if now - self._reported.get(node_id, -_REPORT_GAP_S) >= _REPORT_GAP_S:
             self._reported[node_id] = now
@@ -621,7 +668,14 @@ class ClientCore:
         outcomes = yield from daemons(jobs)
         for job, outcome in zip(jobs, outcomes, strict=True):
             self.report(job.node_id, outcome)
+            if self._unreached and not isinstance(outcome, BaseException) and self._through_daemon(job):
+                self.answered(job.node_id)
         return outcomes
+
+    def _through_daemon(self, job: Job) -> bool:
+        """Whether ``job``'s answer came from its node's daemon (a read of shared memory comes from
+        the arena alone: a frozen daemon's too)."""
+        return not isinstance(job, ReadLocated | ReadRanges) or self.transport.one_trip(job.node_id, job.address)
 
     def _read_hinted(
         self, keys: list[BlockKey], views: list[memoryview] | None, verify: bool, exact_size: bool, out: list[Any],

@@ -264,6 +264,7 @@ class Store:
             found = None
         else:
             self._core.read_times.add(time.monotonic() - began)
+            self._core.answered(place[0])
         if found is None:
             # Not there, or its node failed: the core asks the master, not that node again (a
             # stalled node used to cost the get two timeouts).

@@ -11,7 +11,7 @@ reused space.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvstore.allocator import Extent
@@ -45,10 +45,12 @@ class Grants:
         self._next_grant = 1
 
     def grant_space(
-        self, length: int, preferred_node: str | None, ttl_ms: int, now_ms: int, owner: str = ""
-    ) -> GrantPlan:
+        self, length: int, preferred_node: str | None, ttl_ms: int, now_ms: int, owner: str = "",
+        avoid: Collection[str] = (),
+    ) -> GrantPlan:  # fmt: skip
         """Reserve ``length`` bytes of one node's DRAM (placement as for a put, evicting by LRU first
-        when the node is above its high watermark) for ``ttl_ms``, for tenant ``owner``."""
+        when the node is above its high watermark) for ``ttl_ms``, for tenant ``owner``; nodes in
+        ``avoid`` (its client could not reach them) last."""
         cat = self.catalog
         if type(length) is not int or length <= 0:
             raise InvalidArgument(f"grant length must be a positive int, got {length!r}")
@@ -59,7 +61,7 @@ class Grants:
             return GrantPlan(None, [], False, NoNodes("no storage node is up"))
         commands: list[NodeCommand] = []
         waiting = False
-        for node in suspects_last(self.strategy(placeable, preferred_node, self.rng)):
+        for node in suspects_last(self.strategy(placeable, preferred_node, self.rng), avoid):
             if node.alloc.capacity < length:
                 continue
             extent, evicting = self.tiering.reserve(node, length, commands, owner)

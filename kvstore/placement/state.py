@@ -9,7 +9,7 @@ issuing commands, revoking puts, dropping a replica once a daemon confirmed).
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Literal, NamedTuple
@@ -96,12 +96,15 @@ class NodeState:
         return self.alloc.free_bytes / self.alloc.capacity
 
 
-def suspects_last(nodes: list[NodeState]) -> list[NodeState]:
-    """``nodes`` in the same order, but suspected ones after the others (placed on only when the
-    others cannot take a put or a grant)."""
-    if not any(n.suspect for n in nodes):
+def suspects_last(nodes: list[NodeState], avoid: Collection[str] = ()) -> list[NodeState]:
+    """``nodes`` in the same order, but suspected ones and those in ``avoid`` (nodes a client could
+    not reach) after the others (placed on only when the others cannot take a put or a grant)."""
+    if not avoid and not any(n.suspect for n in nodes):
         return nodes
-    return [n for n in nodes if not n.suspect] + [n for n in nodes if n.suspect]
+    shunned = [n.suspect or n.node_id in avoid for n in nodes]
+    return [n for n, s in zip(nodes, shunned, strict=True) if not s] + [
+        n for n, s in zip(nodes, shunned, strict=True) if s
+    ]
 
 
 @dataclass(slots=True)

@@ -213,9 +213,10 @@ class PlacementTable:
         now_ms: int,
         tenant: str = "",
         write_id: int = 0,
+        avoid: Collection[str] = (),
     ) -> PutPlan:
         self._catalog.know_tenant(tenant)
-        return self._writes.put_start(keys, sizes, replicas, preferred_node, pin, now_ms, tenant, write_id)
+        return self._writes.put_start(keys, sizes, replicas, preferred_node, pin, now_ms, tenant, write_id, avoid)
 
     def put_end(self, keys: Sequence[str], checksums: Sequence[int], write_id: int = 0) -> list[bool]:
         return self._writes.put_end(keys, checksums, write_id)
@@ -231,10 +232,11 @@ class PlacementTable:
 
     # -- grants --------------------------------------------------------------------------------
     def grant_space(
-        self, length: int, preferred_node: str | None, ttl_ms: int, now_ms: int, owner: str = ""
-    ) -> GrantPlan:
+        self, length: int, preferred_node: str | None, ttl_ms: int, now_ms: int, owner: str = "",
+        avoid: Collection[str] = (),
+    ) -> GrantPlan:  # fmt: skip
         self._catalog.know_tenant(owner)
-        return self._grants.grant_space(length, preferred_node, ttl_ms, now_ms, owner)
+        return self._grants.grant_space(length, preferred_node, ttl_ms, now_ms, owner, avoid)
 
     def confirm_grant(self, grant_id: int, deadline_ms: int) -> None:
         self._grants.confirm_grant(grant_id, deadline_ms)

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,10 +152,12 @@ class Writes:
         now_ms: int,
         tenant: str = "",
         write_id: int = 0,
+        avoid: Collection[str] = (),
     ) -> PutPlan:
         """Place ``keys`` (see :meth:`PlacementTable.put_start`) for the put ``write_id``; a put of
         ``tenant`` ("": of none, an operator's or a cluster's without tenants) evicts only that
-        tenant's blocks for its room."""
+        tenant's blocks for its room; nodes in ``avoid`` (its client could not reach them) are
+        placed on last."""
         if len(keys) != len(sizes):
             raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
         checked = validate_keys(keys)
@@ -168,7 +170,7 @@ class Writes:
         plan = PutPlan()
         # One ordering for the whole batch: a batch is usually one request's chain of blocks, and
         # keeping it together on a node keeps a prefix from spanning nodes that evict independently.
-        ordered = suspects_last(self.strategy(self.catalog.placeable(), preferred_node, self.rng))
+        ordered = suspects_last(self.strategy(self.catalog.placeable(), preferred_node, self.rng), avoid)
         run = self._reserve_run(checked, sizes, ordered[0]) if replicas == 1 and ordered else None
         if run is not None:
             self._record_run(checked, sizes, ordered[0], run, pin, now_ms, plan, write_id)

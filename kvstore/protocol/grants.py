@@ -21,6 +21,8 @@ class GrantSpace(Message, tag=70, frozen=True):
 
     length: int
     preferred_node: str | None
+    avoid: list[str] = []
+    """As :attr:`PutStart.avoid`."""
 
 
 class GrantReply(Message, tag=71, frozen=True):

@@ -26,6 +26,11 @@ class PutStart(Message, tag=20, frozen=True):
     write_id: int = 0
     """The put's write id (:mod:`kvstore.write_ids`; 0: none): kept with each key it reserves, so that
     its PutEnd, its PutRevoke and a lookup know the put's own write from another's."""
+    avoid: list[str] = []
+    """Nodes this client could not reach lately (a write there given up at its patience, refused,
+    or a node it suspects): placed on last, as suspected nodes are, when the others cannot take
+    the put. A node the master reaches may be cut off from this one client, or frozen and not yet
+    suspected by the master."""
 
 
 class PutStartReply(Message, tag=21, frozen=True):

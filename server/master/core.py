@@ -434,7 +434,7 @@ class MasterCore:
             every = len(todo) == len(keys)
             placed = self.table.put_start(
                 keys if every else [keys[i] for i in todo], sizes if every else [sizes[i] for i in todo],
-                m.replicas, m.preferred_node, m.pin, now_ms(), tenant or "", m.write_id,
+                m.replicas, m.preferred_node, m.pin, now_ms(), tenant or "", m.write_id, frozenset(m.avoid),
             )  # fmt: skip
             if every and not placed.waiting and tenant is None:
                 # Every key answered at the first ask (the common case): the reply is the plan as it is.
@@ -554,7 +554,9 @@ class MasterCore:
         grant: Grant | None = None
         try:
             for _ in range(_MAX_EVICTION_ROUNDS):
-                plan = table.grant_space(length, m.preferred_node, self.config.grant_ttl_ms, now_ms(), owner)
+                plan = table.grant_space(
+                    length, m.preferred_node, self.config.grant_ttl_ms, now_ms(), owner, frozenset(m.avoid)
+                )
                 if plan.error is not None:
                     raise plan.error
                 if plan.grant is not None:

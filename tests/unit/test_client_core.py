@@ -11,11 +11,25 @@ import pytest
 from kvstore.config import ClientConfig
 from kvstore.errors import ConnectionFailed, InvalidArgument, NotLeader, NotReady, ProtocolError, Timeout
 from kvstore.keys import checksum
-from kvstore.protocol import GetReplicas, GetReplicasReply, GrantReply, LocatedRef, ReplicaRef
+from kvstore.node_store import PutStatus
+from kvstore.protocol import (
+    GetReplicas,
+    GetReplicasReply,
+    GrantReply,
+    LocatedRef,
+    OkReply,
+    PutEnd,
+    PutEndReply,
+    PutRevoke,
+    PutStart,
+    PutStartReply,
+    ReplicaRef,
+)
 from kvstore_client.core import ClientCore, OverTcp
-from kvstore_client.effects import Call, Daemons, Effect, ReadLocated, drive
+from kvstore_client.effects import Call, Daemons, Effect, Pause, ReadLocated, WriteReserved, drive
 from kvstore_client.grants import GrantPool, NeedGrant
 from kvstore_client.hedging import MULTIPLE, WINDOW
+from kvstore_client.puts import PutOptions
 from kvstore_client.reads import Failover
 from transfer.rpc import Retry, after_failure
 
@@ -434,3 +448,40 @@ def test_a_block_whose_every_replica_was_given_up_at_the_hedge_waits_for_its_las
     answer, jobs = _two_node_reads(lambda node, patience: [Timeout(f"{node} is slow")] if patience else None)
     assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
     assert jobs == [("node0", hedge), ("node1", hedge), ("node1", 0.0)]  # node0 slow, passed by; node1 waited for
+
+
+def test_a_put_whose_write_a_node_did_not_answer_is_put_again_avoiding_that_node() -> None:
+    """A two-copy put placed on node0 and node1: node0 does not answer the write within its patience
+    (frozen, or cut off from this client alone: the master reaches it, so it would place there
+    again). The put is revoked and put again, naming node0 as a node this client could not reach
+    (PutStart.avoid); so does every put after it, until node0's daemon answers this client."""
+    core = ClientCore(ClientConfig(grant_bytes=0), OverTcp())
+    starts: list[PutStart] = []
+    placed = {"node0": A, "node1": B, "node2": ReplicaRef("node2", "10.0.0.3:1", "dram", 128)}
+
+    def answer(effect: Effect) -> Any:
+        if isinstance(effect, Call):
+            message = effect.message
+            if isinstance(message, PutStart):
+                starts.append(message)
+                nodes = [n for n in placed if n not in message.avoid][:2]
+                replicas = [placed[n] for n in nodes]
+                return PutStartReply(
+                    ["ok"], [0], [""], [2], nodes, [r.address for r in replicas], [r.offset for r in replicas]
+                )
+            if isinstance(message, PutEnd):
+                return PutEndReply([True] * len(message.keys))
+            assert isinstance(message, PutRevoke)
+            return OkReply()
+        if isinstance(effect, Pause):
+            return None
+        assert isinstance(effect, Daemons)
+        assert all(isinstance(job, WriteReserved) for job in effect.jobs)
+        return [Timeout("no reply began") if job.node_id == "node0" else [(0, "")] for job in effect.jobs]
+
+    assert drive(core.put_many([("k", DATA)], PutOptions(replicas=2)), answer) == [PutStatus.STORED]
+    assert [s.avoid for s in starts] == [[], ["node0"]]
+    assert drive(core.put_many([("j", DATA)], PutOptions(replicas=2)), answer) == [PutStatus.STORED]
+    assert starts[-1].avoid == ["node0"]
+    core.answered("node0")  # its daemon answered this client: reached again
+    assert core.unreached() == []
