@@ -575,14 +575,15 @@ class ClientCore:
 
     def write_patience_s(self, nbytes: int) -> float:
         """How long a two-trip write of ``nbytes`` waits for its daemon to answer before the put gives
-        it up (revoked, then put again: elsewhere once the master fenced a frozen or cut-off node,
-        within a node TTL): five read failovers (500 ms by default) and the bytes at 100 MB/s. 0 (the
+        it up (revoked, then put again, elsewhere: see :meth:`unreached`): two read failovers (200 ms
+        by default; a daemon answers a write in milliseconds once its bytes are in) and the bytes at
+        100 MB/s. 0 (the
         whole timeout) with ``failover_ms`` 0, or where that would reach the timeout. A write given up
         may still land: never served by key (the daemon waits for the master's word on a two-trip
         block), dropped by the revoke or as an orphan."""
         if not self.config.failover_ms:
             return 0.0
-        patience = 5 * self.failover_s + nbytes / WRITE_FLOOR_BPS
+        patience = 2 * self.failover_s + nbytes / WRITE_FLOOR_BPS
         return patience if patience < self.config.timeout_s else 0.0
 
     def slow(self, node_id: str) -> bool:
