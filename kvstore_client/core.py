@@ -283,7 +283,7 @@ class ClientCore:
         for attempt in range(self.config.put_retries + 1):
             if not todo:
                 break
-            retry, unreached = yield from self._put_round(items, todo, opts, statuses, unsure, write_id)
+            retry, unreached = yield from self._put_round(items, todo, opts, statuses, unsure, write_id, attempt)
             if not retry:
                 break
             if attempt == self.config.put_retries:
@@ -307,8 +307,8 @@ class ClientCore:
             key, view = validate_key(key), as_view(data)
         except KVStoreError:
             return None
-        if not view.nbytes:
-            return None
+        if not view.nbytes or (self._unreached and any(g.node_id in self.unreached() for g in self.grants.held())):
+            return None  # put_many gives back a grant on a node this client could not reach, and asks anew
         carved = self.grants.carve_held([view.nbytes], None)
         if carved is None:
             return None  # put_many asks for a grant (and gives back the one it retires)
@@ -361,6 +361,11 @@ class ClientCore:
         return (yield from self._own_exists(items, unsure, done, block.write_id))
 
     def _carve(self, sizes: list[int], preferred: str | None) -> Op[Carved | None]:
+        if self._unreached:  # a grant on a node this client could not reach is given back: the next avoids it
+            unreached = self.unreached()
+            for grant in self.grants.held():
+                if grant.node_id in unreached:
+                    yield from self._give_back(self.grants.drop(grant))
         step = self.grants.carve(sizes, preferred)
         if not isinstance(step, NeedGrant):
             return step
@@ -441,10 +446,11 @@ class ClientCore:
 
     def _put_round(
         self, items: Items, todo: list[int], opts: PutOptions, out: list[PutStatus | None], unsure: list[int],
-        write_id: int,
+        write_id: int, attempt: int = 0,
     ) -> Op[tuple[list[int], KVStoreError | None]]:  # fmt: skip
-        """One put_start/write/put_end round over ``todo``; returns the indexes to retry, and the
-        failure of a daemon that was not reached or did not answer, if one was."""
+        """One put_start/write/put_end round over ``todo`` (the put's ``attempt``-th); returns the
+        indexes to retry, and the failure of a daemon that was not reached or did not answer, if
+        one was."""
         keys: list[str] = [items[i][0] for i in todo]
         sizes = [items[i][1].nbytes for i in todo]
         start = PutStart(
@@ -461,7 +467,7 @@ class ClientCore:
         jobs = [
             WriteReserved(group[0][1].node_id, address,
                   [Block(items[i][0], items[i][1], r.offset, sums[i], r.seal, write_id) for i, r in group], opts.pin,
-                  self.write_patience_s(sum(items[i][1].nbytes for i, _ in group)))
+                  self.write_patience_s(sum(items[i][1].nbytes for i, _ in group), attempt))
             for address, group in plan.writes.items()
         ]  # fmt: skip
         failed: set[int] = set()
@@ -573,17 +579,18 @@ class ClientCore:
         hedging (``ClientConfig.hedge_reads``), else :attr:`failover_s`."""
         return self.read_times.patience_s
 
-    def write_patience_s(self, nbytes: int) -> float:
+    def write_patience_s(self, nbytes: int, attempt: int = 0) -> float:
         """How long a two-trip write of ``nbytes`` waits for its daemon to answer before the put gives
         it up (revoked, then put again, elsewhere: see :meth:`unreached`): two read failovers (200 ms
-        by default; a daemon answers a write in milliseconds once its bytes are in) and the bytes at
-        100 MB/s. 0 (the
+        by default; a daemon answers a write in milliseconds once its bytes are in), doubled at each
+        attempt of the put after its first (a node slower than that but alive serves a later one), and
+        the bytes at 100 MB/s. 0 (the
         whole timeout) with ``failover_ms`` 0, or where that would reach the timeout. A write given up
         may still land: never served by key (the daemon waits for the master's word on a two-trip
         block), dropped by the revoke or as an orphan."""
         if not self.config.failover_ms:
             return 0.0
-        patience = 2 * self.failover_s + nbytes / WRITE_FLOOR_BPS
+        patience = 2 * self.failover_s * 2 ** min(attempt, 16) + nbytes / WRITE_FLOOR_BPS
         return patience if patience < self.config.timeout_s else 0.0
 
     def slow(self, node_id: str) -> bool:
@@ -641,10 +648,11 @@ class ClientCore:
         puts in bench.chaos's client cuts, 1 s in daemon SIGSTOPs)."""
         if not self._unreached:
             return []
-        now = time.monotonic()
-        for node_id in [n for n, until in self._unreached.items() if until <= now]:
-            del self._unreached[node_id]
-        return sorted(self._unreached)
+        now = time.monotonic()  # callers' threads share it (the blocking face): no iteration of the dict itself
+        for node_id, until in list(self._unreached.items()):
+            if until <= now:
+                self._unreached.pop(node_id, None)
+        return sorted(self._unreached.copy())
 
     def report(self, node_id: str, outcome: object) -> None:
         """Tell the master that ``node_id``'s daemon refused or dropped this client's connection
@@ -674,9 +682,11 @@ class ClientCore:
         return outcomes
 
     def _through_daemon(self, job: Job) -> bool:
-        """Whether ``job``'s answer came from its node's daemon (a read of shared memory comes from
-        the arena alone: a frozen daemon's too)."""
-        return not isinstance(job, ReadLocated | ReadRanges) or self.transport.one_trip(job.node_id, job.address)
+        """Whether ``job``'s answer came from its node's daemon (a read of a DRAM copy in shared
+        memory comes from the arena alone: a frozen daemon's too)."""
+        return not isinstance(job, ReadLocated | ReadRanges) or not all(
+            self.transport.local(r) for _, r, _ in job.blocks
+        )
 
     def _read_hinted(
         self, keys: list[BlockKey], views: list[memoryview] | None, verify: bool, exact_size: bool, out: list[Any],

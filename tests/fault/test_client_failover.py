@@ -120,8 +120,8 @@ def test_after_a_node_failed_a_read_its_single_copies_miss_at_once(cluster: Loca
 @pytest.mark.parametrize("face", FACES)
 def test_a_two_trip_put_to_a_frozen_node_is_put_again_elsewhere_not_after_the_timeout(face: str) -> None:
     """A write the master reserved on a node that then froze: the client gives it up once its daemon
-    has not answered within the write patience (half a second and the bytes at 100 MB/s), revokes
-    and puts it again, elsewhere once the master fenced the node (its TTL, 1 s). The client's
+    has not answered within the write patience (200 ms and the bytes at 100 MB/s), revokes and puts
+    it again, elsewhere (it names the node to the master as one it could not reach). The client's
     timeout is 30 s: only a put that waited it out fails the half-timeout bound below."""
     with LocalCluster(2, dram="8MiB") as cluster:  # the default node TTL: the frozen node is fenced
         frozen = cluster.node_name(0)

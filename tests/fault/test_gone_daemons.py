@@ -120,7 +120,8 @@ def test_a_frozen_node_is_suspected_and_new_blocks_go_elsewhere_until_it_heartbe
     """A frozen daemon misses two heartbeats and does not answer the master's probe: the master
     suspects it and places new blocks on the others first, even a put that prefers it (a put placed
     there waited out its write patience, was put again there, and so on until the fence: a minute
-    here). Its first heartbeat after the thaw clears the suspicion."""
+    here; a client that gave the node up names it to avoid since, but this checks the master's own
+    view, with a client new to the node). Its first heartbeat after the thaw clears the suspicion."""
     grantless = ClientConfig(transport="tcp", timeout_s=5.0, grant_bytes=0)
     flags = ("--node-ttl-ms", str(TTL_MS), "--heartbeat-ms", "200")
     with LocalCluster(3, dram="8MiB", master_args=flags) as c, Store.connect(c.master_address, grantless) as store:

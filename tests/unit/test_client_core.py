@@ -16,6 +16,7 @@ from kvstore.protocol import (
     GetReplicas,
     GetReplicasReply,
     GrantReply,
+    GrantSpace,
     LocatedRef,
     OkReply,
     PutEnd,
@@ -24,9 +25,10 @@ from kvstore.protocol import (
     PutStart,
     PutStartReply,
     ReplicaRef,
+    ReturnGrants,
 )
 from kvstore_client.core import ClientCore, OverTcp
-from kvstore_client.effects import Call, Daemons, Effect, Pause, ReadLocated, WriteReserved, drive
+from kvstore_client.effects import Call, Daemons, Effect, Notify, Pause, ReadLocated, WriteReserved, drive
 from kvstore_client.grants import GrantPool, NeedGrant
 from kvstore_client.hedging import MULTIPLE, WINDOW
 from kvstore_client.puts import PutOptions
@@ -215,6 +217,8 @@ def test_a_get_whose_only_copy_is_on_a_refusing_node_raises_instead_of_missing()
 def test_a_two_trip_write_waits_its_patience_then_the_whole_timeout_only_where_that_is_shorter() -> None:
     core = ClientCore(ClientConfig(timeout_s=10.0), OverTcp())
     assert core.write_patience_s(4096) == pytest.approx(0.2 + 4096 / 100e6)  # two read failovers, the bytes
+    assert core.write_patience_s(4096, attempt=2) == pytest.approx(0.8 + 4096 / 100e6)  # doubled at each attempt
+    assert core.write_patience_s(4096, attempt=6) == 0.0  # 12.8 s: the timeout bounds it
     assert core.write_patience_s(1 << 30) == 0.0  # 10.7 s of bytes at the floor rate: the timeout bounds it
     assert ClientCore(ClientConfig(failover_ms=0), OverTcp()).write_patience_s(4096) == 0.0
 
@@ -485,3 +489,35 @@ def test_a_put_whose_write_a_node_did_not_answer_is_put_again_avoiding_that_node
     assert starts[-1].avoid == ["node0"]
     core.answered("node0")  # its daemon answered this client: reached again
     assert core.unreached() == []
+
+
+def test_a_grant_on_a_node_this_client_could_not_reach_is_given_back_and_the_next_avoids_it() -> None:
+    """The client holds its grant on node0, then cannot reach node0 (a read there waited its whole
+    timeout): its next put does not write into that grant (a one-trip write there has no patience:
+    it would wait the whole timeout) but gives it back and asks for one, naming node0 to avoid."""
+    core = ClientCore(ClientConfig(), OverTcp())
+    nodes = {"node0": "10.0.0.1:1", "node1": "10.0.0.2:1"}
+    asked: list[GrantSpace] = []
+    returned: list[int] = []
+    written: list[str] = []
+
+    def answer(effect: Effect) -> Any:
+        if isinstance(effect, Call):
+            assert isinstance(effect.message, GrantSpace)
+            asked.append(effect.message)
+            node = next(n for n in nodes if n not in effect.message.avoid)
+            return GrantReply(len(asked), node, nodes[node], 0, 1 << 20, 60_000, 64)
+        if isinstance(effect, Notify):
+            assert isinstance(effect.message, ReturnGrants)
+            returned.extend(effect.message.grant_ids)
+            return None
+        assert isinstance(effect, Daemons)
+        written.extend(job.node_id for job in effect.jobs)
+        return [[(0, "")] for _ in effect.jobs]
+
+    assert drive(core.put_many([("k", DATA)], None), answer) == [PutStatus.STORED]
+    assert written == ["node0"] and core.granted_block("j", DATA, None) is not None
+    core.note_unreachable("node0", Timeout("no reply within the timeout"), 0.0)
+    assert core.granted_block("j", DATA, None) is None  # not into node0's grant
+    assert drive(core.put_many([("j", DATA)], None), answer) == [PutStatus.STORED]
+    assert returned == [1] and [a.avoid for a in asked] == [[], ["node0"]] and written == ["node0", "node1"]
