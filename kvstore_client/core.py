@@ -307,7 +307,7 @@ class ClientCore:
             key, view = validate_key(key), as_view(data)
         except KVStoreError:
             return None
-        if not view.nbytes or (self._unreached and any(g.node_id in self.unreached() for g in self.grants.held())):
+        if not view.nbytes or self._grants_unreached():
             return None  # put_many gives back a grant on a node this client could not reach, and asks anew
         carved = self.grants.carve_held([view.nbytes], None)
         if carved is None:
@@ -360,12 +360,16 @@ class ClientCore:
         done = yield from self._put_rounds(items, todo, PutOptions(pin=job.pinned), statuses, unsure, block.write_id)
         return (yield from self._own_exists(items, unsure, done, block.write_id))
 
+    def _grants_unreached(self) -> list[Grant]:
+        """The grants this client holds on nodes it could not reach lately (see :meth:`unreached`)."""
+        if not self._unreached:
+            return []
+        unreached = self.unreached()
+        return [g for g in self.grants.held() if g.node_id in unreached]
+
     def _carve(self, sizes: list[int], preferred: str | None) -> Op[Carved | None]:
-        if self._unreached:  # a grant on a node this client could not reach is given back: the next avoids it
-            unreached = self.unreached()
-            for grant in self.grants.held():
-                if grant.node_id in unreached:
-                    yield from self._give_back(self.grants.drop(grant))
+        for grant in self._grants_unreached():  # given back: the next grant avoids its node
+            yield from self._give_back(self.grants.drop(grant))
         step = self.grants.carve(sizes, preferred)
         if not isinstance(step, NeedGrant):
             return step
