@@ -438,6 +438,18 @@ class MasterConfig(_Frozen):
     grant_fraction: float = Field(
         default=1 / 64, gt=0, le=0.5, description="Largest grant, as a fraction of a node's DRAM."
     )
+    kv_events: str | None = Field(
+        default=None,
+        description="ZMQ endpoint to publish KV events on (tcp://*:5557; a port of * or 0: any): each replica "
+        "stored or dropped, in vLLM's format with Mooncake's medium and backend_id (see kvstore.events).",
+    )  # fmt: skip
+    kv_events_replay: str | None = Field(
+        default=None, description="ZMQ endpoint (ROUTER) where subscribers that fell behind replay KV events."
+    )
+    kv_events_buffer: int = Field(
+        default=10_000, ge=1, description="KV event batches kept for replay (each up to 1024 events)."
+    )
+    kv_events_topic: str = Field(default="", description="The topic frame of each KV events message.")
     admin_port: int | None = Field(
         default=None, ge=0, le=65535, description="Port of the REST admin API, /metrics and the dashboard (0: any)."
     )

@@ -142,6 +142,7 @@ class LocalCluster:
         die_with_parent: bool = False,
         groups: int | None = None,
         daemon_metrics: bool = False,
+        kv_events: bool = False,
     ) -> None:
         """``etcd``: run ``masters`` HA masters electing a leader in that etcd (host:port[,...]);
         clients and daemons then reach the leader at :attr:`master_address`, an etcd:// URL.
@@ -153,7 +154,8 @@ class LocalCluster:
         ``groups`` (root only): each process runs with a group id of its own, master ``m`` ``groups + m``
         and daemon ``i`` ``groups + 8 + i`` (:meth:`gid`), so that a firewall's owner match can tell
         their packets apart on loopback (``bench.chaos``'s partitions). ``daemon_metrics``: each daemon
-        serves its Prometheus metrics (at :attr:`daemon_metrics`, host:port; kept across restarts)."""
+        serves its Prometheus metrics (at :attr:`daemon_metrics`, host:port; kept across restarts).
+        ``kv_events``: each master publishes KV events, at :attr:`kv_events` (its PUB and replay endpoints)."""
         self.die_with_parent = die_with_parent and sys.platform == "linux"
         if groups is not None and (os.geteuid() != 0 or max(masters, daemons) > 8):
             raise InvalidArgument(
@@ -168,6 +170,10 @@ class LocalCluster:
         """Each master's own host:port (HA: leader or standby)."""
         self.master_admin: list[str] = [""] * len(self.masters)
         """Each HA master's admin API host:port (with ``admin=True``)."""
+        self.kv_events: list[tuple[str, str]] = [("", "")] * len(self.masters)
+        """Each master's KV events endpoints, (publish, replay) (with ``kv_events=True``)."""
+        if kv_events:
+            master_args = ("--kv-events", "tcp://127.0.0.1:*", "--kv-events-replay", "tcp://127.0.0.1:*", *master_args)
         self.num_daemons = daemons
         self.dram, self.ssd = str(dram), str(ssd)
         self._own_workdir = workdir is None
@@ -280,6 +286,7 @@ class LocalCluster:
         assert self.master.stdout is not None
         line = _read_line(self.master.stdout, _START_TIMEOUT, "the master")
         self.master_address = line.rsplit(" ", 1)[-1]
+        self._read_events(0, self.master.stdout)
         if self.admin:
             line = _read_line(self.master.stdout, _START_TIMEOUT, "the master's admin API")
             self.admin_address = line.rsplit("//", 1)[-1]
@@ -298,11 +305,20 @@ class LocalCluster:
         assert proc.stdout is not None
         line = _read_line(proc.stdout, _START_TIMEOUT, f"master {m}")
         self.master_rpc[m] = line.rsplit(" ", 1)[-1]
+        self._read_events(m, proc.stdout)
         if self.admin:
             self.master_admin[m] = _read_line(proc.stdout, _START_TIMEOUT, f"master {m}'s admin API").rsplit("//")[-1]
         if m == 0:
             self.master = proc
             self.admin_address = self.master_admin[0]
+
+    def _read_events(self, m: int, stdout: IO[str]) -> None:
+        """Master ``m``'s KV events endpoints, from the line it prints after its address."""
+        if "--kv-events" not in self.master_args:
+            return
+        line = _read_line(stdout, _START_TIMEOUT, f"master {m}'s KV events")
+        pub, _, replay = line.removeprefix("kvstore KV events on ").partition(", replay on ")
+        self.kv_events[m] = (pub, replay)
 
     def leader_index(self, timeout: float = 15.0) -> int:
         """The index of the running HA master etcd names as leader (waiting for an election to end)."""

@@ -41,6 +41,12 @@ def _master_arguments(p: argparse.ArgumentParser) -> None:
         help="fence a node only after its TTL, even when its daemon's port refuses (a firewall answers refusals)",
     )  # fmt: skip
     p.add_argument("--admin-port", type=int, default=None, help="REST admin API, /metrics and dashboard port")
+    p.add_argument(
+        "--kv-events", default=None, metavar="tcp://H:P",
+        help="publish KV events (vLLM's ZMQ format) of every replica stored or dropped on this endpoint",
+    )  # fmt: skip
+    p.add_argument("--kv-events-replay", default=None, metavar="tcp://H:P", help="replay endpoint of the KV events")
+    p.add_argument("--kv-events-buffer", type=int, default=None, metavar="N", help="KV event batches kept for replay")
     p.add_argument("--etcd", default=None, metavar="H:2379[,H2:2379]", help="HA: elect a leader in this etcd")
     p.add_argument("--cluster-id", default=None, help="HA: the cluster's id in etcd (with --etcd)")
     p.add_argument("--etcd-lease-ttl", type=int, default=None, metavar="S", help="HA: the leader's lease (seconds)")
@@ -88,6 +94,9 @@ def _master(args: argparse.Namespace) -> int:
         "heartbeat_interval_ms": args.heartbeat_ms,
         "fence_refused": args.fence_refused,
         "admin_port": args.admin_port,
+        "kv_events": args.kv_events,
+        "kv_events_replay": args.kv_events_replay,
+        "kv_events_buffer": args.kv_events_buffer,
         "etcd": args.etcd,
         "cluster_id": args.cluster_id,
         "etcd_lease_ttl_s": args.etcd_lease_ttl,

@@ -470,6 +470,8 @@ class Membership:
         node = self.catalog.nodes[node_id]
         node.up, node.fenced = False, True
         self.catalog.counters["fences"] += 1
+        if (events := self.catalog.rec.events) is not None:
+            events.append((False, node.idx, -1, ""))  # all its blocks: unread until it registers again
         node.gone |= self._dropping_on(node_id, forget=True)
         self.records_changed.add(node_id)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from array import array
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -100,6 +100,11 @@ class Records:
         """Owner (a tenant) -> its small int; "" (keys of no tenant) is 0."""
         self.owners_used = False
         """Whether any key has an owner other than 0 (else every LRU has the one log)."""
+        self.events: list[tuple[bool, int, int, str]] | None = None
+        """When a list (a master that publishes KV events): each replica that joins or leaves a
+        :class:`TierLRU` (stored on that node and tier, or not), as (joined, node index, tier, key),
+        and each node fenced, as (False, node index, -1, ""), in order. Its reader takes the list
+        and puts an empty one in its place."""
 
     def __len__(self) -> int:
         return len(self.index)
@@ -424,6 +429,12 @@ class TierLRU:
             nbytes = sum(size[slots[r]] for r in rows) if new else 0
             self._logged(self._log(who), [s for s, _ in entries], rows, len(rows) if new else 0, nbytes)
 
+    def _tell(self, joined: bool, slots: Iterable[int]) -> None:
+        """Note for :attr:`Records.events` that the keys in ``slots`` joined (or left) this LRU."""
+        rec = self._rec
+        keys, node, tier = rec.keys, self.node, self.tier
+        rec.events.extend((joined, node, tier, keys[s]) for s in slots)  # type: ignore[union-attr,misc]
+
     # -- by row: the table's hot paths -----------------------------------------------------------
     def insert_row(self, row: int) -> None:
         """Add the replica in ``row`` (of this node and tier, in no LRU) as the most recently used."""
@@ -435,6 +446,8 @@ class TierLRU:
         rec.r_lru[row] = 1
         self._len += 1
         self.total_bytes += rec.size[slot]
+        if rec.events is not None:
+            rec.events.append((True, self.node, self.tier, rec.keys[slot]))  # type: ignore[arg-type]
         if rec.state[slot] & PINNED:
             self.num_pinned += 1
             self._pinned.add(row)
@@ -465,6 +478,8 @@ class TierLRU:
         self._len += len(rows)
         self.total_bytes += total
         self.num_pinned += len(pinned)
+        if rec.events is not None:
+            self._tell(True, [r_slot[row] for row in rows])
         if pinned:
             self._pinned.update(pinned)
             kept = set(pinned)
@@ -500,6 +515,8 @@ class TierLRU:
         scatter(rec.r_stamp, rows, stamps)
         scatter(rec.r_lru, rows, 1)
         slots = gather(rec.r_slot, rows)
+        if rec.events is not None:
+            self._tell(True, slots.tolist())
         pinned = (gather(rec.state, slots) & PINNED) != 0
         self._len += n
         self.total_bytes += int(gather(rec.size, slots).sum())
@@ -549,6 +566,8 @@ class TierLRU:
             return False
         rec.r_lru[row] = 0
         slot = rec.r_slot[row]
+        if rec.events is not None:
+            self._tell(False, (slot,))
         self._len -= 1
         self.total_bytes -= rec.size[slot]
         if rec.state[slot] & PINNED:

@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple
 
 from kvstore.allocator import Allocator, Extent
 from kvstore.config import MIN_BLOCK_BYTES
+from kvstore.events import EngineBlock
 from kvstore.placement.leases import Holder, Leases
 from kvstore.placement.records import COMMITTED, PINNED, REMOVING, S_MOVING, S_READY, T_DRAM, T_SSD, Records, TierLRU
 from kvstore.placement.views import (  # noqa: F401  (the table's parts read the views from here)
@@ -289,6 +290,11 @@ class Catalog:
         """The keys of each owner with a name (a tenant), pending or stored; kept only with
         ``keys_by_owner`` (a master with tenants: their quotas evict by it), else empty."""
         self.clock = 0
+        self.labels: dict[str, EngineBlock] = {}
+        """Keys an engine named (:meth:`PlacementTable.label`) -> its name for them, for the KV events:
+        kept while the key is in the table (and for :data:`LABELS_UNPLACED` keys not yet in it)."""
+        self.labels_gone: dict[str, EngineBlock] = {}
+        """Labels of keys forgotten since the KV events were last taken (their removals name them)."""
         self.holders: list[tuple[tuple[Holder], tuple[Holder, Holder]]] = []
         """Node index -> ``((its DRAM holder,), (its DRAM holder, its SSD holder))``: the lease holders
         of its replicas, made once (the first, a lone DRAM replica's holders as a get leases them)."""
@@ -380,6 +386,8 @@ class Catalog:
             if not keys:
                 del self.owned[owner]
         self.want_promote.discard(key)
+        if self.labels and (label := self.labels.pop(key, None)) is not None and rec.events is not None:
+            self.labels_gone[key] = label
         rec.drop_key(slot)
 
     def add_replica(self, slot: int, node: NodeState, tier: TierName, extent: Extent | None,

@@ -30,6 +30,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 from kvstore.errors import InvalidArgument, NotFound
+from kvstore.events import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, EngineBlock, removed, stored
 from kvstore.placement.grants import GrantPlan, Grants
 from kvstore.placement.inspection import Inspection
 from kvstore.placement.moves import Moves
@@ -37,10 +38,23 @@ from kvstore.placement.nodes import Membership, NodeRecord
 from kvstore.placement.reads import Reads
 from kvstore.placement.records import REMOVING
 from kvstore.placement.results import HeldBlock, PrefixMatch, ReplicaLookup
-from kvstore.placement.state import Catalog, Eviction, EvictionReason, Grant, Move, NodeCommand, NodeState, ObjectEntry
+from kvstore.placement.state import (
+    Catalog,
+    Eviction,
+    EvictionReason,
+    Grant,
+    Move,
+    NodeCommand,
+    NodeState,
+    ObjectEntry,
+    owner_of,
+)  # fmt: skip
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import PLACEMENT_STRATEGIES, PutPlan, Writes
 from kvstore.policy import EvictionPolicy, TierName
+
+LABELS_UNPLACED = 65_536
+"""Labels (:meth:`PlacementTable.label`) kept for keys not in the table (a put about to write them)."""
 
 
 class PlacementTable:
@@ -394,6 +408,52 @@ class PlacementTable:
         self, moves: Sequence[Move], done: Sequence[bool], *, answered: bool = True
     ) -> tuple[list[Move], list[NodeCommand]]:
         return self._moves.finish_replicas(moves, done, answered=answered)
+
+    # -- KV events -----------------------------------------------------------------------------
+    def tell_changes(self, on: bool = True) -> None:
+        """Keep (or stop keeping) each replica stored or dropped, for :meth:`take_events`."""
+        self._catalog.rec.events = [] if on else None
+        self._catalog.labels_gone.clear()
+
+    def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """The replicas stored on a node's tier (joined its LRU: committed, promoted, demoted there,
+        found in an inventory) or no longer (evicted, demoted, removed, its node gone) since the
+        last call, in order, as KV events (:mod:`kvstore.events`); [] when not kept. A node fenced
+        is an ``AllBlocksCleared`` of its ``backend_id``: its replicas stay in the table, unread
+        until its daemon registers again, and that registration tells them as stored anew (the
+        removals it makes first are of blocks a follower already forgot)."""
+        cat = self._catalog
+        rec = cat.rec
+        changes = rec.events
+        if not changes:
+            return []
+        rec.events = []
+        names, labels, gone, tenants = rec.node_ids, cat.labels, cat.labels_gone, cat.tenants
+        out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+        for joined, node, tier, key in changes:
+            if tier < 0:  # a node fenced: what it holds is unread until its registration tells it anew
+                out.append(AllBlocksCleared(names[node]))
+                continue
+            label = labels.get(key) or gone.get(key) if labels or gone else None
+            owner = owner_of(key) if tenants else ""
+            tenant = owner if owner and tenants and owner in tenants else None
+            make = stored if joined else removed
+            out.append(make(key, names[node], MEDIA[tier], tenant, label))
+        gone.clear()
+        return out
+
+    def label(self, keys: Sequence[str], labels: Sequence[EngineBlock]) -> None:
+        """Name ``keys`` as an engine names their blocks, for the KV events of their replicas from
+        now on (a put labels its keys before writing them). Labels of keys not in the table are
+        kept for a while: past :data:`LABELS_UNPLACED` of them, those are forgotten."""
+        if len(keys) != len(labels):
+            raise InvalidArgument(f"{len(keys)} keys but {len(labels)} labels")
+        got = self._catalog.labels
+        got.update(zip(keys, labels, strict=True))
+        if len(got) > len(self._catalog.rec.index) + LABELS_UNPLACED:
+            index = self._catalog.rec.index
+            for key in [k for k in got if k not in index]:
+                del got[key]
 
     # -- inspection ----------------------------------------------------------------------------
     def tier_usage(self, node: NodeState) -> dict[str, dict[str, int]]:

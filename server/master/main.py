@@ -26,6 +26,9 @@ async def serve(config: MasterConfig) -> None:
     service = MasterService(config)
     address = await service.start()
     print(f"kvstore master listening on {address}", flush=True)
+    if service.events_bound is not None:
+        pub, replay = service.events_bound
+        print(f"kvstore KV events on {pub}" + (f", replay on {replay}" if replay else ""), flush=True)
     # The admin API wraps the service (the service knows only the address, for AdminInfo).
     admin: AdminApi | None = None
     admin_address: str | None = None

@@ -27,6 +27,7 @@ from kvstore.tenants import is_legacy
 from server.master.answers import Answers
 from server.master.commands import Commands, Lane
 from server.master.core import MasterCore, now_ms
+from server.master.events import KVEventPublisher
 from server.master.evictions import EvictionLog
 from server.master.leadership import Leadership
 from server.master.metrics import LatencyHistogram, LoopStalls, Sampler
@@ -87,6 +88,15 @@ class MasterService:
         """How long the event loop went without turning (the longest wait any client had for another's work)."""
         self.core.loop_stall_max = lambda: self.stalls.max_s
         self.evictions = EvictionLog(config.eviction_log)
+        self.events = (
+            KVEventPublisher(config.kv_events, config.kv_events_replay, buffer=config.kv_events_buffer,
+                             topic=config.kv_events_topic)
+            if config.kv_events is not None
+            else None
+        )  # fmt: skip
+        """The KV events publisher (``--kv-events``); None when not asked for."""
+        self.events_bound: tuple[str, str | None] | None = None
+        """Where the KV events publish and replay, once started."""
         self._ticker: asyncio.Task[None] | None = None
         self._stall_probe: asyncio.Task[None] | None = None
         self._policy: TenantsPolicy | None = None
@@ -181,6 +191,8 @@ class MasterService:
         Until the nodes they name are back (or ``ready_wait_ms`` passes) requests get NotReady."""
         self.nodes.epoch = epoch
         self.leadership.begin_term(epoch)
+        if self.events is not None:
+            self.events.new_term(self.table)
         self._loading_absent = False  # one of an earlier term (cancelled, maybe before it ran) is not this term's
         self._start_load_absent()
 
@@ -189,6 +201,8 @@ class MasterService:
         election starts from an empty table again."""
         for task in list(self._tasks):
             task.cancel()
+        if self.events is not None:
+            self.events.end_term()
         for link in self.nodes.reset(self._new_table()):
             self._spawn(link.close(), "close-daemon-link")
         self.commands.retry = []
@@ -198,6 +212,9 @@ class MasterService:
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> str:
         port = await self.rpc.start()
+        if self.events is not None:
+            self.events.may_publish = lambda: self.leadership.refusal() is None
+            self.events_bound = self.events.start()
         self._ticker = asyncio.create_task(self._tick_forever(), name="master-ticker")
         self._stall_probe = asyncio.create_task(self._probe_stalls(), name="master-stall-probe")
         if self.authority is None:
@@ -222,6 +239,8 @@ class MasterService:
         await asyncio.gather(*self._tasks, *(t for t in [self._ticker, self._stall_probe] if t), return_exceptions=True)
         for link in self.nodes.links() + self.nodes.take_stale():
             await link.close()
+        if self.events is not None:
+            await self.events.close()
 
     def _spawn(self, coro: Awaitable[object], name: str) -> None:
         """Run ``coro`` in the background; its failure is logged, never lost."""
