@@ -68,6 +68,7 @@ from kvstore.protocol import (
     GetReplicas,
     GetTicket,
     GrantSpace,
+    LabelBlocks,
     ListKeys,
     ListNodes,
     MatchPrefix,
@@ -122,7 +123,7 @@ _OPERATION_OF: dict[type[Message], Operation] = {
     ReadSlices: "read", ListKeys: "read", ReportNode: "read",
     PutStart: "write", PutEnd: "write", PutRevoke: "write", GrantSpace: "write", ReturnGrants: "write",
     Replicate: "write", WriteBlocks: "write", WriteGranted: "write", WriteSlices: "write", CommitBlocks: "write",
-    FlushCommits: "write",
+    FlushCommits: "write", LabelBlocks: "write",
     Remove: "remove",
 }  # fmt: skip
 """What a tenant may be allowed, per request; a request not listed is the cluster's alone (a node

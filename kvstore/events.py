@@ -31,6 +31,8 @@ from typing import Any
 import msgspec
 import xxhash
 
+from kvstore.errors import InvalidArgument
+
 MEDIUM_DRAM = "cpu"
 MEDIUM_SSD = "disk"
 MEDIA = (MEDIUM_DRAM, MEDIUM_SSD)
@@ -96,6 +98,24 @@ _DECODER = msgspec.msgpack.Decoder(EventBatch)
 _HEX_TAIL = re.compile(r"(?:^|/)([0-9a-f]{32})$")
 _UINT = re.compile(r"(?:0[xX][0-9a-fA-F]{1,16}|[0-9]{1,20})")
 _U64 = (1 << 64) - 1
+MAX_LABEL_TOKENS = 16_384
+"""Most tokens a label may carry (an engine's block is 16 to a few hundred)."""
+MAX_HASH_BYTES = 64
+
+
+def check_label(label: EngineBlock, what: str) -> None:
+    """Raise :class:`InvalidArgument` naming what is wrong with ``label``: hashes of bytes longer
+    than 64, or ints outside 0 .. 2**64 - 1; more than :data:`MAX_LABEL_TOKENS` tokens; a
+    negative block size."""
+    for name, value in (("block_hash", label.block_hash), ("parent_block_hash", label.parent_block_hash)):
+        if isinstance(value, bytes) and len(value) > MAX_HASH_BYTES:
+            raise InvalidArgument(f"{what}.{name} is {len(value)} bytes; at most {MAX_HASH_BYTES}")
+        if isinstance(value, int) and not 0 <= value <= _U64:
+            raise InvalidArgument(f"{what}.{name} is {value}; an int hash is from 0 to 2**64 - 1")
+    if len(label.token_ids) > MAX_LABEL_TOKENS:
+        raise InvalidArgument(f"{what} has {len(label.token_ids)} tokens; at most {MAX_LABEL_TOKENS}")
+    if label.block_size < 0:
+        raise InvalidArgument(f"{what}.block_size is {label.block_size}; it cannot be negative")
 
 
 def key_hash(key: str) -> BlockHash:

@@ -21,6 +21,7 @@ from kvstore.auth import Credential
 from kvstore.buffers import as_view
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError, NotLeader, ProtocolError, StoreClosed
+from kvstore.events import EngineBlock
 from kvstore.keys import checksum
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
@@ -453,6 +454,10 @@ class AsyncStore:
 
     async def exists_many(self, keys: Sequence[Any]) -> list[bool]:
         return await self._run(self._core.exists_many(keys))
+
+    async def label_blocks(self, keys: Sequence[Any], labels: Sequence[EngineBlock]) -> None:
+        """:meth:`Store.label_blocks`."""
+        await self._run(self._core.label_blocks(keys, labels))
 
     async def sizes(self, keys: Sequence[Any]) -> list[int | None]:
         """Each key's size in bytes, None for a miss; no bytes move."""

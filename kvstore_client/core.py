@@ -39,6 +39,7 @@ from kvstore.errors import (
     RetryLater,
     Timeout,
 )
+from kvstore.events import EngineBlock
 from kvstore.keys import BlockKey, checksum, validate_key
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
@@ -52,6 +53,7 @@ from kvstore.protocol import (
     GrantReply,
     GrantSpace,
     KeysReply,
+    LabelBlocks,
     ListKeys,
     ListNodes,
     LocatedRef,
@@ -894,6 +896,17 @@ class ClientCore:
         for part in _batches(_checked(keys)):
             out += (yield from call(Exists(part), ExistsReply)).exists
         return out
+
+    def label_blocks(self, keys: Sequence[Any], labels: Sequence[EngineBlock]) -> Op[None]:
+        """Name ``keys`` as an engine names their blocks, for the master's KV events (see
+        :class:`~kvstore.protocol.LabelBlocks`)."""
+        checked = _checked(keys)
+        if len(checked) != len(labels):
+            raise InvalidArgument(f"{len(checked)} keys but {len(labels)} labels")
+        at = 0
+        for part in _batches(checked):
+            yield from call(LabelBlocks(part, list(labels[at : at + len(part)])), OkReply)
+            at += len(part)
 
     def sizes(self, keys: Sequence[Any]) -> Op[list[int | None]]:
         """Each key's size in bytes, None for a miss; no bytes move."""

@@ -20,6 +20,7 @@ from kvstore.auth import Credential
 from kvstore.buffers import as_view
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError, StoreClosed
+from kvstore.events import EngineBlock
 from kvstore.keys import checksum
 from kvstore.node_store import PutStatus
 from kvstore.protocol import (
@@ -287,6 +288,11 @@ class Store:
 
     def exists_many(self, keys: Sequence[Any]) -> list[bool]:
         return self._run(self._core.exists_many(keys))
+
+    def label_blocks(self, keys: Sequence[Any], labels: Sequence[EngineBlock]) -> None:
+        """Name ``keys`` as an engine names their blocks (its block hashes, tokens): the master's KV
+        events of their replicas carry those names (:mod:`kvstore.events`). Call before the put."""
+        self._run(self._core.label_blocks(keys, labels))
 
     def sizes(self, keys: Sequence[Any]) -> list[int | None]:
         """Each key's size in bytes, None for a miss; no bytes move."""

@@ -444,10 +444,12 @@ class PlacementTable:
 
     def label(self, keys: Sequence[str], labels: Sequence[EngineBlock]) -> None:
         """Name ``keys`` as an engine names their blocks, for the KV events of their replicas from
-        now on (a put labels its keys before writing them). Labels of keys not in the table are
-        kept for a while: past :data:`LABELS_UNPLACED` of them, those are forgotten."""
+        now on (a put labels its keys before writing them); kept only while events are told. Labels
+        of keys not in the table are kept for a while: past :data:`LABELS_UNPLACED`, forgotten."""
         if len(keys) != len(labels):
             raise InvalidArgument(f"{len(keys)} keys but {len(labels)} labels")
+        if self._catalog.rec.events is None:
+            return  # no events told: nothing to name
         got = self._catalog.labels
         got.update(zip(keys, labels, strict=True))
         if len(got) > len(self._catalog.rec.index) + LABELS_UNPLACED:

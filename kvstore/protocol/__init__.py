@@ -87,6 +87,7 @@ from kvstore.protocol.membership import (
 from kvstore.protocol.put_get import (
     GetReplicas,
     GetReplicasReply,
+    LabelBlocks,
     LocatedRef,
     PutEnd,
     PutEndReply,
@@ -160,6 +161,7 @@ __all__ = [
     "HeartbeatReply",
     "InventoryItem",
     "KeysReply",
+    "LabelBlocks",
     "LeaveNode",
     "ListKeys",
     "ListNodes",

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import msgspec
 
 from kvstore.errors import ProtocolError
+from kvstore.events import EngineBlock
 from kvstore.placement.results import ReplicaLookup, Ticket
 from kvstore.protocol.base import Message, PutTicket, Replica
 
@@ -97,6 +98,16 @@ class PutRevoke(Message, tag=24, frozen=True):
     keys: list[str]
     write_id: int = 0
     """The put's write id, as its PutStart gave it: only reservations of that write are given up."""
+
+
+class LabelBlocks(Message, tag=25, frozen=True):
+    """Name ``keys`` as an engine names their blocks (``labels[i]`` for ``keys[i]``: the engine's
+    block hash, its parent's, its tokens): the master's KV events of their replicas carry those
+    (:mod:`kvstore.events`), so that a router matches them with the engine's own events. Sent
+    before the put of the keys; answered by an OkReply."""
+
+    keys: list[str]
+    labels: list[EngineBlock]
 
 
 class GetReplicas(Message, tag=30, frozen=True):

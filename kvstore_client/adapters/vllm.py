@@ -57,9 +57,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvstore.config import ClientConfig
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.events import EngineBlock
 from kvstore_client.adapters.health import CircuitBreaker
 from kvstore_client.adapters.layout import (
     KVLayout,
@@ -116,6 +118,8 @@ class SaveSpec:
     pages: list[int]
     num_blocks: int
     extras: list[bytes] | None = None
+    labels: list[EngineBlock] | None = None
+    """With ``label_blocks``: per block saved, vLLM's name for it (:func:`engine_labels`)."""
 
 
 @dataclass
@@ -135,6 +139,8 @@ class _Request:
     extras: list[bytes] | None
     live: Any = None
     """vLLM's own request, whose tokens grow as it decodes (``save_decode``); None: the prompt only."""
+    hashed: Any = None
+    """vLLM's own request, for its block hashes (``label_blocks``); None: saves are not labelled."""
 
 
 @dataclass(slots=True)
@@ -170,6 +176,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.layerwise = bool(extra.get("layerwise", True)) and not self.load_async
         self.max_pending_save_blocks = int(extra.get("max_pending_save_blocks", 512))
         self.save_decode = bool(extra.get("save_decode", False))
+        self.label_blocks = bool(extra.get("label_blocks", False))
+        """Label each block saved with vLLM's block hash, parent hash and tokens (an extra master call a
+        save, off the forward path), so that the store's KV events name blocks as vLLM's own do."""
         self.is_producer = bool(self._kv_transfer_config.is_kv_producer)
         self.is_consumer = bool(self._kv_transfer_config.is_kv_consumer)
         group, self.layer_names = single_attention_group(kv_cache_config)
@@ -219,6 +228,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._loads: dict[str, LoadSpec] = {}
         self._requests: dict[str, _Request] = {}
         self._live: dict[str, Any] = {}  # request -> vLLM's request, from its allocation to its first step
+        self._hashed: dict[str, Any] = {}  # the same, kept for its block hashes (label_blocks)
         # Worker side.
         self._kv_caches: list[torch.Tensor] = []
         self._format: PagedFormat | None = None
@@ -316,6 +326,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.save_decode:
             self._live[request.request_id] = request
+        if self.label_blocks:
+            self._hashed[request.request_id] = request
         if num_external_tokens <= 0:
             return
         local = self._asked.get(request.request_id, 0)
@@ -341,7 +353,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             known = self._store_hit.pop(new.req_id, 0)
             extras = self._extras.pop(new.req_id, None)
             live = self._live.pop(new.req_id, None)
-            self._requests[new.req_id] = _Request(tokens, list(new.block_ids[0]), known, extras, live)
+            self._requests[new.req_id] = _Request(
+                tokens, list(new.block_ids[0]), known, extras, live, self._hashed.pop(new.req_id, None)
+            )
             self._plan_save(meta, new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -372,11 +386,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         first = state.saved_blocks
         pages = state.pages[first * k : done * k]
         extras = state.extras[:done] if state.extras else None
-        meta.saves.append(SaveSpec(req_id, list(tokens[: done * bt]), first, pages, done - first, extras))
+        labels = engine_labels(state.hashed, tokens, first, done, bt, k) if state.hashed is not None else None
+        meta.saves.append(SaveSpec(req_id, list(tokens[: done * bt]), first, pages, done - first, extras, labels))
         state.saved_blocks = done
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        for known in (self._requests, self._asked, self._loads, self._store_hit, self._extras, self._live):
+        for known in (self._requests, self._asked, self._loads, self._store_hit, self._extras, self._live,
+                      self._hashed):  # fmt: skip
             known.pop(request.request_id, None)
         return False, None  # saves copy the pages inside the step: they are free to go
 
@@ -550,6 +566,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         while (item := self._saves.get()) is not None:
             spec, keys, staging = item
             try:
+                if self.breaker.is_closed and spec.labels is not None:
+                    try:
+                        self.store.label_blocks(keys, spec.labels)
+                    except KVStoreError as exc:  # the blocks are worth saving unlabelled
+                        self._count("label_failures")
+                        log.debug("labelling the blocks of request %s failed: %s", spec.req_id, exc)
                 if self.breaker.is_closed:
                     save_blocks(self.store, keys, staging)
                     self._count("saved_blocks", len(keys))
@@ -629,6 +651,27 @@ class KVStoreConnector(KVConnectorBase_V1):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def engine_labels(
+    request: Any, tokens: Sequence[int], first: int, done: int, bt: int, k: int
+) -> list[EngineBlock] | None:
+    """vLLM's names of store blocks ``first .. done - 1`` of ``request``: each block's last page's
+    block hash (as vLLM's KV events give it: ``maybe_convert_block_hash``), the page's before it as
+    its parent, and its ``bt`` tokens. None when vLLM has not hashed them all (a block of the answer
+    not full yet)."""
+    hashes = request.block_hashes
+    if len(hashes) < done * k:
+        return None
+    return [
+        EngineBlock(
+            maybe_convert_block_hash(hashes[(i + 1) * k - 1]),
+            maybe_convert_block_hash(hashes[i * k - 1]) if i else None,
+            list(tokens[i * bt : (i + 1) * bt]),
+            bt,
+        )
+        for i in range(first, done)
+    ]
 
 
 def _repair(store: Store, keys: Sequence[str], sizes: Sequence[int | None], want: int) -> int:

@@ -33,6 +33,8 @@ from kvstore.errors import (
     RetryLater,
     Timeout,
 )
+from kvstore.events import check_label
+from kvstore.keys import validate_keys
 from kvstore.placement import quotas
 from kvstore.placement.leases import LeaseId
 from kvstore.placement.nodes import EVERYTHING, NodeRecord
@@ -55,6 +57,7 @@ from kvstore.protocol import (
     Heartbeat,
     HeartbeatReply,
     KeysReply,
+    LabelBlocks,
     LeaveNode,
     ListKeys,
     ListNodes,
@@ -691,6 +694,16 @@ class MasterCore:
 
     async def match_prefix_nodes(self, m: MatchPrefixNodes, caller: Identity = ANYONE) -> Message:
         return MatchPrefixNodesReply.from_match(self.table.match_prefix_nodes(m.keys))
+
+    async def label_blocks(self, m: LabelBlocks, caller: Identity = ANYONE) -> Message:
+        """Keep the engine's names of ``m.keys`` for the KV events (:meth:`PlacementTable.label`)."""
+        if len(m.keys) != len(m.labels):
+            raise InvalidArgument(f"LabelBlocks: {len(m.keys)} keys but {len(m.labels)} labels")
+        validate_keys(m.keys)
+        for i, label in enumerate(m.labels):
+            check_label(label, f"LabelBlocks.labels[{i}]")
+        self.table.label(m.keys, m.labels)
+        return OkReply()
 
     async def exists(self, m: Exists, caller: Identity = ANYONE) -> Message:
         return ExistsReply(self.table.exists(m.keys, now_ms()))

@@ -36,6 +36,7 @@ from kvstore.protocol import (
     GetTicket,
     GrantSpace,
     Heartbeat,
+    LabelBlocks,
     LeaveNode,
     ListKeys,
     ListNodes,
@@ -252,7 +253,7 @@ class RpcServer:
             MatchPrefixNodes: core.match_prefix_nodes, Replicate: core.replicate, Exists: core.exists,
             Remove: core.remove, ListKeys: core.list_keys, ListNodes: core.list_nodes, Stats: self._stats,
             AdminInfo: self._admin_info, AuthHello: self._unauthenticated_hello, CheckBlocks: core.check_blocks,
-            ReportNode: core.report_node,
+            ReportNode: core.report_node, LabelBlocks: core.label_blocks,
         }  # fmt: skip
 
     async def start(self) -> int:

@@ -17,7 +17,8 @@ from urllib.parse import quote
 import pytest
 import zmq
 
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, key_hash
+from kvstore.errors import InvalidArgument
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineBlock, key_hash
 from kvstore_cli.cluster import LocalCluster, LocalEtcd
 from kvstore_client import PutOptions, Store
 from kvstore_client.events import KVEventSubscriber, starts_term
@@ -117,6 +118,35 @@ def test_a_follower_holds_what_the_master_stores(cluster: LocalCluster) -> None:
         f.agree(cluster.admin_address, keys)
         assert f.sub.lost == 0 and f.sub.bad == 0
         assert f.seqs == sorted(set(f.seqs)) and f.seqs == list(range(f.seqs[0], f.seqs[0] + len(f.seqs)))
+
+
+def test_labelled_puts_are_told_by_the_engines_hashes(cluster: LocalCluster) -> None:
+    pub, replay = cluster.kv_events[0]
+    labels = [EngineBlock(bytes([i]) * 32, bytes([i - 1]) * 32 if i else None, [i] * 16, 16) for i in range(3)]
+    with KVEventSubscriber([pub], [replay]) as sub, Store.connect(cluster.master_address) as store:
+        keys = [f"eng/{i}" for i in range(3)]
+        store.label_blocks(keys, labels)
+        for key in keys:
+            store.put(key, b"kv" * 100)
+        f = Follower(sub)
+        f.until(lambda: {k for k, _, _ in f.held} >= set(keys))
+        told = {e.object_key: e for e in f.events if isinstance(e, BlockStored)}
+        for key, label in zip(keys, labels, strict=True):
+            e = told[key]
+            assert (e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size) == (
+                [label.block_hash],
+                label.parent_block_hash,
+                label.token_ids,
+                16,
+            )
+        store.remove("eng/1")
+        f.until(lambda: any(isinstance(e, BlockRemoved) and e.object_key == "eng/1" for e in f.events))
+        gone = next(e for e in f.events if isinstance(e, BlockRemoved) and e.object_key == "eng/1")
+        assert gone.block_hashes == [bytes([1]) * 32]
+        with pytest.raises(InvalidArgument, match="block_hash is 65 bytes"):
+            store.label_blocks(["eng/x"], [EngineBlock(b"h" * 65)])
+        with pytest.raises(InvalidArgument, match="2 keys but 1 labels"):
+            store.label_blocks(["a", "b"], [EngineBlock(1)])
 
 
 def test_a_subscriber_that_missed_batches_replays_them(cluster: LocalCluster) -> None:

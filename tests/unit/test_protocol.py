@@ -40,7 +40,7 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
         return st.dictionaries(strategy_for(k), strategy_for(v), max_size=3)
     if origin in (Union, types.UnionType):
         return st.one_of(*(st.none() if o is type(None) else strategy_for(o) for o in typing.get_args(tp)))
-    if isinstance(tp, type) and issubclass(tp, P.Struct):
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
         return st.builds(tp, *(strategy_for(f.type) for f in msgspec.structs.fields(tp)))
     raise TypeError(tp)
 
