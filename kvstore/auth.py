@@ -62,6 +62,7 @@ from kvstore.protocol import (
     AuthHello,
     AuthOk,
     AuthProof,
+    ClearReplicas,
     CommitBlocks,
     Exists,
     FlushCommits,
@@ -124,7 +125,7 @@ _OPERATION_OF: dict[type[Message], Operation] = {
     PutStart: "write", PutEnd: "write", PutRevoke: "write", GrantSpace: "write", ReturnGrants: "write",
     Replicate: "write", WriteBlocks: "write", WriteGranted: "write", WriteSlices: "write", CommitBlocks: "write",
     FlushCommits: "write", LabelBlocks: "write",
-    Remove: "remove",
+    Remove: "remove", ClearReplicas: "remove",
 }  # fmt: skip
 """What a tenant may be allowed, per request; a request not listed is the cluster's alone (a node
 registering, the master's commands to daemons, a daemon's reports)."""

@@ -484,6 +484,11 @@ class AsyncStore:
         """As Store.remove_report: how many were removed, and the indexes of keys a recent read holds."""
         return await self._run(self._core.remove_report(keys, force=force))
 
+    async def clear_replicas(self, keys: Sequence[Any], node: str = "", *, force: bool = False) -> list[str]:
+        """:meth:`Store.clear_replicas`."""
+        cleared, _ = await self._run(self._core.clear_replicas(keys, node, force=force))
+        return [keys[i] for i in cleared]
+
     async def list_keys(self, prefix: str = "", *, after: str = "", limit: int = 1000) -> tuple[list[str], str]:
         """As Store.list_keys: one page of stored keys starting with ``prefix`` and the next page's cursor."""
         return await self._run(self._core.list_keys(prefix, after=after, limit=limit))

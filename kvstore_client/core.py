@@ -46,6 +46,8 @@ from kvstore.protocol import (
     MAX_BATCH_KEYS,
     PUT_EXISTS,
     PUT_STORED,
+    ClearReplicas,
+    ClearReplicasReply,
     Exists,
     ExistsReply,
     GetReplicas,
@@ -973,6 +975,19 @@ class ClientCore:
             removed += reply.removed
             held += [start + i for i in reply.held]
         return removed, held
+
+    def clear_replicas(self, keys: Sequence[Any], node: str, *, force: bool) -> Op[tuple[list[int], list[int]]]:
+        """Drop the replicas of ``keys`` on ``node`` (all when ""): the indexes of the keys cleared, and
+        of those left because a recent read holds them (only without ``force``)."""
+        cleared, held = [], []
+        checked: list[str] = [validate_key(k) for k in keys]
+        for start in range(0, len(checked), MAX_BATCH_KEYS):
+            part = checked[start : start + MAX_BATCH_KEYS]
+            reply = yield from call(ClearReplicas(part, node, force), ClearReplicasReply)
+            self.hints.forget(part)
+            cleared += [start + i for i in reply.cleared]
+            held += [start + i for i in reply.held]
+        return cleared, held
 
     def list_keys(self, prefix: str, *, after: str, limit: int) -> Op[tuple[list[str], str]]:
         """One page of stored keys starting with ``prefix``, in order after ``after``, and the cursor of

@@ -325,6 +325,13 @@ class Store:
         a recent read holds them (only without ``force``)."""
         return self._run(self._core.remove_report(keys, force=force))
 
+    def clear_replicas(self, keys: Sequence[Any], node: str = "", *, force: bool = False) -> list[str]:
+        """Drop the replicas of ``keys`` on ``node`` (every replica when ""; a key left with none is
+        removed), once the daemons dropped them: the keys cleared (stored, with a replica there).
+        Without ``force`` a key a recent read holds is left (Mooncake's ``batch_replica_clear``)."""
+        cleared, _ = self._run(self._core.clear_replicas(keys, node, force=force))
+        return [keys[i] for i in cleared]
+
     def list_keys(self, prefix: str = "", *, after: str = "", limit: int = 1000) -> tuple[list[str], str]:
         """One page of stored keys starting with ``prefix``, in order after ``after``, and the cursor of
         the next page ("" after the last). A tenant lists its own keys."""

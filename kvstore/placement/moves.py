@@ -66,6 +66,39 @@ class Moves:
             self.catalog.note_eviction(key, "", why)
         return evicted, pinned, commands
 
+    def clear_replicas(self, keys: Iterable[str], node_id: str = "") -> tuple[list[str], list[NodeCommand]]:
+        """Mooncake's ``batch_replica_clear``: drop the replicas of ``keys`` on ``node_id`` (every
+        replica when ""); a key with no replica readable elsewhere goes whole, as a remove. Returns the
+        keys cleared (stored, and on that node) and the daemons' drops. Pinned keys go too."""
+        cat = self.catalog
+        whole: list[str] = []
+        cleared: list[str] = []
+        actions: list[Action[str]] = []
+        node = cat.nodes.get(node_id) if node_id else None
+        for key in keys:
+            entry = cat.objects.get(validate_key(key))
+            if entry is None or entry.removing or not entry.committed:
+                continue
+            if not node_id:
+                cleared.append(key)
+                whole.append(key)
+                continue
+            if node is None:
+                continue
+            ready = [r for r in entry.replicas if r.status is READY]
+            here = [r for r in ready if r.node_id == node_id]
+            if not here:
+                continue
+            cleared.append(key)
+            if len(here) == len(ready):
+                whole.append(key)
+            else:
+                actions += [Action(ActionKind.DROP, key, r.tier, entry.size) for r in here]
+        _, commands = self.writes.remove(whole)
+        if node is not None and actions:
+            commands += self.tiering.start_actions(node, actions)
+        return cleared, commands
+
     def tenant_victims(self, tenant: str, need: int, keep: Collection[str] = ()) -> list[str]:
         """The tenant's own blocks to evict for ``need`` bytes under its quota: least recently put or
         read first, across every node and tier; never a pinned, leased, unfinished or ``keep`` one."""

@@ -325,6 +325,9 @@ class PlacementTable:
     ) -> tuple[int, list[str], list[NodeCommand]]:
         return self._moves.evict_keys(keys, why)
 
+    def clear_replicas(self, keys: Iterable[str], node_id: str = "") -> tuple[list[str], list[NodeCommand]]:
+        return self._moves.clear_replicas(keys, node_id)
+
     def take_evictions(self) -> list[Eviction]:
         """The evictions since the last call (see :class:`~kvstore.placement.state.Eviction`), oldest first."""
         return self._catalog.take_evictions()

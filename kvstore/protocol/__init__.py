@@ -85,6 +85,8 @@ from kvstore.protocol.membership import (
     ReportNode,
 )
 from kvstore.protocol.put_get import (
+    ClearReplicas,
+    ClearReplicasReply,
     GetReplicas,
     GetReplicasReply,
     LabelBlocks,
@@ -140,6 +142,8 @@ __all__ = [
     "AuthProof",
     "CheckBlocks",
     "CheckBlocksReply",
+    "ClearReplicas",
+    "ClearReplicasReply",
     "CommandReply",
     "CommitBlocks",
     "CommitGranted",

@@ -110,6 +110,24 @@ class LabelBlocks(Message, tag=25, frozen=True):
     labels: list[EngineBlock]
 
 
+class ClearReplicas(Message, tag=26, frozen=True):
+    """Mooncake's ``batch_replica_clear``: drop the replicas of ``keys`` on ``node`` (every replica
+    when ""); a key left with none goes whole. Keys a recent read holds (the master's
+    ``--default-kv-lease-ttl``) are left unless ``force``. Answered, once the daemons dropped them,
+    by a ClearReplicasReply."""
+
+    keys: list[str]
+    node: str = ""
+    force: bool = False
+
+
+class ClearReplicasReply(Message, tag=27, frozen=True):
+    cleared: list[int]
+    """Indexes (into the request's keys) of the keys cleared: stored, with a replica on the node."""
+    held: list[int] = msgspec.field(default_factory=list)
+    """Indexes of keys left because a recent read holds them."""
+
+
 class GetReplicas(Message, tag=30, frozen=True):
     keys: list[str]
     release: list[int]

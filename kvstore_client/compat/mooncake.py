@@ -30,7 +30,9 @@ How Mooncake's ideas map onto kvstore:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import mmap
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -79,6 +81,9 @@ class MooncakeDistributedStore(TensorMethods):
         self._segment: Segment | None = None
         self._hostname = ""
         self._local_buffer = 0
+        self._local_map: mmap.mmap | None = None
+        """The local buffer's memory, mapped on first use (a BufferPool's leases are carved from it)."""
+        self._old_maps: list[mmap.mmap] = []
         self._buffers = Registered()
         self._lock = threading.Lock()
         self.timeout_s = 30.0
@@ -174,6 +179,25 @@ class MooncakeDistributedStore(TensorMethods):
             store.close()
         if segment is not None:
             segment.stop()
+
+    def local_region(self) -> tuple[int, int] | None:
+        """The local buffer (``local_buffer_size`` bytes at an address ``put_from``/``get_into`` take),
+        as (address, size): mapped and registered on first use, kept while this object lives (a
+        lease may outlive a close). (0, 0) with no local buffer; None before setup."""
+        with self._lock:
+            if self._store is None:
+                return None
+            size = self._local_buffer
+            if not size:
+                return 0, 0
+            if self._local_map is None or len(self._local_map) != size:
+                if self._local_map is not None:  # a new setup's size: the old stays mapped for its leases
+                    self._old_maps.append(self._local_map)
+                self._local_map = mmap.mmap(-1, size)
+            ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._local_map))
+            if self._buffers.room(ptr) < size:
+                self._buffers.add(ptr, size)
+            return ptr, size
 
     def health_check(self) -> int:
         """0: healthy; 1: not set up; 2: the master does not answer."""
@@ -536,6 +560,14 @@ class MooncakeDistributedStore(TensorMethods):
 
         return self._run(remove, lambda c: [c] * len(keys))
 
+    def batch_replica_clear(self, keys: list[str], segment_name: str = "") -> list[str]:
+        """Drop the replicas of ``keys`` on the segment ``segment_name`` (``host:port``, as
+        ``get_hostname()`` names one; all replicas when ""); a key left with none is gone. Keys a read
+        holds (``--default-kv-lease-ttl``) are skipped. The keys cleared ([] on an error)."""
+        check("segment_name", segment_name, str)
+        node = node_id(segment_name) if segment_name else ""
+        return self._run(lambda: self._client().clear_replicas(keys, node), lambda c: [])
+
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
         """Remove every key ``regex_pattern`` matches (``re.search``): how many, or a negative code."""
         try:
@@ -573,11 +605,16 @@ def _size(size: int | None) -> int:
     return size if size is not None else int(ErrorCode.OBJECT_NOT_FOUND)
 
 
+from kvstore_client.compat.buffer_pool import BufferLease, BufferPool, RegisteredBufferPool  # noqa: E402
+
 __all__ = [
     "BufferHandle",
+    "BufferLease",
+    "BufferPool",
     "ErrorCode",
     "MooncakeDistributedStore",
     "ObjectDataType",
+    "RegisteredBufferPool",
     "ReplicateConfig",
     "SoftPinAction",
 ]

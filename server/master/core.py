@@ -46,6 +46,8 @@ from kvstore.protocol import (
     AccessReport,
     CheckBlocks,
     CheckBlocksReply,
+    ClearReplicas,
+    ClearReplicasReply,
     CommandReply,
     CommitGranted,
     Exists,
@@ -753,9 +755,15 @@ class MasterCore:
         removed, commands = self.table.remove(keys)
         self._recent_removals().removed(stored)
         self.commands.later(commands, "remove-drops")
-        # This remove's drops and those of earlier removes of the same keys still unconfirmed (a reader
-        # that goes to the daemon directly finds the block until its drop is made), each until its
-        # daemon confirms it or its node is fenced (it serves nothing then: see PlacementTable.expire).
+        await self._settle_drops(keys)
+        return RemoveReply(removed, held)
+
+    async def _settle_drops(self, keys: list[str]) -> None:
+        """Wait for the drops of ``keys`` (this request's and those of earlier removes of the same
+        keys still unconfirmed: a reader that goes to the daemon directly finds the block until its
+        drop is made), each until its daemon confirms it or its node is fenced (it serves nothing
+        then: see PlacementTable.expire); then keep the nodes' records (drops settled by a fence,
+        removes noted for absent nodes: a new leader must know)."""
         pending = self._dropping(keys)
         deadline = time.monotonic() + self.nodes.command_timeout_s
         while pending and time.monotonic() < deadline:
@@ -765,8 +773,32 @@ class MasterCore:
             # The blocks are out of the table, but a daemon that did not confirm may still serve
             # them to a reader that goes to it directly: say so (the drop is retried until done).
             raise Timeout("a node holding removed blocks did not confirm dropping them yet; they are retried")
-        await self.save_records()  # drops settled by a fence, removes noted for absent nodes: a new leader must know
-        return RemoveReply(removed, held)
+        await self.save_records()
+
+    async def clear_replicas(self, m: ClearReplicas, caller: Identity = ANYONE) -> Message:
+        """Mooncake's ``batch_replica_clear`` (see :class:`ClearReplicas`): answered, as a remove is,
+        once the daemons dropped what it cleared."""
+        held: list[int] = []
+        keys = m.keys
+        if not m.force and self.table.hold_ms:
+            held = self.table.held(keys, now_ms())
+        skip = set(held)
+        objects = self.table.objects
+        candidates = [k for i, k in enumerate(keys) if i not in skip]
+        stored = [
+            (k, e.write_id, e.checksum)
+            for k in candidates
+            if (e := objects.get(k)) is not None and e.committed and not e.removing
+        ]
+        cleared, commands = self.table.clear_replicas(candidates, m.node)
+        gone = set(cleared)
+        # The keys that went whole are removed as a remove removes them (a put that lost its answer asks).
+        self._recent_removals().removed(
+            [s for s in stored if s[0] in gone and (e := objects.get(s[0])) is not None and e.removing]
+        )
+        self.commands.later(commands, "clear-drops")
+        await self._settle_drops(cleared)
+        return ClearReplicasReply([i for i, k in enumerate(keys) if k in gone and i not in skip], held)
 
     def _dropping(self, keys: list[str]) -> list[str]:
         """Of ``keys``, those being removed or with a drop on its way (one a node's registration asked

@@ -28,6 +28,7 @@ from kvstore.protocol import (
     AdminInfoReply,
     AuthHello,
     CheckBlocks,
+    ClearReplicas,
     CommitGranted,
     ErrorReply,
     Exists,
@@ -74,11 +75,13 @@ log = logging.getLogger("kvstore.master")
 Handler = Callable[[Any, Identity], Awaitable[Message]]
 
 # Requests whose handlers wait for daemons (they run in a task; the others are answered inline).
-_WAITS: frozenset[type[Message]] = frozenset({PutStart, PutRevoke, GrantSpace, Remove, Replicate, RegisterNode})
+_WAITS: frozenset[type[Message]] = frozenset(
+    {PutStart, PutRevoke, GrantSpace, Remove, ClearReplicas, Replicate, RegisterNode}
+)
 
 # Requests whose repetition would change the outcome: their answers are kept for retries.
 _NOT_IDEMPOTENT: frozenset[type[Message]] = frozenset(
-    {PutStart, PutEnd, PutRevoke, Remove, Replicate, GrantSpace, CommitGranted}
+    {PutStart, PutEnd, PutRevoke, Remove, ClearReplicas, Replicate, GrantSpace, CommitGranted}
 )
 
 # Requests whose master-side latency is kept as a histogram (served at /metrics).
@@ -254,6 +257,7 @@ class RpcServer:
             Remove: core.remove, ListKeys: core.list_keys, ListNodes: core.list_nodes, Stats: self._stats,
             AdminInfo: self._admin_info, AuthHello: self._unauthenticated_hello, CheckBlocks: core.check_blocks,
             ReportNode: core.report_node, LabelBlocks: core.label_blocks,
+            ClearReplicas: core.clear_replicas,
         }  # fmt: skip
 
     async def start(self) -> int:

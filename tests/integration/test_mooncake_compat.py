@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
 from kvstore_client.compat import compat_path
 from kvstore_client.compat.mooncake import (
+    BufferPool,
     ErrorCode,
     MooncakeDistributedStore,
     ReplicateConfig,
@@ -106,6 +108,63 @@ def test_remove_all_and_by_regex_skip_held_keys(mc: MooncakeDistributedStore) ->
     assert mc.remove_all() == 4  # re/3, re/4, re/5, other/0
     assert mc.batch_is_exist(["re/0", "re/1", "re/5", "other/0"]) == [1, 0, 0, 0]
     assert mc.remove_all(force=True) == 1
+
+
+def test_batch_replica_clear_drops_a_segments_replicas_or_whole_keys(mc: MooncakeDistributedStore) -> None:
+    two = ReplicateConfig()
+    two.replica_num = 2  # the cluster's daemon and this client's segment
+    assert mc.put("clr/two", b"both", two) == 0 and mc.put("clr/one", b"one") == 0
+    assert mc.put("clr/held", b"h") == 0 and mc.get("clr/held") == b"h"  # a read holds it
+    assert mc.batch_replica_clear(["clr/two", "clr/one", "clr/held", "clr/none"]) == ["clr/two", "clr/one"]
+    assert mc.batch_is_exist(["clr/two", "clr/one", "clr/held"]) == [0, 0, 1]
+    wait_lease()
+    assert mc.put("clr/two", b"both", two) == 0
+    mine = mc.get_hostname()
+    assert mc.batch_replica_clear(["clr/two"], segment_name="nonexistent_host:99999") == []
+    assert mc.batch_replica_clear(["clr/two"], segment_name=mine) == ["clr/two"]
+    assert mc.get("clr/two") == b"both"  # the daemon's replica is left
+    assert mc.batch_replica_clear(["clr/two"], segment_name=mine) == []  # none there any more
+    wait_lease()
+    assert mc.batch_replica_clear([]) == []
+    assert mc.batch_replica_clear(["clr/held", "clr/two"]) == ["clr/held", "clr/two"]
+    assert mc.batch_is_exist(["clr/held", "clr/two"]) == [0, 0]
+
+
+def test_a_buffer_pools_leases_are_memory_the_store_moves_bytes_through(mc: MooncakeDistributedStore) -> None:
+    pool = BufferPool(mc, min_size_class=4096, alignment=4096)
+    local = mc.local_region()
+    assert local is not None and local[1] == 64 * MIB and pool.max_bytes == 128 * MIB
+    a, b = pool.acquire(1000), pool.acquire(1000)
+    a.buffer[:] = os.urandom(1000)
+    assert mc.put_from("pool/a", a.ptr, a.size) == 0 and mc.get_into("pool/a", b.ptr, b.size) == 1000
+    assert bytes(b.buffer) == bytes(a.buffer) and local[0] <= a.ptr < local[0] + local[1] and a.ptr % 64 == 0
+    big = pool.acquire(64 * MIB)  # the local buffer is full: an overflow region, registered while it lives
+    assert not local[0] <= big.ptr < local[0] + local[1] and big.ptr % 4096 == 0
+    big.buffer[:5] = b"hello"
+    assert mc.put_from("pool/big", big.ptr, 5) == 0 and mc.get("pool/big") == b"hello"
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.acquire(64 * MIB, block=False)
+    with pytest.raises(RuntimeError, match="timed out"):
+        pool.acquire(64 * MIB, timeout=0.05)
+    view = big.buffer
+    with pytest.raises(RuntimeError, match="exported views"):
+        big.release()
+    del view
+    ptr = big.ptr
+    big.release()
+    assert mc.put_from("pool/gone", ptr, 5) == ErrorCode.INVALID_PARAMS  # unregistered with its lease
+    with pytest.raises(RuntimeError, match="active leases"):
+        pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        a.release() or a.release()
+    b.release()
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.acquire(1)
+    with pytest.raises(RuntimeError, match="alignment"):
+        BufferPool(mc, alignment=12345)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        BufferPool(MooncakeDistributedStore())
 
 
 def test_put_from_and_get_into_take_only_registered_memory(mc: MooncakeDistributedStore) -> None:
@@ -273,10 +332,33 @@ def test_mooncakes_own_store_tests_pass_unchanged(tmp_path: Path) -> None:
             **os.environ, "PYTHONPATH": str(compat_path("mooncake")), "MASTER_SERVER": c.master_address,
             "DEFAULT_KV_LEASE_TTL": "500", "MC_METADATA_SERVER": "P2PHANDSHAKE", "PROTOCOL": "tcp",
         }  # fmt: skip
-        files = ["test_distributed_object_store.py", "test_replicated_distributed_object_store.py"]
+        files = ["test_distributed_object_store.py", "test_replicated_distributed_object_store.py",
+                 "test_batch_replica_clear.py"]  # fmt: skip
+        # Two of test_batch_replica_clear.py's expect a put to leave a read lease on its key, which
+        # Mooncake's master does not give either (an ObjectMetadata's lease starts expired; only
+        # ExistKey and GetReplicaList grant one), and its CI (scripts/run_tests.sh) does not run the file.
+        unlike_mooncake = "not test_clear_with_active_lease and not test_clear_mixed_expired_and_active"
         out = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=tests, env=env,
-            capture_output=True, text=True, timeout=600,
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", unlike_mooncake, *files],
+            cwd=tests, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        print(out.stdout[-3000:])
+        assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-2000:]
+
+
+@pytest.mark.skipif(_mooncake_tests() is None, reason="no Mooncake checkout (set MOONCAKE_SRC to one)")
+def test_mooncakes_own_buffer_pool_tests_pass_unchanged() -> None:
+    """Mooncake's test_buffer_pool_native.py names its master 127.0.0.1:50051: the cluster's is there."""
+    tests = _mooncake_tests()
+    assert tests is not None
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", 50051)) == 0:
+            pytest.skip("port 50051, where Mooncake's buffer pool tests look for their master, is taken")
+    with LocalCluster(0, master_port=50051) as c:
+        env = {**os.environ, "PYTHONPATH": str(compat_path("mooncake")), "MASTER_SERVER": c.master_address}
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_buffer_pool_native.py"],
+            cwd=tests, env=env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         print(out.stdout[-3000:])
         assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-2000:]

@@ -3,6 +3,7 @@
 from kvstore_client.compat.mooncake import *  # noqa: F403
 from kvstore_client.compat.mooncake import (  # noqa: F401
     BufferHandle,
+    BufferPool,
     ErrorCode,
     MooncakeDistributedStore,
     ObjectDataType,
