@@ -219,6 +219,17 @@ def block_keys(
     return [_key(namespace, digest) for digest in chain]
 
 
+def next_block(prev: bytes, tokens: Any, namespace: str = "") -> tuple[bytes, BlockKey]:
+    """The digest and key of the block of ``tokens`` (one whole block, no extras) that follows the
+    block whose digest is ``prev`` (:func:`prefix_seed` for a first block): what :func:`block_keys`
+    gives, one block at a time, for a follower that learns a prefix block by block."""
+    arr = _tokens_to_array(tokens)
+    if arr.size == 0:
+        raise InvalidArgument("a block has at least one token")
+    [digest] = _chain(arr, arr.size, prev)
+    return digest, _key(namespace, digest)
+
+
 def tail_key(
     token_ids: Any, block_size: int, namespace: str = "", *, extras: Sequence[bytes] | None = None
 ) -> BlockKey | None:
