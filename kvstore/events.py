@@ -54,6 +54,8 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[Any] | None = None
+    """vLLM's: what besides the tokens went into each block's hash (a LoRA, a salt, images)."""
     backend_id: str | None = None
     object_key: str | None = None
     tenant_id: str | None = None
@@ -135,15 +137,17 @@ def key_hash(key: str) -> BlockHash:
 
 def stored(key: str, node: str, medium: str, tenant: str | None, label: EngineBlock | None) -> BlockStored:
     if label is None:
-        return BlockStored([key_hash(key)], None, [], 0, None, medium, None, node, key, tenant)
+        return BlockStored([key_hash(key)], None, [], 0, None, medium, None,
+                           backend_id=node, object_key=key, tenant_id=tenant)  # fmt: skip
     return BlockStored(
         [label.block_hash], label.parent_block_hash, list(label.token_ids), label.block_size, None, medium, None,
-        node, key, tenant,
+        backend_id=node, object_key=key, tenant_id=tenant,
     )  # fmt: skip
 
 
 def removed(key: str, node: str, medium: str, tenant: str | None, label: EngineBlock | None) -> BlockRemoved:
-    return BlockRemoved([label.block_hash if label is not None else key_hash(key)], medium, node, key, tenant)
+    block_hash = label.block_hash if label is not None else key_hash(key)
+    return BlockRemoved([block_hash], medium, backend_id=node, object_key=key, tenant_id=tenant)
 
 
 def encode_batch(ts: float, events: Sequence[Event]) -> bytes:

@@ -208,8 +208,10 @@ class _VllmBatch(msgspec.Struct, array_like=True, omit_defaults=True):
 
 def test_a_batch_decodes_with_vllms_own_declarations_and_ours() -> None:
     events = [
-        BlockStored([b"\x03" * 16], None, [], 0, None, "disk", None, "node-1", "k", "t1"),
-        BlockRemoved([42], "cpu", "node-2", "42", None),
+        BlockStored(
+            [b"\x03" * 16], None, [], 0, None, "disk", None, backend_id="node-1", object_key="k", tenant_id="t1"
+        ),
+        BlockRemoved([42], "cpu", backend_id="node-2", object_key="42"),
         AllBlocksCleared(),
     ]
     payload = encode_batch(12.5, events)
