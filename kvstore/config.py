@@ -706,6 +706,16 @@ class ConductorConfig(_Frozen):
     load_bytes_per_s: float = Field(
         default=1e9, gt=0, description="OpenAI servers: the rate at which a server loads stored KV (a start value)."
     )
+    engine_events: list[str] = Field(
+        default=[],
+        description="OpenAI servers: each one's KV events endpoint (vLLM's --kv-events-config publisher, "
+        "tcp://H:P), in the order of ``openai`` (\"\" for a server that publishes none). The conductor then "
+        "knows which blocks each server's own cache holds from its events, not from what it sent it.",
+    )  # fmt: skip
+    engine_events_replay: list[str] = Field(
+        default=[],
+        description="OpenAI servers: each one's KV events replay endpoint (vLLM's replay_endpoint), or \"\".",
+    )
     policy: Literal["random", "load", "local", "global"] = Field(default="global", description="Scheduling policy.")
     early_rejection: bool = Field(default=True, description="Reject at arrival on predicted TTFT and decode load.")
     decode_load: Literal["none", "current", "predicted"] = Field(
@@ -727,4 +737,8 @@ class ConductorConfig(_Frozen):
             raise ValueError("give prefill and decode workers, or OpenAI servers, not both")
         if not self.openai and not (self.prefill and self.decode):
             raise ValueError("give at least one prefill and one decode worker, or OpenAI servers (openai)")
+        for name in ("engine_events", "engine_events_replay"):
+            given = getattr(self, name)
+            if given and len(given) != len(self.openai):
+                raise ValueError(f"{name} names {len(given)} endpoints for {len(self.openai)} OpenAI servers")
         return self

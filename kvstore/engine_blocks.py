@@ -60,7 +60,7 @@ class EngineBlocks:
         tokens: Sequence[int] = event.token_ids
         size = int(event.block_size) if event.block_size else (len(tokens) // max(len(hashes), 1))
         parent = event.parent_block_hash
-        extras = getattr(event, "extra_keys", None) or getattr(event, "lora_name", None)
+        extras = any(getattr(event, "extra_keys", None) or ()) or getattr(event, "lora_name", None)
         state = (self._seed, ()) if parent is None else self._pages.get(parent)
         if state is None or extras or size <= 0 or self.block_tokens % size or len(tokens) != size * len(hashes):
             self.skipped += len(hashes)

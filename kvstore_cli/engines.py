@@ -92,6 +92,12 @@ def _conductor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-period", type=float, default=1.0, help="seconds between worker health checks")
     p.add_argument("--tokenizer", default=None, help="a local tokenizer directory, for text prompts")
     p.add_argument("--load-bytes-per-s", type=float, default=1e9, help="OpenAI servers: their load rate, to start")
+    p.add_argument(
+        "--engine-events", nargs="+", default=[], metavar="tcp://H:P",
+        help="OpenAI servers: each one's KV events endpoint (vLLM's --kv-events-config), in --openai's order",
+    )  # fmt: skip
+    p.add_argument("--engine-events-replay", nargs="+", default=[], metavar="tcp://H:P",
+                   help="OpenAI servers: each one's KV events replay endpoint")  # fmt: skip
 
 
 @command("conductor", "schedule completion requests over prefill/decode workers or vLLM servers by where KV is stored")
@@ -104,7 +110,8 @@ def _conductor(args: argparse.Namespace) -> int:
         ConductorConfig, "conductor", host=args.host, port=args.port, master=args.master, policy=args.policy,
         early_rejection=not args.no_early_rejection, decode_load=args.decode_load, ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo, replicate_tokens=args.replicate_tokens, health_period_s=args.health_period,
-        tokenizer=args.tokenizer, load_bytes_per_s=args.load_bytes_per_s, **workers,
+        tokenizer=args.tokenizer, load_bytes_per_s=args.load_bytes_per_s, engine_events=args.engine_events,
+        engine_events_replay=args.engine_events_replay, **workers,
     )  # fmt: skip
     return run_conductor(config)
 

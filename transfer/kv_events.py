@@ -112,6 +112,14 @@ class KVEventSubscriber:
             out.append(Delivered(seq, batch))
             self.last = seq
 
+    def catch_up(self) -> list[Delivered]:
+        """Every batch after the last delivered (all, before the first) that a replay endpoint still
+        keeps: what a follower that starts late asks for before it listens."""
+        got = self._replay(self.last + 1, 1 << 63)
+        if got:
+            self.last = got[-1].seq
+        return got
+
     def _replay(self, start: int, stop: int) -> list[Delivered]:
         """Batches ``start`` to ``stop`` - 1 from the first replay endpoint that has any."""
         for endpoint in self.replay_endpoints:

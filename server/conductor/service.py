@@ -56,6 +56,7 @@ from kvstore.scheduling import (
     Slo,
     TransferModel,
 )
+from server.conductor.engine_events import EngineEvents
 from server.conductor.metrics import ConductorMetrics
 from server.conductor.openai import (
     ENGINE_CACHE_BYTES_PER_S,
@@ -107,8 +108,9 @@ class Conductor:
         self._ids = itertools.count(1)
         self._health_task: asyncio.Task[None] | None = None
         self._tokenizer: Any = None
-        self._caches: dict[str, EngineCache] = {}
-        """OpenAI servers: what each one's own prefix cache probably holds."""
+        self._caches: dict[str, EngineCache | EngineEvents] = {}
+        """OpenAI servers: what each one's own prefix cache holds: from its KV events where it
+        publishes them (``engine_events``), else a guess from what the conductor sent it."""
         self._served: set[str] = set()
         """OpenAI servers: every model name they serve (LoRA adapters included)."""
         # A stream may run as long as its answer does: what is bounded is the silence between chunks.
@@ -135,6 +137,9 @@ class Conductor:
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer, local_files_only=True)
         self.metrics.master.set(1 if self._master is not None else 0)
+        for cache in self._caches.values():
+            if isinstance(cache, EngineEvents):
+                cache.start()
         self._health_task = asyncio.create_task(self._health_loop(), name="kvstore-conductor-health")
         self._health_task.add_done_callback(_log_death)
 
@@ -176,7 +181,12 @@ class Conductor:
             name = f"engine-{i}"
             self.workers[name] = Worker(name, url, "engine", {"node": name, "max_tokens": info.max_model_len})
             blocks = info.kv_tokens // info.block_tokens if info.kv_tokens else None
-            self._caches[name] = EngineCache(blocks)
+            endpoint = self.config.engine_events[i] if self.config.engine_events else ""
+            if endpoint:
+                replay = self.config.engine_events_replay[i] if self.config.engine_events_replay else ""
+                self._caches[name] = EngineEvents(endpoint, replay, info.namespace, info.block_tokens)
+            else:
+                self._caches[name] = EngineCache(blocks)
         first = infos[0]
         self.namespace, self.block_tokens, self.model = first.namespace, first.block_tokens, first.model
         self._served = {m for info in infos for m in info.models}
@@ -234,6 +244,9 @@ class Conductor:
             await asyncio.gather(self._health_task, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+        for cache in self._caches.values():
+            if isinstance(cache, EngineEvents):
+                await cache.close()
         for conn in (self._master, self._copier):
             if conn is not None:
                 conn.close()

@@ -79,9 +79,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Engine:
     """A real vLLM Scheduler and a worker-side connector over CPU paged KV tensors."""
 
-    def __init__(self, model_dir: Path, master: str, *, role: str = "kv_both", load_async: bool = False) -> None:
+    def __init__(
+        self, model_dir: Path, master: str, *, role: str = "kv_both", load_async: bool = False,
+        kv_events: Any = None, **more: Any,
+    ) -> None:  # fmt: skip
         model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0)
-        extra = {"master": master, "block_tokens": BLOCK, "load_async": load_async}
+        extra = {"master": master, "block_tokens": BLOCK, "load_async": load_async, **more}
         self.config = VllmConfig(
             model_config=model,
             scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=2048,
@@ -92,6 +95,7 @@ class Engine:
                 kv_role=role, kv_connector_extra_config=extra, kv_load_failure_policy="recompute",
             ),
             device_config=DeviceConfig("cpu"),
+            **({"kv_events_config": kv_events} if kv_events is not None else {}),
         )  # fmt: skip
         spec = FullAttentionSpec(block_size=PAGE, num_kv_heads=HEADS, head_size=DIM, dtype=torch.float32)
         kv_config = KVCacheConfig(num_blocks=PAGES, kv_cache_tensors=[],
@@ -219,6 +223,104 @@ def test_a_second_engine_loads_what_the_first_computed(
     assert consumer.scheduler.connector.get_num_new_matched_tokens(second, 0) == (128, False)  # no side effect
     for layer in range(LAYERS):
         assert torch.equal(consumer.prompt_kv(second, 128, layer), producer.prompt_kv(first, 128, layer))
+
+
+def test_the_stores_kv_events_name_saved_blocks_by_vllms_own_hashes(engines: list[Engine], model_dir: Path) -> None:
+    """With label_blocks, each stored block's KV event carries vLLM's block hash of its last page (as
+    vLLM's own events give it), its parent's and its tokens; decoded here by vLLM's own KVEventBatch."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    tokens = [(i * 29) % 500 + 7 for i in range(140)]  # 4 stored blocks of 32 tokens (8 vLLM pages)
+    with LocalCluster(1, dram="64MiB", kv_events=True) as c:
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(c.kv_events[0][0])
+        try:
+            time.sleep(0.3)  # the subscription reaches the publisher
+            producer = Engine(model_dir, c.master_address, label_blocks=True)
+            engines.append(producer)
+            request = producer.add("labelled", tokens)
+            run_until_prefilled(producer, request)
+            assert producer.worker.flush_saves()
+            decoder = msgspec.msgpack.Decoder(KVEventBatch)
+            stored: dict[str, Any] = {}
+            keys = producer.worker.layout.keys(tokens)
+            deadline = time.monotonic() + 15
+            while len(stored) < 4 and time.monotonic() < deadline:
+                if sub.poll(200):
+                    _, _, payload = sub.recv_multipart()
+                    theirs = decoder.decode(payload)  # vLLM's own classes
+                    raw = msgspec.msgpack.decode(payload)[1]
+                    for event, fields in zip(theirs.events, raw, strict=True):
+                        if isinstance(event, VllmBlockStored) and fields["object_key"] in keys:
+                            stored[fields["object_key"]] = event
+        finally:
+            sub.close(linger=0)
+            ctx.term()
+    k = BLOCK // PAGE
+    hashes = request.block_hashes
+    for i, key in enumerate(keys):
+        event = stored[key]
+        assert event.block_hashes == [maybe_convert_block_hash(hashes[(i + 1) * k - 1])]
+        assert event.parent_block_hash == (maybe_convert_block_hash(hashes[i * k - 1]) if i else None)
+        assert event.token_ids == tokens[i * BLOCK : (i + 1) * BLOCK] and event.block_size == BLOCK
+        assert event.medium == "cpu"
+
+
+def test_the_conductor_follows_vllms_own_kv_events_in_store_keys(engines: list[Engine], model_dir: Path) -> None:
+    """A real vLLM Scheduler publishes its KV events (its own ZmqEventPublisher); the conductor's
+    follower turns them into the connector's store keys: the blocks a prompt filled are held, and
+    none once the engine resets its prefix cache."""
+    import asyncio
+    import socket
+
+    from vllm.config import KVEventsConfig
+
+    from server.conductor.engine_events import EngineEvents
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    # vLLM binds a wildcard endpoint (and connects to any other: then a subscriber would have to bind).
+    pub_port, replay_port = port(), port()
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub_port}",
+                            replay_endpoint=f"tcp://*:{replay_port}")  # fmt: skip
+    pub, replay = f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
+    tokens = [(i * 13) % 500 + 9 for i in range(140)]
+    with LocalCluster(1, dram="64MiB") as c:
+        engine = Engine(model_dir, c.master_address, kv_events=events)
+        engines.append(engine)
+        keys = engine.worker.layout.keys(tokens)
+
+        async def follow() -> tuple[int, int]:
+            follower = EngineEvents(pub, replay, engine.worker.layout.namespace, BLOCK)
+            follower.start()
+            try:
+                request = engine.add("evented", tokens)
+                run_until_prefilled(engine, request)
+                deadline = time.monotonic() + 15
+                while follower.held(keys) < 4 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                held = follower.held(keys)
+                while engine.scheduler.requests:  # decode to the end: its pages return to the free pool
+                    engine.step()
+                assert engine.scheduler.reset_prefix_cache()
+                engine.step()  # the next step's output carries the reset's AllBlocksCleared
+                deadline = time.monotonic() + 15
+                while follower.held(keys) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                return held, follower.held(keys)
+            finally:
+                await follower.close()
+
+        assert asyncio.run(follow()) == (4, 0)
 
 
 def test_a_full_hit_leaves_the_last_token_to_compute(

@@ -65,7 +65,10 @@ def test_blocks_with_extras_are_not_credited() -> None:
     tokens = list(range(1, 33))
     index = EngineBlocks(NS, 32)
     index.apply([stored(tokens, 0, 2, lora_name="adapter-a")])
+    index.apply([stored(tokens, 0, 2, extra_keys=[("salt",), None])])
     assert index.held(block_keys(tokens, 32, NS)) == 0
+    index.apply([stored(tokens, 0, 2, extra_keys=[None, None])])  # vLLM's way of saying "none"
+    assert index.held(block_keys(tokens, 32, NS)) == 1
 
 
 def test_the_same_prefix_held_twice_stays_until_both_go() -> None:
