@@ -25,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any
 from kvstore.config import daemon_dram
 from kvstore.tiers.arena_files import arena_path
 from kvstore_cli.cluster import LocalCluster
+from transfer.kv_events import KVEventSubscriber
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS_BENCH = REPO.parent / "shared" / "peers" / "mooncake_bench.py"
@@ -49,15 +51,50 @@ def _load(python: str, args: list[str], env: dict[str, str], timeout: float) -> 
     return {"bench": "master", "system": args[0], "error": (done.stderr or done.stdout).strip()[-600:]}
 
 
-def run_kvstore(keys: int, size: int, dram: str, timeout: float, sample: int = 0) -> dict[str, Any]:
-    with LocalCluster(2, dram=dram, daemon_metrics=True) as cluster:
+def run_kvstore(
+    keys: int, size: int, dram: str, timeout: float, sample: int = 0, kv_events: bool = False
+) -> dict[str, Any]:
+    """Our master's costs; with ``kv_events`` it publishes KV events (``--kv-events``) to a live
+    subscriber that reads them all, as a router would."""
+    with LocalCluster(2, dram=dram, daemon_metrics=True, kv_events=kv_events) as cluster:
         assert cluster.master is not None
         env = dict(os.environ)
         args = ["kvstore", cluster.master_address, str(cluster.master.pid), str(keys), str(size), str(sample)]
-        row = _load(sys.executable, args, env, timeout)
+        counter = _EventCounter(cluster.kv_events[0][0]) if kv_events else None
+        try:
+            row = _load(sys.executable, args, env, timeout)
+        finally:
+            received = counter.stop() if counter is not None else 0
         if "error" not in row:
             row["daemon_index"] = daemon_index(cluster)
+            if counter is not None:
+                row["system"] = "kvstore+kv_events"
+                row["kv_events_received"] = received
         return row
+
+
+class _EventCounter:
+    """A subscriber that reads every KV event the master publishes (counting them) until stopped."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._sub = KVEventSubscriber([endpoint])
+        self._stop = threading.Event()
+        self.events = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        time.sleep(0.3)  # the subscription reaches the publisher before the load begins
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for d in self._sub.receive(0.1):
+                self.events += len(d.batch.events)
+
+    def stop(self) -> int:
+        time.sleep(0.5)  # the last flush
+        self._stop.set()
+        self._thread.join(5)
+        self._sub.close()
+        return self.events
 
 
 def daemon_index(cluster: LocalCluster) -> dict[str, Any]:
@@ -166,9 +203,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, default=0, help="gets and exists over this many keys (0: all)")
     parser.add_argument("--peers", choices=["auto", "no"], default="auto")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument(
+        "--kv-events", action="store_true",
+        help="also run our master publishing KV events to a live subscriber, and print its costs against ours",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     ours = run_kvstore(args.keys, args.size, args.dram, args.timeout, args.sample)
     print(json.dumps(ours), flush=True)
+    if args.kv_events:
+        evented = run_kvstore(args.keys, args.size, args.dram, args.timeout, args.sample, kv_events=True)
+        print(json.dumps(evented), flush=True)
+        if "error" not in ours and "error" not in evented:
+            print(json.dumps({"bench": "master", "ratio": "kv_events/without",
+                              **{f"{op}_cpu": round(evented[op]["master_cpu_us_per_key"]
+                                                    / ours[op]["master_cpu_us_per_key"], 3)
+                                 for op in ("put", "get", "exists")},
+                              "memory": round(evented["master_bytes_per_key"] / ours["master_bytes_per_key"], 3),
+                              "events": evented["kv_events_received"]}), flush=True)  # fmt: skip
     theirs = run_mooncake(args.keys, args.size, args.timeout, args.sample) if args.peers == "auto" else None
     if theirs is not None:
         print(json.dumps(theirs), flush=True)
