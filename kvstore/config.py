@@ -449,6 +449,9 @@ class MasterConfig(_Frozen):
     kv_events_buffer: int = Field(
         default=10_000, ge=1, description="KV event batches kept for replay (each up to 1024 events)."
     )
+    kv_events_buffer_bytes: int = Field(
+        default=32 << 20, ge=1 << 16, description="Bytes of KV event batches kept for replay, at most (~150 an event)."
+    )
     kv_events_topic: str = Field(default="", description="The topic frame of each KV events message.")
     admin_port: int | None = Field(
         default=None, ge=0, le=65535, description="Port of the REST admin API, /metrics and the dashboard (0: any)."

@@ -7,7 +7,8 @@ relay, llm-d's indexer, vLLM's example) read the store as they read an engine:
 - a PUB socket sends each batch as ``[topic, 8-byte big-endian sequence, msgpack batch]``;
 - a ROUTER socket (``--kv-events-replay``) answers a request ``[b"", start sequence]`` with every
   batch it still keeps from that sequence on, ``[b"", topic, sequence, batch]`` each, then
-  ``[b"", b"", END_SEQ, b""]``; it keeps the last ``kv_events_buffer`` batches.
+  ``[b"", b"", END_SEQ, b""]``; it keeps the last ``kv_events_buffer`` batches, at most
+  ``kv_events_buffer_bytes`` of them.
 
 Sequences are consecutive within a leader's term and grow across leader changes: a term's first
 batch takes ``max(previous + 1, the wall clock in microseconds)``, so it comes after the old
@@ -49,12 +50,16 @@ class KVEventPublisher:
     """Publishes the changes of the table of the current term (see the module's text)."""
 
     def __init__(
-        self, endpoint: str, replay_endpoint: str | None = None, *, buffer: int = 10_000, topic: str = ""
-    ) -> None:
+        self, endpoint: str, replay_endpoint: str | None = None, *, buffer: int = 10_000,
+        buffer_bytes: int = 32 << 20, topic: str = "",
+    ) -> None:  # fmt: skip
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(buffer, 1))
+        self._buffer_bytes = buffer_bytes
+        self._buffered = 0
+        """Bytes of the batches kept for replay (bounded by ``buffer_bytes`` as well as ``buffer``)."""
         self._seq = 0
         self._first = True
         """The next batch is its term's first."""
@@ -141,7 +146,13 @@ class KVEventPublisher:
         payload = encode_batch(now, events)
         with contextlib.suppress(zmq.Again):  # a subscriber that does not keep up sees a gap, and can replay
             self._pub.send_multipart((self.topic, seq_bytes(self._seq), payload), flags=zmq.NOBLOCK, copy=False)
-        self._buffer.append((self._seq, payload))
+        buffer = self._buffer
+        if len(buffer) == buffer.maxlen:
+            self._buffered -= len(buffer[0][1])
+        buffer.append((self._seq, payload))
+        self._buffered += len(payload)
+        while self._buffered > self._buffer_bytes and len(buffer) > 1:
+            self._buffered -= len(buffer.popleft()[1])
         self.batches += 1
         self.events += len(events)
 

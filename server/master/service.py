@@ -90,7 +90,7 @@ class MasterService:
         self.evictions = EvictionLog(config.eviction_log)
         self.events = (
             KVEventPublisher(config.kv_events, config.kv_events_replay, buffer=config.kv_events_buffer,
-                             topic=config.kv_events_topic)
+                             buffer_bytes=config.kv_events_buffer_bytes, topic=config.kv_events_topic)
             if config.kv_events is not None
             else None
         )  # fmt: skip
