@@ -293,8 +293,9 @@ class Catalog:
         self.labels: dict[str, EngineBlock] = {}
         """Keys an engine named (:meth:`PlacementTable.label`) -> its name for them, for the KV events:
         kept while the key is in the table (and for :data:`LABELS_UNPLACED` keys not yet in it)."""
-        self.labels_gone: dict[str, EngineBlock] = {}
-        """Labels of keys forgotten since the KV events were last taken (their removals name them)."""
+        self.labels_gone: dict[str, EngineBlock | None] = {}
+        """Keys forgotten since the KV events were last taken -> the label each had (None: none):
+        their removals name them so, whatever label a put of the same key brought since."""
         self.holders: list[tuple[tuple[Holder], tuple[Holder, Holder]]] = []
         """Node index -> ``((its DRAM holder,), (its DRAM holder, its SSD holder))``: the lease holders
         of its replicas, made once (the first, a lone DRAM replica's holders as a get leases them)."""
@@ -386,8 +387,10 @@ class Catalog:
             if not keys:
                 del self.owned[owner]
         self.want_promote.discard(key)
-        if self.labels and (label := self.labels.pop(key, None)) is not None and rec.events is not None:
-            self.labels_gone[key] = label
+        if rec.events is not None:  # its removal, told at the next take, names it as its store did
+            self.labels_gone[key] = self.labels.pop(key, None) if self.labels else None
+        elif self.labels:
+            self.labels.pop(key, None)
         rec.drop_key(slot)
 
     def add_replica(self, slot: int, node: NodeState, tier: TierName, extent: Extent | None,

@@ -36,7 +36,7 @@ from kvstore.placement.inspection import Inspection
 from kvstore.placement.moves import Moves
 from kvstore.placement.nodes import Membership, NodeRecord
 from kvstore.placement.reads import Reads
-from kvstore.placement.records import REMOVING
+from kvstore.placement.records import COMMITTED, REMOVING
 from kvstore.placement.results import HeldBlock, PrefixMatch, ReplicaLookup
 from kvstore.placement.state import (
     Catalog,
@@ -437,7 +437,9 @@ class PlacementTable:
             if tier < 0:  # a node fenced: what it holds is unread until its registration tells it anew
                 out.append(AllBlocksCleared(names[node]))
                 continue
-            label = labels.get(key) or gone.get(key) if labels or gone else None
+            # A removal names the block as it was labelled (a key forgotten and put again since
+            # has a new label); a store, as it is labelled now.
+            label = labels.get(key) if joined or key not in gone else gone[key]
             owner = owner_of(key) if tenants else ""
             tenant = owner if owner and tenants and owner in tenants else None
             make = stored if joined else removed
@@ -446,15 +448,20 @@ class PlacementTable:
         return out
 
     def label(self, keys: Sequence[str], labels: Sequence[EngineBlock]) -> None:
-        """Name ``keys`` as an engine names their blocks, for the KV events of their replicas from
-        now on (a put labels its keys before writing them); kept only while events are told. Labels
+        """Name ``keys`` as an engine names their blocks, for the KV events of their replicas (a put
+        labels its keys before writing them; a key stored already keeps the name its events gave it,
+        so that its removal names what its store did); kept only while events are told. Labels
         of keys not in the table are kept for a while: past :data:`LABELS_UNPLACED`, forgotten."""
         if len(keys) != len(labels):
             raise InvalidArgument(f"{len(keys)} keys but {len(labels)} labels")
         if self._catalog.rec.events is None:
             return  # no events told: nothing to name
         got = self._catalog.labels
-        got.update(zip(keys, labels, strict=True))
+        rec = self._catalog.rec
+        for key, label in zip(keys, labels, strict=True):
+            slot = rec.index.get(key)
+            if slot is None or not rec.state[slot] & COMMITTED:  # a stored key keeps the name it was told by
+                got[key] = label
         if len(got) > len(self._catalog.rec.index) + LABELS_UNPLACED:
             index = self._catalog.rec.index
             for key in [k for k in got if k not in index]:

@@ -165,6 +165,13 @@ def test_labelled_keys_carry_the_engines_hashes_until_their_removal() -> None:
     put(t, "k0")  # the key's label went with it
     [again] = t.take_events()
     assert isinstance(again, BlockStored) and again.block_hashes == [key_hash("k0")]
+    t.label(["k1"], [EngineBlock(b"\x05" * 32)])  # stored already: it keeps the name its store was told by
+    run(t, t.remove(["k1"])[1])
+    t.label(["k1"], [EngineBlock(b"\x06" * 32)])
+    put(t, "k1")  # removed and put again under a label, between two takes
+    gone, back = t.take_events()
+    assert isinstance(gone, BlockRemoved) and gone.block_hashes == [key_hash("k1")]
+    assert isinstance(back, BlockStored) and back.block_hashes == [b"\x06" * 32]
 
 
 def test_key_hashes_follow_the_keys_kinds() -> None:
