@@ -7,6 +7,7 @@ import inspect
 import itertools
 import json
 import os
+import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -144,3 +145,16 @@ def connect_client(face: str, master: str, config: Any = None) -> Any:
     from kvstore_client.store import Store
 
     return Store.connect(master, config) if face == "Store" else BlockingAsyncStore(master, config)
+
+
+def run_marked_tests_in(python: str, marker: str, test_file: str, timeout: float) -> None:
+    """Run ``test_file``'s ``marker`` tests with another environment's interpreter (an engine's,
+    whose pins stay out of the main one), from this checkout; they must all run and pass."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    command = [python, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider", test_file]
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+    print(done.stdout[-3000:])
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    last = done.stdout.splitlines()[-1]
+    assert " passed" in last and "skipped" not in last, last

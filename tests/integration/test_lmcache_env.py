@@ -6,10 +6,11 @@ them there from the main suite, and skips, saying why, where that environment wa
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_marked_tests_in
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("KVSTORE_LMCACHE_PYTHON") or str(REPO / ".venv-lmcache" / "bin" / "python")
@@ -18,20 +19,4 @@ PYTHON = os.environ.get("KVSTORE_LMCACHE_PYTHON") or str(REPO / ".venv-lmcache" 
 @pytest.mark.lmcache
 @pytest.mark.skipif(not Path(PYTHON).exists(), reason=f"no LMCache environment at {PYTHON} (scripts/lmcache-env.sh)")
 def test_lmcache_against_its_own_classes_in_the_lmcache_environment() -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [
-        PYTHON,
-        "-m",
-        "pytest",
-        "-q",
-        "-m",
-        "lmcache",
-        "-p",
-        "no:cacheprovider",
-        "tests/integration/test_lmcache.py",
-    ]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    print(done.stdout[-3000:])
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    last = done.stdout.splitlines()[-1]
-    assert " passed" in last and "skipped" not in last, last
+    run_marked_tests_in(PYTHON, "lmcache", "tests/integration/test_lmcache.py", timeout=900)

@@ -14,9 +14,7 @@ sizes and Hugging Face's prefill/decode workers, both ways.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -30,10 +28,10 @@ from bench.vllm_serving import VllmEngine, free_port, prompt, save_model, vllm_p
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import Store
 from kvstore_client.adapters.layout import KVLayout, load_blocks
+from tests.conftest import run_marked_tests_in
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
 PYTHON = vllm_python()
 MODEL_NAME = "tiny-llama"  # the model's identity in the key namespace, shared with the Hugging Face side
 LAYOUT = KVLayout(MODEL_NAME, num_layers=4, num_kv_heads=2, head_dim=32, dtype="bfloat16", block_tokens=256)
@@ -310,18 +308,4 @@ def test_a_dead_or_frozen_store_costs_nothing_but_its_hits(
 
 def test_the_connector_against_vllms_scheduler_in_the_vllm_environment() -> None:
     """test_vllm_connector.py drives vLLM's own Scheduler step by step; it imports vLLM, so it runs there."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [
-        PYTHON,
-        "-m",
-        "pytest",
-        "-q",
-        "-m",
-        "vllm",
-        "-p",
-        "no:cacheprovider",
-        "tests/integration/test_vllm_connector.py",
-    ]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout.splitlines()[-1] and "skipped" not in done.stdout.splitlines()[-1]
+    run_marked_tests_in(PYTHON, "vllm", "tests/integration/test_vllm_connector.py", timeout=600)
