@@ -740,18 +740,8 @@ class MasterCore:
         until its node is fenced (silent for the node TTL: it serves nothing from then until its
         registration, which drops the block), which ends the wait; one that keeps answering but not
         the drop makes the remove answer Timeout after the command timeout (unsure: retried)."""
-        keys, held = m.keys, []
-        if not m.force and self.table.hold_ms:
-            held = self.table.held(keys, now_ms())
-            if held:
-                skip = set(held)
-                keys = [k for i, k in enumerate(keys) if i not in skip]
-        objects = self.table.objects
-        stored = [
-            (k, e.write_id, e.checksum)
-            for k in keys
-            if (e := objects.get(k)) is not None and e.committed and not e.removing
-        ]
+        keys, held = self._unheld(m.keys, m.force)
+        stored = self._stored_blocks(keys)
         removed, commands = self.table.remove(keys)
         self._recent_removals().removed(stored)
         self.commands.later(commands, "remove-drops")
@@ -778,27 +768,40 @@ class MasterCore:
     async def clear_replicas(self, m: ClearReplicas, caller: Identity = ANYONE) -> Message:
         """Mooncake's ``batch_replica_clear`` (see :class:`ClearReplicas`): answered, as a remove is,
         once the daemons dropped what it cleared."""
-        held: list[int] = []
-        keys = m.keys
-        if not m.force and self.table.hold_ms:
-            held = self.table.held(keys, now_ms())
-        skip = set(held)
-        objects = self.table.objects
-        candidates = [k for i, k in enumerate(keys) if i not in skip]
-        stored = [
-            (k, e.write_id, e.checksum)
-            for k in candidates
-            if (e := objects.get(k)) is not None and e.committed and not e.removing
-        ]
+        candidates, held = self._unheld(m.keys, m.force)
+        stored = self._stored_blocks(candidates)
         cleared, commands = self.table.clear_replicas(candidates, m.node)
         gone = set(cleared)
         # The keys that went whole are removed as a remove removes them (a put that lost its answer asks).
+        objects = self.table.objects
         self._recent_removals().removed(
             [s for s in stored if s[0] in gone and (e := objects.get(s[0])) is not None and e.removing]
         )
         self.commands.later(commands, "clear-drops")
         await self._settle_drops(cleared)
-        return ClearReplicasReply([i for i, k in enumerate(keys) if k in gone and i not in skip], held)
+        skip = set(held)
+        return ClearReplicasReply([i for i, k in enumerate(m.keys) if k in gone and i not in skip], held)
+
+    def _unheld(self, keys: list[str], force: bool) -> tuple[list[str], list[int]]:
+        """``keys`` but those a recent read holds (the master's ``--default-kv-lease-ttl``; none with
+        ``force``), and the indexes of those held."""
+        if force or not self.table.hold_ms:
+            return keys, []
+        held = self.table.held(keys, now_ms())
+        if not held:
+            return keys, held
+        skip = set(held)
+        return [k for i, k in enumerate(keys) if i not in skip], held
+
+    def _stored_blocks(self, keys: list[str]) -> list[tuple[str, int, int]]:
+        """(key, write id, checksum) of those of ``keys`` stored and not being removed: what a remove
+        of them takes away, for :meth:`_recent_removals`."""
+        objects = self.table.objects
+        return [
+            (k, e.write_id, e.checksum)
+            for k in keys
+            if (e := objects.get(k)) is not None and e.committed and not e.removing
+        ]
 
     def _dropping(self, keys: list[str]) -> list[str]:
         """Of ``keys``, those being removed or with a drop on its way (one a node's registration asked
