@@ -181,12 +181,12 @@ def _mc(rpc: int, http: int) -> dict[str, str]:
     return {"MC_MASTER": f"127.0.0.1:{rpc}", "MC_META": f"http://127.0.0.1:{http}/metadata"}
 
 
-def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+def ratios(ours: dict[str, Any], theirs: dict[str, Any], label: str = "kvstore/mooncake") -> dict[str, Any]:
     def r(a: float, b: float) -> float | None:
         return round(a / b, 3) if b else None
 
     return {
-        "bench": "master", "ratio": "kvstore/mooncake",
+        "bench": "master", "ratio": label,
         **{f"{op}_cpu": r(ours[op]["master_cpu_us_per_key"], theirs[op]["master_cpu_us_per_key"])
            for op in ("put", "get", "exists")},
         "memory": r(ours["master_bytes_per_key"], theirs["master_bytes_per_key"]),
@@ -214,12 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         evented = run_kvstore(args.keys, args.size, args.dram, args.timeout, args.sample, kv_events=True)
         print(json.dumps(evented), flush=True)
         if "error" not in ours and "error" not in evented:
-            print(json.dumps({"bench": "master", "ratio": "kv_events/without",
-                              **{f"{op}_cpu": round(evented[op]["master_cpu_us_per_key"]
-                                                    / ours[op]["master_cpu_us_per_key"], 3)
-                                 for op in ("put", "get", "exists")},
-                              "memory": round(evented["master_bytes_per_key"] / ours["master_bytes_per_key"], 3),
-                              "events": evented["kv_events_received"]}), flush=True)  # fmt: skip
+            row = {**ratios(evented, ours, "kv_events/without"), "events": evented["kv_events_received"]}
+            print(json.dumps(row), flush=True)
     theirs = run_mooncake(args.keys, args.size, args.timeout, args.sample) if args.peers == "auto" else None
     if theirs is not None:
         print(json.dumps(theirs), flush=True)
