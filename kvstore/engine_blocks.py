@@ -13,7 +13,7 @@ the engine is then simply not credited with it. ``BlockRemoved`` drops pages,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 from kvstore.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
@@ -92,9 +92,14 @@ class EngineBlocks:
 
     def held(self, keys: Sequence[str]) -> int:
         """How many leading ``keys`` the engine holds."""
-        n = 0
-        for key in keys:
-            if key not in self._held:
-                break
-            n += 1
-        return n
+        return leading(keys, self._held)
+
+
+def leading(keys: Iterable[str], held: Container[str]) -> int:
+    """How many of ``keys``, from the first, are in ``held``: the prefix a cache holds."""
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n

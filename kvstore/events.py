@@ -170,9 +170,3 @@ def seq_of(frame: bytes) -> int:
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of a replay's last reply (vLLM's ``END_SEQ``)."""
-
-
-def as_dict(event: Event) -> dict[str, Any]:
-    """An event as plain data (tools, JSON)."""
-    out: dict[str, Any] = msgspec.to_builtins(event)
-    return out

@@ -37,6 +37,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstore.engine_blocks import leading
 from kvstore.errors import ConnectionFailed, InvalidArgument
 
 NOMINAL_PREFILL = (0.02, 2e-4, 0.0)
@@ -75,12 +76,7 @@ class EngineCache:
 
     def held(self, keys: Sequence[str]) -> int:
         """Leading blocks of ``keys`` held."""
-        n = 0
-        for key in keys:
-            if key not in self._keys:
-                break
-            n += 1
-        return n
+        return leading(keys, self._keys)
 
     def touch(self, keys: Iterable[str]) -> None:
         for key in keys:
