@@ -421,7 +421,7 @@ class AsyncStore:
         try:
             answer = await batcher.read(key)
         except KVStoreError as exc:
-            self._core.note_unreachable(place[0], exc, patience, (key,))
+            self._core.note_unreachable(place[0], exc, patience)
             answer = None
         else:
             self._core.read_times.add(time.monotonic() - began)

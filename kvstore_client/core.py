@@ -127,10 +127,6 @@ _UNREACHED_S = 5.0
 """At most how long a node this client could not reach (:meth:`ClientCore.unreached`) is named to
 the master as one to place this client's puts and grants on last: an answer from the node ends it
 sooner."""
-_GAVE_UP_KEPT_S = 1.0
-"""How long a read's give-up of a node for a key counts for that read's next step (see ClientCore._gave_up_keys)."""
-_GAVE_UP_KEYS_MAX = 4096
-"""Keys given up lately that a client remembers at most (each read's next step takes its own out)."""
 
 _REPORT_GAP_S = 0.25
 """A node this client could not reach is reported to the master (ReportNode) at most this often: the
@@ -193,11 +189,8 @@ class ClientCore:
         """Nodes this client reads nothing from until a time (time.monotonic()); see :data:`_SUSPECT_S`."""
         self._slow: dict[str, float] = {}
         """Nodes this client reads last until a time (see :meth:`slow`)."""
-        self._gave_up_keys: dict[str, tuple[str, float]] = {}
-        """Key -> the node a read of it gave up at its patience a moment ago, and until when that
-        counts (:data:`_GAVE_UP_KEPT_S`): the read's next step (the faces' fast path, then the
-        core's read; hinted, then located) counts that node given up for the key (see
-        :meth:`_read_located`)."""
+        self._silent: dict[str, float] = {}
+        """Node -> until when a read's last copy there gets the failover patience (see :meth:`silent`)."""
         self._unreached: dict[str, float] = {}
         """Node -> until when this client names it to the master as one it could not reach lately
         (see :meth:`unreached`)."""
@@ -610,42 +603,47 @@ class ClientCore:
         """Whether this client suspects ``node_id`` now (see :data:`_SUSPECT_S`)."""
         return _marked(self._suspects, node_id)
 
-    def note_unreachable(self, node_id: str, outcome: object, patience_s: float, keys: Sequence[str] = ()) -> None:
+    def note_unreachable(self, node_id: str, outcome: object, patience_s: float) -> None:
         """A read from ``node_id`` ended with ``outcome``: a node silent for the whole timeout is
         suspected for :data:`_SUSPECT_S`; one that did not answer within a read's ``patience_s`` (a
         hedge, or the failover) is read last for :data:`~kvstore_client.hedging.SLOW_S`
-        (:meth:`slow`: the reads behind it, and this read's next round, go elsewhere first), and for
-        the read's ``keys``, given up by this read (:attr:`_gave_up_keys`). One that refused or dropped
+        (:meth:`slow`: the reads behind it, and this read's next round, go elsewhere first). Either
+        is :meth:`silent` until its daemon answers this client again. One that refused or dropped
         the connection is not suspected (that costs no wait, and a daemon restarted is read again at
         once), but it is reported to the master (:meth:`report`)."""
-        if isinstance(outcome, Timeout) and not patience_s:
-            self._suspects[node_id] = time.monotonic() + _SUSPECT_S
-            self._unreachable(node_id)
-        elif isinstance(outcome, Timeout):  # given up at the read's patience: slow now, read last a while
-            self.read_times.gave_up(patience_s)
-            now = time.monotonic()
-            self._slow[node_id] = now + SLOW_S
-            if patience_s >= self.failover_s:  # a failed attempt, not a hedge
-                self._unreachable(node_id)
-            if keys:
-                given = self._gave_up_keys
-                if len(given) + len(keys) > _GAVE_UP_KEYS_MAX:  # expired ones out, then the oldest
-                    for key in [k for k, (_, until) in given.items() if until <= now]:
-                        given.pop(key, None)
-                    while given and len(given) + len(keys) > _GAVE_UP_KEYS_MAX:
-                        given.pop(next(iter(given)), None)
-                for key in keys:
-                    given[key] = (node_id, now + _GAVE_UP_KEPT_S)
-        else:
+        if not isinstance(outcome, Timeout):
             self.report(node_id, outcome)
+            return
+        now = time.monotonic()
+        self._silent[node_id] = now + _UNREACHED_S
+        if not patience_s:
+            self._suspects[node_id] = now + _SUSPECT_S
+            self._unreachable(node_id)
+            return
+        self.read_times.gave_up(patience_s)  # given up at the read's patience: slow now, read last a while
+        self._slow[node_id] = now + SLOW_S
+        if patience_s >= self.failover_s:  # a failed attempt, not a hedge
+            self._unreachable(node_id)
+
+    def silent(self, node_id: str) -> bool:
+        """Whether a read gave ``node_id`` up (at its patience, or the whole timeout) and its daemon
+        has not answered this client since (:data:`_UNREACHED_S` at most): a block's last copy there
+        is read with the failover patience, a miss within it, not a wait of the whole timeout on a
+        node that already did not answer (frozen, dead, or cut off from this client: 2.5-5 s reads
+        in bench.chaos's client cuts). A slow node that is alive answers some read of this client
+        meanwhile (its fast path, another thread's): its last copies are waited for again."""
+        return _marked(self._silent, node_id)
 
     def _unreachable(self, node_id: str) -> None:
         self._unreached[node_id] = time.monotonic() + _UNREACHED_S
 
     def answered(self, node_id: str) -> None:
-        """``node_id``'s daemon answered this client: it is reached (see :meth:`unreached`)."""
+        """``node_id``'s daemon answered this client: it is reached (see :meth:`unreached`), and not
+        :meth:`silent`."""
         if self._unreached:
             self._unreached.pop(node_id, None)
+        if self._silent:
+            self._silent.pop(node_id, None)
 
     def unreached(self) -> list[str]:
         """The nodes this client could not reach lately, to place its puts and grants on last
@@ -685,7 +683,8 @@ class ClientCore:
         outcomes = yield from daemons(jobs)
         for job, outcome in zip(jobs, outcomes, strict=True):
             self.report(job.node_id, outcome)
-            if self._unreached and not isinstance(outcome, BaseException) and self._through_daemon(job):
+            marked = self._unreached or self._silent
+            if marked and not isinstance(outcome, BaseException) and self._through_daemon(job):
                 self.answered(job.node_id)
         return outcomes
 
@@ -723,7 +722,7 @@ class ClientCore:
         for job, idx, outcome in zip(jobs, per_node.values(), outcomes, strict=True):
             raise_failure(outcome)
             if unreachable(outcome) or refused(outcome):  # the master's way: maybe another replica
-                self.note_unreachable(job.node_id, outcome, job.patience_s, [keys[i] for i in idx])
+                self.note_unreachable(job.node_id, outcome, job.patience_s)
                 missed.extend(keys[i] for i in idx)
                 continue
             hits, made = outcome
@@ -757,27 +756,31 @@ class ClientCore:
         self, blocks: dict[int, tuple[LocatedRef, memoryview]], verify: bool
     ) -> Op[dict[int, tuple[str, str]]]:
         """Read located blocks, each from its replicas in turn; returns the node each was read from.
-        A node this read gave up a moment ago for a block (its fast path, or its read by remembered
-        location) counts as given up by this read for that block: marked slow, it is read last, and
-        its copy, when the others missed, gets the failover patience (it waited the whole timeout
-        there: 5 s reads in bench.chaos's client cuts and daemon SIGSTOPs)."""
-        now = time.monotonic()
-        earlier: dict[int, str] = {}
-        for i, (loc, _) in blocks.items():
-            seen = self._gave_up_keys.pop(loc.key, None)
-            if seen is not None and seen[1] > now:
-                earlier[i] = seen[0]
-        plan = Failover({i: loc for i, (loc, _) in blocks.items()}, gave_up=earlier)
+
+        A block whose replica is on a suspected node is read at its next replica; on a slow node
+        (:meth:`slow`), at its next replica on a node that is not slow, and there last (when every
+        later one is slow too, the marks say more of this client or its host than of any node: the
+        replicas are read in order, each with the hedge patience while another is still to come).
+        A node that does not begin answering within the patience is given up for the block's next
+        replica and read again last (:meth:`Failover.defer`: it may be the one alive). The last
+        replica is waited for, but on a node that is suspected, or :meth:`silent` (a read gave it
+        up and its daemon has not answered since), only the failover patience: a miss within it,
+        not a wait of the whole timeout on a node that already did not answer (5 s reads in
+        bench.chaos's client cuts, when every node was slow and the read came to rest on the cut one)."""
+        plan = Failover({i: loc for i, (loc, _) in blocks.items()})
         where: dict[int, tuple[str, str]] = {}
         patience = self.read_patience_s
         rechecked: set[int] = set()
         while plan:
             rounds = plan.round()
             suspects = {node_id for node_id, _ in rounds if self.suspected(node_id)}
-            last = suspects.union(node_id for node_id, _ in rounds if self.slow(node_id))
-            skipped = [(i, node_id) for (node_id, _), group in rounds.items() if node_id in last for i, _ in group
-                       if plan.has_next(i)]  # fmt: skip
-            if skipped:  # a suspected or slow node's blocks with another replica: read there (a slow one's last)
+            slow = {node_id for node_id, _ in rounds if self.slow(node_id)}
+            skipped = [
+                (i, node_id) for (node_id, _), group in rounds.items() if node_id in suspects or node_id in slow
+                for i, _ in group
+                if plan.has_next(i) and (node_id in suspects or any(not self.slow(n) for n in plan.later(i)))
+            ]  # fmt: skip
+            if skipped:  # read at another replica: for good past a suspected node, a slow one's last
                 for i, node_id in skipped:
                     if node_id in suspects:
                         plan.missed(i)
@@ -789,23 +792,10 @@ class ClientCore:
                 rechecked.update(doubted)
                 yield from self._recheck(plan, doubted, [blocks[i][0] for i in doubted])
                 continue
-            # A node that does not begin answering within the patience (the hedge's) is given up for
-            # the next replicas, where every block it was asked for has one (a slow, dead, frozen or
-            # cut-off node), and read again last (Failover.defer: it may be the one alive). Read again
-            # so by this read, because the block's other replicas missed (its key removed or moved
-            # meanwhile) or failed too, it gets the failover patience, as a suspected node does for its
-            # blocks' last replicas: a miss within it, not a wait of the whole timeout on a node that
-            # already did not answer. So does a block's one copy on a node a read gave up lately (slow:
-            # frozen, cut off from this client, or slow): a miss within it, not a wait of the whole
-            # timeout (4.7 s in bench.chaos's client cut) on a node that already did not answer. Any
-            # other last replica is waited for (two slow nodes say more of this client or its host
-            # than of either: giving the last copy up would make a stored key a miss).
             jobs = [
                 ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group],
                             patience if all(plan.has_next(i) for i, _ in group)
-                            else self.failover_s if node_id in suspects
-                            or all(plan.has_next(i) or plan.returning(i) or (node_id in last and plan.alone(i))
-                                   for i, _ in group)
+                            else self.failover_s if node_id in suspects or self.silent(node_id)
                             else 0.0)
                 for (node_id, address), group in rounds.items()
             ]  # fmt: skip

@@ -12,7 +12,7 @@ miss would be a lie. Any other error (a malformed reply, a buffer too small) fai
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.errors import ConnectionFailed, NotReady, Timeout
 from kvstore.protocol import LocatedRef, ReplicaRef
@@ -48,12 +48,7 @@ class Failover:
     which lists DRAM first). Only the caller that drives the rounds changes it.
     """
 
-    def __init__(
-        self, blocks: dict[int, LocatedRef], local: Callable[[ReplicaRef], bool] | None = None,
-        gave_up: Mapping[int, str] | None = None,
-    ) -> None:  # fmt: skip
-        """``gave_up``: per block, a node this read gave up at its patience before these rounds (see
-        :meth:`returning`)."""
+    def __init__(self, blocks: dict[int, LocatedRef], local: Callable[[ReplicaRef], bool] | None = None) -> None:
         self._order: dict[int, list[ReplicaRef]] = {}
         for i, loc in blocks.items():
             replicas = list(loc.replicas)
@@ -62,12 +57,8 @@ class Failover:
             if replicas:
                 self._order[i] = replicas
         self._at = dict.fromkeys(self._order, 0)
-        self._copies = {i: len(order) for i, order in self._order.items()}
-        """Per block, how many replicas the master located (see :meth:`alone`)."""
         self._deferred: set[tuple[int, str]] = set()
         """(block, node) put off to the end of the block's order once (see :meth:`defer`)."""
-        self._gave_up: dict[int, set[str]] = {i: {node} for i, node in (gave_up or {}).items() if i in self._order}
-        """Per block, the nodes this read asked and gave up at its patience (see :meth:`returning`)."""
         self._not_held: dict[int, set[str]] = {}
         """Per block, the nodes that answered they do not hold it (see :meth:`doubted`)."""
         self.read: set[int] = set()
@@ -86,13 +77,9 @@ class Failover:
         """Whether block ``i`` has a replica after its current one."""
         return self._at[i] + 1 < len(self._order[i])
 
-    def returning(self, i: int) -> bool:
-        """Whether block ``i``'s current replica, its last, is one this read gave up at its patience
-        (see :meth:`take`) and comes back to because every other replica missed it or failed (was
-        refused, or gone). Not when another was given up at its patience too: two slow nodes say
-        more of this client or its host than of either node, and one of them is waited for."""
-        order, at = self._order[i], self._at[i]
-        return at + 1 == len(order) and self._gave_up.get(i) == {order[at].node_id}
+    def later(self, i: int) -> list[str]:
+        """The nodes of block ``i``'s replicas after its current one."""
+        return [r.node_id for r in self._order[i][self._at[i] + 1 :]]
 
     def doubted(self, i: int) -> bool:
         """Whether block ``i``'s current replica is its last and another replica's node answered
@@ -100,10 +87,6 @@ class Failover:
         since the master located it, or that node alone lost its copy (evicted there, drained)."""
         order, at = self._order[i], self._at[i]
         return at + 1 == len(order) and bool(self._not_held.get(i, set()) - {order[at].node_id})
-
-    def alone(self, i: int) -> bool:
-        """Whether block ``i`` has one copy (the master located one replica)."""
-        return self._copies[i] == 1
 
     def relocate(self, i: int, replicas: Sequence[ReplicaRef]) -> None:
         """Block ``i``'s replicas from its current one on are ``replicas`` now (the master's answer
@@ -156,8 +139,7 @@ class Failover:
         otherwise ``ok(i, per_block_result)`` tells a hit. Raises an outcome that is another error."""
         raise_failure(outcome)
         if gave_up and isinstance(outcome, Timeout):
-            for i, replica in group:
-                self._gave_up.setdefault(i, set()).add(replica.node_id)
+            for i, _ in group:
                 self.defer(i)
             return
         if unreachable(outcome) or refused(outcome):

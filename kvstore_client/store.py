@@ -261,7 +261,7 @@ class Store:
         try:
             [found], [made] = self._paths.path(*place).read_direct([key], [view], exact_size, patience)
         except KVStoreError as exc:
-            self._core.note_unreachable(place[0], exc, patience, (key,))
+            self._core.note_unreachable(place[0], exc, patience)
             found = None
         else:
             self._core.read_times.add(time.monotonic() - began)
