@@ -362,7 +362,15 @@ class MasterConfig(_Frozen):
         description="Mooncake's KV lease (--default-kv-lease-ttl): a key found by a get or an exists is neither"
         " evicted nor removed without force for this long; 0: off.",
     )
-    heartbeat_interval_ms: int = Field(default=200, gt=0, description="How often daemons heartbeat.")
+    heartbeat_interval_ms: int = Field(default=50, gt=0, description="How often daemons heartbeat.")
+    key_lease_ms: int | None = Field(
+        default=None, ge=0,
+        description="A daemon serves reads by key alone (a client's remembered location, no master asked) within "
+        "a lease of 0.9x this less 20 ms from its last heartbeat the master answered with a renewal; the master "
+        "renews none while the node owes it drops past that lease. So a remove (and a put of a key being removed) "
+        "waits for a frozen or cut-off node at most this long, not the node TTL. Default: four heartbeats (200 ms), "
+        "at most the node TTL; 0: reads by key follow the node TTL's lease alone.",
+    )  # fmt: skip
     node_ttl_ms: int = Field(
         default=1_000, gt=0,
         description="A node silent this long is fenced: its daemon stopped serving (a lease of 0.9x this less "
@@ -524,7 +532,20 @@ class MasterConfig(_Frozen):
                 " each) and 100 ms: a daemon serves within a lease of 0.9 TTL - 20 ms from its last answered"
                 " heartbeat, and the master fences a node silent for a whole TTL"
             )
+        if self.key_lease_ms and not 2 * self.heartbeat_interval_ms <= self.key_lease_ms <= self.node_ttl_ms:
+            raise ValueError(
+                f"key_lease_ms ({self.key_lease_ms}) must be at least two heartbeats ({self.heartbeat_interval_ms}"
+                f" ms each) and at most node_ttl_ms ({self.node_ttl_ms}), or 0: a daemon serves by key within it"
+                " only while its heartbeats renew it"
+            )
         return self
+
+    @property
+    def key_lease(self) -> int:
+        """:attr:`key_lease_ms` as it applies (ms; 0: none)."""
+        if self.key_lease_ms is not None:
+            return self.key_lease_ms
+        return min(4 * self.heartbeat_interval_ms, self.node_ttl_ms)
 
 
 class DaemonConfig(_Frozen):

@@ -37,6 +37,10 @@ def _master_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--heartbeat-ms", type=int, default=None, help="daemon heartbeat interval")
     p.add_argument(
+        "--key-lease-ms", type=int, default=None,
+        help="daemons serve reads by key within this of a renewal (a remove waits at most this for a frozen node)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-fence-refused", dest="fence_refused", action="store_false", default=None,
         help="fence a node only after its TTL, even when its daemon's port refuses (a firewall answers refusals)",
     )  # fmt: skip
@@ -92,6 +96,7 @@ def _master(args: argparse.Namespace) -> int:
         "kv_lease_ms": args.kv_lease_ms,
         "node_ttl_ms": args.node_ttl_ms,
         "heartbeat_interval_ms": args.heartbeat_ms,
+        "key_lease_ms": args.key_lease_ms,
         "fence_refused": args.fence_refused,
         "admin_port": args.admin_port,
         "kv_events": args.kv_events,

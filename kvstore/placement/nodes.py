@@ -23,7 +23,7 @@ which is how the next leader knows the nodes to wait for and those absent.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvstore.allocator import Allocator, Extent, align_up
@@ -110,6 +110,10 @@ class Membership:
         """Absent nodes (see the module's text), each with what its registration must drop."""
         self._noted_from: dict[str, int] = {}
         """Per absent node, the size of its ``gone`` before removes were noted (the bound is on those)."""
+        self.owing: dict[str, Gone] = {}
+        """Per node, blocks of removed keys it has not confirmed dropping, whose removes were answered
+        without it (its lease to serve by key lapsed: see :meth:`owe`): in its record, so that a new
+        leader drops them at its registration rather than adopt them."""
 
     def take_records(self) -> dict[str, NodeRecord | None]:
         """The records that changed since the last call; None for a node that left (none to keep)."""
@@ -121,7 +125,7 @@ class Membership:
             if n in self.absent:
                 out[n] = NodeRecord(False, frozenset(self.absent[n]))
             elif node is not None:
-                out[n] = NodeRecord(not node.fenced, frozenset(node.gone))
+                out[n] = NodeRecord(not node.fenced, frozenset(node.gone | self.owing.get(n, set())))
             else:
                 out[n] = None
         return out
@@ -158,6 +162,44 @@ class Membership:
                 held.add(EVERYTHING)
             self.records_changed.add(node_id)
 
+    def owe(self, node_id: str, keys: Iterable[str]) -> None:
+        """A remove of ``keys`` is answered without ``node_id``'s drops of them (its daemon serves
+        nothing by key any more, but may come back within its node lease, and a new leader would
+        adopt its inventory): note the blocks they leave there in its record (:attr:`owing`)."""
+        cat = self.catalog
+        node = cat.nodes.get(node_id)
+        if node is None:
+            return
+        rec = cat.rec
+        entries: Gone = set()
+        for key in keys:
+            slot = rec.index.get(key)
+            if slot is None or not rec.state[slot] & REMOVING:
+                continue
+            row = rec.row_on(slot, node.idx)
+            if row >= 0:
+                tier = DRAM if rec.r_tier[row] == T_DRAM else SSD
+                entries.update(_gone_of(key, tier, rec.r_offset[row] if tier is DRAM else -1, False))
+        held = self.owing.setdefault(node_id, set())
+        if not entries <= held:
+            held |= entries
+            self.records_changed.add(node_id)
+        if not held:
+            del self.owing[node_id]
+
+    def settled(self, command: NodeCommand) -> None:
+        """``command``'s daemon answered it: a drop there owes its keys no more (see :meth:`owe`)."""
+        held = self.owing.get(command.node_id)
+        if not held or command.kind is not ActionKind.DROP:
+            return
+        keys = set(command.keys)
+        done = {e for e in held if e[0] in keys}
+        if done:
+            held -= done
+            if not held:
+                del self.owing[command.node_id]
+            self.records_changed.add(command.node_id)
+
     def record_at_registration(self, node_id: str, gone: Gone | None) -> NodeRecord:
         """The record ``node_id`` is to have once registered with ``gone`` (an earlier leader's list):
         a member that must drop what its registration drops (an HA leader keeps it in etcd first)."""
@@ -168,7 +210,8 @@ class Membership:
         way, what the node owed since its last registration, ``gone``, and what it owes as absent."""
         old = self.catalog.nodes.get(node_id)
         earlier = old.gone if old is not None else set()
-        return self._dropping_on(node_id) | earlier | (gone or set()) | self.absent.get(node_id, set())
+        owed = self._dropping_on(node_id) | earlier | (gone or set()) | self.absent.get(node_id, set())
+        return owed | self.owing.get(node_id, set())
 
     def register_node(
         self,
@@ -204,6 +247,7 @@ class Membership:
             and _is_key(i.key)
         ]  # fmt: skip
         gone = self._owed(node_id, gone)
+        self.owing.pop(node_id, None)  # what it owed is dropped at this registration (see _owed)
         self.absent.pop(node_id, None)
         self._noted_from.pop(node_id, None)
         self.records_changed.add(node_id)  # a member now (and what it owes until its first heartbeat)
@@ -392,6 +436,7 @@ class Membership:
         """``node_id`` leaves for good (its daemon unmounted its segment): its replicas are forgotten
         (keys held nowhere else are gone), and its puts in flight revoked on their other nodes."""
         self.catalog.draining.discard(node_id)
+        self.owing.pop(node_id, None)
         self.absent.pop(node_id, None)
         self._noted_from.pop(node_id, None)
         self.records_changed.add(node_id)

@@ -311,6 +311,11 @@ class PlacementTable:
     # -- daemons' answers ----------------------------------------------------------------------
     def apply(self, command: NodeCommand, done: Sequence[bool]) -> None:
         self._tiering.apply(command, done)
+        self._membership.settled(command)
+
+    def owe(self, node_id: str, keys: Iterable[str]) -> None:
+        """A remove of ``keys`` is answered without ``node_id``'s drops (see Membership.owe)."""
+        self._membership.owe(node_id, keys)
 
     def settle_fenced(self, command: NodeCommand) -> None:
         """Carry out ``command`` for a fenced node without its daemon (it serves nothing until it

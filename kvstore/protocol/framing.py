@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from kvstore.errors import ProtocolError
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 FRAME_HEADER = struct.Struct("!I")
 

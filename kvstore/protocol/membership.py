@@ -76,6 +76,9 @@ class RegisterReply(Message, tag=11, frozen=True):
     with other bytes), each with its tier in ``drop_tiers``: the daemon drops them before it serves."""
     drop_tiers: list[str] = []
     """Per block of ``drops``: "dram" or "ssd" (that copy only), "" (wherever it is)."""
+    key_lease_ms: int = 0
+    """The lease within which the daemon serves reads by key alone (see MasterConfig.key_lease_ms),
+    renewed by heartbeats answered with ``HeartbeatReply.key_lease``; 0: by key as by location."""
 
 
 class Heartbeat(Message, tag=12, frozen=True):
@@ -99,6 +102,9 @@ class HeartbeatReply(Message, tag=13, frozen=True):
     """False when the master does not know the node (it restarted): the daemon re-registers."""
     peers: list[str]
     """The nodes the master knows now (see RegisterNode.peers)."""
+    key_lease: bool = True
+    """Whether this answer renews the daemon's lease to serve by key (RegisterReply.key_lease_ms):
+    not while the node owes the master drops past that lease (a remove answered without them)."""
 
 
 class CheckBlocks(Message, tag=90, frozen=True):

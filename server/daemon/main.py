@@ -132,6 +132,7 @@ def _start(config: DaemonConfig, secret: bytes | None, undo: contextlib.ExitStac
     )
     server.master = link
     storage.serving = link.serving  # fenced while the master may count its drops done (see MasterLink.serving)
+    storage.serving_by_key = link.serving_by_key
     # Before the link starts: a port it cannot have stops it before it registers.
     metrics = None
     if config.metrics_port is not None:

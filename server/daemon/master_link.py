@@ -117,6 +117,9 @@ class MasterLink:
         self._lease_s = 0.0
         self._serve_until = 0.0
         """Until when (time.monotonic()) this node may serve blocks by key (:meth:`serving`)."""
+        self._key_lease_s: float | None = None
+        """The lease to serve reads by key alone (None: :attr:`_serve_until`'s; see :meth:`serving_by_key`)."""
+        self._key_until = 0.0
         self._renewed = threading.Condition()
         """Notified whenever the lease is renewed (readers waiting in :meth:`serving`)."""
         self._lapses = RateLimitedLog(log)
@@ -166,15 +169,27 @@ class MasterLink:
                 self._renewed.wait(deadline - now)
         return True
 
+    def serving_by_key(self) -> bool:
+        """Whether this node may serve reads by key alone now (a reader that did not ask the master:
+        its remembered location): within the lease the master's heartbeat answers renew
+        (``HeartbeatReply.key_lease``), shorter than :meth:`serving`'s, so that a remove waits that
+        long, not the node TTL, for a frozen or cut-off node's drop: the master renews none while
+        this node owes it drops past the lease."""
+        if self._key_lease_s is None:
+            return self.serving()
+        return time.monotonic() < self._key_until and self.serving()
+
     @property
     def renewal_s(self) -> float:
         """How long a read waits for a lapsed lease to be renewed: two heartbeats, at most half a
         second (a registration on its way too: the master lists the node before its answer lands)."""
         return min(2 * self._interval, 0.5)
 
-    def _renew(self, sent: float) -> None:
+    def _renew(self, sent: float, by_key: bool = True) -> None:
         with self._renewed:
             self._serve_until = max(self._serve_until, sent + self._lease_s)
+            if by_key and self._key_lease_s is not None:
+                self._key_until = max(self._key_until, sent + self._key_lease_s)
             self._renewed.notify_all()
 
     def _check_loop(self) -> None:
@@ -239,6 +254,7 @@ class MasterLink:
             self.storage.drop_unadopted([validate_key(k) for k in reply.drops], reply.drop_tiers)
         # A margin of a tenth (and 20 ms) for the two clocks' rates and the master's tick.
         self._lease_s = max(reply.node_ttl_ms * 0.9 - 20, 0) / 1000
+        self._key_lease_s = max(reply.key_lease_ms * 0.9 - 20, 0) / 1000 if reply.key_lease_ms else None
         self._renew(sent)
         self.peers = reply.peers
         if self._on_epoch is not None:
@@ -275,7 +291,7 @@ class MasterLink:
                     reply = self._conn.call(beat, HeartbeatReply)
                     known = reply.known
                     if known:
-                        self._renew(sent)
+                        self._renew(sent, reply.key_lease)
                         self.peers = reply.peers
                 self.last_answer = time.monotonic()
 

@@ -529,11 +529,14 @@ class DaemonServer:
         texts = [""] * len(keys)
         todo = [i for i, r in enumerate(refused) if r is None and not self.storage.holds(keys[i])]
         unvouched: list[tuple[BlockKey, int, int]] = []
+        by_key = self.storage.serving_by_key()
         for i, r in enumerate(refused):
             if r is not None:
                 codes[i], texts[i] = r.code, str(r)
             elif i in todo:
                 continue
+            elif not by_key:  # its lease to serve by key lapsed: the block held may be one removed since
+                codes[i], texts[i] = RetryLater.code, f"block {keys[i]!r} is held here, unvouched for now: retry"
             elif self.storage.vouched(keys[i]):
                 codes[i] = PUT_EXISTS  # stored here already
             else:  # a two-trip put's block the master has not vouched for: maybe an orphan, asked about now

@@ -243,6 +243,10 @@ class DaemonStorage:
         """Whether blocks may be served by key now, waiting up to the given seconds for it (the master
         link's serve lease, see :meth:`server.daemon.master_link.MasterLink.serving`): reads raise
         NotReady while it is False."""
+        self.serving_by_key: Callable[[], bool] = lambda: True
+        """Whether blocks may be served to readers by key alone now (the master link's lease for
+        them, see :meth:`server.daemon.master_link.MasterLink.serving_by_key`): such reads raise
+        NotReady while it is False (the reader asks the master)."""
 
     def ssd_health(self) -> tuple[int, int, str]:
         """The SSD tier's capacity now (checked against its disk's free space), its configured one and
@@ -545,6 +549,9 @@ class DaemonStorage:
         if not self.serving(wait_s):
             raise NotReady("this node's lease with the master lapsed (cut off, or the master stalled): "
                            "it serves no block until the master answers it")  # fmt: skip
+        if asked is not None and not all(asked[1]) and not self.serving_by_key():
+            raise NotReady("this node's lease to serve by key lapsed (it may owe the master drops): "
+                           "ask the master where the blocks are")  # fmt: skip
         with self.lock.shared():
             views: list[memoryview | None] = [None] * len(keys)
             on_ssd: list[int] = []

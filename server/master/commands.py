@@ -177,16 +177,39 @@ class Commands:
                     del self._dropping[c.node_id, c.node_gen]
 
     def dropping(self, keys: Iterable[str]) -> set[str]:
-        """Of ``keys``, those with a drop under way to a node that may still serve them: one of its
-        registration now, not fenced. (A fenced node's daemon serves nothing until it registers
-        again, and its registration drops what it had not; a node registered anew was told in its
-        registration's answer.)"""
-        nodes = self.nodes.table.nodes
-        live = [
-            counter for (node_id, gen), counter in self._dropping.items()
+        """Of ``keys``, those with a drop under way to a node that may still serve them to a reader
+        that goes to its daemon directly: one of its registration now, not fenced, its lease to
+        serve by key not lapsed. (A fenced node's daemon serves nothing until it registers again,
+        and its registration drops what it had not; a node registered anew was told in its
+        registration's answer; one whose lease to serve by key lapsed serves none by key until its
+        drops are made: :meth:`NodeRegistry.renew_key_lease`. A reader by location asks the master,
+        which no longer places the keys there.)"""
+        live = self._live(time.monotonic())
+        return {k for k in keys if any(k in counter for _, counter in live)} if live else set()
+
+    def _live(self, now: float) -> list[tuple[str, Counter[str]]]:
+        """(node, its drops under way) of the nodes that may still serve them (see :meth:`dropping`)."""
+        nodes, registry = self.nodes.table.nodes, self.nodes
+        return [
+            (node_id, counter) for (node_id, gen), counter in self._dropping.items()
             if (node := nodes.get(node_id)) is not None and node.gen == gen and not node.fenced
+            and not registry.key_lease_lapsed(node_id, now)
         ]  # fmt: skip
-        return {k for k in keys if any(k in counter for counter in live)} if live else set()
+
+    def owes(self, node_id: str) -> bool:
+        """Whether a drop is under way to ``node_id`` (of its registration now)."""
+        node = self.nodes.table.nodes.get(node_id)
+        return node is not None and (node_id, node.gen) in self._dropping
+
+    def next_lapse(self, keys: Iterable[str]) -> float | None:
+        """The earliest end (time.monotonic()) of a lease to serve by key of a node that may still
+        serve one of ``keys`` (see :meth:`dropping`): their wait may end then. None: no such node."""
+        wanted = set(keys)
+        ends = [
+            self.nodes.key_lease_end(node_id)
+            for node_id, counter in self._live(time.monotonic()) if not wanted.isdisjoint(counter)
+        ]  # fmt: skip
+        return min(ends) if ends and self.nodes.key_lease_s else None
 
     async def run(self, commands: list[NodeCommand], table: PlacementTable | None = None) -> bool:
         """Send commands (each node's in order, nodes in parallel) and apply the answers; whether

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -248,6 +249,7 @@ class MasterCore:
             self._peers(),
             [k for c in own for k in c.keys],
             [c.tier.value if c.tier_only else "" for c in own for _ in c.keys],
+            self.config.key_lease,
         )
 
     async def report_node(self, m: ReportNode, caller: Identity = ANYONE) -> Message:
@@ -359,9 +361,10 @@ class MasterCore:
 
     async def heartbeat(self, m: Heartbeat, caller: Identity = ANYONE) -> Message:
         known = self.nodes.heartbeat(m.node_id, m.transfer_bytes, now_ms(), m.refusals)
-        if known:
-            self.table.ssd_health(m.node_id, m.ssd_capacity, m.ssd_configured, m.ssd_fault)
-        return HeartbeatReply(known, self._peers() if known else [])
+        if not known:
+            return HeartbeatReply(False, [], False)
+        self.table.ssd_health(m.node_id, m.ssd_capacity, m.ssd_configured, m.ssd_fault)
+        return HeartbeatReply(True, self._peers(), self.nodes.renew_key_lease(m.node_id, self.commands.owes(m.node_id)))
 
     async def list_nodes(self, m: ListNodes, caller: Identity = ANYONE) -> Message:
         """Every registered node with how to reach it, up or down."""
@@ -754,11 +757,12 @@ class MasterCore:
         drop is made), each until its daemon confirms it or its node is fenced (it serves nothing
         then: see PlacementTable.expire); then keep the nodes' records (drops settled by a fence,
         removes noted for absent nodes: a new leader must know)."""
-        pending = self._dropping(keys)
+        pending, lapse = self._unsettled(keys)
         deadline = time.monotonic() + self.nodes.command_timeout_s
         while pending and time.monotonic() < deadline:
-            await self.commands.room.wait(deadline - time.monotonic())
-            pending = self._dropping(pending)
+            # Until a drop is answered (room freed), or a node that owes one stops serving by key.
+            await self.commands.room.wait(min(deadline, lapse + 0.001) - time.monotonic())
+            pending, lapse = self._unsettled(pending)
         if pending:
             # The blocks are out of the table, but a daemon that did not confirm may still serve
             # them to a reader that goes to it directly: say so (the drop is retried until done).
@@ -803,12 +807,35 @@ class MasterCore:
             if (e := objects.get(k)) is not None and e.committed and not e.removing
         ]
 
-    def _dropping(self, keys: list[str]) -> list[str]:
-        """Of ``keys``, those being removed or with a drop on its way (one a node's registration asked
-        for, of a key the table has forgotten since, included)."""
+    def _unsettled(self, keys: list[str]) -> tuple[list[str], float]:
+        """Of ``keys``, those a reader that goes to a daemon directly may still find there: a drop
+        of them under way (:meth:`Commands.dropping`), or removed with a replica not yet dropped on a
+        node that serves by key (its lease for that not lapsed: see NodeRegistry.key_lease_end);
+        and the earliest end of such a lease (their wait may end then; inf: none). A node frozen or
+        cut off costs a remove its lease to serve by key, not the node TTL (the key stays out of
+        service, unplaceable, until the drop is made or the node fenced); the blocks it owes are
+        noted in its record (PlacementTable.owe: kept in etcd before the remove is answered)."""
+        now = time.monotonic()
         dropping = self.commands.dropping(keys)
         removing = set(self.table.removing(keys))
-        return [k for k in keys if k in removing or k in dropping]
+        nodes, objects = self.nodes, self.table.objects
+        lapse = math.inf
+        out = []
+        for k in keys:
+            if k in dropping:
+                out.append(k)
+            elif k in removing and (entry := objects.get(k)) is not None:
+                serving = [r.node_id for r in entry.replicas if not nodes.key_lease_lapsed(r.node_id, now)]
+                if serving:
+                    out.append(k)
+                    if nodes.key_lease_s:
+                        lapse = min(lapse, *(nodes.key_lease_end(n) for n in serving))
+                else:  # settled by lapses: a new leader must drop the blocks, not adopt them
+                    for r in entry.replicas:
+                        self.table.owe(r.node_id, [k])
+        if out and nodes.key_lease_s:
+            lapse = min(lapse, self.commands.next_lapse(out) or math.inf)
+        return out, lapse
 
     def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str]]:
         """An operator's eviction of stored blocks from every tier; returns how many went and the

@@ -11,6 +11,7 @@ parts cannot disagree about which nodes exist. The admin API reads nodes through
 from __future__ import annotations
 
 import ssl
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -73,10 +74,16 @@ class NodeRegistry:
         command_timeout_s: float,
         credential: Credential | None = None,
         tls: ssl.SSLContext | None = None,
+        key_lease_s: float = 0.0,
     ) -> None:
         """``credential``: what the master proves itself with to daemons that authenticate; ``tls``:
-        the context of its links to daemons (None: plain)."""
+        the context of its links to daemons (None: plain); ``key_lease_s``: the daemons' lease to
+        serve by key (:meth:`key_lease_end`; 0: none apart from the node TTL's)."""
         self.table = table
+        self.key_lease_s = key_lease_s
+        self._key_leases: dict[str, float] = {}
+        """Node -> when (time.monotonic()) the last lease to serve by key this master granted it ends."""
+        self._term_start = time.monotonic()
         self.command_timeout_s = command_timeout_s
         self.credential = credential
         self.tls = tls
@@ -113,6 +120,7 @@ class NodeRegistry:
             self._stale.extend(links.values())  # the daemon moved: its old links go
             links = {}
         self._entries[m.node_id] = _Entry(info, links=links)
+        self._key_leases[m.node_id] = time.monotonic() + self.key_lease_s  # its answer starts one
         return commands
 
     def leave(self, node_id: str) -> list[NodeCommand]:
@@ -139,7 +147,32 @@ class NodeRegistry:
         links = self.links() + self.take_stale()
         self.table = table
         self._entries = {}
+        self._key_leases = {}
+        self._term_start = time.monotonic()
         return links
+
+    # -- leases to serve by key ------------------------------------------------------------------
+    def key_lease_end(self, node_id: str) -> float:
+        """When (time.monotonic()) the node's daemon stops serving reads by key alone unless renewed:
+        the end of the last lease this master granted it, or, before this master granted any, a
+        whole lease from the start of its term (a former leader's grants ended before that)."""
+        return self._key_leases.get(node_id, self._term_start + self.key_lease_s)
+
+    def key_lease_lapsed(self, node_id: str, now: float) -> bool:
+        """Whether the node's daemon serves nothing by key at ``now`` (time.monotonic()) but what a
+        renewal allows: a drop sent to it that it has not confirmed cannot be read past (see
+        :meth:`server.master.commands.Commands.dropping`). Never, without such leases."""
+        return bool(self.key_lease_s) and now >= self.key_lease_end(node_id)
+
+    def renew_key_lease(self, node_id: str, owes_drops: bool) -> bool:
+        """A heartbeat of the node is answered now: renew its lease to serve by key, unless it lapsed
+        while the node owes drops (the removes waiting for them were answered on its lapse: the
+        daemon must not serve those blocks by key again until it dropped them). Whether renewed."""
+        now = time.monotonic()
+        if owes_drops and self.key_lease_lapsed(node_id, now):
+            return False
+        self._key_leases[node_id] = now + self.key_lease_s
+        return True
 
     # -- daemon links ----------------------------------------------------------------------------
     def link(self, node_id: str, lane: str) -> AsyncConnection:

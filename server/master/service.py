@@ -64,7 +64,7 @@ class MasterService:
         """The context of the RPC port and the admin API (None: plain)."""
         self.nodes = NodeRegistry(
             self._new_table(), config.command_timeout_ms / 1000,
-            cluster_credential(secret) if secret is not None else None, contexts(tls)[1],
+            cluster_credential(secret) if secret is not None else None, contexts(tls)[1], config.key_lease / 1000,
         )  # fmt: skip
         """The nodes, and through them the placement table (:attr:`table`)."""
         self._tasks: set[asyncio.Task[None]] = set()

@@ -16,7 +16,7 @@ import pytest
 from bench.frames import ask
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError, NotReady, RetryLater
-from kvstore.protocol import GetReplicas, GetReplicasReply, GrantSpace
+from kvstore.protocol import GetReplicas, GetReplicasReply, GrantSpace, ListNodes, NodesReply
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.dataplane import DataPath
 from kvstore_client.store import PutOptions, Store
@@ -142,6 +142,39 @@ def test_a_frozen_node_serves_nothing_when_thawed_until_it_registers_again(clust
         assert read_by_key(cluster.daemon_addresses[0], "f") is None
         assert read_by_key(cluster.daemon_addresses[0], "g") is None
         assert store.get("f") == NEW and store.get("g") is None and not store.exists("g")
+
+
+def node_up(cluster: LocalCluster, i: int) -> bool:
+    """Whether the master lists node ``i`` up (not fenced)."""
+    reply = ask(cluster.master_address, ListNodes())
+    assert isinstance(reply, NodesReply)
+    return next(n.up for n in reply.nodes if n.node_id == cluster.node_name(i))
+
+
+def test_a_remove_waits_for_a_frozen_node_only_its_lease_to_serve_by_key() -> None:
+    """A node frozen (SIGSTOP) with a replica of "r": the remove waits for its drop only until its
+    lease to serve by key lapses (four heartbeats), not until it is fenced (the node TTL, 1 s in
+    bench.chaos: every worker stalled behind removes for that long). Thawed within its node lease,
+    the daemon still holds the old "r" but serves it to no reader by key (its heartbeats renew
+    nothing while it owes the drop); the key is put again once the drop is made."""
+    args = ("--node-ttl-ms", "8000", "--heartbeat-ms", "100")  # a fence would come long after the key lease (400 ms)
+    with LocalCluster(2, dram="8MiB", master_args=args) as cluster, Store.connect(cluster.master_address, TCP) as store:
+        both_replicas(cluster, store, "r")
+        frozen = cluster.daemons[0]
+        assert frozen is not None
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            assert store.remove("r")
+            assert node_up(cluster, 0)  # answered before the fence (the old code waited for it)
+            assert store.get("r") is None and not store.exists("r")
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        for _ in range(20):  # thawed: the old bytes are never served by key, whatever comes first
+            assert read_by_key(cluster.daemon_addresses[0], "r") in (REFUSED, None)
+        assert store.put("r", NEW).value == "stored"  # once its drop is made (at once, thawed)
+        assert store.get("r") == NEW
+        wait_registered(cluster, 0, "s")  # and it serves by key again once its drop is made
+        assert read_by_key(cluster.daemon_addresses[0], "r") in (None, NEW)
 
 
 def test_a_put_that_must_evict_on_a_frozen_node_goes_elsewhere_once_it_is_fenced() -> None:

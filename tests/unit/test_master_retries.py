@@ -107,7 +107,8 @@ async def test_a_second_remove_of_a_key_waits_for_the_first_ones_drop() -> None:
     said "not stored" at once)."""
     # A cut-off daemon: the master's probe would go unanswered, not refused (nothing listens at the
     # test's node address, so the probe's fence is off: it would fence the node as gone).
-    service = await _service_with(["k", "j"], command_timeout_ms=300, fence_refused=False)
+    # Without a lease to serve by key (no daemon here renews one): the drops alone settle a remove.
+    service = await _service_with(["k", "j"], command_timeout_ms=300, fence_refused=False, key_lease_ms=0)
     release, fail = asyncio.Event(), False
 
     async def slow_drop(node_id: str, lane: str, message: Message, expect: type) -> CommandReply:
@@ -141,7 +142,8 @@ async def test_a_remove_after_a_registration_waits_for_the_drops_it_asked_for() 
     """A daemon cut off while "k" was removed registers again with "k" in its inventory: the master
     forgets the key and asks the daemon to drop it. Until that drop is made the daemon still serves
     "k" to readers that go to it directly, so a remove of "k" meanwhile is not answered "not stored"."""
-    service = await _service_with(["k"], command_timeout_ms=300, fence_refused=False)  # cut off, not gone
+    # Cut off, not gone; without a lease to serve by key (no daemon here renews one): drops alone settle.
+    service = await _service_with(["k"], command_timeout_ms=300, fence_refused=False, key_lease_ms=0)
     [replica] = service.table.describe("k")["replicas"]  # type: ignore[index]
     release, cut = asyncio.Event(), True
 

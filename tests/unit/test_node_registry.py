@@ -4,6 +4,7 @@ address and epoch, a new term that starts empty, and views the admin API cannot 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgspec
 import pytest
@@ -125,3 +126,21 @@ def test_inventory_items_that_cannot_be_blocks_are_left_out() -> None:
     ]
     nodes.register(_register("n0", "127.0.0.1:1", items), now_ms=0)
     assert set(nodes.table.objects) == {"good"}
+
+
+def test_a_lease_to_serve_by_key_is_renewed_unless_it_lapsed_while_the_node_owes_drops() -> None:
+    """The master renews a daemon's lease to serve by key at each heartbeat, but once it lapsed with
+    drops owed (the removes waiting for them were answered on the lapse) not until they are made;
+    before it granted any, a whole lease from the start of its term counts (a former leader's)."""
+    nodes = NodeRegistry(PlacementTable(EvictionPolicy(0.9, 0.8, 2)), command_timeout_s=1.0, key_lease_s=0.05)
+    now = time.monotonic()
+    assert not nodes.key_lease_lapsed("n0", now) and nodes.key_lease_lapsed("n0", now + 0.06)  # the term's
+    nodes.register(_register("n0", "127.0.0.1:1"), now_ms=0)
+    assert nodes.renew_key_lease("n0", owes_drops=True)  # owed, but not lapsed: renewed
+    time.sleep(0.06)
+    assert nodes.key_lease_lapsed("n0", time.monotonic())
+    assert not nodes.renew_key_lease("n0", owes_drops=True)  # lapsed while owing: until they are made
+    assert nodes.key_lease_lapsed("n0", time.monotonic())
+    assert nodes.renew_key_lease("n0", owes_drops=False)
+    assert not nodes.key_lease_lapsed("n0", time.monotonic())
+    assert not NodeRegistry(PlacementTable(), command_timeout_s=1.0).key_lease_lapsed("n0", now + 1e6)  # none: never

@@ -75,3 +75,26 @@ def test_a_fenced_node_is_kept_as_no_member_and_forgotten_once_it_leaves() -> No
     assert t.absent == [] and t.take_records() == {"c": None}
     t.note_absent("a", {("k", DRAM, -1)})  # registered in this table: its own registration's rules hold
     assert t.absent == []
+
+
+def test_blocks_a_remove_was_answered_without_are_in_the_nodes_record_until_it_drops_them() -> None:
+    """A remove answered without a frozen node's drop (its lease to serve by key lapsed): the node's
+    record names the block, so that a new leader drops it at the node's registration instead of
+    adopting a removed key; the drop's answer takes it out again (a later put of the key there must
+    not be dropped by a stale record)."""
+    t = table("a", dram=8 * KB)
+    put(t, "k", "v")
+    t.take_records()
+    removed, commands = t.remove(["k"])
+    assert removed == 1 and _dropped(commands) == {"k"}
+    t.owe("a", ["k", "never-stored"])
+    record = t.take_records()["a"]
+    assert record is not None and record.member
+    assert {e[0] for e in record.gone} == {"k"}
+    t.owe("a", ["k"])
+    assert t.take_records() == {}  # nothing new
+    for c in commands:
+        t.apply(c, [True] * len(c.keys))
+    assert t.take_records() == {"a": NodeRecord(True, frozenset())}
+    assert t.exists(["k"]) == [False]
+    t.check()
