@@ -125,6 +125,7 @@ class Inspection:
         for slot in rec.index.values():
             nodes = [rec.r_node[row] for row in rec.rows(slot)]
             assert nodes and len(set(nodes)) == len(nodes), f"{rec.keys[slot]}: no replica, or two on a node"
+        assert cat.owed == Counter(k for n in cat.nodes.values() for k in n.owes), "owed drops miscounted"
         for node in cat.nodes.values():
             assert cat.node_at[node.idx] is node, f"{node.node_id}: interned under another index"
             rows = [r for r in range(len(rec.r_slot)) if rec.r_slot[r] >= 0 and rec.r_node[r] == node.idx]
@@ -134,6 +135,8 @@ class Inspection:
             ]
             extents += list(node.quarantine.values()) + [e for _, e in node.parked]
             node.alloc.check(extents)
+            held = {rec.keys[rec.r_slot[r]] for r in rows}
+            assert held.isdisjoint(node.owes), f"{node.node_id}: owes the drop of a key placed on it"
             for tier, lru in ((T_DRAM, node.dram_lru), (T_SSD, node.ssd_lru)):
                 lru.check()
                 for r in rows:

@@ -66,6 +66,9 @@ class NodeState:
     """The SSD tier's configured capacity; ``ssd_capacity`` is lower while its disk is short (-1: the same)."""
     ssd_fault: str = ""
     """Why the SSD tier holds less than configured, as its daemon reports it ("" while healthy)."""
+    owes: set[str] = field(default_factory=set)
+    """Keys this node holds a block of that the table no longer places here, not yet confirmed
+    dropped (see :meth:`Catalog.detach`): no put of them is placed here until it is."""
     quarantine: dict[str, Extent] = field(default_factory=dict)
     """DRAM extents held by blocks the daemon has but no put placed (orphans it is dropping), by
     key: out of the free space until the daemon says they are gone."""
@@ -270,6 +273,8 @@ class Catalog:
         self.grants: dict[int, Grant] = {}
         self.leases = Leases()
         self.want_promote: set[str] = set()
+        self.owed: Counter[str] = Counter()
+        """Per key detached from the table, how many nodes still owe its drop (see :meth:`detach`)."""
         """SSD-only keys read often enough to be promoted once no reader holds them."""
         self.draining: set[str] = set()
         """Nodes out of placement, their blocks being moved elsewhere (an operator's drain)."""
@@ -441,6 +446,8 @@ class Catalog:
         node = self.nodes.pop(node_id, None)
         if node is not None:
             self.node_at[node.idx] = None
+            for key in list(node.owes):  # its registration's inventory tells what it holds now
+                self.settled(node, key)
         return node
 
     def up_nodes(self) -> list[NodeState]:
@@ -582,6 +589,45 @@ class Catalog:
         rec.remove_replica(row)
         if rec.head[slot] < 0:
             self.forget_key(slot)
+
+    def detach(self, key: str) -> bool:
+        """Forget a removed (or revoked) key whose drops its daemons have not confirmed, the master
+        having answered without them (their leases to serve by key lapsed: they serve none of it):
+        the key may be put again at once, though not on those nodes until they confirm the drop
+        (:attr:`NodeState.owes`); their DRAM extents stay out of the free space meanwhile (in
+        :attr:`NodeState.quarantine`, freed by the drop's answer). Whether it was forgotten (not
+        when a node has a quarantined extent of the key already: the key waits for its drops)."""
+        rec = self.rec
+        slot = rec.index.get(key)
+        if slot is None or not rec.state[slot] & REMOVING:
+            return False
+        rows = list(rec.rows(slot))
+        for row in rows:
+            node = self.node_at[rec.r_node[row]]
+            if node is not None and rec.r_offset[row] >= 0 and key in node.quarantine:
+                return False
+        for row in rows:
+            node = self.node_at[rec.r_node[row]]
+            self.delist(row)
+            if node is not None:
+                if rec.r_offset[row] >= 0:
+                    node.quarantine[key] = Extent(rec.r_offset[row], rec.length(slot, node.idx))
+                if rec.r_tier[row] == T_SSD:
+                    node.ssd_used -= rec.size[slot]
+                if key not in node.owes:
+                    node.owes.add(key)
+                    self.owed[key] += 1
+            rec.remove_replica(row)
+        self.forget_key(slot)
+        return True
+
+    def settled(self, node: NodeState, key: str) -> None:
+        """``node``'s daemon confirmed a drop of ``key``: it owes none of it (see :meth:`detach`)."""
+        if key in node.owes:
+            node.owes.discard(key)
+            self.owed[key] -= 1
+            if self.owed[key] <= 0:
+                del self.owed[key]
 
     def free_parked(self) -> None:
         """Hand out again the parked extents no lease covers any more."""

@@ -313,6 +313,10 @@ class PlacementTable:
         self._tiering.apply(command, done)
         self._membership.settled(command)
 
+    def detach(self, key: str) -> bool:
+        """Forget a removed key whose drops were answered without (see Catalog.detach)."""
+        return self._catalog.detach(key)
+
     def owe(self, node_id: str, keys: Iterable[str]) -> None:
         """A remove of ``keys`` is answered without ``node_id``'s drops (see Membership.owe)."""
         self._membership.owe(node_id, keys)

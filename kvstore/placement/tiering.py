@@ -175,8 +175,10 @@ class Tiering:
         for size in command.sizes:
             self._count_eviction(node, command.kind, command.tier, size, -1)
         for key, gen, ok in zip(command.keys, command.gens, done, strict=True):
-            if command.kind is ActionKind.DROP and command.tier is DRAM and key in node.quarantine:
-                node.alloc.free(node.quarantine.pop(key))  # the daemon holds no such block in DRAM now
+            if command.kind is ActionKind.DROP:
+                if command.tier is DRAM and key in node.quarantine:
+                    node.alloc.free(node.quarantine.pop(key))  # the daemon holds no such block in DRAM now
+                cat.settled(node, key)  # a block detached from the table is gone now (Catalog.detach)
             found = cat.replica(key, node.node_id, gen)
             if found is None:
                 continue  # not the replica it was planned for: that one is gone already

@@ -188,7 +188,7 @@ class Writes:
         has room."""
         if len(keys) < 2 or not self.catalog.rec.index.keys().isdisjoint(keys) or len(set(keys)) != len(keys):
             return None
-        if node.alloc.capacity < max(sizes):
+        if node.alloc.capacity < max(sizes) or (self.catalog.owed and not node.owes.isdisjoint(keys)):
             return None
         return self.tiering.reserve_many(node, list(sizes))
 
@@ -233,6 +233,10 @@ class Writes:
             if state & COMMITTED:
                 cat.touch(slot)
             return Ticket("exists", [], 0, "")
+        if key in cat.owed:  # an old block of it is still being dropped on some node
+            nodes = [node for node in nodes if key not in node.owes]
+            if len(nodes) < replicas:
+                return _ticket_error(RetryLater(f"key {key!r} is still being dropped on a node; retry"))
         if not nodes:  # the nodes able to hold ``size`` bytes, most preferred first
             if not cat.up_nodes():
                 return _ticket_error(NoNodes("no storage node is up"))

@@ -514,12 +514,15 @@ class MasterCore:
     async def put_revoke(self, m: PutRevoke, caller: Identity = ANYONE) -> Message:
         # Waited for (a second at most): once answered, the daemons refuse every write under the
         # reservations given up (their drops void the seals), so a writer cannot half-fill an extent
-        # the master hands out again. A daemon that does not answer gets its drop in the background.
+        # the master hands out again. A daemon that does not answer gets its drop in the background;
+        # once its lease to serve by key lapsed the key is put again elsewhere, its extent there kept
+        # out of the free space until the drop is confirmed (PlacementTable.detach).
         write_id = check_write_id(m.write_id, "PutRevoke.write_id")
-        await self.commands.soon(self.table.put_revoke(m.keys, write_id), "revoke-drops", _REVOKE_WAIT_S)
-        unknown = [k for k in m.keys if self.table.describe(k) is None]
         # Reserved by a master that has since gone, so nobody knows where it was written: every
-        # node drops it, before the writer's retry can store it anew.
+        # node drops it, before the writer's retry can store it anew. (Known here: the revoke drops it.)
+        unknown = [k for k in m.keys if self.table.describe(k) is None]
+        self.commands.later(self.table.put_revoke(m.keys, write_id), "revoke-drops")
+        await self._settle(list(m.keys), _REVOKE_WAIT_S)
         if unknown and not await self._drop_unplaced(unknown):
             raise RetryLater("a node did not confirm dropping a put begun with an earlier master")
         return OkReply()
@@ -754,20 +757,32 @@ class MasterCore:
     async def _settle_drops(self, keys: list[str]) -> None:
         """Wait for the drops of ``keys`` (this request's and those of earlier removes of the same
         keys still unconfirmed: a reader that goes to the daemon directly finds the block until its
-        drop is made), each until its daemon confirms it or its node is fenced (it serves nothing
-        then: see PlacementTable.expire); then keep the nodes' records (drops settled by a fence,
-        removes noted for absent nodes: a new leader must know)."""
-        pending, lapse = self._unsettled(keys)
-        deadline = time.monotonic() + self.nodes.command_timeout_s
-        while pending and time.monotonic() < deadline:
-            # Until a drop is answered (room freed), or a node that owes one stops serving by key.
-            await self.commands.room.wait(min(deadline, lapse + 0.001) - time.monotonic())
-            pending, lapse = self._unsettled(pending)
-        if pending:
+        drop is made), each until its daemon confirms it, its node's lease to serve by key lapses or
+        its node is fenced (it serves nothing then: see PlacementTable.expire); then keep the nodes'
+        records (drops settled by a fence or a lapse, removes noted for absent nodes: a new leader
+        must know)."""
+        if not await self._settle(keys, self.nodes.command_timeout_s, save=True):
             # The blocks are out of the table, but a daemon that did not confirm may still serve
             # them to a reader that goes to it directly: say so (the drop is retried until done).
             raise Timeout("a node holding removed blocks did not confirm dropping them yet; they are retried")
-        await self.save_records()
+
+    async def _settle(self, keys: list[str], wait_s: float, save: bool = False) -> bool:
+        """:meth:`_settle_drops` for at most ``wait_s``; whether all were settled. Keys settled by
+        lapses leave the table once the records that name their blocks are kept (PlacementTable.detach:
+        put again at once, elsewhere than on the nodes that owe their drops). ``save``: keep the
+        records whatever settled them (else only for lapses)."""
+        pending, lapse, lapsed = self._unsettled(keys)
+        deadline = time.monotonic() + wait_s
+        while pending and time.monotonic() < deadline:
+            # Until a drop is answered (room freed), or a node that owes one stops serving by key.
+            await self.commands.room.wait(min(deadline, lapse + 0.001) - time.monotonic())
+            pending, lapse, more = self._unsettled(pending)
+            lapsed += more
+        if save or lapsed:
+            await self.save_records()
+        for key in lapsed:
+            self.table.detach(key)
+        return not pending
 
     async def clear_replicas(self, m: ClearReplicas, caller: Identity = ANYONE) -> Message:
         """Mooncake's ``batch_replica_clear`` (see :class:`ClearReplicas`): answered, as a remove is,
@@ -807,24 +822,26 @@ class MasterCore:
             if (e := objects.get(k)) is not None and e.committed and not e.removing
         ]
 
-    def _unsettled(self, keys: list[str]) -> tuple[list[str], float]:
+    def _unsettled(self, keys: list[str]) -> tuple[list[str], float, list[str]]:
         """Of ``keys``, those a reader that goes to a daemon directly may still find there: a drop
         of them under way (:meth:`Commands.dropping`), or removed with a replica not yet dropped on a
         node that serves by key (its lease for that not lapsed: see NodeRegistry.key_lease_end);
-        and the earliest end of such a lease (their wait may end then; inf: none). A node frozen or
+        the earliest end of such a lease (their wait may end then; inf: none); and those removed
+        with every replica left on such nodes out of that lease (settled by lapses). A node frozen or
         cut off costs a remove its lease to serve by key, not the node TTL (the key stays out of
         service, unplaceable, until the drop is made or the node fenced); the blocks it owes are
         noted in its record (PlacementTable.owe: kept in etcd before the remove is answered)."""
         now = time.monotonic()
         dropping = self.commands.dropping(keys)
         removing = set(self.table.removing(keys))
-        nodes, objects = self.nodes, self.table.objects
+        nodes, objects, pending_puts = self.nodes, self.table.objects, self.table.pending
         lapse = math.inf
-        out = []
+        out: list[str] = []
+        lapsed: list[str] = []
         for k in keys:
             if k in dropping:
                 out.append(k)
-            elif k in removing and (entry := objects.get(k)) is not None:
+            elif k in removing and (entry := objects.get(k) or pending_puts.get(k)) is not None:
                 serving = [r.node_id for r in entry.replicas if not nodes.key_lease_lapsed(r.node_id, now)]
                 if serving:
                     out.append(k)
@@ -833,9 +850,10 @@ class MasterCore:
                 else:  # settled by lapses: a new leader must drop the blocks, not adopt them
                     for r in entry.replicas:
                         self.table.owe(r.node_id, [k])
+                    lapsed.append(k)
         if out and nodes.key_lease_s:
             lapse = min(lapse, self.commands.next_lapse(out) or math.inf)
-        return out, lapse
+        return out, lapse, lapsed
 
     def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str]]:
         """An operator's eviction of stored blocks from every tier; returns how many went and the

@@ -3,11 +3,12 @@ fenced one); the keys removed meanwhile are dropped, not adopted, when they regi
 
 from __future__ import annotations
 
+from kvstore.errors import RetryLater
 from kvstore.placement.nodes import EVERYTHING, MAX_ABSENT_GONE, NodeRecord
 from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import NodeCommand
 from kvstore.policy import ActionKind
-from tests.unit.placement import DRAM, KB, SSD, put, table
+from tests.unit.placement import DRAM, KB, SSD, put, run, table
 
 
 def _blocks(*keys: str) -> list[HeldBlock]:
@@ -98,3 +99,28 @@ def test_blocks_a_remove_was_answered_without_are_in_the_nodes_record_until_it_d
     assert t.take_records() == {"a": NodeRecord(True, frozenset())}
     assert t.exists(["k"]) == [False]
     t.check()
+
+
+def test_a_key_detached_from_its_owing_node_is_put_again_elsewhere_and_its_extent_freed_by_the_drop() -> None:
+    """A remove answered on a frozen node's lapse: the key leaves the table at once (a put of it
+    used to wait for the node's fence, 1.2 s in bench.chaos), its block's extent stays taken on the
+    node that owes the drop, and no put of the key goes there until the drop is confirmed."""
+    t = table("a", "b", "c", dram=8 * KB)
+    put(t, "k", replicas=2, node="a")
+    on = sorted(r["node_id"] for r in t.describe("k")["replicas"])  # type: ignore[index]
+    free = {n: t.nodes[n].alloc.free_bytes for n in on}
+    removed, commands = t.remove(["k"])
+    assert removed == 1
+    for n in on:
+        t.owe(n, ["k"])
+    assert t.detach("k") and t.describe("k") is None and t.exists(["k"]) == [False]
+    assert all(t.nodes[n].alloc.free_bytes == free[n] and "k" in t.nodes[n].owes for n in on)  # still taken
+    t.check()
+    [two] = t.put_start(["k"], [KB], 2, None, False, 0).tickets  # one node left that may hold it: later
+    assert two is not None and two.status == "error" and two.error_code == RetryLater.code
+    put(t, "k", replicas=1, node=on[0])  # preferred on a node that owes it: placed elsewhere
+    [replica] = t.describe("k")["replicas"]  # type: ignore[index]
+    assert replica["node_id"] not in on
+    run(t, commands)  # the drops are answered: owed no more, the extents free
+    assert all(not t.nodes[n].owes and t.nodes[n].alloc.free_bytes > free[n] for n in on)
+    assert not t.detach("missing")
