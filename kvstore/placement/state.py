@@ -68,7 +68,10 @@ class NodeState:
     """Why the SSD tier holds less than configured, as its daemon reports it ("" while healthy)."""
     owes: set[str] = field(default_factory=set)
     """Keys this node holds a block of that the table no longer places here, not yet confirmed
-    dropped (see :meth:`Catalog.detach`): no put of them is placed here until it is."""
+    dropped (see :meth:`Catalog.detach`): no put of them is placed here until it is, and the
+    node's record that no longer names the block is kept (``settling`` until then)."""
+    settling: set[str] = field(default_factory=set)
+    """Of :attr:`owes`, those whose drop is confirmed, until the node's record says so in etcd."""
     quarantine: dict[str, Extent] = field(default_factory=dict)
     """DRAM extents held by blocks the daemon has but no put placed (orphans it is dropping), by
     key: out of the free space until the daemon says they are gone."""

@@ -181,6 +181,35 @@ class PlacementTable:
     def take_records(self) -> dict[str, NodeRecord | None]:
         return self._membership.take_records()
 
+    def take_settling(self) -> list[tuple[str, str]]:
+        """The (node, key) drops of detached blocks (Catalog.detach) confirmed since the last call,
+        which the records :meth:`take_records` gives no longer name: hand them to
+        :meth:`records_kept` once those are kept (a node owes the key until then: a new leader
+        reading its old record would drop a block of the key put there since). Take both at once."""
+        settling = []
+        for node in self._catalog.nodes.values():
+            if node.settling:
+                settling += [(node.node_id, key) for key in node.settling]
+                node.settling.clear()
+        return settling
+
+    def records_kept(self, settling: list[tuple[str, str]]) -> None:
+        """The records that :meth:`take_records` gave with ``settling`` are kept: those nodes owe
+        those keys no more."""
+        nodes = self._catalog.nodes
+        for node_id, key in settling:
+            node = nodes.get(node_id)
+            if node is not None:
+                self._catalog.settled(node, key)
+
+    def records_not_kept(self, settling: list[tuple[str, str]]) -> None:
+        """They were not: taken again at the next :meth:`take_records`."""
+        nodes = self._catalog.nodes
+        for node_id, key in settling:
+            node = nodes.get(node_id)
+            if node is not None and key in node.owes:
+                node.settling.add(key)
+
     def record_at_registration(self, node_id: str, gone: Iterable[tuple[str, TierName, int]] | None) -> NodeRecord:
         return self._membership.record_at_registration(node_id, set(gone) if gone is not None else None)
 

@@ -178,7 +178,8 @@ class Tiering:
             if command.kind is ActionKind.DROP:
                 if command.tier is DRAM and key in node.quarantine:
                     node.alloc.free(node.quarantine.pop(key))  # the daemon holds no such block in DRAM now
-                cat.settled(node, key)  # a block detached from the table is gone now (Catalog.detach)
+                if key in node.owes:  # a block detached from the table is gone now (Catalog.detach)
+                    node.settling.add(key)
             found = cat.replica(key, node.node_id, gen)
             if found is None:
                 continue  # not the replica it was planned for: that one is gone already

@@ -332,16 +332,19 @@ class MasterCore:
         election = self.leadership.election
         if election is None:
             self.table.take_records()
+            self.table.records_kept(self.table.take_settling())
             return
         async with self._saving_records:  # one at a time: a later record never overwritten by an earlier one
-            changes = self.table.take_records()
+            changes, settling = self.table.take_records(), self.table.take_settling()
             for node_id, record in changes.items():
                 try:
                     await self._keep_record(election, node_id, record)
                 except KVStoreError:
                     for again in changes:
                         self.table.record_changed(again)
+                    self.table.records_not_kept(settling)
                     raise
+            self.table.records_kept(settling)
 
     def _peers(self) -> list[str]:
         """The nodes the daemons are told of (and name to a new leader): those up, and while this

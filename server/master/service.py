@@ -341,7 +341,7 @@ class MasterService:
                 self.commands.tick(self.table, now_ms())
                 self.prober.tick(self.table, now_ms())
                 self._start_load_absent()
-                if self.leadership.election is not None and self.table.records_pending():
+                if self.table.records_pending():  # without etcd only settles (see MasterCore.save_records)
                     self._spawn(self._save_records(), "save-records")
                 self.evictions.add(self.table.take_evictions(), time.time())
                 for link in self.nodes.take_stale():

@@ -121,6 +121,13 @@ def test_a_key_detached_from_its_owing_node_is_put_again_elsewhere_and_its_exten
     put(t, "k", replicas=1, node=on[0])  # preferred on a node that owes it: placed elsewhere
     [replica] = t.describe("k")["replicas"]  # type: ignore[index]
     assert replica["node_id"] not in on
-    run(t, commands)  # the drops are answered: owed no more, the extents free
-    assert all(not t.nodes[n].owes and t.nodes[n].alloc.free_bytes > free[n] for n in on)
+    run(t, commands)  # the drops are answered: the extents free, owed until the records say so
+    assert all("k" in t.nodes[n].owes and t.nodes[n].alloc.free_bytes > free[n] for n in on)
+    records, settling = t.take_records(), t.take_settling()
+    assert all(r is not None and not r.gone for r in records.values()) and sorted(settling) == [(n, "k") for n in on]
+    t.records_not_kept(settling)  # etcd did not take them: still owed, taken again
+    assert sorted(t.take_settling()) == sorted(settling)
+    t.records_kept(settling)
+    assert not any(t.nodes[n].owes for n in on)
+    t.check()
     assert not t.detach("missing")
