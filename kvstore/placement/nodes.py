@@ -180,12 +180,10 @@ class Membership:
             if row >= 0:
                 tier = DRAM if rec.r_tier[row] == T_DRAM else SSD
                 entries.update(_gone_of(key, tier, rec.r_offset[row] if tier is DRAM else -1, False))
-        held = self.owing.setdefault(node_id, set())
+        held = self.owing.get(node_id, set())
         if not entries <= held:
-            held |= entries
+            self.owing[node_id] = held | entries
             self.records_changed.add(node_id)
-        if not held:
-            del self.owing[node_id]
 
     def settled(self, command: NodeCommand) -> None:
         """``command``'s daemon answered it: a drop there owes its keys no more (see :meth:`owe`)."""

@@ -276,9 +276,9 @@ class Catalog:
         self.grants: dict[int, Grant] = {}
         self.leases = Leases()
         self.want_promote: set[str] = set()
+        """SSD-only keys read often enough to be promoted once no reader holds them."""
         self.owed: Counter[str] = Counter()
         """Per key detached from the table, how many nodes still owe its drop (see :meth:`detach`)."""
-        """SSD-only keys read often enough to be promoted once no reader holds them."""
         self.draining: set[str] = set()
         """Nodes out of placement, their blocks being moved elsewhere (an operator's drain)."""
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)

@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvstore.engine_blocks import leading
 from kvstore.errors import ConnectionFailed, InvalidArgument, Timeout, error_from_code
 
 Role = Literal["prefill", "decode"]
@@ -298,15 +299,6 @@ def chat_sessions(
     return out
 
 
-def _leading(keys: list[str], stored: set[str]) -> int:
-    n = 0
-    for key in keys:
-        if key not in stored:
-            break
-        n += 1
-    return n
-
-
 Submit = Callable[[list[int], int], dict[str, Any]]
 """Run one request to completion: (prompt token ids, tokens to generate) -> the conductor's answer."""
 
@@ -330,7 +322,7 @@ def run_chat(
             prompt = session.context + session.messages[session.turn]
             keys = layout.keys(prompt)
             with lock:
-                expected = _leading(keys, stored) * layout.block_tokens
+                expected = leading(keys, stored) * layout.block_tokens
             sent = time.perf_counter()
             out = submit(prompt, session.max_new_tokens)
             rec = {"session": session.session, "turn": session.turn, "prompt_tokens": len(prompt),

@@ -119,13 +119,6 @@ class Commands:
             self._track(commands, 1)  # now: a remove that comes before the task runs sees its drops
             self._spawn(self._run(commands, table or self.nodes.table), name)
 
-    async def soon(self, commands: list[NodeCommand], name: str, wait_s: float) -> None:
-        """:meth:`later`, waiting up to ``wait_s`` for it to be done (a daemon that does not answer
-        holds the caller no longer; its commands go on in the background and are retried)."""
-        if commands:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.start(commands, name).wait(), wait_s)
-
     def start(self, commands: list[NodeCommand], name: str) -> asyncio.Event:
         """:meth:`later`, returning an event set once every node answered its commands or failed."""
         finished = asyncio.Event()

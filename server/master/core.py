@@ -831,9 +831,9 @@ class MasterCore:
         node that serves by key (its lease for that not lapsed: see NodeRegistry.key_lease_end);
         the earliest end of such a lease (their wait may end then; inf: none); and those removed
         with every replica left on such nodes out of that lease (settled by lapses). A node frozen or
-        cut off costs a remove its lease to serve by key, not the node TTL (the key stays out of
-        service, unplaceable, until the drop is made or the node fenced); the blocks it owes are
-        noted in its record (PlacementTable.owe: kept in etcd before the remove is answered)."""
+        cut off costs a remove its lease to serve by key, not the node TTL; the blocks it owes are
+        noted in its record (PlacementTable.owe: kept in etcd before the key leaves the table and
+        the remove is answered, see :meth:`_settle`)."""
         now = time.monotonic()
         dropping = self.commands.dropping(keys)
         removing = set(self.table.removing(keys))
