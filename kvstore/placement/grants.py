@@ -19,7 +19,7 @@ from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, KVStore
 from kvstore.keys import validate_key
 from kvstore.placement.records import MAX_CHECKSUM
 from kvstore.placement.results import PUT_EXISTS, PUT_STORED
-from kvstore.placement.state import DRAM, Catalog, Grant, NodeCommand, no_room_text, suspects_last
+from kvstore.placement.state import DRAM, Catalog, Grant, NodeCommand, NodeState, no_room_text, suspects_last
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import Strategy
 from kvstore.write_ids import check_write_ids, same_write
@@ -61,10 +61,25 @@ class Grants:
             return GrantPlan(None, [], False, NoNodes("no storage node is up"))
         commands: list[NodeCommand] = []
         waiting = False
-        for node in suspects_last(self.strategy(placeable, preferred_node, self.rng), avoid):
+        ordered, shunned = suspects_last(self.strategy(placeable, preferred_node, self.rng), avoid)
+        if all(n.node_id in shunned for n in ordered if n.alloc.capacity >= length):
+            shunned = frozenset()  # no other node can hold it: they are waited for as any node
+        passed: NodeState | None = None  # a shunned node without room now
+        for node in ordered:
             if node.alloc.capacity < length:
                 continue
-            extent, evicting = self.tiering.reserve(node, length, commands, owner)
+            if node.node_id in shunned:
+                # Its evictions and commands in flight may go unanswered until its fence: only the
+                # room it has now, and only when no other node has room coming (as for puts).
+                if waiting:
+                    break
+                extent = self.tiering.take(node, length)
+                evicting = False
+                if extent is None:
+                    passed = node
+                    continue
+            else:
+                extent, evicting = self.tiering.reserve(node, length, commands, owner)
             if extent is not None:
                 grant = Grant(self._next_grant, node.node_id, [extent], now_ms + ttl_ms, owner=owner)
                 self._next_grant += 1
@@ -76,6 +91,12 @@ class Grants:
                 break  # room is being made on this node: ask again once it is
         if waiting:
             return GrantPlan(None, commands, True)
+        if passed is not None:
+            cat.counters["room_refused_suspects"] += 1
+            return GrantPlan(None, [], False, RetryLater(
+                f"no room for a grant of {length} bytes on the nodes that answer now "
+                f"(node {passed.node_id} is suspected or unreachable)"
+            ))  # fmt: skip
         if not any(n.alloc.capacity >= length for n in placeable):
             return GrantPlan(
                 None, [], False, CapacityError(f"a grant of {length} bytes is larger than every node's DRAM")

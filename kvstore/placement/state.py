@@ -103,15 +103,14 @@ class NodeState:
         return self.alloc.free_bytes / self.alloc.capacity
 
 
-def suspects_last(nodes: list[NodeState], avoid: Collection[str] = ()) -> list[NodeState]:
+def suspects_last(nodes: list[NodeState], avoid: Collection[str] = ()) -> tuple[list[NodeState], frozenset[str]]:
     """``nodes`` in the same order, but suspected ones and those in ``avoid`` (nodes a client could
-    not reach) after the others (placed on only when the others cannot take a put or a grant)."""
+    not reach) after the others (placed on only when the others cannot take a put or a grant); and
+    the ids of those shunned so."""
     if not avoid and not any(n.suspect for n in nodes):
-        return nodes
-    shunned = [n.suspect or n.node_id in avoid for n in nodes]
-    return [n for n, s in zip(nodes, shunned, strict=True) if not s] + [
-        n for n, s in zip(nodes, shunned, strict=True) if s
-    ]
+        return nodes, frozenset()
+    shunned = frozenset(n.node_id for n in nodes if n.suspect or n.node_id in avoid)
+    return [n for n in nodes if n.node_id not in shunned] + [n for n in nodes if n.node_id in shunned], shunned
 
 
 @dataclass(slots=True)
@@ -207,6 +206,7 @@ COUNTERS = (
     "room_refused_leased",
     "room_refused_pinned",
     "room_refused_tenants",
+    "room_refused_suspects",
     "fences",
     "fences_refused",
     "suspicions",

@@ -69,6 +69,14 @@ class Tiering:
             return None
         return alloc.alloc_offsets(sizes)
 
+    @staticmethod
+    def take(node: NodeState, size: int) -> Extent | None:
+        """An extent on ``node`` in the room it has now (or None), evicting nothing: for a node
+        suspected or unreachable, whose evictions might not be answered until its fence."""
+        if node.max_blocks and node.alloc.num_extents >= node.max_blocks:
+            return None
+        return node.alloc.alloc(size)
+
     def reserve(
         self, node: NodeState, size: int, commands: list[NodeCommand], owner: str = ""
     ) -> tuple[Extent | None, bool]:

@@ -170,7 +170,7 @@ class Writes:
         plan = PutPlan()
         # One ordering for the whole batch: a batch is usually one request's chain of blocks, and
         # keeping it together on a node keeps a prefix from spanning nodes that evict independently.
-        ordered = suspects_last(self.strategy(self.catalog.placeable(), preferred_node, self.rng), avoid)
+        ordered, shunned = suspects_last(self.strategy(self.catalog.placeable(), preferred_node, self.rng), avoid)
         run = self._reserve_run(checked, sizes, ordered[0]) if replicas == 1 and ordered else None
         if run is not None:
             self._record_run(checked, sizes, ordered[0], run, pin, now_ms, plan, write_id)
@@ -178,7 +178,7 @@ class Writes:
         smallest = min((n.alloc.capacity for n in ordered), default=0)
         for i, (key, size) in enumerate(zip(checked, sizes, strict=True)):
             fits = ordered if size <= smallest else [n for n in ordered if n.alloc.capacity >= size]
-            plan.add(self._place(key, size, replicas, fits, pin, now_ms, plan, i, tenant, write_id), size)
+            plan.add(self._place(key, size, replicas, fits, pin, now_ms, plan, i, tenant, write_id, shunned), size)
         return plan
 
     def _reserve_run(self, keys: list[BlockKey], sizes: Sequence[int], node: NodeState) -> list[int] | None:
@@ -222,7 +222,10 @@ class Writes:
         i: int,
         tenant: str = "",
         write_id: int = 0,
+        shunned: frozenset[str] = frozenset(),
     ) -> Ticket | None:
+        """A ticket for ``key`` on ``replicas`` of ``nodes`` (most preferred first, those in ``shunned``
+        last: suspected, or a client could not reach them), or None when it waits for evictions."""
         cat = self.catalog
         slot = cat.rec.index.get(key)
         if slot is not None:
@@ -246,11 +249,26 @@ class Writes:
             return _ticket_error(
                 NoNodes(f"{replicas} replicas of {key!r} asked for, but only {len(nodes)} nodes can hold it")
             )
+        if shunned and len(nodes) - sum(n.node_id in shunned for n in nodes) < replicas:
+            shunned = frozenset()  # too few others: they are waited for as any node
         chosen: list[tuple[NodeState, Extent]] = []
         waiting = False  # some node will have room once its evictions are done
+        passed: NodeState | None = None  # a shunned node without room now
         for node in nodes:
             if len(chosen) == replicas:
                 break
+            if node.node_id in shunned:
+                # Its evictions, and its commands in flight, may go unanswered until its fence (a
+                # second): it takes a copy only in the room it has now, and only when the others
+                # have none coming.
+                if waiting:
+                    break
+                extent = self.tiering.take(node, size)
+                if extent is None:
+                    passed = node
+                else:
+                    chosen.append((node, extent))
+                continue
             extent, evicting = self.tiering.reserve(node, size, plan.commands, tenant)
             if extent is not None:
                 chosen.append((node, extent))
@@ -261,6 +279,12 @@ class Writes:
             if waiting:
                 plan.waiting.append(i)
                 return None
+            if passed is not None:
+                cat.counters["room_refused_suspects"] += 1
+                return _ticket_error(
+                    RetryLater(f"no room for block {key!r} of {size} bytes on the nodes that answer now "
+                               f"(node {passed.node_id} is suspected or unreachable); retry")
+                )  # fmt: skip
             if any(cat.busy(node) for node in nodes):
                 # Leases end and puts commit or expire: room will come without anyone's help.
                 cat.counters["room_refused_leased"] += 1

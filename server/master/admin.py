@@ -568,11 +568,14 @@ class _Collector:
                                 ("room_refused_pinned", "Puts and grants refused: all DRAM is pinned."),
                                 ("room_refused_tenants", "Tenants' puts and grants refused: the nodes are full "
                                  "of pinned and other tenants' blocks, which no tenant's put evicts."),
+                                ("room_refused_suspects", "Puts and grants told to retry: the nodes that answer "
+                                 "have no room now, and a suspected or unreachable node is not waited for."),
                                 ("fences", "Nodes fenced: silent past their TTL, or their daemon gone."),
                                 ("fences_refused", "Of the fences, those of a daemon whose port refused the "
                                  "master (its process gone): fenced at once, not after the TTL."),
-                                ("suspicions", "Times a node missed heartbeats and did not answer the master's "
-                                 "probe: new blocks went to other nodes first until its next heartbeat.")):  # fmt: skip
+                                ("suspicions", "Times a node missed two heartbeats, or a client or a command could "
+                                 "not reach it and it did not answer the master's probe: new blocks went to other "
+                                 "nodes first until its next heartbeat.")):  # fmt: skip
             yield CounterMetricFamily(f"kvstore_{name}", help_text, value=c[name])
         tenants = service.quotas()
         held = GaugeMetricFamily("kvstore_tenant_held_bytes", "Bytes a tenant holds or reserves (keys, puts in "

@@ -11,7 +11,6 @@ two awaits is atomic; what the daemons must do is carried out by :mod:`server.ma
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -207,19 +206,25 @@ class MasterCore:
 
     async def _evicted(self, commands: list[NodeCommand]) -> None:
         """Send a put's or a grant's evictions and wait until their daemons answered, or until one
-        of their nodes is down (fenced: its commands are settled without it, and the next round
-        places elsewhere), or the command timeout. (Waiting for the commands alone held a put until
-        a frozen daemon came back, up to the command timeout, well past its fence; planning again
-        before they are answered evicted again for room the first evictions were freeing.)"""
+        of their nodes is suspected or down (frozen, cut off, fenced: the next round places without
+        waiting on it, :meth:`Writes._place`), or the command timeout. (Waiting for the commands
+        alone held a put until a frozen daemon came back, up to the command timeout, well past its
+        fence; waiting until its fence held every put that asked it for room a second; planning
+        again before they are answered evicted again for room the first evictions were freeing.)"""
         finished = self.commands.start(commands, "eviction")
         nodes = {c.node_id for c in commands}
         deadline = time.monotonic() + self.nodes.command_timeout_s
         while not finished.is_set() and time.monotonic() < deadline:
             table = self.table
-            if any((node := table.nodes.get(n)) is None or not node.up for n in nodes):
+            if any((node := table.nodes.get(n)) is None or not node.up or node.suspect for n in nodes):
                 return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(finished.wait(), self.config.tick_ms / 1000)
+            # Woken by the answers, or by a suspicion (Prober: it frees room), or at the tick.
+            waits = [asyncio.ensure_future(finished.wait()), asyncio.ensure_future(self._until_room())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
 
     # -- nodes ----------------------------------------------------------------------------------
     async def register(self, m: RegisterNode, caller: Identity = ANYONE) -> Message:

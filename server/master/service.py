@@ -333,13 +333,15 @@ class MasterService:
             try:
                 self.rpc.answers.prune()  # first: no failure below keeps a reply past its time
                 now = time.monotonic()
-                if now - last > period + self.config.node_ttl_ms / 4000:
+                stalled = now - last > period + self.config.node_ttl_ms / 4000
+                if stalled:
                     # This master stalled (a pause, an overload): the heartbeats it did not read are no
-                    # daemon's silence. Fence none before they had time to be read.
+                    # daemon's silence. Fence none before they had time to be read, suspect none now.
                     self.table.postpone_fences(now_ms(), self.config.node_ttl_ms // 2)
                 last = now
                 self.commands.tick(self.table, now_ms())
-                self.prober.tick(self.table, now_ms())
+                if not stalled:
+                    self.prober.tick(self.table, now_ms())
                 self._start_load_absent()
                 if self.table.records_pending():  # without etcd only settles (see MasterCore.save_records)
                     self._spawn(self._save_records(), "save-records")

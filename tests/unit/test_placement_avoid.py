@@ -3,7 +3,9 @@ node the master reaches may be cut off from that one client, or frozen and not y
 
 from __future__ import annotations
 
-from tests.unit.placement import KB, table
+from kvstore.errors import RetryLater
+from kvstore.placement.table import PlacementTable
+from tests.unit.placement import KB, put, run, table
 
 
 def _nodes(plan_tickets: list) -> set[str]:  # type: ignore[type-arg]
@@ -32,3 +34,83 @@ def test_a_grant_avoids_the_nodes_its_client_could_not_reach() -> None:
     for preferred in ("node0", None):
         grant = t.grant_space(4 * KB, preferred, 1000, 0, avoid=frozenset({"node0"})).grant
         assert grant is not None and grant.node_id == "node1"
+
+
+def _full(t: PlacementTable, *nodes: str) -> None:
+    """Fill each of ``nodes``' 4 KiB of DRAM with committed blocks: the next put there evicts."""
+    for node in nodes:
+        for i in range(4):
+            put(t, f"fill-{node}-{i}", node=node)
+
+
+def test_a_put_plans_no_eviction_on_an_avoided_or_suspected_node_and_waits_for_none_there() -> None:
+    """A frozen or cut-off node may answer its evictions only at its fence (a second in bench.chaos):
+    while enough other nodes can hold the copies, a put that needs room evicts on those alone, and
+    waits for their evictions, never for one sent to the shunned node."""
+    for shun in ("avoid", "suspect"):
+        t = table("node0", "node1", "node2")
+        _full(t, "node0", "node1", "node2")
+        avoid = frozenset({"node0"}) if shun == "avoid" else frozenset()
+        if shun == "suspect":
+            assert t.suspect("node0", t.nodes["node0"].gen, t.nodes["node0"].last_seen_ms)
+        plan = t.put_start(["k"], [KB], 2, "node0", False, 0, avoid=avoid)
+        assert plan.waiting == [0] and plan.commands, shun
+        assert {c.node_id for c in plan.commands} == {"node1", "node2"}, shun  # the old code evicted on node0 too
+        run(t, plan.commands)
+        again = t.put_start(["k"], [KB], 2, "node0", False, 0, avoid=avoid)
+        assert _nodes(again.tickets) == {"node1", "node2"}, shun
+
+
+def _pinned_full(t: PlacementTable, node: str) -> None:
+    for i in range(4):
+        t.put_start([f"pin-{node}-{i}"], [KB], 1, node, True, 0)
+        assert t.put_end([f"pin-{node}-{i}"], [7]) == [True]
+
+
+def test_a_suspected_node_with_evictions_in_flight_holds_no_put_back() -> None:
+    """Its evictions were sent before it was suspected and are still unanswered; the others cannot
+    take the second copy now (pinned full): the put takes the copy there is room for at once, as
+    where every node is full of pinned blocks, instead of being held until the node's fence (the old
+    code counted those evictions as room to come)."""
+    t = table("node0", "node1", "node2")
+    _full(t, "node0")
+    _pinned_full(t, "node2")
+    early = t.put_start(["e"], [KB], 1, "node0", False, 0)
+    assert {c.node_id for c in early.commands} == {"node0"} and t.nodes["node0"].inflight  # sent, never answered
+    assert t.suspect("node0", t.nodes["node0"].gen, t.nodes["node0"].last_seen_ms)
+    plan = t.put_start(["k"], [KB], 2, None, False, 0)
+    assert plan.waiting == [] and _nodes(plan.tickets) == {"node1"}, plan
+
+
+def test_a_put_needing_the_shunned_node_waits_for_it_as_for_any_node() -> None:
+    """Two copies on two nodes, one of them avoided: it cannot be done without, so its eviction is
+    planned and waited for as before."""
+    t = table("node0", "node1")
+    _full(t, "node0", "node1")
+    plan = t.put_start(["k"], [KB], 2, None, False, 0, avoid=frozenset({"node0"}))
+    assert plan.waiting == [0] and {c.node_id for c in plan.commands} == {"node0", "node1"}
+
+
+def test_a_put_the_answering_nodes_cannot_take_now_is_told_to_retry_naming_the_shunned_node() -> None:
+    """The nodes that answer are full of pinned blocks; the avoided one has no room without evicting:
+    RetryLater naming it (the put is not held until its fence, nor told the store is full)."""
+    t = table("node0", "node1", "node2")
+    _full(t, "node0")
+    _pinned_full(t, "node1")
+    _pinned_full(t, "node2")
+    plan = t.put_start(["k"], [KB], 2, None, False, 0, avoid=frozenset({"node0"}))
+    [ticket] = plan.tickets
+    assert ticket is not None and ticket.error_code == RetryLater.code and "node0" in ticket.error, ticket
+    assert plan.commands == [] and t.counters["room_refused_suspects"] == 1
+
+
+def test_a_grant_plans_no_eviction_on_an_avoided_node() -> None:
+    """The node that answers is full of pinned blocks, the avoided one of evictable ones: RetryLater
+    naming it (the client puts the two-trip way meanwhile), not a wait on its evictions."""
+    t = table("node0", "node1")
+    _full(t, "node0")
+    _pinned_full(t, "node1")
+    plan = t.grant_space(KB, "node0", 1000, 0, avoid=frozenset({"node0"}))
+    assert plan.grant is None and not plan.waiting and plan.commands == []
+    assert isinstance(plan.error, RetryLater) and "node0" in str(plan.error)
+    assert t.grant_space(KB, "node0", 1000, 0).waiting  # not avoided: its evictions are waited for
