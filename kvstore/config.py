@@ -345,6 +345,10 @@ class TlsConfig(_Frozen):
         return self
 
 
+MIN_HEARTBEAT_MS = 50
+"""A daemon heartbeats every ``heartbeat_interval_ms``, but not more often than this."""
+
+
 class MasterConfig(_Frozen):
     """The master: placement, eviction decisions, leases and membership."""
 
@@ -362,7 +366,9 @@ class MasterConfig(_Frozen):
         description="Mooncake's KV lease (--default-kv-lease-ttl): a key found by a get or an exists is neither"
         " evicted nor removed without force for this long; 0: off.",
     )
-    heartbeat_interval_ms: int = Field(default=50, gt=0, description="How often daemons heartbeat.")
+    heartbeat_interval_ms: int = Field(
+        default=50, gt=0, description="How often daemons heartbeat (not more often than every 50 ms)."
+    )
     key_lease_ms: int | None = Field(
         default=None, ge=0,
         description="A daemon serves reads by key alone (a client's remembered location, no master asked) within "

@@ -273,7 +273,10 @@ class Writes:
             if extent is not None:
                 chosen.append((node, extent))
             waiting = waiting or (extent is None and (evicting or node.inflight > 0))
-        if (waiting and len(chosen) < min(replicas, len(nodes))) or not chosen:
+        # Fewer copies than asked where a shunned node could have made room: retry (it is fenced
+        # within a second, or answers again), not a silent loss of redundancy.
+        short = passed is not None and len(chosen) < replicas
+        if (waiting and len(chosen) < min(replicas, len(nodes))) or not chosen or short:
             for node, extent in chosen:
                 node.alloc.free(extent)
             if waiting:

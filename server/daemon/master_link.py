@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
 from kvstore.auth import Credential
+from kvstore.config import MIN_HEARTBEAT_MS
 from kvstore.errors import KVStoreError, ProtocolError
 from kvstore.keys import BlockKey, validate_key
 from kvstore.protocol import (
@@ -259,7 +260,7 @@ class MasterLink:
         self.peers = reply.peers
         if self._on_epoch is not None:
             self._on_epoch(reply.epoch)
-        self._interval = max(reply.heartbeat_interval_ms, 50) / 1000
+        self._interval = max(reply.heartbeat_interval_ms, MIN_HEARTBEAT_MS) / 1000
         self.registrations += 1
         self._registered_with = self._conn.address
         if not self.registered.is_set():

@@ -64,6 +64,11 @@ class Room:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._freed.wait(), timeout_s)
 
+    @property
+    def next_freed(self) -> asyncio.Event:
+        """Set when room is next freed (taken now: a free before its waiter runs is not missed)."""
+        return self._freed
+
 
 def _message(command: NodeCommand) -> Message:
     if command.kind is ActionKind.DEMOTE:

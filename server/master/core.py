@@ -219,9 +219,10 @@ class MasterCore:
             if any((node := table.nodes.get(n)) is None or not node.up or node.suspect for n in nodes):
                 return
             # Woken by the answers, or by a suspicion (Prober: it frees room), or at the tick.
-            waits = [asyncio.ensure_future(finished.wait()), asyncio.ensure_future(self._until_room())]
+            freed = self.commands.room.next_freed
+            waits = [asyncio.ensure_future(finished.wait()), asyncio.ensure_future(freed.wait())]
             try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waits, timeout=self.config.tick_ms / 1000, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for wait in waits:
                     wait.cancel()

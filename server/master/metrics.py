@@ -51,11 +51,23 @@ class LoopStalls:
         """The longest stall since the start."""
         self.histogram = LatencyHistogram()
         """Every probe's lateness."""
+        self._late: deque[tuple[float, float]] = deque()
+        """(when it was seen, time.monotonic(); how late) of the probes late by over a period, in order."""
 
     def record(self, late_s: float) -> None:
         late_s = max(late_s, 0.0)
         self.histogram.observe(late_s)
         self.max_s = max(self.max_s, late_s)
+        if late_s > self.period_s:
+            self._late.append((time.monotonic(), late_s))
+
+    def recent_s(self, window_s: float) -> float:
+        """The longest stall seen within the last ``window_s`` (0: none past a period): silences of
+        daemons shorter than it may be this master's, which read no heartbeat meanwhile."""
+        late, since = self._late, time.monotonic() - window_s
+        while late and late[0][0] < since:
+            late.popleft()
+        return max((s for _, s in late), default=0.0)
 
 
 _Point = tuple[float, dict[str, int], int, int]

@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Literal
 
+from kvstore.config import MIN_HEARTBEAT_MS
 from kvstore.errors import ConnectionFailed, ConnectionRefused, KVStoreError
 from kvstore.placement.table import PlacementTable
 from kvstore.protocol import MasterHello, OkReply
@@ -38,10 +40,16 @@ PROBE_GAP_S = 0.1
 class Prober:
     """Probes nodes suspected of being gone and fences those whose daemon's port refuses."""
 
-    def __init__(self, commands: Commands, spawn: Spawn, *, enabled: bool, heartbeat_ms: int) -> None:
+    def __init__(
+        self, commands: Commands, spawn: Spawn, *, enabled: bool, heartbeat_ms: int,
+        stalled_s: Callable[[float], float] = lambda window_s: 0.0,
+    ) -> None:  # fmt: skip
+        """``stalled_s(window)``: the longest this master's own loop stalled within the last
+        ``window`` seconds (:meth:`LoopStalls.recent_s`)."""
         self.commands = commands
         self.enabled = enabled
         self.heartbeat_ms = heartbeat_ms
+        self.stalled_s = stalled_s
         self._spawn = spawn
         self._began: dict[str, float] = {}
         """Node -> when its last probe began (monotonic seconds)."""
@@ -59,16 +67,24 @@ class Prober:
         self._spawn(self._probe(table, node_id, node.gen, node.last_seen_ms, why), "node-probe")
 
     def tick(self, table: PlacementTable, now_ms: int) -> None:
-        """Suspect and probe the nodes that missed two heartbeats (and forget nodes the table no
-        longer has). Suspected at once, not after the probe: a put waiting for room on a frozen node
-        plans again without it (:meth:`MasterCore._evicted`) a probe's timeout sooner."""
+        """Probe the nodes that missed two heartbeats, and suspect at once those silent for three
+        (and forget nodes the table no longer has): a put waiting for room on a frozen node plans
+        again without it (:meth:`MasterCore._evicted`) sooner than the probe's timeout would have
+        it. A stall of this master's own loop meanwhile is no daemon's silence: it is not counted."""
         for node_id in [n for n in self._began if n not in table.nodes]:
             del self._began[node_id]
+        beat_ms = max(self.heartbeat_ms, MIN_HEARTBEAT_MS)  # the daemon's own interval
+        stalled_ms: float | None = None
         for node in list(table.nodes.values()):
-            if not node.fenced and now_ms - node.last_seen_ms > 2 * self.heartbeat_ms:
-                if not node.suspect and table.suspect(node.node_id, node.gen, node.last_seen_ms):
+            silent_ms = now_ms - node.last_seen_ms
+            if node.fenced or silent_ms <= 2 * self.heartbeat_ms:
+                continue
+            if not node.suspect and silent_ms > 3 * beat_ms:
+                if stalled_ms is None:
+                    stalled_ms = self.stalled_s(silent_ms / 1000) * 1000
+                if silent_ms - stalled_ms > 3 * beat_ms and table.suspect(node.node_id, node.gen, node.last_seen_ms):
                     self.commands.room.freed()  # wakes the puts waiting on it
-                self.suspect(node.node_id, f"no heartbeat for {now_ms - node.last_seen_ms} ms")
+            self.suspect(node.node_id, f"no heartbeat for {silent_ms} ms")
 
     async def _probe(self, table: PlacementTable, node_id: str, gen: int, seen_ms: int, why: str) -> None:
         found = await self._look(node_id)

@@ -73,8 +73,10 @@ class MasterService:
         self.leadership.on_ready = self._note_missing
         self._loading_absent = False
         self.commands = Commands(self.nodes, self._spawn, self.config.reservation_ms)
+        self.stalls = LoopStalls()
+        """How long the event loop went without turning (the longest wait any client had for another's work)."""
         self.prober = Prober(self.commands, self._spawn, enabled=config.fence_refused,
-                             heartbeat_ms=config.heartbeat_interval_ms)  # fmt: skip
+                             heartbeat_ms=config.heartbeat_interval_ms, stalled_s=self.stalls.recent_s)  # fmt: skip
         """Fences nodes whose daemon is gone without waiting out their TTL."""
         self.commands.unreachable = lambda node_id: self.prober.suspect(node_id, "a command could not reach it")
         self.core = MasterCore(config, self.nodes, self.commands, self.leadership, self.authority)
@@ -84,8 +86,6 @@ class MasterService:
         self.rpc = RpcServer(config, self.core, self.leadership, self.authority, self.tls, self._spawn,
                              lambda: self.admin_address)  # fmt: skip
         self.sampler = Sampler()
-        self.stalls = LoopStalls()
-        """How long the event loop went without turning (the longest wait any client had for another's work)."""
         self.core.loop_stall_max = lambda: self.stalls.max_s
         self.evictions = EvictionLog(config.eviction_log)
         self.events = (

@@ -69,17 +69,20 @@ def _pinned_full(t: PlacementTable, node: str) -> None:
 
 def test_a_suspected_node_with_evictions_in_flight_holds_no_put_back() -> None:
     """Its evictions were sent before it was suspected and are still unanswered; the others cannot
-    take the second copy now (pinned full): the put takes the copy there is room for at once, as
-    where every node is full of pinned blocks, instead of being held until the node's fence (the old
-    code counted those evictions as room to come)."""
+    take the second copy now (pinned full): the put is told to retry (the node is fenced within a
+    second, or answers again), neither held until its fence (the old code counted those evictions as
+    room to come) nor given one copy of the two it asked for."""
     t = table("node0", "node1", "node2")
     _full(t, "node0")
     _pinned_full(t, "node2")
     early = t.put_start(["e"], [KB], 1, "node0", False, 0)
     assert {c.node_id for c in early.commands} == {"node0"} and t.nodes["node0"].inflight  # sent, never answered
     assert t.suspect("node0", t.nodes["node0"].gen, t.nodes["node0"].last_seen_ms)
+    used = t.nodes["node1"].alloc.used
     plan = t.put_start(["k"], [KB], 2, None, False, 0)
-    assert plan.waiting == [] and _nodes(plan.tickets) == {"node1"}, plan
+    [ticket] = plan.tickets
+    assert plan.waiting == [] and ticket is not None and ticket.error_code == RetryLater.code, plan
+    assert "node0" in ticket.error and t.nodes["node1"].alloc.used == used  # node1's extent given back
 
 
 def test_a_put_needing_the_shunned_node_waits_for_it_as_for_any_node() -> None:
