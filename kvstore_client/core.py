@@ -122,7 +122,8 @@ _SUSPECT_S = 1.0
 that node: a block with another replica is read there, one without is read with the failover
 patience (a miss within it, not another whole timeout), and reads by remembered location ask the
 master. An answer from the node ends it sooner (the master fences a silent node within its TTL,
-1 s by default, and lists it no more)."""
+1 s by default, and lists it no more). The nodes the master names as suspected with a get's
+replicas are suspected so too."""
 _UNREACHED_S = 5.0
 """At most how long a node this client could not reach (:meth:`ClientCore.unreached`) is named to
 the master as one to place this client's puts and grants on last: an answer from the node ends it
@@ -740,11 +741,18 @@ class ClientCore:
 
     def locate(self, keys: list[str]) -> Op[tuple[list[LocatedRef | None], int]]:
         """Where ``keys`` are (None for a miss), and the first of their read leases (0: none), taken
-        when a path may read without the daemon; hand both to :meth:`release` once the reads are over."""
+        when a path may read without the daemon; hand both to :meth:`release` once the reads are over.
+        The nodes the master says it suspects are suspected here too (:meth:`suspected`: a block's
+        copy there read last, or with the failover patience), until they answer this client."""
         lease = self.transport.may_lease
         taken = self.leases.take() if self.leases is not None else []
         reply = yield from call(GetReplicas(keys, taken, lease), GetReplicasReply)
-        return reply.located(keys), (reply.first_lease if lease else 0)
+        located = reply.located(keys)
+        if reply.suspects:  # frozen or cut off, as far as the master knows: no wait on them
+            until = time.monotonic() + _SUSPECT_S
+            for node_id in reply.suspects:
+                self._suspects[node_id] = max(self._suspects.get(node_id, 0.0), until)
+        return located, (reply.first_lease if lease else 0)
 
     def release(self, first_lease: int, located: Sequence[LocatedRef | None]) -> None:
         """Queue the leases of a finished read for release (they ride on the next request)."""

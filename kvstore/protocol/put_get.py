@@ -157,6 +157,9 @@ class GetReplicasReply(Message, tag=31, frozen=True):
     leases are consecutive from there, and a reader releases those ids."""
     write_ids: list[int] = []
     """Per key, its block's write id (0 for a miss or an unknown one), when the get asked; else empty."""
+    suspects: list[str] = []
+    """Of the nodes named, those the master suspects now (silent for heartbeats: frozen or cut off):
+    a reader waits on none of them (see ``ClientCore.suspected``)."""
 
     @classmethod
     def from_lookup(cls, lookup: ReplicaLookup) -> GetReplicasReply:

@@ -690,7 +690,12 @@ class MasterCore:
     async def get_replicas(self, m: GetReplicas, caller: Identity = ANYONE) -> Message:
         if m.release:
             await self.release_leases(ReleaseLeases(m.release), caller)
-        reply = GetReplicasReply.from_lookup(self.table.get_replicas(m.keys, now_ms(), m.lease))
+        table = self.table
+        reply = GetReplicasReply.from_lookup(table.get_replicas(m.keys, now_ms(), m.lease))
+        nodes = table.nodes
+        suspects = [n for n in set(reply.nodes) if (node := nodes.get(n)) is not None and node.suspect]
+        if suspects:
+            reply = structs.replace(reply, suspects=suspects)
         if m.write_ids:  # a put that found its key stored asks whose the block is
             objects = self.table.objects
             ids = [e.write_id if (e := objects.get(k)) is not None and e.committed else 0 for k in m.keys]

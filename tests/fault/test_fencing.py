@@ -206,6 +206,41 @@ def test_a_put_that_must_evict_on_a_frozen_node_goes_elsewhere_before_it_is_fenc
         assert store.get("new-0") == b"n" * (64 << 10)
 
 
+def test_a_one_copy_block_on_a_node_the_master_suspects_is_a_miss_not_a_wait() -> None:
+    """A block's one copy is on a frozen node that this client has never read from. The master,
+    which suspects the node, says so with the replicas (GetReplicasReply.suspects); the client reads
+    that copy with the failover patience only: a miss long before the fence. The old code waited for
+    the daemon with no patience, here until the client's 30 s timeout, past the fence (3 of 53
+    daemon SIGSTOPs in an hour of bench.chaos: reads of 3 s, until the node thawed)."""
+    args = ("--node-ttl-ms", "8000", "--heartbeat-ms", "100")
+    slow_client = ClientConfig(transport="tcp", timeout_s=30.0)
+    with LocalCluster(2, dram="8MiB", master_args=args) as cluster:
+        with Store.connect(cluster.master_address, TCP) as writer:
+            assert writer.put("one", OLD, PutOptions(preferred_node=cluster.node_name(0))).value == "stored"
+        frozen = cluster.daemons[0]
+        assert frozen is not None
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(100):  # the master suspects it once it missed three heartbeats
+                reply = ask(cluster.master_address, GetReplicas(["one"], [], False))
+                assert isinstance(reply, GetReplicasReply) and reply.nodes == [cluster.node_name(0)]
+                if reply.suspects:
+                    break
+                time.sleep(0.05)
+            assert reply.suspects == [cluster.node_name(0)]
+            with Store.connect(cluster.master_address, slow_client) as reader:
+                assert reader.get("one") is None
+            assert node_up(cluster, 0)  # a miss before the fence, not a wait for the node
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        with Store.connect(cluster.master_address, TCP) as reader:  # thawed: its heartbeat clears the suspicion
+            for _ in range(50):
+                if reader.get("one") == OLD:
+                    break
+                time.sleep(0.1)
+            assert reader.get("one") == OLD
+
+
 def test_a_grant_on_a_frozen_node_is_given_up_within_a_second(cluster: LocalCluster) -> None:
     """The master opens a grant on its daemon before answering: a frozen daemon held the GrantSpace
     for the command timeout (10 s, past a client's 5 s: the put failed with Timeout); now it answers
