@@ -19,7 +19,16 @@ from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, KVStore
 from kvstore.keys import validate_key
 from kvstore.placement.records import MAX_CHECKSUM
 from kvstore.placement.results import PUT_EXISTS, PUT_STORED
-from kvstore.placement.state import DRAM, Catalog, Grant, NodeCommand, NodeState, no_room_text, suspects_last
+from kvstore.placement.state import (
+    DRAM,
+    Catalog,
+    Grant,
+    NodeCommand,
+    NodeState,
+    no_room_text,
+    shunned_refusal,
+    suspects_last,
+)
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import Strategy
 from kvstore.write_ids import check_write_ids, same_write
@@ -92,11 +101,7 @@ class Grants:
         if waiting:
             return GrantPlan(None, commands, True)
         if passed is not None:
-            cat.counters["room_refused_suspects"] += 1
-            return GrantPlan(None, [], False, RetryLater(
-                f"no room for a grant of {length} bytes on the nodes that answer now "
-                f"(node {passed.node_id} is suspected or unreachable)"
-            ))  # fmt: skip
+            return GrantPlan(None, [], False, shunned_refusal(cat, f"a grant of {length} bytes", passed))
         if not any(n.alloc.capacity >= length for n in placeable):
             return GrantPlan(
                 None, [], False, CapacityError(f"a grant of {length} bytes is larger than every node's DRAM")

@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple
 
 from kvstore.allocator import Allocator, Extent
 from kvstore.config import MIN_BLOCK_BYTES
+from kvstore.errors import RetryLater
 from kvstore.events import EngineBlock
 from kvstore.placement.leases import Holder, Leases
 from kvstore.placement.records import COMMITTED, PINNED, REMOVING, S_MOVING, S_READY, T_DRAM, T_SSD, Records, TierLRU
@@ -243,6 +244,14 @@ def owner_of(key: str) -> str:
     key of tenant NAME); "" for a key with none."""
     head, sep, _ = key.partition("/")
     return head if sep else ""
+
+
+def shunned_refusal(catalog: Catalog, what: str, node: NodeState) -> RetryLater:
+    """Why a put or a grant is told to retry: the nodes that answer have no room now, and ``node``,
+    suspected or unreachable, could have made some only by evictions that might go unanswered."""
+    catalog.counters["room_refused_suspects"] += 1
+    return RetryLater(f"no room for {what} on the nodes that answer now (node {node.node_id} is suspected or "
+                      "unreachable); retry")  # fmt: skip
 
 
 def no_room_text(what: str, tenant: str) -> str:

@@ -35,6 +35,7 @@ from kvstore.placement.state import (
     NodeState,
     ObjectEntry,
     no_room_text,
+    shunned_refusal,
     suspects_last,
 )
 from kvstore.placement.tiering import Tiering
@@ -283,11 +284,7 @@ class Writes:
                 plan.waiting.append(i)
                 return None
             if passed is not None:
-                cat.counters["room_refused_suspects"] += 1
-                return _ticket_error(
-                    RetryLater(f"no room for block {key!r} of {size} bytes on the nodes that answer now "
-                               f"(node {passed.node_id} is suspected or unreachable); retry")
-                )  # fmt: skip
+                return _ticket_error(shunned_refusal(cat, f"block {key!r} of {size} bytes", passed))
             if any(cat.busy(node) for node in nodes):
                 # Leases end and puts commit or expire: room will come without anyone's help.
                 cat.counters["room_refused_leased"] += 1

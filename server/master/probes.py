@@ -9,8 +9,9 @@ own commands to the node could not reach it, and when the node missed two heartb
 fences the node at once (``MasterConfig.fence_refused``). A frozen daemon (the kernel still accepts
 its connections) and a cut-off one (nothing answers) are not refused: either may still serve a
 client, so they are fenced by their TTL as before, suspected meanwhile (new blocks and grants go to
-other nodes first, and no put waits on its evictions, until the node's next heartbeat). A node that
-missed two heartbeats is suspected at once; a probe that finds the daemon answering changes nothing.
+other nodes first, and no put waits on its evictions, until the node's next heartbeat). A node silent
+for three of its heartbeats (beyond any stall of the master's own loop) is suspected without waiting
+for the probe; a probe that finds the daemon answering changes nothing.
 """
 
 from __future__ import annotations
@@ -74,16 +75,15 @@ class Prober:
         for node_id in [n for n in self._began if n not in table.nodes]:
             del self._began[node_id]
         beat_ms = max(self.heartbeat_ms, MIN_HEARTBEAT_MS)  # the daemon's own interval
-        stalled_ms: float | None = None
         for node in list(table.nodes.values()):
             silent_ms = now_ms - node.last_seen_ms
             if node.fenced or silent_ms <= 2 * self.heartbeat_ms:
                 continue
-            if not node.suspect and silent_ms > 3 * beat_ms:
-                if stalled_ms is None:
-                    stalled_ms = self.stalled_s(silent_ms / 1000) * 1000
-                if silent_ms - stalled_ms > 3 * beat_ms and table.suspect(node.node_id, node.gen, node.last_seen_ms):
-                    self.commands.room.freed()  # wakes the puts waiting on it
+            if (
+                not node.suspect and silent_ms - self.stalled_s(silent_ms / 1000) * 1000 > 3 * beat_ms
+                and table.suspect(node.node_id, node.gen, node.last_seen_ms)
+            ):  # fmt: skip
+                self.commands.room.freed()  # wakes the puts waiting on it
             self.suspect(node.node_id, f"no heartbeat for {silent_ms} ms")
 
     async def _probe(self, table: PlacementTable, node_id: str, gen: int, seen_ms: int, why: str) -> None:
