@@ -115,6 +115,7 @@ class AsyncConnection:
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
         self._ids = itertools.count(1)
+        self._aborted = False
 
     async def call(self, message: Message, expect: type[M]) -> M:
         async with self._lock:
@@ -134,6 +135,8 @@ class AsyncConnection:
                 raise
 
     async def _call(self, message: Message, expect: type[M]) -> M:
+        if self._streams is not None and self._streams[1].is_closing():
+            await self._close()  # the peer closed it since the last call (nothing of this one was sent): anew
         if self._streams is None:
             self._streams = await open_stream(self.address, self.timeout, self.tls)
             if self.credential is not None:
@@ -145,8 +148,13 @@ class AsyncConnection:
     async def _exchange(self, message: Message, expect: type[M]) -> M:
         assert self._streams is not None
         reader, writer = self._streams
+        if self._aborted:  # checked where nothing awaits before the write: none goes out after abort()
+            raise ConnectionFailed(f"the connection to {self.address} was given up")
         request_id = next(self._ids)
-        writer.write(encode(message, request_id))
+        try:
+            writer.write(encode(message, request_id))
+        except RuntimeError as exc:  # uvloop's write to a transport closed meanwhile (asyncio's only logs)
+            raise ConnectionFailed(f"{self.address} closed the connection ({exc})") from None
         await writer.drain()
         payload = await read_payload(reader)
         if payload is None:
@@ -171,3 +179,11 @@ class AsyncConnection:
     async def close(self) -> None:
         async with self._lock:
             await self._close()
+
+    def abort(self) -> None:
+        """Give the connection up now, a call in flight included (it fails with ConnectionFailed, as
+        does every later one): no request of it reaches the peer from now on, not even one TCP still
+        holds to send again when a cut link heals, nor one waiting to connect."""
+        self._aborted = True
+        if self._streams is not None:
+            self._streams[1].transport.abort()

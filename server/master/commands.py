@@ -267,6 +267,7 @@ class Commands:
         commands = table.expire(now_ms)
         for node_id, node in table.nodes.items():
             if node.fenced and node_id not in fenced:  # what an operator reads first after a fault
+                self.nodes.cut_links(node_id)
                 log.warning("node %s fenced: silent for over its TTL; its drops count as made, and it serves "
                             "nothing until it registers again", node_id)  # fmt: skip
         for node_id, grant_ids in table.expired_grants(now_ms).items():

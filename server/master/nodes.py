@@ -190,6 +190,19 @@ class NodeRegistry:
             )
         return link
 
+    def cut_links(self, node_id: str) -> None:
+        """Give up the master's connections to a node just fenced, the commands in flight on them
+        included (they fail; the fence settled them): a request TCP still holds for a cut-off daemon
+        would reach it when the cut heals, after its registration (a drop deleting a block put
+        there since), and would hold every later command of its lane until then. Its next command
+        connects anew."""
+        entry = self._entries.get(node_id)
+        if entry is None:
+            return
+        links, entry.links = entry.links, {}
+        for link in links.values():
+            link.abort()
+
     def links(self) -> list[AsyncConnection]:
         return [link for e in self._entries.values() for link in e.links.values()]
 

@@ -93,6 +93,7 @@ class Prober:
         if found != "refused":
             return
         if self.commands.current(table) and table.fence_gone(node_id, gen, seen_ms):
+            self.commands.nodes.cut_links(node_id)
             log.warning("node %s fenced: its daemon's port refuses connections (the process is gone; suspected: "
                         "%s); its drops count as made, and it serves nothing until it registers again",
                         node_id, why)  # fmt: skip

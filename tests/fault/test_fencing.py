@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.chaos_faults import GROUPS, Partitions
 from bench.frames import ask
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError, NotReady, RetryLater
@@ -21,6 +22,7 @@ from kvstore_cli.cluster import LocalCluster
 from kvstore_client.dataplane import DataPath
 from kvstore_client.store import PutOptions, Store
 from transfer.rpc import ConnectionPool
+from transfer.wire import parse_address
 
 TTL_MS = 800
 TTL = ("--node-ttl-ms", str(TTL_MS), "--heartbeat-ms", "100")
@@ -253,3 +255,62 @@ def test_a_grant_on_a_frozen_node_is_given_up_within_a_second(cluster: LocalClus
             ask(cluster.master_address, GrantSpace(1 << 20, cluster.node_name(0)))
     finally:
         frozen.send_signal(signal.SIGCONT)
+
+
+SYN_SENT = "02"  # /proc/net/tcp's state
+
+
+def _unacknowledged_to(port: int) -> list[int]:
+    """Bytes sent and not yet acknowledged (tx_queue) of each loopback TCP socket whose peer is
+    ``port``, connected or closing: a request TCP holds to send again once a cut heals (a socket
+    still connecting holds its SYN alone)."""
+    out = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as table:
+            for line in table.read().splitlines()[1:]:
+                fields = line.split()
+                remote, state, queues = fields[2], fields[3], fields[4]
+                if state == SYN_SENT or int(remote.rsplit(":", 1)[1], 16) != port:
+                    continue
+                if queued := int(queues.split(":")[0], 16):
+                    out.append(queued)
+    return out
+
+
+@pytest.mark.skipif(not Partitions.possible(), reason="needs root, iptables and its owner match")
+def test_a_drop_to_a_node_cut_off_before_its_fence_is_given_up_with_the_fence() -> None:
+    """A drop the master sent to a daemon cut off from it (iptables) waits in TCP, sent again with
+    backoff. Once the node is fenced the master counts it as made, and the node's registration
+    after the cut heals drops the block; the request itself must not reach the daemon later (a
+    drop of whatever it holds under the key then: a block put since), nor hold the node's
+    later commands behind it. The master gives up its connections to a node it fences: checked
+    where TCP holds the request (the old code kept it queued until the 10 s command timeout)."""
+    with LocalCluster(2, dram="8MiB", master_args=TTL, groups=GROUPS) as cluster:
+        cuts = Partitions()
+        try:
+            with Store.connect(cluster.master_address, TCP) as store:
+                both_replicas(cluster, store, "warm")
+                assert store.remove("warm")  # the master's connection for drops to the daemon is made
+                both_replicas(cluster, store, "k")
+                port = parse_address(cluster.daemon_addresses[0])[1]
+                master = [cluster.gid("master", 0)]
+                cuts.cut([cluster.gid("daemon", 0)], [cluster.master_port], master, [port])
+                assert store.remove("k")  # answered once the cut-off node's lease to serve by key lapsed
+                deadline = time.monotonic() + 10.0
+                while True:
+                    reply = ask(cluster.master_address, ListNodes())
+                    assert isinstance(reply, NodesReply)
+                    if not next(n for n in reply.nodes if n.node_id == cluster.node_name(0)).up:
+                        break
+                    assert time.monotonic() < deadline, "the cut-off node was not fenced within 10 s"
+                    time.sleep(0.05)
+                deadline = time.monotonic() + 2.0  # the master's next tick gives its links up
+                while (held := _unacknowledged_to(port)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert held == []
+                cuts.heal()
+                wait_registered(cluster, 0, "k")
+                assert store.put("k", NEW, PutOptions(replicas=2)).value == "stored"
+                assert read_located(cluster, "k") == [NEW, NEW]
+        finally:
+            cuts.remove()
