@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import socket
 import ssl
+import struct
 from typing import TypeVar
 
 from kvstore.auth import ClientHandshake, Credential
@@ -130,13 +132,23 @@ class AsyncConnection:
             except (OSError, ConnectionError) as exc:
                 await self._close()
                 raise ConnectionFailed(f"{type(message).__name__} to {self.address}: {exc}") from None
+            except RuntimeError as exc:
+                # uvloop's write to a transport closed meanwhile (the peer reset it, or abort()); asyncio's
+                # only logs. Anything else is a bug, raised as it is.
+                closed = self._aborted or self._streams is None or self._streams[1].is_closing()
+                await self._close()
+                if not closed:
+                    raise
+                raise ConnectionFailed(f"{type(message).__name__} to {self.address}: closed ({exc})") from None
             except BaseException:
                 await self._close()
                 raise
 
     async def _call(self, message: Message, expect: type[M]) -> M:
-        if self._streams is not None and self._streams[1].is_closing():
-            await self._close()  # the peer closed it since the last call (nothing of this one was sent): anew
+        if self._aborted:  # no new connection either
+            raise ConnectionFailed(f"the connection to {self.address} was given up")
+        if self._streams is not None and (self._streams[1].is_closing() or self._streams[0].at_eof()):
+            await self._close()  # the peer closed or reset it since the last call (nothing of this one sent): anew
         if self._streams is None:
             self._streams = await open_stream(self.address, self.timeout, self.tls)
             if self.credential is not None:
@@ -151,10 +163,7 @@ class AsyncConnection:
         if self._aborted:  # checked where nothing awaits before the write: none goes out after abort()
             raise ConnectionFailed(f"the connection to {self.address} was given up")
         request_id = next(self._ids)
-        try:
-            writer.write(encode(message, request_id))
-        except RuntimeError as exc:  # uvloop's write to a transport closed meanwhile (asyncio's only logs)
-            raise ConnectionFailed(f"{self.address} closed the connection ({exc})") from None
+        writer.write(encode(message, request_id))
         await writer.drain()
         payload = await read_payload(reader)
         if payload is None:
@@ -182,8 +191,15 @@ class AsyncConnection:
 
     def abort(self) -> None:
         """Give the connection up now, a call in flight included (it fails with ConnectionFailed, as
-        does every later one): no request of it reaches the peer from now on, not even one TCP still
-        holds to send again when a cut link heals, nor one waiting to connect."""
+        does every later one, without connecting again): no request of it reaches the peer from now
+        on, not even one TCP still holds to send again when a cut link heals. The socket is reset
+        (SO_LINGER 0): a plain close would leave the kernel sending what it holds, from a socket
+        nobody owns any more."""
         self._aborted = True
         if self._streams is not None:
-            self._streams[1].transport.abort()
+            transport = self._streams[1].transport
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()

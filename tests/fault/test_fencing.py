@@ -7,8 +7,10 @@ hinted reader reads (no master in between)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -260,6 +262,14 @@ def test_a_grant_on_a_frozen_node_is_given_up_within_a_second(cluster: LocalClus
 SYN_SENT = "02"  # /proc/net/tcp's state
 
 
+def _dram_blocks(metrics: str) -> float:
+    """The daemon's ``kvstore_daemon_dram_blocks`` (its metrics at host:port)."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    [value] = re.findall(r"^kvstore_daemon_dram_blocks(?:\{[^}]*\})? (\S+)$", text, re.M)
+    return float(value)
+
+
 def _unacknowledged_to(port: int) -> list[int]:
     """Bytes sent and not yet acknowledged (tx_queue) of each loopback TCP socket whose peer is
     ``port``, connected or closing: a request TCP holds to send again once a cut heals (a socket
@@ -283,18 +293,23 @@ def test_a_drop_to_a_node_cut_off_before_its_fence_is_given_up_with_the_fence() 
     backoff. Once the node is fenced the master counts it as made, and the node's registration
     after the cut heals drops the block; the request itself must not reach the daemon later (a
     drop of whatever it holds under the key then: a block put since), nor hold the node's
-    later commands behind it. The master gives up its connections to a node it fences: checked
-    where TCP holds the request (the old code kept it queued until the 10 s command timeout)."""
-    with LocalCluster(2, dram="8MiB", master_args=TTL, groups=GROUPS) as cluster:
+    later commands behind it. The master resets its connections to a node it fences: checked where
+    TCP holds the request (before 2f9a8c9 it stayed queued until the 10 s command timeout), and at
+    the daemon, which must still hold the block seconds later (2f9a8c9 closed the socket without
+    a reset: the kernel went on sending the request from a socket nobody owned, which the
+    partition's owner match no longer stopped, and the daemon dropped the block)."""
+    with LocalCluster(2, dram="8MiB", master_args=TTL, groups=GROUPS, daemon_metrics=True) as cluster:
         cuts = Partitions()
         try:
             with Store.connect(cluster.master_address, TCP) as store:
                 both_replicas(cluster, store, "warm")
                 assert store.remove("warm")  # the master's connection for drops to the daemon is made
                 both_replicas(cluster, store, "k")
+                held_blocks = _dram_blocks(cluster.daemon_metrics[0])
                 port = parse_address(cluster.daemon_addresses[0])[1]
                 master = [cluster.gid("master", 0)]
                 cuts.cut([cluster.gid("daemon", 0)], [cluster.master_port], master, [port])
+                cut_at = time.monotonic()
                 assert store.remove("k")  # answered once the cut-off node's lease to serve by key lapsed
                 deadline = time.monotonic() + 10.0
                 while True:
@@ -308,6 +323,10 @@ def test_a_drop_to_a_node_cut_off_before_its_fence_is_given_up_with_the_fence() 
                 while (held := _unacknowledged_to(port)) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 assert held == []
+                # TCP sends again 0.2, 0.6, 1.4 and 3.0 s after the first send: past those, the drop
+                # never reached the daemon.
+                time.sleep(max(0.0, cut_at + 4.0 - time.monotonic()))
+                assert _dram_blocks(cluster.daemon_metrics[0]) == held_blocks
                 cuts.heal()
                 wait_registered(cluster, 0, "k")
                 assert store.put("k", NEW, PutOptions(replicas=2)).value == "stored"

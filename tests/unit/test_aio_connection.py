@@ -6,6 +6,7 @@ master's node-probe task); abort() gives a connection up at once, the call in fl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from collections.abc import Callable, Coroutine
@@ -21,8 +22,9 @@ from transfer.aio import AsyncConnection, read_payload
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, None]], None]] = {"asyncio": asyncio.run, "uvloop": uvloop.run}
 
 
-async def _resetting_server(connections: list[int]) -> asyncio.Server:
-    """Answers one request per connection with OkReply, then resets it (RST: SO_LINGER 0)."""
+async def _closing_server(connections: list[int], reset: bool) -> asyncio.Server:
+    """Answers one request per connection with OkReply, then closes it: with ``reset`` a reset (RST:
+    SO_LINGER 0, as a peer that died), else a plain close (FIN, as a daemon that exits)."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(1)
@@ -31,24 +33,28 @@ async def _resetting_server(connections: list[int]) -> asyncio.Server:
         request_id, _ = decode_payload(payload)
         writer.write(encode(OkReply(), request_id))
         await writer.drain()
-        sock = writer.get_extra_info("socket")
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        writer.transport.abort()
+        if reset:
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        else:
+            writer.close()
 
     return await asyncio.start_server(serve, "127.0.0.1", 0)
 
 
 @pytest.mark.parametrize("loop", sorted(LOOPS))
-def test_a_call_after_the_peer_reset_the_connection_connects_anew(loop: str) -> None:
+@pytest.mark.parametrize("reset", [True, False], ids=["reset", "closed"])
+def test_a_call_after_the_peer_closed_the_connection_connects_anew(loop: str, reset: bool) -> None:
     async def run() -> None:
         connections: list[int] = []
-        server = await _resetting_server(connections)
+        server = await _closing_server(connections, reset)
         port = server.sockets[0].getsockname()[1]
         conn = AsyncConnection(f"127.0.0.1:{port}", timeout=5.0)
         try:
             for _ in range(3):
                 assert isinstance(await conn.call(MasterHello(1), OkReply), OkReply)
-                await asyncio.sleep(0.1)  # the reset lands and the transport closes
+                await asyncio.sleep(0.1)  # the reset or the end of stream lands
             assert len(connections) == 3
         finally:
             await conn.close()
@@ -63,16 +69,19 @@ def test_abort_fails_the_call_in_flight_and_sends_nothing_more(loop: str) -> Non
     """A peer that reads requests and never answers (a daemon cut off: the master fences it and
     gives its links up). The call in flight fails at once with ConnectionFailed, not after the
     connection's timeout (an hour here: waiting for it fails the test's own bound); later calls
-    fail the same way and none of their bytes reach the peer."""
+    fail the same way, connecting no more, and none of their bytes reach the peer."""
 
     async def run() -> None:
         received: list[bytes] = []
+        connections: list[int] = []
         read_one = asyncio.Event()
 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while payload := await read_payload(reader):
-                received.append(payload)
-                read_one.set()
+            connections.append(1)
+            with contextlib.suppress(ConnectionError):
+                while payload := await read_payload(reader):
+                    received.append(payload)
+                    read_one.set()
             writer.close()
 
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
@@ -86,7 +95,7 @@ def test_abort_fails_the_call_in_flight_and_sends_nothing_more(loop: str) -> Non
             with pytest.raises(ConnectionFailed, match="given up"):
                 await asyncio.wait_for(conn.call(MasterHello(2), OkReply), 10.0)
             await asyncio.sleep(0.1)
-            assert len(received) == 1
+            assert len(received) == 1 and len(connections) == 1
         finally:
             await conn.close()
             server.close()
