@@ -116,6 +116,10 @@ class Commands:
     async def call(self, node_id: str, lane: Lane, message: Message, expect: type[M]) -> M:
         return await self.nodes.link(node_id, lane).call(message, expect)
 
+    def spawn(self, coro: Awaitable[object], name: str) -> None:
+        """Run ``coro`` in the background, as the service runs its tasks (a failure logged)."""
+        self._spawn(coro, name)
+
     def later(self, commands: list[NodeCommand], name: str, table: PlacementTable | None = None) -> None:
         """Carry ``commands`` (planned on ``table``, the current one by default) out in the
         background (nothing waits for them)."""

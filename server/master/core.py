@@ -516,9 +516,16 @@ class MasterCore:
         # the revoke of a put begun with an earlier master would drop it. Not where another put holds
         # the key now (a drop everywhere would take its block): a stray copy is then an orphan, which
         # its daemon's orphan check drops (no reservation of the key names that node and extent).
-        if gone and not await self._drop_unplaced(gone):
-            log.warning("a node did not confirm dropping %d removed keys a late PutEnd named", len(gone))
+        if gone:
+            # In the background: PutEnd is answered inline, and nothing may wait there (a late PutEnd
+            # after a leader change is rare). No put of them is taken until every node dropped them.
+            self._unplaced.update(gone)
+            self.commands.spawn(self._late_drops(gone), "late-put-end-drops")
         return PutEndReply(out)
+
+    async def _late_drops(self, keys: list[str]) -> None:
+        if not await self._dropped_unplaced(keys):
+            log.warning("a node did not confirm dropping %d removed keys a late PutEnd named", len(keys))
 
     async def put_revoke(self, m: PutRevoke, caller: Identity = ANYONE) -> Message:
         # Waited for (a second at most): once answered, the daemons refuse every write under the
@@ -549,6 +556,10 @@ class MasterCore:
         No commit of them is taken meanwhile: a cached put's commit that came in would be dropped
         with them (its daemon keeps a block whose commit is pending, and asks again after)."""
         self._unplaced.update(keys)
+        return await self._dropped_unplaced(keys)
+
+    async def _dropped_unplaced(self, keys: list[str]) -> bool:
+        """:meth:`_drop_unplaced` for keys already marked unplaced."""
         try:
             return await self.commands.drop_everywhere(keys)
         finally:

@@ -191,9 +191,11 @@ async def test_a_put_end_of_an_adopted_block_removed_before_it_came_says_committ
     inventory, every reader saw it, and a remove took it away before the put's PutEnd reached the
     successor, which never made the reservation: the put's bytes were stored, so the PutEnd says
     committed (it said not, and the put's retry answered EXISTS of its own bytes: bench.chaos's
-    own-EXISTS), once every node dropped what it may still hold of the put (the writer revokes
-    nothing now), a put of "k" meanwhile told to retry. Other bytes are not committed; nor is a
-    PutEnd after a put of the key begun on this term."""
+    own-EXISTS), and every node drops what it may still hold of the put (the writer revokes
+    nothing now), a put of "k" told to retry until they did. The answer does not wait for the drops:
+    the master answers PutEnd inline, where a handler that waited was an internal error (a put
+    failed so in an hour of bench.chaos). Other bytes are not committed; nor is a PutEnd after a put
+    of the key begun on this term."""
     service = MasterService(MasterConfig(port=0))
     drops: list[list[str]] = []
     dropped = asyncio.Event()
@@ -212,13 +214,16 @@ async def test_a_put_end_of_an_adopted_block_removed_before_it_came_says_committ
     assert service.table.describe("k") is not None  # adopted
     assert await service.core.remove(Remove(["k"])) == RemoveReply(1, [])
     assert await service.core.put_end(PutEnd(["k"], [8])) == PutEndReply([False])  # not these bytes
-    late = asyncio.create_task(service.core.put_end(PutEnd(["k"], [7])))
+    late = service.core.put_end(PutEnd(["k"], [7]))
+    with pytest.raises(StopIteration) as answered:  # answered without waiting, as the RPC layer runs it
+        late.send(None)
+    assert answered.value.value == PutEndReply([True])
     await asyncio.sleep(0.05)
-    assert drops == [["k"]] and not late.done()  # dropped everywhere first
+    assert drops == [["k"]]  # dropped everywhere, in the background
     other = await service.core.put_start(PutStart(["k"], [KB], 1, None, False))
     assert isinstance(other, PutStartReply) and other.error_codes == [RetryLater.code]
     dropped.set()
-    assert await late == PutEndReply([True])
+    await asyncio.sleep(0.05)
     start = await service.core.put_start(PutStart(["k"], [KB], 1, None, False))  # a put of "k" on this term
     assert isinstance(start, PutStartReply) and start.statuses == ["ok"]
     await service.core.put_revoke(PutRevoke(["k"]))
@@ -321,7 +326,8 @@ async def test_a_removed_blocks_put_knows_its_write_after_the_key_was_put_again(
     assert await core.remove(Remove(["k"])) == RemoveReply(1, [])
     drops.clear()
     assert await core.put_end(PutEnd(["k"], [7], 31)) == PutEndReply([True])  # remembered with put 32's
-    assert drops == [["k"]]  # nothing holds the key now: dropped everywhere
+    await asyncio.sleep(0.05)
+    assert drops == [["k"]]  # nothing holds the key now: dropped everywhere (in the background)
     await service.stop()
 
 
