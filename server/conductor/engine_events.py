@@ -33,6 +33,8 @@ class EngineEvents:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.batches = 0
+        self.seq = -1
+        """The sequence number of the last batch applied (-1: none yet; the conductor's metric)."""
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -47,7 +49,7 @@ class EngineEvents:
             log.exception("replaying the KV events of %s", self.endpoint)
             caught = []
         if caught:
-            self._loop.call_soon_threadsafe(self._apply, [d.batch.events for d in caught])
+            self._loop.call_soon_threadsafe(self._apply, [(d.seq, d.batch.events) for d in caught])
         while not self._stop.is_set():
             try:
                 got = self._sub.receive(POLL_S)
@@ -55,11 +57,12 @@ class EngineEvents:
                 log.exception("following the KV events of %s", self.endpoint)
                 continue
             if got:
-                self._loop.call_soon_threadsafe(self._apply, [d.batch.events for d in got])
+                self._loop.call_soon_threadsafe(self._apply, [(d.seq, d.batch.events) for d in got])
 
-    def _apply(self, batches: list[list[Any]]) -> None:
-        for events in batches:
+    def _apply(self, batches: list[tuple[int, list[Any]]]) -> None:
+        for seq, events in batches:
             self.blocks.apply(events)
+            self.seq = seq
         self.batches += len(batches)
 
     async def close(self) -> None:
@@ -78,7 +81,7 @@ class EngineEvents:
     def clear(self) -> None:
         """The server failed: its cache is gone, and a restarted one numbers its events from 0 again."""
         self.blocks.clear()
-        self._sub.last = -1
+        self._sub.last = self.seq = -1
 
     def __len__(self) -> int:
         return len(self.blocks)

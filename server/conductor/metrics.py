@@ -20,6 +20,12 @@ class ConductorMetrics:
         self.up = Gauge(p + "instance_up", "Whether a worker is up", ["instance", "role"], registry=r)
         self.queue = Gauge(p + "instance_queue_seconds", "Predicted seconds queued on a worker", ["instance"],
                              registry=r)  # fmt: skip
+        self.engine_blocks = Gauge(p + "engine_cached_blocks", "Store blocks an OpenAI server's own cache holds, "
+                                   "as the conductor knows it (from its KV events, or guessed)", ["instance"],
+                                   registry=r)  # fmt: skip
+        self.engine_events = Gauge(p + "engine_events_seq", "Sequence number of the last KV event batch the "
+                                   "conductor applied of each OpenAI server it follows (-1: none yet)", ["instance"],
+                                   registry=r)  # fmt: skip
         self.master = Gauge(p + "master_reachable", "Whether the last prefix lookup reached the master",
                               registry=r)  # fmt: skip
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -182,11 +183,15 @@ class Conductor:
             self.workers[name] = Worker(name, url, "engine", {"node": name, "max_tokens": info.max_model_len})
             blocks = info.kv_tokens // info.block_tokens if info.kv_tokens else None
             endpoint = self.config.engine_events[i] if self.config.engine_events else ""
+            cache: EngineCache | EngineEvents
             if endpoint:
                 replay = self.config.engine_events_replay[i] if self.config.engine_events_replay else ""
-                self._caches[name] = EngineEvents(endpoint, replay, info.namespace, info.block_tokens)
+                cache = EngineEvents(endpoint, replay, info.namespace, info.block_tokens)
+                self.metrics.engine_events.labels(name).set_function(functools.partial(getattr, cache, "seq"))
             else:
-                self._caches[name] = EngineCache(blocks)
+                cache = EngineCache(blocks)
+            self._caches[name] = cache
+            self.metrics.engine_blocks.labels(name).set_function(functools.partial(len, cache))
         first = infos[0]
         self.namespace, self.block_tokens, self.model = first.namespace, first.block_tokens, first.model
         self._served = {m for info in infos for m in info.models}
