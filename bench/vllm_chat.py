@@ -11,7 +11,10 @@ earlier messages and answers, the new message) run, in one run, against:
   still sticky (what the store costs and gives without routing);
 - ``two_store``: two ``vllm serve`` with the KVStoreConnector on one cluster, behind
   ``kvstore conductor --openai`` (routing by the store's prefix matches, the servers' own
-  caches and their queues).
+  caches as the conductor guesses them from what it sent, and their queues);
+- ``two_store_events``: the same, the servers publishing their KV events (``--kv-events-config``)
+  and the conductor following them (``--engine-events``): what each server's cache holds is
+  what the server said, evictions included.
 
 Every server is vLLM's CPU build (``scripts/vllm-env.sh``) with the same settings: one
 compute thread (``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` on a 2-core machine), ``--kv-blocks``
@@ -19,7 +22,8 @@ pages of ``--block-size`` tokens of KV cache (small on purpose: the sessions' co
 not all fit, as on a busy server), greedy decoding. Answers are streamed; the time to first
 token is taken by the client at the first chunk. One JSON line per configuration (TTFT of
 first and later turns, turns per second, the share of later turns' prompts vLLM reported
-cached, requests per server) and a last line with the ratios. ``same_conversations`` counts
+cached, the servers' own prefix-cache and store hit rates from their ``/metrics``, requests per
+server) and a last line with the ratios. ``same_conversations`` counts
 the conversations whose every token equals vLLM alone's: greedy decoding on a random-weight
 model flips near-ties when the batch around a request changes, with or without the store (the
 engine tests check tokens with one request at a time).
@@ -39,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -53,7 +57,12 @@ class VllmServer:
     def __init__(
         self, model: Path, log: Path, *, block: int = 128, kv_blocks: int = 48, max_model_len: int = 4096,
         master: str = "", extra: dict[str, Any] | None = None, name: str = "tiny", start_timeout_s: float = 300,
+        events: bool = False, connector: dict[str, Any] | None = None, env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
+        """``master``: the KVStoreConnector on that cluster (``extra``: its settings); ``connector``:
+        another ``--kv-transfer-config`` instead. ``events``: the server publishes its KV events
+        (vLLM's ``--kv-events-config``, ZMQ) at :attr:`events`, replayed from :attr:`replay`.
+        ``env``: more environment (over the bench's)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
@@ -69,8 +78,19 @@ class VllmServer:
                 "kv_connector_extra_config": {"master": master, **(extra or {})},
             }  # fmt: skip
             args += ["--kv-transfer-config", json.dumps(config)]
+        elif connector:
+            args += ["--kv-transfer-config", json.dumps(connector)]
+        self.events = self.replay = ""
+        if events:
+            publish, replay = free_port(), free_port()
+            # vLLM binds a wildcard endpoint (one it would connect to instead needs a subscriber that binds).
+            args += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{publish}",
+                "replay_endpoint": f"tcp://*:{replay}",
+            })]  # fmt: skip
+            self.events, self.replay = f"tcp://127.0.0.1:{publish}", f"tcp://127.0.0.1:{replay}"
         env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # fmt: skip
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **(env or {})}  # fmt: skip
         self.log_path = log
         self._log = log.open("w")
         # Its own process group: vLLM's engine-core and worker processes go with it on close.
@@ -119,15 +139,22 @@ class VllmServer:
 
 
 class Conductor:
-    """``kvstore conductor --openai`` over ``urls``, in a process of its own."""
+    """``kvstore conductor --openai`` over ``urls``, in a process of its own; with ``events``, following
+    each server's KV events (``--engine-events``, in ``urls``' order, replayed from ``replay``)."""
 
-    def __init__(self, master: str, urls: list[str], log: Path) -> None:
+    def __init__(
+        self, master: str, urls: list[str], log: Path, events: Sequence[str] = (), replay: Sequence[str] = ()
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self._log = log.open("w")
         args = [sys.executable, "-m", "kvstore_cli", "conductor", "--master", master, "--openai", *urls,
                 "--port", str(self.port)]  # fmt: skip
+        if events:
+            args += ["--engine-events", *events]
+        if replay:
+            args += ["--engine-events-replay", *replay]
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
         deadline = time.monotonic() + 120
@@ -222,6 +249,27 @@ def chat(urls: list[str], args: argparse.Namespace, *, sticky: bool) -> dict[str
             "contexts": [s.context for s in sessions]}  # fmt: skip
 
 
+CACHE_METRICS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
+                 "vllm:external_prefix_cache_hits")  # fmt: skip
+"""vLLM's own counters (tokens): its prefix cache (the GPU's; here the CPU's pages), and the connector's."""
+
+
+def cache_counts(urls: list[str]) -> dict[str, float]:
+    """:data:`CACHE_METRICS` summed over the servers at ``urls`` (their ``/metrics``)."""
+    total = dict.fromkeys(CACHE_METRICS, 0.0)
+    for url in urls:
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")
+            if name in total and not line.startswith("#"):
+                total[name] += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def summarize(name: str, run: dict[str, Any]) -> dict[str, Any]:
     recs = run["records"]
     later = [r for r in recs if r["turn"] > 0]
@@ -235,7 +283,21 @@ def summarize(name: str, run: dict[str, Any]) -> dict[str, Any]:
         "ttft_later_p90_s": round(sorted(r["ttft_s"] for r in later)[int(0.9 * (len(later) - 1))], 4),
         "later_cached_share": round(sum(r["cached"] for r in later) / prompt_later, 3) if prompt_later else 0.0,
         "engines": {e: sum(r["engine"] == e for r in recs) for e in sorted({r["engine"] for r in recs if r["engine"]})},
+        **_hit_rates(run.get("cache") or {}),
     }  # fmt: skip
+
+
+def _hit_rates(counts: dict[str, float]) -> dict[str, float]:
+    """The servers' own hit rates (:func:`cache_counts`): of the prompt tokens they looked up, the
+    share their prefix caches held, and of those left for the connector, the share the store held."""
+    if not counts:
+        return {}
+    queries, hits = counts["vllm:prefix_cache_queries"], counts["vllm:prefix_cache_hits"]
+    ext_queries, ext_hits = counts["vllm:external_prefix_cache_queries"], counts["vllm:external_prefix_cache_hits"]
+    out = {"engine_hit_rate": round(hits / queries, 3) if queries else 0.0}
+    if ext_queries:
+        out["store_hit_rate"] = round(ext_hits / ext_queries, 3)
+    return out
 
 
 def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
@@ -249,29 +311,47 @@ def run(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     if "vllm_alone" in args.rows:
         with VllmServer(model, work / "alone.log", **server) as alone:
             rows["vllm_alone"] = chat([alone.wait().url], args, sticky=False)
+            rows["vllm_alone"]["cache"] = cache_counts([alone.url])
         (work / "vllm_alone.json").write_text(json.dumps(rows["vllm_alone"]["records"]))
         yield summarize("vllm_alone", rows["vllm_alone"])
     if "two_sticky" in args.rows:
         with ExitStack() as stack:
             pair = [stack.enter_context(VllmServer(model, work / f"sticky{i}.log", **server)) for i in range(2)]
             rows["two_sticky"] = chat([s.wait().url for s in pair], args, sticky=True)
+            rows["two_sticky"]["cache"] = cache_counts([s.url for s in pair])
         (work / "two_sticky.json").write_text(json.dumps(rows["two_sticky"]["records"]))
         yield summarize("two_sticky", rows["two_sticky"])
-    for name in ("two_store_sticky", "two_store"):
+    for name in ("two_store_sticky", "two_store", "two_store_events"):
         if name not in args.rows:
             continue
+        events = name == "two_store_events"
         with LocalCluster(daemons=1, dram=args.dram) as cluster, ExitStack() as stack:
             extra = {"model": "bench", "block_tokens": args.store_block_tokens, "save_decode": args.save_decode}
-            pair = [stack.enter_context(VllmServer(model, work / f"{name}{i}.log", master=cluster.master_address,
-                                                   extra=extra, **server)) for i in range(2)]  # fmt: skip
+            master = cluster.master_address
+            pair = [stack.enter_context(VllmServer(model, work / f"{name}{i}.log", master=master, extra=extra,
+                                                   events=events, **server)) for i in range(2)]  # fmt: skip
             urls = [s.wait().url for s in pair]
-            if name == "two_store":
-                conductor = stack.enter_context(Conductor(cluster.master_address, urls, work / "conductor.log"))
+            if name != "two_store_sticky":
+                conductor = stack.enter_context(Conductor(
+                    cluster.master_address, urls, work / f"{name}-conductor.log",
+                    [s.events for s in pair if events], [s.replay for s in pair if events],
+                ))  # fmt: skip
                 rows[name] = chat([conductor.url], args, sticky=False)
             else:
                 rows[name] = chat(urls, args, sticky=True)
+            rows[name]["cache"] = cache_counts(urls)
         (work / f"{name}.json").write_text(json.dumps(rows[name]["records"]))
         yield summarize(name, rows[name])
+    if {"two_store", "two_store_events"} <= rows.keys():
+        guess, told = (summarize(n, rows[n]) for n in ("two_store", "two_store_events"))
+        yield {
+            "bench": "vllm_chat", "row": "engine_events", "sessions": args.sessions, "turns": args.turns,
+            "later_ttft_events_vs_guess": round(told["ttft_later_turns_s"] / guess["ttft_later_turns_s"], 3),
+            "throughput_events_vs_guess": round(told["turns_per_s"] / guess["turns_per_s"], 3),
+            "engine_hit_rate": {"guess": guess.get("engine_hit_rate"), "events": told.get("engine_hit_rate")},
+            "store_hit_rate": {"guess": guess.get("store_hit_rate"), "events": told.get("store_hit_rate")},
+            "later_cached_share": {"guess": guess["later_cached_share"], "events": told["later_cached_share"]},
+        }  # fmt: skip
     if not {"vllm_alone", "two_sticky", "two_store"} <= rows.keys():
         return
     base = rows["vllm_alone"]
@@ -304,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rows",
         nargs="+",
         default=["vllm_alone", "two_sticky", "two_store"],
-        choices=["vllm_alone", "two_sticky", "two_store_sticky", "two_store"],
+        choices=["vllm_alone", "two_sticky", "two_store_sticky", "two_store", "two_store_events"],
         help="what to run",
     )
     p.add_argument("--save-decode", action="store_true", help="the connector saves blocks completed while decoding")
