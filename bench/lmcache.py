@@ -34,20 +34,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.vllm_chat import VllmServer, cache_counts, complete
+from bench.vllm_chat import ServerProcess, VllmServer, cache_counts, complete
 from bench.vllm_serving import REPO, free_port, prompt, save_model, vllm_python
 
 LMCACHE_VENV = REPO / ".venv-lmcache"
@@ -66,7 +63,7 @@ def lmcache_site() -> str:
     return out.stdout.strip()
 
 
-class LMCacheServer:
+class LMCacheServer(ServerProcess):
     """LMCache's multiprocess server (HTTP frontend and MP cache server) with the store as its L2."""
 
     def __init__(self, master: str, log: Path, namespace: str, l1_gb: int = 1) -> None:
@@ -80,25 +77,11 @@ class LMCacheServer:
                 "--chunk-size", str(CHUNK_TOKENS), "--supported-transfer-mode", "engine_driven",
                 "--shm-name", self.shm, "--l1-size-gb", str(l1_gb), "--l1-init-size-gb", str(l1_gb),
                 "--eviction-policy", "LRU", "--l2-adapter", json.dumps(adapter)]  # fmt: skip
-        self.log_path = log
-        self._log = log.open("w")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     start_new_session=True)  # fmt: skip
+        self._start(args, log)
 
     def wait(self, timeout_s: float = 180.0) -> LMCacheServer:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the LMCache server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=2)
-                conn.request("GET", "/healthcheck")
-                if conn.getresponse().status == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"the LMCache server did not answer /healthcheck in {timeout_s} s:\n{self.tail()}")
+        self._wait_http(self.http_port, "/healthcheck", timeout_s, "the LMCache server")
+        return self
 
     def connector(self) -> dict[str, Any]:
         """vLLM's ``--kv-transfer-config`` for this server."""
@@ -106,29 +89,10 @@ class LMCacheServer:
                 "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port,
                                               "lmcache.mp.mp_transfer_mode": "engine_driven"}}  # fmt: skip
 
-    def tail(self, lines: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        super().close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm/{self.shm}")
-        self._log.close()
-
-    def __enter__(self) -> LMCacheServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def ttfts(url: str, prompts: list[list[int]]) -> tuple[list[float], list[list[int]]]:
