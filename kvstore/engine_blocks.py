@@ -14,10 +14,19 @@ the engine is then simply not credited with it. ``BlockRemoved`` drops pages,
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstore.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored
 from kvstore.keys import next_block, prefix_seed
+
+
+class Applied(NamedTuple):
+    """What a batch of events spoke of."""
+
+    keys: list[str]
+    """Store keys a page of which was stored or removed (stored ones only where indexed)."""
+    cleared: bool
+    """An ``AllBlocksCleared`` was among them."""
 
 
 class EngineBlocks:
@@ -39,23 +48,27 @@ class EngineBlocks:
     def __len__(self) -> int:
         return len(self._held)
 
-    def apply(self, events: Iterable[Any]) -> None:
+    def apply(self, events: Iterable[Any]) -> Applied:
         """Apply an engine's events (vLLM's, or any object with their fields), in order."""
+        keys: list[str] = []
+        cleared = False
         for event in events:
             kind = type(event).__name__
             if kind == "BlockStored" or isinstance(event, BlockStored):
-                self._stored(event)
+                self._stored(event, keys)
             elif kind == "BlockRemoved" or isinstance(event, BlockRemoved):
-                self._removed(event.block_hashes)
+                self._removed(event.block_hashes, keys)
             elif kind == "AllBlocksCleared" or isinstance(event, AllBlocksCleared):
                 self.clear()
+                cleared = True
+        return Applied(keys, cleared)
 
     def clear(self) -> None:
         self._pages.clear()
         self._ends.clear()
         self._held.clear()
 
-    def _stored(self, event: Any) -> None:
+    def _stored(self, event: Any, keys: list[str]) -> None:
         hashes: Sequence[BlockHash] = event.block_hashes
         tokens: Sequence[int] = event.token_ids
         size = int(event.block_size) if event.block_size else (len(tokens) // max(len(hashes), 1))
@@ -71,16 +84,18 @@ class EngineBlocks:
             if len(tail) == self.block_tokens:
                 digest, key = next_block(digest, list(tail), self.namespace)
                 tail = ()
+                keys.append(key)
                 if page not in self._ends:
                     self._ends[page] = key
                     self._held[key] = self._held.get(key, 0) + 1
             self._pages[page] = (digest, tail)
 
-    def _removed(self, hashes: Iterable[BlockHash]) -> None:
+    def _removed(self, hashes: Iterable[BlockHash], keys: list[str]) -> None:
         for page in hashes:
             self._pages.pop(page, None)
             key = self._ends.pop(page, None)
             if key is not None:
+                keys.append(key)
                 left = self._held[key] - 1
                 if left:
                     self._held[key] = left

@@ -8,9 +8,9 @@
 # LMCache's wheel asks for CUDA packages (cupy-cuda13x, cuda-python, cufile-python) besides torch;
 # its L2 adapters, plugin loader, memory objects and remote connectors run without them. So: torch
 # first, then the wheel's requirements without those, then the wheel with --no-deps. Set
-# KVSTORE_LMCACHE_MOONCAKE=1 to add Mooncake's Python store (mooncake-transfer-engine), for a row
-# of LMCache's own Mooncake connector (not in bench/lmcache.py yet). bench/lmcache.py runs LMCache's
-# multiprocess server from this environment.
+# KVSTORE_LMCACHE_MOONCAKE=1 to add Mooncake's Python store (mooncake-transfer-engine) here too
+# (bench/lmcache_connectors.py takes it from the peers' environment, ../shared/peers/setup.sh).
+# bench/lmcache.py runs LMCache's multiprocess server from this environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv-lmcache}

@@ -353,6 +353,8 @@ class KVStoreRemoteConnector(RemoteConnector):
         fields: dict[str, Any] = {"timeout_s": float(extra.get("kvstore.timeout_s", 5.0))}
         if extra.get("kvstore.token"):
             fields["token"] = str(extra["kvstore.token"])
+        if extra.get("kvstore.transport"):  # ClientConfig's: auto (shared memory on one host), tcp, ucx
+            fields["transport"] = str(extra["kvstore.transport"])
         self._store = Store.connect(master, ClientConfig(**fields))
         self._pool = ThreadPoolExecutor(int(extra.get("kvstore.num_workers", 4)), thread_name_prefix="kvstore-lmc")
 

@@ -56,7 +56,7 @@ from kvstore_client.compat.mooncake_types import (
     parse_size,
 )
 from kvstore_client.compat.segment import Segment, node_id, split_hostname
-from kvstore_client.compat.tensors import TensorMethods
+from kvstore_client.compat.tensors import HEADER_BYTES, TensorMethods, deserialize, serialize_parts
 from kvstore_client.puts import PutOptions
 from kvstore_client.store import Store
 
@@ -603,6 +603,18 @@ class MooncakeDistributedStore(TensorMethods):
 
 def _size(size: int | None) -> int:
     return size if size is not None else int(ErrorCode.OBJECT_NOT_FOUND)
+
+
+# mooncake.store's tensor codec, which Mooncake's own Python (structured_object_store) calls.
+_serialize_tensor = serialize_parts
+"""(header, data address, data bytes, owner) of a tensor in Mooncake's layout."""
+_deserialize_tensor = deserialize
+"""The tensor in a header-then-data payload; InvalidArgument (a ValueError) when it is not one."""
+
+
+def _tensor_metadata_size() -> int:
+    """The bytes of the header before a tensor's data."""
+    return HEADER_BYTES
 
 
 from kvstore_client.compat.buffer_pool import BufferLease, BufferPool, RegisteredBufferPool  # noqa: E402

@@ -45,8 +45,8 @@ def _code(dtype: Any) -> int:
     return _DTYPE_NAMES.index(name)
 
 
-def serialize(tensor: Any) -> tuple[bytes, memoryview]:
-    """(header, data) of ``tensor`` (copied to contiguous CPU memory first where it is not)."""
+def _header_and_flat(tensor: Any) -> tuple[bytes, Any]:
+    """(header, ``tensor`` as one contiguous dimension in CPU memory: copied there where it is not)."""
     torch = torch_module()
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgument(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -54,14 +54,27 @@ def serialize(tensor: Any) -> tuple[bytes, memoryview]:
         raise InvalidArgument(f"a tensor of {tensor.dim()} dimensions; at most {MAX_DIMS}")
     code = _code(tensor.dtype)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
     shape = list(tensor.shape) + [-1] * (MAX_DIMS - tensor.dim())
     header = (
-        _FIXED.pack(MAGIC, VERSION, HEADER_BYTES, code, tensor.dim(), 0, 0, HEADER_BYTES, data.nbytes)
+        _FIXED.pack(MAGIC, VERSION, HEADER_BYTES, code, tensor.dim(), 0, 0, HEADER_BYTES, flat.nbytes)
         + _SHAPES.pack(*shape, *([-1] * MAX_DIMS), 0, 0)
         + bytes(_AXES)
     )
-    return header, data
+    return header, flat
+
+
+def serialize(tensor: Any) -> tuple[bytes, memoryview]:
+    """(header, data) of ``tensor`` (copied to contiguous CPU memory first where it is not)."""
+    header, flat = _header_and_flat(tensor)
+    torch = torch_module()
+    return header, memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def serialize_parts(tensor: Any) -> tuple[bytes, int, int, Any]:
+    """Mooncake's ``mooncake.store._serialize_tensor``: (header, the address of the data, its bytes,
+    the tensor that owns them: keep it while the address is used)."""
+    header, flat = _header_and_flat(tensor)
+    return header, flat.data_ptr() if flat.numel() else 0, flat.nbytes, flat
 
 
 def to_bytes(tensor: Any) -> bytes:

@@ -381,14 +381,21 @@ def test_mooncakes_structured_object_store_and_its_tests_run_on_the_drop_in(tmp_
             **os.environ, "PYTHONPATH": str(tmp_path), "MASTER_SERVER": c.master_address,
             "DEFAULT_KV_LEASE_TTL": "500", "MC_METADATA_SERVER": "P2PHANDSHAKE", "PROTOCOL": "tcp",
         }  # fmt: skip
-        # Not yet on the drop-in (README, Mooncake's own tests): one test gets the buffer payload back
-        # from materialize_into where it expects a tensor (untraced; six others skip for Mooncake's
-        # tensor helpers, _serialize_tensor and BufferPool's, which the drop-in lacks).
-        untraced = "not test_structured_object_direct_torch_tensor_materialize_into_uses_real_store"
+        # Two tests left out (README, Mooncake's own tests). One the drop-in refuses by design: it reads a
+        # tensor with get_tensor_into into a ctypes buffer never given to register_buffer, which Mooncake's
+        # TCP transport writes to as given; the drop-in writes only into registered memory (INVALID_PARAMS),
+        # so get_tensor_into returns None and materialize_into hands back the destination. One fails on
+        # Mooncake itself: raw_destination() builds _RawDestinationBuffer with keywords, a class that
+        # lacks @dataclass in Mooncake's module (TypeError: takes no arguments).
+        left_out = ("not test_structured_object_direct_torch_tensor_materialize_into_uses_real_store"
+                    " and not test_dataproto_helper_reads_rows_with_real_store_ranges")  # fmt: skip
         out = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", untraced,
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-k", left_out,
              "test_structured_object_store.py"],
             cwd=tests, env=env, capture_output=True, text=True, timeout=900,
         )  # fmt: skip
         print(out.stdout[-3000:])
         assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-2000:]
+        # Only Mooncake's native fast-copy extension is missing: its tensor helpers are the drop-in's.
+        skips = [line for line in out.stdout.splitlines() if line.startswith("SKIPPED")]
+        assert all("fast" in line.lower() for line in skips), skips

@@ -76,3 +76,24 @@ def test_tensor_header_is_mooncakes() -> None:
     for bad in (blob[:100], blob[:-1], b"\0" * 400):
         with pytest.raises(InvalidArgument):
             tensors.deserialize(bad)
+
+
+def test_mooncake_stores_tensor_codec_as_its_structured_store_calls_it() -> None:
+    """mooncake.store's ``_serialize_tensor`` / ``_deserialize_tensor`` / ``_tensor_metadata_size``: a
+    header and the data's address (a non-contiguous tensor copied first), and a header whose byte
+    count and shapes Mooncake's structured store patches (offsets 32, 40, 104) to read some rows."""
+    torch = pytest.importorskip("torch")
+    from kvstore_client.compat import mooncake
+
+    tensor = torch.arange(24, dtype=torch.int64).reshape(6, 4).t()  # not contiguous
+    header, ptr, nbytes, owner = mooncake._serialize_tensor(tensor)
+    assert len(header) == mooncake._tensor_metadata_size() == 304 and nbytes == 24 * 8
+    assert torch.equal(mooncake._deserialize_tensor(header + ctypes.string_at(ptr, nbytes)), tensor)
+    rows = bytearray(header)
+    struct.pack_into("<Q", rows, 32, 2 * 6 * 8)  # the first two rows of the (4, 6) tensor
+    struct.pack_into("<q", rows, 40, 2)
+    struct.pack_into("<q", rows, 104, 2)
+    assert torch.equal(mooncake._deserialize_tensor(bytes(rows) + ctypes.string_at(ptr, 2 * 6 * 8)), tensor[:2])
+    empty = mooncake._serialize_tensor(torch.empty(0, 3))
+    assert empty[1:3] == (0, 0) and mooncake._deserialize_tensor(empty[0]).shape == (0, 3)
+    del owner

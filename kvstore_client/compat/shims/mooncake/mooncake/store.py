@@ -9,4 +9,7 @@ from kvstore_client.compat.mooncake import (  # noqa: F401
     ObjectDataType,
     ReplicateConfig,
     SoftPinAction,
+    _deserialize_tensor,
+    _serialize_tensor,
+    _tensor_metadata_size,
 )
