@@ -21,7 +21,7 @@ put and read back in batches of ``--batch`` (as LMCache's storage manager hands 
 the second pass reported; every chunk read is checked against what was put. Baselines from the
 same run: a memcpy of the same bytes and one TCP stream over loopback.
 
-    python -m bench.lmcache_connectors --json [--sizes 256KiB,4MiB] [--chunks 64] [--batch 16]
+    python -m bench.lmcache_connectors --json [--sizes 256KiB,4MiB] [--chunks 64] [--batch 16] [--rows ...]
 """
 
 from __future__ import annotations
@@ -249,6 +249,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="256KiB,4MiB", help="chunk sizes, comma-separated")
     parser.add_argument("--chunks", type=int, default=64, help="chunks per size and pass")
     parser.add_argument("--batch", type=int, default=16, help="chunks per connector call")
+    parser.add_argument("--rows", default="kvstore,kvstore_tcp,mooncake_dropin,mooncake", help="rows to run")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -271,16 +272,20 @@ def main() -> None:
     kv_extra = {"kvstore.timeout_s": 60, "kvstore.num_workers": 4, "_plugins": ["kvstore"],
                 "remote_storage_plugin.kvstore.module_path": "kvstore_client.adapters.lmcache",
                 "remote_storage_plugin.kvstore.class_name": "KVStoreConnectorAdapter"}  # fmt: skip
-    with LocalCluster(1, dram=f"{segment >> 20}MiB") as c:  # a cluster of its own for each row
-        rows += run_row("kvstore", f"kvstore://{c.master_address}/lmc-bench", kv_extra, base_env, args)
-    with LocalCluster(1, dram=f"{segment >> 20}MiB") as c:
-        tcp_extra = {**kv_extra, "kvstore.transport": "tcp"}
-        rows += run_row("kvstore_tcp", f"kvstore://{c.master_address}/lmc-bench", tcp_extra, base_env, args)
-    with LocalCluster(1, dram=f"{segment >> 20}MiB") as c:
-        dropin_env = {**base_env, "PYTHONPATH": f"{compat_path('mooncake')}:{REPO}"}
-        rows += run_row("mooncake_dropin", "mooncakestore://bench", mooncake_extra(c.master_address, "P2PHANDSHAKE"),
-                        dropin_env, args)  # fmt: skip
-    why = mooncake_missing()
+    want = set(args.rows.split(","))
+    if "kvstore" in want:
+        with LocalCluster(1, dram=f"{segment >> 20}MiB") as c:  # a cluster of its own for each row
+            rows += run_row("kvstore", f"kvstore://{c.master_address}/lmc-bench", kv_extra, base_env, args)
+    if "kvstore_tcp" in want:
+        with LocalCluster(1, dram=f"{segment >> 20}MiB") as c:
+            tcp_extra = {**kv_extra, "kvstore.transport": "tcp"}
+            rows += run_row("kvstore_tcp", f"kvstore://{c.master_address}/lmc-bench", tcp_extra, base_env, args)
+    if "mooncake_dropin" in want:
+        with LocalCluster(1, dram=f"{segment >> 20}MiB") as c:
+            dropin_env = {**base_env, "PYTHONPATH": f"{compat_path('mooncake')}:{REPO}"}
+            dropin_extra = mooncake_extra(c.master_address, "P2PHANDSHAKE")
+            rows += run_row("mooncake_dropin", "mooncakestore://bench", dropin_extra, dropin_env, args)
+    why = mooncake_missing() if "mooncake" in want else "not asked for (--rows)"
     if why is None:
         with tempfile.TemporaryDirectory() as tmp, mooncake_cluster(segment, Path(tmp)) as (master, meta, env):
             site = next((PEERS_VENV / "lib").glob("python3*/site-packages"))

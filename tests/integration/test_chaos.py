@@ -56,12 +56,16 @@ def test_a_short_run_of_every_fault_kind_keeps_every_promise_and_alerts() -> Non
 
 
 @pytest.mark.parametrize(
-    ("plant", "caught"),
-    [("corrupt_reads", "wrong_bytes"), ("forgetful_drops", "read_after_remove"), ("lost_cached_commits", "lost")],
+    ("plant", "caught", "minutes"),
+    [  # long enough to catch each many times (hundreds in 9 s for the first two; a lost commit is rarer)
+        ("corrupt_reads", "wrong_bytes", "0.1"),
+        ("forgetful_drops", "read_after_remove", "0.1"),
+        ("lost_cached_commits", "lost", "0.25"),
+    ],
 )
-def test_the_checker_catches_a_bug_planted_in_the_daemons(plant: str, caught: str) -> None:
+def test_the_checker_catches_a_bug_planted_in_the_daemons(plant: str, caught: str, minutes: str) -> None:
     summary, _ = _chaos(
-        "--minutes", "0.25", "--faults", "", "--prometheus", "no",
+        "--minutes", minutes, "--faults", "", "--prometheus", "no",
         "--cluster-env", f"PYTHONPATH={PLANTS}", "--cluster-env", f"KVSTORE_PLANT={plant}",
     )  # fmt: skip
     assert summary["by_kind"].get(caught, 0) > 0, summary
