@@ -40,9 +40,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.peers import PEERS_VENV, mooncake_env, mooncake_site
+from kvstore.config import parse_size
+from kvstore_cli.cluster import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 LMCACHE_PYTHON = REPO / ".venv-lmcache" / "bin" / "python"
-PEERS_VENV = Path(os.environ.get("PEERS_VENV", Path(tempfile.gettempdir()) / "kvstore-peers"))
 TOKENS, LAYERS, BF16 = 256, 8, 2
 
 MOONCAKE_STORAGE = """
@@ -57,14 +60,6 @@ while True:
 """
 """Mooncake's storage role: a process that contributes the segment and idles (the client row
 contributes none, so every byte crosses processes, as a daemon's do)."""
-
-
-def parse_size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(text[: -len(unit)]) * factor
-    return int(text)
 
 
 # -- the worker: one connector, in the LMCache environment ---------------------------------------
@@ -176,12 +171,6 @@ def tcp_GBps(size: int, n: int) -> float:
 
 
 # -- the run -------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_row(
     name: str, url: str, extra: dict[str, Any], env: dict[str, str], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
@@ -195,17 +184,22 @@ def run_row(
 
 
 def mooncake_missing() -> str | None:
-    if not (PEERS_VENV / "bin" / "mooncake_master").exists():
+    if not (PEERS_VENV / "bin" / "mooncake_master").exists() or mooncake_site() is None:
         return f"Mooncake Store is not set up in {PEERS_VENV} (../shared/peers/setup.sh)"
     return None
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
 
 
 @contextlib.contextmanager
 def mooncake_cluster(segment: int, log_dir: Path) -> Iterator[tuple[str, str, dict[str, str]]]:
     """Mooncake's master (with its HTTP metadata server) and a storage process: (master, metadata
     URL, the environment its Python needs)."""
-    site = next((PEERS_VENV / "lib").glob("python3*/site-packages"))
-    env = {**os.environ, "LD_LIBRARY_PATH": f"{PEERS_VENV / 'stub'}:{site / 'nvidia' / 'cuda_runtime' / 'lib'}"}
+    env = mooncake_env()
     port, http = free_port(), free_port()
     master, meta = f"127.0.0.1:{port}", f"http://127.0.0.1:{http}/metadata"
     log = log_dir / "mc-storage.log"
@@ -217,7 +211,11 @@ def mooncake_cluster(segment: int, log_dir: Path) -> Iterator[tuple[str, str, di
                  "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                  f"--http_metadata_server_port={http}", "--enable_metric_reporting=false"],
                 stdout=master_log, stderr=subprocess.STDOUT, env=env))  # fmt: skip
-            time.sleep(2)
+            deadline = time.monotonic() + 30
+            while not _listening(port):  # its RPC port open: it is up
+                if time.monotonic() > deadline or procs[0].poll() is not None:
+                    raise RuntimeError(f"Mooncake's master did not start: see {log_dir / 'mc-master.log'}")
+                time.sleep(0.1)
             procs.append(subprocess.Popen(
                 [str(PEERS_VENV / "bin" / "python"), "-c", MOONCAKE_STORAGE, meta, master, str(segment)],
                 stdout=storage_log, stderr=subprocess.STDOUT, env=env))  # fmt: skip
@@ -253,7 +251,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]  # kvstore.config's: 256KiB, 4MiB, ...
     unit = 2 * LAYERS * TOKENS * BF16
     if any(size <= 0 or size % unit for size in sizes):
         parser.error(f"--sizes: each a multiple of {unit} bytes (K and V of {LAYERS} layers of {TOKENS} bf16 tokens)")
@@ -288,7 +286,8 @@ def main() -> None:
     why = mooncake_missing() if "mooncake" in want else "not asked for (--rows)"
     if why is None:
         with tempfile.TemporaryDirectory() as tmp, mooncake_cluster(segment, Path(tmp)) as (master, meta, env):
-            site = next((PEERS_VENV / "lib").glob("python3*/site-packages"))
+            site = mooncake_site()
+            assert site is not None
             (Path(tmp) / "path").mkdir()
             (Path(tmp) / "path" / "mooncake").symlink_to(site / "mooncake")
             rows += run_row("mooncake", "mooncakestore://bench", mooncake_extra(master, meta),

@@ -31,6 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench.peers import PEERS_VENV, mooncake_env
 from kvstore.config import daemon_dram
 from kvstore.tiers.arena_files import arena_path
 from kvstore_cli.cluster import LocalCluster
@@ -38,7 +39,6 @@ from transfer.kv_events import KVEventSubscriber
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS_BENCH = REPO.parent / "shared" / "peers" / "mooncake_bench.py"
-PEERS_VENV = Path(os.environ.get("PEERS_VENV", Path(os.environ.get("TMPDIR", "/tmp")) / "kvstore-peers"))
 
 
 def _load(python: str, args: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -116,8 +116,7 @@ def run_mooncake(keys: int, size: int, timeout: float, sample: int = 0) -> dict[
     python, master_bin = PEERS_VENV / "bin" / "python", PEERS_VENV / "bin" / "mooncake_master"
     if not python.exists() or not master_bin.exists() or not PEERS_BENCH.exists():
         return None
-    cuda = next(iter(PEERS_VENV.glob("lib/python3*/site-packages/nvidia/cuda_runtime/lib")), None)
-    env = {**os.environ, "LD_LIBRARY_PATH": f"{PEERS_VENV / 'stub'}:{cuda or ''}"}
+    env = mooncake_env()
     log_path = Path(os.environ.get("TMPDIR", "/tmp")) / "kvstore-bench-mc-master.log"
     with open(log_path, "w") as log:
         return _mooncake_with_master(python, master_bin, env, log, keys, size, timeout, sample)

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvstore.engine_blocks import EngineBlocks
+from kvstore.engine_blocks import EngineBlocks, leading
 from transfer.kv_events import KVEventSubscriber
 
 log = logging.getLogger(__name__)
@@ -61,17 +61,12 @@ class EngineEvents:
     def _follow(self) -> None:
         assert self._loop is not None
         epoch = self._epoch
-        try:
-            caught = self._sub.catch_up()  # a server that ran before the conductor: its cache as kept for replay
-        except Exception:
-            log.exception("replaying the KV events of %s", self.endpoint)
-            caught = []
-        if caught:
-            self._loop.call_soon_threadsafe(self._apply, epoch, [(d.seq, d.batch.events) for d in caught])
+        self._catch_up(epoch)  # a server that ran before the conductor: its cache as kept for replay
         while not self._stop.is_set():
             if epoch != self._epoch:  # cleared: a restarted server numbers its batches from 0 again
                 epoch = self._epoch
                 self._sub.last = -1
+                self._catch_up(epoch)  # what it sent while a receive straddled the clear (dropped)
             try:
                 got = self._sub.receive(POLL_S)
             except Exception:
@@ -79,6 +74,20 @@ class EngineEvents:
                 continue
             if got:
                 self._loop.call_soon_threadsafe(self._apply, epoch, [(d.seq, d.batch.events) for d in got])
+
+    def _catch_up(self, epoch: int) -> None:
+        """Apply every batch the server's replay endpoint keeps after the last one delivered (all of
+        them after a start or a clear); nothing where it has none."""
+        assert self._loop is not None
+        if not self._sub.replay_endpoints:
+            return
+        try:
+            caught = self._sub.catch_up()
+        except Exception:
+            log.exception("replaying the KV events of %s", self.endpoint)
+            return
+        if caught:
+            self._loop.call_soon_threadsafe(self._apply, epoch, [(d.seq, d.batch.events) for d in caught])
 
     def _apply(self, epoch: int, batches: list[tuple[int, list[Any]]]) -> None:
         if epoch != self._epoch:
@@ -107,12 +116,12 @@ class EngineEvents:
             now = time.monotonic()
             while expected and next(iter(expected.values())) < now:
                 expected.popitem(last=False)
-        n = 0
-        for key in keys:
-            if not (self.blocks.holds(key) or key in expected):
-                break
-            n += 1
-        return n
+        return leading(keys, self)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether the server's events hold ``key`` or it was sent and not yet spoken of (as of the
+        last :meth:`held`, which drops what ran out)."""
+        return isinstance(key, str) and (self.blocks.holds(key) or key in self._expected)
 
     def touch(self, keys: Iterable[str]) -> None:
         """The server was sent ``keys``: they count as held until its events speak of them."""

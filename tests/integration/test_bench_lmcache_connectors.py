@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.lmcache]
 REPO = Path(__file__).resolve().parents[2]
 LMCACHE = REPO / ".venv-lmcache" / "bin" / "python"
 
@@ -21,7 +22,7 @@ def test_lmcache_connectors_bench_moves_every_chunk_through_both_connectors(tmp_
     env = {**os.environ, "PEERS_VENV": str(tmp_path / "no-peers")}
     args = ["--json", "--sizes", "64KiB", "--chunks", "6", "--batch", "4", "--rows", "kvstore,mooncake_dropin,mooncake"]
     out = subprocess.run([sys.executable, "-m", "bench.lmcache_connectors", *args], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+                         capture_output=True, text=True, timeout=240)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["row"]: r for r in map(json.loads, out.stdout.splitlines())}
     for name in ("kvstore", "mooncake_dropin"):

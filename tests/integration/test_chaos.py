@@ -68,4 +68,5 @@ def test_the_checker_catches_a_bug_planted_in_the_daemons(plant: str, caught: st
         "--minutes", minutes, "--faults", "", "--prometheus", "no",
         "--cluster-env", f"PYTHONPATH={PLANTS}", "--cluster-env", f"KVSTORE_PLANT={plant}",
     )  # fmt: skip
+    assert summary["ok"] > 500, summary  # the workers ran (a starved run would say nothing)
     assert summary["by_kind"].get(caught, 0) > 0, summary

@@ -226,6 +226,14 @@ def test_the_remote_connector_through_lmcaches_connector_manager(
         assert loop.run_until_complete(connector.list()) == [key.to_string()]
         assert connector.batched_contains([key, CacheEngineKey("tiny", 1, 0, 999, torch.bfloat16)]) == 1
         assert connector.remove_sync(key) and loop.run_until_complete(connector.get(key)) is None
+        assert connector._store.config.transport == "auto"
         loop.run_until_complete(connector.close())
+        config.extra_config["kvstore.transport"] = "tcp"  # the store's ClientConfig, from LMCache's config
+        over_tcp = ConnectorManager(config.remote_url, loop, Backend(), config, metadata).create_connector()  # type: ignore[arg-type]
+        assert over_tcp._store.config.transport == "tcp"
+        loop.run_until_complete(over_tcp.put(key, obj))
+        got = loop.run_until_complete(over_tcp.get(key))
+        assert got is not None and torch.equal(got.tensor, obj.tensor)
+        loop.run_until_complete(over_tcp.close())
     finally:
         loop.close()

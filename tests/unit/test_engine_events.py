@@ -5,14 +5,14 @@ the follower thread received before it. Events go over a real ZMQ PUB socket in 
 from __future__ import annotations
 
 import asyncio
-import socket
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import zmq
 
-from kvstore.events import AllBlocksCleared, BlockRemoved, encode_batch, seq_bytes
+from kvstore.events import END_SEQ, AllBlocksCleared, BlockRemoved, encode_batch, seq_bytes
 from kvstore.keys import block_keys
 from server.conductor import engine_events
 from server.conductor.engine_events import EngineEvents
@@ -77,12 +77,6 @@ def test_what_the_events_never_speak_of_stops_counting(monkeypatch: pytest.Monke
     assert ev.held(KEYS[1:]) == 0 and not ev._expected
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_a_clear_is_not_undone_by_batches_received_before_it() -> None:
     """A batch the thread received before a clear (the server that failed) is dropped, and the
     restarted server's batches, numbered from 0 again, are applied."""
@@ -90,11 +84,10 @@ def test_a_clear_is_not_undone_by_batches_received_before_it() -> None:
     third = [(i * 3) % 300 + 4 for i in range(64)]
     other_keys = [str(k) for k in block_keys(other, 32, NS)]
     third_keys = [str(k) for k in block_keys(third, 32, NS)]
-    port = free_port()
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
-    pub.bind(f"tcp://127.0.0.1:{port}")
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
 
     def send(seq: int, event: object) -> None:
         pub.send_multipart([b"", seq_bytes(seq), encode_batch(time.time(), [event])])  # type: ignore[list-item]
@@ -128,5 +121,71 @@ def test_a_clear_is_not_undone_by_batches_received_before_it() -> None:
     try:
         assert asyncio.run(main()) == (0, 2, 0)
     finally:
+        pub.close(linger=0)
+        ctx.term()
+
+
+class Replay:
+    """A server's replay endpoint (vLLM's protocol): a ROUTER answering ``[b"", start]`` with the
+    batches it keeps from ``start`` on, then END_SEQ."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        self.kept: list[tuple[int, bytes]] = []
+        self._router = ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self.port = self._router.bind_to_random_port("tcp://127.0.0.1")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._router.poll(50):
+                continue
+            client, _, start = self._router.recv_multipart()
+            for seq, payload in list(self.kept):
+                if seq >= int.from_bytes(start, "big"):
+                    self._router.send_multipart([client, b"", b"", seq_bytes(seq), payload])
+            self._router.send_multipart([client, b"", b"", END_SEQ, b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._router.close(linger=0)
+
+
+def test_after_a_clear_the_follower_replays_what_the_server_kept() -> None:
+    """A batch of the restarted server that came while a receive straddled the clear is dropped with
+    the old server's; the follower then asks the server's replay endpoint for everything it keeps."""
+    third = [(i * 3) % 300 + 4 for i in range(64)]
+    third_keys = [str(k) for k in block_keys(third, 32, NS)]
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    replay = Replay(ctx)
+
+    async def main() -> tuple[int, int]:
+        ev = EngineEvents(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay.port}", NS, 32)
+        ev.start()
+        try:
+            deadline = time.monotonic() + 10
+            while ev.seq != 0:
+                assert time.monotonic() < deadline, "the follower never applied the batch"
+                pub.send_multipart([b"", seq_bytes(0), encode_batch(time.time(), [stored(TOKENS, 0, 2)])])
+                await asyncio.sleep(0.05)
+            replay.kept = [(0, encode_batch(time.time(), [stored(third, 0, 4)]))]  # the restarted server's
+            ev.clear()
+            deadline = time.monotonic() + 10
+            while not ev.held(third_keys) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return ev.held(KEYS), ev.held(third_keys)
+        finally:
+            await ev.close()
+
+    try:
+        assert asyncio.run(main()) == (0, 2)
+    finally:
+        replay.close()
         pub.close(linger=0)
         ctx.term()
