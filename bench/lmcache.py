@@ -38,14 +38,13 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.vllm_chat import ServerProcess, VllmServer, cache_counts, complete
-from bench.vllm_serving import REPO, free_port, prompt, save_model, vllm_python
+from bench.vllm_serving import REPO, free_port, print_rows, prompt, save_model, vllm_python
 
 LMCACHE_VENV = REPO / ".venv-lmcache"
 CHUNK_TOKENS = 256
@@ -166,14 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dram", default="1GiB", help="the store's DRAM")
     p.add_argument("--logs", default=None, help="directory for the servers' logs (default: a temporary one)")
     args = p.parse_args(argv)
-    for what, python, script in (("vLLM", vllm_python(), "scripts/vllm-env.sh"),
-                                 ("LMCache", lmcache_python(), "scripts/lmcache-env.sh")):  # fmt: skip
-        if not Path(python).exists():
-            print(f"no {what} environment at {python}: run {script}", file=sys.stderr)
-            return 2
-    for row in run(args):
-        print(json.dumps(row), flush=True)
-    return 0
+    needs = [("vLLM", vllm_python(), "scripts/vllm-env.sh"), ("LMCache", lmcache_python(), "scripts/lmcache-env.sh")]
+    return print_rows(lambda: run(args), needs)
 
 
 if __name__ == "__main__":

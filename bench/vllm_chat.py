@@ -48,7 +48,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.vllm_serving import REPO, free_port, save_model, vllm_python
+from bench.vllm_serving import REPO, free_port, print_rows, save_model, vllm_python
 
 
 class ServerProcess:
@@ -157,7 +157,7 @@ class VllmServer(ServerProcess):
         return self
 
 
-class Conductor:
+class Conductor(ServerProcess):
     """``kvstore conductor --openai`` over ``urls``, in a process of its own; with ``events``, following
     each server's KV events (``--engine-events``, in ``urls``' order, replayed from ``replay``)."""
 
@@ -166,36 +166,18 @@ class Conductor:
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log
-        self._log = log.open("w")
         args = [sys.executable, "-m", "kvstore_cli", "conductor", "--master", master, "--openai", *urls,
                 "--port", str(self.port)]  # fmt: skip
         if events:
             args += ["--engine-events", *events]
         if replay:
             args += ["--engine-events-replay", *replay]
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
-        deadline = time.monotonic() + 120
-        while "kvstore conductor on" not in log.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the conductor did not start:\n{log.read_text()}")
-            time.sleep(0.2)
-
-    def close(self) -> None:
-        self.proc.terminate()
+        self._start(args, log, {**os.environ, "PYTHONPATH": str(REPO)})
         try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self._log.close()
-
-    def __enter__(self) -> Conductor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            self._wait_http(self.port, "/health", 120, "the conductor")  # it serves once it found its servers
+        except BaseException:
+            self.close()
+            raise
 
 
 def complete(url: str, body: dict[str, Any], timeout_s: float = 300) -> dict[str, Any]:
@@ -410,12 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", default=None, help="directory for the servers' logs (default: a temporary one)")
     args = p.parse_args(argv)
-    if not Path(vllm_python()).exists():
-        print(f"no vLLM environment at {vllm_python()}: run scripts/vllm-env.sh", file=sys.stderr)
-        return 2
-    for row in run(args):
-        print(json.dumps(row), flush=True)
-    return 0
+    return print_rows(lambda: run(args), [("vLLM", vllm_python(), "scripts/vllm-env.sh")])
 
 
 if __name__ == "__main__":

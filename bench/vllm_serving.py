@@ -36,7 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -236,10 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lookup-timeout-s", type=float, default=1.0)
     p.add_argument("--timeout-s", type=float, default=2.0)
     args = p.parse_args(argv)
-    if not Path(vllm_python()).exists():
-        print(f"no vLLM environment at {vllm_python()}: run scripts/vllm-env.sh", file=sys.stderr)
-        return 2
-    for row in run(args):
+    return print_rows(lambda: run(args), [("vLLM", vllm_python(), "scripts/vllm-env.sh")])
+
+
+def print_rows(rows: Callable[[], Iterable[dict[str, Any]]], needs: Sequence[tuple[str, str, str]]) -> int:
+    """A bench's main: 2, naming the script that builds it, where an environment in ``needs`` (what,
+    its python, the script) is missing; else each of ``rows()`` as a JSON line, and 0."""
+    for what, python, script in needs:
+        if not Path(python).exists():
+            print(f"no {what} environment at {python}: run {script}", file=sys.stderr)
+            return 2
+    for row in rows():
         print(json.dumps(row), flush=True)
     return 0
 
