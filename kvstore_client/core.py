@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Protocol, TypeVar
 
 from kvstore.buffers import as_view
@@ -133,6 +134,8 @@ _REPORT_GAP_S = 0.25
 """A node this client could not reach is reported to the master (ReportNode) at most this often: the
 master then looks whether its daemon is gone and fences it at once if so (a killed daemon costs its
 keys' removes and puts milliseconds, not the node TTL)."""
+
+_NO_NODES: frozenset[str] = frozenset()
 
 _GRANTS_PAUSE_S = 10.0
 """After a grant on a node this client does not reach through its daemon, or a grant refused, how
@@ -633,7 +636,7 @@ class ClientCore:
         node that already did not answer (frozen, dead, or cut off from this client: 2.5-5 s reads
         in bench.chaos's client cuts). A slow node that is alive answers some read of this client
         meanwhile (its fast path, another thread's): its last copies are waited for again."""
-        return _marked(self._silent, node_id)
+        return bool(self._silent) and _marked(self._silent, node_id)
 
     def _unreachable(self, node_id: str) -> None:
         self._unreached[node_id] = time.monotonic() + _UNREACHED_S
@@ -676,16 +679,18 @@ class ClientCore:
     def _timed(self, began: float, outcomes: list[Any]) -> None:
         """A round of reads that began at ``began`` ended now: its time counts toward the hedge
         patience when every node served it (a round with a failure says nothing of read times)."""
-        if not any(isinstance(o, BaseException) for o in outcomes):
-            self.read_times.add(time.monotonic() - began)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                return
+        self.read_times.add(time.monotonic() - began)
 
     def _daemons(self, jobs: Sequence[Job]) -> Op[list[Any]]:
         """:func:`daemons`, reporting to the master the nodes that could not be reached."""
         outcomes = yield from daemons(jobs)
         for job, outcome in zip(jobs, outcomes, strict=True):
-            self.report(job.node_id, outcome)
-            marked = self._unreached or self._silent
-            if marked and not isinstance(outcome, BaseException) and self._through_daemon(job):
+            if isinstance(outcome, BaseException):
+                self.report(job.node_id, outcome)
+            elif (self._unreached or self._silent) and self._through_daemon(job):
                 self.answered(job.node_id)
         return outcomes
 
@@ -777,33 +782,35 @@ class ClientCore:
         bench.chaos's client cuts, when every node was slow and the read came to rest on the cut one)."""
         plan = Failover({i: loc for i, (loc, _) in blocks.items()})
         where: dict[int, tuple[str, str]] = {}
-        patience = self.read_patience_s
         rechecked: set[int] = set()
         while plan:
             rounds = plan.round()
-            suspects = {node_id for node_id, _ in rounds if self.suspected(node_id)}
-            slow = {node_id for node_id, _ in rounds if self.slow(node_id)}
-            skipped = [
-                (i, node_id) for (node_id, _), group in rounds.items() if node_id in suspects or node_id in slow
-                for i, _ in group
-                if plan.has_next(i) and (node_id in suspects or any(not self.slow(n) for n in plan.later(i)))
-            ]  # fmt: skip
-            if skipped:  # read at another replica: for good past a suspected node, a slow one's last
-                for i, node_id in skipped:
-                    if node_id in suspects:
-                        plan.missed(i)
-                    else:
-                        plan.defer(i)
-                continue
-            doubted = [i for group in rounds.values() for i, _ in group if i not in rechecked and plan.doubted(i)]
-            if doubted:  # before a wait on its last replica: is the block still there?
-                rechecked.update(doubted)
-                yield from self._recheck(plan, doubted, [blocks[i][0] for i in doubted])
-                continue
+            suspects: AbstractSet[str] = _NO_NODES
+            if self._suspects or self._slow:  # a calm client marks no node: nothing to skip
+                suspects = {node_id for node_id, _ in rounds if self.suspected(node_id)}
+                slow = {node_id for node_id, _ in rounds if self.slow(node_id)}
+                skipped = [
+                    (i, node_id) for (node_id, _), group in rounds.items() if node_id in suspects or node_id in slow
+                    for i, _ in group
+                    if plan.has_next(i) and (node_id in suspects or any(not self.slow(n) for n in plan.later(i)))
+                ]  # fmt: skip
+                if skipped:  # read at another replica: for good past a suspected node, a slow one's last
+                    for i, node_id in skipped:
+                        if node_id in suspects:
+                            plan.missed(i)
+                        else:
+                            plan.defer(i)
+                    continue
+            if plan.not_held:  # a node answered it does not hold a block: before a wait on its last replica,
+                doubted = [i for group in rounds.values() for i, _ in group if i not in rechecked and plan.doubted(i)]
+                if doubted:  # is the block still there?
+                    rechecked.update(doubted)
+                    yield from self._recheck(plan, doubted, [blocks[i][0] for i in doubted])
+                    continue
             jobs = [
                 ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group],
-                            patience if all(plan.has_next(i) for i, _ in group)
-                            else self.failover_s if node_id in suspects or self.silent(node_id)
+                            self.read_patience_s if plan.all_have_next(group)
+                            else self.failover_s if node_id in suspects or (self._silent and self.silent(node_id))
                             else 0.0)
                 for (node_id, address), group in rounds.items()
             ]  # fmt: skip
@@ -811,7 +818,7 @@ class ClientCore:
             outcomes = yield from self._daemons(jobs)
             self._timed(began, outcomes)
             for job, (place, group), outcome in zip(jobs, rounds.items(), outcomes, strict=True):
-                if unreachable(outcome):
+                if isinstance(outcome, BaseException) and unreachable(outcome):
                     self.note_unreachable(job.node_id, outcome, job.patience_s)
                 elif job.node_id in suspects:
                     self._suspects.pop(job.node_id, None)  # it answered: back

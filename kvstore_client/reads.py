@@ -59,8 +59,8 @@ class Failover:
         self._at = dict.fromkeys(self._order, 0)
         self._deferred: set[tuple[int, str]] = set()
         """(block, node) put off to the end of the block's order once (see :meth:`defer`)."""
-        self._not_held: dict[int, set[str]] = {}
-        """Per block, the nodes that answered they do not hold it (see :meth:`doubted`)."""
+        self.not_held: dict[int, set[str]] = {}
+        """Per block, the nodes that answered they do not hold it (see :meth:`doubted`; empty: no block is)."""
         self.read: set[int] = set()
         self._refusals: dict[int, NotReady] = {}
         """Per block, a replica's refusal (see :func:`refused`): raised if no later replica serves it."""
@@ -77,6 +77,15 @@ class Failover:
         """Whether block ``i`` has a replica after its current one."""
         return self._at[i] + 1 < len(self._order[i])
 
+    def all_have_next(self, group: Sequence[tuple[int, ReplicaRef]]) -> bool:
+        """Whether every block of ``group`` (a node's share of a :meth:`round`) has a replica after
+        its current one."""
+        at, order = self._at, self._order
+        for i, _ in group:  # noqa: SIM110 (a loop: no generator on every read's path)
+            if at[i] + 1 >= len(order[i]):
+                return False
+        return True
+
     def later(self, i: int) -> list[str]:
         """The nodes of block ``i``'s replicas after its current one."""
         return [r.node_id for r in self._order[i][self._at[i] + 1 :]]
@@ -86,13 +95,13 @@ class Failover:
         that it does not hold the block: the key may have been removed (or put again, or moved)
         since the master located it, or that node alone lost its copy (evicted there, drained)."""
         order, at = self._order[i], self._at[i]
-        return at + 1 == len(order) and bool(self._not_held.get(i, set()) - {order[at].node_id})
+        return at + 1 == len(order) and bool(self.not_held.get(i, set()) - {order[at].node_id})
 
     def relocate(self, i: int, replicas: Sequence[ReplicaRef]) -> None:
         """Block ``i``'s replicas from its current one on are ``replicas`` now (the master's answer
         when asked again), less those of nodes that answered they do not hold it; none left: missed."""
         order, at = self._order[i], self._at[i]
-        gone = self._not_held.get(i, set())
+        gone = self.not_held.get(i, set())
         rest = [r for r in replicas if r.node_id not in gone]
         if not rest:
             del self._at[i]
@@ -137,23 +146,23 @@ class Failover:
         """Note a node's answer for ``group``: an unreachable node misses them all (``gave_up``: the
         read gave it up at its patience, a Timeout: it is alive, its blocks are :meth:`defer`-red);
         otherwise ``ok(i, per_block_result)`` tells a hit. Raises an outcome that is another error."""
-        raise_failure(outcome)
-        if gave_up and isinstance(outcome, Timeout):
-            for i, _ in group:
-                self.defer(i)
-            return
-        if unreachable(outcome) or refused(outcome):
-            for i, _ in group:
+        if isinstance(outcome, BaseException):
+            raise_failure(outcome)
+            if gave_up and isinstance(outcome, Timeout):
+                for i, _ in group:
+                    self.defer(i)
+                return
+            for i, _ in group:  # unreachable, or refused
                 if isinstance(outcome, NotReady):
                     self._refusals[i] = outcome
                 self.missed(i)
             return
-        assert isinstance(outcome, Sequence)
-        for (i, replica), got in zip(group, outcome, strict=True):
+        answers: Sequence[object] = outcome  # type: ignore[assignment]  # per block (no cast: a call per read)
+        for (i, replica), got in zip(group, answers, strict=True):
             if ok(i, got):
                 self.done(i)
             else:
-                self._not_held.setdefault(i, set()).add(replica.node_id)
+                self.not_held.setdefault(i, set()).add(replica.node_id)
                 self.missed(i)
 
     def finish(self) -> None:
