@@ -471,6 +471,17 @@ class MasterConfig(_Frozen):
         default=None, ge=0, le=65535, description="Port of the REST admin API, /metrics and the dashboard (0: any)."
     )
     admin_host: str | None = Field(default=None, description="Address of the admin API; None: the RPC host.")
+    admin_advertise: str | None = Field(
+        default=None,
+        description="host:port that tools and the other masters reach the admin API at (default: the address it "
+        "is served on; name one where that is a wildcard such as 0.0.0.0, as in a Kubernetes pod).",
+    )
+    prometheus_url: str | None = Field(
+        default=None,
+        description="A Prometheus that evaluates docker/prometheus/alerts.yml over this cluster: the dashboard and "
+        "`kvstore status` show its firing alerts (None, or when it does not answer: the master's own view of the "
+        "rules it can judge).",
+    )
     admin_token: str | None = Field(
         default=None,
         description="When set, every admin route but health, the dashboard page and its files needs"

@@ -76,7 +76,7 @@ class AdminClient:
         return self.request("POST", path, body if body is not None else {})
 
 
-def _connection_arguments(p: argparse.ArgumentParser) -> None:
+def connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--master",
         default="127.0.0.1:50051",
@@ -169,15 +169,19 @@ def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
 
 @arguments("status")
 def _status_arguments(p: argparse.ArgumentParser) -> None:
-    _connection_arguments(p)
+    connection_arguments(p)
 
 
-@command("status", "cluster summary: nodes, tier use, objects, hit rate, rates")
+@command("status", "cluster summary: nodes, tier use, objects, hit rate, rates; masters and alerts firing")
 def _status(args: argparse.Namespace) -> int:
-    summary = _client(args).get("/api/v1/cluster")
+    client = _client(args)
+    summary = client.get("/api/v1/cluster")
+    alerts = _optional(client, "/api/v1/alerts")
+    summary["alerts"] = alerts
+    alerts_shown = (_alerts_table(alerts),) if "error_reading" not in alerts else ()
     locator = MasterLocator(args.master)
     if locator.cluster is None:
-        return _print(args, summary, _summary_table(summary))
+        return _print(args, summary, _summary_table(summary), *alerts_shown)
     leader = read_leader(locator.cluster, 5.0)
     masters = read_masters(locator.cluster, 5.0)
     summary["ha"] = {
@@ -193,12 +197,66 @@ def _status(args: argparse.Namespace) -> int:
     ha.add_row("leader", f"{leader.address} (epoch {leader.epoch})" if leader else "none (an election)")
     ha.add_row("standbys", ", ".join(summary["ha"]["standbys"]) or "none")
     ha.add_row("etcd", ", ".join(locator.cluster.endpoints))
-    return _print(args, summary, _summary_table(summary), ha)
+    listed = _optional(client, "/api/v1/masters")
+    summary["ha"]["masters"] = listed.get("masters", [])
+    shown = (_masters_table(listed["masters"]),) if "masters" in listed else ()
+    return _print(args, summary, _summary_table(summary), ha, *shown, *alerts_shown)
+
+
+def _optional(client: AdminClient, path: str) -> dict[str, Any]:
+    """A route ``kvstore status`` shows when the master serves it ({"error_reading": why} when not: an
+    older master in a rolling upgrade, say), so the summary is shown all the same."""
+    try:
+        got: dict[str, Any] = client.get(path)
+        return got
+    except KVStoreError as exc:
+        return {"error_reading": f"{path}: {exc}"}
+
+
+def _masters_table(masters: list[dict[str, Any]]) -> Table:
+    t = Table(title="masters")
+    for col in ("master", "role", "behind the leader", "lease confirmed", "etcd"):
+        t.add_column(col)
+    for m in masters:
+        seen = m["leader_epoch_seen"]
+        behind = "-" if m["follows"] is None else "follows" if m["follows"] else f"behind (last saw epoch {seen})"
+        lease = "-" if m["lease_confirmed_s_ago"] is None else f"{m['lease_confirmed_s_ago']:.1f} s ago"
+        etcd = "-" if m["etcd_reachable"] is None else "reachable" if m["etcd_reachable"] else "[red]unreachable[/red]"
+        role = m["role"] if not m.get("error") else f"[red]{m['role']}[/red] {escape(m['error'])}"
+        t.add_row(m["address"], role, behind, lease, etcd)
+    return t
+
+
+def _alerts_table(alerts: dict[str, Any]) -> Table:
+    source = "Prometheus" if alerts["source"] == "prometheus" else "the master's own view"
+    t = Table(title=f"alerts firing ({source}{'; ' + alerts['error'] if alerts.get('error') else ''})")
+    for col in ("alert", "severity", "labels", "summary"):
+        t.add_column(col)
+    for a in alerts["alerts"]:
+        labels = " ".join(f"{k}={v}" for k, v in sorted(a["labels"].items()))
+        severity = f"[red]{a['severity']}[/red]" if a["severity"] == "page" else a["severity"]
+        t.add_row(a["name"], severity, escape(labels), escape(a["summary"]))
+    if not alerts["alerts"]:
+        t.add_row("none", "", "", "")
+    return t
+
+
+def tenants_usage(args: argparse.Namespace) -> int:
+    """``kvstore tenants usage``: each tenant's bytes held against its quota, sessions and requests."""
+    usage = _client(args).get("/api/v1/tenants")
+    t = Table(title="tenants")
+    for col in ("tenant", "held / quota", "sessions", "requests / s", "requests"):
+        t.add_column(col, justify="left" if col in ("tenant", "held / quota") else "right")
+    for u in usage["tenants"]:
+        held = (_usage(u["held_bytes"], u["quota_bytes"]) if u["quota_bytes"]
+                else f"{format_size(u['held_bytes'])} (no quota)")  # fmt: skip
+        t.add_row(u["tenant"], held, str(u["sessions"]), f"{u['requests_per_s']:.1f}", f"{u['requests']:,}")
+    return _print(args, usage, t)
 
 
 @arguments("nodes")
 def _nodes_arguments(p: argparse.ArgumentParser) -> None:
-    _connection_arguments(p)
+    connection_arguments(p)
 
 
 @command("nodes", "every node: state, address, tier use, blocks, last heartbeat")
@@ -210,7 +268,7 @@ def _nodes(args: argparse.Namespace) -> int:
 @arguments("node")
 def _node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("node_id")
-    _connection_arguments(p)
+    connection_arguments(p)
 
 
 @command("node", "one node: tiers, NICs, rails, transfer bytes")
@@ -241,7 +299,7 @@ def _node(args: argparse.Namespace) -> int:
 @arguments("key")
 def _key_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("key")
-    _connection_arguments(p)
+    connection_arguments(p)
 
 
 @command("key", "one key's metadata: size, checksum, write id, pin, replicas and their tiers and leases")
@@ -263,7 +321,7 @@ def _keys_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", default="", help="keys that start with this")
     p.add_argument("--limit", type=int, default=100, help="keys per page (1-10000)")
     p.add_argument("--cursor", default=None, help="the next_cursor of the previous page")
-    _connection_arguments(p)
+    connection_arguments(p)
 
 
 @command("keys", "stored keys by prefix, a page at a time")
@@ -284,7 +342,7 @@ def _evict_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--prefix", help="every key that starts with this")
     what.add_argument("--node", help="a node's tier (with --tier)")
     p.add_argument("--tier", choices=["dram", "ssd"], help="with --node: dram demotes to SSD where it fits, ssd drops")
-    _connection_arguments(p)
+    connection_arguments(p)
 
 
 @command("evict", "evict a key, every key with a prefix, or a node's tier (pinned blocks stay)")
@@ -301,7 +359,7 @@ def _evict(args: argparse.Namespace) -> int:
 @arguments("drain")
 def _drain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("node_id")
-    _connection_arguments(p)
+    connection_arguments(p)
 
 
 @command("drain", "take a node out of placement and move its blocks to other nodes")
@@ -318,7 +376,7 @@ def _drain(args: argparse.Namespace) -> int:
 def _top_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0: until Ctrl-C)")
-    _connection_arguments(p)
+    connection_arguments(p)
 
 
 @command("top", "live cluster summary and nodes, refreshed every --interval seconds")

@@ -46,6 +46,14 @@ def _master_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--admin-port", type=int, default=None, help="REST admin API, /metrics and dashboard port")
     p.add_argument(
+        "--admin-advertise", default=None, metavar="H:P",
+        help="the address tools and the other masters reach the admin API at (default: where it is served)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prometheus", default=None, metavar="URL",
+        help="the Prometheus evaluating docker/prometheus/alerts.yml: its firing alerts on the dashboard and in status",
+    )  # fmt: skip
+    p.add_argument(
         "--kv-events", default=None, metavar="tcp://H:P",
         help="publish KV events (vLLM's ZMQ format) of every replica stored or dropped on this endpoint",
     )  # fmt: skip
@@ -99,6 +107,8 @@ def _master(args: argparse.Namespace) -> int:
         "key_lease_ms": args.key_lease_ms,
         "fence_refused": args.fence_refused,
         "admin_port": args.admin_port,
+        "prometheus_url": args.prometheus,
+        "admin_advertise": args.admin_advertise,
         "kv_events": args.kv_events,
         "kv_events_replay": args.kv_events_replay,
         "kv_events_buffer": args.kv_events_buffer,
@@ -226,8 +236,11 @@ def _daemon(args: argparse.Namespace) -> int:
 @arguments("tenants")
 def _tenants_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "action", choices=["add", "add-admin", "list", "remove", "rotate", "set-quota", "set-operations", "set-caps"],
-        help="add: a new tenant; add-admin: a new admin API token (--role); list: every tenant and admin;"
+        "action",
+        choices=["add", "add-admin", "list", "remove", "rotate", "set-quota", "set-operations", "set-caps", "usage"],
+        help="usage: each tenant's bytes held against its quota, sessions and requests per second, from the"
+             " leading master (--master or --admin, --json); the others edit --file:"
+             " add: a new tenant; add-admin: a new admin API token (--role); list: every tenant and admin;"
              " remove: a tenant (its open sessions end within seconds); rotate: a new token, the old one"
              " taken for --grace seconds more; set-quota / set-operations / set-caps (--max-sessions,"
              " --max-objects, --max-pinned, --max-inflight-bytes, --replicas): change them (open sessions"
@@ -239,7 +252,7 @@ def _tenants_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=300.0, help="rotate: seconds the old token is still taken")
     p.add_argument("--role", choices=["read-only", "operator"], default="read-only",
                    help="add-admin: read-only (every GET route) or operator (also evict and drain)")  # fmt: skip
-    p.add_argument("--file", required=True, type=Path, help="the tenants file the master reads (--tenants)")
+    p.add_argument("--file", type=Path, help="the tenants file the master reads (--tenants); every action but usage")
     p.add_argument("--quota", type=size_arg, default=0, help="bytes the tenant may hold, DRAM and SSD (0: no quota)")
     p.add_argument(
         "--operations",
@@ -254,6 +267,9 @@ def _tenants_arguments(p: argparse.ArgumentParser) -> None:
                    " over its sessions, on the master and on each daemon (0: tenant_max_inflight_bytes)")  # fmt: skip
     p.add_argument("--replicas", type=int, help="set-caps: copies each of the tenant's puts gets at least,"
                    " whatever its clients ask (0: as they ask)")  # fmt: skip
+    from kvstore_cli.ops import connection_arguments
+
+    connection_arguments(p)
 
 
 @command("tenants", "manage the tenants of a cluster that authenticates")
@@ -268,6 +284,12 @@ def _tenants(args: argparse.Namespace) -> int:
         set_tenant,
     )
 
+    if args.action == "usage":
+        from kvstore_cli.ops import tenants_usage
+
+        return tenants_usage(args)
+    if args.file is None:
+        raise ConfigError(f"kvstore tenants {args.action} needs --file, the tenants file the master reads")
     operations = tuple(o.strip() for o in args.operations.split(",") if o.strip())
     if args.action == "list":
         access = load_access(args.file)

@@ -17,13 +17,15 @@ Otherwise every route but health, the dashboard page and its static files needs
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -33,10 +35,12 @@ from pydantic.json_schema import models_json_schema
 
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound, NotLeader, NotReady, PermissionDenied
 from kvstore.keys import validate_key
+from kvstore.placement.state import EvictionReason
 from kvstore.policy import TierName
 from kvstore.tenants import Admin, Tenant
 from server.master.admin_guard import AdminGuard
 from server.master.admin_models import (
+    AlertList,
     ClusterSummary,
     DrainResult,
     ErrorBody,
@@ -52,19 +56,27 @@ from server.master.admin_models import (
     KeyModel,
     KeyPage,
     Leadership,
+    MasterList,
     NicModel,
     NodeList,
     NodeModel,
     Rates,
     Ready,
+    TenantUsage,
+    TenantUsageList,
     TierUsage,
 )
+from server.master.alerts import OwnAlerts, samples_of
+from server.master.overview import alerts as alerts_now
+from server.master.overview import masters as masters_now
+from server.master.overview import on_this_host, relay
 
 if TYPE_CHECKING:
     from server.master.nodes import NodeView
     from server.master.service import MasterService
 
 STATIC = Path(__file__).parent / "static"
+log = logging.getLogger("kvstore.master.admin")
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -150,7 +162,7 @@ class AdminApi:
             config.admin_header_timeout_s, config.admin_body_timeout_s, config.admin_max_connections
         )
         self.registry.register(_Collector(service, self.guard))
-        self.app = web.Application(middlewares=[self._errors, self._auth], client_max_size=1 << 20)
+        self.app = web.Application(middlewares=[self._errors, self._auth, self._from_leader], client_max_size=1 << 20)
         for r in ROUTES:
             self.app.router.add_route(r.method, r.path, self._wrap(r))
         self.app.router.add_get("/api/v1/openapi.json", self._openapi)
@@ -159,6 +171,9 @@ class AdminApi:
         self.app.router.add_static("/static/", STATIC, show_index=False)
         self._runner: web.AppRunner | None = None
         self.address = ""
+        self.own_alerts = OwnAlerts()
+        """alerts.yml's rules over this master's own metrics, judged every few seconds (see server.master.alerts)."""
+        self._judge: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int) -> str:
         """Serve on ``host:port`` (0: any free port); returns host:port, which the service then
@@ -174,9 +189,24 @@ class AdminApi:
         await site.start()
         self.address = f"{host}:{self._runner.addresses[0][1]}"
         self.service.admin_address = self.address
+        self._judge = asyncio.create_task(self._judge_alerts(), name="admin-alerts")
         return self.address
 
+    async def _judge_alerts(self) -> None:
+        """Sample this master's metrics for its own view of the alerts, every few seconds."""
+        while True:
+            try:
+                if self.own_alerts.due():
+                    role = self.service.role()
+                    facts = {"ha": role["ha"], "leader_known": role["leader"] is not None}
+                    self.own_alerts.sample(samples_of(self.registry.collect()), facts)
+            except Exception:  # a bug here must not stop the judging, nor the admin API
+                log.exception("judging the alerts failed")
+            await asyncio.sleep(1.0)
+
     async def stop(self) -> None:
+        if self._judge is not None:
+            self._judge.cancel()
         if self._runner is not None:
             self.service.admin_address = ""
             await self._runner.cleanup()
@@ -229,7 +259,34 @@ class AdminApi:
         if refusal is not None and request.path != "/api/v1/openapi.json":
             return _error(403, PermissionDenied.code, "PermissionDenied", refusal)
         request["caller"] = caller
+        # Whether this caller's credentials may be sent on to any other master (relayed reads, the
+        # masters' list): over TLS, or the operator's token (taken in clear anyway), or none needed;
+        # a token of the tenants file goes only to masters on this host, never across a network in clear.
+        request["relay"] = self.service.tls is not None or caller is OPERATOR
         return await handler(request)
+
+    @web.middleware
+    async def _from_leader(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """A standby answers the cluster's GET routes with the leader's answer (its own table is empty:
+        a Service in front of both masters, as on Kubernetes, shows the cluster whichever it picks); its
+        own word where that is what is asked (health, readiness, leadership, the masters) or where the
+        leader does not answer. Writes stay refused with NotLeader."""
+        if (
+            request.method != "GET" or not request.path.startswith("/api/v1/") or request.path in _OWN_WORD
+            or request.headers.get(_RELAYED)
+        ):  # fmt: skip
+            return await handler(request)
+        leader = self.service.leader_admin()
+        if leader is None or not (request.get("relay", False) or on_this_host(leader)):
+            return await handler(request)
+        got = await relay(self.service, leader, request.path_qs, request.headers.get("Authorization"))
+        if got is None:
+            return await handler(request)
+        status, body = got
+        return web.Response(status=status, body=body, content_type="application/json",
+                            headers={_RELAYED: self.service.leadership.address})  # fmt: skip
 
     def _private(self, request: web.Request) -> bool:
         """Whether a bearer token reached us unseen: over TLS, or from this host."""
@@ -295,6 +352,17 @@ def _node_model(api: AdminApi, view: NodeView) -> NodeModel:
         faults={"ssd": node.ssd_fault} if node.ssd_fault else {},
         commands_in_flight=node.inflight, transfer_bytes=dict(view.transfer_bytes),
     )  # fmt: skip
+
+
+_OWN_WORD = frozenset((
+    "/api/v1/health", "/api/v1/ready", "/api/v1/leadership", "/api/v1/masters", "/api/v1/openapi.json",
+    "/api/v1/evictions",  # each master's own log (bench.chaos reads every master's, each with its cursor)
+))  # fmt: skip
+"""Routes under /api/v1/ a standby answers itself (the others: the leader's answer; /metrics, the page
+and its files are always its own)."""
+
+_RELAYED = "X-Kvstore-Relayed-By"
+"""Set on a request one master relays to the leader (never relayed again) and on its answer."""
 
 
 def _is_public(request: web.Request) -> bool:
@@ -471,6 +539,25 @@ async def history(api: AdminApi, request: web.Request) -> History:
     return History(points=[HistoryPoint(**point._asdict()) for point in api.service.sampler.history()])
 
 
+@route("GET", "/api/v1/masters", MasterList, "Every master (leader, standbys) as it sees itself, asked over "
+       "its admin API with the caller's token.", errors=())  # fmt: skip
+async def masters(api: AdminApi, request: web.Request) -> MasterList:
+    anywhere = bool(request.get("relay", False))
+    return MasterList(**await masters_now(api.service, request.headers.get("Authorization"), anywhere))
+
+
+@route("GET", "/api/v1/tenants", TenantUsageList, "Each tenant's bytes held against its quota, sessions and "
+       "requests per second.", errors=())  # fmt: skip
+async def tenants(api: AdminApi, request: web.Request) -> TenantUsageList:
+    return TenantUsageList(tenants=[TenantUsage(**t) for t in api.service.tenant_usage()])
+
+
+@route("GET", "/api/v1/alerts", AlertList, "Alerts firing now: the Prometheus of --prometheus, else this "
+       "master's own view of alerts.yml's rules.", errors=())  # fmt: skip
+async def alerts(api: AdminApi, request: web.Request) -> AlertList:
+    return AlertList(**await alerts_now(api.service, api.own_alerts))
+
+
 # -- OpenAPI ----------------------------------------------------------------------------------------------
 def openapi_document() -> dict[str, Any]:
     models = {ErrorBody} | {r.response for r in ROUTES} | {r.body for r in ROUTES if r.body is not None}
@@ -586,6 +673,16 @@ class _Collector:
             held.add_metric([name], table.tenant_held(name))
             quota.add_metric([name], limit)
         yield from (held, quota)
+        reasons = CounterMetricFamily("kvstore_evicted_by_reason", "Evictions this master logged (GET "
+                                      "/api/v1/evictions), by reason.", labels=["reason"])  # fmt: skip
+        for reason in get_args(EvictionReason):
+            reasons.add_metric([reason], service.evictions.by_reason.get(reason, 0))
+        yield reasons
+        requests = CounterMetricFamily("kvstore_tenant_requests", "Requests a tenant's sessions sent this master.",
+                                       labels=["tenant"])  # fmt: skip
+        for name, count in sorted(service.rpc.tenant_requests.items()):
+            requests.add_metric([name], count)
+        yield requests
         role = service.role()
         yield GaugeMetricFamily("kvstore_master_leading", "1 while this master leads (and may serve).",
                                 value=1 if role["role"] == "leader" else 0)  # fmt: skip

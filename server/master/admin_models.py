@@ -39,6 +39,10 @@ class Leadership(BaseModel):
     etcd: list[str] = Field(description="etcd endpoints.")
     etcd_reachable: bool
     cluster_id: str
+    leader_epoch: int = Field(default=0, description="The epoch of the leader this master last saw in etcd.")
+    lease_confirmed_s_ago: float | None = Field(
+        default=None, description="Seconds since etcd last confirmed this master's lease (None: never; no etcd)."
+    )
 
 
 class TierUsage(BaseModel):
@@ -188,3 +192,60 @@ class HistoryPoint(BaseModel):
 
 class History(BaseModel):
     points: list[HistoryPoint]
+
+
+class TenantUsage(BaseModel):
+    tenant: str
+    held_bytes: int = Field(description="Bytes it holds or reserves, as its quota counts them.")
+    quota_bytes: int = Field(description="Its quota (0: none).")
+    sessions: int = Field(description="Sessions it has open on this master.")
+    requests: int = Field(description="Requests its sessions sent this master since it started.")
+    requests_per_s: float = Field(description="Of those, per second over the last few seconds.")
+
+
+class TenantUsageList(BaseModel):
+    tenants: list[TenantUsage] = Field(description="Every tenant of the tenants file (none without one).")
+
+
+class MasterView(BaseModel):
+    address: str = Field(description="Its RPC address.")
+    admin: str | None = Field(description="Its admin API's address.")
+    role: str = Field(
+        description='"leader", "standby", "leader (lease unconfirmed)", "unreachable" (its admin API did not '
+        'answer) or "unknown" (not asked: see error).'
+    )
+    leader_epoch_seen: int | None = Field(description="The epoch of the leader it last saw in etcd.")
+    follows: bool | None = Field(
+        description="Whether it saw the current leader (a standby takes over from what the daemons report: it "
+        "replays no log, so this is how far behind it can be)."
+    )
+    lease_confirmed_s_ago: float | None = Field(description="Seconds since etcd last confirmed its lease.")
+    etcd_reachable: bool | None
+    ready: bool | None
+    error: str = Field(default="", description="Why it was not asked, or did not answer.")
+
+
+class MasterList(BaseModel):
+    cluster_id: str
+    leader: str | None = Field(description="The leader's RPC address, as etcd names it to this master.")
+    epoch: int = Field(description="The leader's epoch (the create revision of its key in etcd).")
+    masters: list[MasterView]
+    error: str = Field(default="", description="Why only this master is listed (etcd does not answer it).")
+
+
+class AlertModel(BaseModel):
+    name: str
+    severity: str
+    labels: dict[str, str]
+    summary: str
+    value: float | None = None
+    since_s: float | None = Field(default=None, description="Seconds it has held (the master's own view).")
+
+
+class AlertList(BaseModel):
+    source: str = Field(description='"prometheus" (its URL was given and answered) or "master" (its own view).')
+    error: str = Field(default="", description="Why the Prometheus URL given did not answer (then: the master's).")
+    alerts: list[AlertModel] = Field(description="Alerts firing now.")
+    not_judged: dict[str, str] = Field(
+        default_factory=dict, description="Rules the master's own view cannot judge, and why (source master)."
+    )

@@ -83,6 +83,8 @@ class Election:
         self.leadership_lost = 0
         self.etcd_errors = 0
         self.etcd_reachable = False
+        self.lease_confirmed_at = 0.0
+        """When etcd last confirmed this master's lease (time.monotonic(); 0: never)."""
 
     # -- what the service asks --------------------------------------------------------------
     def leading(self) -> bool:
@@ -100,6 +102,10 @@ class Election:
             "elections_won": self.elections_won,
             "leadership_lost": self.leadership_lost,
             "etcd_errors": self.etcd_errors,
+            "leader_epoch": self.leader.epoch if self.leader else 0,
+            "lease_confirmed_s_ago": round(time.monotonic() - self.lease_confirmed_at, 3)
+            if self.lease_confirmed_at
+            else None,
         }
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -149,6 +155,7 @@ class Election:
             sent = time.monotonic()
             self._lease = await self._bounded(client.lease(self.ttl_s))
             self._valid_until = sent + self._lease.ttl
+            self.lease_confirmed_at = time.monotonic()
         else:
             await self._keep_alive_once()  # the lease of before an etcd outage, if it is still alive
         self.etcd_reachable = True
@@ -265,6 +272,7 @@ class Election:
             raise LeaseLost(f"lease {self._lease.id:x} expired in etcd")
         self._valid_until = sent + min(reply.TTL, self.ttl_s)
         self.etcd_reachable = True
+        self.lease_confirmed_at = time.monotonic()
 
     # -- etcd plumbing -----------------------------------------------------------------------
     async def save(self, key: bytes, value: bytes | None) -> None:
@@ -294,6 +302,19 @@ class Election:
         """The keys under ``prefix`` in etcd (not their values); ConnectionFailed when etcd does not answer."""
         held = await self._kv(lambda c: c.get_prefix(prefix, keys_only=True), f"a listing of {prefix.decode()!r}")
         return [bytes(kv.key) for kv in held]
+
+    async def masters(self) -> list[MasterRecord]:
+        """Every master listed in etcd (leader and standbys), in key order, read on the election's own
+        connection (never a second one: the election loop owns it); ConnectionFailed when there is none
+        now or etcd does not answer. Not counted in :attr:`etcd_errors` (the election's own)."""
+        client = self._client
+        if client is None:
+            raise ConnectionFailed("this master has no connection to etcd now")
+        try:
+            held = await self._bounded(client.get_prefix(self.cluster.masters_prefix))
+        except (aetcd.exceptions.ClientError, OSError, TimeoutError) as exc:
+            raise ConnectionFailed(f"etcd did not answer a listing of the masters: {exc}") from None
+        return [r for kv in held if (r := MasterRecord.from_kv(bytes(kv.value), kv.create_revision)) is not None]
 
     async def _kv(self, call: Callable[[Any], Any], what: str) -> Any:
         """``call(client)``'s answer, bounded; an etcd that fails it is counted and a ConnectionFailed."""

@@ -9,7 +9,7 @@ from a loss. The log is this master's: a new leader starts one of its own.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -32,11 +32,14 @@ class EvictionLog:
         self._entries: deque[LoggedEviction] = deque(maxlen=size)
         self.last = 0
         """The sequence number of the latest eviction (0: none yet)."""
+        self.by_reason: Counter[str] = Counter()
+        """Evictions logged so far, by reason (the log's bound does not drop these)."""
 
     def add(self, evictions: Iterable[Eviction], at: float) -> None:
         for e in evictions:
             self.last += 1
             self._entries.append(LoggedEviction(self.last, at, e.key, e.node_id, e.reason))
+            self.by_reason[e.reason] += 1
 
     def page(self, after: int, limit: int, prefix: str = "") -> tuple[list[LoggedEviction], int, int]:
         """Up to ``limit`` evictions numbered after ``after`` whose key starts with ``prefix``; the

@@ -178,6 +178,7 @@ class Leadership:
             return {
                 **base, "role": "leader", "ha": False, "epoch": 0, "leader": self.address, "elections_won": 0,
                 "leadership_lost": 0, "etcd_errors": 0, "etcd": [], "etcd_reachable": False, "cluster_id": "",
+                "leader_epoch": 0, "lease_confirmed_s_ago": None,
             }  # fmt: skip
         return {**base, "ha": True, **self.election.status()}
 

@@ -38,6 +38,8 @@ async def serve(config: MasterConfig) -> None:
         admin = AdminApi(service, config.admin_token)
         admin_address = await admin.start(config.admin_host or config.host, config.admin_port)
         print(f"kvstore admin on {'https' if service.tls is not None else 'http'}://{admin_address}", flush=True)
+        if config.admin_advertise:  # what AdminInfo and this master's record in etcd name
+            admin_address = service.admin_address = config.admin_advertise
     if config.etcd is not None:
         service.start_election(admin_address)
         print(f"kvstore master campaigning for cluster {config.cluster_id} in etcd at {config.etcd}", flush=True)

@@ -95,13 +95,28 @@ class Sampler:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self.points: deque[_Point] = deque(maxlen=HISTORY_SECONDS + 1)
+        self._tenants: deque[tuple[float, dict[str, int]]] = deque(maxlen=6)
 
     def due(self) -> bool:
         """Whether a second has passed since the last sample."""
         return not self.points or self.clock() - self.points[-1][0] >= 1.0
 
-    def sample(self, counters: Mapping[str, int], dram_used: int, ssd_used: int) -> None:
-        self.points.append((self.clock(), dict(counters), dram_used, ssd_used))
+    def sample(
+        self, counters: Mapping[str, int], dram_used: int, ssd_used: int, tenants: Mapping[str, int] | None = None
+    ) -> None:
+        """One second's counters; ``tenants``: each tenant's requests so far (for :meth:`tenant_rates`)."""
+        now = self.clock()
+        self.points.append((now, dict(counters), dram_used, ssd_used))
+        if tenants is not None:
+            self._tenants.append((now, dict(tenants)))
+
+    def tenant_rates(self) -> dict[str, float]:
+        """Each tenant's requests per second over the last few seconds sampled."""
+        if len(self._tenants) < 2:
+            return {}
+        (t0, a), (t1, b) = self._tenants[0], self._tenants[-1]
+        dt = max(t1 - t0, 1e-6)
+        return {name: (count - a.get(name, 0)) / dt for name, count in b.items()}
 
     @staticmethod
     def _rates(a: _Point, b: _Point) -> dict[str, Any]:

@@ -238,6 +238,8 @@ class RpcServer:
         """Per tenant, bytes of frames its connections began and did not finish (held in their buffers)."""
         self.refused_inflight = 0
         """Connections closed because they took their tenant past its ``max_inflight_bytes``."""
+        self.tenant_requests: Counter[str] = Counter()
+        """Per tenant, requests its sessions sent (admitted or refused), for its operations per second."""
         self.latency: dict[str, LatencyHistogram] = {}
         self.parked = 0
         """Requests waiting for this master to be ready (:meth:`_serve_when_ready`)."""
@@ -390,6 +392,7 @@ class RpcServer:
         identity = conn.identity
         assert identity is not None
         if identity.tenant is not None:
+            self.tenant_requests[identity.tenant] += 1
             identity = self._revalidate(conn, identity)
             if identity is None:
                 conn.reply(ErrorReply.from_error(_revoked(conn)), request_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable
 from typing import Any
 
@@ -153,6 +154,32 @@ class MasterService:
         if authority is None or not authority.takes_tokens:
             return {}
         return {name: t.quota_bytes for name, t in authority.refresh_tenants().items() if t.quota_bytes}
+
+    def leader_admin(self) -> str | None:
+        """The admin API of the master that leads, when that is another one (None: this one leads, or
+        it knows of no leader, or the leader serves no admin API)."""
+        election = self.leadership.election
+        if election is None or election.leading():
+            return None
+        leader = election.leader
+        if leader is None or leader.address == self.leadership.address:
+            return None
+        return leader.admin
+
+    def tenant_usage(self) -> list[dict[str, Any]]:
+        """Each tenant of the tenants file: bytes held against its quota (0: none), sessions open on
+        this master, and requests to it (so far, and per second lately)."""
+        authority = self.rpc.authority
+        if authority is None or not authority.takes_tokens:
+            return []
+        sessions = Counter(c.identity.tenant for c in self.rpc.connections if c.identity is not None)
+        rates = self.sampler.tenant_rates()
+        return [
+            {"tenant": name, "held_bytes": self.table.tenant_held(name), "quota_bytes": t.quota_bytes,
+             "sessions": sessions.get(name, 0), "requests": self.rpc.tenant_requests.get(name, 0),
+             "requests_per_s": round(rates.get(name, 0.0), 2)}
+            for name, t in sorted(authority.refresh_tenants().items())
+        ]  # fmt: skip
 
     def tenants_file_error(self) -> str:
         """Why the tenants file does not load now ("" when it does, or there is none)."""
@@ -354,6 +381,7 @@ class MasterService:
                 self._push_policy(time.monotonic())
                 if self.sampler.due():
                     stats = self.table.stats()
-                    self.sampler.sample(self.table.counters, int(stats["dram_used"]), int(stats["ssd_used"]))
+                    self.sampler.sample(self.table.counters, int(stats["dram_used"]), int(stats["ssd_used"]),
+                                        self.rpc.tenant_requests)  # fmt: skip
             except Exception:
                 log.exception("master tick failed")
