@@ -537,3 +537,39 @@ def test_a_grant_on_a_node_this_client_could_not_reach_is_given_back_and_the_nex
     assert core.granted_block("j", DATA, None) is None  # not into node0's grant
     assert drive(core.put_many([("j", DATA)], None), answer) == [PutStatus.STORED]
     assert returned == [1] and [a.avoid for a in asked] == [[], ["node0"]] and written == ["node0", "node1"]
+
+
+def test_a_node_holding_a_blocks_last_copy_and_another_with_a_replica_elsewhere_is_waited_for_neither() -> None:
+    """bench.chaos, a daemon SIGSTOP: a get_many of a key with replicas on node0 and node1 and a key
+    whose one copy is on node0, 10 ms after node0 froze (the master did not suspect it yet). One job
+    to node0 for both waited the last copy's patience (the whole timeout) for both: 4.39 s, until
+    node0 was resumed. Now node0 is asked for the first key with the hedge patience; given up, the
+    first key is read at node1 and the last copy on node0 is a miss within the failover patience."""
+    core = _hedging_core()
+    hedge = core.read_patience_s
+    data = DATA
+    jobs: list[tuple[str, float, list[str]]] = []
+
+    def answer(effect: Effect) -> Any:
+        if isinstance(effect, Call):
+            assert isinstance(effect.message, GetReplicas) and effect.message.keys == ["two", "one"]
+            return GetReplicasReply(
+                [10, 10], [checksum(data), checksum(data)], [2, 1], ["node0", "node1", "node0"],
+                [A.address, B.address, A.address], ["dram"] * 3, [0, 64, 128], 0, 0,
+            )  # fmt: skip
+        assert isinstance(effect, Daemons)
+        outcomes: list[Any] = []
+        for job in effect.jobs:
+            assert isinstance(job, ReadLocated)
+            jobs.append((job.node_id, job.patience_s, [loc.key for loc, _, _ in job.blocks]))
+            if job.node_id == "node0":
+                assert job.patience_s, "a read of the frozen node0 waited the whole timeout"
+                outcomes.append(Timeout("node0 is frozen"))
+                continue
+            for _, _, view in job.blocks:
+                view[:10] = data
+            outcomes.append([10] * len(job.blocks))
+        return outcomes
+
+    assert drive(core.get_many(["two", "one"], verify=True), answer) == [data, None]
+    assert jobs == [("node0", hedge, ["two"]), ("node1", hedge, ["two"]), ("node0", core.failover_s, ["one"])]
