@@ -343,5 +343,7 @@ def test_a_tenant_over_quota_evicts_its_own_blocks_then_is_refused(cluster: Loca
     assert status == 200
     assert 'kvstore_tenant_quota_bytes{tenant="pinner"} 131072.0' in text
     assert 'kvstore_tenant_held_bytes{tenant="pinner"} 131072.0' in text  # its two pinned blocks
-    assert 'kvstore_tenant_quota_bytes{tenant="small"} 262144.0' in text and 'tenant="churn"' not in text
+    assert 'kvstore_tenant_quota_bytes{tenant="small"} 262144.0' in text
+    assert 'quota_bytes{tenant="churn"}' not in text and 'held_bytes{tenant="churn"}' not in text  # no quota
+    assert 'kvstore_tenant_requests_total{tenant="churn"}' in text  # its requests, for its operations per second
     assert "kvstore_room_refused_pinned_total" in text
