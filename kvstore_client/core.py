@@ -814,18 +814,17 @@ class ClientCore:
                     rechecked.update(doubted)
                     yield from self._recheck(plan, doubted, [blocks[i][0] for i in doubted])
                     continue
+            jobs = []
             for place, group in rounds.items():
-                if not plan.all_have_next(group):
-                    onward = [(i, r) for i, r in group if plan.has_next(i)]
-                    if onward:  # the node's last copies wait for its answer to the others (see above)
-                        rounds[place] = onward
-            jobs = [
-                ReadLocated(node_id, address, [(blocks[i][0], r, blocks[i][1]) for i, r in group],
-                            self.read_patience_s if plan.all_have_next(group)
-                            else self.failover_s if node_id in suspects or (self._silent and self.silent(node_id))
-                            else 0.0)
-                for (node_id, address), group in rounds.items()
-            ]  # fmt: skip
+                onward = plan.onward(group)
+                if onward:  # somewhere else to go; a node's last copies wait for its answer to these (see above)
+                    rounds[place] = group = onward
+                    patience = self.read_patience_s
+                else:
+                    node_id = place[0]
+                    silent = node_id in suspects or (self._silent and self.silent(node_id))
+                    patience = self.failover_s if silent else 0.0
+                jobs.append(ReadLocated(*place, [(blocks[i][0], r, blocks[i][1]) for i, r in group], patience))
             began = time.monotonic()
             outcomes = yield from self._daemons(jobs)
             self._timed(began, outcomes)

@@ -77,14 +77,12 @@ class Failover:
         """Whether block ``i`` has a replica after its current one."""
         return self._at[i] + 1 < len(self._order[i])
 
-    def all_have_next(self, group: Sequence[tuple[int, ReplicaRef]]) -> bool:
-        """Whether every block of ``group`` (a node's share of a :meth:`round`) has a replica after
-        its current one."""
+    def onward(self, group: list[tuple[int, ReplicaRef]]) -> list[tuple[int, ReplicaRef]]:
+        """The blocks of ``group`` (a node's share of a :meth:`round`) that have a replica after their
+        current one (``group`` itself when all do; empty when every one is a last copy)."""
         at, order = self._at, self._order
-        for i, _ in group:  # noqa: SIM110 (a loop: no generator on every read's path)
-            if at[i] + 1 >= len(order[i]):
-                return False
-        return True
+        out = [(i, r) for i, r in group if at[i] + 1 < len(order[i])]
+        return group if len(out) == len(group) else out
 
     def later(self, i: int) -> list[str]:
         """The nodes of block ``i``'s replicas after its current one."""
