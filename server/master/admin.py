@@ -67,9 +67,9 @@ from server.master.admin_models import (
     TierUsage,
 )
 from server.master.alerts import OwnAlerts, samples_of
+from server.master.overview import RELAYED, on_this_host, relay
 from server.master.overview import alerts as alerts_now
 from server.master.overview import masters as masters_now
-from server.master.overview import on_this_host, relay
 
 if TYPE_CHECKING:
     from server.master.nodes import NodeView
@@ -275,7 +275,7 @@ class AdminApi:
         leader does not answer. Writes stay refused with NotLeader."""
         if (
             request.method != "GET" or not request.path.startswith("/api/v1/") or request.path in _OWN_WORD
-            or request.headers.get(_RELAYED)
+            or request.headers.get(RELAYED)
         ):  # fmt: skip
             return await handler(request)
         leader = self.service.leader_admin()
@@ -286,7 +286,7 @@ class AdminApi:
             return await handler(request)
         status, body = got
         return web.Response(status=status, body=body, content_type="application/json",
-                            headers={_RELAYED: self.service.leadership.address})  # fmt: skip
+                            headers={RELAYED: self.service.leadership.address})  # fmt: skip
 
     def _private(self, request: web.Request) -> bool:
         """Whether a bearer token reached us unseen: over TLS, or from this host."""
@@ -360,9 +360,6 @@ _OWN_WORD = frozenset((
 ))  # fmt: skip
 """Routes under /api/v1/ a standby answers itself (the others: the leader's answer; /metrics, the page
 and its files are always its own)."""
-
-_RELAYED = "X-Kvstore-Relayed-By"
-"""Set on a request one master relays to the leader (never relayed again) and on its answer."""
 
 
 def _is_public(request: web.Request) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import ssl
 from typing import TYPE_CHECKING, Any
 
@@ -32,15 +33,24 @@ def _client_tls(service: MasterService) -> ssl.SSLContext | None:
     return client_context(tls) if service.tls is not None and tls is not None else None
 
 
-async def _get_json(url: str, headers: dict[str, str], tls: ssl.SSLContext | None) -> Any:
-    timeout = aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)
+RELAYED = "X-Kvstore-Relayed-By"
+"""Set on a request one master relays to the leader (never relayed again) and on its answer."""
+
+
+async def _get(url: str, headers: dict[str, str], tls: ssl.SSLContext | None, timeout_s: float) -> tuple[int, bytes]:
+    """The status and body of a GET of ``url`` (``tls``: https, verified with it), within ``timeout_s``."""
     async with (
-        aiohttp.ClientSession(timeout=timeout) as session,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
         session.get(url, headers=headers, ssl=tls if tls is not None else False) as resp,
     ):
-        if resp.status != 200:
-            raise ConnectionFailed(f"{url}: HTTP {resp.status}")
-        return await resp.json()
+        return resp.status, await resp.read()
+
+
+async def _get_json(url: str, headers: dict[str, str], tls: ssl.SSLContext | None) -> Any:
+    status, body = await _get(url, headers, tls, ASK_TIMEOUT_S)
+    if status != 200:
+        raise ConnectionFailed(f"{url}: HTTP {status}")
+    return json.loads(body)
 
 
 NOT_ASKED = (
@@ -117,16 +127,12 @@ async def relay(
     """The leader's answer to a GET of ``path_qs`` at its admin API ``admin`` (status, JSON body),
     asked with the caller's credentials; None when it does not answer."""
     tls = _client_tls(service)
-    headers = {"X-Kvstore-Relayed-By": service.leadership.address}
+    headers = {RELAYED: service.leadership.address}
     if authorization:
         headers["Authorization"] = authorization
     url = f"{'https' if tls is not None else 'http'}://{admin}{path_qs}"
     try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2 * ASK_TIMEOUT_S)) as session,
-            session.get(url, headers=headers, ssl=tls if tls is not None else False) as resp,
-        ):
-            return resp.status, await resp.read()
+        return await _get(url, headers, tls, 2 * ASK_TIMEOUT_S)
     except (aiohttp.ClientError, TimeoutError, OSError):
         return None
 
