@@ -374,7 +374,7 @@ class MasterConfig(_Frozen):
         description="A daemon serves reads by key alone (a client's remembered location, no master asked) within "
         "a lease of 0.9x this less 20 ms from its last heartbeat the master answered with a renewal; the master "
         "renews none while the node owes it drops past that lease. So a remove (and a put of a key being removed) "
-        "waits for a frozen or cut-off node at most this long, not the node TTL. Default: four heartbeats (200 ms), "
+        "waits for a frozen or cut-off node at most this long, not the node TTL. Default: three heartbeats (150 ms), "
         "at most the node TTL; 0: reads by key follow the node TTL's lease alone.",
     )  # fmt: skip
     node_ttl_ms: int = Field(
@@ -562,7 +562,7 @@ class MasterConfig(_Frozen):
         """:attr:`key_lease_ms` as it applies (ms; 0: none)."""
         if self.key_lease_ms is not None:
             return self.key_lease_ms
-        return min(4 * self.heartbeat_interval_ms, self.node_ttl_ms)
+        return min(3 * self.heartbeat_interval_ms, self.node_ttl_ms)
 
 
 class DaemonConfig(_Frozen):
@@ -656,7 +656,9 @@ class ClientConfig(_Frozen):
         default=100, ge=0,
         description="A read from a replica that has not begun answering within this goes to the block's next "
         "replica (the first is given up), as does a read by a remembered location (it asks the master then); "
-        "a read with no other replica waits up to timeout_s, unless the read gave that node up already (its "
+        "a read with no other replica asks the master past failover_ms (then 2x, 4x that) whether it suspects the "
+        "node (a miss if so: it missed heartbeats) and otherwise waits up to timeout_s, unless the read gave that "
+        "node up already (its "
         "other replicas missed since) or the block has one copy, on a node a read gave up lately: then a miss "
         "after failover_ms. (A last replica after another answered "
         "that it does not hold the block is read only where the master still places the block.) 0: every "

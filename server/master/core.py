@@ -101,6 +101,10 @@ from server.master.removed import RecentRemovals
 
 log = logging.getLogger("kvstore.master")
 
+SLOW_SETTLE_S = 0.1
+"""A remove (or revoke) whose drops took longer than this to settle is logged with where the time
+went: waiting for daemons to confirm or for a frozen node's key lease to lapse, or etcd."""
+
 # A put waits for at most this many rounds of evictions before its keys fail.
 _MAX_EVICTION_ROUNDS = 64
 _MAX_KEYS_PAGE = 10_000
@@ -797,16 +801,24 @@ class MasterCore:
         put again at once, elsewhere than on the nodes that owe their drops). ``save``: keep the
         records whatever settled them (else only for lapses)."""
         pending, lapse, lapsed = self._unsettled(keys)
-        deadline = time.monotonic() + wait_s
+        began = time.monotonic()
+        deadline = began + wait_s
         while pending and time.monotonic() < deadline:
             # Until a drop is answered (room freed), or a node that owes one stops serving by key.
             await self.commands.room.wait(min(deadline, lapse + 0.001) - time.monotonic())
             pending, lapse, more = self._unsettled(pending)
             lapsed += more
+        waited = time.monotonic()
         if save or lapsed:
             await self.save_records()
         for key in lapsed:
             self.table.detach(key)
+        if (took := time.monotonic() - began) > SLOW_SETTLE_S:
+            log.warning(
+                "settling the drops of %d key(s) took %.3f s: %.3f s waiting for daemons (%d settled by a lapsed key "
+                "lease, %d unsettled), %.3f s keeping node records in etcd", len(keys), took, waited - began,
+                len(lapsed), len(pending), took - (waited - began),
+            )  # fmt: skip
         return not pending
 
     async def clear_replicas(self, m: ClearReplicas, caller: Identity = ANYONE) -> Message:

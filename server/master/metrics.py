@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
+
+log = logging.getLogger("kvstore.master")
+
+STALL_LOG_S = 0.1
+"""A stall of the master's event loop longer than this is logged (every client waited that long)."""
 
 HISTORY_SECONDS = 300
 
@@ -60,6 +66,9 @@ class LoopStalls:
         self.max_s = max(self.max_s, late_s)
         if late_s > self.period_s:
             self._late.append((time.monotonic(), late_s))
+            if late_s > STALL_LOG_S:
+                log.warning("the master's event loop did not turn for %.3f s (one request's work, a collection, "
+                            "or the machine): every request waited", late_s)  # fmt: skip
 
     def recent_s(self, window_s: float) -> float:
         """The longest stall seen within the last ``window_s`` (0: none past a period): silences of

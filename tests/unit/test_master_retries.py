@@ -186,6 +186,27 @@ async def test_a_remove_whose_drop_finds_the_daemon_gone_is_answered_once_the_pr
     await service.stop()
 
 
+async def test_a_remove_behind_a_frozen_daemon_is_answered_on_its_key_lease_and_says_where_the_time_went(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A frozen daemon never answers its drop: the remove is answered once the node's lease to serve by
+    key lapsed (the daemon serves nothing by key past it), well before the command timeout, the key
+    owed in the node's record; and a settle that slow is logged with its parts (daemons, etcd)."""
+    service = await _service_with(["k"], command_timeout_ms=5000, fence_refused=False, key_lease_ms=300)
+
+    async def frozen(node_id: str, lane: str, message: Message, expect: type) -> CommandReply:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    service.commands.call = frozen  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="kvstore.master"):  # unsettled at the command timeout: Timeout
+        assert await service.core.remove(Remove(["k"])) == RemoveReply(1, [])
+    assert service.table.describe("k") is None and "k" in service.table.nodes["n0"].owes
+    [line] = [r.getMessage() for r in caplog.records if "settling the drops" in r.getMessage()]
+    assert "1 settled by a lapsed key lease, 0 unsettled" in line and "keeping node records in etcd" in line
+    await service.stop()
+
+
 async def test_a_put_end_of_an_adopted_block_removed_before_it_came_says_committed() -> None:
     """A put reserved "k" with a leader that died; its successor adopted the block from the daemon's
     inventory, every reader saw it, and a remove took it away before the put's PutEnd reached the
