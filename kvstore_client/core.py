@@ -125,6 +125,11 @@ patience (a miss within it, not another whole timeout), and reads by remembered 
 master. An answer from the node ends it sooner (the master fences a silent node within its TTL,
 1 s by default, and lists it no more). The nodes the master names as suspected with a get's
 replicas are suspected so too."""
+_CONFIRMS = 3
+"""How often a read asks the master about a node that has not begun answering for a block's last
+copy (after the failover patience, then twice and four times that) before it waits for it the whole
+timeout: a frozen node is suspected by the master past three missed heartbeats (its tick and its
+probe: usually by the second asking; :meth:`ClientCore._confirm`)."""
 _UNREACHED_S = 5.0
 """At most how long a node this client could not reach (:meth:`ClientCore.unreached`) is named to
 the master as one to place this client's puts and grants on last: an answer from the node ends it
@@ -752,12 +757,16 @@ class ClientCore:
         lease = self.transport.may_lease
         taken = self.leases.take() if self.leases is not None else []
         reply = yield from call(GetReplicas(keys, taken, lease), GetReplicasReply)
-        located = reply.located(keys)
-        if reply.suspects:  # frozen or cut off, as far as the master knows: no wait on them
+        self._note_suspects(reply.suspects)
+        return reply.located(keys), (reply.first_lease if lease else 0)
+
+    def _note_suspects(self, suspects: list[str]) -> None:
+        """The nodes the master says it suspects (frozen or cut off, as far as it knows): no wait on
+        them (:meth:`suspected`) until they answer this client, :data:`_SUSPECT_S` at most."""
+        if suspects:
             until = time.monotonic() + _SUSPECT_S
-            for node_id in reply.suspects:
+            for node_id in suspects:
                 self._suspects[node_id] = max(self._suspects.get(node_id, 0.0), until)
-        return located, (reply.first_lease if lease else 0)
 
     def release(self, first_lease: int, located: Sequence[LocatedRef | None]) -> None:
         """Queue the leases of a finished read for release (they ride on the next request)."""
@@ -786,10 +795,21 @@ class ClientCore:
         it is given up then, so its last copies are misses within the failover patience, and the
         others are read elsewhere (one job for both waited the last copies' patience for all:
         4.39 s in bench.chaos's daemon SIGSTOP, the master not yet suspecting a node frozen 10 ms
-        before). A node that answers costs the last copies one more round trip."""
+        before). A node that answers costs the last copies one more round trip.
+
+        A last copy on a node neither suspected nor silent is not waited for blindly either: past
+        the failover patience (then twice that) the read asks the master where the block is now and
+        whether it suspects the node (:meth:`_confirm`): a node that stopped heartbeating makes
+        its last copies misses, one that heartbeats is read again with twice the patience, after
+        :data:`_CONFIRMS` askings with the whole timeout (a slow read of a live node completes). A
+        node frozen just before the read was waited for until it was resumed: 2.9 s in bench.chaos's
+        daemon SIGSTOP."""
         plan = Failover({i: loc for i, (loc, _) in blocks.items()})
         where: dict[int, tuple[str, str]] = {}
         rechecked: set[int] = set()
+        asked: dict[str, int] = {}
+        """Node -> how often this read asked the master about it and heard it is not suspected."""
+        fail = self.failover_s
         while plan:
             rounds = plan.round()
             suspects: AbstractSet[str] = _NO_NODES
@@ -815,6 +835,7 @@ class ClientCore:
                     yield from self._recheck(plan, doubted, [blocks[i][0] for i in doubted])
                     continue
             jobs = []
+            asking: dict[str, bool] = {}  # nodes whose last copies are read with a confirm patience this round
             for place, group in rounds.items():
                 onward = plan.onward(group)
                 if onward:  # somewhere else to go; a node's last copies wait for its answer to these (see above)
@@ -822,13 +843,22 @@ class ClientCore:
                     patience = self.read_patience_s
                 else:
                     node_id = place[0]
-                    silent = node_id in suspects or (self._silent and self.silent(node_id))
-                    patience = self.failover_s if silent else 0.0
+                    if node_id in suspects or (self._silent and self.silent(node_id)):
+                        patience = fail
+                    elif fail and (times := asked.get(node_id, 0) if asked else 0) < _CONFIRMS:
+                        patience = fail * (1 << times)
+                        asking[node_id] = True
+                    else:
+                        patience = 0.0
                 jobs.append(ReadLocated(*place, [(blocks[i][0], r, blocks[i][1]) for i, r in group], patience))
             began = time.monotonic()
             outcomes = yield from self._daemons(jobs)
             self._timed(began, outcomes)
+            to_confirm: list[int] = []
             for job, (place, group), outcome in zip(jobs, rounds.items(), outcomes, strict=True):
+                if asking and job.node_id in asking and isinstance(outcome, Timeout):
+                    to_confirm.extend(i for i, _ in group)  # not begun within the confirm patience: ask
+                    continue
                 if isinstance(outcome, BaseException) and unreachable(outcome):
                     self.note_unreachable(job.node_id, outcome, job.patience_s)
                 elif job.node_id in suspects:
@@ -844,10 +874,29 @@ class ClientCore:
                     return True
 
                 plan.take(group, outcome, hit, gave_up=job.patience_s > 0 and job.node_id not in suspects)
+            if to_confirm:
+                yield from self._confirm(plan, to_confirm, [blocks[i][0] for i in to_confirm], asked)
         plan.finish()
         return where
 
-    def _recheck(self, plan: Failover, blocks: list[int], located: list[LocatedRef]) -> Op[None]:
+    def _confirm(
+        self, plan: Failover, blocks: list[int], located: list[LocatedRef], asked: dict[str, int]
+    ) -> Op[None]:  # fmt: skip
+        """Last copies of ``plan`` whose nodes did not begin answering within the confirm patience
+        (see :meth:`_read_located`): where the master places each block now (:meth:`_recheck`), and
+        a block whose last copy is still on a node the master suspects is a miss (the node missed
+        heartbeats: frozen or cut off), the others read again (``asked`` counts the times per node).
+        A master that does not answer leaves the nodes to the whole timeout (a leader's fault)."""
+        nodes = {plan.current(i).node_id for i in blocks}
+        suspects = yield from self._recheck(plan, blocks, located)
+        for node_id in nodes:
+            asked[node_id] = _CONFIRMS if suspects is None else asked.get(node_id, 0) + 1
+        if suspects:
+            for i in blocks:
+                if plan.waiting(i) and not plan.has_next(i) and plan.current(i).node_id in suspects:
+                    plan.missed(i)
+
+    def _recheck(self, plan: Failover, blocks: list[int], located: list[LocatedRef]) -> Op[list[str] | None]:
         """Blocks of ``plan`` (``located`` as this read found them) whose last replica is to be read
         after another replica's node answered that it does not hold the block: where the master
         places the block now. A block removed, or put again with other bytes, is a miss now, not a
@@ -856,17 +905,20 @@ class ClientCore:
         have lost its copy: evicted there); one moved is read where it is now, but for copies this
         client would read without the daemon (they need the lease this second look does not take).
         One master round trip, only after such a miss; a master that does not answer leaves the
-        blocks as they were (the read needs no master to finish)."""
+        blocks as they were (the read needs no master to finish). Returns the nodes the master
+        suspects (noted as :meth:`locate` notes them), None when it did not answer."""
         keys = [loc.key for loc in located]
         try:
             reply = yield from call(GetReplicas(keys, [], False), GetReplicasReply)
         except KVStoreError:
-            return
+            return None
+        self._note_suspects(reply.suspects)
         for i, before, now in zip(blocks, located, reply.located(keys), strict=True):
             if now is None or now.checksum != before.checksum:
                 plan.missed(i)
             else:
                 plan.relocate(i, [r for r in now.replicas if r in before.replicas or not self.transport.local(r)])
+        return reply.suspects
 
     def get_range_many_into(
         self, keys: Sequence[Any], start: int, length: int, buffers: Sequence[Any]

@@ -106,6 +106,10 @@ class Failover:
             return
         self._order[i] = order[:at] + rest
 
+    def waiting(self, i: int) -> bool:
+        """Whether block ``i`` is still to be read (neither read nor missed after its last replica)."""
+        return i in self._at
+
     def current(self, i: int) -> ReplicaRef:
         """Block ``i``'s replica read next."""
         return self._order[i][self._at[i]]
