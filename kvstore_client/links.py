@@ -64,6 +64,8 @@ class AsyncLink:
         self._waiting: dict[int, asyncio.Future[tuple[Message, bytes]]] = {}
         self._begun: set[int] = set()
         """Requests whose reply's payload is being read now (past any patience of theirs)."""
+        self._heard = 0.0
+        """When (the loop's time) the last reply on this link was read whole."""
         self._connecting: asyncio.Lock = asyncio.Lock()
 
     async def _connect(self, timeout: float | None = None) -> asyncio.StreamWriter:
@@ -100,6 +102,7 @@ class AsyncLink:
 
     async def _read_replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         failure: KVStoreError = ConnectionFailed(f"{self.address} closed the connection")
+        clock = asyncio.get_running_loop().time
         try:
             while True:
                 payload = await read_payload(reader)
@@ -115,6 +118,7 @@ class AsyncLink:
                             data = await reader.readexactly(total)
                         finally:
                             self._begun.discard(request_id)
+                self._heard = clock()
                 future = self._waiting.pop(request_id, None)
                 if future is not None and not future.done():
                     future.set_result((reply, data))
@@ -181,7 +185,7 @@ class AsyncLink:
             # The patience runs from here, as the sync face's from the end of its send: a payload
             # queued behind others' on this one connection is not given up before it went out.
             if patience:
-                impatient = asyncio.get_running_loop().call_later(patience, self._give_up, request_id)
+                impatient = asyncio.get_running_loop().call_later(patience, self._give_up, request_id, patience)
             reply, data = await asyncio.wait_for(future, self.timeout)
         except _GaveUp:
             raise Timeout(f"{what}: no reply began within {patience} s") from None
@@ -219,12 +223,22 @@ class AsyncLink:
             raise _GaveUp
         drained.result()
 
-    def _give_up(self, request_id: int) -> None:
-        """A request's patience ran out: unless its reply has begun, it ends (with _GaveUp) alone."""
-        if request_id not in self._begun:
-            future = self._waiting.pop(request_id, None)
-            if future is not None and not future.done():
-                future.set_exception(_GaveUp())
+    def _give_up(self, request_id: int, patience: float) -> None:
+        """A request's patience ran out: unless its reply has begun, it ends (with _GaveUp) alone. A
+        link that is reading another reply's payload, or read a whole reply within the patience, has
+        a daemon that answers (its replies come one after another on one connection: this one is
+        queued behind others'): the patience starts again from then, so that only a silent node is
+        given up (a last copy's give-up costs the master a question and the daemon its work)."""
+        if request_id in self._begun or request_id not in self._waiting:
+            return
+        loop = asyncio.get_running_loop()
+        quiet = loop.time() - self._heard
+        if self._begun or quiet < patience:
+            loop.call_later(patience - quiet if not self._begun else patience, self._give_up, request_id, patience)
+            return
+        future = self._waiting.pop(request_id)
+        if not future.done():
+            future.set_exception(_GaveUp())
 
     async def close(self) -> None:
         """Close the connection and end its reader tasks; the link connects no more. (A request on

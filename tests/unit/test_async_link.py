@@ -14,8 +14,9 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.errors import ConnectionFailed, Timeout
-from kvstore.protocol import OkReply, WriteBlocks
+from kvstore.protocol import OkReply, WriteBlocks, decode_payload, encode
 from kvstore_client.links import AsyncLink
+from transfer.aio import read_payload
 
 MiB = 1 << 20
 
@@ -39,6 +40,32 @@ def test_a_request_with_patience_is_given_up_behind_a_full_buffer_and_the_link_l
         assert time.monotonic() - began < 10.0  # half the link's timeout: only a wait for it fails this
         assert link._writer is not None and not link._writer.is_closing()
         await link.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_queued_behind_others_replies_is_not_given_up_while_they_come() -> None:
+    """A daemon answers one connection's requests one after another, each in 60 ms: the fifth of five
+    sent at once is answered 300 ms later, past its 100 ms patience, though the node never went
+    quiet. Each reply starts the patience again (the old link gave up all but the first: with one
+    copy of each block, every give-up cost the master a question and the daemon its work)."""
+
+    async def run() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while (payload := await read_payload(reader)) is not None:
+                request_id, _ = decode_payload(payload)
+                await asyncio.sleep(0.06)
+                writer.write(encode(OkReply(), request_id))
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        link = AsyncLink(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", timeout=20.0)
+        replies = await asyncio.gather(
+            *(link.request(OkReply(), OkReply, patience=0.1) for _ in range(5)), return_exceptions=True
+        )
+        assert replies == [(OkReply(), b"")] * 5
+        await link.close()
+        server.close()
+        await server.wait_closed()
 
     asyncio.run(run())
 
