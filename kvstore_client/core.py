@@ -798,7 +798,7 @@ class ClientCore:
         before). A node that answers costs the last copies one more round trip.
 
         A last copy on a node neither suspected nor silent is not waited for blindly either: past
-        the failover patience (then twice that) the read asks the master where the block is now and
+        the failover patience (then twice, four times that) the read asks the master where the block is and
         whether it suspects the node (:meth:`_confirm`): a node that stopped heartbeating makes
         its last copies misses, one that heartbeats is read again with twice the patience, after
         :data:`_CONFIRMS` askings with the whole timeout (a slow read of a live node completes). A
@@ -835,7 +835,7 @@ class ClientCore:
                     yield from self._recheck(plan, doubted, [blocks[i][0] for i in doubted])
                     continue
             jobs = []
-            asking: dict[str, bool] = {}  # nodes whose last copies are read with a confirm patience this round
+            asking: dict[tuple[str, str], bool] = {}  # places whose last copies are read with a confirm patience
             for place, group in rounds.items():
                 onward = plan.onward(group)
                 if onward:  # somewhere else to go; a node's last copies wait for its answer to these (see above)
@@ -845,9 +845,11 @@ class ClientCore:
                     node_id = place[0]
                     if node_id in suspects or (self._silent and self.silent(node_id)):
                         patience = fail
-                    elif fail and (times := asked.get(node_id, 0) if asked else 0) < _CONFIRMS:
-                        patience = fail * (1 << times)
-                        asking[node_id] = True
+                    elif (
+                        fail and (times := asked.get(node_id, 0) if asked else 0) < _CONFIRMS
+                        and (patience := fail * (1 << times)) < self.config.timeout_s
+                    ):  # fmt: skip
+                        asking[place] = True
                     else:
                         patience = 0.0
                 jobs.append(ReadLocated(*place, [(blocks[i][0], r, blocks[i][1]) for i, r in group], patience))
@@ -856,7 +858,10 @@ class ClientCore:
             self._timed(began, outcomes)
             to_confirm: list[int] = []
             for job, (place, group), outcome in zip(jobs, rounds.items(), outcomes, strict=True):
-                if asking and job.node_id in asking and isinstance(outcome, Timeout):
+                if (
+                    asking and place in asking and isinstance(outcome, Timeout)
+                    and time.monotonic() - began < self.config.timeout_s
+                ):  # fmt: skip
                     to_confirm.extend(i for i, _ in group)  # not begun within the confirm patience: ask
                     continue
                 if isinstance(outcome, BaseException) and unreachable(outcome):

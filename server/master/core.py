@@ -90,6 +90,7 @@ from kvstore.protocol import (
     Stats,
     StatsReply,
 )
+from kvstore.ratelog import RateLimitedLog
 from kvstore.tenants import Tenant
 from kvstore.write_ids import check_write_id, check_write_ids, same_write
 from server.master.commands import Commands, Lane
@@ -103,7 +104,8 @@ log = logging.getLogger("kvstore.master")
 
 SLOW_SETTLE_S = 0.1
 """A remove (or revoke) whose drops took longer than this to settle is logged with where the time
-went: waiting for daemons to confirm or for a frozen node's key lease to lapse, or etcd."""
+went: waiting for daemons to confirm or for a frozen node's key lease to lapse, or etcd (the first
+over this and the first over twice this every 10 s; the others counted)."""
 
 # A put waits for at most this many rounds of evictions before its keys fail.
 _MAX_EVICTION_ROUNDS = 64
@@ -164,6 +166,8 @@ class MasterCore:
         self.loop_stall_max: Callable[[], float] | None = None
         """The longest the event loop went without turning, in seconds (the service's probe), for Stats."""
         self._saving_records = asyncio.Lock()
+        self._slow = RateLimitedLog(log, interval_s=10.0)
+        """Slow settles: the first of each kind every 10 s, the others counted."""
         self._holds_of: PlacementTable | None = None
         self._holds: dict[str, bytes | None] = {}
         self._unplaced: Counter[str] = Counter()
@@ -814,7 +818,8 @@ class MasterCore:
         for key in lapsed:
             self.table.detach(key)
         if (took := time.monotonic() - began) > SLOW_SETTLE_S:
-            log.warning(
+            self._slow.warning(
+                "settle over 0.2 s" if took > 2 * SLOW_SETTLE_S else "settle over 0.1 s",
                 "settling the drops of %d key(s) took %.3f s: %.3f s waiting for daemons (%d settled by a lapsed key "
                 "lease, %d unsettled), %.3f s keeping node records in etcd", len(keys), took, waited - began,
                 len(lapsed), len(pending), took - (waited - began),

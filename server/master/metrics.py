@@ -15,10 +15,13 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from kvstore.ratelog import RateLimitedLog
+
 log = logging.getLogger("kvstore.master")
 
 STALL_LOG_S = 0.1
-"""A stall of the master's event loop longer than this is logged (every client waited that long)."""
+"""A stall of the master's event loop longer than this is logged (every client waited that long; the
+first every 10 s, the others counted)."""
 
 HISTORY_SECONDS = 300
 
@@ -57,6 +60,7 @@ class LoopStalls:
         """The longest stall since the start."""
         self.histogram = LatencyHistogram()
         """Every probe's lateness."""
+        self._log = RateLimitedLog(log, interval_s=10.0)
         self._late: deque[tuple[float, float]] = deque()
         """(when it was seen, time.monotonic(); how late) of the probes late by over a period, in order."""
 
@@ -67,8 +71,8 @@ class LoopStalls:
         if late_s > self.period_s:
             self._late.append((time.monotonic(), late_s))
             if late_s > STALL_LOG_S:
-                log.warning("the master's event loop did not turn for %.3f s (one request's work, a collection, "
-                            "or the machine): every request waited", late_s)  # fmt: skip
+                self._log.warning("stall", "the master's event loop did not turn for %.3f s (one request's work, a "
+                                  "collection, or the machine): every request waited", late_s)  # fmt: skip
 
     def recent_s(self, window_s: float) -> float:
         """The longest stall seen within the last ``window_s`` (0: none past a period): silences of

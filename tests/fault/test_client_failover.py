@@ -93,10 +93,10 @@ def test_a_frozen_replica_is_given_up_after_the_failover_patience_not_the_timeou
 
 @pytest.mark.parametrize("face", FACES)
 def test_after_a_node_failed_a_read_its_single_copies_miss_at_once(cluster: LocalCluster, face: str) -> None:
-    """Blocks with one copy on a frozen node: the first read waits the client's timeout and misses;
-    from then on (for a second, or until it answers) the client suspects that node, so another such
-    block is a miss within the failover patience, not another whole timeout; blocks with a copy
-    elsewhere are read there."""
+    """Blocks with one copy on a frozen node: the first read, past its patience, asks the master,
+    which suspects the node once it missed three heartbeats, and misses; from then on (for a second,
+    or until it answers) the client suspects that node, so another such block is a miss within the
+    failover patience, not a whole timeout; blocks with a copy elsewhere are read there."""
     node = cluster.node_name(0)
     daemon = cluster.daemons[0]
     assert daemon is not None
@@ -108,7 +108,7 @@ def test_after_a_node_failed_a_read_its_single_copies_miss_at_once(cluster: Loca
     with connect_client(face, cluster.master_address, ClientConfig(transport="tcp", timeout_s=timeout)) as reader:
         daemon.send_signal(signal.SIGSTOP)
         try:
-            assert reader.get(f"alone-{face}-0") is None  # waited the timeout: the node is suspected now
+            assert reader.get(f"alone-{face}-0") is None  # the master suspects the node: so does the client now
             began = time.monotonic()
             assert reader.get(f"alone-{face}-1") is None
             assert reader.get_many([f"alone-{face}-2", *keys], verify=True) == [None, *data]

@@ -484,6 +484,16 @@ def test_a_last_copy_on_a_node_that_does_not_begin_answering_is_confirmed_with_t
     assert all(not m.lease for m in asked[1:])
 
 
+def test_a_confirm_patience_past_the_timeout_is_the_whole_timeout() -> None:
+    """With a failover of 3 s and a timeout of 5 s, the second asking's 6 s would pass the timeout:
+    the read waits the whole timeout instead (a patience longer than it would outlive the link's)."""
+    one_copy = GetReplicasReply([10], [checksum(DATA)], [1], ["node0"], [A.address], ["dram"], [0], 0, 0)
+    core = ClientCore(ClientConfig(failover_ms=3000, timeout_s=5.0), OverTcp())
+    answer, jobs = _two_node_reads(lambda node_id, patience: [Timeout("node0 is slow")] if patience else None)
+    assert drive(core.get_many(["k"], verify=True), lambda e: one_copy if isinstance(e, Call) else answer(e)) == [DATA]
+    assert jobs == [("node0", 3.0), ("node0", 0.0)]
+
+
 @pytest.mark.parametrize("failure", [ConnectionFailed("node0 is gone"), NotReady("node0's lease lapsed")])
 def test_a_last_replica_after_another_failed_is_waited_for_without_a_second_look(failure: Exception) -> None:
     """A node0 that failed instead of answering (gone, refusing) says nothing of the key: node1's
