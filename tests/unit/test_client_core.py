@@ -239,6 +239,31 @@ def _on_two_nodes(data: bytes) -> GetReplicasReply:
     )
 
 
+def _on_node0(data: bytes) -> GetReplicasReply:
+    """The master's answer for one block "k" of ``data`` whose one copy is on node0."""
+    return GetReplicasReply([10], [checksum(data)], [1], ["node0"], [A.address], ["dram"], [0], 0, 0)
+
+
+def _asking_master(
+    answer: Callable[[Effect], Any], again: GetReplicasReply | Exception
+) -> tuple[Callable[[Effect], Any], list[GetReplicas]]:
+    """``answer`` with the master asked again: every GetReplicas after the first answered ``again``
+    (raised, when an exception); and the GetReplicas it was asked, in order."""
+    asked: list[GetReplicas] = []
+
+    def with_master(effect: Effect) -> Any:
+        if isinstance(effect, Call):
+            assert isinstance(effect.message, GetReplicas)
+            asked.append(effect.message)
+            if len(asked) > 1:
+                if isinstance(again, Exception):
+                    raise again
+                return again
+        return answer(effect)
+
+    return with_master, asked
+
+
 def _located_job(effect: Effect, data: bytes) -> ReadLocated | None:
     """The one ReadLocated job of ``effect``; None for the master's call (answer :func:`_on_two_nodes`)."""
     if isinstance(effect, Call):
@@ -394,7 +419,6 @@ def test_a_last_replica_after_another_answered_it_does_not_hold_the_block_is_rea
     read = None if again in ("removed", "put_again") else DATA
     core = _hedging_core()
     hedge = core.read_patience_s
-    asked: list[GetReplicas] = []
 
     def node(node_id: str, patience: float) -> Any:
         if node_id == "node0":
@@ -404,17 +428,7 @@ def test_a_last_replica_after_another_answered_it_does_not_hold_the_block_is_rea
         return None
 
     answer, jobs = _two_node_reads(node)
-
-    def with_master(effect: Effect) -> Any:
-        if isinstance(effect, Call):
-            assert isinstance(effect.message, GetReplicas)
-            asked.append(effect.message)
-            if len(asked) == 2:
-                if isinstance(reply, Exception):
-                    raise reply
-                return reply
-        return answer(effect)
-
+    with_master, asked = _asking_master(answer, reply)
     assert drive(core.get_many(["k"], verify=True), with_master) == [read]
     assert [m.keys for m in asked] == [["k"], ["k"]] and not asked[1].lease
     then = [] if read is None else [("node2", core.failover_s)] if again == "moved" else [("node1", core.failover_s)]
@@ -426,7 +440,7 @@ def test_a_keys_one_copy_on_a_node_given_up_lately_is_a_miss_within_the_failover
     reads there do not begin within their patience; nothing fails, the packets are dropped): a miss
     within the failover patience, not a wait of the whole timeout (4.7 s in bench.chaos's client
     cut). On a node not given up, the one copy is waited for (a first attempt, not a failed one)."""
-    one_copy = GetReplicasReply([10], [checksum(DATA)], [1], ["node0"], [A.address], ["dram"], [0], 0, 0)
+    one_copy = _on_node0(DATA)
     core = _hedging_core()
 
     def node(node_id: str, patience: float) -> Any:
@@ -452,27 +466,18 @@ def test_a_last_copy_on_a_node_that_does_not_begin_answering_is_confirmed_with_t
     daemon SIGSTOP); a node it hears from is read again with twice the patience, four times, then
     waited for the whole timeout (a slow read of a live node completes); a master that
     does not answer (a leader's fault) leaves the read to the whole timeout."""
-    one_copy = GetReplicasReply([10], [checksum(DATA)], [1], ["node0"], [A.address], ["dram"], [0], 0, 0)
+    one_copy = _on_node0(DATA)
     core = _hedging_core()
     fail = core.failover_s
-    asked: list[GetReplicas] = []
-
-    def node(node_id: str, patience: float) -> Any:
-        return [Timeout("node0 is frozen")] if patience else None  # a live node answers the whole wait
-
-    answer, jobs = _two_node_reads(node)
-
-    def with_master(effect: Effect) -> Any:
-        if isinstance(effect, Call):
-            assert isinstance(effect.message, GetReplicas)
-            asked.append(effect.message)
-            if len(asked) == 1:
-                return one_copy
-            if master == "no_answer":
-                raise Timeout("the master did not answer")
-            return one_copy if master == "hears_it" else structs.replace(one_copy, suspects=["node0"])
-        return answer(effect)
-
+    answer, jobs = _two_node_reads(
+        lambda node_id, patience: [Timeout("node0 is frozen")] if patience else None  # live: answers the whole wait
+    )
+    again = {
+        "suspects_it": structs.replace(one_copy, suspects=["node0"]),
+        "hears_it": one_copy,
+        "no_answer": Timeout("the master did not answer"),
+    }[master]
+    with_master, asked = _asking_master(lambda e: one_copy if isinstance(e, Call) else answer(e), again)
     got = drive(core.get_many(["k"], verify=True), with_master)
     if master == "suspects_it":
         assert got == [None] and jobs == [("node0", fail)] and len(asked) == 2 and core.suspected("node0")
@@ -487,7 +492,7 @@ def test_a_last_copy_on_a_node_that_does_not_begin_answering_is_confirmed_with_t
 def test_a_confirm_patience_past_the_timeout_is_the_whole_timeout() -> None:
     """With a failover of 3 s and a timeout of 5 s, the second asking's 6 s would pass the timeout:
     the read waits the whole timeout instead (a patience longer than it would outlive the link's)."""
-    one_copy = GetReplicasReply([10], [checksum(DATA)], [1], ["node0"], [A.address], ["dram"], [0], 0, 0)
+    one_copy = _on_node0(DATA)
     core = ClientCore(ClientConfig(failover_ms=3000, timeout_s=5.0), OverTcp())
     answer, jobs = _two_node_reads(lambda node_id, patience: [Timeout("node0 is slow")] if patience else None)
     assert drive(core.get_many(["k"], verify=True), lambda e: one_copy if isinstance(e, Call) else answer(e)) == [DATA]
