@@ -63,7 +63,7 @@ def phase(pid: int, keys: list[str], batch: int, call: Callable[[list[str], int]
 
 
 def kvstore_ops(master: str, size: int, data: np.ndarray) -> tuple[Any, ...]:
-    from kvstore.node_store import PutStatus
+    from kvstore.results import PutStatus
     from kvstore_client.store import Store
 
     store = Store.connect(master)

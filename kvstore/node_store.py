@@ -26,7 +26,6 @@ tier; each tier's LRU holds exactly that tier's keys with their sizes.
 
 from __future__ import annotations
 
-import enum
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -39,26 +38,11 @@ from kvstore.errors import CapacityError, CorruptBlock, InvalidArgument, NotFoun
 from kvstore.keys import BlockKey, checksum, validate_key
 from kvstore.lru import LRU
 from kvstore.policy import Action, ActionKind, EvictionPolicy, TierName, TierView
+from kvstore.results import PutStatus
 from kvstore.tiers.base import Tier
 from kvstore.tiers.dram import DramArena
 from kvstore.tiers.engine import TierEngine
 from kvstore.tiers.ssd import SsdTier
-
-
-class PutStatus(enum.Enum):
-    STORED = "stored"
-    """This put's bytes are committed: any client reads them until they are removed or evicted. A
-    ``cached`` put (``PutOptions.mode``) is STORED once its bytes are checked and committed in its
-    daemon's arena: the writer reads them at once; other clients may miss the key (never read other
-    bytes) until the master learns of it, a few ms later (``Store.flush`` waits for that). A daemon
-    that dies before telling the master brings the block back with its inventory when it returns;
-    where the master refuses it (another writer's block is under the key), the daemon drops it and
-    the store keeps the other block (kvstore_daemon_cached_refused)."""
-    EXISTS = "exists"
-    """This put wrote nothing: the key is stored, or another put of it is being written (whose
-    outcome decides what, if anything, is stored). A put compares a stored block with its own bytes
-    where its write went out, and answers STORED when they match; under a fault (a leader or a
-    daemon stopped mid-commit) an earlier attempt of it may still have landed unseen."""
 
 
 @dataclass(frozen=True, slots=True)

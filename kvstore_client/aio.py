@@ -23,7 +23,6 @@ from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError, NotLeader, ProtocolError, StoreClosed
 from kvstore.events import EngineBlock
 from kvstore.keys import checksum
-from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     FlushCommits,
     GetTicket,
@@ -40,6 +39,7 @@ from kvstore.protocol import (
     TicketReply,
     WriteReply,
 )
+from kvstore.results import PutStatus
 from kvstore_client.core import ClientCore, OverTcp
 from kvstore_client.credentials import Tickets, master_credential
 from kvstore_client.effects import (

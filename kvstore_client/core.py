@@ -42,7 +42,6 @@ from kvstore.errors import (
 )
 from kvstore.events import EngineBlock
 from kvstore.keys import BlockKey, checksum, validate_key
-from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     MAX_BATCH_KEYS,
     PUT_EXISTS,
@@ -84,6 +83,7 @@ from kvstore.protocol import (
     Stats,
     StatsReply,
 )
+from kvstore.results import PutStatus
 from kvstore.write_ids import next_write_id, same_write
 from kvstore_client.effects import (
     WRITE_FLOOR_BPS,

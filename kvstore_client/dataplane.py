@@ -16,11 +16,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstore.arena_format import ArenaMapping
 from kvstore.auth import Credential
 from kvstore.config import ClientConfig
 from kvstore.errors import ProtocolError
 from kvstore.protocol import FlushCommits, NodeInfo, OkReply, PutReply, ReadReply, ReplicaRef, WriteReply
-from kvstore.tiers.dram import ArenaMapping
 from kvstore_client.effects import (
     Block,
     Direct,

@@ -22,8 +22,8 @@ from kvstore.errors import (
     error_from_code,
 )
 from kvstore.keys import BlockKey, validate_key
-from kvstore.node_store import PutStatus
 from kvstore.protocol import PUT_EXISTS, PUT_STORED, PutStartReply, Replica
+from kvstore.results import PutStatus
 
 Items = list[tuple[BlockKey, memoryview]]
 Place = tuple[str, str]

@@ -22,7 +22,6 @@ from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError, StoreClosed
 from kvstore.events import EngineBlock
 from kvstore.keys import checksum
-from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     GetTicket,
     LocatedRef,
@@ -37,6 +36,7 @@ from kvstore.protocol import (
     StatsReply,
     TicketReply,
 )
+from kvstore.results import PutStatus
 from kvstore_client.core import ClientCore
 from kvstore_client.credentials import Tickets, master_credential
 from kvstore_client.dataplane import DataPath, PathSelector

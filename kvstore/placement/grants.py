@@ -18,7 +18,6 @@ from kvstore.allocator import Extent
 from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, KVStoreError, NoNodes, RetryLater
 from kvstore.keys import validate_key
 from kvstore.placement.records import MAX_CHECKSUM
-from kvstore.placement.results import PUT_EXISTS, PUT_STORED
 from kvstore.placement.state import (
     DRAM,
     Catalog,
@@ -31,6 +30,7 @@ from kvstore.placement.state import (
 )
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import Strategy
+from kvstore.results import PUT_EXISTS, PUT_STORED
 from kvstore.write_ids import check_write_ids, same_write
 
 

@@ -30,9 +30,9 @@ from kvstore.allocator import Allocator, Extent, align_up
 from kvstore.errors import InvalidArgument, InvalidKey
 from kvstore.keys import validate_key
 from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_DROPPING, T_DRAM
-from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry
 from kvstore.policy import ActionKind, TierName
+from kvstore.results import HeldBlock
 from kvstore.write_ids import MAX_WRITE_ID
 
 Gone = set[tuple[str, TierName, int]]

@@ -31,10 +31,10 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, validate_keys
 from kvstore.placement.leases import Holder, LeaseId
 from kvstore.placement.records import COMMITTED, REMOVING, S_COPYING, S_READY, T_DRAM, T_SSD, TierLRU
-from kvstore.placement.results import NodePrefix, PrefixMatch, ReplicaLookup
 from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry, ReplicaState
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import EvictionPolicy
+from kvstore.results import NodePrefix, PrefixMatch, ReplicaLookup
 
 _DRAM_NAME, _SSD_NAME = DRAM.value, SSD.value
 """Each tier's name, as a reply carries it (an Enum's ``value`` is a Python-level property)."""

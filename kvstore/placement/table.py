@@ -37,7 +37,6 @@ from kvstore.placement.moves import Moves
 from kvstore.placement.nodes import Membership, NodeRecord
 from kvstore.placement.reads import Reads
 from kvstore.placement.records import COMMITTED, REMOVING
-from kvstore.placement.results import HeldBlock, PrefixMatch, ReplicaLookup
 from kvstore.placement.state import (
     Catalog,
     Eviction,
@@ -52,6 +51,7 @@ from kvstore.placement.state import (
 from kvstore.placement.tiering import Tiering
 from kvstore.placement.writes import PLACEMENT_STRATEGIES, PutPlan, Writes
 from kvstore.policy import EvictionPolicy, TierName
+from kvstore.results import HeldBlock, PrefixMatch, ReplicaLookup
 
 LABELS_UNPLACED = 65_536
 """Labels (:meth:`PlacementTable.label`) kept for keys not in the table (a put about to write them)."""

@@ -26,7 +26,6 @@ from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes
 from kvstore.keys import BlockKey, validate_key, validate_keys
 from kvstore.placement.leases import LeaseId
 from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_COPYING, TierLRU, gather, scatter
-from kvstore.placement.results import PlacedReplica, Ticket
 from kvstore.placement.state import (
     DRAM,
     TIERS,
@@ -40,6 +39,7 @@ from kvstore.placement.state import (
 )
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import ActionKind, TierName
+from kvstore.results import PlacedReplica, Ticket
 
 Strategy = Callable[[list[NodeState], str | None, random.Random], list[NodeState]]
 """Orders the nodes a put or a grant may go to, most preferred first."""

@@ -9,9 +9,9 @@ their time is up, when returned (:class:`ReturnGrants`) or when the master ends 
 
 from __future__ import annotations
 
-from kvstore.placement.results import PUT_EXISTS as PUT_EXISTS  # the table's, re-exported
-from kvstore.placement.results import PUT_STORED as PUT_STORED
 from kvstore.protocol.base import Message
+from kvstore.results import PUT_EXISTS as PUT_EXISTS  # the commit codes the table answers, re-exported
+from kvstore.results import PUT_STORED as PUT_STORED
 
 
 class GrantSpace(Message, tag=70, frozen=True):

@@ -14,8 +14,8 @@ import msgspec
 
 from kvstore.errors import ProtocolError
 from kvstore.events import EngineBlock
-from kvstore.placement.results import ReplicaLookup, Ticket
 from kvstore.protocol.base import Message, PutTicket, Replica
+from kvstore.results import ReplicaLookup, Ticket
 
 
 class PutStart(Message, tag=20, frozen=True):

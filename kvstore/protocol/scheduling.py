@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from kvstore.errors import ProtocolError
-from kvstore.placement.results import NodePrefix as NodePrefix
-from kvstore.placement.results import PrefixMatch as PrefixMatch
 from kvstore.protocol.base import Message
+from kvstore.results import NodePrefix as NodePrefix
+from kvstore.results import PrefixMatch as PrefixMatch
 
 
 class MatchPrefixNodes(Message, tag=45, frozen=True):

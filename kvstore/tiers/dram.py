@@ -1,11 +1,8 @@
 """The DRAM tier: an arena of block bytes and its index in one shared-memory file.
 
-File layout (``<shm_dir>/kvstore-<name>.arena``, little-endian)::
-
-    [0, 4096)             header: magic, version, geometry, xxh3 of the header
-    [4096, data_offset)   base index: 16-byte cells, BASE_CELLS_PER_SLOT per DramConfig.num_slots
-    [data_offset, +cap)   data region, carved by :class:`kvstore.allocator.Allocator`
-    [page past it, EOF)   overflow index: grown on demand, the file's size says how many cells
+The file (``<shm_dir>/kvstore-<name>.arena``) is a header, a base index, the data region and an
+overflow index; its layout and header are defined in :mod:`kvstore.arena_format`, with which a
+same-host client maps the data region without loading this module.
 
 The index (:mod:`kvstore.tiers.slots`) is a record of 2 cells and the key's (48 bytes a block
 for a key of up to 19 bytes) per block; it grows as blocks need records, so it is sized by
@@ -31,16 +28,14 @@ import contextlib
 import fcntl
 import mmap
 import os
-import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
-import xxhash
 
 from kvstore.allocator import Allocator, Extent, ExtentSet, align_up
+from kvstore.arena_format import CELL, HEADER_SIZE, Geometry, backed, encode_header, read_header
+from kvstore.arena_format import page_round as _page_round
 from kvstore.config import DramConfig
 from kvstore.errors import (
     BufferTooSmall,
@@ -57,10 +52,8 @@ from kvstore.resources import RESERVE_CHUNK, reserve
 from kvstore.tiers.arena_files import arena_path
 from kvstore.tiers.base import BlockRecord, IndexedTier
 from kvstore.tiers.slots import (
-    CELL,
     COMMITTED,
     FREE,
-    HEADER_SIZE,
     KEY,
     MAX_OFFSET,
     MAX_SEQ,
@@ -72,17 +65,11 @@ from kvstore.tiers.slots import (
     SlotTable,
     encode_head,
     encode_key,
-    overflow_cells,
     record_cells,
 )
-from kvstore.tiers.slots import page_round as _page_round
 
-MAGIC = b"KVSARENA"
-VERSION = 2
 BASE_CELLS_PER_SLOT = 4
 """Cells of a new arena's base index per ``DramConfig.num_slots``: a block with a key of up to 34 bytes."""
-_HEADER = struct.Struct("<8sIIQQIIQ")  # magic, version, cell size, capacity, base cells, alignment, pad, data_offset
-_HEADER_SUM = struct.Struct("<Q")
 
 
 @dataclass(slots=True)
@@ -117,94 +104,6 @@ def capacity_within(config: DramConfig, total: int) -> int:
     while capacity > 0 and arena_size(config.model_copy(update={"capacity": capacity})) > total:
         capacity -= mib
     return capacity
-
-
-def backed(fd: int, total: int) -> bool:
-    """Whether the first ``total`` bytes of the file at ``fd`` are all allocated (no hole a write
-    could fault on): tmpfs counts a file's allocated pages in its blocks."""
-    return os.fstat(fd).st_blocks * 512 >= _page_round(total)
-
-
-class _Geometry(NamedTuple):
-    capacity: int
-    base_cells: int
-    alignment: int
-    data_offset: int
-    data_end: int
-    overflow_cells: int
-
-
-def _check_header(path: Path | str, fd: int) -> _Geometry:
-    """The geometry of the arena open at ``fd``, all checked."""
-    size = os.fstat(fd).st_size
-    if size < HEADER_SIZE:
-        raise CorruptStore(f"DRAM arena {path} is truncated: {size} bytes, smaller than its header")
-    header = os.pread(fd, _HEADER.size + _HEADER_SUM.size, 0)
-    magic, version, cell_size, capacity, num_cells, alignment, _, data_offset = _HEADER.unpack_from(header)
-    if magic != MAGIC:
-        raise CorruptStore(f"{path} is not a kvstore DRAM arena (magic {magic!r})")
-    (stored_sum,) = _HEADER_SUM.unpack_from(header, _HEADER.size)
-    if stored_sum != xxhash.xxh3_64_intdigest(header[: _HEADER.size]):
-        raise CorruptStore(f"DRAM arena {path} has a corrupt header (checksum mismatch)")
-    if version != VERSION or cell_size != CELL:
-        name = Path(path).name.removeprefix("kvstore-").removesuffix(".arena")
-        raise CorruptStore(
-            f"DRAM arena {path} has format version {version}; this kvstore reads {VERSION}. Its blocks cannot"
-            f" be served: remove it with `kvstore daemon --remove-arena {name}` (or start under another --name)"
-        )
-    expected_data_offset = _page_round(HEADER_SIZE + num_cells * CELL)
-    if data_offset != expected_data_offset:
-        raise CorruptStore(f"DRAM arena {path} has an inconsistent header (data offset {data_offset})")
-    data_end = data_offset + capacity
-    return _Geometry(capacity, num_cells, alignment, data_offset, data_end, overflow_cells(path, data_end, size))
-
-
-class ArenaMapping:
-    """Another process's arena, mapped for same-host transfers: the data region only, no index, no lock.
-
-    Whoever maps it must be told where blocks are (the master's extents) and
-    when they are safe to touch (leases for reads, reservations for writes).
-    """
-
-    def __init__(self, path: Path | str, writable: bool = True) -> None:
-        """``writable``: map it for writes too (the cluster's own clients); a tenant's client maps
-        it read-only and writes through the daemon's socket."""
-        self.path = str(path)
-        self.writable = writable
-        try:
-            fd = os.open(self.path, os.O_RDWR if writable else os.O_RDONLY)
-        except OSError as exc:
-            raise CorruptStore(f"cannot open DRAM arena {self.path}: {exc.strerror}") from None
-        try:
-            geometry = _check_header(self.path, fd)
-            self.capacity, self.alignment, self.data_offset = (
-                geometry.capacity,
-                geometry.alignment,
-                geometry.data_offset,
-            )
-            total = geometry.data_end  # the data region only: the slots are the daemon's
-            if not backed(fd, total):  # a write to a page tmpfs cannot back would kill this process (SIGBUS)
-                raise ResourceShortage(f"DRAM arena {self.path} is not wholly backed by memory: not mapped")
-            self.inode = os.fstat(fd).st_ino
-            # MAP_POPULATE: map every page now, or each first touch of a page costs a fault (measured:
-            # same-host puts of fresh extents ran at 2 GB/s with faults, against memcpy's 15-25 GB/s).
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mm = mmap.mmap(fd, total, flags, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
-        finally:
-            os.close(fd)
-        self._buf = memoryview(self._mm)
-
-    def extent(self, offset: int, size: int) -> memoryview:
-        """A view of ``size`` bytes at ``offset`` in the data region; raises when that is out of bounds."""
-        if offset < 0 or size < 0 or offset + size > self.capacity:
-            raise InvalidArgument(f"extent ({offset}, {size}) is outside DRAM arena {self.path}")
-        start = self.data_offset + offset
-        return self._buf[start : start + size]
-
-    def close(self) -> None:
-        """Unmap; raises BufferError while a view from :meth:`extent` is still alive."""
-        self._buf.release()
-        self._mm.close()
 
 
 class DramArena(IndexedTier[_Slot]):
@@ -275,10 +174,8 @@ class DramArena(IndexedTier[_Slot]):
             os.ftruncate(fd, total)
             # Every page now, or a write to a page tmpfs cannot back kills the writer with SIGBUS.
             reserve(fd, total, f"DRAM arena {self.path}")
-            header = _HEADER.pack(
-                MAGIC, VERSION, CELL, self.capacity, base_cells(self.config), self.config.alignment, 0, data_offset
-            )
-            os.pwrite(fd, header + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(header)), 0)
+            header = encode_header(self.capacity, base_cells(self.config), self.config.alignment, data_offset)
+            os.pwrite(fd, header, 0)
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
@@ -300,7 +197,7 @@ class DramArena(IndexedTier[_Slot]):
         return fd
 
     def _map_and_check(self) -> mmap.mmap:
-        g = _check_header(self.path, self._fd)
+        g = read_header(self.path, self._fd)
         if (g.capacity, g.alignment) != (self.capacity, self.config.alignment):
             raise ConfigError(
                 f"DRAM arena {self.path} was created with capacity={g.capacity}, alignment={g.alignment}; the"
@@ -330,7 +227,7 @@ class DramArena(IndexedTier[_Slot]):
             raise
         return mm
 
-    def _trim_free_tail(self, g: _Geometry) -> int:
+    def _trim_free_tail(self, g: Geometry) -> int:
         """Cut the free cells at the end of the overflow index off the file; the cells it keeps.
         Read backwards with pread, which answers zeros for pages never reserved (a fault on a
         mapping of them would have to allocate them, and SIGBUS where memory is short)."""

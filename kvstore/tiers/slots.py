@@ -42,11 +42,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.errors import CorruptStore, ResourceShortage
+from kvstore.arena_format import CELL, HEADER_SIZE, page_round
+from kvstore.errors import ResourceShortage
 from kvstore.resources import reserve
 
-HEADER_SIZE = 4096
-CELL = 16
 KEY_PER_CELL = 15
 HEAD_CELLS = 2
 KEY_IN_HEAD = 4
@@ -101,25 +100,6 @@ def encode_key(raw_key: bytes) -> bytes:
         b"\xff" + raw_key[i : i + KEY_PER_CELL].ljust(KEY_PER_CELL, b"\0")
         for i in range(KEY_IN_HEAD, len(raw_key), KEY_PER_CELL)
     )
-
-
-def page_round(n: int) -> int:
-    return (n + 4095) & ~4095
-
-
-def overflow_cells(path: Path | str, data_end: int, size: int) -> int:
-    """How many overflow cells a file of ``size`` bytes whose data region ends at ``data_end`` holds;
-    raises :class:`CorruptStore` when the size fits no table."""
-    if size < data_end:
-        raise CorruptStore(f"DRAM arena {path} is {size} bytes; its header says {data_end} (truncated?)")
-    if size == data_end:
-        return 0
-    extra = size - page_round(data_end)
-    if extra <= 0 or extra % CELL:
-        raise CorruptStore(
-            f"DRAM arena {path} is {size} bytes: {size - data_end} past its data region, not a whole index table"
-        )
-    return extra // CELL
 
 
 class SlotTable:

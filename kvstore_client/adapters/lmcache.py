@@ -46,7 +46,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from kvstore.config import ClientConfig
 from kvstore.errors import KVStoreError
 from kvstore.keys import MAX_KEY_BYTES
-from kvstore.node_store import PutStatus
+from kvstore.results import PutStatus
 from kvstore_client.store import PutOptions, Store
 
 if TYPE_CHECKING:

@@ -59,7 +59,7 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from kvstore.config import ClientConfig
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.node_store import PutStatus
+from kvstore.results import PutStatus
 from kvstore_client.store import Store
 
 log = logging.getLogger(__name__)

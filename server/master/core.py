@@ -38,7 +38,6 @@ from kvstore.keys import validate_keys
 from kvstore.placement import quotas
 from kvstore.placement.leases import LeaseId
 from kvstore.placement.nodes import EVERYTHING, NodeRecord
-from kvstore.placement.results import Ticket
 from kvstore.placement.state import Grant, Move, NodeCommand, charged
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, TierName
@@ -91,6 +90,7 @@ from kvstore.protocol import (
     StatsReply,
 )
 from kvstore.ratelog import RateLimitedLog
+from kvstore.results import Ticket
 from kvstore.tenants import Tenant
 from kvstore.write_ids import check_write_id, check_write_ids, same_write
 from server.master.commands import Commands, Lane

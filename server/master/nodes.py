@@ -19,11 +19,11 @@ from types import MappingProxyType
 from msgspec.structs import replace
 
 from kvstore.auth import Credential
-from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import NodeCommand, NodeState
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import TierName
 from kvstore.protocol import InventoryItem, MasterHello, NodeInfo, RegisterNode
+from kvstore.results import HeldBlock
 from transfer.aio import AsyncConnection
 
 

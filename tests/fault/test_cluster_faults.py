@@ -20,8 +20,8 @@ import pytest
 
 from kvstore.config import ClientConfig
 from kvstore.errors import ProtocolError
-from kvstore.node_store import PutStatus
 from kvstore.protocol import FRAME_HEADER, PutStart, PutStartReply, Stats, StatsReply, encode
+from kvstore.results import PutStatus
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.puts import PutOptions
 from kvstore_client.store import Store

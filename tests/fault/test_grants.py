@@ -13,8 +13,8 @@ import pytest
 from kvstore.config import ClientConfig
 from kvstore.errors import GrantExpired, InvalidArgument, Timeout
 from kvstore.keys import checksum
-from kvstore.node_store import PutStatus
 from kvstore.protocol import PUT_EXISTS, PUT_STORED, GrantReply, GrantSpace, PutReply, WriteGranted
+from kvstore.results import PutStatus
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.aio import AsyncStore
 from kvstore_client.core import ClientCore

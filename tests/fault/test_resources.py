@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.node_store import PutStatus
+from kvstore.results import PutStatus
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.store import Store
 from tests.conftest import admin_call

@@ -16,7 +16,6 @@ from kvstore.auth import Credential, cluster_credential, read_secret_file, tenan
 from kvstore.config import ClientConfig
 from kvstore.errors import AuthFailed, KVStoreError, PermissionDenied, QuotaExceeded
 from kvstore.keys import checksum
-from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     AuthHello,
     CommitBlocks,
@@ -39,6 +38,7 @@ from kvstore.protocol import (
     WriteBlocks,
     WriteGranted,
 )
+from kvstore.results import PutStatus
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import PutOptions, Store
 from tests.conftest import admin_call

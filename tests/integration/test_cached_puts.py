@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore.config import ClientConfig
-from kvstore.node_store import PutStatus
+from kvstore.results import PutStatus
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import PutOptions, Store
 from tests.conftest import FACES, connect_client

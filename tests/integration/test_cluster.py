@@ -16,7 +16,7 @@ import pytest
 from kvstore.config import ClientConfig
 from kvstore.errors import BufferTooSmall, CorruptBlock, InvalidArgument, InvalidKey, NoNodes, StoreClosed
 from kvstore.keys import block_keys
-from kvstore.node_store import PutStatus
+from kvstore.results import PutStatus
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client.aio import AsyncStore
 from kvstore_client.core import ClientCore

@@ -20,8 +20,8 @@ import pytest
 
 from kvstore.config import ClientConfig, MasterConfig
 from kvstore.errors import ConfigError, KVStoreError, NotLeader, Timeout
-from kvstore.node_store import PutStatus
 from kvstore.protocol import Exists, ExistsReply, Stats, StatsReply
+from kvstore.results import PutStatus
 from kvstore_cli.cluster import LocalCluster, LocalEtcd, free_port
 from kvstore_client import PutOptions, Store
 from tests.conftest import FACES, admin_call, connect_client

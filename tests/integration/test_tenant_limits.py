@@ -15,7 +15,6 @@ from bench.frames import REQUEST_IDS, ask, raw, ticket
 from kvstore.auth import tenant_credential
 from kvstore.config import ClientConfig
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, QuotaExceeded
-from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     FRAME_HEADER,
     MAX_BATCH_KEYS,
@@ -33,6 +32,7 @@ from kvstore.protocol import (
     StatsReply,
     WriteSlices,
 )
+from kvstore.results import PutStatus
 from kvstore.tenants import set_tenant
 from kvstore_cli.cluster import LocalCluster
 from kvstore_client import PutOptions, Store

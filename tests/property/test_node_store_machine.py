@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore.errors import CapacityError
-from kvstore.node_store import NodeStore, PutStatus
+from kvstore.node_store import NodeStore
 from kvstore.policy import TierName
+from kvstore.results import PutStatus
 from kvstore.tiers.dram import DramArena
 from tests.conftest import node_config
 

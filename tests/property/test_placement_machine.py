@@ -15,10 +15,10 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstore.placement.results import HeldBlock, NodePrefix, PrefixMatch
 from kvstore.placement.state import Move, NodeCommand, ReplicaStatus
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy, TierName
+from kvstore.results import HeldBlock, NodePrefix, PrefixMatch
 
 KEYS = st.sampled_from([f"k{i}" for i in range(12)])
 SIZES = st.sampled_from([512, 1024, 1500, 2048])

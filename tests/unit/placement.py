@@ -3,11 +3,11 @@ daemons' answers to its commands."""
 
 from __future__ import annotations
 
-from kvstore.placement.results import HeldBlock, ReplicaLookup, Ticket
 from kvstore.placement.state import Move, NodeCommand
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import EvictionPolicy, TierName
 from kvstore.protocol import GetReplicasReply, LocatedRef
+from kvstore.results import HeldBlock, ReplicaLookup, Ticket
 
 KB = 1024
 DRAM, SSD = TierName.DRAM, TierName.SSD

@@ -12,7 +12,6 @@ from msgspec import structs
 from kvstore.config import ClientConfig
 from kvstore.errors import ConnectionFailed, InvalidArgument, NotLeader, NotReady, ProtocolError, Timeout
 from kvstore.keys import checksum
-from kvstore.node_store import PutStatus
 from kvstore.protocol import (
     GetReplicas,
     GetReplicasReply,
@@ -28,6 +27,7 @@ from kvstore.protocol import (
     ReplicaRef,
     ReturnGrants,
 )
+from kvstore.results import PutStatus
 from kvstore_client.core import ClientCore, OverTcp
 from kvstore_client.effects import Call, Daemons, Effect, Notify, Pause, ReadLocated, WriteReserved, drive
 from kvstore_client.grants import GrantPool, NeedGrant

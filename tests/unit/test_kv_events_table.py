@@ -17,10 +17,10 @@ from kvstore.events import (
     encode_batch,
     key_hash,
 )
-from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import NodeCommand
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import EvictionPolicy, TierName
+from kvstore.results import HeldBlock
 from tests.unit.placement import EXACT, KB, got, put, table
 
 Held = set[tuple[str, str, str]]

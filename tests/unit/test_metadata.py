@@ -5,9 +5,9 @@ from functools import partial
 import pytest
 
 from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, NoNodes, RetryLater
-from kvstore.placement.results import PUT_EXISTS, PUT_STORED, HeldBlock, NodePrefix, PrefixMatch
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
+from kvstore.results import PUT_EXISTS, PUT_STORED, HeldBlock, NodePrefix, PrefixMatch
 from tests.unit.placement import DRAM, EXACT, KB, SSD, got, leased, located, placed, put, run, table
 
 

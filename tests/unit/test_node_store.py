@@ -15,8 +15,9 @@ from kvstore.errors import (
     StoreClosed,
 )
 from kvstore.keys import BlockKey, checksum
-from kvstore.node_store import NodeStore, PutStatus
+from kvstore.node_store import NodeStore
 from kvstore.policy import TierName
+from kvstore.results import PutStatus
 from kvstore.tiers.dram import arena_path
 from tests.conftest import node_config
 

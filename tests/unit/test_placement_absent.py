@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from kvstore.errors import RetryLater
 from kvstore.placement.nodes import EVERYTHING, MAX_ABSENT_GONE, NodeRecord
-from kvstore.placement.results import HeldBlock
 from kvstore.placement.state import NodeCommand
 from kvstore.policy import ActionKind
+from kvstore.results import HeldBlock
 from tests.unit.placement import DRAM, KB, SSD, put, run, table
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import InvalidArgument, NotFound, RetryLater
-from kvstore.placement.results import HeldBlock, NodePrefix, PrefixMatch
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
+from kvstore.results import HeldBlock, NodePrefix, PrefixMatch
 from tests.unit.placement import DRAM, EXACT, KB, SSD, copy, located, placed, put, run, table
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from kvstore.errors import CapacityError, InvalidArgument
 from kvstore.placement.records import TierLRU
-from kvstore.placement.results import HeldBlock
 from kvstore.placement.table import PlacementTable
 from kvstore.policy import ActionKind, EvictionPolicy
+from kvstore.results import HeldBlock
 from tests.unit.placement import DRAM, EXACT, KB, SSD, got, located, put, run, table
 
 

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.arena_format import ArenaMapping
 from kvstore.config import DramConfig
 from kvstore.errors import CorruptStore, InvalidArgument
 from kvstore.keys import checksum
-from kvstore.tiers.dram import ArenaMapping, DramArena
+from kvstore.tiers.dram import DramArena
 from transfer import topology
 
 

@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvstore.arena_format import ArenaMapping
 from kvstore.errors import KVStoreError
 from kvstore.protocol import NodeInfo
-from kvstore.tiers.dram import ArenaMapping
 from transfer import topology
 
 log = logging.getLogger("kvstore.transfer.shm")

@@ -6,6 +6,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstore.arena_format import CELL, HEADER_SIZE, ArenaMapping
 from kvstore.config import DramConfig
 from kvstore.errors import (
     BufferTooSmall,
@@ -21,13 +22,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import BlockKey
 from kvstore.tiers.arena_files import find_arenas, remove_arena
-from kvstore.tiers.dram import (
-    HEADER_SIZE,
-    ArenaMapping,
-    DramArena,
-    arena_path,
-)
-from kvstore.tiers.slots import CELL
+from kvstore.tiers.dram import DramArena, arena_path
 
 K = BlockKey
 

@@ -1,18 +1,38 @@
-"""What the placement table takes in and hands out, in its own types.
+"""Outcomes that cross the wire or the client boundary: what a put came to, and what the placement
+table takes in and hands out.
 
-The table knows no wire format: the master's RPC layer turns these into messages
-(and messages into these) at its edge, so a change of the protocol never reaches
-the table, and the table's tests need no codec. Where a wire message carries the
-same facts, :mod:`kvstore.protocol` converts (``PutStartReply.from_tickets``,
-``GetReplicasReply.from_lookup``) or re-exports the type as it is.
+They are defined here, below the server's storage and the wire protocol alike, so that a message
+or a client names them without loading the placement table, the tiers or LMDB: the table builds
+them, :mod:`kvstore.protocol` converts them to and from messages at the master's edge
+(``PutStartReply.from_tickets``, ``GetReplicasReply.from_lookup``) or re-exports them as they are,
+and the client returns :class:`PutStatus`. The table knows no wire format, so a change of the
+protocol never reaches it, and its tests need no codec.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from kvstore.policy import TierName
+
+
+class PutStatus(enum.Enum):
+    STORED = "stored"
+    """This put's bytes are committed: any client reads them until they are removed or evicted. A
+    ``cached`` put (``PutOptions.mode``) is STORED once its bytes are checked and committed in its
+    daemon's arena: the writer reads them at once; other clients may miss the key (never read other
+    bytes) until the master learns of it, a few ms later (``Store.flush`` waits for that). A daemon
+    that dies before telling the master brings the block back with its inventory when it returns;
+    where the master refuses it (another writer's block is under the key), the daemon drops it and
+    the store keeps the other block (kvstore_daemon_cached_refused)."""
+    EXISTS = "exists"
+    """This put wrote nothing: the key is stored, or another put of it is being written (whose
+    outcome decides what, if anything, is stored). A put compares a stored block with its own bytes
+    where its write went out, and answers STORED when they match; under a fault (a leader or a
+    daemon stopped mid-commit) an earlier attempt of it may still have landed unseen."""
+
 
 PUT_STORED, PUT_EXISTS = 0, 1
 """Per-block codes of a commit into a grant (else an error code of :mod:`kvstore.errors`)."""
