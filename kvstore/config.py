@@ -646,6 +646,13 @@ class DaemonConfig(_Frozen):
     )
 
 
+WRITE_FLOOR_BPS = 100e6
+"""The slowest a write's bytes may go out before its daemon is given up: a client's two-trip write's
+patience allows its own bytes this rate (:meth:`kvstore_client.core.ClientCore.write_patience_s`),
+a request with patience on a pipelined link (:class:`transfer.link.AsyncLink`) the bytes queued
+ahead of it."""
+
+
 class ClientConfig(_Frozen):
     """The client library."""
 

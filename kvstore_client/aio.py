@@ -3,7 +3,8 @@
 Every operation is :class:`~kvstore_client.core.ClientCore`'s, as for
 :class:`~kvstore_client.store.Store`: the same methods, failover and errors. Here its effects run
 over TCP to every daemon (it asks for no leases, as every read goes through a daemon), one
-pipelined connection per peer (:class:`~kvstore_client.links.AsyncLink`); the gets by key issued
+pipelined connection per peer (:class:`~transfer.link.AsyncLink`; to the master, a
+:class:`~transfer.leader_link.LeaderLink`, which follows its leader); the gets by key issued
 to one node in the same turn of the event loop travel as one batched request, so many concurrent
 small gets cost about what one batch does. Every wait is bounded by ``ClientConfig.timeout_s``.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ssl
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Self, TypeVar
@@ -20,7 +20,7 @@ from typing import Any, Self, TypeVar
 from kvstore.auth import Credential
 from kvstore.buffers import as_view
 from kvstore.config import ClientConfig
-from kvstore.errors import KVStoreError, NotLeader, ProtocolError, StoreClosed
+from kvstore.errors import KVStoreError, ProtocolError, StoreClosed
 from kvstore.events import EngineBlock
 from kvstore.keys import checksum
 from kvstore.protocol import (
@@ -62,10 +62,11 @@ from kvstore_client.effects import (
     read_message,
     write_message,
 )
-from kvstore_client.links import AsyncCredential, AsyncLink, ReadBatcher
+from kvstore_client.links import ReadBatcher
 from kvstore_client.puts import PutOptions, write_codes
 from transfer.discovery import MasterLocator
-from transfer.rpc import LEADER_CHECK_S, Retry, after_failure, attempt_timeout
+from transfer.leader_link import LeaderLink
+from transfer.link import AsyncLink
 from transfer.tls import contexts
 
 R = TypeVar("R", bound=Message)
@@ -78,16 +79,13 @@ class AsyncStore:
         self.config = config or ClientConfig()
         # With etcd, a watch of the leader key: a failover is followed the moment etcd elects the successor.
         self._locator = MasterLocator(master, self.config.timeout_s, watch=True)
-        self._moved: asyncio.Future[None] | None = None
-        """Done when the locator's watch next names a new leader (for the calls waiting on one)."""
-        self._locator.on_change(self._leader_changed)
         credential = master_credential(self.config)
         self._credential = credential
         self._tickets = Tickets(credential.name) if credential is not None and credential.kind == "tenant" else None
         self._ticket_lock = asyncio.Lock()
         self._tls = contexts(self.config.tls)
-        # For etcd://, re-pointed at the leader.
-        self._master = self._master_link(master)
+        proof = self._master_credential if credential is not None else None
+        self._master = LeaderLink(self._locator, self.config.timeout_s, proof, self._tls[0])
         self._links: dict[str, AsyncLink] = {}
         self._readers: dict[str, ReadBatcher] = {}
         self._core = ClientCore(self.config, OverTcp())
@@ -99,7 +97,7 @@ class AsyncStore:
         """A store connected to the master at ``host:port``; raises ConnectionFailed when it does not answer."""
         store = cls(master, config)
         try:
-            await store._follow_master()
+            await store._master.follow()
             await store._master.request(Stats(), StatsReply)
         except BaseException:
             await store.close()
@@ -142,87 +140,7 @@ class AsyncStore:
         return None
 
     async def _call(self, message: Message, expect: type[R]) -> R:
-        deadline = time.monotonic() + self.config.timeout_s
-        backoff = 0.01
-        request_id = self._master.next_id()  # every attempt the same: the master answers a retry once
-        while True:
-            if self._core.closed:  # closed meanwhile too: its links connect no more
-                raise StoreClosed("this AsyncStore is closed")
-            try:
-                await self._follow_master()
-                return await self._request_master(message, expect, request_id)
-            except KVStoreError as exc:
-                # Ride out a master restart or failover as the blocking client does (one rule for both).
-                decision = after_failure(exc, dynamic=self._locator.dynamic)
-                if decision is Retry.GIVE_UP:
-                    raise
-                if decision is Retry.ELSEWHERE:
-                    await self._relocate_master()
-                if time.monotonic() + backoff > deadline:
-                    raise
-                await self._wait_moved(backoff)
-                backoff = min(2 * backoff, LEADER_CHECK_S if self._locator.dynamic else 0.5)
-
-    async def _wait_moved(self, seconds: float) -> None:
-        """Sleep ``seconds``, or less: until the locator's watch names a leader other than the one asked."""
-        if not self._locator.watching:
-            await asyncio.sleep(seconds)
-            return
-        moved = self._next_move()
-        if self._locator.current() not in (None, self._master.address):
-            return
-        await asyncio.wait((moved,), timeout=seconds)
-
-    def _next_move(self) -> asyncio.Future[None]:
-        """A future done when the watch next names a new leader (made before the leader is looked at:
-        a change between the two is not missed)."""
-        if self._moved is None or self._moved.done():
-            self._moved = asyncio.get_running_loop().create_future()
-        return self._moved
-
-    def _leader_changed(self) -> None:
-        """(The watch's thread, or a read's) a new leader: wake the calls waiting on one."""
-        moved = self._moved
-        if moved is not None:
-            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
-                moved.get_loop().call_soon_threadsafe(_set_done, moved)
-
-    async def _request_master(self, message: Message, expect: type[R], request_id: int) -> R:
-        """One attempt of a master call. For an HA master, until the reply comes: a new leader the
-        locator's watch pushes, or etcd names when asked (every LEADER_CHECK_S), raises NotLeader (this
-        one frozen, cut off or deposed), so that the call goes to it now rather than after the
-        attempt's timeout."""
-        request = self._master.request(message, expect, request_id=request_id)
-        if not self._locator.dynamic:
-            return (await request)[0]
-        task = asyncio.ensure_future(request)
-        try:
-            ask = time.monotonic() + LEADER_CHECK_S
-            while True:
-                waits: set[asyncio.Future[Any]] = {task}
-                if self._locator.watching:
-                    waits.add(self._next_move())
-                pushed = self._locator.current()
-                if pushed is not None and pushed != self._master.address:
-                    raise NotLeader(f"{type(message).__name__}: {pushed} leads {self._locator.spec} now")
-                done, _ = await asyncio.wait(
-                    waits, timeout=max(ask - time.monotonic(), 0.0), return_when=asyncio.FIRST_COMPLETED
-                )
-                if task in done:
-                    return task.result()[0]
-                if done:
-                    continue  # a new leader pushed: looked at above
-                ask = time.monotonic() + LEADER_CHECK_S
-                try:
-                    leader = await asyncio.to_thread(self._locator.refresh, LEADER_CHECK_S)
-                except KVStoreError:
-                    continue  # etcd unreachable, or an election under way: wait on
-                if leader != self._master.address:
-                    raise NotLeader(f"{type(message).__name__}: {leader} leads {self._locator.spec} now")
-        finally:
-            if not task.done():
-                task.cancel()
-                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await self._master.call(message, expect)
 
     async def _one_job(self, job: Job) -> list[Any]:
         """``[outcome]`` of one daemon job, as gather(return_exceptions=True) would hand it back."""
@@ -300,49 +218,12 @@ class AsyncStore:
         return hits, made
 
     # -- connections ---------------------------------------------------------------------------
-    async def _follow_master(self) -> None:
-        """Point the master link at the address the locator names (resolving etcd on first use; a
-        leader its watch pushed since, at once)."""
-        pushed = self._locator.current()
-        if pushed is not None and self._locator.dynamic:
-            await self._point_master(pushed)
-        if self._locator.dynamic and self._master.address == self._locator.spec:
-            await self._relocate_master()
-            if self._master.address == self._locator.spec:
-                raise NotLeader(f"no leader of {self._locator.spec} resolved yet")
-
-    async def _relocate_master(self) -> None:
-        if not self._locator.dynamic:
-            return
-        try:  # a blocking HTTP read of etcd, in a thread: only after a failure or at first use
-            address = await asyncio.to_thread(self._locator.refresh, 0.05)
-        except KVStoreError:
-            return
-        await self._point_master(address)
-
-    async def _point_master(self, address: str) -> None:
-        """The master link at ``address`` from now on (the old one closed)."""
-        if address != self._master.address:
-            old, self._master = self._master, self._master_link(address)
-            await old.close()
-
     def _link(self, address: str) -> AsyncLink:
         link = self._links.get(address)
         if link is None:
-            link = self._links[address] = self._new_link(address, self._daemon_credential, self._tls[1])
+            credential = self._daemon_credential if self._credential is not None else None
+            link = self._links[address] = AsyncLink(address, self.config.timeout_s, credential, self._tls[1])
         return link
-
-    def _master_link(self, address: str) -> AsyncLink:
-        # One attempt is bounded as the blocking client bounds it: an HA leader gone silent is given up in time
-        # to ask its successor within the call's timeout.
-        timeout = attempt_timeout(self.config.timeout_s, dynamic=self._locator.dynamic)
-        return self._new_link(address, self._master_credential, self._tls[0], timeout)
-
-    def _new_link(
-        self, address: str, credential: AsyncCredential, tls: ssl.SSLContext | None, timeout: float | None = None
-    ) -> AsyncLink:
-        timeout = self.config.timeout_s if timeout is None else timeout
-        return AsyncLink(address, timeout, credential if self._credential is not None else None, tls)
 
     async def _master_credential(self) -> Credential:
         assert self._credential is not None
@@ -520,12 +401,14 @@ class AsyncStore:
     async def close(self) -> None:
         if self._core.closed:
             return
+        self._master.stop()  # a call riding out a failover ends: the store is closing
         with contextlib.suppress(KVStoreError):
             for effect in self._core.close():
                 await self._do(effect)
         for task in self._reports:
             task.cancel()
-        for link in [self._master, *self._links.values()]:
+        await self._master.close()
+        for link in self._links.values():
             await link.close()
         await asyncio.to_thread(self._locator.close)
 
@@ -549,8 +432,3 @@ def _unpack(reply: ReadReply, data: bytes, targets: Sequence[memoryview], job: R
             target[:] = view[at : at + size]
         at += size
     return list(reply.sizes)
-
-
-def _set_done(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)

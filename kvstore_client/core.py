@@ -29,7 +29,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any, Protocol, TypeVar
 
 from kvstore.buffers import as_view
-from kvstore.config import ClientConfig
+from kvstore.config import WRITE_FLOOR_BPS, ClientConfig
 from kvstore.errors import (
     BufferTooSmall,
     ConnectionFailed,
@@ -86,7 +86,6 @@ from kvstore.protocol import (
 from kvstore.results import PutStatus
 from kvstore.write_ids import next_write_id, same_write
 from kvstore_client.effects import (
-    WRITE_FLOOR_BPS,
     Block,
     FlushCached,
     Job,

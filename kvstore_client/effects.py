@@ -56,12 +56,6 @@ class Block(NamedTuple):
     """Its put's write id (:mod:`kvstore.write_ids`), kept with the block by its daemon."""
 
 
-WRITE_FLOOR_BPS = 100e6
-"""The slowest a write's bytes may go out before its daemon is given up: a two-trip write's
-patience allows its own bytes this rate (:meth:`kvstore_client.core.ClientCore.write_patience_s`),
-an AsyncStore request with patience the bytes queued ahead of it on its link."""
-
-
 @dataclass(frozen=True, slots=True)
 class Call(Generic[R]):
     """A request to the master, retried through its restarts and failovers (up to the timeout)."""

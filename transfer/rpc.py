@@ -390,7 +390,7 @@ class ConnectionPool:
     caller that finds none idle opens another (a client's calls to a daemon never queue behind
     each other) and the ones beyond ``size`` are closed when given back. The one pool of both the
     client and the server side; the asyncio client pipelines one connection per peer instead
-    (:class:`kvstore_client.links.AsyncLink`)."""
+    (:class:`transfer.link.AsyncLink`)."""
 
     def __init__(
         self, address: str | MasterLocator, timeout: float = 5.0, size: int = 4,

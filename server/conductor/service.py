@@ -39,7 +39,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvstore.auth import cluster_credential, secret_from
+from kvstore.auth import Credential, cluster_credential, secret_from
 from kvstore.config import ConductorConfig
 from kvstore.costs import PrefillCostModel
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, NoNodes
@@ -74,7 +74,8 @@ from server.conductor.openai import (
 )
 from server.conductor.workers import DECODE_FIELDS, PREFILL_FIELDS, Worker, WorkerError, check_fields
 from transfer.discovery import MasterLocator
-from transfer.rpc import Connection
+from transfer.leader_link import LeaderLink
+from transfer.link import AsyncCredential
 from transfer.tls import contexts
 
 log = logging.getLogger(__name__)
@@ -96,14 +97,17 @@ class Conductor:
         # To a master that authenticates, as the cluster (the secret of cluster_secret_file or
         # KVSTORE_CLUSTER_SECRET); over TLS where config.tls says.
         secret = secret_from(config.cluster_secret_file)
-        credential = cluster_credential(secret) if secret is not None else None
+        credential = _always(cluster_credential(secret)) if secret is not None else None
         tls = contexts(config.tls)[0]
-        # host:port, or etcd://.../id: the leader of an HA cluster, followed across failovers.
+        # host:port, or etcd://.../id: the leader of an HA cluster, followed across failovers. Asked on
+        # the event loop, one pipelined connection each.
         locator = MasterLocator(config.master, config.master_timeout_s) if config.master else None
-        self._master = Connection(locator, config.master_timeout_s, credential, tls) if locator else None
+        self._master = LeaderLink(locator, config.master_timeout_s, credential, tls) if locator else None
         # Copies wait for daemons: a connection of their own, so lookups never queue behind them.
-        self._copier = Connection(locator, 30.0, credential, tls) if locator else None
+        self._copier = LeaderLink(locator, 30.0, credential, tls) if locator else None
         self._copying = False
+        self._copy: asyncio.Task[None] | None = None
+        """The copy under way, or the last one."""
         self._master_down_until = 0.0
         self.master_reachable = config.master is not None
         self._ids = itertools.count(1)
@@ -252,9 +256,11 @@ class Conductor:
         for cache in self._caches.values():
             if isinstance(cache, EngineEvents):
                 await cache.close()
-        for conn in (self._master, self._copier):
-            if conn is not None:
-                conn.close()
+        for link in (self._master, self._copier):
+            if link is not None:
+                await link.close()
+        if self._copy is not None:
+            await asyncio.gather(self._copy, return_exceptions=True)  # ended by its link's close
 
     async def _health_loop(self) -> None:
         assert self._session is not None and self.scheduler is not None
@@ -298,7 +304,7 @@ class Conductor:
         if time.monotonic() < self._master_down_until:
             return None
         try:
-            reply = await asyncio.wait_for(asyncio.to_thread(self._match, keys), self.config.master_timeout_s * 2)
+            reply = await asyncio.wait_for(self._match(keys), self.config.master_timeout_s * 2)
             match = reply.prefix_match(len(keys))
         except (KVStoreError, OSError, TimeoutError) as exc:
             if self.master_reachable:
@@ -312,11 +318,13 @@ class Conductor:
         bt = self.block_tokens
         return Locality(match.longest * bt, {node: p.total * bt for node, p in match.nodes.items()})
 
-    def _match(self, keys: list[str]) -> MatchPrefixNodesReply:
+    async def _match(self, keys: list[str]) -> MatchPrefixNodesReply:
         """The stored prefix of a request's first MAX_BATCH_KEYS blocks (what a request to the master
-        may name; a longer prompt is placed by its first hundred thousand tokens or so)."""
+        may name; a longer prompt is placed by its first hundred thousand tokens or so). One attempt,
+        and one more at once at a new leader (the first lookup after a failover finds it)."""
         assert self._master is not None
-        return self._master.call(MatchPrefixNodes(keys[:MAX_BATCH_KEYS]), MatchPrefixNodesReply)
+        message = MatchPrefixNodes(keys[:MAX_BATCH_KEYS])
+        return await self._master.call(message, MatchPrefixNodesReply, retry_for=0.0, retry_moved=True)
 
     def _replicate_later(self, keys: list[str], first: int, tokens: int, worker: Worker) -> None:
         """Copy the fetched blocks ``keys[first:]`` (``tokens`` of them at most) to the worker's node, in the
@@ -326,13 +334,16 @@ class Conductor:
             return
         self._copying = True
         budget = len(blocks) * int(worker.info["block_bytes"])
-        future = asyncio.get_running_loop().run_in_executor(None, self._replicate, blocks, worker.node, budget)
-        future.add_done_callback(lambda _: setattr(self, "_copying", False))
+        task = asyncio.create_task(self._replicate(blocks, worker.node, budget), name="kvstore-conductor-copy")
+        task.add_done_callback(lambda _: setattr(self, "_copying", False))
+        task.add_done_callback(_log_death)
+        self._copy = task
 
-    def _replicate(self, keys: list[str], node: str, max_bytes: int) -> None:
+    async def _replicate(self, keys: list[str], node: str, max_bytes: int) -> None:
         assert self._copier is not None
         try:
-            reply = self._copier.call(Replicate(keys, node, max_bytes), ReplicateReply)
+            message = Replicate(keys, node, max_bytes)
+            reply = await self._copier.call(message, ReplicateReply, retry_for=0.0, retry_moved=True)
             self.metrics.replicated.inc(reply.copied)
         except (KVStoreError, OSError) as exc:
             log.info("copying %d blocks to %s failed: %s", len(keys), node, exc)
@@ -702,6 +713,15 @@ _STREAM_LINE_BYTES = 1 << 22
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "status": status}}, status=status)
+
+
+def _always(credential: Credential) -> AsyncCredential:
+    """The cluster's credential, as a link asks for one at each new connection."""
+
+    async def proof() -> Credential:
+        return credential
+
+    return proof
 
 
 def _log_death(task: asyncio.Task[None]) -> None:

@@ -15,8 +15,8 @@ import pytest
 
 from kvstore.errors import ConnectionFailed, Timeout
 from kvstore.protocol import OkReply, WriteBlocks, decode_payload, encode
-from kvstore_client.links import AsyncLink
 from transfer.aio import read_payload
+from transfer.link import AsyncLink
 
 MiB = 1 << 20
 

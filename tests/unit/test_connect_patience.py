@@ -15,7 +15,7 @@ import pytest
 
 from kvstore.errors import Timeout
 from kvstore.protocol import OkReply, Stats
-from kvstore_client.links import AsyncLink
+from transfer.link import AsyncLink
 from transfer.rpc import CONNECT_PATIENCE_S, Connection, connect_timeout
 
 TIMEOUT_S = 20.0
