@@ -89,7 +89,7 @@ class AsyncStore:
         self._links: dict[str, AsyncLink] = {}
         self._readers: dict[str, ReadBatcher] = {}
         self._core = ClientCore(self.config, OverTcp())
-        self._core.reporter = self._report
+        self._core.marks.reporter = self._report
         self._reports: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -302,11 +302,11 @@ class AsyncStore:
         try:
             answer = await batcher.read(key)
         except KVStoreError as exc:
-            self._core.note_unreachable(place[0], exc, patience)
+            self._core.marks.note_unreachable(place[0], exc, patience)
             answer = None
         else:
             self._core.read_times.add(time.monotonic() - began)
-            self._core.answered(place[0])
+            self._core.marks.answered(place[0])
         if answer is None:
             # Not there, or its node failed: the core asks the master, not that node again (a
             # stalled node used to cost the get two timeouts).
@@ -388,7 +388,7 @@ class AsyncStore:
         return await self._run(self._core.stats())
 
     def _report(self, node_id: str) -> None:
-        """Send ReportNode in a task of its own (see ClientCore.report); called on the loop."""
+        """Send ReportNode in a task of its own (see NodeMarks.report); called on the loop."""
         task = asyncio.get_running_loop().create_task(self._send_report(node_id))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Protocol, TypeVar
 
@@ -101,8 +101,9 @@ from kvstore_client.effects import (
     daemons,
 )
 from kvstore_client.grants import Carved, Grant, GrantPool, NeedGrant
-from kvstore_client.hedging import SLOW_S, ReadTimes
+from kvstore_client.hedging import ReadTimes
 from kvstore_client.hints import LocationHints
+from kvstore_client.marks import NodeMarks
 from kvstore_client.puts import (
     Items,
     PutOptions,
@@ -117,27 +118,11 @@ from kvstore_client.reads import Failover, raise_failure, refused, unreachable
 
 T = TypeVar("T")
 
-_SUSPECT_S = 1.0
-"""How long after one of its daemons did not answer within the whole timeout this client suspects
-that node: a block with another replica is read there, one without is read with the failover
-patience (a miss within it, not another whole timeout), and reads by remembered location ask the
-master. An answer from the node ends it sooner (the master fences a silent node within its TTL,
-1 s by default, and lists it no more). The nodes the master names as suspected with a get's
-replicas are suspected so too."""
 _CONFIRMS = 3
 """How often a read asks the master about a node that has not begun answering for a block's last
 copy (after the failover patience, then twice and four times that) before it waits for it the whole
 timeout: a frozen node is suspected by the master past three missed heartbeats (its tick and its
 probe: usually by the second asking; :meth:`ClientCore._confirm`)."""
-_UNREACHED_S = 5.0
-"""At most how long a node this client could not reach (:meth:`ClientCore.unreached`) is named to
-the master as one to place this client's puts and grants on last: an answer from the node ends it
-sooner."""
-
-_REPORT_GAP_S = 0.25
-"""A node this client could not reach is reported to the master (ReportNode) at most this often: the
-master then looks whether its daemon is gone and fences it at once if so (a killed daemon costs its
-keys' removes and puts milliseconds, not the node TTL)."""
 
 _NO_NODES: frozenset[str] = frozenset()
 
@@ -193,21 +178,10 @@ class ClientCore:
         self.hints = LocationHints(config.location_hints)
         self.grants = GrantPool(int(config.grant_bytes))
         self._grants_paused_until = 0.0
-        self._suspects: dict[str, float] = {}
-        """Nodes this client reads nothing from until a time (time.monotonic()); see :data:`_SUSPECT_S`."""
-        self._slow: dict[str, float] = {}
-        """Nodes this client reads last until a time (see :meth:`slow`)."""
-        self._silent: dict[str, float] = {}
-        """Node -> until when a read's last copy there gets the failover patience (see :meth:`silent`)."""
-        self._unreached: dict[str, float] = {}
-        """Node -> until when this client names it to the master as one it could not reach lately
-        (see :meth:`unreached`)."""
-        self.reporter: Callable[[str], None] = lambda node_id: None
-        """Sends ReportNode for a node in the background (the face's: nothing waits for it)."""
         self.read_times = ReadTimes(self.failover_s, config.hedge_reads)
         """Recent read times: the patience of a read with somewhere else to go (see kvstore_client.hedging)."""
-        self._reported: dict[str, float] = {}
-        """Node -> when this client last reported it (see :data:`_REPORT_GAP_S`)."""
+        self.marks = NodeMarks(self.failover_s, self.read_times)
+        """What this client knows lately of nodes (suspected, slow, silent, unreached), and its reports."""
         self.closed = False
         self._unflushed: set[tuple[str, str]] = set()
         """Nodes (node_id, address) that acknowledged cached puts of this client since its last flush."""
@@ -329,9 +303,9 @@ class ClientCore:
         it raised); where that is not STORED or EXISTS, the rest of :meth:`put_many` from that
         answer on (the grant dropped and given back as there, then the two-trip way, or the
         failure raised), for the face to run."""
-        self.report(job.node_id, outcome)
+        self.marks.report(job.node_id, outcome)
         if isinstance(outcome, list) and len(outcome) == 1:
-            self.answered(job.node_id)
+            self.marks.answered(job.node_id)
             code = outcome[0][0]
             if code == PUT_STORED:
                 self.hints.note([(job.blocks[0].key, (job.node_id, job.address))])
@@ -366,10 +340,10 @@ class ClientCore:
         return (yield from self._own_exists(items, unsure, done, block.write_id))
 
     def _grants_unreached(self) -> list[Grant]:
-        """The grants this client holds on nodes it could not reach lately (see :meth:`unreached`)."""
-        if not self._unreached:
+        """The grants this client holds on nodes it could not reach lately (see :meth:`NodeMarks.unreached`)."""
+        if not self.marks.unreached_until:
             return []
-        unreached = self.unreached()
+        unreached = self.marks.unreached()
         return [g for g in self.grants.held() if g.node_id in unreached]
 
     def _carve(self, sizes: list[int], preferred: str | None) -> Op[Carved | None]:
@@ -380,7 +354,7 @@ class ClientCore:
             return step
         try:
             yield from self._give_back(step.retired)
-            reply = yield from call(GrantSpace(self.grants.size, preferred, self.unreached()), GrantReply)
+            reply = yield from call(GrantSpace(self.grants.size, preferred, self.marks.unreached()), GrantReply)
         except BaseException:
             self.grants.abandon(preferred)
             raise
@@ -435,7 +409,7 @@ class ClientCore:
         short by a change of leader after the bytes were in: a new leader adopts them from its
         inventory)."""
         if unreachable(outcome):
-            self._unreachable(job.node_id)
+            self.marks.mark_unreached(job.node_id)
             if grant is not None:  # gone or stalled: the master places elsewhere
                 yield from self._give_back(self.grants.drop(grant))
             unsure.extend(todo)
@@ -469,7 +443,7 @@ class ClientCore:
             opts.preferred_node,
             opts.pin,
             write_id,
-            self.unreached(),
+            self.marks.unreached(),
         )
         plan = sort_tickets((yield from call(start, PutStartReply)), todo, out)
         sums = {i: checksum(items[i][1]) for group in plan.writes.values() for i, _ in group}
@@ -485,7 +459,7 @@ class ClientCore:
             jobs, plan.writes.items(), (yield from self._daemons(jobs)), strict=True
         ):
             if unreachable(outcome):  # given up at its patience, or refused: the retry is placed elsewhere
-                self._unreachable(job.node_id)
+                self.marks.mark_unreached(job.node_id)
             if isinstance(outcome, KVStoreError):
                 codes = [(outcome.code, str(outcome))] * len(group)
             elif isinstance(outcome, BaseException):
@@ -571,7 +545,9 @@ class ClientCore:
         """Where a read of ``key`` by key alone goes: its remembered node, when that node's reads by
         key go through its daemon's socket and it is not suspected (None: ask the master)."""
         place = self.hints.get(key)
-        if place is None or not self.transport.one_trip(*place) or self.suspected(place[0]) or self.slow(place[0]):
+        if place is None or not self.transport.one_trip(*place):
+            return None
+        if self.marks.suspected(place[0]) or self.marks.slow(place[0]):
             return None
         return place
 
@@ -590,7 +566,7 @@ class ClientCore:
 
     def write_patience_s(self, nbytes: int, attempt: int = 0) -> float:
         """How long a two-trip write of ``nbytes`` waits for its daemon to answer before the put gives
-        it up (revoked, then put again, elsewhere: see :meth:`unreached`): two read failovers (200 ms
+        it up (revoked, then put again, elsewhere: see :meth:`NodeMarks.unreached`): two read failovers (200 ms
         by default; a daemon answers a write in milliseconds once its bytes are in), doubled at each
         attempt of the put after its first (a node slower than that but alive serves a later one), and
         the bytes at 100 MB/s. 0 (the
@@ -601,84 +577,6 @@ class ClientCore:
             return 0.0
         patience = 2 * self.failover_s * 2 ** min(attempt, 16) + nbytes / WRITE_FLOOR_BPS
         return patience if patience < self.config.timeout_s else 0.0
-
-    def slow(self, node_id: str) -> bool:
-        """Whether a read gave ``node_id`` up lately (see :data:`~kvstore_client.hedging.SLOW_S`): its
-        blocks are read at their other replicas first, reads by remembered location ask the master."""
-        return _marked(self._slow, node_id)
-
-    def suspected(self, node_id: str) -> bool:
-        """Whether this client suspects ``node_id`` now (see :data:`_SUSPECT_S`)."""
-        return _marked(self._suspects, node_id)
-
-    def note_unreachable(self, node_id: str, outcome: object, patience_s: float) -> None:
-        """A read from ``node_id`` ended with ``outcome``: a node silent for the whole timeout is
-        suspected for :data:`_SUSPECT_S`; one that did not answer within a read's ``patience_s`` (a
-        hedge, or the failover) is read last for :data:`~kvstore_client.hedging.SLOW_S`
-        (:meth:`slow`: the reads behind it, and this read's next round, go elsewhere first). Either
-        is :meth:`silent` until its daemon answers this client again. One that refused or dropped
-        the connection is not suspected (that costs no wait, and a daemon restarted is read again at
-        once), but it is reported to the master (:meth:`report`)."""
-        if not isinstance(outcome, Timeout):
-            self.report(node_id, outcome)
-            return
-        now = time.monotonic()
-        self._silent[node_id] = now + _UNREACHED_S
-        if not patience_s:
-            self._suspects[node_id] = now + _SUSPECT_S
-            self._unreachable(node_id)
-            return
-        self.read_times.gave_up(patience_s)  # given up at the read's patience: slow now, read last a while
-        self._slow[node_id] = now + SLOW_S
-        if patience_s >= self.failover_s:  # a failed attempt, not a hedge
-            self._unreachable(node_id)
-
-    def silent(self, node_id: str) -> bool:
-        """Whether a read gave ``node_id`` up (at its patience, or the whole timeout) and its daemon
-        has not answered this client since (:data:`_UNREACHED_S` at most): a block's last copy there
-        is read with the failover patience, a miss within it, not a wait of the whole timeout on a
-        node that already did not answer (frozen, dead, or cut off from this client: 2.5-5 s reads
-        in bench.chaos's client cuts). A slow node that is alive answers some read of this client
-        meanwhile (its fast path, another thread's): its last copies are waited for again."""
-        return bool(self._silent) and _marked(self._silent, node_id)
-
-    def _unreachable(self, node_id: str) -> None:
-        self._unreached[node_id] = time.monotonic() + _UNREACHED_S
-
-    def answered(self, node_id: str) -> None:
-        """``node_id``'s daemon answered this client: it is reached (see :meth:`unreached`), and not
-        :meth:`silent`."""
-        if self._unreached:
-            self._unreached.pop(node_id, None)
-        if self._silent:
-            self._silent.pop(node_id, None)
-
-    def unreached(self) -> list[str]:
-        """The nodes this client could not reach lately, to place its puts and grants on last
-        (``PutStart.avoid``): a write there given up at its patience or refused, a read given up
-        at the failover patience or the whole timeout, until the node's daemon answers this client
-        again (at most :data:`_UNREACHED_S`). The master may reach such a node (cut off from this
-        client alone) or not yet suspect it (frozen): it placed puts there again and again (2-3 s
-        puts in bench.chaos's client cuts, 1 s in daemon SIGSTOPs)."""
-        if not self._unreached:
-            return []
-        now = time.monotonic()  # callers' threads share it (the blocking face): no iteration of the dict itself
-        for node_id, until in list(self._unreached.items()):
-            if until <= now:
-                self._unreached.pop(node_id, None)
-        return sorted(self._unreached.copy())
-
-    def report(self, node_id: str, outcome: object) -> None:
-        """Tell the master that ``node_id``'s daemon refused or dropped this client's connection
-        (``outcome`` a ConnectionFailed; anything else is not reported), at most every
-        :data:`_REPORT_GAP_S`: it fences the node at once when the daemon's process is gone."""
-        if not isinstance(outcome, ConnectionFailed):
-            return
-        self._unreachable(node_id)
-        now = time.monotonic()
-        if now - self._reported.get(node_id, -_REPORT_GAP_S) >= _REPORT_GAP_S:
-            self._reported[node_id] = now
-            self.reporter(node_id)
 
     def _timed(self, began: float, outcomes: list[Any]) -> None:
         """A round of reads that began at ``began`` ended now: its time counts toward the hedge
@@ -693,9 +591,9 @@ class ClientCore:
         outcomes = yield from daemons(jobs)
         for job, outcome in zip(jobs, outcomes, strict=True):
             if isinstance(outcome, BaseException):
-                self.report(job.node_id, outcome)
-            elif (self._unreached or self._silent) and self._through_daemon(job):
-                self.answered(job.node_id)
+                self.marks.report(job.node_id, outcome)
+            elif (self.marks.unreached_until or self.marks.silent_until) and self._through_daemon(job):
+                self.marks.answered(job.node_id)
         return outcomes
 
     def _through_daemon(self, job: Job) -> bool:
@@ -732,7 +630,7 @@ class ClientCore:
         for job, idx, outcome in zip(jobs, per_node.values(), outcomes, strict=True):
             raise_failure(outcome)
             if unreachable(outcome) or refused(outcome):  # the master's way: maybe another replica
-                self.note_unreachable(job.node_id, outcome, job.patience_s)
+                self.marks.note_unreachable(job.node_id, outcome, job.patience_s)
                 missed.extend(keys[i] for i in idx)
                 continue
             hits, made = outcome
@@ -751,21 +649,13 @@ class ClientCore:
     def locate(self, keys: list[str]) -> Op[tuple[list[LocatedRef | None], int]]:
         """Where ``keys`` are (None for a miss), and the first of their read leases (0: none), taken
         when a path may read without the daemon; hand both to :meth:`release` once the reads are over.
-        The nodes the master says it suspects are suspected here too (:meth:`suspected`: a block's
+        The nodes the master says it suspects are suspected here too (:meth:`NodeMarks.suspected`: a block's
         copy there read last, or with the failover patience), until they answer this client."""
         lease = self.transport.may_lease
         taken = self.leases.take() if self.leases is not None else []
         reply = yield from call(GetReplicas(keys, taken, lease), GetReplicasReply)
-        self._note_suspects(reply.suspects)
+        self.marks.note_suspects(reply.suspects)
         return reply.located(keys), (reply.first_lease if lease else 0)
-
-    def _note_suspects(self, suspects: list[str]) -> None:
-        """The nodes the master says it suspects (frozen or cut off, as far as it knows): no wait on
-        them (:meth:`suspected`) until they answer this client, :data:`_SUSPECT_S` at most."""
-        if suspects:
-            until = time.monotonic() + _SUSPECT_S
-            for node_id in suspects:
-                self._suspects[node_id] = max(self._suspects.get(node_id, 0.0), until)
 
     def release(self, first_lease: int, located: Sequence[LocatedRef | None]) -> None:
         """Queue the leases of a finished read for release (they ride on the next request)."""
@@ -779,12 +669,12 @@ class ClientCore:
         """Read located blocks, each from its replicas in turn; returns the node each was read from.
 
         A block whose replica is on a suspected node is read at its next replica; on a slow node
-        (:meth:`slow`), at its next replica on a node that is not slow, and there last (when every
+        (:meth:`NodeMarks.slow`), at its next replica on a node that is not slow, and there last (when every
         later one is slow too, the marks say more of this client or its host than of any node: the
         replicas are read in order, each with the hedge patience while another is still to come).
         A node that does not begin answering within the patience is given up for the block's next
         replica and read again last (:meth:`Failover.defer`: it may be the one alive). The last
-        replica is waited for, but on a node that is suspected, or :meth:`silent` (a read gave it
+        replica is waited for, but on a node that is suspected, or :meth:`NodeMarks.silent` (a read gave it
         up and its daemon has not answered since), only the failover patience: a miss within it,
         not a wait of the whole timeout on a node that already did not answer (5 s reads in
         bench.chaos's client cuts, when every node was slow and the read came to rest on the cut one).
@@ -812,13 +702,13 @@ class ClientCore:
         while plan:
             rounds = plan.round()
             suspects: AbstractSet[str] = _NO_NODES
-            if self._suspects or self._slow:  # a calm client marks no node: nothing to skip
-                suspects = {node_id for node_id, _ in rounds if self.suspected(node_id)}
-                slow = {node_id for node_id, _ in rounds if self.slow(node_id)}
+            if self.marks.suspected_until or self.marks.slow_until:  # a calm client marks no node: nothing to skip
+                suspects = {node_id for node_id, _ in rounds if self.marks.suspected(node_id)}
+                slow = {node_id for node_id, _ in rounds if self.marks.slow(node_id)}
                 skipped = [
                     (i, node_id) for (node_id, _), group in rounds.items() if node_id in suspects or node_id in slow
                     for i, _ in group
-                    if plan.has_next(i) and (node_id in suspects or any(not self.slow(n) for n in plan.later(i)))
+                    if plan.has_next(i) and (node_id in suspects or any(not self.marks.slow(n) for n in plan.later(i)))
                 ]  # fmt: skip
                 if skipped:  # read at another replica: for good past a suspected node, a slow one's last
                     for i, node_id in skipped:
@@ -842,7 +732,7 @@ class ClientCore:
                     patience = self.read_patience_s
                 else:
                     node_id = place[0]
-                    if node_id in suspects or (self._silent and self.silent(node_id)):
+                    if node_id in suspects or (self.marks.silent_until and self.marks.silent(node_id)):
                         patience = fail
                     elif (
                         fail and (times := asked.get(node_id, 0) if asked else 0) < _CONFIRMS
@@ -864,9 +754,9 @@ class ClientCore:
                     to_confirm.extend(i for i, _ in group)  # not begun within the confirm patience: ask
                     continue
                 if isinstance(outcome, BaseException) and unreachable(outcome):
-                    self.note_unreachable(job.node_id, outcome, job.patience_s)
+                    self.marks.note_unreachable(job.node_id, outcome, job.patience_s)
                 elif job.node_id in suspects:
-                    self._suspects.pop(job.node_id, None)  # it answered: back
+                    self.marks.clear_suspect(job.node_id)  # it answered: back
 
                 def hit(i: int, size: object, place: tuple[str, str] = place) -> bool:
                     if size is None:
@@ -916,7 +806,7 @@ class ClientCore:
             reply = yield from call(GetReplicas(keys, [], False), GetReplicasReply)
         except KVStoreError:
             return None
-        self._note_suspects(reply.suspects)
+        self.marks.note_suspects(reply.suspects)
         for i, before, now in zip(blocks, located, reply.located(keys), strict=True):
             if now is None or now.checksum != before.checksum:
                 plan.missed(i)
@@ -1093,14 +983,3 @@ def _batches(items: list[T]) -> Iterator[list[T]]:
 def _checked(keys: Sequence[Any]) -> list[str]:
     """The keys, each checked (InvalidArgument names the first bad one)."""
     return [validate_key(k) for k in keys]
-
-
-def _marked(marks: dict[str, float], node_id: str) -> bool:
-    """Whether ``node_id``'s mark in ``marks`` (until a time.monotonic()) still holds; a spent one goes."""
-    until = marks.get(node_id)
-    if until is None:
-        return False
-    if time.monotonic() < until:
-        return True
-    marks.pop(node_id, None)
-    return False

@@ -74,7 +74,7 @@ class Store:
         )
         self._leases = LeaseReleaser(self._send_releases)
         self._core = ClientCore(self.config, self._paths, self._leases)
-        self._core.reporter = self._report
+        self._core.marks.reporter = self._report
 
     @classmethod
     def connect(cls, master: str, config: ClientConfig | None = None) -> Self:
@@ -175,7 +175,7 @@ class Store:
             self._core.release(first_lease, located)
 
     def _report(self, node_id: str) -> None:
-        """Send ReportNode in the background (rare: a node this client could not reach, see ClientCore.report)."""
+        """Send ReportNode in the background (rare: a node this client could not reach, see NodeMarks.report)."""
         threading.Thread(target=self._send_report, args=(node_id,), name="kvstore-report", daemon=True).start()
 
     def _send_report(self, node_id: str) -> None:
@@ -261,11 +261,11 @@ class Store:
         try:
             [found], [made] = self._paths.path(*place).read_direct([key], [view], exact_size, patience)
         except KVStoreError as exc:
-            self._core.note_unreachable(place[0], exc, patience)
+            self._core.marks.note_unreachable(place[0], exc, patience)
             found = None
         else:
             self._core.read_times.add(time.monotonic() - began)
-            self._core.answered(place[0])
+            self._core.marks.answered(place[0])
         if found is None:
             # Not there, or its node failed: the core asks the master, not that node again (a
             # stalled node used to cost the get two timeouts).

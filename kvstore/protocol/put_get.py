@@ -159,7 +159,7 @@ class GetReplicasReply(Message, tag=31, frozen=True):
     """Per key, its block's write id (0 for a miss or an unknown one), when the get asked; else empty."""
     suspects: list[str] = []
     """Of the nodes named, those the master suspects now (silent for heartbeats: frozen or cut off):
-    a reader waits on none of them (see ``ClientCore.suspected``)."""
+    a reader waits on none of them (see ``NodeMarks.suspected`` in ``kvstore_client.marks``)."""
 
     @classmethod
     def from_lookup(cls, lookup: ReplicaLookup) -> GetReplicasReply:

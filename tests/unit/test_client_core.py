@@ -212,7 +212,7 @@ def test_a_get_whose_only_copy_is_on_a_refusing_node_raises_instead_of_missing()
     with pytest.raises(NotReady, match="lapsed"):
         drive(core.get_many(["k"], verify=True), answer)
     assert asked == ["ReadDirect", "master", "ReadLocated"]
-    assert core.hints.get("k") is None and not core.suspected("node0")  # alive: no suspect
+    assert core.hints.get("k") is None and not core.marks.suspected("node0")  # alive: no suspect
 
 
 def test_a_two_trip_write_waits_its_patience_then_the_whole_timeout_only_where_that_is_shorter() -> None:
@@ -309,13 +309,13 @@ def test_a_hedged_read_reads_a_slow_node_last_and_in_order_when_every_node_is_sl
     )
     assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
     assert jobs == [("node0", hedge), ("node1", hedge)]  # hedged after three p99s; node0 is still to come
-    assert core.slow("node0") and core.read_times.hedged == 1
-    core.note_unreachable("node1", Timeout("node1 paused too"), hedge)
+    assert core.marks.slow("node0") and core.read_times.hedged == 1
+    core.marks.note_unreachable("node1", Timeout("node1 paused too"), hedge)
     jobs.clear()
     core.hints.forget(["k"])
     assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
     assert jobs == [("node0", hedge), ("node1", hedge)]  # both slow: in order
-    assert not core.suspected("node0") and not core.suspected("node1")  # slow, not suspected
+    assert not core.marks.suspected("node0") and not core.marks.suspected("node1")  # slow, not suspected
 
 
 def test_a_read_whose_every_node_is_slow_never_rests_on_the_cut_one_untried() -> None:
@@ -325,9 +325,9 @@ def test_a_read_whose_every_node_is_slow_never_rests_on_the_cut_one_untried() ->
     on the cut node, node0 (alive) never asked. Now node0 is read, and serves."""
     core = _hedging_core()
     hedge = core.read_patience_s
-    core.note_unreachable("node0", Timeout("a hedge given up under load"), hedge)
-    core.note_unreachable("node1", Timeout("a hedge given up: the cut began"), hedge)
-    core.answered("node0")  # another read's answer: node0 is alive, only slow lately
+    core.marks.note_unreachable("node0", Timeout("a hedge given up under load"), hedge)
+    core.marks.note_unreachable("node1", Timeout("a hedge given up: the cut began"), hedge)
+    core.marks.answered("node0")  # another read's answer: node0 is alive, only slow lately
     answer, jobs = _two_node_reads(lambda node, patience: [Timeout("node1 is cut off")] if node == "node1" else None)
     assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
     assert jobs == [("node0", hedge)]
@@ -385,12 +385,12 @@ def test_a_node_the_gets_fast_path_gave_up_is_a_miss_within_the_failover_not_the
             return [[None]]  # removed here
         return [Timeout("node0 is cut off")]
 
-    core.note_unreachable("node0", Timeout("no reply began"), hedge)  # the fast path's give-up
+    core.marks.note_unreachable("node0", Timeout("no reply began"), hedge)  # the fast path's give-up
     answer, jobs = _two_node_reads(node)
     assert drive(core.get_many(["k"], verify=True), answer) == [None]
     assert jobs == [("node1", hedge), ("node0", core.failover_s)]
-    core.note_unreachable("node0", Timeout("no reply began"), hedge)  # given up again (another key)
-    core.answered("node0")  # then its daemon answered another read of this client: alive
+    core.marks.note_unreachable("node0", Timeout("no reply began"), hedge)  # given up again (another key)
+    core.marks.answered("node0")  # then its daemon answered another read of this client: alive
     answer, jobs = _two_node_reads(lambda node_id, patience: [[None]] if node_id == "node1" else None)
     assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
     assert jobs == [("node1", hedge), ("node0", core.failover_s)]  # slow, but heard since: its last copy read
@@ -448,7 +448,7 @@ def test_a_keys_one_copy_on_a_node_given_up_lately_is_a_miss_within_the_failover
         return [Timeout("node0 is cut off from this client")]
 
     answer, jobs = _two_node_reads(node)
-    core.note_unreachable("node0", Timeout("no reply began"), core.read_patience_s)  # another read's
+    core.marks.note_unreachable("node0", Timeout("no reply began"), core.read_patience_s)  # another read's
     assert drive(core.get_many(["k"], verify=True), lambda e: one_copy if isinstance(e, Call) else answer(e)) == [None]
     assert jobs == [("node0", core.failover_s)]
     core = _hedging_core()
@@ -480,7 +480,7 @@ def test_a_last_copy_on_a_node_that_does_not_begin_answering_is_confirmed_with_t
     with_master, asked = _asking_master(lambda e: one_copy if isinstance(e, Call) else answer(e), again)
     got = drive(core.get_many(["k"], verify=True), with_master)
     if master == "suspects_it":
-        assert got == [None] and jobs == [("node0", fail)] and len(asked) == 2 and core.suspected("node0")
+        assert got == [None] and jobs == [("node0", fail)] and len(asked) == 2 and core.marks.suspected("node0")
     elif master == "hears_it":
         assert got == [DATA] and len(asked) == 4
         assert jobs == [("node0", fail), ("node0", 2 * fail), ("node0", 4 * fail), ("node0", 0.0)]
@@ -524,7 +524,7 @@ def test_a_block_whose_every_replica_was_given_up_at_the_hedge_waits_the_failove
     answer, jobs = _two_node_reads(lambda node, patience: [Timeout(f"{node} is slow")] if patience < 0.05 else None)
     assert drive(core.get_many(["k"], verify=True), answer) == [DATA]
     assert jobs == [("node0", hedge), ("node1", hedge), ("node0", hedge), ("node1", core.failover_s)]
-    assert not core.silent("node1") and core.silent("node0")  # node1 answered; node0 did not since
+    assert not core.marks.silent("node1") and core.marks.silent("node0")  # node1 answered; node0 did not since
 
 
 def test_a_put_whose_write_a_node_did_not_answer_is_put_again_avoiding_that_node() -> None:
@@ -560,8 +560,8 @@ def test_a_put_whose_write_a_node_did_not_answer_is_put_again_avoiding_that_node
     assert [s.avoid for s in starts] == [[], ["node0"]]
     assert drive(core.put_many([("j", DATA)], PutOptions(replicas=2)), answer) == [PutStatus.STORED]
     assert starts[-1].avoid == ["node0"]
-    core.answered("node0")  # its daemon answered this client: reached again
-    assert core.unreached() == []
+    core.marks.answered("node0")  # its daemon answered this client: reached again
+    assert core.marks.unreached() == []
 
 
 def test_a_grant_on_a_node_this_client_could_not_reach_is_given_back_and_the_next_avoids_it() -> None:
@@ -590,7 +590,7 @@ def test_a_grant_on_a_node_this_client_could_not_reach_is_given_back_and_the_nex
 
     assert drive(core.put_many([("k", DATA)], None), answer) == [PutStatus.STORED]
     assert written == ["node0"] and core.granted_block("j", DATA, None) is not None
-    core.note_unreachable("node0", Timeout("no reply within the timeout"), 0.0)
+    core.marks.note_unreachable("node0", Timeout("no reply within the timeout"), 0.0)
     assert core.granted_block("j", DATA, None) is None  # not into node0's grant
     assert drive(core.put_many([("j", DATA)], None), answer) == [PutStatus.STORED]
     assert returned == [1] and [a.avoid for a in asked] == [[], ["node0"]] and written == ["node0", "node1"]
