@@ -1,4 +1,5 @@
-"""The master's REST admin API (aiohttp, pydantic models), Prometheus metrics and dashboard.
+"""The master's REST admin API (aiohttp, pydantic models), Prometheus ``/metrics`` (its collector is
+:class:`server.master.metrics.MasterCollector`) and dashboard.
 
 Everything under ``/api/v1`` answers JSON; an error is ``{"code", "error",
 "message"}`` with a 4xx status for a bad request or an unknown thing. Every
@@ -25,17 +26,15 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
 from kvstore.errors import InvalidArgument, KVStoreError, NotFound, NotLeader, NotReady, PermissionDenied
 from kvstore.keys import validate_key
-from kvstore.placement.state import EvictionReason
 from kvstore.policy import TierName
 from kvstore.tenants import Admin, Tenant
 from server.master.admin_guard import AdminGuard
@@ -67,6 +66,7 @@ from server.master.admin_models import (
     TierUsage,
 )
 from server.master.alerts import OwnAlerts, samples_of
+from server.master.metrics import MasterCollector
 from server.master.overview import RELAYED, on_this_host, relay
 from server.master.overview import alerts as alerts_now
 from server.master.overview import masters as masters_now
@@ -161,7 +161,7 @@ class AdminApi:
         self.guard = AdminGuard(
             config.admin_header_timeout_s, config.admin_body_timeout_s, config.admin_max_connections
         )
-        self.registry.register(_Collector(service, self.guard))
+        self.registry.register(MasterCollector(service, self.guard))
         self.app = web.Application(middlewares=[self._errors, self._auth, self._from_leader], client_max_size=1 << 20)
         for r in ROUTES:
             self.app.router.add_route(r.method, r.path, self._wrap(r))
@@ -606,163 +606,3 @@ def _error_codes(r: Route) -> list[int]:
 
 def _path_params(path: str) -> list[str]:
     return [part[1:-1] for part in path.split("/") if part.startswith("{") and part.endswith("}")]
-
-
-# -- Prometheus -----------------------------------------------------------------------------------------
-class _Collector:
-    """Reads the master's state at each scrape: nothing to keep in step."""
-
-    def __init__(self, service: MasterService, guard: AdminGuard) -> None:
-        self.service = service
-        self.guard = guard
-
-    def collect(self) -> Any:
-        service = self.service
-        table = service.table
-        used = GaugeMetricFamily("kvstore_tier_bytes_used", "Bytes in use per node and tier.", labels=["node", "tier"])
-        cap = GaugeMetricFamily("kvstore_tier_bytes_capacity", "Capacity per node and tier.", labels=["node", "tier"])
-        blocks = GaugeMetricFamily("kvstore_tier_blocks", "Readable blocks per node and tier.", labels=["node", "tier"])
-        leases = GaugeMetricFamily("kvstore_active_leases", "Blocks under a read lease, per node and tier.",
-                                   labels=["node", "tier"])  # fmt: skip
-        up = GaugeMetricFamily("kvstore_node_up", "1 while the node heartbeats.", labels=["node"])
-        degraded = GaugeMetricFamily("kvstore_tier_degraded", "1 while a tier holds less than configured (its disk "
-                                     "is full or failing).", labels=["node", "tier"])  # fmt: skip
-        views = service.nodes.views()
-        for view in views:
-            for tier, u in view.tiers.items():
-                used.add_metric([view.node_id, tier], u["used"])
-                cap.add_metric([view.node_id, tier], u["capacity"])
-                degraded.add_metric([view.node_id, tier], 1 if u["capacity"] < u["configured"] else 0)
-                blocks.add_metric([view.node_id, tier], u["blocks"])
-                leases.add_metric([view.node_id, tier], u["leased"])
-            up.add_metric([view.node_id], 1 if view.info.up else 0)
-        yield from (used, cap, blocks, leases, up, degraded)
-        yield GaugeMetricFamily("kvstore_objects", "Stored keys.", value=table.num_objects())
-        c = table.counters
-        for name, help_text in (("hits", "Lookups that found the block."), ("misses", "Lookups that did not."),
-                                ("evictions", "Blocks evicted."), ("demotions", "Blocks moved DRAM to SSD."),
-                                ("demotions_failed", "Demotions the SSD tier could not take: dropped instead."),
-                                ("promotions", "Blocks moved SSD to DRAM."), ("puts", "Blocks put."),
-                                ("gets", "Blocks looked up."), ("expired", "Reservations expired."),
-                                ("bytes_read", "Bytes of blocks handed to readers."),
-                                ("bytes_written", "Bytes of blocks committed."),
-                                ("orphans", "Blocks daemons held that no put placed there."),
-                                ("room_refused_leased", "Puts and grants that found no room yet: what could be "
-                                 "evicted is leased by readers or being written."),
-                                ("room_refused_pinned", "Puts and grants refused: all DRAM is pinned."),
-                                ("room_refused_tenants", "Tenants' puts and grants refused: the nodes are full "
-                                 "of pinned and other tenants' blocks, which no tenant's put evicts."),
-                                ("room_refused_suspects", "Puts and grants told to retry: the nodes that answer "
-                                 "have no room now, and a suspected or unreachable node is not waited for."),
-                                ("fences", "Nodes fenced: silent past their TTL, or their daemon gone."),
-                                ("fences_refused", "Of the fences, those of a daemon whose port refused the "
-                                 "master (its process gone): fenced at once, not after the TTL."),
-                                ("suspicions", "Times a node missed two heartbeats, or a client or a command could "
-                                 "not reach it and it did not answer the master's probe: new blocks went to other "
-                                 "nodes first until its next heartbeat.")):  # fmt: skip
-            yield CounterMetricFamily(f"kvstore_{name}", help_text, value=c[name])
-        tenants = service.quotas()
-        held = GaugeMetricFamily("kvstore_tenant_held_bytes", "Bytes a tenant holds or reserves (keys, puts in "
-                                 "flight, grants), as its quota counts them.", labels=["tenant"])  # fmt: skip
-        quota = GaugeMetricFamily("kvstore_tenant_quota_bytes", "A tenant's quota (tenants with one).",
-                                  labels=["tenant"])  # fmt: skip
-        for name, limit in tenants.items():
-            held.add_metric([name], table.tenant_held(name))
-            quota.add_metric([name], limit)
-        yield from (held, quota)
-        reasons = CounterMetricFamily("kvstore_evicted_by_reason", "Evictions this master logged (GET "
-                                      "/api/v1/evictions), by reason.", labels=["reason"])  # fmt: skip
-        for reason in get_args(EvictionReason):
-            reasons.add_metric([reason], service.evictions.by_reason.get(reason, 0))
-        yield reasons
-        requests = CounterMetricFamily("kvstore_tenant_requests", "Requests a tenant's sessions sent this master.",
-                                       labels=["tenant"])  # fmt: skip
-        for name, count in sorted(service.rpc.tenant_requests.items()):
-            requests.add_metric([name], count)
-        yield requests
-        role = service.role()
-        yield GaugeMetricFamily("kvstore_master_leading", "1 while this master leads (and may serve).",
-                                value=1 if role["role"] == "leader" else 0)  # fmt: skip
-        yield GaugeMetricFamily("kvstore_master_ready", "1 while this master answers reads and puts.",
-                                value=1 if role["ready"] else 0)  # fmt: skip
-        yield GaugeMetricFamily("kvstore_master_epoch", "Leadership epoch (etcd revision of the leader key).",
-                                value=role["epoch"])  # fmt: skip
-        yield GaugeMetricFamily("kvstore_master_etcd_reachable", "1 while etcd answers this master (HA only).",
-                                value=1 if role["etcd_reachable"] else 0)  # fmt: skip
-        for name, help_text in (("failovers", "Times this master took over as leader."),
-                                ("elections_won", "Elections this master won in etcd."),
-                                ("leadership_lost", "Times this master lost its lease or resigned while leading."),
-                                ("etcd_errors", "etcd requests of the election that failed.")):  # fmt: skip
-            yield CounterMetricFamily(f"kvstore_master_{name}", help_text, value=role[name])
-        yield CounterMetricFamily("kvstore_refused_connections", "Connections closed at accept (over the limit).",
-                                  value=service.refused_connections)  # fmt: skip
-        yield CounterMetricFamily("kvstore_rpc_errors", "RPC requests answered with an error.",
-                                  value=service.rpc_errors)  # fmt: skip
-        yield CounterMetricFamily("kvstore_master_requests_held", "Requests held until a master taking over was "
-                                  "ready (instead of answered NotReady).", value=service.requests_held)  # fmt: skip
-        security = service.security()
-        guard = self.guard
-        yield CounterMetricFamily("kvstore_admin_refused_connections", "Admin API connections answered 503 and "
-                                  "closed: the cap was reached.", value=guard.refused)  # fmt: skip
-        yield CounterMetricFamily("kvstore_admin_header_timeouts", "Admin API connections closed: no request head "
-                                  "in time.", value=guard.header_timeouts)  # fmt: skip
-        yield CounterMetricFamily("kvstore_admin_body_timeouts", "Admin API requests failed 408: no body in time.",
-                                  value=guard.body_timeouts)  # fmt: skip
-        yield GaugeMetricFamily("kvstore_admin_connections", "Open admin API connections.", value=guard.open)
-        yield CounterMetricFamily("kvstore_auth_failures", "Handshakes refused (wrong or unknown credentials).",
-                                  value=security["auth_failures"])  # fmt: skip
-        yield CounterMetricFamily("kvstore_revoked_sessions", "Tenants' open sessions ended because the tenant was "
-                                  "removed or its token replaced.", value=security["revoked_sessions"])  # fmt: skip
-        yield CounterMetricFamily("kvstore_stalled_frames", "Connections closed because a frame they began did not "
-                                  "arrive whole within frame_timeout_s (its buffer freed).",
-                                  value=security["stalled_frames"])  # fmt: skip
-        yield CounterMetricFamily("kvstore_refused_inflight", "Tenants' connections closed because their frames in "
-                                  "flight took the tenant past its cap (max_inflight_bytes).",
-                                  value=security["refused_inflight"])  # fmt: skip
-        yield CounterMetricFamily("kvstore_refused_sessions", "Tenants' logins refused because the tenant had as "
-                                  "many sessions open as it may (max_sessions).",
-                                  value=security["refused_sessions"])  # fmt: skip
-        yield CounterMetricFamily("kvstore_tenants_file_errors", "Reloads of the tenants file that failed (the last"
-                                  " good one serves meanwhile).", value=security["tenants_file_errors"])  # fmt: skip
-        yield GaugeMetricFamily("kvstore_tenants_file_bad", "1 while the tenants file on disk does not load.",
-                                value=security["tenants_file_bad"])  # fmt: skip
-        yield GaugeMetricFamily("kvstore_tenants_legacy_verifiers", "Tenants whose token the file keeps as a sha256 "
-                                "(rotate them: a stolen file plus a recorded login gives those away).",
-                                value=security["legacy_verifiers"])  # fmt: skip
-        yield GaugeMetricFamily("kvstore_master_answers_kept", "Replies kept for clients' retries (at most "
-                                "KVSTORE_MASTER_ANSWER_CACHE).", value=len(service.answers))  # fmt: skip
-        yield GaugeMetricFamily("kvstore_master_answers_bytes", "Encoded bytes of the replies kept for retries.",
-                                value=service.answers.bytes)  # fmt: skip
-        yield CounterMetricFamily("kvstore_master_answers_dropped_early", "Replies dropped for the bound before "
-                                  "their time: a retry of one runs again.",
-                                  value=service.answers.dropped_early)  # fmt: skip
-        yield CounterMetricFamily("kvstore_master_answers_dropped_young", "Replies dropped for the bound while "
-                                  "their clients may still retry (younger than 10 s): such a retry runs again.",
-                                  value=service.answers.dropped_young)  # fmt: skip
-        refused = CounterMetricFamily("kvstore_daemon_refusals", "What daemons refused, by kind: connections over a "
-                                      "limit, failed or late logins, tenants' sessions cut, replayed reservations.",
-                                      labels=["node", "kind"])  # fmt: skip
-        for view in views:
-            for kind, value in sorted(view.refusals.items()):
-                refused.add_metric([view.node_id, kind], value)
-        yield refused
-        transfer = CounterMetricFamily("kvstore_transfer_bytes", "Bytes moved by daemons, by transport and rail.",
-                                       labels=["node", "transport", "rail", "direction"])  # fmt: skip
-        for view in views:
-            for name, value in sorted(view.transfer_bytes.items()):
-                transport, rail, direction = name.split("|", 2)
-                transfer.add_metric([view.node_id, transport, rail, direction], value)
-        yield transfer
-        for op, hist in sorted(service.latency.items()):
-            family = HistogramMetricFamily(f"kvstore_{op}_latency_seconds", f"Master time per {op} request.",
-                                           labels=[])  # fmt: skip
-            family.add_metric([], hist.buckets(), hist.total)
-            yield family
-        stalls = service.stalls
-        lag = HistogramMetricFamily("kvstore_master_loop_lag_seconds", "How late the event loop woke a probe "
-                                    "that asks to wake every 10 ms: what one request's work made every other wait.",
-                                    labels=[])  # fmt: skip
-        lag.add_metric([], stalls.histogram.buckets(), stalls.histogram.total)
-        yield lag
-        yield GaugeMetricFamily("kvstore_master_loop_stall_max_seconds", "The longest the event loop went without "
-                                "turning since the master started.", value=stalls.max_s)  # fmt: skip
