@@ -43,7 +43,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.vllm_chat import ServerProcess, VllmServer, cache_counts, complete
+from bench.processes import GroupProcess
+from bench.vllm_chat import VllmServer, cache_counts, complete
 from bench.vllm_serving import REPO, free_port, print_rows, prompt, save_model, vllm_python
 
 LMCACHE_VENV = REPO / ".venv-lmcache"
@@ -62,7 +63,7 @@ def lmcache_site() -> str:
     return out.stdout.strip()
 
 
-class LMCacheServer(ServerProcess):
+class LMCacheServer(GroupProcess):
     """LMCache's multiprocess server (HTTP frontend and MP cache server) with the store as its L2."""
 
     def __init__(self, master: str, log: Path, namespace: str, l1_gb: int = 1) -> None:
@@ -76,10 +77,10 @@ class LMCacheServer(ServerProcess):
                 "--chunk-size", str(CHUNK_TOKENS), "--supported-transfer-mode", "engine_driven",
                 "--shm-name", self.shm, "--l1-size-gb", str(l1_gb), "--l1-init-size-gb", str(l1_gb),
                 "--eviction-policy", "LRU", "--l2-adapter", json.dumps(adapter)]  # fmt: skip
-        self._start(args, log)
+        super().__init__(args, log, cwd=REPO)
 
     def wait(self, timeout_s: float = 180.0) -> LMCacheServer:
-        self._wait_http(self.http_port, "/healthcheck", timeout_s, "the LMCache server")
+        self.wait_http(f"http://127.0.0.1:{self.http_port}/healthcheck", timeout_s, "the LMCache server")
         return self
 
     def connector(self) -> dict[str, Any]:

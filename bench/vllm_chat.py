@@ -32,13 +32,10 @@ engine tests check tokens with one request at a time).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,70 +43,14 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
+from bench.processes import GroupProcess
 from bench.vllm_serving import REPO, free_port, print_rows, save_model, vllm_python
 
 
-class ServerProcess:
-    """A server in a process group of its own, its output in a log: ready once an HTTP path answers
-    200, stopped with everything it started. What :class:`VllmServer` and bench.lmcache's LMCache
-    server share."""
-
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    _log: Any
-
-    def _start(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.log_path = log
-        self._log = log.open("w")
-        # Its own process group: whatever it starts (vLLM's engine-core and workers) goes with it on close.
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                     start_new_session=True)  # fmt: skip
-
-    def _wait_http(self, port: int, path: str, timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                conn.request("GET", path)
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{what} did not answer {path} in {timeout_s} s:\n{self.tail()}")
-
-    def tail(self, lines: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # what it started and left behind, if anything
-        self._log.close()
-
-    def __enter__(self: S) -> S:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-S = TypeVar("S", bound=ServerProcess)
-
-
-class VllmServer(ServerProcess):
-    """``vllm serve`` (its OpenAI API server) in a process of its own, on loopback."""
+class VllmServer(GroupProcess):
+    """``vllm serve`` (its OpenAI API server) in a process group of its own, on loopback."""
 
     def __init__(
         self, model: Path, log: Path, *, block: int = 128, kv_blocks: int = 48, max_model_len: int = 4096,
@@ -148,17 +89,17 @@ class VllmServer(ServerProcess):
             self.events, self.replay = f"tcp://127.0.0.1:{publish}", f"tcp://127.0.0.1:{replay}"
         env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **(env or {})}  # fmt: skip
-        self._start(args, log, env)
         self.start_timeout_s = start_timeout_s
+        super().__init__(args, log, env=env, cwd=REPO)
 
     def wait(self) -> VllmServer:
         """Until the server answers ``/health`` (servers started together start side by side)."""
-        self._wait_http(self.port, "/health", self.start_timeout_s, "vllm serve")
+        self.wait_http(f"{self.url}/health", self.start_timeout_s, "vllm serve")
         return self
 
 
-class Conductor(ServerProcess):
-    """``kvstore conductor --openai`` over ``urls``, in a process of its own; with ``events``, following
+class Conductor(GroupProcess):
+    """``kvstore conductor --openai`` over ``urls``, in a process group of its own; with ``events``, following
     each server's KV events (``--engine-events``, in ``urls``' order, replayed from ``replay``)."""
 
     def __init__(
@@ -172,9 +113,9 @@ class Conductor(ServerProcess):
             args += ["--engine-events", *events]
         if replay:
             args += ["--engine-events-replay", *replay]
-        self._start(args, log, {**os.environ, "PYTHONPATH": str(REPO)})
+        super().__init__(args, log, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
         try:
-            self._wait_http(self.port, "/health", 120, "the conductor")  # it serves once it found its servers
+            self.wait_http(f"{self.url}/health", 120, "the conductor")  # it serves once it found its servers
         except BaseException:
             self.close()
             raise

@@ -26,19 +26,19 @@ one at a time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from bench.processes import GroupProcess
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_CONFIG: dict[str, Any] = {
@@ -69,8 +69,9 @@ def prompt(n: int, seed: int, vocab: int = 8192) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-class VllmEngine:
-    """One vLLM engine process; :meth:`run` sends prompts and returns its answer (see ``vllm_engine.py``)."""
+class VllmEngine(GroupProcess):
+    """One vLLM engine process; :meth:`run` sends prompts and returns its answer (see ``vllm_engine.py``).
+    Its stderr goes to the log; stdin and stdout carry the commands and answers."""
 
     def __init__(
         self, model: Path, log: Path, *, block: int = 128, master: str = "", dtype: str = "bfloat16",
@@ -80,14 +81,7 @@ class VllmEngine:
                 "--dtype", dtype]  # fmt: skip
         if master:
             args += ["--master", master, "--extra", json.dumps(extra or {})]
-        self.log_path = log
-        self._log = log.open("w")
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        # Its own process group: vLLM's engine-core and worker processes go with it when it is killed.
-        self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
-            start_new_session=True,
-        )  # fmt: skip
+        super().__init__(args, log, env={**os.environ, "PYTHONPATH": str(REPO)}, pipes=True)
         try:
             self.ready = self._read()
         except BaseException:
@@ -101,35 +95,17 @@ class VllmEngine:
                 return dict(json.loads(line[2:]))
         raise RuntimeError(f"the vLLM engine died:\n{self.tail()}")
 
-    def tail(self, lines: int = 40) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+    def _send(self, command: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
 
     def run(self, *prompts: list[int], max_tokens: int = 8, salt: str = "") -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompts": list(prompts), "max_tokens": max_tokens, "salt": salt}) + "\n")
-        self.proc.stdin.flush()
+        self._send({"prompts": list(prompts), "max_tokens": max_tokens, "salt": salt})
         return self._read()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            try:
-                self.proc.stdin.write('{"quit": true}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-            except (subprocess.TimeoutExpired, BrokenPipeError):
-                self.proc.kill()
-                self.proc.wait(10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # what it started and left behind, if anything
-        self._log.close()
-
-    def __enter__(self) -> VllmEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.stop(60, ask=lambda: self._send({"quit": True}))
 
 
 def free_port() -> int:
