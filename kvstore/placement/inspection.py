@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from kvstore.keys import validate_key
-from kvstore.placement.records import COMMITTED, PINNED, REMOVING, S_READY, T_DRAM, T_SSD
+from kvstore.placement.records import S_READY, T_DRAM, T_SSD
 from kvstore.placement.state import DRAM, DROPPING, READY, SSD, Catalog, NodeState, charged, owner_of
 
 
@@ -66,14 +66,13 @@ class Inspection:
                 "leased": bool(lru is not None and key in lru and cat.leases.is_leased(r.node_id, r.tier, key)),
                 "node_up": bool(node is not None and node.up),
             })  # fmt: skip
-        state = "removing" if entry.removing else "committed" if entry.committed else "writing"
+        state = cat.rec.phase(entry.slot)
         return {"key": entry.key, "size": entry.size, "checksum": entry.checksum, "write_id": entry.write_id,
                 "pinned": entry.pinned, "state": state, "replicas": replicas}  # fmt: skip
 
     def _stored(self) -> Iterator[tuple[str, int]]:
         """(key, slot) of every stored key not being removed."""
-        state = self.catalog.rec.state
-        return ((k, s) for k, s in self.catalog.rec.index.items() if state[s] & (COMMITTED | REMOVING) == COMMITTED)
+        return self.catalog.rec.served_items()
 
     def stored_keys(self, prefix: str) -> list[str]:
         return [k for k, _ in self._stored() if k.startswith(prefix)]
@@ -118,7 +117,7 @@ class Inspection:
         for key, slot in rec.index.items():
             usage[owner_of(key)] += charged(rec.size[slot])
         assert +usage == cat.usage, f"usage drifted: {dict(cat.usage)} != {dict(usage)}"
-        pins = Counter(owner_of(k) for k, slot in rec.index.items() if rec.state[slot] & PINNED)
+        pins = Counter(owner_of(k) for k, slot in rec.index.items() if rec.is_pinned(slot))
         assert +pins == cat.pinned_keys, f"pins drifted: {dict(cat.pinned_keys)} != {dict(pins)}"
         owned = {o: {k for k in rec.index if owner_of(k) == o} for o in usage if o}
         assert owned == cat.owned if cat.keys_by_owner else not cat.owned, "the keys by owner drifted"
@@ -140,7 +139,7 @@ class Inspection:
             for tier, lru in ((T_DRAM, node.dram_lru), (T_SSD, node.ssd_lru)):
                 lru.check()
                 for r in rows:
-                    readable = rec.state[rec.r_slot[r]] & (COMMITTED | REMOVING) == COMMITTED
+                    readable = rec.in_service(rec.r_slot[r])
                     member = readable and rec.r_tier[r] == tier and rec.r_status[r] == S_READY
                     assert bool(rec.r_lru[r]) == member or rec.r_tier[r] != tier, (
                         f"{rec.keys[rec.r_slot[r]]}: in an LRU while not readable, or readable in none"

@@ -19,7 +19,6 @@ from collections.abc import Collection, Iterable, Sequence
 from kvstore.allocator import Extent
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.keys import validate_key
-from kvstore.placement.records import COMMITTED, PINNED, REMOVING
 from kvstore.placement.state import (
     COPYING,
     DRAM,
@@ -109,7 +108,7 @@ class Moves:
         keys = cat.owned.get(tenant, ()) if cat.keys_by_owner else (k for k in rec.index if k.startswith(prefix))
         for key in keys:
             slot = rec.index.get(key)
-            if slot is None or rec.state[slot] & (COMMITTED | REMOVING | PINNED) != COMMITTED or key in keep:
+            if slot is None or not rec.is_evictable(slot) or key in keep:
                 continue
             if any(cat.leases.is_leased(r.node_id, r.tier, key) for r in ObjectEntry(rec, slot).replicas):
                 continue

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from kvstore.allocator import Allocator, Extent, align_up
 from kvstore.errors import InvalidArgument, InvalidKey
 from kvstore.keys import validate_key
-from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_DROPPING, T_DRAM
+from kvstore.placement.records import MAX_CHECKSUM, S_DROPPING, T_DRAM
 from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry
 from kvstore.policy import ActionKind, TierName
 from kvstore.results import HeldBlock
@@ -174,7 +174,7 @@ class Membership:
         entries: Gone = set()
         for key in keys:
             slot = rec.index.get(key)
-            if slot is None or not rec.state[slot] & REMOVING:
+            if slot is None or not rec.is_removing(slot):
                 continue
             row = rec.row_on(slot, node.idx)
             if row >= 0:
@@ -292,7 +292,7 @@ class Membership:
                 continue
             slot = rec.index.get(item.key)
             if slot is not None and (
-                rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED
+                not rec.in_service(slot)
                 or rec.size[slot] != item.size
                 or rec.checksum[slot] != item.checksum
                 or rec.row_on(slot, node.idx) >= 0  # its copy in the other tier is kept
@@ -355,11 +355,11 @@ class Membership:
             known = (
                 slot is not None
                 and row >= 0
-                and not rec.state[slot] & REMOVING
+                and not rec.is_removing(slot)
                 and rec.size[slot] == size
                 and (
                     rec.checksum[slot] == csum
-                    if rec.state[slot] & COMMITTED
+                    if rec.is_committed(slot)
                     # A put in flight is placed where it was reserved (it cannot move meanwhile).
                     else rec.r_offset[row] < 0 or rec.r_offset[row] == offset
                 )
@@ -400,7 +400,7 @@ class Membership:
         for slot in list(rec.index.values()):
             row = rec.row_on(slot, node.idx)  # a key has one replica a node
             key = rec.keys[slot]
-            if row >= 0 and key is not None and (rec.state[slot] & REMOVING or rec.r_status[row] == S_DROPPING):
+            if row >= 0 and key is not None and (rec.is_removing(slot) or rec.r_status[row] == S_DROPPING):
                 tier = DRAM if rec.r_tier[row] == T_DRAM else SSD
                 out.update(_gone_of(key, tier, rec.r_offset[row] if tier is DRAM else -1, False))
                 if forget:
@@ -424,7 +424,7 @@ class Membership:
             if row < 0:
                 continue
             cat.drop_row(row)
-            if rec.keys[slot] is not None and not rec.state[slot] & (COMMITTED | REMOVING):
+            if rec.keys[slot] is not None and rec.is_writing(slot):
                 broken.append(ObjectEntry(rec, slot))
         cat.remove_node(node_id)
         # A put that had a replica there cannot complete; its other replicas may hold bytes already.

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, validate_keys
 from kvstore.placement.leases import Holder, LeaseId
-from kvstore.placement.records import COMMITTED, REMOVING, S_COPYING, S_READY, T_DRAM, T_SSD, TierLRU
+from kvstore.placement.records import S_COPYING, S_READY, T_DRAM, T_SSD, TierLRU
 from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry, ReplicaState
 from kvstore.placement.tiering import Tiering
 from kvstore.policy import EvictionPolicy
@@ -60,11 +60,12 @@ class Reads:
         """
         cat = self.catalog
         rec = cat.rec
-        index, state, head, nxt, ssd_hits = rec.index, rec.state, rec.head, rec.r_next, rec.ssd_hits
+        head, nxt, ssd_hits = rec.head, rec.r_next, rec.ssd_hits
         r_node, r_tier, r_status, r_offset = rec.r_node, rec.r_tier, rec.r_status, rec.r_offset
         node_at, holders_of = cat.node_at, cat.holders
         keys = validate_keys(keys)  # every key, before any is touched or counted
-        run = self._get_run(keys, now_ms, lease)
+        served = rec.served_slots(keys)
+        run = self._get_run(keys, served, now_ms, lease)
         if run is not None:
             return run
         # One get's leases are consecutive ids: the reply names the first, the reader releases them.
@@ -85,9 +86,8 @@ class Reads:
         # in the order they were read.
         lru: TierLRU | None = None
         rows: list[int] = []
-        for key in keys:
-            slot = index.get(key)
-            if slot is None or state[slot] & (COMMITTED | REMOVING) != COMMITTED:
+        for key, slot in zip(keys, served, strict=True):
+            if slot is None:
                 misses += 1
                 sizes.append(-1)
                 checksums.append(0)
@@ -189,25 +189,20 @@ class Reads:
             self._hold(held, now_ms)  # after the reader's own leases, whose ids must be consecutive
         return reply
 
-    def _get_run(self, keys: list[BlockKey], now_ms: int, lease: bool) -> ReplicaLookup | None:
-        """:meth:`get_replicas` of a batch whose keys are each stored once, READY in the DRAM of one
-        node that is up (a prefix read back, the common case): checked first, changing nothing,
-        then answered column by column. None for any other batch: it goes key by key."""
+    def _get_run(self, keys: list[BlockKey], slots: list[int | None], now_ms: int, lease: bool) -> ReplicaLookup | None:
+        """:meth:`get_replicas` of a batch whose keys (in service at ``slots``: :meth:`Records.served_slots`)
+        are each stored once, READY in the DRAM of one node that is up (a prefix read back, the
+        common case): checked first, changing nothing, then answered column by column. None for
+        any other batch: it goes key by key."""
         cat = self.catalog
         rec = cat.rec
-        slots = list(map(rec.index.get, keys))
         if not slots or None in slots:
             return None
-        state, head, nxt, r_node, r_status, r_tier, in_lru = (
-            rec.state, rec.head, rec.r_next, rec.r_node, rec.r_status, rec.r_tier, rec.r_lru,
-        )  # fmt: skip
-        rows = list(map(head.__getitem__, slots))  # type: ignore[arg-type]
+        nxt, r_node, r_status, r_tier, in_lru = rec.r_next, rec.r_node, rec.r_status, rec.r_tier, rec.r_lru
+        rows = list(map(rec.head.__getitem__, slots))  # type: ignore[arg-type]
         idx = r_node[rows[0]]
-        for slot, row in zip(slots, rows, strict=True):
-            if (
-                state[slot] & (COMMITTED | REMOVING) != COMMITTED  # type: ignore[index]
-                or nxt[row] >= 0 or r_status[row] or r_tier[row] or not in_lru[row] or r_node[row] != idx
-            ):  # fmt: skip
+        for row in rows:
+            if nxt[row] >= 0 or r_status[row] or r_tier[row] or not in_lru[row] or r_node[row] != idx:
                 return None
         node = cat.node_at[idx]
         if node is None or not node.up:
@@ -289,9 +284,8 @@ class Reads:
         """Indexes of the keys held at ``now_ms`` (read within ``hold_ms``): a remove without force leaves them."""
         rec = self.catalog.rec
         out = []
-        for i, key in enumerate(keys):
-            slot = rec.index.get(key)
-            if slot is None or rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
+        for i, slot in enumerate(rec.served_slots(keys)):
+            if slot is None:
                 continue
             if rec.holds.get(slot, (0, 0))[1] > now_ms:
                 out.append(i)
@@ -317,9 +311,8 @@ class Reads:
             return
         counters = cat.counters
         held: list[int] = []
-        for key, served in zip(keys, tiers, strict=True):
-            slot = rec.index.get(key)
-            if slot is None or rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
+        for key, slot, served in zip(keys, rec.served_slots(keys), tiers, strict=True):
+            if slot is None:
                 continue
             row = rec.row_on(slot, idx)
             if row < 0 or rec.r_status[row] != S_READY:
@@ -345,10 +338,11 @@ class Reads:
     def match_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys are committed and readable (a block between tiers included, as a
         get reads it through its daemon; not one being dropped)."""
-        index, found = self.catalog.rec.index, self.catalog.found_slot
+        rec, node_at = self.catalog.rec, self.catalog.node_at
+        index, found = rec.index, rec.is_found
         for i, key in enumerate(keys):
             slot = index.get(key)
-            if slot is None or not found(slot):
+            if slot is None or not found(slot, node_at):
                 return i
         return len(keys)
 
@@ -363,25 +357,28 @@ class Reads:
         """
         cat = self.catalog
         rec, node_at = cat.rec, cat.node_at
+        index, in_service, rows_of, r_status, r_node, r_tier = (
+            rec.index, rec.in_service, rec.rows, rec.r_status, rec.r_node, rec.r_tier,
+        )  # fmt: skip
         total: dict[str, int] = {}
         dram: dict[str, int] = {}
         longest = len(keys)
         for i, key in enumerate(keys):
-            slot = rec.index.get(key)
-            if slot is None or rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
+            slot = index.get(key)
+            if slot is None or not in_service(slot):
                 longest = i
                 break
             readable = False
-            for row in rec.rows(slot):
-                status = rec.r_status[row]
-                node = node_at[rec.r_node[row]]
+            for row in rows_of(slot):
+                status = r_status[row]
+                node = node_at[r_node[row]]
                 if status >= S_COPYING or node is None or not node.up:
                     continue
                 readable = True
                 node_id = node.node_id
                 if total.get(node_id, 0) == i:
                     total[node_id] = i + 1
-                    if rec.r_tier[row] == T_DRAM and status == S_READY and dram.get(node_id, 0) == i:
+                    if r_tier[row] == T_DRAM and status == S_READY and dram.get(node_id, 0) == i:
                         dram[node_id] = i + 1
             if not readable:
                 longest = i
@@ -391,9 +388,9 @@ class Reads:
     def exists(self, keys: Sequence[str], now_ms: int = 0) -> list[bool]:
         """Whether each key is readable (and, with ``hold_ms`` and ``now_ms``, hold those that are)."""
         cat = self.catalog
-        index, found = cat.rec.index, cat.found_slot
+        index, found, node_at = cat.rec.index, cat.rec.is_found, cat.node_at
         slots = [index.get(k) for k in validate_keys(keys)]
-        out = [slot is not None and found(slot) for slot in slots]
+        out = [slot is not None and found(slot, node_at) for slot in slots]
         if self.hold_ms and now_ms:
             self._hold([s for s, ok in zip(slots, out, strict=True) if ok and s is not None], now_ms)
         return out

@@ -4,12 +4,14 @@ A master holds millions of keys. As Python objects each key cost an entry, a rep
 replica and a handful of int objects, an LRU node and an allocator entry: ~630 bytes, and as many
 cache misses per lookup. Here a key is one dict entry (its key string to its slot) plus a few
 bytes in each column, and a replica a few bytes in each replica column; node ids are interned as
-small ints. The rules live in the table's parts; this module only stores and links.
+small ints. The rules live in the table's parts; this module stores, links, and answers what a
+key's state is.
 
 - Keys: ``index`` maps a key to its slot; the slot's columns hold its size, checksum, write id
-  (:mod:`kvstore.write_ids`), state bits
-  (:data:`COMMITTED`, :data:`PINNED`, :data:`REMOVING`), last use, SSD hits and its first replica's
-  row (``head``). Slots of removed keys are reused.
+  (:mod:`kvstore.write_ids`), state, last use, SSD hits and its first replica's row (``head``).
+  Slots of removed keys are reused. A key's state is bits that only this module reads: the parts
+  ask it named questions (:meth:`Records.in_service`, :meth:`Records.is_writing`, ...), one key at
+  a time or a batch at once on the hot paths (:meth:`Records.served_slots`, :meth:`Records.commit_keys`).
 - Replicas: rows linked from ``head`` through ``r_next``; each names its key's slot, its node (an
   index into ``node_ids``), tier, status, DRAM offset (-1 without one; its length is the key's size
   rounded up to the node's alignment), generation, and its place in its node's tier LRU.
@@ -25,14 +27,21 @@ import heapq
 import itertools
 from array import array
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from kvstore.errors import NotFound
 
-COMMITTED, PINNED, REMOVING = 1, 2, 4
-"""Bits of a key's ``state``: visible to readers once put; never evicted; gone once its daemons confirm."""
+_COMMITTED, _PINNED, _REMOVING = 1, 2, 4
+"""Bits of a key's ``_state``: visible to readers once put; never evicted; gone once its daemons
+confirm. Read only in this module: the rest of the table asks :class:`Records` by name."""
+_LIVE = _COMMITTED | _REMOVING
+"""Of a key's bits, those that tell its phase: being written (neither), stored (committed only),
+being removed (removing, committed or not)."""
+
+Phase = Literal["writing", "committed", "removing"]
+"""Where a key is in its life (:meth:`Records.phase`)."""
 
 T_DRAM, T_SSD = 0, 1
 """A replica's tier, as its column holds it."""
@@ -41,6 +50,14 @@ S_READY, S_MOVING, S_COPYING, S_DROPPING = 0, 1, 2, 3
 """A replica's status, as its column holds it (:class:`~kvstore.placement.state.ReplicaStatus`)."""
 
 MAX_CHECKSUM = 1 << 64
+
+
+class NodeUp(Protocol):
+    """What :meth:`Records.is_found` reads of a node: whether it is up."""
+
+    @property
+    def up(self) -> bool: ...
+
 
 _DTYPES = {"q": np.int64, "Q": np.uint64, "B": np.uint8, "I": np.uint32, "i": np.int32, "H": np.uint16}
 
@@ -66,7 +83,8 @@ class Records:
         self.checksum = array("Q")
         self.write_id = array("Q")
         """Slot -> the write id of the put that reserved or wrote it (0: not known)."""
-        self.state = array("B")
+        self._state = array("B")
+        """Slot -> the key's state bits (:data:`_COMMITTED` ...): read only through the predicates below."""
         self.last_use = array("q")
         self.ssd_hits = array("I")
         self.head = array("i")
@@ -78,7 +96,7 @@ class Records:
         self.holds: dict[int, tuple[int, int]] = {}
         """Slots of held keys -> (the hold's lease id, when it ends): only with ``hold_ms``."""
         self.committed = 0
-        """Keys with COMMITTED set; the rest of ``index`` is being written."""
+        """Keys committed (:meth:`is_committed`); the rest of ``index`` is being written."""
         self.r_slot = array("i")
         self.r_next = array("i")
         self.r_node = array("H")
@@ -140,9 +158,12 @@ class Records:
 
     # -- keys --------------------------------------------------------------------------------------
     def add_key(
-        self, key: str, size: int, checksum: int, state: int, last_use: int, owner: int = 0, write_id: int = 0
-    ) -> int:
-        """A new key (not in ``index``) of ``owner`` (:meth:`intern_owner`), written by ``write_id``; its slot."""
+        self, key: str, size: int, checksum: int, last_use: int, owner: int = 0, write_id: int = 0, *,
+        committed: bool = False, pinned: bool = False,
+    ) -> int:  # fmt: skip
+        """A new key (not in ``index``) of ``owner`` (:meth:`intern_owner`), written by ``write_id``,
+        ``committed`` (stored) or being written, ``pinned`` or not; its slot."""
+        state = (_COMMITTED if committed else 0) | (_PINNED if pinned else 0)
         free = self._free_slots
         if free:
             slot = free.pop()
@@ -150,7 +171,7 @@ class Records:
             self.size[slot] = size
             self.checksum[slot] = checksum
             self.write_id[slot] = write_id
-            self.state[slot] = state
+            self._state[slot] = state
             self.last_use[slot] = last_use
             self.ssd_hits[slot] = 0
             self.head[slot] = -1
@@ -161,29 +182,28 @@ class Records:
             self.size.append(size)
             self.checksum.append(checksum)
             self.write_id.append(write_id)
-            self.state.append(state)
+            self._state.append(state)
             self.last_use.append(last_use)
             self.ssd_hits.append(0)
             self.head.append(-1)
             self.owner.append(owner)
         self.index[key] = slot
-        if state & COMMITTED:
+        if committed:
             self.committed += 1
         return slot
 
-    def add_run(self, keys: Sequence[str], sizes: Sequence[int], state: int, last_use: range, node: int,
-                offsets: list[int], gens: range, deadline: int, owners: Sequence[int] | int = 0,
-                write_id: int = 0) -> None:  # fmt: skip
+    def add_run(self, keys: Sequence[str], sizes: Sequence[int], last_use: range, node: int, offsets: list[int],
+                gens: range, deadline: int, owners: Sequence[int] | int = 0, write_id: int = 0, *,
+                pinned: bool = False) -> None:  # fmt: skip
         """New keys (distinct, none in ``index``, not committed), each with one DRAM replica on node
         index ``node`` at its offset (in no LRU): :meth:`add_key` and :meth:`add_replica` for a whole
         batch, appended as columns when no slot or row is free to reuse. ``owners``: each key's, or
-        one for all; ``write_id``: the put's, for all."""
-        assert not state & COMMITTED
+        one for all; ``write_id``: the put's, for all; ``pinned``: for all."""
         n = len(keys)
         if self._free_slots or self._free_rows:
             each = [owners] * n if isinstance(owners, int) else owners
             for key, size, clock, offset, gen, owner in zip(keys, sizes, last_use, offsets, gens, each, strict=True):
-                slot = self.add_key(key, size, 0, state, clock, owner, write_id)
+                slot = self.add_key(key, size, 0, clock, owner, write_id, pinned=pinned)
                 self.add_replica(slot, node, T_DRAM, offset, S_READY, gen)
                 self.deadlines[slot] = deadline
             return
@@ -193,7 +213,7 @@ class Records:
         self.size.extend(sizes)
         self.checksum.extend(array("Q", [0]) * n)
         self.write_id.extend(array("Q", [write_id]) * n)
-        self.state.extend(array("B", [state]) * n)
+        self._state.extend(array("B", [_PINNED if pinned else 0]) * n)
         self.last_use.extend(last_use)
         self.ssd_hits.extend(array("I", [0]) * n)
         self.head.extend(range(rbase, rbase + n))
@@ -217,12 +237,117 @@ class Records:
         key = self.keys[slot]
         assert key is not None
         del self.index[key]
-        if self.state[slot] & COMMITTED:
+        if self._state[slot] & _COMMITTED:
             self.committed -= 1
         self.keys[slot] = None
         self.deadlines.pop(slot, None)
         self.holds.pop(slot, None)
         self._free_slots.append(slot)
+
+    # -- a key's state: the questions the table's parts ask -----------------------------------------
+    def is_committed(self, slot: int) -> bool:
+        """Whether the key was committed (its put ended, or it was found stored); it stays so once removed."""
+        return bool(self._state[slot] & _COMMITTED)
+
+    def is_pinned(self, slot: int) -> bool:
+        """Whether the key is pinned (at its put, never changed): nothing evicts it."""
+        return bool(self._state[slot] & _PINNED)
+
+    def is_removing(self, slot: int) -> bool:
+        """Whether the key was removed, revoked or expired: neither read nor placed again, and gone
+        once its daemons confirm."""
+        return bool(self._state[slot] & _REMOVING)
+
+    def in_service(self, slot: int) -> bool:
+        """Whether the key is stored: committed and not being removed (what a read may find)."""
+        return self._state[slot] & _LIVE == _COMMITTED
+
+    def is_writing(self, slot: int) -> bool:
+        """Whether a put of the key is in flight: neither committed nor given up."""
+        return not self._state[slot] & _LIVE
+
+    def is_evictable(self, slot: int) -> bool:
+        """Whether the key is stored (:meth:`in_service`) and not pinned."""
+        return self._state[slot] & (_LIVE | _PINNED) == _COMMITTED
+
+    def phase(self, slot: int) -> Phase:
+        """Where the key is in its life: being written, committed (stored), or being removed
+        (removed, revoked or expired, committed or not)."""
+        state = self._state[slot]
+        return "removing" if state & _REMOVING else "committed" if state & _COMMITTED else "writing"
+
+    def mark_removing(self, slot: int) -> None:
+        """Take the key out of service for good (:meth:`is_removing`)."""
+        self._state[slot] |= _REMOVING
+
+    def served_slots(self, keys: Iterable[str]) -> list[int | None]:
+        """The slot of each of ``keys`` in service (:meth:`in_service`), None for each other one:
+        the hot paths' question, asked of a batch in one pass."""
+        get, state = self.index.get, self._state
+        return [
+            slot if (slot := get(key)) is not None and state[slot] & _LIVE == _COMMITTED else None
+            for key in keys
+        ]  # fmt: skip
+
+    def is_found(self, slot: int, nodes: Sequence[NodeUp | None]) -> bool:
+        """Whether a read finds the key in ``slot``: in service, with a replica READY or between
+        tiers (neither being copied in nor dropped) on a node that is up (``nodes``: by node index,
+        None once it left)."""
+        if self._state[slot] & _LIVE != _COMMITTED:
+            return False
+        status, r_node, nxt = self.r_status, self.r_node, self.r_next
+        row = self.head[slot]
+        while row >= 0:
+            if status[row] <= S_MOVING:
+                node = nodes[r_node[row]]
+                if node is not None and node.up:
+                    return True
+            row = nxt[row]
+        return False
+
+    def keys_committed(self, committed: bool) -> list[str]:
+        """The keys committed (``committed``) or not yet, in ``index`` order."""
+        state, want = self._state, _COMMITTED if committed else 0
+        return [k for k, s in self.index.items() if state[s] & _COMMITTED == want]
+
+    def served_items(self) -> Iterator[tuple[str, int]]:
+        """(key, slot) of every key in service, lazily (``index`` must not change meanwhile)."""
+        state = self._state
+        return ((k, s) for k, s in self.index.items() if state[s] & _LIVE == _COMMITTED)
+
+    def commit_keys(self, keys: Iterable[str], checksums: Iterable[int], write_id: int) -> tuple[list[bool], list[int]]:
+        """Commit each of ``keys`` that the put ``write_id`` is writing (its reservation's deadline
+        goes) with its checksum, and not the others (unknown, committed or removing already,
+        another put's; a key twice: its second): whether each was, and the slots committed, in order."""
+        index, state, ids, checksum, deadlines = self.index, self._state, self.write_id, self.checksum, self.deadlines
+        out: list[bool] = []
+        slots: list[int] = []
+        for key, check in zip(keys, checksums, strict=True):
+            slot = index.get(key)
+            if slot is None or (bits := state[slot]) & _LIVE or ids[slot] != write_id:
+                out.append(False)
+                continue
+            state[slot] = bits | _COMMITTED
+            checksum[slot] = check
+            del deadlines[slot]
+            out.append(True)
+            slots.append(slot)
+        self.committed += len(slots)
+        return out, slots
+
+    def commit_run(self, at: np.ndarray[Any, Any], checksums: Sequence[int], write_id: int) -> bool:
+        """:meth:`commit_keys` of distinct slots ``at`` (an index array), column-wise, when the put
+        ``write_id`` is writing every one; False, having changed nothing, when it is not."""
+        state = gather(self._state, at)
+        if (state & _LIVE).any() or (gather(self.write_id, at) != write_id).any():
+            return False
+        scatter(self._state, at, state | _COMMITTED)
+        scatter(self.checksum, at, np.array(checksums, np.uint64))
+        deadlines = self.deadlines
+        for slot in at.tolist():
+            del deadlines[slot]
+        self.committed += len(at)
+        return True
 
     # -- replicas ----------------------------------------------------------------------------------
     def add_replica(self, slot: int, node: int, tier: int, offset: int, status: int, gen: int) -> int:
@@ -300,7 +425,7 @@ class Records:
         live = {slot for slot, key in enumerate(self.keys) if key is not None}
         assert len(live) == len(self.index) and all(self.keys[s] == k for k, s in self.index.items())
         assert set(self._free_slots) == set(range(len(self.keys))) - live, "free slots drifted"
-        assert self.committed == sum(1 for s in live if self.state[s] & COMMITTED), "committed count drifted"
+        assert self.committed == sum(1 for s in live if self._state[s] & _COMMITTED), "committed count drifted"
         assert set(self.deadlines) <= live and set(self.holds) <= live
         seen: set[int] = set()
         for slot in live:
@@ -364,7 +489,7 @@ class TierLRU:
 
     Order contract (that of :class:`kvstore.lru.LRU`): iteration and :meth:`victims` go from the
     least recently used key to the most; :meth:`insert_row` and :meth:`touch_row` make a key the
-    most recent. Pinned keys (their key's PINNED bit, set at the put and never changed) are members
+    most recent. Pinned keys (:meth:`Records.is_pinned`, set at the put and never changed) are members
     kept apart, in :attr:`_pinned`, never in a recency log: nothing ever evicts them, so
     :meth:`victims` never walks past them (a node full of pins used to cost a scan of every pin per
     key put), and iteration gives them last, in no order. Leases are the table's
@@ -448,7 +573,7 @@ class TierLRU:
         self.total_bytes += rec.size[slot]
         if rec.events is not None:
             rec.events.append((True, self.node, self.tier, rec.keys[slot]))  # type: ignore[arg-type]
-        if rec.state[slot] & PINNED:
+        if rec._state[slot] & _PINNED:
             self.num_pinned += 1
             self._pinned.add(row)
             return
@@ -462,7 +587,7 @@ class TierLRU:
     def insert_rows(self, rows: list[int]) -> None:
         """:meth:`insert_row` of each of ``rows``, in order."""
         rec = self._rec
-        r_stamp, r_lru, r_slot, size, state = rec.r_stamp, rec.r_lru, rec.r_slot, rec.size, rec.state
+        r_stamp, r_lru, r_slot, size, state = rec.r_stamp, rec.r_lru, rec.r_slot, rec.size, rec._state
         first = rec.stamp + 1
         rec.stamp += len(rows)
         total = 0
@@ -473,7 +598,7 @@ class TierLRU:
             r_lru[row] = 1
             slot = r_slot[row]
             total += size[slot]
-            if state[slot] & PINNED:
+            if state[slot] & _PINNED:
                 pinned.append(row)
         self._len += len(rows)
         self.total_bytes += total
@@ -517,7 +642,7 @@ class TierLRU:
         slots = gather(rec.r_slot, rows)
         if rec.events is not None:
             self._tell(True, slots.tolist())
-        pinned = (gather(rec.state, slots) & PINNED) != 0
+        pinned = (gather(rec._state, slots) & _PINNED) != 0
         self._len += n
         self.total_bytes += int(gather(rec.size, slots).sum())
         self.num_pinned += int(np.count_nonzero(pinned))
@@ -570,7 +695,7 @@ class TierLRU:
             self._tell(False, (slot,))
         self._len -= 1
         self.total_bytes -= rec.size[slot]
-        if rec.state[slot] & PINNED:
+        if rec._state[slot] & _PINNED:
             self.num_pinned -= 1
             self._pinned.discard(row)
         else:
@@ -634,19 +759,19 @@ class TierLRU:
 
     def is_pinned(self, key: str) -> bool:
         row = self.row_of(key)
-        return row >= 0 and bool(self._rec.state[self._rec.r_slot[row]] & PINNED)
+        return row >= 0 and bool(self._rec._state[self._rec.r_slot[row]] & _PINNED)
 
     def victims(self, skip: Collection[str] = (), owner: int | None = None) -> Iterator[tuple[str, int]]:
         """(key, size) of evictable keys, least recently used first: neither pinned nor in ``skip``;
         with ``owner``, only that owner's (:meth:`Records.intern_owner`), walking no other's.
         Do not change the LRU while iterating."""
         rec = self._rec
-        keys, sizes, state, slots = rec.keys, rec.size, rec.state, rec.r_slot
+        keys, sizes, state, slots = rec.keys, rec.size, rec._state, rec.r_slot
         for row in self._live(owner):
             slot = slots[row]
             key = keys[slot]
             assert key is not None
-            if not state[slot] & PINNED and key not in skip:
+            if not state[slot] & _PINNED and key not in skip:
                 yield key, sizes[slot]
 
     def check(self) -> None:
@@ -660,8 +785,8 @@ class TierLRU:
             assert len(mine) == log.members, "an owner's log lost count of its members"
             assert log.nbytes == sum(rec.size[rec.r_slot[r]] for r in mine), "an owner's log lost count of its bytes"
             assert all(rec.owner[rec.r_slot[r]] == who for r in mine), "a row in another owner's log"
-        assert not any(rec.state[rec.r_slot[r]] & PINNED for r in logged), "a pinned member is in the log"
-        assert all(rec.r_lru[r] and rec.state[rec.r_slot[r]] & PINNED for r in self._pinned), "a pin drifted"
+        assert not any(rec._state[rec.r_slot[r]] & _PINNED for r in logged), "a pinned member is in the log"
+        assert all(rec.r_lru[r] and rec._state[rec.r_slot[r]] & _PINNED for r in self._pinned), "a pin drifted"
         rows = logged + list(self._pinned)
         assert len(rows) == len(set(rows)) == self._len, "an LRU's count drifted"
         members = {
@@ -670,7 +795,7 @@ class TierLRU:
         }  # fmt: skip
         assert members == set(rows), "an LRU member is missing from its log"
         assert self.total_bytes == sum(rec.size[rec.r_slot[r]] for r in rows), "an LRU's bytes drifted"
-        assert self.num_pinned == sum(1 for r in rows if rec.state[rec.r_slot[r]] & PINNED)
+        assert self.num_pinned == sum(1 for r in rows if rec._state[rec.r_slot[r]] & _PINNED)
 
 
 class OwnerVictims:

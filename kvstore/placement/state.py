@@ -19,7 +19,7 @@ from kvstore.config import MIN_BLOCK_BYTES
 from kvstore.errors import RetryLater
 from kvstore.events import EngineBlock
 from kvstore.placement.leases import Holder, Leases
-from kvstore.placement.records import COMMITTED, PINNED, REMOVING, S_MOVING, S_READY, T_DRAM, T_SSD, Records, TierLRU
+from kvstore.placement.records import S_MOVING, S_READY, T_DRAM, T_SSD, Records, TierLRU
 from kvstore.placement.views import (  # noqa: F401  (the table's parts read the views from here)
     COPYING,
     DROPPING,
@@ -327,9 +327,10 @@ class Catalog:
         """Record a key that came to exist (reserved by a put, committed into a grant, found in an
         inventory) by the put of ``write_id``, and count it for its owner; its slot."""
         self.clock += 1
-        state = (COMMITTED if committed else 0) | (PINNED if pinned else 0)
         owner = owner_of(key)
-        slot = self.rec.add_key(key, size, checksum, state, self.clock, self.owner_id(owner), write_id)
+        slot = self.rec.add_key(
+            key, size, checksum, self.clock, self.owner_id(owner), write_id, committed=committed, pinned=pinned
+        )
         self.usage[owner] += charged(size)
         if pinned:
             self.pinned_keys[owner] += 1
@@ -352,8 +353,8 @@ class Catalog:
             else not any(map(str.__contains__, keys, repeat("/")))
         )
         owners = self.owner_id(owner) if one else [self.owner_id(owner_of(k)) for k in keys]
-        self.rec.add_run(keys, sizes, (PINNED if pinned else 0), range(first_clock, first_clock + n),
-                         node.idx, offsets, new_generations(n), deadline, owners, write_id)  # fmt: skip
+        self.rec.add_run(keys, sizes, range(first_clock, first_clock + n), node.idx, offsets, new_generations(n),
+                         deadline, owners, write_id, pinned=pinned)  # fmt: skip
         usage = self.usage
         if one:
             usage[owner] += sum(sizes) + sum(MIN_BLOCK_BYTES - s for s in sizes if s < MIN_BLOCK_BYTES)
@@ -394,7 +395,7 @@ class Catalog:
         self.usage[owner] -= charged(rec.size[slot])
         if not self.usage[owner]:
             del self.usage[owner]
-        if rec.state[slot] & PINNED:
+        if rec.is_pinned(slot):
             self.pinned_keys[owner] -= 1
             if not self.pinned_keys[owner]:
                 del self.pinned_keys[owner]
@@ -475,7 +476,7 @@ class Catalog:
             return []
         rec = self.rec
         slot = entry.slot
-        if rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
+        if not rec.in_service(slot):
             return []
         node_at, status = self.node_at, rec.r_status
         out = []
@@ -495,25 +496,6 @@ class Catalog:
         through them until its move is done (or has failed, and the block is gone: then a read of it
         misses). A replica being dropped or copied in is not one."""
         return self._statuses(entry, S_MOVING)
-
-    def found_slot(self, slot: int) -> bool:
-        """Whether a read finds the committed block in ``slot``: through a replica :meth:`readable` or
-        :meth:`in_motion` returns (one on an up node, neither being copied in nor dropped)."""
-        rec = self.rec
-        if rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
-            return False
-        node_at, status, nodes, nxt = self.node_at, rec.r_status, rec.r_node, rec.r_next
-        row = rec.head[slot]
-        while row >= 0:
-            if status[row] <= S_MOVING:
-                node = node_at[nodes[row]]
-                if node is not None and node.up:
-                    return True
-            row = nxt[row]
-        return False
-
-    def found(self, entry: ObjectEntry | None) -> bool:
-        return entry is not None and self.found_slot(entry.slot)
 
     def touch(self, slot: int) -> None:
         """A read or a put of an existing key: it becomes the most recently used, in its owner's
@@ -611,7 +593,7 @@ class Catalog:
         when a node has a quarantined extent of the key already: the key waits for its drops)."""
         rec = self.rec
         slot = rec.index.get(key)
-        if slot is None or not rec.state[slot] & REMOVING:
+        if slot is None or not rec.is_removing(slot):
             return False
         rows = list(rec.rows(slot))
         for row in rows:

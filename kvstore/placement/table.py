@@ -36,7 +36,6 @@ from kvstore.placement.inspection import Inspection
 from kvstore.placement.moves import Moves
 from kvstore.placement.nodes import Membership, NodeRecord
 from kvstore.placement.reads import Reads
-from kvstore.placement.records import COMMITTED, REMOVING
 from kvstore.placement.state import (
     Catalog,
     Eviction,
@@ -329,7 +328,7 @@ class PlacementTable:
         """Of ``keys``, those a remove took out of service whose drops are not all confirmed yet (the
         master's commands know of drops planned for keys the table has forgotten already)."""
         rec = self._catalog.rec
-        return [k for k in keys if (slot := rec.index.get(k)) is not None and rec.state[slot] & REMOVING]
+        return [k for k in keys if (slot := rec.index.get(k)) is not None and rec.is_removing(slot)]
 
     def exists(self, keys: Sequence[str], now_ms: int = 0) -> list[bool]:
         return self._reads.exists(keys, now_ms)
@@ -498,7 +497,7 @@ class PlacementTable:
         rec = self._catalog.rec
         for key, label in zip(keys, labels, strict=True):
             slot = rec.index.get(key)
-            if slot is None or not rec.state[slot] & COMMITTED:  # a stored key keeps the name it was told by
+            if slot is None or not rec.is_committed(slot):  # a stored key keeps the name it was told by
                 got[key] = label
         if len(got) > len(self._catalog.rec.index) + LABELS_UNPLACED:
             index = self._catalog.rec.index

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from kvstore.allocator import Extent
-from kvstore.placement.records import COMMITTED, PINNED, REMOVING, S_READY, Records
+from kvstore.placement.records import S_READY, Records
 from kvstore.policy import TierName
 
 _GENERATIONS = [1]
@@ -178,21 +178,21 @@ class ObjectEntry:
 
     @property
     def committed(self) -> bool:
-        return bool(self._rec.state[self.slot] & COMMITTED)
+        return self._rec.is_committed(self.slot)
 
     @property
     def pinned(self) -> bool:
-        return bool(self._rec.state[self.slot] & PINNED)
+        return self._rec.is_pinned(self.slot)
 
     @property
     def removing(self) -> bool:
         """Removed, revoked or expired: gone once its daemons confirm; not readable, not placeable."""
-        return bool(self._rec.state[self.slot] & REMOVING)
+        return self._rec.is_removing(self.slot)
 
     @removing.setter
     def removing(self, value: bool) -> None:
         assert value, "a key being removed stays so"
-        self._rec.state[self.slot] |= REMOVING
+        self._rec.mark_removing(self.slot)
 
     @property
     def ssd_hits(self) -> int:
@@ -243,28 +243,27 @@ class Keys(Mapping[str, ObjectEntry]):
 
     def __init__(self, records: Records, committed: bool) -> None:
         self._rec = records
-        self._want = COMMITTED if committed else 0
+        self._committed = committed
 
     def __getitem__(self, key: str) -> ObjectEntry:
         slot = self._rec.index.get(key)
-        if slot is None or self._rec.state[slot] & COMMITTED != self._want:
+        if slot is None or self._rec.is_committed(slot) != self._committed:
             raise KeyError(key)
         return ObjectEntry(self._rec, slot)
 
     def get(self, key: str, default: object = None) -> Any:
         slot = self._rec.index.get(key)
-        if slot is None or self._rec.state[slot] & COMMITTED != self._want:
+        if slot is None or self._rec.is_committed(slot) != self._committed:
             return default
         return ObjectEntry(self._rec, slot)
 
     def __contains__(self, key: object) -> bool:
         slot = self._rec.index.get(key)  # type: ignore[call-overload]
-        return slot is not None and self._rec.state[slot] & COMMITTED == self._want
+        return slot is not None and self._rec.is_committed(slot) == self._committed
 
     def __iter__(self) -> Iterator[str]:
-        state, want = self._rec.state, self._want
-        return iter([k for k, s in self._rec.index.items() if state[s] & COMMITTED == want])
+        return iter(self._rec.keys_committed(self._committed))
 
     def __len__(self) -> int:
         committed = self._rec.committed
-        return committed if self._want else len(self._rec.index) - committed
+        return committed if self._committed else len(self._rec.index) - committed

@@ -25,7 +25,7 @@ from kvstore.allocator import Extent
 from kvstore.errors import CapacityError, InvalidArgument, KVStoreError, NoNodes, RetryLater
 from kvstore.keys import BlockKey, validate_key, validate_keys
 from kvstore.placement.leases import LeaseId
-from kvstore.placement.records import COMMITTED, MAX_CHECKSUM, REMOVING, S_COPYING, TierLRU, gather, scatter
+from kvstore.placement.records import MAX_CHECKSUM, S_COPYING, TierLRU, gather
 from kvstore.placement.state import (
     DRAM,
     TIERS,
@@ -228,13 +228,13 @@ class Writes:
         """A ticket for ``key`` on ``replicas`` of ``nodes`` (most preferred first, those in ``shunned``
         last: suspected, or a client could not reach them), or None when it waits for evictions."""
         cat = self.catalog
-        slot = cat.rec.index.get(key)
+        rec = cat.rec
+        slot = rec.index.get(key)
         if slot is not None:
-            state = cat.rec.state[slot]
-            if state & REMOVING:
+            if rec.is_removing(slot):
                 return _ticket_error(RetryLater(f"key {key!r} is being moved or removed; retry"))
             cat.counters["put_exists"] += 1
-            if state & COMMITTED:
+            if rec.is_committed(slot):
                 cat.touch(slot)
             return Ticket("exists", [], 0, "")
         if key in cat.owed:  # an old block of it is still being dropped on some node
@@ -327,26 +327,16 @@ class Writes:
             raise InvalidArgument(f"a checksum must be an int in [0, 2**64), got {bad!r}")
         if len(keys) >= _RUN_MIN and self._commit_run(keys, checksums, write_id):
             return [True] * len(keys)
-        out = []
         rec = cat.rec
-        index, state, head, nxt, sizes, ids = rec.index, rec.state, rec.head, rec.r_next, rec.size, rec.write_id
-        r_node, checksum, deadlines, node_at = rec.r_node, rec.checksum, rec.deadlines, cat.node_at
-        written = committed = 0
+        out, slots = rec.commit_keys(keys, checksums, write_id)
+        head, nxt, sizes, r_node, node_at = rec.head, rec.r_next, rec.size, rec.r_node, cat.node_at
+        written = 0
         # Rows to enter each DRAM LRU, in order (a put reserves DRAM only), one append of each run.
         lru: TierLRU | None = None
         lru_node = -1
         rows: list[int] = []
-        for key, check in zip(keys, checksums, strict=True):
-            slot = index.get(key)
-            if slot is None or (bits := state[slot]) & (COMMITTED | REMOVING) or ids[slot] != write_id:
-                out.append(False)
-                continue
-            state[slot] = bits | COMMITTED
-            checksum[slot] = check
-            del deadlines[slot]
-            committed += 1
+        for slot in slots:
             written += sizes[slot]
-            out.append(True)
             row = head[slot]
             if r_node[row] == lru_node and nxt[row] < 0:
                 rows.append(row)  # the common case: one replica, on the node of the key before
@@ -362,7 +352,6 @@ class Writes:
                 row = nxt[row]
         if lru is not None:
             lru.insert_rows(rows)
-        rec.committed += committed
         cat.counters["bytes_written"] += written
         return out
 
@@ -375,20 +364,13 @@ class Writes:
         if None in slots or len(set(slots)) != len(slots):
             return False
         at = np.array(slots, np.intp)
-        state = gather(rec.state, at)
-        if (state & (COMMITTED | REMOVING)).any() or (gather(rec.write_id, at) != write_id).any():
-            return False
         rows = gather(rec.head, at).astype(np.intp)
         nodes = gather(rec.r_node, rows)
         node = cat.node_at[int(nodes[0])]
         if node is None or (nodes != nodes[0]).any() or (gather(rec.r_next, rows) >= 0).any():
             return False
-        scatter(rec.state, at, state | COMMITTED)
-        scatter(rec.checksum, at, np.array(checksums, np.uint64))
-        deadlines = rec.deadlines
-        for slot in slots:
-            del deadlines[slot]  # type: ignore[arg-type]  # no None among them
-        rec.committed += len(slots)
+        if not rec.commit_run(at, checksums, write_id):
+            return False
         node.dram_lru.insert_run(rows)
         cat.counters["bytes_written"] += int(gather(rec.size, at).sum())
         return True
@@ -416,10 +398,10 @@ class Writes:
         removed = 0
         for key in keys:
             slot = rec.index.get(validate_key(key))
-            if slot is None or rec.state[slot] & (COMMITTED | REMOVING) != COMMITTED:
+            if slot is None or not rec.in_service(slot):
                 continue
             removed += 1
-            rec.state[slot] |= REMOVING
+            rec.mark_removing(slot)
             hold = rec.holds.pop(slot, None)
             if hold is not None:
                 cat.leases.release(LeaseId(hold[0]))  # a forced remove ends the hold of an earlier read
