@@ -254,16 +254,16 @@ def bench_async_gets(master: str, config: ClientConfig, cpu: MasterCpu, size: in
 
 def bench_match_prefix(store: Store, num_keys: int = 1_000_000, query: int = 64) -> list[dict[str, Any]]:
     table = PlacementTable(EvictionPolicy())
-    table.register_node("n", "n:1", 1 << 40, 0, 64, [], 0)
+    table.membership.register_node("n", "n:1", 1 << 40, 0, 64, [], 0)
     keys = [f"prefix-{i:08d}" for i in range(num_keys)]
     for s in range(0, num_keys, 10_000):
         chunk = keys[s : s + 10_000]
-        table.put_start(chunk, [64] * len(chunk), 1, None, False, 0)
-        table.put_end(chunk, [0] * len(chunk))
+        table.writes.put_start(chunk, [64] * len(chunk), 1, None, False, 0)
+        table.writes.put_end(chunk, [0] * len(chunk))
     queries = [keys[i : i + query] for i in range(0, num_keys, max(1, num_keys // 2000))][:2000]
     t = time.perf_counter()
     for q in queries:
-        assert table.match_prefix(q) == len(q)
+        assert table.reads.match_prefix(q) == len(q)
     table_s = time.perf_counter() - t
     # Through the master's RPC: a prefix of stored keys, the way an engine asks.
     stored = [f"rpc-prefix-{i}" for i in range(query)]

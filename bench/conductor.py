@@ -152,15 +152,15 @@ def prefix_match(seconds: float) -> dict[str, Any]:
 def _fill_table(table: Any) -> list[list[str]]:
     """Four nodes; 64 prompts of 32 blocks, of which a random leading share is stored, spread over nodes."""
     for i in range(4):
-        table.register_node(f"n{i}", f"127.0.0.1:{7000 + i}", 1 << 34, 0, 64, [], now_ms=0)
+        table.membership.register_node(f"n{i}", f"127.0.0.1:{7000 + i}", 1 << 34, 0, 64, [], now_ms=0)
     rng = random.Random(1)
     prompts = []
     for p in range(64):
         keys = [f"{p:04x}{b:028x}" for b in range(32)]
         stored = keys[: rng.randrange(0, 33)]
         for key in stored:  # one block at a time, each on a node of its own choosing
-            table.put_start([key], [4096], 1, f"n{rng.randrange(4)}", False, 0)
-        table.put_end(stored, [0] * len(stored))
+            table.writes.put_start([key], [4096], 1, f"n{rng.randrange(4)}", False, 0)
+        table.writes.put_end(stored, [0] * len(stored))
         prompts.append(keys)
     return prompts
 

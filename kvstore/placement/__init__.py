@@ -1,2 +1,2 @@
-"""The master's placement table, split by concern; :class:`kvstore.placement.table.PlacementTable`
-is the one face the rest of the code uses."""
+"""The master's placement table, split by concern: :class:`kvstore.placement.table.PlacementTable`
+composes the parts over one catalog and hands them out (``table.writes``, ``table.reads``, ...)."""

@@ -11,8 +11,9 @@ reused space.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from kvstore.allocator import Extent
 from kvstore.errors import CapacityError, GrantExpired, InvalidArgument, KVStoreError, NoNodes, RetryLater
@@ -48,6 +49,8 @@ class Grants:
 
     def __init__(self, catalog: Catalog, tiering: Tiering, strategy: Strategy, rng: random.Random) -> None:
         self.catalog = catalog
+        self.open: Mapping[int, Grant] = MappingProxyType(catalog.grants)
+        """The grants open now (and those ending, until their daemons answer), by id: read-only."""
         self.tiering = tiering
         self.strategy = strategy
         self.rng = rng
@@ -61,6 +64,7 @@ class Grants:
         when the node is above its high watermark) for ``ttl_ms``, for tenant ``owner``; nodes in
         ``avoid`` (its client could not reach them) last."""
         cat = self.catalog
+        cat.know_tenant(owner)
         if type(length) is not int or length <= 0:
             raise InvalidArgument(f"grant length must be a positive int, got {length!r}")
         if type(ttl_ms) is not int or ttl_ms <= 0:

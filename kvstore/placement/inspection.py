@@ -74,7 +74,16 @@ class Inspection:
         """(key, slot) of every stored key not being removed."""
         return self.catalog.rec.served_items()
 
+    def num_objects(self) -> int:
+        """Stored keys (committed, and being removed until their daemons confirm)."""
+        return len(self.catalog.objects)
+
+    def node_usage(self) -> list[dict[str, dict[str, int]]]:
+        """:meth:`tier_usage` of every registered node."""
+        return [self.tier_usage(n) for n in self.catalog.nodes.values()]
+
     def stored_keys(self, prefix: str) -> list[str]:
+        """Every stored key (not being removed) that starts with ``prefix``, in no order."""
         return [k for k, _ in self._stored() if k.startswith(prefix)]
 
     def keys_page(self, prefix: str, after: str | None, limit: int) -> tuple[list[str], str | None]:

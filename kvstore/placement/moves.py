@@ -48,6 +48,21 @@ class Moves:
         self.writes = writes
         self.policy = policy
 
+    def start_drain(self, node_id: str) -> None:
+        """Take ``node_id`` out of placement: no new block or grant goes there, and
+        :meth:`plan_moves` moves its blocks elsewhere. It stays out until :meth:`stop_drain`
+        (or until it leaves)."""
+        if node_id not in self.catalog.nodes:
+            raise NotFound(f"node {node_id!r} is not registered")
+        self.catalog.draining.add(node_id)
+
+    def stop_drain(self, node_id: str) -> None:
+        """Put a drained node back into placement."""
+        self.catalog.draining.discard(node_id)
+
+    def is_draining(self, node_id: str) -> bool:
+        return node_id in self.catalog.draining
+
     def evict_keys(
         self, keys: Iterable[str], why: EvictionReason = "operator"
     ) -> tuple[int, list[str], list[NodeCommand]]:

@@ -30,7 +30,7 @@ from kvstore.allocator import Allocator, Extent, align_up
 from kvstore.errors import InvalidArgument, InvalidKey
 from kvstore.keys import validate_key
 from kvstore.placement.records import MAX_CHECKSUM, S_DROPPING, T_DRAM
-from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, ObjectEntry
+from kvstore.placement.state import DRAM, SSD, Catalog, NodeCommand, NodeState, ObjectEntry
 from kvstore.policy import ActionKind, TierName
 from kvstore.results import HeldBlock
 from kvstore.write_ids import MAX_WRITE_ID
@@ -106,7 +106,7 @@ class Membership:
         self.records_changed: set[str] = set()
         """Nodes whose :class:`NodeRecord` changed since :meth:`take_records` (an HA leader keeps
         them in etcd: a new leader must know them)."""
-        self.absent: dict[str, Gone] = {}
+        self._absent: dict[str, Gone] = {}
         """Absent nodes (see the module's text), each with what its registration must drop."""
         self._noted_from: dict[str, int] = {}
         """Per absent node, the size of its ``gone`` before removes were noted (the bound is on those)."""
@@ -122,38 +122,88 @@ class Membership:
         out: dict[str, NodeRecord | None] = {}
         for n in changed:
             node = nodes.get(n)
-            if n in self.absent:
-                out[n] = NodeRecord(False, frozenset(self.absent[n]))
+            if n in self._absent:
+                out[n] = NodeRecord(False, frozenset(self._absent[n]))
             elif node is not None:
                 out[n] = NodeRecord(not node.fenced, frozenset(node.gone | self.owing.get(n, set())))
             else:
                 out[n] = None
         return out
 
-    def note_absent(self, node_id: str, gone: Gone, recorded: bool = False) -> None:
+    def records_pending(self) -> bool:
+        """Whether some node's record changed since :meth:`take_records`."""
+        return bool(self.records_changed)
+
+    def record_changed(self, node_id: str) -> None:
+        """``node_id``'s record is to be taken again (keeping it in etcd failed)."""
+        self.records_changed.add(node_id)
+
+    def take_settling(self) -> list[tuple[str, str]]:
+        """The (node, key) drops of detached blocks (:meth:`Catalog.detach`) confirmed since the last
+        call, which the records :meth:`take_records` gives no longer name: hand them to
+        :meth:`records_kept` once those are kept (a node owes the key until then: a new leader
+        reading its old record would drop a block of the key put there since). Take both at once."""
+        settling = []
+        for node in self.catalog.nodes.values():
+            if node.settling:
+                settling += [(node.node_id, key) for key in node.settling]
+                node.settling.clear()
+        return settling
+
+    def records_kept(self, settling: list[tuple[str, str]]) -> None:
+        """The records that :meth:`take_records` gave with ``settling`` are kept: those nodes owe
+        those keys no more."""
+        nodes = self.catalog.nodes
+        for node_id, key in settling:
+            node = nodes.get(node_id)
+            if node is not None:
+                self.catalog.settled(node, key)
+
+    def records_not_kept(self, settling: list[tuple[str, str]]) -> None:
+        """They were not: taken again at the next :meth:`take_records`."""
+        nodes = self.catalog.nodes
+        for node_id, key in settling:
+            node = nodes.get(node_id)
+            if node is not None and key in node.owes:
+                node.settling.add(key)
+
+    @property
+    def absent(self) -> list[str]:
+        """The absent nodes (see the module's text), in order."""
+        return sorted(self._absent)
+
+    def up_nodes(self) -> list[NodeState]:
+        return self.catalog.up_nodes()
+
+    def detach(self, key: str) -> bool:
+        """Forget a removed key whose drops were answered without its nodes (see :meth:`Catalog.detach`)."""
+        return self.catalog.detach(key)
+
+    def note_absent(self, node_id: str, gone: Iterable[tuple[str, TierName, int]], recorded: bool = False) -> None:
         """``node_id`` is of the cluster but not in the table (see the module's text); its registration
         must drop ``gone`` (an earlier leader's list) and every key removed from now on. ``recorded``:
         etcd's record says as much already (a new leader reading it): not written again for this; a
         member's record says "member" until the term is ready without it (see MasterService)."""
         if node_id in self.catalog.nodes:
             return  # it registered meanwhile: what it owed was given to its registration
-        held = self.absent.get(node_id)
+        drop = set(gone)
+        held = self._absent.get(node_id)
         if held is None:
-            held = self.absent[node_id] = set(gone)
-        elif EVERYTHING in held or gone <= held:
+            held = self._absent[node_id] = drop
+        elif EVERYTHING in held or drop <= held:
             return
         else:
-            held |= gone
+            held |= drop
         self._noted_from[node_id] = len(held)
         if not recorded:
             self.records_changed.add(node_id)
 
     def removed(self, keys: Sequence[str]) -> None:
         """``keys`` were removed: an absent node that holds one must not bring it back."""
-        if not keys or not self.absent:
+        if not keys or not self._absent:
             return
         entries = {(k, t, -1) for k in keys for t in (DRAM, SSD)}
-        for node_id, held in self.absent.items():
+        for node_id, held in self._absent.items():
             if EVERYTHING in held or entries <= held:
                 continue
             held |= entries
@@ -198,17 +248,17 @@ class Membership:
                 del self.owing[command.node_id]
             self.records_changed.add(command.node_id)
 
-    def record_at_registration(self, node_id: str, gone: Gone | None) -> NodeRecord:
+    def record_at_registration(self, node_id: str, gone: Iterable[tuple[str, TierName, int]] | None) -> NodeRecord:
         """The record ``node_id`` is to have once registered with ``gone`` (an earlier leader's list):
         a member that must drop what its registration drops (an HA leader keeps it in etcd first)."""
-        return NodeRecord(True, frozenset(self._owed(node_id, gone)))
+        return NodeRecord(True, frozenset(self._owed(node_id, set(gone) if gone is not None else None)))
 
     def _owed(self, node_id: str, gone: Gone | None) -> Gone:
         """What a registration of ``node_id`` must drop rather than adopt: blocks whose drop is under
         way, what the node owed since its last registration, ``gone``, and what it owes as absent."""
         old = self.catalog.nodes.get(node_id)
         earlier = old.gone if old is not None else set()
-        owed = self._dropping_on(node_id) | earlier | (gone or set()) | self.absent.get(node_id, set())
+        owed = self._dropping_on(node_id) | earlier | (gone or set()) | self._absent.get(node_id, set())
         return owed | self.owing.get(node_id, set())
 
     def register_node(
@@ -246,7 +296,7 @@ class Membership:
         ]  # fmt: skip
         gone = self._owed(node_id, gone)
         self.owing.pop(node_id, None)  # what it owed is dropped at this registration (see _owed)
-        self.absent.pop(node_id, None)
+        self._absent.pop(node_id, None)
         self._noted_from.pop(node_id, None)
         self.records_changed.add(node_id)  # a member now (and what it owes until its first heartbeat)
         commands = self._forget_node(node_id)
@@ -430,12 +480,12 @@ class Membership:
         # A put that had a replica there cannot complete; its other replicas may hold bytes already.
         return cat.revoke(broken)
 
-    def leave(self, node_id: str) -> list[NodeCommand]:
+    def leave_node(self, node_id: str) -> list[NodeCommand]:
         """``node_id`` leaves for good (its daemon unmounted its segment): its replicas are forgotten
         (keys held nowhere else are gone), and its puts in flight revoked on their other nodes."""
         self.catalog.draining.discard(node_id)
         self.owing.pop(node_id, None)
-        self.absent.pop(node_id, None)
+        self._absent.pop(node_id, None)
         self._noted_from.pop(node_id, None)
         self.records_changed.add(node_id)
         return self._forget_node(node_id)

@@ -291,6 +291,12 @@ class Reads:
                 out.append(i)
         return out
 
+    def removing(self, keys: Iterable[str]) -> list[str]:
+        """Of ``keys``, those a remove took out of service whose drops are not all confirmed yet (the
+        master's commands know of drops planned for keys the table has forgotten already)."""
+        rec = self.catalog.rec
+        return [k for k in keys if (slot := rec.index.get(k)) is not None and rec.is_removing(slot)]
+
     def release_leases(self, lease_ids: Iterable[int]) -> list[NodeCommand]:
         """A reader is done with these leases (ids from its gets' replies); one that ended already
         (expired) is skipped. Returns promotions now due."""

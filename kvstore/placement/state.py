@@ -308,8 +308,9 @@ class Catalog:
         ``keys_by_owner`` (a master with tenants: their quotas evict by it), else empty."""
         self.clock = 0
         self.labels: dict[str, EngineBlock] = {}
-        """Keys an engine named (:meth:`PlacementTable.label`) -> its name for them, for the KV events:
-        kept while the key is in the table (and for :data:`LABELS_UNPLACED` keys not yet in it)."""
+        """Keys an engine named (:meth:`~kvstore.placement.kv_events.KvEvents.label`) -> its name for
+        them, for the KV events: kept while the key is in the table (and for
+        :data:`~kvstore.placement.kv_events.LABELS_UNPLACED` keys not yet in it)."""
         self.labels_gone: dict[str, EngineBlock | None] = {}
         """Keys forgotten since the KV events were last taken -> the label each had (None: none):
         their removals name them so, whatever label a put of the same key brought since."""
@@ -373,7 +374,7 @@ class Catalog:
 
     def know_tenant(self, tenant: str) -> None:
         """``tenant`` made a request (its identity checked against the tenants file as read at its
-        login): a tenant now, though the last :meth:`PlacementTable.set_tenants` (the master's tick)
+        login): a tenant now, though the last :meth:`Accounts.set_tenants` (the master's tick)
         may predate it. Its keys must get its own LRU from the first one on: put in the shared log,
         they would never be victims of its puts, which evict only its own."""
         if tenant and self.tenants is not None and tenant not in self.tenants:

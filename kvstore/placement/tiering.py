@@ -22,6 +22,7 @@ from kvstore.placement.state import (
     READY,
     SSD,
     Catalog,
+    Eviction,
     EvictionReason,
     NodeCommand,
     NodeState,
@@ -38,6 +39,15 @@ class Tiering:
     def __init__(self, catalog: Catalog, policy: EvictionPolicy) -> None:
         self.catalog = catalog
         self.policy = policy
+
+    def take_evictions(self) -> list[Eviction]:
+        """The evictions since the last call (see :class:`~kvstore.placement.state.Eviction`), oldest first."""
+        return self.catalog.take_evictions()
+
+    @property
+    def evictions_lost(self) -> int:
+        """Evictions dropped untaken (more than EVICTIONS_KEPT between two takes)."""
+        return self.catalog.evictions_lost
 
     def dram_view(self, node: NodeState, used: int, owner: int | None = None) -> TierView[str]:
         """The node's DRAM tier as the policy sees it, with ``used`` bytes in use; its victims only

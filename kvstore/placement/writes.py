@@ -155,10 +155,11 @@ class Writes:
         write_id: int = 0,
         avoid: Collection[str] = (),
     ) -> PutPlan:
-        """Place ``keys`` (see :meth:`PlacementTable.put_start`) for the put ``write_id``; a put of
-        ``tenant`` ("": of none, an operator's or a cluster's without tenants) evicts only that
-        tenant's blocks for its room; nodes in ``avoid`` (its client could not reach them) are
-        placed on last."""
+        """Place ``keys`` (see the module's text) for the put ``write_id``; a put of ``tenant`` ("":
+        of none, an operator's or a cluster's without tenants) evicts only that tenant's blocks for
+        its room (and makes it a tenant: :meth:`Catalog.know_tenant`); nodes in ``avoid`` (its client
+        could not reach them) are placed on last."""
+        self.catalog.know_tenant(tenant)
         if len(keys) != len(sizes):
             raise InvalidArgument(f"put_start got {len(keys)} keys but {len(sizes)} sizes")
         checked = validate_keys(keys)

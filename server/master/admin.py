@@ -404,7 +404,7 @@ async def health(api: AdminApi, request: web.Request) -> Health:
        errors=())  # fmt: skip
 async def ready(api: AdminApi, request: web.Request) -> Ready:
     service = api.service
-    up = len(service.table.up_nodes())
+    up = len(service.table.membership.up_nodes())
     refusal = service.refusal()
     reason = str(refusal) if refusal is not None else "" if up else "no storage node is up"
     return Ready(ready=not reason, nodes_up=up, reason=reason)
@@ -420,14 +420,14 @@ async def leadership(api: AdminApi, request: web.Request) -> Leadership:
        errors=())  # fmt: skip
 async def cluster(api: AdminApi, request: web.Request) -> ClusterSummary:
     table = api.service.table
-    usage = table.node_usage()
+    usage = table.inspection.node_usage()
     tiers = {t: TierUsage(**{f: sum(u[t][f] for u in usage) for f in TierUsage.model_fields}) for t in ("dram", "ssd")}
     counters = dict(table.counters)
     lookups = counters["hits"] + counters["misses"]
-    up = len(table.up_nodes())
+    up = len(table.membership.up_nodes())
     rates = api.service.sampler.rates()
     return ClusterSummary(
-        nodes=len(usage), nodes_up=up, nodes_down=len(usage) - up, objects=table.num_objects(),
+        nodes=len(usage), nodes_up=up, nodes_down=len(usage) - up, objects=table.inspection.num_objects(),
         pending=int(table.stats()["pending"]), dram=tiers["dram"], ssd=tiers["ssd"],
         hit_rate=counters["hits"] / lookups if lookups else 0.0,
         rates=Rates(**{k: v for k, v in rates.items() if k != "hit_rate"}), counters=counters,
@@ -457,7 +457,7 @@ async def keys(api: AdminApi, request: web.Request) -> KeyPage:
     caller: Caller = request["caller"]
     limit = _int_query(request, "limit", 100, 1, 10_000)
     cursor = request.query.get("cursor")
-    page, after = api.service.table.keys_page(
+    page, after = api.service.table.inspection.keys_page(
         caller.prefix + request.query.get("prefix", ""), caller.prefix + cursor if cursor is not None else None, limit
     )
     return KeyPage(keys=[caller.shown(k) for k in page], next_cursor=caller.shown(after) if after else after)
@@ -468,7 +468,7 @@ async def keys(api: AdminApi, request: web.Request) -> KeyPage:
 async def key(api: AdminApi, request: web.Request) -> KeyModel:
     caller: Caller = request["caller"]
     shown = validate_key(request.match_info["key"])
-    described = api.service.table.describe(caller.key(shown))
+    described = api.service.table.inspection.describe(caller.key(shown))
     if described is None:
         raise NotFound(f"key {shown!r} is not stored")
     return KeyModel.model_validate({**described, "key": shown})
@@ -497,7 +497,7 @@ async def evict(api: AdminApi, request: web.Request) -> EvictResult:
         targets = [caller.key(req.key)]
     else:
         prefix = caller.prefix + req.prefix
-        targets = [validate_key(k) for k in core.table.stored_keys(prefix)]
+        targets = [validate_key(k) for k in core.table.inspection.stored_keys(prefix)]
     evicted, pinned = core.evict_keys(targets)
     return EvictResult(evicted=evicted, skipped_pinned=[caller.shown(k) for k in pinned[:1000]])
 
@@ -512,7 +512,7 @@ async def evictions(api: AdminApi, request: web.Request) -> EvictionPage:
     after = _int_query(request, "after", 0, 0, 1 << 62)
     limit = _int_query(request, "limit", 1000, 1, 10_000)
     log = api.service.evictions
-    log.add(api.service.table.take_evictions(), time.time())  # what the last tick has not taken yet
+    log.add(api.service.table.tiering.take_evictions(), time.time())  # what the last tick has not taken yet
     page, last, lost = log.page(after, limit, caller.prefix)
     return EvictionPage(
         evictions=[EvictionModel(seq=e.seq, at=e.at, key=caller.shown(e.key), node_id=e.node_id, reason=e.reason)

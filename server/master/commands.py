@@ -274,7 +274,7 @@ class Commands:
                 self.nodes.cut_links(node_id)
                 log.warning("node %s fenced: silent for over its TTL; its drops count as made, and it serves "
                             "nothing until it registers again", node_id)  # fmt: skip
-        for node_id, grant_ids in table.expired_grants(now_ms).items():
+        for node_id, grant_ids in table.grants.expired_grants(now_ms).items():
             self._spawn(self.close_grants(node_id, grant_ids), "grant-expiry")
         retry, self.retry = self.retry, []
         self._track(retry, -1)  # those sent again are counted again by later()
@@ -296,13 +296,13 @@ class Commands:
             except KVStoreError as exc:
                 log.warning("closing grants on %s failed (%s); will retry", node_id, exc)
                 for grant_id in grant_ids:
-                    grant = table.grants.get(grant_id)
+                    grant = table.grants.open.get(grant_id)
                     if grant is not None:
                         grant.ending = False
                         grant.deadline_ms = 0  # expired again at the next tick
                 return
         if self.current(table):
-            table.finish_end_grants(node_id, grant_ids)
+            table.grants.finish_end_grants(node_id, grant_ids)
             self.room.freed()
 
     def close_grants_later(self, per_node: dict[str, list[int]], name: str) -> None:
@@ -325,7 +325,7 @@ class Commands:
 
     async def drop_everywhere(self, keys: list[str]) -> bool:
         """Have every up node drop ``keys``; whether all of them confirmed."""
-        nodes = [n.node_id for n in self.nodes.table.up_nodes()]
+        nodes = [n.node_id for n in self.nodes.table.membership.up_nodes()]
         # The earlier master's seals of them end by then; a cached put's block pending here is not theirs.
         drop = DropBlocks(keys, void_until_ms=self._void_bound(), keep_pending=True)
         answers = await asyncio.gather(

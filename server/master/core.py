@@ -247,7 +247,7 @@ class MasterCore:
                 # In etcd before the node is in the table: a next leader waits for every node that this one
                 # placed blocks on (and needs no moment for the daemons' peer lists to name them). After a
                 # failover etcd mostly holds it already (a member, nothing owed): then nothing is written.
-                await self._keep_record(election, m.node_id, table.record_at_registration(m.node_id, gone))
+                await self._keep_record(election, m.node_id, table.membership.record_at_registration(m.node_id, gone))
                 self._same_term(table, "the registration")
             commands = self.nodes.register(m, now_ms(), gone)
         self.commands.forget(m.node_id)  # the inventory superseded them
@@ -329,13 +329,13 @@ class MasterCore:
                 holds.setdefault(node_id, value)
                 if value is not None and node_id not in table.nodes:
                     record = _parse_record(node_id, value)
-                    table.note_absent(node_id, record.gone, recorded=True)
+                    table.membership.note_absent(node_id, record.gone, recorded=True)
                     if record.member:
                         members.append(node_id)
-            if table.absent:
-                log.info("nodes absent since the last term: %s (waiting for %s)", ", ".join(table.absent),
+            if table.membership.absent:
+                log.info("nodes absent since the last term: %s (waiting for %s)", ", ".join(table.membership.absent),
                          ", ".join(members) or "none")  # fmt: skip
-        self.leadership.know_absent(members, table.absent, recorded)
+        self.leadership.know_absent(members, table.membership.absent, recorded)
 
     async def save_records(self) -> None:
         """Keep in etcd (an HA leader) the record of each node whose record changed: whether it is a
@@ -345,26 +345,26 @@ class MasterCore:
         Raises ConnectionFailed or NotLeader when etcd did not take them (they are tried again)."""
         election = self.leadership.election
         if election is None:
-            self.table.take_records()
-            self.table.records_kept(self.table.take_settling())
+            self.table.membership.take_records()
+            self.table.membership.records_kept(self.table.membership.take_settling())
             return
         async with self._saving_records:  # one at a time: a later record never overwritten by an earlier one
-            changes, settling = self.table.take_records(), self.table.take_settling()
+            changes, settling = self.table.membership.take_records(), self.table.membership.take_settling()
             for node_id, record in changes.items():
                 try:
                     await self._keep_record(election, node_id, record)
                 except KVStoreError:
                     for again in changes:
-                        self.table.record_changed(again)
-                    self.table.records_not_kept(settling)
+                        self.table.membership.record_changed(again)
+                    self.table.membership.records_not_kept(settling)
                     raise
-            self.table.records_kept(settling)
+            self.table.membership.records_kept(settling)
 
     def _peers(self) -> list[str]:
         """The nodes the daemons are told of (and name to a new leader): those up, and while this
         term is not ready, every node it has or waits for (a term that never became ready must not
         make the next one forget a node it was waiting for)."""
-        peers = {n.node_id for n in self.table.up_nodes()}
+        peers = {n.node_id for n in self.table.membership.up_nodes()}
         peers |= self.leadership.waiting_for(self.table.nodes)
         return sorted(peers)
 
@@ -372,15 +372,15 @@ class MasterCore:
         """A daemon asks which of its blocks no put placed (orphans: it drops them), and tells which
         orphans of an earlier answer it dropped (their extents are free again)."""
         if m.dropped:
-            self.table.release_quarantine(m.node_id, m.dropped)
+            self.table.membership.release_quarantine(m.node_id, m.dropped)
             self.commands.room.freed()
-        return CheckBlocksReply(self.table.check_blocks(m.node_id, m.keys, m.offsets, m.sizes, m.checksums))
+        return CheckBlocksReply(self.table.membership.check_blocks(m.node_id, m.keys, m.offsets, m.sizes, m.checksums))
 
     async def heartbeat(self, m: Heartbeat, caller: Identity = ANYONE) -> Message:
         known = self.nodes.heartbeat(m.node_id, m.transfer_bytes, now_ms(), m.refusals)
         if not known:
             return HeartbeatReply(False, [], False)
-        self.table.ssd_health(m.node_id, m.ssd_capacity, m.ssd_configured, m.ssd_fault)
+        self.table.membership.ssd_health(m.node_id, m.ssd_capacity, m.ssd_configured, m.ssd_fault)
         return HeartbeatReply(True, self._peers(), self.nodes.renew_key_lease(m.node_id, self.commands.owes(m.node_id)))
 
     async def list_nodes(self, m: ListNodes, caller: Identity = ANYONE) -> Message:
@@ -388,7 +388,7 @@ class MasterCore:
         return NodesReply(self.nodes.infos())
 
     async def access_report(self, m: AccessReport, caller: Identity = ANYONE) -> Message:
-        self.table.record_access(m.node_id, m.keys, m.tiers, now_ms())
+        self.table.reads.record_access(m.node_id, m.keys, m.tiers, now_ms())
         return OkReply()
 
     # -- puts -------------------------------------------------------------------------------------
@@ -419,7 +419,7 @@ class MasterCore:
         known = self._tenant(tenant) if tenant is not None else None
         if known is not None and known.replicas > m.replicas:
             m = structs.replace(m, replicas=known.replicas)  # the tenant's least copies, whatever its client asks
-        admitted: set[int] = set()  # new keys counted against the quota until placed (PlacementTable.admit)
+        admitted: set[int] = set()  # new keys counted against the quota until placed (Accounts.admit)
         if tenant is not None and known is not None and (known.quota_bytes or known.max_objects or known.max_pinned):
             quota = known.quota_bytes or 1 << 62
             plan = quotas.plan_put(self.table, tenant, quota, keys, sizes)
@@ -441,13 +441,13 @@ class MasterCore:
         table = self.table  # admitted on this term's table, settled on it (a new term's starts clean)
         if admitted:
             assert tenant is not None
-            table.admit(tenant, sum(charged(sizes[i]) for i in admitted), len(admitted), m.pin)
+            table.accounts.admit(tenant, sum(charged(sizes[i]) for i in admitted), len(admitted), m.pin)
         try:
             return await self._place(m, keys, sizes, tickets, todo, tenant, admitted, table)
         finally:
             if admitted:
                 assert tenant is not None
-                table.settle(tenant, sum(charged(sizes[i]) for i in admitted), len(admitted), m.pin)
+                table.accounts.settle(tenant, sum(charged(sizes[i]) for i in admitted), len(admitted), m.pin)
 
     async def _place(
         self, m: PutStart, keys: list[str], sizes: list[int], tickets: list[Ticket | None], todo: list[int],
@@ -457,7 +457,7 @@ class MasterCore:
         placed (or refused) leaves ``admitted`` as it enters the table."""
         for _ in range(_MAX_EVICTION_ROUNDS):
             every = len(todo) == len(keys)
-            placed = self.table.put_start(
+            placed = self.table.writes.put_start(
                 keys if every else [keys[i] for i in todo], sizes if every else [sizes[i] for i in todo],
                 m.replicas, m.preferred_node, m.pin, now_ms(), tenant or "", m.write_id, frozenset(m.avoid),
             )  # fmt: skip
@@ -474,7 +474,7 @@ class MasterCore:
             if admitted:
                 assert tenant is not None
                 done = admitted.difference(todo)
-                admitted_on.settle(tenant, sum(charged(sizes[i]) for i in done), len(done), m.pin)
+                admitted_on.accounts.settle(tenant, sum(charged(sizes[i]) for i in done), len(done), m.pin)
                 admitted -= done
             if not todo:
                 self.commands.later(placed.commands, "background-eviction")
@@ -502,7 +502,7 @@ class MasterCore:
 
     async def put_end(self, m: PutEnd, caller: Identity = ANYONE) -> Message:
         write_id = check_write_id(m.write_id, "PutEnd.write_id")
-        committed = self.table.put_end(m.keys, m.checksums, write_id)
+        committed = self.table.writes.put_end(m.keys, m.checksums, write_id)
         # A put begun with a master that has since gone: its block came back in its daemon's
         # inventory when the daemon registered here (with the put's write id), and may have been
         # removed since (see server.master.removed). Or this answer is a retry's, the first lost.
@@ -515,7 +515,7 @@ class MasterCore:
                 out.append(True)
             elif removals.was_committed(k, c, write_id):
                 out.append(True)
-                if self.table.describe(k) is None:
+                if self.table.inspection.describe(k) is None:
                     gone.append(k)
             else:
                 out.append(False)
@@ -540,12 +540,12 @@ class MasterCore:
         # reservations given up (their drops void the seals), so a writer cannot half-fill an extent
         # the master hands out again. A daemon that does not answer gets its drop in the background;
         # once its lease to serve by key lapsed the key is put again elsewhere, its extent there kept
-        # out of the free space until the drop is confirmed (PlacementTable.detach).
+        # out of the free space until the drop is confirmed (Catalog.detach).
         write_id = check_write_id(m.write_id, "PutRevoke.write_id")
         # Reserved by a master that has since gone, so nobody knows where it was written: every
         # node drops it, before the writer's retry can store it anew. (Known here: the revoke drops it.)
-        unknown = [k for k in m.keys if self.table.describe(k) is None]
-        self.commands.later(self.table.put_revoke(m.keys, write_id), "revoke-drops")
+        unknown = [k for k in m.keys if self.table.inspection.describe(k) is None]
+        self.commands.later(self.table.writes.put_revoke(m.keys, write_id), "revoke-drops")
         await self._settle(list(m.keys), _REVOKE_WAIT_S)
         if unknown and not await self._drop_unplaced(unknown):
             raise RetryLater("a node did not confirm dropping a put begun with an earlier master")
@@ -593,7 +593,7 @@ class MasterCore:
         grant: Grant | None = None
         try:
             for _ in range(_MAX_EVICTION_ROUNDS):
-                plan = table.grant_space(
+                plan = table.grants.grant_space(
                     length, m.preferred_node, self.config.grant_ttl_ms, now_ms(), owner, frozenset(m.avoid)
                 )
                 if plan.error is not None:
@@ -608,7 +608,7 @@ class MasterCore:
                     await self._until_room()
         finally:
             if admitted:
-                table.settle(owner, admitted)  # the grant counts itself from here (or was not made)
+                table.accounts.settle(owner, admitted)  # the grant counts itself from here (or was not made)
         if grant is None:
             raise CapacityError(f"no room for a grant of {m.length} bytes after repeated rounds of eviction")
         extent = grant.pieces[0]
@@ -618,14 +618,14 @@ class MasterCore:
             await self._open_grant(table, grant.node_id, message)
         except BaseException:
             # The daemon may have taken it: close it there before the space is reused.
-            self.commands.close_grants_later(table.end_grants([grant.grant_id]), "grant-close")
+            self.commands.close_grants_later(table.grants.end_grants([grant.grant_id]), "grant-close")
             raise
-        if grant.grant_id not in table.grants:
+        if grant.grant_id not in table.grants.open:
             # The node re-registered meanwhile (its grants are forgotten, its space maybe handed
             # out again): the daemon must not keep this one.
             self.commands.close_grants_later({grant.node_id: [grant.grant_id]}, "grant-close")
             raise RetryLater(f"node {grant.node_id} re-registered while a grant was opened on it; retry")
-        table.confirm_grant(grant.grant_id, now_ms() + ttl + _GRANT_MARGIN_MS)
+        table.grants.confirm_grant(grant.grant_id, now_ms() + ttl + _GRANT_MARGIN_MS)
         node = table.nodes[grant.node_id]
         return GrantReply(
             grant.grant_id, grant.node_id, node.address, extent.offset, extent.length, ttl, node.alloc.alignment
@@ -635,13 +635,13 @@ class MasterCore:
         """How much of a grant of ``length`` bytes the tenant may have (0: all of it, it has no
         quota): at most ``config.tenant_max_grants`` grants open, and what its quota leaves free
         (its grants count as held until returned), admitted under the quota at once
-        (:meth:`PlacementTable.admit`; the caller settles it); QuotaExceeded when nothing is left.
+        (:meth:`Accounts.admit`; the caller settles it); QuotaExceeded when nothing is left.
         A grant never evicts the tenant's own blocks: the two-trip way does that, block by block,
         for what each put needs (a grant of 16 MiB used to evict six blocks held to write one of
         64 KiB)."""
         quota = self.quota(tenant)
         table = self.table
-        open_grants, _ = table.granted(tenant)
+        open_grants, _ = table.accounts.granted(tenant)
         if open_grants >= self.config.tenant_max_grants:
             raise QuotaExceeded(
                 f"tenant {tenant!r} has {open_grants} grants open, the most a tenant may: return or fill one first"
@@ -649,30 +649,31 @@ class MasterCore:
         if not quota:
             return 0
         alignment = max((n.alloc.alignment for n in table.nodes.values()), default=1)
-        room = (quota - table.tenant_held(tenant)) // alignment * alignment
+        room = (quota - table.accounts.tenant_held(tenant)) // alignment * alignment
         if room <= 0:
             raise QuotaExceeded(
-                f"tenant {tenant!r} holds or reserves {table.tenant_held(tenant)} bytes of its {quota}-byte quota:"
+                f"tenant {tenant!r} holds or reserves {table.accounts.tenant_held(tenant)} bytes of its"
+                f" {quota}-byte quota:"
                 " no room for a grant (puts go the two-trip way, which evicts its own blocks as each needs)"
             )
         granted = min(length, room)
-        table.admit(tenant, granted)
+        table.accounts.admit(tenant, granted)
         return granted
 
     async def return_grants(self, m: ReturnGrants, caller: Identity = ANYONE) -> Message:
         owner = caller.tenant
-        grants = self.table.grants
+        grants = self.table.grants.open
         ids = m.grant_ids if owner is None else [g for g in m.grant_ids if g in grants and grants[g].owner == owner]
-        self.commands.close_grants_later(self.table.end_grants(ids), "grant-return")
+        self.commands.close_grants_later(self.table.grants.end_grants(ids), "grant-return")
         return OkReply()
 
     async def commit_granted(self, m: CommitGranted, caller: Identity = ANYONE) -> Message:
-        grant = self.table.grants.get(m.grant_id)
+        grant = self.table.grants.open.get(m.grant_id)
         owner = grant.owner if grant is not None else ""
         try:
             known = self._tenant(owner) if owner else None
         except AuthFailed as exc:  # the grant's tenant was removed: nothing of it is committed
-            self.commands.close_grants_later(self.table.end_grants([m.grant_id]), "grant-revoked")
+            self.commands.close_grants_later(self.table.grants.end_grants([m.grant_id]), "grant-revoked")
             return PutReply([exc.code] * len(m.keys), [str(exc)] * len(m.keys))
         keep = list(range(len(m.keys)))
         quota = known.quota_bytes if known is not None else 0
@@ -692,11 +693,11 @@ class MasterCore:
             keep = [i for i in keep if i not in busy]
         ids = check_write_ids(m.write_ids, len(m.keys), "CommitGranted.write_ids")
         if len(keep) == len(m.keys):
-            outcome = self.table.commit_granted(
+            outcome = self.table.grants.commit_granted(
                 m.node_id, m.grant_id, m.keys, m.offsets, m.sizes, m.checksums, m.pinned, m.cached, ids
             )
         else:
-            part = self.table.commit_granted(
+            part = self.table.grants.commit_granted(
                 m.node_id, m.grant_id, [m.keys[i] for i in keep], [m.offsets[i] for i in keep],
                 [m.sizes[i] for i in keep], [m.checksums[i] for i in keep], m.pinned, m.cached,
                 [ids[i] for i in keep],
@@ -710,7 +711,7 @@ class MasterCore:
         if m.release:
             await self.release_leases(ReleaseLeases(m.release), caller)
         table = self.table
-        reply = GetReplicasReply.from_lookup(table.get_replicas(m.keys, now_ms(), m.lease))
+        reply = GetReplicasReply.from_lookup(table.reads.get_replicas(m.keys, now_ms(), m.lease))
         nodes = table.nodes
         suspects = [n for n in set(reply.nodes) if (node := nodes.get(n)) is not None and node.suspect]
         if suspects:
@@ -727,33 +728,33 @@ class MasterCore:
         if tenant is not None:  # a tenant ends its own leases only (ids are sequential: guessable)
             leases, prefix = self.table.leases, f"{tenant}/"
             lease_ids = [i for i in lease_ids if (leases.key_of(LeaseId(i)) or "").startswith(prefix)]
-        self.commands.later(self.table.release_leases(lease_ids), "promotions")
+        self.commands.later(self.table.reads.release_leases(lease_ids), "promotions")
         return OkReply()
 
     async def match_prefix(self, m: MatchPrefix, caller: Identity = ANYONE) -> Message:
-        return MatchPrefixReply(self.table.match_prefix(m.keys))
+        return MatchPrefixReply(self.table.reads.match_prefix(m.keys))
 
     async def match_prefix_nodes(self, m: MatchPrefixNodes, caller: Identity = ANYONE) -> Message:
-        return MatchPrefixNodesReply.from_match(self.table.match_prefix_nodes(m.keys))
+        return MatchPrefixNodesReply.from_match(self.table.reads.match_prefix_nodes(m.keys))
 
     async def label_blocks(self, m: LabelBlocks, caller: Identity = ANYONE) -> Message:
-        """Keep the engine's names of ``m.keys`` for the KV events (:meth:`PlacementTable.label`)."""
+        """Keep the engine's names of ``m.keys`` for the KV events (:meth:`KvEvents.label`)."""
         if len(m.keys) != len(m.labels):
             raise InvalidArgument(f"LabelBlocks: {len(m.keys)} keys but {len(m.labels)} labels")
         validate_keys(m.keys)
         for i, label in enumerate(m.labels):
             check_label(label, f"LabelBlocks.labels[{i}]")
-        self.table.label(m.keys, m.labels)
+        self.table.kv_events.label(m.keys, m.labels)
         return OkReply()
 
     async def exists(self, m: Exists, caller: Identity = ANYONE) -> Message:
-        return ExistsReply(self.table.exists(m.keys, now_ms()))
+        return ExistsReply(self.table.reads.exists(m.keys, now_ms()))
 
     async def list_keys(self, m: ListKeys, caller: Identity = ANYONE) -> Message:
         if not 1 <= m.limit <= _MAX_KEYS_PAGE:
             raise InvalidArgument(f"ListKeys.limit must be from 1 to {_MAX_KEYS_PAGE}, got {m.limit}")
         scope = caller.prefix  # a tenant lists its own namespace, and sees its keys as it named them
-        keys, after = self.table.keys_page(scope + m.prefix, scope + m.after if m.after else None, m.limit)
+        keys, after = self.table.inspection.keys_page(scope + m.prefix, scope + m.after if m.after else None, m.limit)
         cut = len(scope)
         return KeysReply([k[cut:] for k in keys], after[cut:] if after is not None else "")
 
@@ -765,9 +766,9 @@ class MasterCore:
             if self.loop_stall_max is not None:
                 stats["loop_stall_max_ms"] = round(self.loop_stall_max() * 1000, 3)
             return StatsReply(stats)
-        grants, granted = self.table.granted(tenant)
+        grants, granted = self.table.accounts.granted(tenant)
         return StatsReply({
-            "objects": self.table.num_objects_of(tenant), "bytes": self.table.usage(tenant),
+            "objects": self.table.accounts.num_objects_of(tenant), "bytes": self.table.accounts.usage(tenant),
             "quota_bytes": self.quota(tenant), "grants": grants, "granted_bytes": granted,
         })  # fmt: skip
 
@@ -801,7 +802,7 @@ class MasterCore:
 
     async def _settle(self, keys: list[str], wait_s: float, save: bool = False) -> bool:
         """:meth:`_settle_drops` for at most ``wait_s``; whether all were settled. Keys settled by
-        lapses leave the table once the records that name their blocks are kept (PlacementTable.detach:
+        lapses leave the table once the records that name their blocks are kept (Catalog.detach:
         put again at once, elsewhere than on the nodes that owe their drops). ``save``: keep the
         records whatever settled them (else only for lapses)."""
         pending, lapse, lapsed = self._unsettled(keys)
@@ -816,7 +817,7 @@ class MasterCore:
         if save or lapsed:
             await self.save_records()
         for key in lapsed:
-            self.table.detach(key)
+            self.table.membership.detach(key)
         if (took := time.monotonic() - began) > SLOW_SETTLE_S:
             self._slow.warning(
                 "settle over 0.2 s" if took > 2 * SLOW_SETTLE_S else "settle over 0.1 s",
@@ -831,7 +832,7 @@ class MasterCore:
         once the daemons dropped what it cleared."""
         candidates, held = self._unheld(m.keys, m.force)
         stored = self._stored_blocks(candidates)
-        cleared, commands = self.table.clear_replicas(candidates, m.node)
+        cleared, commands = self.table.moves.clear_replicas(candidates, m.node)
         gone = set(cleared)
         # The keys that went whole are removed as a remove removes them (a put that lost its answer asks).
         objects = self.table.objects
@@ -846,9 +847,9 @@ class MasterCore:
     def _unheld(self, keys: list[str], force: bool) -> tuple[list[str], list[int]]:
         """``keys`` but those a recent read holds (the master's ``--default-kv-lease-ttl``; none with
         ``force``), and the indexes of those held."""
-        if force or not self.table.hold_ms:
+        if force or not self.table.reads.hold_ms:
             return keys, []
-        held = self.table.held(keys, now_ms())
+        held = self.table.reads.held(keys, now_ms())
         if not held:
             return keys, held
         skip = set(held)
@@ -871,11 +872,11 @@ class MasterCore:
         the earliest end of such a lease (their wait may end then; inf: none); and those removed
         with every replica left on such nodes out of that lease (settled by lapses). A node frozen or
         cut off costs a remove its lease to serve by key, not the node TTL; the blocks it owes are
-        noted in its record (PlacementTable.owe: kept in etcd before the key leaves the table and
+        noted in its record (Membership.owe: kept in etcd before the key leaves the table and
         the remove is answered, see :meth:`_settle`)."""
         now = time.monotonic()
         dropping = self.commands.dropping(keys)
-        removing = set(self.table.removing(keys))
+        removing = set(self.table.reads.removing(keys))
         nodes, objects, pending_puts = self.nodes, self.table.objects, self.table.pending
         lapse = math.inf
         out: list[str] = []
@@ -891,7 +892,7 @@ class MasterCore:
                         lapse = min(lapse, *(nodes.key_lease_end(n) for n in serving))
                 else:  # settled by lapses: a new leader must drop the blocks, not adopt them
                     for r in entry.replicas:
-                        self.table.owe(r.node_id, [k])
+                        self.table.membership.owe(r.node_id, [k])
                     lapsed.append(k)
         if out and nodes.key_lease_s:
             lapse = min(lapse, self.commands.next_lapse(out) or math.inf)
@@ -900,13 +901,13 @@ class MasterCore:
     def evict_keys(self, keys: Iterable[str]) -> tuple[int, list[str]]:
         """An operator's eviction of stored blocks from every tier; returns how many went and the
         pinned ones that stayed (the daemons drop them in the background)."""
-        evicted, pinned, commands = self.table.evict_keys(keys)
+        evicted, pinned, commands = self.table.moves.evict_keys(keys)
         self.commands.later(commands, "admin-evict")
         return evicted, pinned
 
     def evict_tier(self, node_id: str, tier: TierName) -> int:
-        """An operator's emptying of one tier of a node (see PlacementTable.evict_tier)."""
-        count, commands = self.table.evict_tier(node_id, tier)
+        """An operator's emptying of one tier of a node (see Moves.evict_tier)."""
+        count, commands = self.table.moves.evict_tier(node_id, tier)
         self.commands.later(commands, "admin-evict-tier")
         return count
 
@@ -920,11 +921,11 @@ class MasterCore:
         table = self.table
         if node_id not in table.nodes:
             raise NotFound(f"node {node_id!r} is not registered")
-        table.start_drain(node_id)
+        table.moves.start_drain(node_id)
         source = table.nodes[node_id].address
         failed: set[str] = set()
         while True:
-            moves, drops = table.plan_moves(node_id, batch, skip=failed)
+            moves, drops = table.moves.plan_moves(node_id, batch, skip=failed)
             if not moves and not drops:
                 break
             await self.commands.run(drops, table)
@@ -937,18 +938,18 @@ class MasterCore:
                 done = got or [False] * len(group)
                 self._same_term(table, "the drain")
                 failed.update(mv.key for mv, ok in zip(group, done, strict=True) if not ok)
-                await self.commands.run(table.finish_moves(node_id, group, done, answered=got is not None), table)
+                await self.commands.run(table.moves.finish_moves(node_id, group, done, answered=got is not None), table)
                 self._same_term(table, "the drain")
-        return table.blocks_on(node_id)
+        return table.inspection.blocks_on(node_id)
 
     async def replicate(self, m: Replicate, caller: Identity = ANYONE) -> Message:
         return ReplicateReply(*await self.copy_into(m.keys, m.node_id, m.max_bytes))
 
     async def copy_into(self, keys: list[str], node_id: str, max_bytes: int) -> Replicated:
         """Copy stored blocks into the DRAM of ``node_id``, keeping their other replicas; returns the
-        blocks and bytes copied. See :meth:`PlacementTable.plan_replicas` for which are taken."""
+        blocks and bytes copied. See :meth:`Moves.plan_replicas` for which are taken."""
         table = self.table
-        moves = table.plan_replicas(keys, node_id, max_bytes)
+        moves = table.moves.plan_replicas(keys, node_id, max_bytes)
         per_source: dict[str, list[Move]] = {}
         for move in moves:
             per_source.setdefault(move.source, []).append(move)
@@ -957,7 +958,7 @@ class MasterCore:
         copied: list[Move] = []
 
         def finish(group: list[Move], done: list[bool] | None) -> None:
-            made, drops = table.finish_replicas(group, done or [False] * len(group), answered=done is not None)
+            made, drops = table.moves.finish_replicas(group, done or [False] * len(group), answered=done is not None)
             copied.extend(made)
             self.commands.later(drops, "replicate-drops", table)
 

@@ -112,7 +112,7 @@ class KVEventPublisher:
         """Lead with ``table`` (empty): subscribers are told to forget what they knew, then each
         replica as the daemons' inventories fill the table."""
         self._table = table
-        table.tell_changes()
+        table.kv_events.tell_changes()
         self._head = [AllBlocksCleared()]
         self._first = True
 
@@ -120,7 +120,7 @@ class KVEventPublisher:
         """Leadership lost: what this term has not published yet is not told (a successor tells
         the cluster as it finds it)."""
         if self._table is not None:
-            self._table.tell_changes(False)
+            self._table.kv_events.tell_changes(False)
         self._table = None
         self._head = []
 
@@ -130,7 +130,7 @@ class KVEventPublisher:
         table = self._table
         if table is None or self._pub is None or not self.may_publish():
             return 0
-        events: list[Event] = [*self._head, *table.take_events()]
+        events: list[Event] = [*self._head, *table.kv_events.take_events()]
         self._head = []
         for at in range(0, len(events), MAX_BATCH):
             self._send(events[at : at + MAX_BATCH])

@@ -202,13 +202,23 @@ class RegistryReadings(Protocol):
     def views(self) -> Sequence[NodeReadings]: ...
 
 
+class InspectionReadings(Protocol):
+    def num_objects(self) -> int: ...
+
+
+class AccountsReadings(Protocol):
+    def tenant_held(self, tenant: str) -> int: ...
+
+
 class TableReadings(Protocol):
     @property
     def counters(self) -> Mapping[str, int]: ...
 
-    def num_objects(self) -> int: ...
+    @property
+    def inspection(self) -> InspectionReadings: ...
 
-    def tenant_held(self, tenant: str) -> int: ...
+    @property
+    def accounts(self) -> AccountsReadings: ...
 
 
 class EvictionReadings(Protocol):
@@ -318,7 +328,7 @@ class MasterCollector:
                 leases.add_metric([view.node_id, tier], u["leased"])
             up.add_metric([view.node_id], 1 if view.info.up else 0)
         yield from (used, cap, blocks, leases, up, degraded)
-        yield GaugeMetricFamily("kvstore_objects", "Stored keys.", value=table.num_objects())
+        yield GaugeMetricFamily("kvstore_objects", "Stored keys.", value=table.inspection.num_objects())
         c = table.counters
         for name, help_text in (("hits", "Lookups that found the block."), ("misses", "Lookups that did not."),
                                 ("evictions", "Blocks evicted."), ("demotions", "Blocks moved DRAM to SSD."),
@@ -348,7 +358,7 @@ class MasterCollector:
         quota = GaugeMetricFamily("kvstore_tenant_quota_bytes", "A tenant's quota (tenants with one).",
                                   labels=["tenant"])  # fmt: skip
         for name, limit in tenants.items():
-            held.add_metric([name], table.tenant_held(name))
+            held.add_metric([name], table.accounts.tenant_held(name))
             quota.add_metric([name], limit)
         yield from (held, quota)
         reasons = CounterMetricFamily("kvstore_evicted_by_reason", "Evictions this master logged (GET "

@@ -97,9 +97,9 @@ class NodeRegistry:
         self, m: RegisterNode, now_ms: int, gone: set[tuple[str, TierName, int]] | None = None
     ) -> list[NodeCommand]:
         """(Re)register a node from its daemon's message; returns drops for blocks the table
-        could not adopt (and those ``gone`` names: see PlacementTable.register_node). A node that
+        could not adopt (and those ``gone`` names: see Membership.register_node). A node that
         comes back at another address gets a new link."""
-        commands = self.table.register_node(
+        commands = self.table.membership.register_node(
             m.node_id,
             m.address,
             m.dram_capacity,
@@ -124,19 +124,19 @@ class NodeRegistry:
         return commands
 
     def leave(self, node_id: str) -> list[NodeCommand]:
-        """Forget a node for good (see PlacementTable.leave_node); its link is handed over with
+        """Forget a node for good (see Membership.leave_node); its link is handed over with
         :meth:`take_stale`. Returns the revocations of its puts' replicas on other nodes."""
         entry = self._entries.pop(node_id, None)
         if entry is not None:
             self._stale.extend(entry.links.values())
-        return self.table.leave_node(node_id)  # an absent node leaves too
+        return self.table.membership.leave_node(node_id)  # an absent node leaves too
 
     def heartbeat(
         self, node_id: str, transfer_bytes: dict[str, int], now_ms: int, refusals: dict[str, int] | None = None
     ) -> bool:  # fmt: skip
         """Whether the node is known (a daemon that is not must register again)."""
         entry = self._entries.get(node_id)
-        if entry is None or not self.table.heartbeat(node_id, now_ms):
+        if entry is None or not self.table.membership.heartbeat(node_id, now_ms):
             return False
         entry.transfer_bytes = transfer_bytes
         entry.refusals = refusals or {}
@@ -224,8 +224,8 @@ class NodeRegistry:
     def _view(self, node_id: str, entry: _Entry) -> NodeView:
         state = self.table.nodes[node_id]
         return NodeView(
-            node_id, replace(entry.info, up=state.up), state, self.table.is_draining(node_id),
-            MappingProxyType(dict(entry.transfer_bytes)), MappingProxyType(self.table.tier_usage(state)),
+            node_id, replace(entry.info, up=state.up), state, self.table.moves.is_draining(node_id),
+            MappingProxyType(dict(entry.transfer_bytes)), MappingProxyType(self.table.inspection.tier_usage(state)),
             MappingProxyType(dict(entry.refusals)),
         )  # fmt: skip
 

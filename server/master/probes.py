@@ -81,18 +81,18 @@ class Prober:
                 continue
             if (
                 not node.suspect and silent_ms - self.stalled_s(silent_ms / 1000) * 1000 > 3 * beat_ms
-                and table.suspect(node.node_id, node.gen, node.last_seen_ms)
+                and table.membership.suspect(node.node_id, node.gen, node.last_seen_ms)
             ):  # fmt: skip
                 self.commands.room.freed()  # wakes the puts waiting on it
             self.suspect(node.node_id, f"no heartbeat for {silent_ms} ms")
 
     async def _probe(self, table: PlacementTable, node_id: str, gen: int, seen_ms: int, why: str) -> None:
         found = await self._look(node_id)
-        if found == "silent" and self.commands.current(table) and table.suspect(node_id, gen, seen_ms):
+        if found == "silent" and self.commands.current(table) and table.membership.suspect(node_id, gen, seen_ms):
             self.commands.room.freed()  # new blocks elsewhere first until its next heartbeat; waiting puts plan again
         if found != "refused":
             return
-        if self.commands.current(table) and table.fence_gone(node_id, gen, seen_ms):
+        if self.commands.current(table) and table.membership.fence_gone(node_id, gen, seen_ms):
             self.commands.nodes.cut_links(node_id)
             log.warning("node %s fenced: its daemon's port refuses connections (the process is gone; suspected: "
                         "%s); its drops count as made, and it serves nothing until it registers again",

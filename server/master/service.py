@@ -175,7 +175,7 @@ class MasterService:
         sessions = Counter(c.identity.tenant for c in self.rpc.connections if c.identity is not None)
         rates = self.sampler.tenant_rates()
         return [
-            {"tenant": name, "held_bytes": self.table.tenant_held(name), "quota_bytes": t.quota_bytes,
+            {"tenant": name, "held_bytes": self.table.accounts.tenant_held(name), "quota_bytes": t.quota_bytes,
              "sessions": sessions.get(name, 0), "requests": self.rpc.tenant_requests.get(name, 0),
              "requests_per_s": round(rates.get(name, 0.0), 2)}
             for name, t in sorted(authority.refresh_tenants().items())
@@ -210,7 +210,7 @@ class MasterService:
             keys_by_owner=self.authority is not None,
         )
         if self.authority is not None:
-            table.set_tenants(self.authority.refresh_tenants())
+            table.accounts.set_tenants(self.authority.refresh_tenants())
         return table
 
     def _become_leader(self, epoch: int) -> None:
@@ -304,7 +304,7 @@ class MasterService:
         if changed or now - self._policy_at > POLICY_EVERY_S:
             self._policy, self._policy_at, self._policy_told = policy, now, set()
             self._policy_loads = authority.loads
-        for node in [n.node_id for n in self.table.up_nodes() if n.node_id not in self._policy_told]:
+        for node in [n.node_id for n in self.table.membership.up_nodes() if n.node_id not in self._policy_told]:
             self._policy_told.add(node)
             self._spawn(self._send_policy(node, policy), "tenants-policy")
 
@@ -320,8 +320,8 @@ class MasterService:
         """The nodes a new term expected and did not see by its readiness are absent from then on (and
         no longer members in their records: a next leader does not wait for them)."""
         for node_id in missing:
-            self.table.note_absent(node_id, set())
-            self.table.record_changed(node_id)
+            self.table.membership.note_absent(node_id, set())
+            self.table.membership.record_changed(node_id)
 
     def _start_load_absent(self) -> None:
         """Read the nodes' records in the background (MasterCore.load_absent), once a term (again
@@ -364,20 +364,20 @@ class MasterService:
                 if stalled:
                     # This master stalled (a pause, an overload): the heartbeats it did not read are no
                     # daemon's silence. Fence none before they had time to be read, suspect none now.
-                    self.table.postpone_fences(now_ms(), self.config.node_ttl_ms // 2)
+                    self.table.membership.postpone_fences(now_ms(), self.config.node_ttl_ms // 2)
                 last = now
                 self.commands.tick(self.table, now_ms())
                 if not stalled:
                     self.prober.tick(self.table, now_ms())
                 self._start_load_absent()
-                if self.table.records_pending():  # without etcd only settles (see MasterCore.save_records)
+                if self.table.membership.records_pending():  # without etcd only settles (see MasterCore.save_records)
                     self._spawn(self._save_records(), "save-records")
-                self.evictions.add(self.table.take_evictions(), time.time())
+                self.evictions.add(self.table.tiering.take_evictions(), time.time())
                 for link in self.nodes.take_stale():
                     self._spawn(link.close(), "close-daemon-link")
                 self.rpc.reap(time.monotonic())
                 if self.authority is not None:
-                    self.table.set_tenants(self.authority.refresh_tenants())
+                    self.table.accounts.set_tenants(self.authority.refresh_tenants())
                 self._push_policy(time.monotonic())
                 if self.sampler.due():
                     stats = self.table.stats()

@@ -112,7 +112,7 @@ class ReadersMachine(RuleBasedStateMachine):
         super().__init__()
         self.t = PlacementTable(EvictionPolicy(1.0, 1.0), lease_ms=LEASE_MS)
         for node in ("a", "b"):
-            self.t.register_node(node, f"{node}:1", 8 * 1024, 0, 64, [], 0)
+            self.t.membership.register_node(node, f"{node}:1", 8 * 1024, 0, 64, [], 0)
         self.model = Model()
         self.now = 0
         self.readers: list[Reader] = []
@@ -120,13 +120,13 @@ class ReadersMachine(RuleBasedStateMachine):
             self.store(key)
 
     def store(self, key: str) -> None:
-        plan = self.t.put_start([key], [1024], 2, None, False, self.now)
+        plan = self.t.writes.put_start([key], [1024], 2, None, False, self.now)
         assert plan.commands == [] and plan.tickets[0] is not None and plan.tickets[0].status == "ok"
-        assert self.t.put_end([key], [1]) == [True]
+        assert self.t.writes.put_end([key], [1]) == [True]
 
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
     def get(self, keys: list[str]) -> None:
-        reply = GetReplicasReply.from_lookup(self.t.get_replicas(keys, self.now))
+        reply = GetReplicasReply.from_lookup(self.t.reads.get_replicas(keys, self.now))
         for i, loc in enumerate(reply.located(keys)):
             assert loc is not None
             holders = frozenset((r.node_id, TierName(r.tier)) for r in loc.replicas)
@@ -140,13 +140,13 @@ class ReadersMachine(RuleBasedStateMachine):
         reader = data.draw(st.sampled_from(self.readers))
         reader.released = True
         reader.lease.ended = True
-        self.t.release_leases([reader.lease_id])
+        self.t.reads.release_leases([reader.lease_id])
 
     @rule(ms=st.integers(0, 1200))
     def advance(self, ms: int) -> None:
         self.now += ms
         for node in ("a", "b"):
-            self.t.heartbeat(node, self.now)
+            self.t.membership.heartbeat(node, self.now)
         assert self.t.expire(self.now) == []
         self.model.expire(self.now)
 
@@ -155,21 +155,21 @@ class ReadersMachine(RuleBasedStateMachine):
         """An operator empties the node's DRAM: exactly the blocks no live lease covers there go."""
         lru = self.t.nodes[node].dram_lru
         expected = {k for k in lru if not self.model.protected((node, TierName.DRAM), k)}
-        count, commands = self.t.evict_tier(node, TierName.DRAM)
+        count, commands = self.t.moves.evict_tier(node, TierName.DRAM)
         dropped = {k for c in commands for k in c.keys}
         assert all(c.kind is ActionKind.DROP for c in commands)
         assert count == len(dropped) and dropped == expected
         for c in commands:
             self.t.apply(c, [True] * len(c.keys))
         for key in sorted(dropped):
-            if self.t.exists([key]) == [False]:
+            if self.t.reads.exists([key]) == [False]:
                 self.store(key)
 
     def leased(self) -> dict[tuple[Holder, str], bool]:
         """Per readable replica, whether the table says it is leased."""
         out = {}
         for key in KEYS:
-            described = self.t.describe(key)
+            described = self.t.inspection.describe(key)
             assert described is not None
             for r in described["replicas"]:  # type: ignore[attr-defined]
                 out[(r["node_id"], TierName(r["tier"])), key] = bool(r["leased"])

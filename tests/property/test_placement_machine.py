@@ -30,7 +30,7 @@ class PlacementMachine(RuleBasedStateMachine):
         super().__init__()
         self.t = PlacementTable(EvictionPolicy(0.9, 0.6, promote_after_hits=2), reservation_ms=1000, lease_ms=500)
         for n in NODES:
-            self.t.register_node(n, f"{n}:1", 8192, 4096, 64, [], 0)
+            self.t.membership.register_node(n, f"{n}:1", 8192, 4096, 64, [], 0)
         self.now = 0
         self.commands: list[NodeCommand] = []
         self.pending: set[str] = set()
@@ -40,7 +40,7 @@ class PlacementMachine(RuleBasedStateMachine):
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=3, unique=True), size=SIZES, replicas=st.integers(1, 2))
     def put_start(self, keys: list[str], size: int, replicas: int) -> None:
-        plan = self.t.put_start(keys, [size] * len(keys), replicas, None, False, self.now)
+        plan = self.t.writes.put_start(keys, [size] * len(keys), replicas, None, False, self.now)
         self.commands += plan.commands
         for key, ticket in zip(keys, plan.tickets, strict=True):
             if ticket is not None and ticket.status == "ok":
@@ -51,34 +51,34 @@ class PlacementMachine(RuleBasedStateMachine):
     def put_end(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.pending)))
         self.pending.discard(key)
-        if self.t.put_end([key], [1])[0]:
-            assert self.t.exists([key]) == [True]
+        if self.t.writes.put_end([key], [1])[0]:
+            assert self.t.reads.exists([key]) == [True]
 
     @precondition(lambda self: bool(self.pending))
     @rule(data=st.data())
     def revoke(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.pending)))
         self.pending.discard(key)
-        self.commands += self.t.put_revoke([key])
+        self.commands += self.t.writes.put_revoke([key])
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=3), release=st.booleans())
     def get(self, keys: list[str], release: bool) -> None:
-        reply = self.t.get_replicas(keys, self.now)
+        reply = self.t.reads.get_replicas(keys, self.now)
         if release and reply.first_lease:
             hits = sum(size >= 0 for size in reply.sizes)
-            self.commands += self.t.release_leases(range(reply.first_lease, reply.first_lease + hits))
+            self.commands += self.t.reads.release_leases(range(reply.first_lease, reply.first_lease + hits))
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=2))
     def remove(self, keys: list[str]) -> None:
         _, commands = self.t.remove(keys)
         self.commands += commands
-        assert self.t.exists(keys) == [False] * len(keys)
+        assert self.t.reads.exists(keys) == [False] * len(keys)
 
     @rule(ms=st.integers(1, 1500))
     def advance(self, ms: int) -> None:
         self.now += ms
         for n in NODES:
-            self.t.heartbeat(n, self.now)
+            self.t.membership.heartbeat(n, self.now)
         self.commands += self.t.expire(self.now)
 
     @precondition(lambda self: bool(self.commands))
@@ -94,7 +94,7 @@ class PlacementMachine(RuleBasedStateMachine):
     def replicate(self, data: st.DataObject, node: str, budget: int) -> None:
         stored = st.sampled_from(sorted(self.t.objects))
         keys = data.draw(st.lists(stored | KEYS, min_size=1, max_size=4))
-        moves = self.t.plan_replicas(keys, node, budget)
+        moves = self.t.moves.plan_replicas(keys, node, budget)
         assert sum(m.size for m in moves) <= budget
         assert all(m.target == node and m.source != node for m in moves)
         if moves:
@@ -105,10 +105,10 @@ class PlacementMachine(RuleBasedStateMachine):
     def copy_answered(self, data: st.DataObject) -> None:
         moves = self.copies.pop(data.draw(st.integers(0, len(self.copies) - 1)))
         done = [data.draw(st.booleans()) for _ in moves]
-        copied, commands = self.t.finish_replicas(moves, done, answered=data.draw(st.booleans()))
+        copied, commands = self.t.moves.finish_replicas(moves, done, answered=data.draw(st.booleans()))
         assert all(ok for m, ok in zip(moves, done, strict=True) if m in copied)
         for move in copied:
-            assert self.t.exists([move.key]) == [True]
+            assert self.t.reads.exists([move.key]) == [True]
         self.commands += commands
 
     @precondition(lambda self: bool(self.copies or self.drains))
@@ -148,11 +148,11 @@ class PlacementMachine(RuleBasedStateMachine):
             dram = next((i for i, k in enumerate(keys) if not held(k, n, True)), len(keys))
             if total:
                 expected[n] = NodePrefix(dram, total)
-        assert t.match_prefix_nodes(keys) == PrefixMatch(t.match_prefix(keys), expected)
+        assert t.reads.match_prefix_nodes(keys) == PrefixMatch(t.reads.match_prefix(keys), expected)
 
     @rule(node=st.sampled_from(NODES), tier=st.sampled_from([TierName.DRAM, TierName.SSD]))
     def evict_tier(self, node: str, tier: TierName) -> None:
-        _, commands = self.t.evict_tier(node, tier)
+        _, commands = self.t.moves.evict_tier(node, tier)
         self.commands += commands
 
     @rule(node=st.sampled_from(NODES), limit=st.integers(1, 6))
@@ -160,14 +160,14 @@ class PlacementMachine(RuleBasedStateMachine):
         """One round of a drain, as MasterService.drain runs it: copies planned, the source's drops
         sent; the copies are answered by ``drain_answered``. No block readable before is unreadable."""
         keys = sorted(self.t.objects)
-        readable = [k for k, ok in zip(keys, self.t.exists(keys), strict=True) if ok]
-        self.t.start_drain(node)
-        moves, drops = self.t.plan_moves(node, limit)
-        assert all(self.t.exists(readable))
+        readable = [k for k, ok in zip(keys, self.t.reads.exists(keys), strict=True) if ok]
+        self.t.moves.start_drain(node)
+        moves, drops = self.t.moves.plan_moves(node, limit)
+        assert all(self.t.reads.exists(readable))
         self.commands += drops
         if moves:
             self.drains.append((node, moves, {n.node_id: n.gen for n in self.t.nodes.values()}))
-        self.t.stop_drain(node)
+        self.t.moves.stop_drain(node)
 
     @precondition(lambda self: bool(self.drains))
     @rule(data=st.data())
@@ -176,10 +176,10 @@ class PlacementMachine(RuleBasedStateMachine):
         their extents); no block readable before is unreadable after."""
         node, moves, registered = self.drains.pop(data.draw(st.integers(0, len(self.drains) - 1)))
         keys = sorted(self.t.objects)
-        readable = [k for k, ok in zip(keys, self.t.exists(keys), strict=True) if ok]
+        readable = [k for k, ok in zip(keys, self.t.reads.exists(keys), strict=True) if ok]
         answered = data.draw(st.booleans())
         done = [answered and data.draw(st.booleans()) for _ in moves]
-        commands = self.t.finish_moves(node, moves, done, answered=answered)
+        commands = self.t.moves.finish_moves(node, moves, done, answered=answered)
         for m, ok in zip(moves, done, strict=True):
             entry = self.t.objects.get(m.key)
             held = entry is not None and any(r.gen == m.gen for r in entry.replicas)
@@ -193,15 +193,15 @@ class PlacementMachine(RuleBasedStateMachine):
                 [c] = [c for c in commands if c.node_id == m.target and m.key in c.keys]
                 assert c.offsets[c.keys.index(m.key)] == m.extent.offset  # the drop names the copy's extent
         self.commands += commands
-        assert all(self.t.exists(readable))
+        assert all(self.t.reads.exists(readable))
 
     @rule(node=st.sampled_from(NODES))
     def goes_quiet(self, node: str) -> None:
         """``node`` misses its heartbeats until it is down (the next ``advance`` brings it back)."""
-        self.now += self.t.node_ttl_ms + 1
+        self.now += self.t.membership.ttl_ms + 1
         for n in NODES:
             if n != node:
-                self.t.heartbeat(n, self.now)
+                self.t.membership.heartbeat(n, self.now)
         self.commands += self.t.expire(self.now)
         assert not self.t.nodes[node].up
 
@@ -216,7 +216,7 @@ class PlacementMachine(RuleBasedStateMachine):
             if r.node_id == node
         ]  # fmt: skip
         self.commands = [c for c in self.commands if c.node_id != node]
-        self.commands += self.t.register_node(node, f"{node}:2", 8192, 4096, 64, held, self.now)
+        self.commands += self.t.membership.register_node(node, f"{node}:2", 8192, 4096, 64, held, self.now)
 
     @invariant()
     def invariants_hold(self) -> None:

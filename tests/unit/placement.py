@@ -17,15 +17,15 @@ EXACT = EvictionPolicy(1.0, 1.0, promote_after_hits=2)
 def table(*nodes: str, dram: int = 4 * KB, ssd: int = 0, policy: EvictionPolicy = EXACT, **kw: int) -> PlacementTable:
     t = PlacementTable(policy, **kw)  # type: ignore[arg-type]
     for n in nodes:
-        assert t.register_node(n, f"{n}:1", dram, ssd, 64, [], now_ms=0) == []
+        assert t.membership.register_node(n, f"{n}:1", dram, ssd, 64, [], now_ms=0) == []
     return t
 
 
 def put(t: PlacementTable, *keys: str, size: int = KB, now: int = 0, **kw: object) -> list[Ticket | None]:
-    plan = t.put_start(list(keys), [size] * len(keys), int(kw.get("replicas", 1)), kw.get("node"), False, now)  # type: ignore[arg-type]
+    plan = t.writes.put_start(list(keys), [size] * len(keys), int(kw.get("replicas", 1)), kw.get("node"), False, now)  # type: ignore[arg-type]
     assert plan.commands == [] and plan.waiting == [], plan
     ok = [k for k, tk in zip(keys, plan.tickets, strict=True) if tk is not None and tk.status == "ok"]
-    assert t.put_end(ok, [7] * len(ok)) == [True] * len(ok)
+    assert t.writes.put_end(ok, [7] * len(ok)) == [True] * len(ok)
     t.check()
     return plan.tickets
 
@@ -38,7 +38,7 @@ def got(reply: ReplicaLookup) -> list[int]:
 
 def leased(t: PlacementTable, key: str) -> list[bool]:
     """Per replica of ``key``, whether the table says it is leased."""
-    described = t.describe(key)
+    described = t.inspection.describe(key)
     assert described is not None
     return [bool(r["leased"]) for r in described["replicas"]]  # type: ignore[attr-defined]
 
@@ -61,16 +61,16 @@ def placed(layout: dict[str, list[tuple[str, str]]], dram: int = 8 * KB, ssd: in
         inventory = [
             HeldBlock(k, TierName(tier), i * KB if tier == "dram" else -1, KB, 7) for i, (k, tier) in enumerate(items)
         ]
-        assert t.register_node(node, f"{node}:1", dram, ssd, 64, inventory, 0) == []
+        assert t.membership.register_node(node, f"{node}:1", dram, ssd, 64, inventory, 0) == []
     t.check()
     return t
 
 
 def copy(t: PlacementTable, keys: list[str], node: str, max_bytes: int = 1 << 30, ok: bool = True) -> list[Move]:
     """Plan copies and have the target make them (or fail them all)."""
-    moves = t.plan_replicas(keys, node, max_bytes)
+    moves = t.moves.plan_replicas(keys, node, max_bytes)
     t.check()
-    copied, drops = t.finish_replicas(moves, [ok] * len(moves))
+    copied, drops = t.moves.finish_replicas(moves, [ok] * len(moves))
     assert drops == [] and copied == (moves if ok else [])
     t.check()
     return moves

@@ -60,8 +60,8 @@ def run(t: PlacementTable, commands: list[NodeCommand]) -> None:
 def truth(t: PlacementTable) -> Held:
     """What the table stores: every committed key's replicas that readers are sent to, by tier."""
     out: Held = set()
-    for key in t.stored_keys(""):
-        described = t.describe(key)
+    for key in t.inspection.stored_keys(""):
+        described = t.inspection.describe(key)
         assert described is not None
         for r in described["replicas"]:  # type: ignore[attr-defined]
             if r["status"] == "ready" and r["node_up"]:
@@ -72,7 +72,7 @@ def truth(t: PlacementTable) -> Held:
 def test_events_rebuild_what_the_table_stores_through_every_kind_of_change() -> None:
     rng = random.Random(7)
     t = table("a", "b", "c", dram=8 * KB, ssd=6 * KB, policy=EvictionPolicy(1.0, 1.0, promote_after_hits=2))
-    t.tell_changes()
+    t.kv_events.tell_changes()
     held: Held = set()
     cleared: set[str] = set()
     gone_inventories: dict[str, tuple[list[HeldBlock], bool]] = {}
@@ -80,46 +80,48 @@ def test_events_rebuild_what_the_table_stores_through_every_kind_of_change() -> 
         op = rng.random()
         if op < 0.45:
             keys = [f"k{rng.randrange(60)}" for _ in range(rng.randrange(1, 4))]
-            plan = t.put_start(list(dict.fromkeys(keys)), [KB] * len(set(keys)), rng.choice([1, 2]), None, False, step)
+            plan = t.writes.put_start(
+                list(dict.fromkeys(keys)), [KB] * len(set(keys)), rng.choice([1, 2]), None, False, step
+            )
             run(t, plan.commands)
             ok = [k for k, tk in zip(dict.fromkeys(keys), plan.tickets, strict=True) if tk and tk.status == "ok"]
-            t.put_end(ok, [7] * len(ok))
+            t.writes.put_end(ok, [7] * len(ok))
         elif op < 0.65:
             keys = [f"k{rng.randrange(60)}" for _ in range(3)]
-            t.release_leases(got(t.get_replicas(keys, step)))
+            t.reads.release_leases(got(t.reads.get_replicas(keys, step)))
             run(t, t.expire(step))  # promotions of SSD blocks read often
         elif op < 0.8:
             _, commands = t.remove([f"k{rng.randrange(60)}"])
             run(t, commands)
         elif op < 0.88:
             if rng.random() < 0.5:
-                run(t, t.evict_keys([f"k{rng.randrange(60)}"])[2])
+                run(t, t.moves.evict_keys([f"k{rng.randrange(60)}"])[2])
             elif up := sorted(n for n in t.nodes if t.nodes[n].up):
-                run(t, t.evict_tier(rng.choice(up), TierName.DRAM)[1])
+                run(t, t.moves.evict_tier(rng.choice(up), TierName.DRAM)[1])
         elif op < 0.94 and len(t.nodes) > 1 and not gone_inventories:
             n = rng.choice(sorted(t.nodes))
             inventory = [
                 HeldBlock(key, TierName(r["tier"]), r["offset"], KB, 7)
-                for key in t.stored_keys("")
-                for r in t.describe(key)["replicas"]  # type: ignore[index]
+                for key in t.inspection.stored_keys("")
+                for r in t.inspection.describe(key)["replicas"]  # type: ignore[index]
                 if r["node_id"] == n and r["status"] == "ready"
             ]
             fenced = rng.random() < 0.5
             if not fenced:
-                run(t, t.leave_node(n))
+                run(t, t.membership.leave_node(n))
             else:  # its daemon found gone: fenced, its blocks unread until it registers again
                 node = t.nodes[n]
-                assert t.fence_gone(n, node.gen, node.last_seen_ms)
+                assert t.membership.fence_gone(n, node.gen, node.last_seen_ms)
             gone_inventories[n] = (inventory, fenced)
         elif gone_inventories:
             n, (inventory, fenced) = gone_inventories.popitem()
             # A daemon that left comes back with what was not put elsewhere meanwhile; a fenced
             # one with all it held (the table drops what was removed meanwhile).
             keep = inventory if fenced else [b for b in inventory if b.key not in t.objects]
-            run(t, t.register_node(n, f"{n}:1", 8 * KB, 6 * KB, 64, keep, now_ms=step))
-            assert t.heartbeat(n, step)
+            run(t, t.membership.register_node(n, f"{n}:1", 8 * KB, 6 * KB, 64, keep, now_ms=step))
+            assert t.membership.heartbeat(n, step)
         t.check()
-        follow(held, t.take_events(), cleared)
+        follow(held, t.kv_events.take_events(), cleared)
         assert held == truth(t), f"step {step}"
     assert len(held) > 10 and len(cleared) >= 2  # stored something to the end; fenced nodes on the way
 
@@ -127,49 +129,49 @@ def test_events_rebuild_what_the_table_stores_through_every_kind_of_change() -> 
 def test_no_events_are_kept_unless_asked() -> None:
     t = table("a")
     put(t, "k0")
-    assert t.take_events() == []
-    t.tell_changes()
+    assert t.kv_events.take_events() == []
+    t.kv_events.tell_changes()
     put(t, "k1")
-    [e] = t.take_events()
+    [e] = t.kv_events.take_events()
     assert isinstance(e, BlockStored) and (e.object_key, e.backend_id, e.medium) == ("k1", "a", "cpu")
-    t.tell_changes(False)
+    t.kv_events.tell_changes(False)
     put(t, "k2")
-    assert t.take_events() == []
+    assert t.kv_events.take_events() == []
 
 
 def test_an_inventory_is_told_as_stored_replicas() -> None:
     t = PlacementTable(EXACT)
-    t.tell_changes()
+    t.kv_events.tell_changes()
     inventory = [HeldBlock("x", TierName.DRAM, 0, KB, 7), HeldBlock("y", TierName.SSD, -1, KB, 7)]
-    run(t, t.register_node("a", "a:1", 8 * KB, 8 * KB, 64, inventory, 0))
-    events = t.take_events()
+    run(t, t.membership.register_node("a", "a:1", 8 * KB, 8 * KB, 64, inventory, 0))
+    events = t.kv_events.take_events()
     assert {(e.object_key, e.medium) for e in events} == {("x", "cpu"), ("y", "disk")}
     assert all(isinstance(e, BlockStored) for e in events)
 
 
 def test_labelled_keys_carry_the_engines_hashes_until_their_removal() -> None:
     t = table("a")
-    t.tell_changes()
+    t.kv_events.tell_changes()
     label = EngineBlock(b"\x01" * 32, b"\x02" * 32, [5, 6, 7, 8], 4)
-    t.label(["k0"], [label])
+    t.kv_events.label(["k0"], [label])
     put(t, "k0", "k1")
-    stored = {e.object_key: e for e in t.take_events()}
+    stored = {e.object_key: e for e in t.kv_events.take_events()}
     k0, k1 = stored["k0"], stored["k1"]
     assert isinstance(k0, BlockStored) and isinstance(k1, BlockStored)
     assert (k0.block_hashes, k0.parent_block_hash, k0.token_ids, k0.block_size) == ([b"\x01" * 32], b"\x02" * 32,
                                                                                      [5, 6, 7, 8], 4)  # fmt: skip
     assert k1.block_hashes == [key_hash("k1")] and k1.token_ids == [] and k1.parent_block_hash is None
     run(t, t.remove(["k0"])[1])
-    [gone] = t.take_events()
+    [gone] = t.kv_events.take_events()
     assert isinstance(gone, BlockRemoved) and gone.block_hashes == [b"\x01" * 32]
     put(t, "k0")  # the key's label went with it
-    [again] = t.take_events()
+    [again] = t.kv_events.take_events()
     assert isinstance(again, BlockStored) and again.block_hashes == [key_hash("k0")]
-    t.label(["k1"], [EngineBlock(b"\x05" * 32)])  # stored already: it keeps the name its store was told by
+    t.kv_events.label(["k1"], [EngineBlock(b"\x05" * 32)])  # stored already: it keeps the name its store was told by
     run(t, t.remove(["k1"])[1])
-    t.label(["k1"], [EngineBlock(b"\x06" * 32)])
+    t.kv_events.label(["k1"], [EngineBlock(b"\x06" * 32)])
     put(t, "k1")  # removed and put again under a label, between two takes
-    gone, back = t.take_events()
+    gone, back = t.kv_events.take_events()
     assert isinstance(gone, BlockRemoved) and gone.block_hashes == [key_hash("k1")]
     assert isinstance(back, BlockStored) and back.block_hashes == [b"\x06" * 32]
 

@@ -86,7 +86,7 @@ async def test_a_drain_stops_when_leadership_is_lost_midway() -> None:
     assert isinstance(start, PutStartReply)
     await service.core.put_end(PutEnd(keys, [7] * 4))
     old = service.table
-    assert old.blocks_on("n0") == 4
+    assert old.inspection.blocks_on("n0") == 4
     sent: list[str] = []
 
     async def fetch_then_lose_leadership(target: str, source: str, group: list[Any], why: str) -> list[bool]:
@@ -144,7 +144,7 @@ async def test_a_remove_after_a_registration_waits_for_the_drops_it_asked_for() 
     "k" to readers that go to it directly, so a remove of "k" meanwhile is not answered "not stored"."""
     # Cut off, not gone; without a lease to serve by key (no daemon here renews one): drops alone settle.
     service = await _service_with(["k"], command_timeout_ms=300, fence_refused=False, key_lease_ms=0)
-    [replica] = service.table.describe("k")["replicas"]  # type: ignore[index]
+    [replica] = service.table.inspection.describe("k")["replicas"]  # type: ignore[index]
     release, cut = asyncio.Event(), True
 
     async def daemon(node_id: str, lane: str, message: Message, expect: type) -> CommandReply:
@@ -161,7 +161,9 @@ async def test_a_remove_after_a_registration_waits_for_the_drops_it_asked_for() 
         "n0", "127.0.0.1:40000", 64 * KB, 0, 64, [InventoryItem("k", "dram", replica["offset"], KB, 7)], [],
         "host", "", 0, [Nic("lo", "127.0.0.1", -1, -1)], False, "", 0, [],
     ))  # fmt: skip
-    assert service.table.removing(["k"]) == [] and service.commands.dropping(["k"]) == {"k"}  # forgotten, being dropped
+    assert service.table.reads.removing(["k"]) == [] and service.commands.dropping(["k"]) == {
+        "k"
+    }  # forgotten, being dropped
     again = asyncio.create_task(service.core.remove(Remove(["k"])))
     await asyncio.sleep(0.1)
     assert not again.done()
@@ -201,7 +203,7 @@ async def test_a_remove_behind_a_frozen_daemon_is_answered_on_its_key_lease_and_
     service.commands.call = frozen  # type: ignore[method-assign]
     with caplog.at_level("WARNING", logger="kvstore.master"):  # unsettled at the command timeout: Timeout
         assert await service.core.remove(Remove(["k"])) == RemoveReply(1, [])
-    assert service.table.describe("k") is None and "k" in service.table.nodes["n0"].owes
+    assert service.table.inspection.describe("k") is None and "k" in service.table.nodes["n0"].owes
     [line] = [r.getMessage() for r in caplog.records if "settling the drops" in r.getMessage()]
     assert "1 settled by a lapsed key lease, 0 unsettled" in line and "keeping node records in etcd" in line
     await service.stop()
@@ -232,7 +234,7 @@ async def test_a_put_end_of_an_adopted_block_removed_before_it_came_says_committ
         "n0", "127.0.0.1:40000", 64 * KB, 0, 64, [InventoryItem("k", "dram", 0, KB, 7)], [],
         "host", "", 0, [Nic("lo", "127.0.0.1", -1, -1)], False, "", 0, [],
     ))  # fmt: skip
-    assert service.table.describe("k") is not None  # adopted
+    assert service.table.inspection.describe("k") is not None  # adopted
     assert await service.core.remove(Remove(["k"])) == RemoveReply(1, [])
     assert await service.core.put_end(PutEnd(["k"], [8])) == PutEndReply([False])  # not these bytes
     late = service.core.put_end(PutEnd(["k"], [7]))
@@ -285,7 +287,7 @@ async def test_a_late_put_end_commits_only_a_reservation_of_its_own_write() -> N
     second = await core.put_start(PutStart(["k"], [KB], 1, None, False, 22))
     assert isinstance(second, PutStartReply) and second.statuses == ["ok"]
     assert await core.put_end(PutEnd(["k"], [7], 11)) == PutEndReply([False])
-    entry = service.table.describe("k")
+    entry = service.table.inspection.describe("k")
     assert entry is not None and entry["state"] == "writing"  # still put 22's, uncommitted
     assert await core.put_end(PutEnd(["k"], [9], 22)) == PutEndReply([True])
     assert await core.put_end(PutEnd(["k"], [9], 22)) == PutEndReply([True])  # its answer lost: asked again
@@ -340,7 +342,7 @@ async def test_a_removed_blocks_put_knows_its_write_after_the_key_was_put_again(
     assert await core.put_end(PutEnd(["k"], [7])) == PutEndReply([False])
     assert await core.put_end(PutEnd(["k"], [7], 31)) == PutEndReply([True])
     assert drops == []
-    described = service.table.describe("k")
+    described = service.table.inspection.describe("k")
     assert described is not None and described["state"] == "writing"  # put 32's reservation is untouched
     assert await core.put_end(PutEnd(["k"], [8], 32)) == PutEndReply([True])
     assert await core.put_end(PutEnd(["k"], [7], 31)) == PutEndReply([True]) and drops == []

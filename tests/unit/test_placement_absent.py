@@ -26,56 +26,62 @@ def _absent(*entries: tuple[str, object, int]) -> NodeRecord:
 def test_a_key_removed_while_a_node_is_absent_is_dropped_at_its_registration() -> None:
     t = table("a", dram=8 * KB)
     put(t, "k", "kept")
-    assert t.take_records() == {"a": NodeRecord(True, frozenset())}
-    t.note_absent("b", set())
-    assert t.absent == ["b"] and t.stats()["nodes_absent"] == 1
-    assert t.take_records() == {"b": _absent()}  # kept (in etcd) even with nothing to drop yet
+    assert t.membership.take_records() == {"a": NodeRecord(True, frozenset())}
+    t.membership.note_absent("b", set())
+    assert t.membership.absent == ["b"] and t.stats()["nodes_absent"] == 1
+    assert t.membership.take_records() == {"b": _absent()}  # kept (in etcd) even with nothing to drop yet
     removed, _ = t.remove(["k", "unknown"])  # "unknown": a key only the absent node may hold
     assert removed == 1
-    assert t.take_records() == {"b": _absent(*[(k, tier, -1) for k in ("k", "unknown") for tier in (DRAM, SSD)])}
-    commands = t.register_node("b", "b:1", 8 * KB, 0, 64, _blocks("k", "unknown", "kept", "other"), now_ms=0)
+    assert t.membership.take_records() == {
+        "b": _absent(*[(k, tier, -1) for k in ("k", "unknown") for tier in (DRAM, SSD)])
+    }
+    commands = t.membership.register_node("b", "b:1", 8 * KB, 0, 64, _blocks("k", "unknown", "kept", "other"), now_ms=0)
     assert _dropped(commands) == {"k", "unknown"}
-    assert t.absent == []
-    record = t.take_records()["b"]
+    assert t.membership.absent == []
+    record = t.membership.take_records()["b"]
     assert record is not None and record.member and record.gone  # owed until its first heartbeat
-    assert t.heartbeat("b", 1)
-    assert t.take_records() == {"b": NodeRecord(True, frozenset())}
-    assert t.exists(["k", "unknown", "kept", "other"]) == [False, False, True, True]
+    assert t.membership.heartbeat("b", 1)
+    assert t.membership.take_records() == {"b": NodeRecord(True, frozenset())}
+    assert t.reads.exists(["k", "unknown", "kept", "other"]) == [False, False, True, True]
     t.check()
 
 
 def test_an_absent_node_through_too_many_removes_drops_everything() -> None:
     t = table("a", dram=8 * KB)
     big = {(f"f{i}", DRAM, -1) for i in range(2 * MAX_ABSENT_GONE)}
-    t.note_absent("big", big)  # an earlier leader's list of a fenced node is kept whole: the bound is on removes
-    t.note_absent("b", set())
-    t.take_records()
+    t.membership.note_absent(
+        "big", big
+    )  # an earlier leader's list of a fenced node is kept whole: the bound is on removes
+    t.membership.note_absent("b", set())
+    t.membership.take_records()
     t.remove(["r"])
-    assert len(t.take_records()["big"].gone) == len(big) + 2  # type: ignore[union-attr]
+    assert len(t.membership.take_records()["big"].gone) == len(big) + 2  # type: ignore[union-attr]
     t.remove([f"r{i}" for i in range(MAX_ABSENT_GONE // 2)])
-    records = t.take_records()
+    records = t.membership.take_records()
     assert records["b"] == _absent(EVERYTHING) and records["big"] == _absent(EVERYTHING)
     t.remove(["more"])  # nothing more to note
-    assert t.take_records() == {}
-    commands = t.register_node("b", "b:1", 8 * KB, 8 * KB, 64, [*_blocks("x", "y"), HeldBlock("z", SSD, -1, KB, 7)], 0)
+    assert t.membership.take_records() == {}
+    commands = t.membership.register_node(
+        "b", "b:1", 8 * KB, 8 * KB, 64, [*_blocks("x", "y"), HeldBlock("z", SSD, -1, KB, 7)], 0
+    )
     assert _dropped(commands) == {"x", "y", "z"}
-    assert t.heartbeat("b", 1)
-    assert t.exists(["x", "y", "z"]) == [False] * 3
+    assert t.membership.heartbeat("b", 1)
+    assert t.reads.exists(["x", "y", "z"]) == [False] * 3
     t.check()
 
 
 def test_a_fenced_node_is_kept_as_no_member_and_forgotten_once_it_leaves() -> None:
     t = table("a", "b")
-    t.take_records()
-    t._membership.fence("b")
-    assert t.take_records() == {"b": _absent()}  # a new leader learns it is not to be waited for
-    t.register_node("b", "b:1", 4 * KB, 0, 64, [], now_ms=0)
-    assert t.take_records() == {"b": NodeRecord(True, frozenset())}
-    t.note_absent("c", set())
-    t.leave_node("c")
-    assert t.absent == [] and t.take_records() == {"c": None}
-    t.note_absent("a", {("k", DRAM, -1)})  # registered in this table: its own registration's rules hold
-    assert t.absent == []
+    t.membership.take_records()
+    t.membership.fence("b")
+    assert t.membership.take_records() == {"b": _absent()}  # a new leader learns it is not to be waited for
+    t.membership.register_node("b", "b:1", 4 * KB, 0, 64, [], now_ms=0)
+    assert t.membership.take_records() == {"b": NodeRecord(True, frozenset())}
+    t.membership.note_absent("c", set())
+    t.membership.leave_node("c")
+    assert t.membership.absent == [] and t.membership.take_records() == {"c": None}
+    t.membership.note_absent("a", {("k", DRAM, -1)})  # registered in this table: its own registration's rules hold
+    assert t.membership.absent == []
 
 
 def test_blocks_a_remove_was_answered_without_are_in_the_nodes_record_until_it_drops_them() -> None:
@@ -85,19 +91,19 @@ def test_blocks_a_remove_was_answered_without_are_in_the_nodes_record_until_it_d
     not be dropped by a stale record)."""
     t = table("a", dram=8 * KB)
     put(t, "k", "v")
-    t.take_records()
+    t.membership.take_records()
     removed, commands = t.remove(["k"])
     assert removed == 1 and _dropped(commands) == {"k"}
-    t.owe("a", ["k", "never-stored"])
-    record = t.take_records()["a"]
+    t.membership.owe("a", ["k", "never-stored"])
+    record = t.membership.take_records()["a"]
     assert record is not None and record.member
     assert {e[0] for e in record.gone} == {"k"}
-    t.owe("a", ["k"])
-    assert t.take_records() == {}  # nothing new
+    t.membership.owe("a", ["k"])
+    assert t.membership.take_records() == {}  # nothing new
     for c in commands:
         t.apply(c, [True] * len(c.keys))
-    assert t.take_records() == {"a": NodeRecord(True, frozenset())}
-    assert t.exists(["k"]) == [False]
+    assert t.membership.take_records() == {"a": NodeRecord(True, frozenset())}
+    assert t.reads.exists(["k"]) == [False]
     t.check()
 
 
@@ -107,27 +113,27 @@ def test_a_key_detached_from_its_owing_node_is_put_again_elsewhere_and_its_exten
     node that owes the drop, and no put of the key goes there until the drop is confirmed."""
     t = table("a", "b", "c", dram=8 * KB)
     put(t, "k", replicas=2, node="a")
-    on = sorted(r["node_id"] for r in t.describe("k")["replicas"])  # type: ignore[index]
+    on = sorted(r["node_id"] for r in t.inspection.describe("k")["replicas"])  # type: ignore[index]
     free = {n: t.nodes[n].alloc.free_bytes for n in on}
     removed, commands = t.remove(["k"])
     assert removed == 1
     for n in on:
-        t.owe(n, ["k"])
-    assert t.detach("k") and t.describe("k") is None and t.exists(["k"]) == [False]
+        t.membership.owe(n, ["k"])
+    assert t.membership.detach("k") and t.inspection.describe("k") is None and t.reads.exists(["k"]) == [False]
     assert all(t.nodes[n].alloc.free_bytes == free[n] and "k" in t.nodes[n].owes for n in on)  # still taken
     t.check()
-    [two] = t.put_start(["k"], [KB], 2, None, False, 0).tickets  # one node left that may hold it: later
+    [two] = t.writes.put_start(["k"], [KB], 2, None, False, 0).tickets  # one node left that may hold it: later
     assert two is not None and two.status == "error" and two.error_code == RetryLater.code
     put(t, "k", replicas=1, node=on[0])  # preferred on a node that owes it: placed elsewhere
-    [replica] = t.describe("k")["replicas"]  # type: ignore[index]
+    [replica] = t.inspection.describe("k")["replicas"]  # type: ignore[index]
     assert replica["node_id"] not in on
     run(t, commands)  # the drops are answered: the extents free, owed until the records say so
     assert all("k" in t.nodes[n].owes and t.nodes[n].alloc.free_bytes > free[n] for n in on)
-    records, settling = t.take_records(), t.take_settling()
+    records, settling = t.membership.take_records(), t.membership.take_settling()
     assert all(r is not None and not r.gone for r in records.values()) and sorted(settling) == [(n, "k") for n in on]
-    t.records_not_kept(settling)  # etcd did not take them: still owed, taken again
-    assert sorted(t.take_settling()) == sorted(settling)
-    t.records_kept(settling)
+    t.membership.records_not_kept(settling)  # etcd did not take them: still owed, taken again
+    assert sorted(t.membership.take_settling()) == sorted(settling)
+    t.membership.records_kept(settling)
     assert not any(t.nodes[n].owes for n in on)
     t.check()
-    assert not t.detach("missing")
+    assert not t.membership.detach("missing")

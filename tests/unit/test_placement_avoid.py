@@ -15,24 +15,24 @@ def _nodes(plan_tickets: list) -> set[str]:  # type: ignore[type-arg]
 def test_a_put_avoids_the_nodes_its_client_could_not_reach_while_others_take_it() -> None:
     t = table("node0", "node1", "node2", dram=64 * KB)
     for n, preferred in enumerate(("node0", "node1", "node2", None)):
-        plan = t.put_start([f"k{n}", f"j{n}"], [KB, KB], 2, preferred, False, 0, avoid=frozenset({"node0"}))
+        plan = t.writes.put_start([f"k{n}", f"j{n}"], [KB, KB], 2, preferred, False, 0, avoid=frozenset({"node0"}))
         assert _nodes(plan.tickets) == {"node1", "node2"}, preferred
-    one = t.put_start(["k"], [KB], 1, "node1", False, 0, avoid=frozenset({"node1", "node2"}))
+    one = t.writes.put_start(["k"], [KB], 1, "node1", False, 0, avoid=frozenset({"node1", "node2"}))
     assert _nodes(one.tickets) == {"node0"}
 
 
 def test_avoided_nodes_still_take_a_put_the_others_cannot() -> None:
     t = table("node0", "node1", dram=64 * KB)
-    plan = t.put_start(["k"], [KB], 2, None, False, 0, avoid=frozenset({"node0"}))
+    plan = t.writes.put_start(["k"], [KB], 2, None, False, 0, avoid=frozenset({"node0"}))
     assert _nodes(plan.tickets) == {"node0", "node1"}  # two copies need both
-    only = t.put_start(["j"], [KB], 1, None, False, 0, avoid=frozenset({"node0", "node1"}))
+    only = t.writes.put_start(["j"], [KB], 1, None, False, 0, avoid=frozenset({"node0", "node1"}))
     assert len(_nodes(only.tickets)) == 1  # every node avoided: placed all the same
 
 
 def test_a_grant_avoids_the_nodes_its_client_could_not_reach() -> None:
     t = table("node0", "node1", dram=64 * KB)
     for preferred in ("node0", None):
-        grant = t.grant_space(4 * KB, preferred, 1000, 0, avoid=frozenset({"node0"})).grant
+        grant = t.grants.grant_space(4 * KB, preferred, 1000, 0, avoid=frozenset({"node0"})).grant
         assert grant is not None and grant.node_id == "node1"
 
 
@@ -52,19 +52,19 @@ def test_a_put_plans_no_eviction_on_an_avoided_or_suspected_node_and_waits_for_n
         _full(t, "node0", "node1", "node2")
         avoid = frozenset({"node0"}) if shun == "avoid" else frozenset()
         if shun == "suspect":
-            assert t.suspect("node0", t.nodes["node0"].gen, t.nodes["node0"].last_seen_ms)
-        plan = t.put_start(["k"], [KB], 2, "node0", False, 0, avoid=avoid)
+            assert t.membership.suspect("node0", t.nodes["node0"].gen, t.nodes["node0"].last_seen_ms)
+        plan = t.writes.put_start(["k"], [KB], 2, "node0", False, 0, avoid=avoid)
         assert plan.waiting == [0] and plan.commands, shun
         assert {c.node_id for c in plan.commands} == {"node1", "node2"}, shun  # the old code evicted on node0 too
         run(t, plan.commands)
-        again = t.put_start(["k"], [KB], 2, "node0", False, 0, avoid=avoid)
+        again = t.writes.put_start(["k"], [KB], 2, "node0", False, 0, avoid=avoid)
         assert _nodes(again.tickets) == {"node1", "node2"}, shun
 
 
 def _pinned_full(t: PlacementTable, node: str) -> None:
     for i in range(4):
-        t.put_start([f"pin-{node}-{i}"], [KB], 1, node, True, 0)
-        assert t.put_end([f"pin-{node}-{i}"], [7]) == [True]
+        t.writes.put_start([f"pin-{node}-{i}"], [KB], 1, node, True, 0)
+        assert t.writes.put_end([f"pin-{node}-{i}"], [7]) == [True]
 
 
 def test_a_suspected_node_with_evictions_in_flight_holds_no_put_back() -> None:
@@ -75,11 +75,11 @@ def test_a_suspected_node_with_evictions_in_flight_holds_no_put_back() -> None:
     t = table("node0", "node1", "node2")
     _full(t, "node0")
     _pinned_full(t, "node2")
-    early = t.put_start(["e"], [KB], 1, "node0", False, 0)
+    early = t.writes.put_start(["e"], [KB], 1, "node0", False, 0)
     assert {c.node_id for c in early.commands} == {"node0"} and t.nodes["node0"].inflight  # sent, never answered
-    assert t.suspect("node0", t.nodes["node0"].gen, t.nodes["node0"].last_seen_ms)
+    assert t.membership.suspect("node0", t.nodes["node0"].gen, t.nodes["node0"].last_seen_ms)
     used = t.nodes["node1"].alloc.used
-    plan = t.put_start(["k"], [KB], 2, None, False, 0)
+    plan = t.writes.put_start(["k"], [KB], 2, None, False, 0)
     [ticket] = plan.tickets
     assert plan.waiting == [] and ticket is not None and ticket.error_code == RetryLater.code, plan
     assert "node0" in ticket.error and t.nodes["node1"].alloc.used == used  # node1's extent given back
@@ -90,7 +90,7 @@ def test_a_put_needing_the_shunned_node_waits_for_it_as_for_any_node() -> None:
     planned and waited for as before."""
     t = table("node0", "node1")
     _full(t, "node0", "node1")
-    plan = t.put_start(["k"], [KB], 2, None, False, 0, avoid=frozenset({"node0"}))
+    plan = t.writes.put_start(["k"], [KB], 2, None, False, 0, avoid=frozenset({"node0"}))
     assert plan.waiting == [0] and {c.node_id for c in plan.commands} == {"node0", "node1"}
 
 
@@ -101,7 +101,7 @@ def test_a_put_the_answering_nodes_cannot_take_now_is_told_to_retry_naming_the_s
     _full(t, "node0")
     _pinned_full(t, "node1")
     _pinned_full(t, "node2")
-    plan = t.put_start(["k"], [KB], 2, None, False, 0, avoid=frozenset({"node0"}))
+    plan = t.writes.put_start(["k"], [KB], 2, None, False, 0, avoid=frozenset({"node0"}))
     [ticket] = plan.tickets
     assert ticket is not None and ticket.error_code == RetryLater.code and "node0" in ticket.error, ticket
     assert plan.commands == [] and t.counters["room_refused_suspects"] == 1
@@ -113,7 +113,7 @@ def test_a_grant_plans_no_eviction_on_an_avoided_node() -> None:
     t = table("node0", "node1")
     _full(t, "node0")
     _pinned_full(t, "node1")
-    plan = t.grant_space(KB, "node0", 1000, 0, avoid=frozenset({"node0"}))
+    plan = t.grants.grant_space(KB, "node0", 1000, 0, avoid=frozenset({"node0"}))
     assert plan.grant is None and not plan.waiting and plan.commands == []
     assert isinstance(plan.error, RetryLater) and "node0" in str(plan.error)
-    assert t.grant_space(KB, "node0", 1000, 0).waiting  # not avoided: its evictions are waited for
+    assert t.grants.grant_space(KB, "node0", 1000, 0).waiting  # not avoided: its evictions are waited for

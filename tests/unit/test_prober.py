@@ -25,7 +25,7 @@ def _setup(stalls: LoopStalls) -> tuple[NodeRegistry, Prober]:
                          [Nic("lo", "127.0.0.1", -1, -1)], False, "", 0, []),
             now_ms=0,
         )  # fmt: skip
-        nodes.table.heartbeat(name, 0)
+        nodes.table.membership.heartbeat(name, 0)
     commands = Commands(nodes, lambda coro, name: coro.close(), 1000)  # probes are not run here
     return nodes, Prober(commands, lambda coro, name: coro.close(), enabled=False, heartbeat_ms=HB_MS,
                          stalled_s=stalls.recent_s)  # fmt: skip
@@ -35,11 +35,11 @@ def test_a_node_silent_for_three_heartbeats_is_suspected_at_the_tick() -> None:
     nodes, prober = _setup(LoopStalls())
     prober.tick(nodes.table, 2 * HB_MS + 20)  # two heartbeats missed: probed, not suspected yet
     assert not nodes.table.nodes["n0"].suspect
-    nodes.table.heartbeat("n1", 3 * HB_MS)
+    nodes.table.membership.heartbeat("n1", 3 * HB_MS)
     prober.tick(nodes.table, 3 * HB_MS + 20)
     assert nodes.table.nodes["n0"].suspect and not nodes.table.nodes["n1"].suspect
     assert nodes.table.counters["suspicions"] == 1
-    nodes.table.heartbeat("n0", 3 * HB_MS + 30)  # its next heartbeat clears it
+    nodes.table.membership.heartbeat("n0", 3 * HB_MS + 30)  # its next heartbeat clears it
     assert not nodes.table.nodes["n0"].suspect
 
 

@@ -112,14 +112,14 @@ def test_a_key_costs_less_than_half_of_what_it_did_as_objects() -> None:
     """20,000 committed one-replica keys: the table's own memory per key (its columns, index, LRU log
     and allocator; not the key strings, which any master keeps). As objects it was 512 B a key."""
     table = PlacementTable(keys_by_owner=False)
-    table.register_node("a", "a:1", 1 << 30, 0, 64, [], 0)
+    table.membership.register_node("a", "a:1", 1 << 30, 0, 64, [], 0)
     keys = [f"key-{i:07d}" for i in range(20_000)]
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for s in range(0, len(keys), 500):
         batch = keys[s : s + 500]
-        table.put_start(batch, [256] * len(batch), 1, None, False, 0)
-        assert table.put_end(batch, list(range(s, s + len(batch)))) == [True] * len(batch)
+        table.writes.put_start(batch, [256] * len(batch), 1, None, False, 0)
+        assert table.writes.put_end(batch, list(range(s, s + len(batch)))) == [True] * len(batch)
     per_key = (tracemalloc.get_traced_memory()[0] - before) / len(keys)
     tracemalloc.stop()
     table.check()
@@ -128,12 +128,12 @@ def test_a_key_costs_less_than_half_of_what_it_did_as_objects() -> None:
 
 def test_a_checksum_the_columns_cannot_hold_is_refused_by_name() -> None:
     table = PlacementTable()
-    table.register_node("a", "a:1", 1 << 20, 0, 64, [], 0)
-    table.put_start(["k"], [100], 1, None, False, 0)
+    table.membership.register_node("a", "a:1", 1 << 20, 0, 64, [], 0)
+    table.writes.put_start(["k"], [100], 1, None, False, 0)
     for bad in (-1, 1 << 64, 1.5):
         with pytest.raises(InvalidArgument, match="checksum"):
-            table.put_end(["k"], [bad])  # type: ignore[list-item]
-    assert table.put_end(["k"], [(1 << 64) - 1]) == [True]
+            table.writes.put_end(["k"], [bad])  # type: ignore[list-item]
+    assert table.writes.put_end(["k"], [(1 << 64) - 1]) == [True]
     table.check()
 
 
