@@ -1,8 +1,9 @@
 """What vLLM's engine is, read from vLLM itself: its KV cache spec, pipeline stages and ranks, the page
 layout of its attention backend, and what besides tokens changes a request's KV.
 
-The connector (:mod:`kvstore_client.adapters.vllm`) builds its :class:`KVLayout` and
-:class:`PagedFormat` from these, and refuses at start what it cannot store faithfully.
+The connector (:mod:`kvstore_client.adapters.vllm`) builds its :class:`KVLayout` (in ``vllm_config.py``)
+and :class:`PagedFormat` (in ``vllm_worker.py``) from these, and refuses at start what it cannot store
+faithfully.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ a router reads from the server's ``/metrics`` (see :class:`KVStoreConnectorStats
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +53,30 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(name, 0) for name in self.FIELDS) and "namespace" not in self.data
+
+
+class StatsCounter:
+    """One connector's counts since its last report. Thread-safe: a worker's loader and saver threads
+    count too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = KVStoreConnectorStats()
+
+    def add(self, name: str, value: int = 1) -> None:
+        with self._lock:
+            self._stats.add(name, value)
+
+    def take(self, scheme: Mapping[str, Any] | None = None) -> KVStoreConnectorStats | None:
+        """The counts since the last report, with ``scheme`` (the key scheme: :attr:`~KVStoreConnectorStats.SCHEME`)
+        when given, and a fresh count from zero; None when there is nothing to report."""
+        with self._lock:
+            if scheme is not None:
+                self._stats.data.update(scheme)
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, KVStoreConnectorStats()
+        return stats
 
 
 class KVStorePromMetrics(KVConnectorPromMetrics):
