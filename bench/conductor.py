@@ -135,7 +135,7 @@ def prefix_match(seconds: float) -> dict[str, Any]:
     keys_by_prompt = _fill_table(table)
     timings = {}
     for name in ("match_prefix", "match_prefix_nodes"):
-        fn = getattr(table, name)
+        fn = getattr(table.reads, name)
         calls = 0
         started = time.perf_counter()
         while time.perf_counter() - started < seconds:
