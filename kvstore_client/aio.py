@@ -66,7 +66,7 @@ from kvstore_client.links import ReadBatcher
 from kvstore_client.puts import PutOptions, write_codes
 from transfer.discovery import MasterLocator
 from transfer.leader_link import LeaderLink
-from transfer.link import AsyncLink
+from transfer.link import AsyncLink, fixed_credential
 from transfer.tls import contexts
 
 R = TypeVar("R", bound=Message)
@@ -84,7 +84,7 @@ class AsyncStore:
         self._tickets = Tickets(credential.name) if credential is not None and credential.kind == "tenant" else None
         self._ticket_lock = asyncio.Lock()
         self._tls = contexts(self.config.tls)
-        proof = self._master_credential if credential is not None else None
+        proof = fixed_credential(credential) if credential is not None else None
         self._master = LeaderLink(self._locator, self.config.timeout_s, proof, self._tls[0])
         self._links: dict[str, AsyncLink] = {}
         self._readers: dict[str, ReadBatcher] = {}
@@ -224,10 +224,6 @@ class AsyncStore:
             credential = self._daemon_credential if self._credential is not None else None
             link = self._links[address] = AsyncLink(address, self.config.timeout_s, credential, self._tls[1])
         return link
-
-    async def _master_credential(self) -> Credential:
-        assert self._credential is not None
-        return self._credential
 
     async def _daemon_credential(self) -> Credential:
         """The cluster secret, or for a tenant a current ticket (asked of the master when needed)."""

@@ -23,7 +23,18 @@ from transfer.aio import authenticate_stream, open_stream, read_payload
 from transfer.rpc import connect_timeout, request_ids
 
 AsyncCredential = Callable[[], Awaitable[Credential]]
+"""What a link asks at each new connection for the credential it proves itself with."""
 R = TypeVar("R", bound=Message)
+
+
+def fixed_credential(credential: Credential) -> AsyncCredential:
+    """``credential`` for every connection (a cluster's secret, a tenant's token: nothing to renew)."""
+
+    async def proof() -> Credential:
+        return credential
+
+    return proof
+
 
 BACKGROUND: set[asyncio.Future[None]] = set()
 """Tasks nobody awaits (a drain a request gave up waiting for, a batch of reads being sent), kept from

@@ -39,7 +39,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvstore.auth import Credential, cluster_credential, secret_from
+from kvstore.auth import cluster_credential, secret_from
 from kvstore.config import ConductorConfig
 from kvstore.costs import PrefillCostModel
 from kvstore.errors import ConnectionFailed, InvalidArgument, KVStoreError, NoNodes
@@ -75,7 +75,7 @@ from server.conductor.openai import (
 from server.conductor.workers import DECODE_FIELDS, PREFILL_FIELDS, Worker, WorkerError, check_fields
 from transfer.discovery import MasterLocator
 from transfer.leader_link import LeaderLink
-from transfer.link import AsyncCredential
+from transfer.link import fixed_credential
 from transfer.tls import contexts
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Conductor:
         # To a master that authenticates, as the cluster (the secret of cluster_secret_file or
         # KVSTORE_CLUSTER_SECRET); over TLS where config.tls says.
         secret = secret_from(config.cluster_secret_file)
-        credential = _always(cluster_credential(secret)) if secret is not None else None
+        credential = fixed_credential(cluster_credential(secret)) if secret is not None else None
         tls = contexts(config.tls)[0]
         # host:port, or etcd://.../id: the leader of an HA cluster, followed across failovers. Asked on
         # the event loop, one pipelined connection each.
@@ -105,7 +105,6 @@ class Conductor:
         self._master = LeaderLink(locator, config.master_timeout_s, credential, tls) if locator else None
         # Copies wait for daemons: a connection of their own, so lookups never queue behind them.
         self._copier = LeaderLink(locator, 30.0, credential, tls) if locator else None
-        self._copying = False
         self._copy: asyncio.Task[None] | None = None
         """The copy under way, or the last one."""
         self._master_down_until = 0.0
@@ -330,12 +329,12 @@ class Conductor:
         """Copy the fetched blocks ``keys[first:]`` (``tokens`` of them at most) to the worker's node, in the
         background; one copy at a time (a copy under way makes the next request skip its own)."""
         blocks = keys[first : first + min(tokens // self.block_tokens, MAX_BATCH_KEYS)]
-        if not blocks or worker.node is None or self._copier is None or self._copying:
+        if not blocks or worker.node is None or self._copier is None:
             return
-        self._copying = True
+        if self._copy is not None and not self._copy.done():
+            return
         budget = len(blocks) * int(worker.info["block_bytes"])
         task = asyncio.create_task(self._replicate(blocks, worker.node, budget), name="kvstore-conductor-copy")
-        task.add_done_callback(lambda _: setattr(self, "_copying", False))
         task.add_done_callback(_log_death)
         self._copy = task
 
@@ -713,15 +712,6 @@ _STREAM_LINE_BYTES = 1 << 22
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "status": status}}, status=status)
-
-
-def _always(credential: Credential) -> AsyncCredential:
-    """The cluster's credential, as a link asks for one at each new connection."""
-
-    async def proof() -> Credential:
-        return credential
-
-    return proof
 
 
 def _log_death(task: asyncio.Task[None]) -> None:
